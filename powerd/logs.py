@@ -1,0 +1,39 @@
+"""Structured logging: one event name per thing that happens, JSON under systemd."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Literal
+
+import structlog
+
+LogFormat = Literal["auto", "json", "console"]
+
+
+def configure_logging(fmt: LogFormat = "auto", level: str = "info") -> None:
+    """Set up structlog once per process. `auto`: JSON under systemd or without a TTY."""
+    if fmt == "auto":
+        under_systemd = "JOURNAL_STREAM" in os.environ or "INVOCATION_ID" in os.environ
+        fmt = "json" if under_systemd or not sys.stderr.isatty() else "console"
+    renderer: structlog.typing.Processor = (
+        structlog.processors.JSONRenderer()
+        if fmt == "json"
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
+        ),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )

@@ -1,0 +1,467 @@
+"""Policy files: the power tree, workload classes, profiles and control settings.
+
+A policy is YAML validated by pydantic. Errors never surface as tracebacks: `load_policy`
+raises `PolicyError`, whose message names the file, the path inside it and what would be
+valid. See docs/policy.md for the schema.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from powerd.profile import Profile, ProfileError
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+RANGE_RE = re.compile(r"\{(\d+)\.\.(\d+)\}")
+PARENT_RE = re.compile(r"\{(row|rack)\}")
+MAX_EXPANSION = 1_000_000
+
+Watts = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegWatts = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class PolicyError(ValueError):
+    """A policy that cannot be used, with where and why."""
+
+    def __init__(self, source: str, problems: Sequence[tuple[str, str]]) -> None:
+        self.source = source
+        self.problems = list(problems)
+        lines = [f"{source}: invalid policy ({len(self.problems)} problem(s))"]
+        lines += [f"  at {path or '<top>'}: {msg}" for path, msg in self.problems]
+        super().__init__("\n".join(lines))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NodeSpec(_Strict):
+    """One node, or many identical ones when `name` holds a range like `n{01..08}`."""
+
+    name: str
+    budget_w: Watts | None = None
+    overhead_w: NonNegWatts = 0.0
+    gpus: int | None = Field(default=None, ge=0, le=64)
+    failsafe_w: Watts | None = None
+
+
+class RackSpec(_Strict):
+    name: str
+    budget_w: Watts | None = None
+    nodes: list[NodeSpec] = Field(default_factory=list)
+
+
+class RowSpec(_Strict):
+    name: str
+    budget_w: Watts | None = None
+    racks: list[RackSpec] = Field(default_factory=list)
+
+
+class FacilitySpec(_Strict):
+    name: str
+    budget_w: Watts | None = None
+    rows: list[RowSpec] = Field(min_length=1)
+
+
+class ProfileSpec(_Strict):
+    points: list[tuple[NonNegWatts, NonNegWatts]] = Field(min_length=1)
+    description: str = ""
+
+    @field_validator("points")
+    @classmethod
+    def _envelope_exists(cls, v: list[tuple[float, float]]) -> list[tuple[float, float]]:
+        try:
+            Profile.from_points("check", v)
+        except ProfileError as exc:
+            raise ValueError(str(exc)) from exc
+        return v
+
+
+class ClassSpec(_Strict):
+    weight: float = Field(gt=0, allow_inf_nan=False)
+    floor_w: Watts | None = None
+    ceiling_w: Watts | None = None
+    profile: str
+    description: str = ""
+
+    @model_validator(mode="after")
+    def _floor_below_ceiling(self) -> ClassSpec:
+        floor, ceiling = self.floor_w, self.ceiling_w
+        if floor is not None and ceiling is not None and floor > ceiling:
+            raise ValueError(
+                f"floor_w ({self.floor_w:g}) must not exceed ceiling_w ({self.ceiling_w:g})"
+            )
+        return self
+
+
+class GpuDefaults(_Strict):
+    """Device limits assumed before a GPU reports its own (planning, unknown GPUs)."""
+
+    min_cap_w: Watts = 200.0
+    max_cap_w: Watts = 700.0
+
+    @model_validator(mode="after")
+    def _ordered(self) -> GpuDefaults:
+        if self.min_cap_w > self.max_cap_w:
+            raise ValueError("min_cap_w must not exceed max_cap_w")
+        return self
+
+
+class Defaults(_Strict):
+    class_: str = Field(alias="class")
+    failsafe_w: Watts
+    headroom_w: NonNegWatts = 50.0
+    gpus_per_node: int = Field(default=8, ge=0, le=64)
+    gpu: GpuDefaults = Field(default_factory=GpuDefaults)
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class Control(_Strict):
+    tick_s: float = Field(default=1.0, gt=0, le=3600)
+    lease_s: float = Field(default=10.0, gt=0, le=86400)
+    stale_after_s: float = Field(default=5.0, gt=0, le=86400)
+    slew_w: Watts | None = None
+    # Weight of the damping term ε·Σ(p − p_prev)², p in kW: breaks ties toward the caps in
+    # force and damps oscillation. Small against profile slopes (≈1 per kW).
+    damping: float = Field(default=0.01, ge=0, le=10)
+
+    @model_validator(mode="after")
+    def _lease_covers_ticks(self) -> Control:
+        if self.lease_s < 2 * self.tick_s:
+            raise ValueError(
+                f"lease_s ({self.lease_s:g}) must be at least two ticks (2 × tick_s = "
+                f"{2 * self.tick_s:g}) or agents fall into failsafe between ticks"
+            )
+        return self
+
+
+class PolicySpec(_Strict):
+    version: int = Field(default=1, ge=1, le=1)
+    facility: FacilitySpec
+    profiles: dict[str, ProfileSpec] = Field(min_length=1)
+    classes: dict[str, ClassSpec] = Field(min_length=1)
+    defaults: Defaults
+    control: Control = Field(default_factory=Control)
+
+
+LEVELS = ("facility", "row", "rack", "node")
+
+
+@dataclass(frozen=True)
+class GroupDef:
+    """One budgeted group of the expanded tree, with where it came from in the file."""
+
+    name: str
+    level: int  # index into LEVELS
+    parent: int  # index of the parent group, -1 for the facility
+    budget_w: float  # math.inf when unconstrained
+    overhead_w: float
+    gpus: int  # nodes: expected GPU count; others: 0
+    failsafe_w: float  # nodes: failsafe cap per GPU; others: 0
+    path: str
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A validated policy with its tree expanded (groups parents-first) and profiles built."""
+
+    spec: PolicySpec
+    source: str
+    groups: tuple[GroupDef, ...]
+    profiles: Mapping[str, Profile]
+
+    @property
+    def control(self) -> Control:
+        return self.spec.control
+
+    @property
+    def defaults(self) -> Defaults:
+        return self.spec.defaults
+
+    @property
+    def classes(self) -> Mapping[str, ClassSpec]:
+        return self.spec.classes
+
+    def class_profile(self, class_name: str) -> Profile:
+        return self.profiles[self.spec.classes[class_name].profile]
+
+    def node_names(self) -> list[str]:
+        return [g.name for g in self.groups if g.level == 3]
+
+    def group_index(self) -> dict[tuple[int, str], int]:
+        return {(g.level, g.name): i for i, g in enumerate(self.groups)}
+
+
+def expand_name(pattern: str) -> list[str]:
+    """`a-n{01..03}` → [a-n01, a-n02, a-n03]; several ranges multiply. No range: [pattern]."""
+    names = [""]
+    pos = 0
+    for m in RANGE_RE.finditer(pattern):
+        lo_s, hi_s = m.group(1), m.group(2)
+        lo, hi = int(lo_s), int(hi_s)
+        if hi < lo:
+            raise ValueError(f"range {{{lo_s}..{hi_s}}} runs backwards; write {{{hi_s}..{lo_s}}}")
+        width = len(lo_s) if lo_s.startswith("0") and len(lo_s) > 1 else 0
+        prefix = pattern[pos : m.start()]
+        if len(names) * (hi - lo + 1) > MAX_EXPANSION:
+            raise ValueError(f"'{pattern}' expands to more than {MAX_EXPANSION} names")
+        names = [n + prefix + str(k).zfill(width) for n in names for k in range(lo, hi + 1)]
+        pos = m.end()
+    return [n + pattern[pos:] for n in names]
+
+
+def _format_loc(loc: Sequence[int | str]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _validation_problems(exc: ValidationError) -> list[tuple[str, str]]:
+    problems = []
+    for err in exc.errors():
+        loc = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (check spelling; see docs/policy.md for the keys allowed here)"
+        elif err["type"] == "missing":
+            msg = "required key is missing"
+        problems.append((_format_loc(loc), msg))
+    return problems
+
+
+class _Expander:
+    def __init__(self, spec: PolicySpec) -> None:
+        self.spec = spec
+        self.groups: list[GroupDef] = []
+        self.problems: list[tuple[str, str]] = []
+        self.seen: dict[tuple[int, str], str] = {}
+
+    def add(
+        self,
+        name: str,
+        level: int,
+        parent: int,
+        budget: float | None,
+        path: str,
+        *,
+        overhead: float = 0.0,
+        gpus: int = 0,
+        failsafe: float = 0.0,
+    ) -> int:
+        if not NAME_RE.match(name):
+            self.problems.append(
+                (
+                    path + ".name",
+                    f"'{name}' is not a valid name: use letters, "
+                    "digits and . _ : - (starting with a letter or digit)",
+                )
+            )
+        key = (level, name)
+        if key in self.seen:
+            self.problems.append(
+                (
+                    path + ".name",
+                    f"duplicate {LEVELS[level]} name '{name}' "
+                    f"(first declared at {self.seen[key]}); names must be unique",
+                )
+            )
+        else:
+            self.seen[key] = path
+        self.groups.append(
+            GroupDef(
+                name,
+                level,
+                parent,
+                math.inf if budget is None else budget,
+                overhead,
+                gpus,
+                failsafe,
+                path,
+            )
+        )
+        return len(self.groups) - 1
+
+    def names(self, pattern: str, path: str, context: Mapping[str, str]) -> list[str]:
+        def sub(m: re.Match[str]) -> str:
+            key = m.group(1)
+            if key not in context:
+                self.problems.append(
+                    (
+                        path + ".name",
+                        f"'{{{key}}}' is not available at this "
+                        "level (use {row} inside rows, {rack} inside racks)",
+                    )
+                )
+                return key
+            return context[key]
+
+        try:
+            return expand_name(PARENT_RE.sub(sub, pattern))
+        except ValueError as exc:
+            self.problems.append((path + ".name", str(exc)))
+            return []
+
+    def run(self) -> None:
+        f = self.spec.facility
+        d = self.spec.defaults
+        root = self.add(f.name, 0, -1, f.budget_w, "facility")
+        for ri, row in enumerate(f.rows):
+            rpath = f"facility.rows[{ri}]"
+            for row_name in self.names(row.name, rpath, {}):
+                row_idx = self.add(row_name, 1, root, row.budget_w, rpath)
+                for ki, rack in enumerate(row.racks):
+                    kpath = f"{rpath}.racks[{ki}]"
+                    for rack_name in self.names(rack.name, kpath, {"row": row_name}):
+                        rack_idx = self.add(rack_name, 2, row_idx, rack.budget_w, kpath)
+                        for ni, node in enumerate(rack.nodes):
+                            npath = f"{kpath}.nodes[{ni}]"
+                            ctx = {"row": row_name, "rack": rack_name}
+                            for node_name in self.names(node.name, npath, ctx):
+                                self.add(
+                                    node_name,
+                                    3,
+                                    rack_idx,
+                                    node.budget_w,
+                                    npath,
+                                    overhead=node.overhead_w,
+                                    gpus=d.gpus_per_node if node.gpus is None else node.gpus,
+                                    failsafe=d.failsafe_w
+                                    if node.failsafe_w is None
+                                    else node.failsafe_w,
+                                )
+            if len(self.groups) > MAX_EXPANSION:
+                self.problems.append(
+                    (rpath, f"the tree expands to more than {MAX_EXPANSION} groups")
+                )
+                return
+
+
+def _check_references(spec: PolicySpec) -> list[tuple[str, str]]:
+    problems = []
+    profiles = sorted(spec.profiles)
+    classes = sorted(spec.classes)
+    for cname, cls in spec.classes.items():
+        if cls.profile not in spec.profiles:
+            problems.append(
+                (
+                    f"classes.{cname}.profile",
+                    f"unknown profile '{cls.profile}'; valid: {', '.join(profiles)}",
+                )
+            )
+        g = spec.defaults.gpu
+        if cls.floor_w is not None and cls.floor_w > g.max_cap_w:
+            problems.append(
+                (
+                    f"classes.{cname}.floor_w",
+                    f"{cls.floor_w:g} W is above the GPU maximum {g.max_cap_w:g} W",
+                )
+            )
+    if spec.defaults.class_ not in spec.classes:
+        problems.append(
+            (
+                "defaults.class",
+                f"unknown class '{spec.defaults.class_}'; valid: {', '.join(classes)}",
+            )
+        )
+    return problems
+
+
+def check_failsafe(groups: Sequence[GroupDef]) -> list[tuple[str, str]]:
+    """Failsafe caps must fit every budget: an agent alone may drop to them at any time."""
+    totals = [0.0] * len(groups)
+    for i in range(len(groups) - 1, -1, -1):
+        g = groups[i]
+        if g.level == 3:
+            totals[i] += g.gpus * g.failsafe_w + g.overhead_w
+        if g.parent >= 0:
+            totals[g.parent] += totals[i]
+    problems = []
+    reported: set[str] = set()
+    for g, total in zip(groups, totals, strict=True):
+        if total > g.budget_w + 1e-9 and g.path not in reported:
+            reported.add(g.path)
+            problems.append(
+                (
+                    g.path + ".budget_w",
+                    f"{LEVELS[g.level]} '{g.name}': failsafe caps plus overhead "
+                    f"({total:,.0f} W) exceed its budget ({g.budget_w:,.0f} W); lower "
+                    "defaults.failsafe_w (or the node's failsafe_w) or raise the budget",
+                )
+            )
+    return problems
+
+
+def subtree_totals(groups: Sequence[GroupDef], per_node: Sequence[float]) -> list[float]:
+    """Sum a per-group value of the nodes (0 elsewhere) up the tree."""
+    totals = list(per_node)
+    for i in range(len(groups) - 1, 0, -1):
+        totals[groups[i].parent] += totals[i]
+    return totals
+
+
+def parse_policy(data: Any, source: str = "<policy>") -> Policy:
+    if not isinstance(data, dict):
+        raise PolicyError(
+            source,
+            [
+                (
+                    "",
+                    "a policy is a mapping with keys facility, profiles, "
+                    "classes, defaults and control",
+                )
+            ],
+        )
+    try:
+        spec = PolicySpec.model_validate(data)
+    except ValidationError as exc:
+        raise PolicyError(source, _validation_problems(exc)) from None
+    problems = _check_references(spec)
+    expander = _Expander(spec)
+    expander.run()
+    problems += expander.problems
+    if not problems:
+        problems += check_failsafe(expander.groups)
+    if problems:
+        raise PolicyError(source, problems)
+    profiles = {name: Profile.from_points(name, p.points) for name, p in spec.profiles.items()}
+    return Policy(spec=spec, source=source, groups=tuple(expander.groups), profiles=profiles)
+
+
+def load_policy_text(text: str, source: str = "<policy>") -> Policy:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise PolicyError(source, [(where, f"malformed YAML: {problem}")]) from None
+    return parse_policy(data, source)
+
+
+def load_policy(path: str | Path) -> Policy:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PolicyError(str(p), [("", f"cannot read the file: {exc.strerror or exc}")]) from None
+    except UnicodeDecodeError:
+        raise PolicyError(str(p), [("", "the file is not UTF-8 text")]) from None
+    return load_policy_text(text, str(p))
+
+
+def iter_levels(policy: Policy) -> Iterator[tuple[str, list[GroupDef]]]:
+    for level, name in enumerate(LEVELS):
+        yield name, [g for g in policy.groups if g.level == level]

@@ -1,0 +1,209 @@
+"""Wire protocol v1: the MQTT topics and the JSON payloads agents and controller exchange.
+
+Every payload carries `"v": 1` and the `node_id` that must match its topic. Field names carry
+units. Decoding never raises anything but `WireError`, with a short reason code that the
+receiver counts and logs (see docs/protocol.md).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+PROTOCOL_VERSION = 1
+DEFAULT_PREFIX = "powerd/v1"
+MAX_PAYLOAD_BYTES = 256 * 1024
+NODE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
+UUID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
+MAX_GPUS_PER_NODE = 64
+# A cap no real GPU accepts; anything above is a corrupt or hostile message.
+MAX_SANE_WATTS = 10_000.0
+
+NodeId = Annotated[str, Field(pattern=NODE_ID_PATTERN)]
+GpuUuid = Annotated[str, Field(pattern=UUID_PATTERN)]
+Watts = Annotated[float, Field(ge=0, le=MAX_SANE_WATTS, allow_inf_nan=False)]
+PosWatts = Annotated[float, Field(gt=0, le=MAX_SANE_WATTS, allow_inf_nan=False)]
+
+
+class WireError(ValueError):
+    """A message that must be dropped; `reason` is a short code for counters and logs."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    v: Literal[1] = 1
+    node_id: NodeId
+
+
+class GpuTelemetry(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    uuid: GpuUuid
+    index: int = Field(ge=0, lt=MAX_GPUS_PER_NODE)
+    name: str = ""
+    power_w: Watts
+    energy_j: float = Field(ge=0, allow_inf_nan=False)
+    cap_w: Watts  # enforced limit, read back from the device
+    min_cap_w: Watts
+    max_cap_w: PosWatts
+    default_cap_w: Watts
+    temp_c: float = Field(ge=-50, le=200, allow_inf_nan=False)
+    util_pct: float = Field(ge=0, le=100, allow_inf_nan=False)
+    sm_clock_mhz: float = Field(ge=0, le=10_000, allow_inf_nan=False)
+    throttle: list[str] = Field(default_factory=list, max_length=32)
+    workload: str | None = Field(default=None, max_length=128)
+    perf: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    error: str | None = Field(default=None, max_length=256)  # e.g. "gpu_lost"
+
+
+class NodeTelemetry(_Msg):
+    ts: float = Field(allow_inf_nan=False)  # agent's wall clock, seconds since the epoch
+    seq: int = Field(ge=0)
+    period_s: float = Field(gt=0, allow_inf_nan=False)
+    gpus: list[GpuTelemetry] = Field(max_length=MAX_GPUS_PER_NODE)
+    state: Literal["steered", "failsafe", "starting"] = "steered"
+
+
+class CapCommand(_Msg):
+    tick: int = Field(ge=0)
+    lease_s: float = Field(gt=0, le=86_400, allow_inf_nan=False)
+    caps: dict[GpuUuid, PosWatts] = Field(max_length=MAX_GPUS_PER_NODE)
+    failsafe_w: dict[GpuUuid, PosWatts] = Field(max_length=MAX_GPUS_PER_NODE)
+    ts: float = Field(default=0.0, allow_inf_nan=False)  # controller's wall clock
+    controller_id: str = Field(default="", max_length=128)
+
+
+class AckError(StrEnum):
+    UNKNOWN_GPU = "unknown_gpu"
+    SET_FAILED = "set_failed"
+    NO_PERMISSION = "no_permission"
+    NOT_SUPPORTED = "not_supported"
+    GPU_LOST = "gpu_lost"
+    OVERRIDDEN = "overridden"  # enforced limit read back differs from the one requested
+
+
+class GpuAck(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    requested_w: Watts
+    enforced_w: Watts | None = None
+    error: AckError | None = None
+
+
+class CapAck(_Msg):
+    tick: int = Field(ge=0)
+    gpus: dict[GpuUuid, GpuAck] = Field(max_length=MAX_GPUS_PER_NODE)
+    ts: float = Field(default=0.0, allow_inf_nan=False)
+
+
+class NodeState(StrEnum):
+    STARTING = "starting"
+    STEERED = "steered"
+    FAILSAFE = "failsafe"
+    OFFLINE = "offline"
+
+
+class NodeStatus(_Msg):
+    state: NodeState
+    ts: float = Field(default=0.0, allow_inf_nan=False)
+    last_tick: int | None = None
+    gpus: int = Field(default=0, ge=0, le=MAX_GPUS_PER_NODE)
+    agent_version: str = Field(default="", max_length=64)
+    # Caps in force, so a restarted controller learns them from the retained status.
+    caps_w: dict[GpuUuid, Watts] = Field(default_factory=dict, max_length=MAX_GPUS_PER_NODE)
+
+
+class ControllerState(StrEnum):
+    ACTIVE = "active"
+    STARTING = "starting"
+    OFFLINE = "offline"
+
+
+class ControllerStatus(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    v: Literal[1] = 1
+    controller_id: str = Field(max_length=128)
+    state: ControllerState
+    ts: float = Field(default=0.0, allow_inf_nan=False)
+    tick: int | None = None
+
+    @field_validator("controller_id")
+    @classmethod
+    def _nonempty(cls, v: str) -> str:
+        if not v:
+            raise ValueError("controller_id must not be empty")
+        return v
+
+
+class Topics:
+    """Topic names under a configurable prefix."""
+
+    def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
+        self.prefix = prefix.rstrip("/")
+
+    def telemetry(self, node: str) -> str:
+        return f"{self.prefix}/nodes/{node}/telemetry"
+
+    def caps(self, node: str) -> str:
+        return f"{self.prefix}/nodes/{node}/caps"
+
+    def ack(self, node: str) -> str:
+        return f"{self.prefix}/nodes/{node}/ack"
+
+    def status(self, node: str) -> str:
+        return f"{self.prefix}/nodes/{node}/status"
+
+    def controller_status(self) -> str:
+        return f"{self.prefix}/controller/status"
+
+    def all_nodes(self, kind: str) -> str:
+        return f"{self.prefix}/nodes/+/{kind}"
+
+    def parse_node_topic(self, topic: str) -> tuple[str, str]:
+        """`prefix/nodes/{node}/{kind}` → (node, kind); WireError if it is not one."""
+        head = self.prefix + "/nodes/"
+        if not topic.startswith(head):
+            raise WireError("bad_topic", topic[:200])
+        rest = topic[len(head) :].split("/")
+        if len(rest) != 2 or not rest[0]:
+            raise WireError("bad_topic", topic[:200])
+        return rest[0], rest[1]
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def encode(msg: BaseModel) -> bytes:
+    return msg.model_dump_json(exclude_none=True).encode()
+
+
+def decode(payload: bytes | bytearray | str, model: type[M], topic_node: str | None = None) -> M:
+    """Parse and validate one payload; WireError (never anything else) when it is unusable."""
+    if isinstance(payload, str):
+        payload = payload.encode()
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise WireError("oversized", f"{len(payload)} bytes > {MAX_PAYLOAD_BYTES}")
+    try:
+        msg = model.model_validate_json(bytes(payload))
+    except ValidationError as exc:
+        errs = exc.errors()
+        if errs and errs[0]["type"] == "json_invalid":
+            raise WireError("not_json", str(errs[0]["msg"])[:200]) from None
+        if any(e["loc"] and e["loc"][0] == "v" for e in errs):
+            raise WireError("bad_version", "only protocol v1 is understood") from None
+        first = errs[0] if errs else {"loc": (), "msg": "invalid"}
+        loc = ".".join(str(p) for p in first["loc"])
+        raise WireError("invalid", f"{loc}: {first['msg']}"[:300]) from None
+    node = getattr(msg, "node_id", None)
+    if topic_node is not None and node is not None and node != topic_node:
+        raise WireError("node_mismatch", f"payload node_id {node!r} on topic of {topic_node!r}")
+    return msg
