@@ -1,0 +1,98 @@
+"""The GPU backend interface: telemetry in, power limits out, errors in our own terms.
+
+Backends translate vendor errors (pynvml.NVMLError, ...) into `BackendError` subclasses in
+one place; nothing vendor-specific leaks upward. Units are in the names.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from powerd.wire import AckError
+
+
+class BackendError(Exception):
+    """A GPU operation failed. `code` is what an ack or telemetry reports for it."""
+
+    code: AckError = AckError.SET_FAILED
+
+    def __init__(self, message: str, uuid: str | None = None) -> None:
+        self.uuid = uuid
+        super().__init__(message)
+
+
+class NoPermission(BackendError):
+    code = AckError.NO_PERMISSION
+
+
+class NotSupported(BackendError):
+    code = AckError.NOT_SUPPORTED
+
+
+class GpuLost(BackendError):
+    code = AckError.GPU_LOST
+
+
+class DriverNotLoaded(BackendError):
+    code = AckError.GPU_LOST
+
+
+class InvalidArgument(BackendError):
+    code = AckError.SET_FAILED
+
+
+class UnknownGpu(BackendError):
+    code = AckError.UNKNOWN_GPU
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """What does not change while the agent runs."""
+
+    uuid: str
+    index: int
+    name: str
+    min_cap_w: float
+    max_cap_w: float
+    default_cap_w: float
+
+
+@dataclass(frozen=True)
+class GpuReading:
+    """One sample of one GPU."""
+
+    uuid: str
+    index: int
+    power_w: float
+    energy_j: float
+    cap_w: float  # enforced limit (nvmlDeviceGetEnforcedPowerLimit), not only the requested one
+    temp_c: float
+    util_pct: float
+    sm_clock_mhz: float
+    throttle: list[str] = field(default_factory=list)
+    perf: float | None = None  # application throughput, when the workload reports one
+    workload: str | None = None
+
+
+class GpuBackend(ABC):
+    """Access to the GPUs of one node."""
+
+    @abstractmethod
+    def gpus(self) -> list[GpuInfo]:
+        """The GPUs present, by index. May raise DriverNotLoaded."""
+
+    @abstractmethod
+    def read(self, uuid: str) -> GpuReading:
+        """Sample one GPU. Raises GpuLost, UnknownGpu, ..."""
+
+    @abstractmethod
+    def set_power_limit_w(self, uuid: str, watts: float) -> float:
+        """Set the power limit, then read back and return the *enforced* limit in watts.
+
+        The caller clamps to the device's limits first; a backend raises InvalidArgument
+        for values outside them rather than clamping silently.
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the library (nvmlShutdown, ...)."""
