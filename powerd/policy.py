@@ -15,8 +15,16 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from powerd.errors import InputError, validation_problems
 from powerd.profile import Profile, ProfileError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
@@ -28,15 +36,10 @@ Watts = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegWatts = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
-class PolicyError(ValueError):
+class PolicyError(InputError):
     """A policy that cannot be used, with where and why."""
 
-    def __init__(self, source: str, problems: Sequence[tuple[str, str]]) -> None:
-        self.source = source
-        self.problems = list(problems)
-        lines = [f"{source}: invalid policy ({len(self.problems)} problem(s))"]
-        lines += [f"  at {path or '<top>'}: {msg}" for path, msg in self.problems]
-        super().__init__("\n".join(lines))
+    kind = "policy"
 
 
 class _Strict(BaseModel):
@@ -217,29 +220,6 @@ def expand_name(pattern: str) -> list[str]:
         names = [n + prefix + str(k).zfill(width) for n in names for k in range(lo, hi + 1)]
         pos = m.end()
     return [n + pattern[pos:] for n in names]
-
-
-def _format_loc(loc: Sequence[int | str]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += ("." if out else "") + str(part)
-    return out
-
-
-def _validation_problems(exc: ValidationError) -> list[tuple[str, str]]:
-    problems = []
-    for err in exc.errors():
-        loc = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
-        msg = err["msg"]
-        if err["type"] == "extra_forbidden":
-            msg = "unknown key (check spelling; see docs/policy.md for the keys allowed here)"
-        elif err["type"] == "missing":
-            msg = "required key is missing"
-        problems.append((_format_loc(loc), msg))
-    return problems
 
 
 class _Expander:
@@ -427,7 +407,7 @@ def parse_policy(data: Any, source: str = "<policy>") -> Policy:
     try:
         spec = PolicySpec.model_validate(data)
     except ValidationError as exc:
-        raise PolicyError(source, _validation_problems(exc)) from None
+        raise PolicyError(source, validation_problems(exc)) from None
     problems = _check_references(spec)
     expander = _Expander(spec)
     expander.run()

@@ -1,0 +1,44 @@
+"""Errors in what a user hands us (files, requests): where, and what would be valid."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+
+class InputError(ValueError):
+    """Unusable input, with each problem's path inside the source and what is wrong."""
+
+    kind = "input"
+
+    def __init__(self, source: str, problems: Sequence[tuple[str, str]]) -> None:
+        self.source = source
+        self.problems = list(problems)
+        lines = [f"{source}: invalid {self.kind} ({len(self.problems)} problem(s))"]
+        lines += [f"  at {path or '<top>'}: {msg}" for path, msg in self.problems]
+        super().__init__("\n".join(lines))
+
+
+def format_loc(loc: Sequence[int | str]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def validation_problems(exc: ValidationError) -> list[tuple[str, str]]:
+    """pydantic's errors as (path, message) pairs a person can act on."""
+    problems = []
+    for err in exc.errors():
+        loc = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (check spelling; see docs/ for the keys allowed here)"
+        elif err["type"] == "missing":
+            msg = "required key is missing"
+        problems.append((format_loc(loc), msg))
+    return problems
