@@ -124,6 +124,17 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_solve(args: argparse.Namespace) -> int:
+    from powerd.allocator import allocate
+    from powerd.snapshot import load_snapshot
+
+    policy = load_policy(args.policy)
+    snapshot = load_snapshot(args.snapshot, policy)
+    allocation = allocate(snapshot, policy, solver=args.solver)
+    print(json.dumps(allocation.to_json(), indent=2 if args.pretty else None))
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="powerd",
@@ -139,6 +150,21 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("file", help="policy YAML file")
     check.add_argument("--json", action="store_true", help="print the summary as JSON")
     check.set_defaults(handler=cmd_policy_check)
+
+    solve = sub.add_parser(
+        "solve", help="compute one allocation for a snapshot of the fleet and print it as JSON"
+    )
+    solve.add_argument("--policy", required=True, help="policy YAML file")
+    solve.add_argument("--snapshot", required=True, help="snapshot JSON file (docs/snapshot.md)")
+    solve.add_argument(
+        "--solver",
+        default="fast",
+        choices=("fast", "cvxpy", "uniform", "priority-bands"),
+        help="fast: exact tree solver (default); cvxpy: reference formulation; "
+        "uniform / priority-bands: baselines",
+    )
+    solve.add_argument("--pretty", action="store_true", help="indent the JSON")
+    solve.set_defaults(handler=cmd_solve)
     return parser
 
 
