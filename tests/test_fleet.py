@@ -1,0 +1,68 @@
+"""FleetState: latest sample per GPU, ages, staleness, unknown nodes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from powerd.controller.fleet import FleetState
+from powerd.policy import load_policy
+from powerd.wire import GpuTelemetry, NodeState, NodeStatus, NodeTelemetry
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "policies" / "example.yaml"
+
+
+def telemetry(node: str, uuids: list[str], power: float = 400.0, seq: int = 0) -> NodeTelemetry:
+    gpus = [
+        GpuTelemetry(
+            uuid=u,
+            index=i,
+            power_w=power,
+            energy_j=1.0,
+            cap_w=700,
+            min_cap_w=200,
+            max_cap_w=700,
+            default_cap_w=700,
+            temp_c=50,
+            util_pct=90,
+            sm_clock_mhz=1800,
+            workload="inference" if i == 0 else None,
+        )
+        for i, u in enumerate(uuids)
+    ]
+    return NodeTelemetry(node_id=node, ts=0.0, seq=seq, period_s=1.0, gpus=gpus)
+
+
+def test_arrays_follow_policy_order_and_mark_stale_gpus() -> None:
+    fleet = FleetState(load_policy(EXAMPLE))
+    n2, n1 = "row-1-rack-1-node-02", "row-1-rack-1-node-01"
+    assert fleet.ingest_telemetry(telemetry(n2, ["c", "d"]), now=10.0)
+    assert fleet.ingest_telemetry(telemetry(n1, ["b", "a"], power=300), now=12.0)
+    arrays = fleet.arrays(now=16.0, stale_after_s=5.0)
+    assert arrays.uuids == ["b", "a", "c", "d"]  # node order, then GPU index
+    assert arrays.nodes == [n1, n1, n2, n2]
+    assert list(arrays.age_s) == [4.0, 4.0, 6.0, 6.0]
+    assert list(arrays.stale) == [False, False, True, True]
+    assert list(arrays.power_w) == [300, 300, 400, 400]
+    assert arrays.workloads == ["inference", None, "inference", None]
+    assert fleet.live_nodes(now=16.0, stale_after_s=5.0) == [n1]
+
+
+def test_unknown_nodes_are_tracked_apart_and_never_enter_the_arrays() -> None:
+    fleet = FleetState(load_policy(EXAMPLE))
+    assert not fleet.ingest_telemetry(telemetry("intruder", ["x"]), now=1.0)
+    assert "intruder" in fleet.unknown_nodes
+    assert fleet.arrays(now=1.0, stale_after_s=5.0).uuids == []
+
+
+def test_gpu_set_changes_bump_the_version_and_status_caps_are_kept() -> None:
+    fleet = FleetState(load_policy(EXAMPLE))
+    node = "row-1-rack-1-node-01"
+    fleet.ingest_telemetry(telemetry(node, ["a"]), now=1.0)
+    v = fleet.version
+    fleet.ingest_telemetry(telemetry(node, ["a"], seq=1), now=2.0)
+    assert fleet.version == v
+    fleet.ingest_telemetry(telemetry(node, ["a", "b"], seq=2), now=3.0)
+    assert fleet.version == v + 1
+    fleet.ingest_status(NodeStatus(node_id=node, state=NodeState.FAILSAFE, caps_w={"a": 300}))
+    assert fleet.nodes[node].state is NodeState.FAILSAFE
+    assert fleet.nodes[node].status_caps_w == {"a": 300}
