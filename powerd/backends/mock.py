@@ -1,0 +1,474 @@
+"""A simulated GPU fleet with a physical power model, and a `GpuBackend` view on it.
+
+`GpuFleetModel` holds every GPU's state in numpy arrays, so one model drives a node's mock
+backend, an in-process demo of hundreds of GPUs and a simulator of thousands in virtual time.
+
+Physics per GPU, integrated exactly over each step (the target is held over the step):
+- draw follows target = min(enforced cap, demand(t)) through a first-order lag (tau_s);
+- energy integrates that draw (the lag's closed-form integral, not a rectangle);
+- temperature follows ambient + k·draw through a slower first-order lag;
+- throughput = profile(draw); util and SM clock are derived from demand and cap.
+
+Demand comes from workload patterns that are pure functions of time and seed, so the same
+seed gives the same demand whatever the step sizes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TypeVar
+
+import numpy as np
+from numpy.typing import NDArray
+
+from powerd.backends.base import (
+    BackendError,
+    GpuBackend,
+    GpuInfo,
+    GpuLost,
+    GpuReading,
+    InvalidArgument,
+    UnknownGpu,
+)
+from powerd.clock import Clock
+from powerd.profile import Profile
+
+FloatArray = NDArray[np.float64]
+Selector = int | slice | NDArray[np.int64]
+T = TypeVar("T")
+
+IDLE_W = 70.0
+MAX_SM_CLOCK_MHZ = 1980.0
+IDLE_SM_CLOCK_MHZ = 345.0
+SW_POWER_CAP = "sw_power_cap"
+ALL = slice(None)
+
+_TRAINING_PROFILE = Profile.from_points(
+    "llm-training", [(200, 0.35), (300, 0.58), (400, 0.76), (500, 0.89), (600, 0.97), (700, 1.0)]
+)
+_INFERENCE_PROFILE = Profile.from_points(
+    "llm-inference", [(200, 0.55), (300, 0.78), (400, 0.92), (500, 0.98), (600, 1.0)]
+)
+_BATCH_PROFILE = Profile.from_points(
+    "batch", [(200, 0.40), (300, 0.62), (400, 0.79), (500, 0.90), (600, 0.97), (700, 1.0)]
+)
+
+
+class Pattern(StrEnum):
+    STEADY = "steady"
+    TRAINING = "training"
+    INFERENCE = "inference"
+    IDLE = "idle"
+
+
+_PATTERN_CODES = {p: i for i, p in enumerate(Pattern)}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a GPU runs: a demand pattern, the class name it reports and its profile.
+
+    - steady: demand = high_w.
+    - training: high_w for `duty` of every `period_s`, low_w for the rest; every GPU given the
+      same Workload (same phase) swings in step, like the ranks of one job.
+    - inference: a daily curve from low_w to high_w over `period_s`, plus bursts of burst_w
+      in slots of burst_slot_s, each slot bursting with probability burst_prob (per GPU).
+    - idle: demand = IDLE_W, throughput 0.
+    """
+
+    pattern: Pattern
+    name: str
+    profile: Profile = field(repr=False, compare=False)
+    high_w: float = 650.0
+    low_w: float = 250.0
+    period_s: float = 10.0
+    duty: float = 0.7
+    phase_s: float = 0.0
+    burst_w: float = 0.0
+    burst_prob: float = 0.0
+    burst_slot_s: float = 2.0
+
+    @classmethod
+    def steady(cls, level_w: float = 600.0, name: str = "batch") -> Workload:
+        return cls(Pattern.STEADY, name, _BATCH_PROFILE, high_w=level_w, low_w=level_w)
+
+    @classmethod
+    def training(
+        cls,
+        *,
+        high_w: float = 680.0,
+        low_w: float = 250.0,
+        period_s: float = 10.0,
+        duty: float = 0.7,
+        phase_s: float = 0.0,
+        name: str = "training",
+    ) -> Workload:
+        return cls(
+            Pattern.TRAINING,
+            name,
+            _TRAINING_PROFILE,
+            high_w=high_w,
+            low_w=low_w,
+            period_s=period_s,
+            duty=duty,
+            phase_s=phase_s,
+        )
+
+    @classmethod
+    def inference(
+        cls,
+        *,
+        high_w: float = 550.0,
+        low_w: float = 200.0,
+        day_s: float = 86_400.0,
+        phase_s: float = 0.0,
+        burst_w: float = 150.0,
+        burst_prob: float = 0.1,
+        burst_slot_s: float = 2.0,
+        name: str = "inference",
+    ) -> Workload:
+        return cls(
+            Pattern.INFERENCE,
+            name,
+            _INFERENCE_PROFILE,
+            high_w=high_w,
+            low_w=low_w,
+            period_s=day_s,
+            phase_s=phase_s,
+            burst_w=burst_w,
+            burst_prob=burst_prob,
+            burst_slot_s=burst_slot_s,
+        )
+
+    @classmethod
+    def idle(cls, name: str = "idle") -> Workload:
+        # high_w = low_w = IDLE_W: demand is that one level, like a steady workload.
+        return cls(Pattern.IDLE, name, _BATCH_PROFILE, high_w=IDLE_W, low_w=IDLE_W)
+
+    @classmethod
+    def of(cls, pattern: Pattern | str) -> Workload:
+        """The default workload of a pattern."""
+        match Pattern(pattern):
+            case Pattern.STEADY:
+                return cls.steady()
+            case Pattern.TRAINING:
+                return cls.training()
+            case Pattern.INFERENCE:
+                return cls.inference()
+            case Pattern.IDLE:
+                return cls.idle()
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix64(x: NDArray[np.uint64]) -> NDArray[np.uint64]:
+    """splitmix64 finaliser: a stateless hash, so randomness depends on time, not on steps."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _uniform(keys: NDArray[np.uint64]) -> FloatArray:
+    """A uniform number in [0, 1) per key."""
+    return np.asarray((_mix64(keys) >> np.uint64(11)) * (1.0 / 2**53), dtype=np.float64)
+
+
+def _intern(items: list[T], item: T) -> int:
+    """Index of `item` in `items` by identity, appending it if new (profiles hold arrays)."""
+    for k, existing in enumerate(items):
+        if existing is item:
+            return k
+    items.append(item)
+    return len(items) - 1
+
+
+class GpuFleetModel:
+    """State of n simulated GPUs as arrays; `advance(dt_s)` integrates them exactly.
+
+    Public arrays (index = GPU): power_w (reported draw, with noise), energy_j, cap_w
+    (enforced limit), requested_cap_w, temp_c, demand_w; min_cap_w, max_cap_w,
+    default_cap_w. Derived per GPU on request (all GPUs, one index, a slice or an index
+    array): throughput, util_pct, sm_clock_mhz, power_capped. Faults are injected per GPU
+    with `fail_set`, `lose` and `override`.
+    """
+
+    def __init__(
+        self,
+        n: int,
+        workloads: Workload | Sequence[Workload] | None = None,
+        *,
+        seed: int = 0,
+        tau_s: float = 0.2,
+        min_cap_w: float = 200.0,
+        max_cap_w: float = 700.0,
+        default_cap_w: float = 700.0,
+        ambient_c: float = 30.0,
+        temp_per_w: float = 0.08,
+        temp_tau_s: float = 30.0,
+        noise_frac: float = 0.005,
+        start_s: float = 0.0,
+        uuid_prefix: str = "GPU-mock",
+        name: str = "Mock H200",
+    ) -> None:
+        if n < 0:
+            raise ValueError("n must not be negative")
+        if not min_cap_w <= default_cap_w <= max_cap_w:
+            raise ValueError("need min_cap_w <= default_cap_w <= max_cap_w")
+        self.n = n
+        self.t = start_s
+        self.tau_s = tau_s
+        self.ambient_c = ambient_c
+        self.temp_per_w = temp_per_w
+        self.temp_tau_s = temp_tau_s
+        self.noise_frac = noise_frac
+        self.name = name
+        self.uuids = [f"{uuid_prefix}-{seed:x}-{i:06d}" for i in range(n)]
+        self._seeds = _mix64(np.arange(n, dtype=np.uint64) + np.uint64(seed) * np.uint64(n + 1))
+
+        self.min_cap_w = np.full(n, min_cap_w)
+        self.max_cap_w = np.full(n, max_cap_w)
+        self.default_cap_w = np.full(n, default_cap_w)
+        self.requested_cap_w = np.full(n, default_cap_w)
+        self.override_w = np.full(n, np.inf)  # out-of-band limit; inf = none
+        self.cap_w = self.requested_cap_w.copy()
+        self.lost = np.zeros(n, dtype=bool)
+        self.set_errors: dict[int, type[BackendError]] = {}
+
+        self._pattern = np.zeros(n, dtype=np.int8)
+        self._high = np.zeros(n)
+        self._low = np.zeros(n)
+        self._period = np.ones(n)
+        self._duty = np.ones(n)
+        self._phase = np.zeros(n)
+        self._burst_w = np.zeros(n)
+        self._burst_prob = np.zeros(n)
+        self._burst_slot = np.ones(n)
+        self._profile_idx = np.zeros(n, dtype=np.int32)
+        self._profiles: list[Profile] = []
+        self._workloads: list[Workload] = []
+        self._workload_idx = np.zeros(n, dtype=np.int32)
+        given = Workload.of(Pattern.TRAINING) if workloads is None else workloads
+        if isinstance(given, Workload):
+            self.set_workload(np.arange(n), given)
+        else:
+            if len(given) != n:
+                raise ValueError(f"{len(given)} workloads for {n} GPUs")
+            groups: dict[int, list[int]] = {}
+            for i, w in enumerate(given):
+                groups.setdefault(id(w), []).append(i)
+            for members in groups.values():
+                self.set_workload(members, given[members[0]])
+
+        self.demand_w = self.demand_at(self.t)
+        self._lagged_w = np.minimum(self.cap_w, self.demand_w)
+        self.power_w = self._lagged_w.copy()
+        self.energy_j = np.zeros(n)
+        self.temp_c = self.ambient_c + self.temp_per_w * self._lagged_w
+
+    # -- workloads -----------------------------------------------------------------------
+
+    def set_workload(self, indices: Sequence[int] | NDArray[np.int64], workload: Workload) -> None:
+        """Give these GPUs `workload` (they share its phase, so a job's GPUs swing together)."""
+        idx = np.asarray(indices, dtype=np.int64)
+        self._workload_idx[idx] = _intern(self._workloads, workload)
+        self._profile_idx[idx] = _intern(self._profiles, workload.profile)
+        self._pattern[idx] = _PATTERN_CODES[workload.pattern]
+        self._high[idx] = workload.high_w
+        self._low[idx] = workload.low_w
+        self._period[idx] = workload.period_s
+        self._duty[idx] = workload.duty
+        self._phase[idx] = workload.phase_s
+        self._burst_w[idx] = workload.burst_w
+        self._burst_prob[idx] = workload.burst_prob
+        self._burst_slot[idx] = workload.burst_slot_s
+        self._training_idx = np.flatnonzero(self._pattern == _PATTERN_CODES[Pattern.TRAINING])
+        self._inference_idx = np.flatnonzero(self._pattern == _PATTERN_CODES[Pattern.INFERENCE])
+
+    def workload(self, i: int) -> Workload:
+        return self._workloads[int(self._workload_idx[i])]
+
+    def demand_at(self, t: float) -> FloatArray:
+        """Every GPU's demand in watts at time t (a pure function of t and the seed)."""
+        demand = self._high.copy()  # steady and idle GPUs hold one level
+        tr = self._training_idx
+        if tr.size:
+            cycle = (t + self._phase[tr]) / self._period[tr]
+            on = cycle - np.floor(cycle) < self._duty[tr]
+            demand[tr] = np.where(on, self._high[tr], self._low[tr])
+        inf = self._inference_idx
+        if inf.size:
+            high, low = self._high[inf], self._low[inf]
+            shifted = t + self._phase[inf]
+            daily = low + (high - low) * (
+                0.5 - 0.5 * np.cos(2 * np.pi * shifted / self._period[inf])
+            )
+            slot = np.floor(shifted / self._burst_slot[inf]).astype(np.uint64)
+            burst = _uniform(self._seeds[inf] + slot * _GOLDEN) < self._burst_prob[inf]
+            demand[inf] = daily + np.where(burst, self._burst_w[inf], 0.0)
+        return demand
+
+    # -- time ----------------------------------------------------------------------------
+
+    def advance(self, dt_s: float) -> None:
+        """Integrate every GPU over dt_s, holding demand and caps at their values at the start."""
+        if dt_s <= 0:
+            return
+        target = np.minimum(self.cap_w, self.demand_w)
+        decay = np.exp(-dt_s / self.tau_s)
+        gap = self._lagged_w - target
+        # Closed-form integral of target + gap·exp(-t/tau) over [0, dt].
+        energy = target * dt_s + gap * self.tau_s * (1.0 - decay)
+        self.energy_j += energy
+        self._lagged_w = target + gap * decay
+        temp_target = self.ambient_c + self.temp_per_w * (energy / dt_s)
+        self.temp_c = temp_target + (self.temp_c - temp_target) * np.exp(-dt_s / self.temp_tau_s)
+        self.t += dt_s
+        self.demand_w = self.demand_at(self.t)
+        self._update_reported_power()
+
+    def advance_to(self, t: float) -> None:
+        self.advance(t - self.t)
+
+    def _update_reported_power(self) -> None:
+        p = self._lagged_w
+        if self.noise_frac > 0:
+            # Uniform noise with standard deviation noise_frac, hashed from (GPU, time) so it
+            # is the same for the same seed whatever the step sizes; cheaper than an RNG draw.
+            t_bits = np.float64(self.t).view(np.uint64)
+            spread = self.noise_frac * np.sqrt(12.0) * (_uniform(self._seeds ^ t_bits) - 0.5)
+            p = p * (1.0 + spread)
+            # Noise never shows a GPU above its cap unless the lag itself is still above it.
+            p = np.minimum(p, np.maximum(self.cap_w, self._lagged_w))
+        self.power_w = np.maximum(p, 0.0)
+
+    # -- derived quantities (computed on read, so stepping stays cheap) -------------------
+
+    def throughput(self, sel: Selector = ALL) -> FloatArray:
+        """Application throughput relative to the workload's best, from each GPU's draw."""
+        power = np.atleast_1d(self._lagged_w[sel])
+        profile_idx = np.atleast_1d(self._profile_idx[sel])
+        out = np.zeros(power.shape)
+        for k in np.unique(profile_idx):
+            mask = profile_idx == k
+            out[mask] = self._profiles[int(k)].value(power[mask])
+        out[np.atleast_1d(self._pattern[sel]) == _PATTERN_CODES[Pattern.IDLE]] = 0.0
+        return out
+
+    def util_pct(self, sel: Selector = ALL) -> FloatArray:
+        """Busy share: capping slows a busy GPU down but leaves it busy."""
+        high = np.atleast_1d(self._high[sel])
+        busy = (np.atleast_1d(self.demand_w[sel]) - IDLE_W) / np.maximum(high - IDLE_W, 1.0)
+        return np.asarray(100.0 * np.clip(busy, 0.0, 1.0), dtype=np.float64)
+
+    def sm_clock_mhz(self, sel: Selector = ALL) -> FloatArray:
+        """Clocks rise with load and drop roughly with the square root of the power cut."""
+        demand = np.maximum(np.atleast_1d(self.demand_w[sel]), 1.0)
+        share = np.sqrt(np.clip(np.atleast_1d(self._lagged_w[sel]) / demand, 0.0, 1.0))
+        busy = self.util_pct(sel) / 100.0
+        clock = IDLE_SM_CLOCK_MHZ + (MAX_SM_CLOCK_MHZ - IDLE_SM_CLOCK_MHZ) * busy * share
+        return np.asarray(clock, dtype=np.float64)
+
+    def power_capped(self, sel: Selector = ALL) -> NDArray[np.bool_]:
+        """Demand above the enforced cap: the GPU is held back (NVML's sw_power_cap)."""
+        return np.atleast_1d(self.demand_w[sel] > self.cap_w[sel])
+
+    # -- caps and faults -----------------------------------------------------------------
+
+    def set_cap(self, i: int, watts: float) -> float:
+        """Request a limit (within the device's limits); returns the enforced one."""
+        self.requested_cap_w[i] = watts
+        self.cap_w[i] = min(watts, self.override_w[i])
+        return float(self.cap_w[i])
+
+    def fail_set(self, i: int, error: type[BackendError] | None = BackendError) -> None:
+        """Make setting GPU i's limit raise `error` (None: succeed again)."""
+        if error is None:
+            self.set_errors.pop(i, None)
+        else:
+            self.set_errors[i] = error
+
+    def lose(self, i: int, lost: bool = True) -> None:
+        """GPU i falls off the bus: every backend call on it raises GpuLost."""
+        self.lost[i] = lost
+
+    def override(self, i: int, watts: float | None) -> None:
+        """An out-of-band tool imposes a limit; the enforced limit is the lower of the two."""
+        self.override_w[i] = np.inf if watts is None else watts
+        self.cap_w[i] = min(self.requested_cap_w[i], self.override_w[i])
+
+
+class MockBackend(GpuBackend):
+    """One node's GPUs: a slice of a fleet model, advanced lazily to the clock when used."""
+
+    def __init__(
+        self, fleet: GpuFleetModel, clock: Clock, start: int = 0, count: int | None = None
+    ) -> None:
+        stop = fleet.n if count is None else start + count
+        if not 0 <= start <= stop <= fleet.n:
+            raise ValueError(f"GPUs {start}..{stop} are not all in a fleet of {fleet.n}")
+        self.fleet = fleet
+        self.clock = clock
+        self._index = {fleet.uuids[i]: i for i in range(start, stop)}
+        self._start = start
+        # Every successful set, in order (uuid, watts): lets tests see the order of changes.
+        self.set_log: deque[tuple[str, float]] = deque(maxlen=10_000)
+
+    def gpus(self) -> list[GpuInfo]:
+        f = self.fleet
+        return [
+            GpuInfo(
+                uuid=uuid,
+                index=i - self._start,
+                name=f.name,
+                min_cap_w=float(f.min_cap_w[i]),
+                max_cap_w=float(f.max_cap_w[i]),
+                default_cap_w=float(f.default_cap_w[i]),
+            )
+            for uuid, i in self._index.items()
+            if not f.lost[i]
+        ]
+
+    def _locate(self, uuid: str) -> int:
+        i = self._index.get(uuid)
+        if i is None:
+            raise UnknownGpu(f"no GPU {uuid} on this node", uuid)
+        if self.fleet.lost[i]:
+            raise GpuLost(f"GPU {uuid} is lost", uuid)
+        self.fleet.advance_to(self.clock.monotonic())
+        return i
+
+    def read(self, uuid: str) -> GpuReading:
+        i = self._locate(uuid)
+        f = self.fleet
+        workload = f.workload(i)
+        return GpuReading(
+            uuid=uuid,
+            index=i - self._start,
+            power_w=float(f.power_w[i]),
+            energy_j=float(f.energy_j[i]),
+            cap_w=float(f.cap_w[i]),
+            temp_c=float(f.temp_c[i]),
+            util_pct=float(f.util_pct(i)[0]),
+            sm_clock_mhz=float(f.sm_clock_mhz(i)[0]),
+            throttle=[SW_POWER_CAP] if f.power_capped(i)[0] else [],
+            perf=float(f.throughput(i)[0]),
+            workload=workload.name,
+        )
+
+    def set_power_limit_w(self, uuid: str, watts: float) -> float:
+        i = self._locate(uuid)
+        f = self.fleet
+        error = f.set_errors.get(i)
+        if error is not None:
+            raise error(f"setting the limit of {uuid} failed (injected)", uuid)
+        if not f.min_cap_w[i] <= watts <= f.max_cap_w[i]:
+            raise InvalidArgument(
+                f"{watts:g} W is outside [{f.min_cap_w[i]:g}, {f.max_cap_w[i]:g}] W", uuid
+            )
+        enforced = f.set_cap(i, watts)
+        self.set_log.append((uuid, watts))
+        return enforced
