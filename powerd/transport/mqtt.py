@@ -1,0 +1,250 @@
+"""MQTT transport over aiomqtt: one connection kept up with capped, jittered backoff."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import ssl
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import aiomqtt
+import structlog
+
+from powerd.transport.base import (
+    ConnectionState,
+    LastWill,
+    Message,
+    OnConnect,
+    Transport,
+    TransportError,
+    check_filter,
+    check_topic,
+)
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
+
+
+@dataclass(frozen=True)
+class MqttConfig:
+    host: str
+    port: int = 1883
+    tls: bool = False
+    username: str | None = None
+    password: str | None = None
+    ca_file: Path | None = None  # None: the system's trust store
+    cert_file: Path | None = None  # client certificate, for brokers that require one
+    key_file: Path | None = None
+    tls_insecure: bool = False  # skip certificate and host name checks (testing only)
+    client_id: str | None = None  # None: a random one per transport
+    keepalive_s: int = 15
+    timeout_s: float = 5.0  # connect, subscribe and QoS 1 publish acknowledgements
+    reconnect_min_s: float = 0.5
+    reconnect_max_s: float = 30.0
+    max_queued_messages: int = 10_000
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        username: str | None = None,
+        password: str | None = None,
+        **options: object,
+    ) -> MqttConfig:
+        """`mqtt://[user[:password]@]host[:port]` or `mqtts://...`; explicit credentials win."""
+        parts = urlsplit(url)
+        if parts.scheme not in DEFAULT_PORTS:
+            raise ValueError(f"broker URL {url!r} must start with mqtt:// or mqtts://")
+        if not parts.hostname:
+            raise ValueError(f"broker URL {url!r} has no host")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise ValueError(f"broker URL {url!r} must not have a path, query or fragment")
+        try:
+            port = parts.port or DEFAULT_PORTS[parts.scheme]
+        except ValueError as exc:
+            raise ValueError(f"broker URL {url!r}: {exc}") from None
+        url_user = unquote(parts.username) if parts.username else None
+        url_password = unquote(parts.password) if parts.password else None
+        return cls(
+            host=parts.hostname,
+            port=port,
+            tls=parts.scheme == "mqtts",
+            username=username or url_user,
+            password=password or url_password,
+            **options,  # type: ignore[arg-type]
+        )
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        if not self.tls:
+            return None
+        ctx = ssl.create_default_context(cafile=self.ca_file)
+        if self.cert_file is not None:
+            ctx.load_cert_chain(self.cert_file, self.key_file)
+        if self.tls_insecure:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        return ctx
+
+
+def backoff_delay(attempt: int, min_s: float, max_s: float, rng: random.Random) -> float:
+    """Delay before reconnection attempt `attempt` (0-based): exponential, capped, jittered.
+
+    The jitter (a uniform draw over the upper half) keeps a fleet of agents that lost the
+    same broker from reconnecting in lockstep.
+    """
+    ceiling = min(max_s, min_s * 2.0 ** min(attempt, 62))
+    return rng.uniform(ceiling / 2, ceiling)
+
+
+class MqttTransport(Transport):
+    def __init__(self, config: MqttConfig, rng: random.Random | None = None) -> None:
+        self.config = config
+        self.client_id = config.client_id or f"powerd-{uuid.uuid4().hex[:12]}"
+        self.dropped_messages = 0  # incoming messages dropped because nobody read them
+        self._rng = rng or random.Random()
+        self._ssl = config.ssl_context()
+        self._state = ConnectionState.CLOSED
+        self._connected = asyncio.Event()
+        self._client: aiomqtt.Client | None = None
+        self._subscriptions: dict[str, int] = {}
+        self._queue: asyncio.Queue[Message | None] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def state(self) -> ConnectionState:
+        return self._state
+
+    def _set_state(self, state: ConnectionState) -> None:
+        self._state = state
+        if state is ConnectionState.CONNECTED:
+            self._connected.set()
+        else:
+            self._connected.clear()
+
+    async def connect(
+        self, will: LastWill | None = None, on_connect: OnConnect | None = None
+    ) -> None:
+        if self._task is not None:
+            raise RuntimeError("already connected or connecting")
+        self._set_state(ConnectionState.CONNECTING)
+        self._queue = asyncio.Queue()
+        self._task = asyncio.create_task(
+            self._keep_connected(will, on_connect), name=f"mqtt-{self.client_id}"
+        )
+        self._task.add_done_callback(self._log_task_end)
+
+    def _log_task_end(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("mqtt_task_failed", client_id=self.client_id, exc_info=task.exception())
+            self._set_state(ConnectionState.CLOSED)
+            self._queue.put_nowait(None)
+
+    async def wait_connected(self) -> None:
+        await self._connected.wait()
+
+    def _new_client(self, will: LastWill | None) -> aiomqtt.Client:
+        c = self.config
+        return aiomqtt.Client(
+            c.host,
+            c.port,
+            username=c.username,
+            password=c.password,
+            identifier=self.client_id,
+            will=None
+            if will is None
+            else aiomqtt.Will(will.topic, will.payload, will.qos, will.retain),
+            keepalive=c.keepalive_s,
+            timeout=c.timeout_s,
+            tls_context=self._ssl,
+        )
+
+    async def _keep_connected(self, will: LastWill | None, on_connect: OnConnect | None) -> None:
+        attempt = 0
+        while True:
+            self._set_state(ConnectionState.CONNECTING)
+            error = "connection closed"
+            try:
+                async with self._new_client(will) as client:
+                    for topic_filter, qos in list(self._subscriptions.items()):
+                        await client.subscribe(topic_filter, qos)
+                    self._client = client
+                    self._set_state(ConnectionState.CONNECTED)
+                    log.info("mqtt_connected", broker=f"{self.config.host}:{self.config.port}")
+                    attempt = 0
+                    if on_connect is not None:
+                        await self._run_on_connect(on_connect)
+                    async for m in client.messages:
+                        self._enqueue(Message(str(m.topic), m.payload, m.retain))
+            except aiomqtt.MqttError as exc:
+                error = str(exc)
+            finally:
+                self._client = None
+                self._set_state(ConnectionState.DISCONNECTED)
+            delay = backoff_delay(
+                attempt, self.config.reconnect_min_s, self.config.reconnect_max_s, self._rng
+            )
+            log.warning(
+                "mqtt_disconnected",
+                broker=f"{self.config.host}:{self.config.port}",
+                error=error,
+                attempt=attempt,
+                retry_in_s=round(delay, 2),
+            )
+            attempt += 1
+            await asyncio.sleep(delay)
+
+    async def _run_on_connect(self, on_connect: OnConnect) -> None:
+        try:
+            await on_connect()
+        except TransportError as exc:
+            # The connection dropped again; the next connection runs the callback again.
+            log.warning("mqtt_on_connect_failed", error=str(exc))
+
+    def _enqueue(self, message: Message) -> None:
+        if self._queue.qsize() >= self.config.max_queued_messages:
+            # Drop the oldest: the newest command or sample is the one worth acting on.
+            self._queue.get_nowait()
+            self.dropped_messages += 1
+        self._queue.put_nowait(message)
+
+    async def publish(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False) -> None:
+        check_topic(topic)
+        client = self._client
+        if client is None:
+            raise TransportError(f"not connected ({self._state}); dropped message to {topic}")
+        try:
+            await client.publish(
+                topic, payload, qos=qos, retain=retain, timeout=self.config.timeout_s
+            )
+        except aiomqtt.MqttError as exc:
+            raise TransportError(f"publish to {topic} failed: {exc}") from exc
+
+    async def subscribe(self, topic_filter: str, qos: int = 1) -> None:
+        check_filter(topic_filter)
+        self._subscriptions[topic_filter] = qos
+        client = self._client
+        if client is None:
+            return  # subscribed on (re)connection
+        try:
+            await client.subscribe(topic_filter, qos, timeout=self.config.timeout_s)
+        except aiomqtt.MqttError as exc:
+            log.warning("mqtt_subscribe_deferred", topic=topic_filter, error=str(exc))
+
+    async def messages(self) -> AsyncIterator[Message]:
+        while (message := await self._queue.get()) is not None:
+            yield message
+
+    async def disconnect(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            # Leaving the client's context sends DISCONNECT, so the broker drops the will.
+            await asyncio.wait({task})
+        self._set_state(ConnectionState.CLOSED)
+        self._queue.put_nowait(None)
