@@ -1,0 +1,219 @@
+"""In-memory reductions done before anything reaches the database.
+
+- `MinuteAggregator` folds per-GPU samples into per-minute rows (raw samples are never
+  stored: 10k GPUs at 1 Hz would be 864M rows a day).
+- `CapChanges` turns the caps sent each tick into rows only where a cap moved.
+
+Both run on the writer's thread, not on the tick, and are vectorised or O(changes) so the
+thread holds the GIL briefly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+FloatArray = npt.NDArray[np.float64]
+Floats = Sequence[float] | FloatArray
+
+MINUTE_S = 60
+
+
+class _Bucket:
+    """Accumulators for one minute, one slot per GPU the aggregator knows."""
+
+    def __init__(self, size: int) -> None:
+        self.n = np.zeros(size, dtype=np.int64)
+        self.sum_power = np.zeros(size)
+        self.max_power = np.full(size, -math.inf)
+        self.sum_cap = np.zeros(size)
+        self.energy = np.zeros(size)
+
+    def grow(self, size: int) -> None:
+        extra = size - self.n.size
+        if extra <= 0:
+            return
+        self.n = np.concatenate([self.n, np.zeros(extra, dtype=np.int64)])
+        self.sum_power = np.concatenate([self.sum_power, np.zeros(extra)])
+        self.max_power = np.concatenate([self.max_power, np.full(extra, -math.inf)])
+        self.sum_cap = np.concatenate([self.sum_cap, np.zeros(extra)])
+        self.energy = np.concatenate([self.energy, np.zeros(extra)])
+
+
+class MinuteAggregator:
+    """Per-GPU per-minute mean/max draw, energy and mean cap.
+
+    A sample belongs to the minute its own `ts` falls in. A minute closes once a sample at
+    least `grace_s` past its end has been seen (samples from different nodes arrive with
+    some skew). Rules that make the numbers right for real telemetry:
+    - a sample whose ts is not newer than the GPU's last one is a repeat (the controller
+      resubmits a node's latest sample until the node sends a new one) and is ignored;
+    - energy is the rise of the GPU's energy counter since its previous sample, put in the
+      minute of the later sample; a counter that went down (agent or driver restart) counts
+      power × elapsed time instead; a GPU's very first sample has no energy.
+    A sample arriving for a minute already closed opens that minute again; its row then
+    merges into the stored one (the store upserts minute rows).
+    """
+
+    def __init__(self, grace_s: float = 10.0) -> None:
+        self.grace_s = grace_s
+        self._slot: dict[str, int] = {}
+        self._uuids: list[str] = []
+        self._last_ts = np.zeros(0)
+        self._last_energy = np.zeros(0)
+        self._seen = np.zeros(0, dtype=bool)
+        self._open: dict[int, _Bucket] = {}
+        self._newest_ts = -math.inf
+        # Controllers send the same uuid list every tick: map it to slots once.
+        self._cached_uuids: tuple[str, ...] = ()
+        self._cached_slots = np.zeros(0, dtype=np.int64)
+
+    def add(
+        self,
+        uuids: Sequence[str],
+        ts: Floats | float,
+        power_w: Floats,
+        cap_w: Floats,
+        energy_j: Floats,
+    ) -> None:
+        slots = self._slots_for(uuids)
+        n = slots.size
+        ts_a = np.broadcast_to(np.asarray(ts, dtype=np.float64), (n,))
+        power = np.asarray(power_w, dtype=np.float64)
+        cap = np.asarray(cap_w, dtype=np.float64)
+        energy = np.asarray(energy_j, dtype=np.float64)
+        if not (power.shape == cap.shape == energy.shape == (n,)):
+            raise ValueError("uuids, power_w, cap_w and energy_j must have the same length")
+
+        seen = self._seen[slots]
+        fresh = ~seen | (ts_a > self._last_ts[slots])
+        if not fresh.all():
+            slots, seen = slots[fresh], seen[fresh]
+            ts_a, power, cap, energy = ts_a[fresh], power[fresh], cap[fresh], energy[fresh]
+        if slots.size == 0:
+            return
+
+        delta = energy - self._last_energy[slots]
+        reset = delta < 0
+        delta[reset] = power[reset] * (ts_a[reset] - self._last_ts[slots][reset])
+        delta[~seen] = 0.0
+        self._last_ts[slots] = ts_a
+        self._last_energy[slots] = energy
+        self._seen[slots] = True
+        self._newest_ts = max(self._newest_ts, float(ts_a.max()))
+
+        minutes = (np.floor(ts_a / MINUTE_S) * MINUTE_S).astype(np.int64)
+        for minute in np.unique(minutes):
+            sel = minutes == minute
+            bucket = self._bucket(int(minute))
+            s = slots[sel]  # unique within one call, so plain fancy indexing accumulates
+            bucket.n[s] += 1
+            bucket.sum_power[s] += power[sel]
+            bucket.max_power[s] = np.maximum(bucket.max_power[s], power[sel])
+            bucket.sum_cap[s] += cap[sel]
+            bucket.energy[s] += delta[sel]
+
+    def close(self, *, final: bool = False) -> list[dict[str, Any]]:
+        """Rows of the minutes that are over (every open minute when `final`)."""
+        rows: list[dict[str, Any]] = []
+        for minute in sorted(self._open):
+            if not final and minute + MINUTE_S + self.grace_s > self._newest_ts:
+                continue
+            bucket = self._open.pop(minute)
+            for i in np.flatnonzero(bucket.n):
+                count = int(bucket.n[i])
+                rows.append(
+                    {
+                        "uuid": self._uuids[i],
+                        "minute": minute,
+                        "mean_power_w": float(bucket.sum_power[i]) / count,
+                        "max_power_w": float(bucket.max_power[i]),
+                        "energy_j": float(bucket.energy[i]),
+                        "mean_cap_w": float(bucket.sum_cap[i]) / count,
+                        "samples": count,
+                    }
+                )
+        return rows
+
+    @property
+    def open_minutes(self) -> int:
+        return len(self._open)
+
+    def _bucket(self, minute: int) -> _Bucket:
+        bucket = self._open.get(minute)
+        if bucket is None:
+            bucket = self._open[minute] = _Bucket(len(self._uuids))
+        else:
+            bucket.grow(len(self._uuids))
+        return bucket
+
+    def _slots_for(self, uuids: Sequence[str]) -> npt.NDArray[np.int64]:
+        key = tuple(uuids)
+        if key == self._cached_uuids:
+            return self._cached_slots
+        if len(set(key)) != len(key):
+            raise ValueError("duplicate uuid in one batch of samples")
+        slots = []
+        for uuid in key:
+            slot = self._slot.get(uuid)
+            if slot is None:
+                slot = self._slot[uuid] = len(self._uuids)
+                self._uuids.append(uuid)
+            slots.append(slot)
+        extra = len(self._uuids) - self._last_ts.size
+        if extra > 0:
+            self._last_ts = np.concatenate([self._last_ts, np.zeros(extra)])
+            self._last_energy = np.concatenate([self._last_energy, np.zeros(extra)])
+            self._seen = np.concatenate([self._seen, np.zeros(extra, dtype=bool)])
+        self._cached_uuids = key
+        self._cached_slots = np.asarray(slots, dtype=np.int64)
+        return self._cached_slots
+
+
+class CapChanges:
+    """Keeps the last stored cap per GPU and emits a row only when a cap moves.
+
+    A move smaller than `epsilon_w` is a repeat (float noise from the solver); since the
+    comparison is against the last *stored* cap, slow drift is still recorded once it adds
+    up to `epsilon_w`.
+    """
+
+    def __init__(self, epsilon_w: float = 0.5) -> None:
+        self.epsilon_w = epsilon_w
+        self._last: dict[str, float] = {}
+
+    def seed(self, caps: Mapping[str, float]) -> None:
+        """Start from caps already stored (after a restart), so they are not stored again."""
+        self._last.update(caps)
+
+    def forget(self, uuid: str) -> None:
+        """A row for `uuid` was lost: let its next cap be stored whatever it is."""
+        self._last.pop(uuid, None)
+
+    def changes(
+        self, tick: int, ts: float, caps_by_node: Mapping[str, Mapping[str, float]]
+    ) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        last = self._last
+        eps = self.epsilon_w
+        for node, caps in caps_by_node.items():
+            for uuid, new_w in caps.items():
+                old_w = last.get(uuid)
+                if old_w is not None and abs(new_w - old_w) < eps:
+                    continue
+                last[uuid] = new_w
+                rows.append(
+                    {
+                        "ts": ts,
+                        "tick": tick,
+                        "gpu_uuid": uuid,
+                        "node": node,
+                        "old_w": old_w,
+                        "new_w": float(new_w),
+                    }
+                )
+        return rows

@@ -1,0 +1,109 @@
+"""Engines and schema migrations: one URL, SQLite or PostgreSQL, same code."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import structlog
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import URL, make_url
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_URL = "sqlite:///powerd.db"
+# An unreachable PostgreSQL host must fail fast: the writer retries with backoff anyway.
+PG_CONNECT_TIMEOUT_S = 5
+MIGRATIONS_ENV = "POWERD_MIGRATIONS"
+
+
+def normalize_url(url: str | URL) -> URL:
+    """Parse `url`, sending plain `postgresql://` and `postgres://` to the psycopg 3 driver."""
+    if isinstance(url, str) and url.startswith("postgres://"):
+        url = "postgresql://" + url.removeprefix("postgres://")
+    parsed = make_url(url)
+    if parsed.drivername == "postgresql":
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed
+
+
+def make_engine(url: str | URL = DEFAULT_URL) -> Engine:
+    parsed = normalize_url(url)
+    connect_args: dict[str, Any] = {}
+    if parsed.get_backend_name() == "postgresql":
+        connect_args["connect_timeout"] = PG_CONNECT_TIMEOUT_S
+    engine = create_engine(parsed, pool_pre_ping=True, connect_args=connect_args)
+    if parsed.get_backend_name() == "sqlite":
+        event.listen(engine, "connect", _sqlite_pragmas)
+    return engine
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    # WAL lets the admin API read while the writer thread writes; busy_timeout makes a
+    # writer wait briefly for a lock instead of failing at once.
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA busy_timeout=5000")
+    cur.close()
+
+
+def migrations_dir() -> Path:
+    """Where the Alembic scripts live.
+
+    In order: $POWERD_MIGRATIONS; `powerd/_migrations` (a wheel that packages them there);
+    `<checkout>/migrations` next to the `powerd` package (a source or editable install).
+    """
+    package_root = Path(__file__).resolve().parents[1]
+    candidates = [package_root / "_migrations", package_root.parent / "migrations"]
+    if env := os.environ.get(MIGRATIONS_ENV):
+        candidates.insert(0, Path(env))
+    for path in candidates:
+        if (path / "env.py").is_file():
+            return path
+    tried = ", ".join(str(p) for p in candidates)
+    raise FileNotFoundError(f"powerd migrations not found (tried {tried}); set {MIGRATIONS_ENV}")
+
+
+def alembic_config(url: str | URL | None = None) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    if url is not None:
+        # env.py receives the URL object itself, never through the ini parser, where a `%`
+        # in an escaped password would be read as interpolation.
+        cfg.attributes["url"] = normalize_url(url)
+    return cfg
+
+
+def upgrade(url: str | URL = DEFAULT_URL, revision: str = "head") -> None:
+    """Run `alembic upgrade head` (or to `revision`) on the database at `url`."""
+    cfg = alembic_config(url)
+    engine = make_engine(url)
+    try:
+        with engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, revision)
+    finally:
+        engine.dispose()
+    log.info("store_upgraded", url=normalize_url(url).render_as_string(), revision=revision)
+
+
+def current_revision(url: str | URL = DEFAULT_URL) -> str | None:
+    """The revision the database is at; None for an empty database."""
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+    finally:
+        engine.dispose()
+
+
+def head_revision() -> str:
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    if head is None:
+        raise RuntimeError("no migrations found")
+    return head

@@ -1,0 +1,193 @@
+"""SQL tables (SQLAlchemy 2 typed models). Kept apart from the pydantic wire and API models.
+
+Conventions, the same on SQLite and PostgreSQL:
+- every timestamp (`ts`, `first_seen`, `last_seen`, `cleared_at`) is seconds since the epoch,
+  UTC, as a double — the same numbers the wire protocol and `Clock.wall()` use, so nothing
+  converts time zones on the way in or out;
+- a per-minute bucket (`GpuMinute.minute`) is the integer epoch second at which the minute
+  starts;
+- power in W, energy in J; JSON columns hold small documents (per-row use, event data).
+
+The schema changes only through Alembic migrations (migrations/versions/); a test checks
+that these models and the migrated database agree.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Double,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Deterministic constraint names, so later migrations can refer to them on both backends.
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# SQLite autoincrements only an INTEGER PRIMARY KEY; PostgreSQL gets 64-bit ids.
+Id = BigInteger().with_variant(Integer(), "sqlite")
+
+NAME_LEN = 128
+
+
+class Severity(StrEnum):
+    INFO = "info"
+    WARNING = "warning"
+    ALARM = "alarm"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {  # noqa: RUF012 - SQLAlchemy reads this class attribute
+        float: Double(),
+        dict[str, Any]: JSON(),
+    }
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+
+    name: Mapped[str] = mapped_column(String(NAME_LEN), primary_key=True)
+    row: Mapped[str | None] = mapped_column(String(NAME_LEN))
+    rack: Mapped[str | None] = mapped_column(String(NAME_LEN))
+    first_seen: Mapped[float]
+    last_seen: Mapped[float]
+    state: Mapped[str] = mapped_column(String(32))
+
+
+class Gpu(Base):
+    __tablename__ = "gpus"
+
+    uuid: Mapped[str] = mapped_column(String(NAME_LEN), primary_key=True)
+    # No foreign keys from here or from the history tables: history outlives the inventory,
+    # and a batched write must never fail because rows arrived in another order.
+    node: Mapped[str] = mapped_column(String(NAME_LEN), index=True)
+    index: Mapped[int]
+    name: Mapped[str] = mapped_column(String(NAME_LEN))
+    min_cap_w: Mapped[float]
+    max_cap_w: Mapped[float]
+
+
+class Tick(Base):
+    """Facility aggregates of one controller tick."""
+
+    __tablename__ = "ticks"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True, autoincrement=True)
+    # Tick numbers restart with the controller, so they are not a key.
+    tick: Mapped[int] = mapped_column(BigInteger)
+    ts: Mapped[float] = mapped_column(index=True)
+    budget_w: Mapped[float]
+    committed_w: Mapped[float]
+    measured_w: Mapped[float]
+    throughput: Mapped[float]
+    solve_ms: Mapped[float]
+    status: Mapped[str] = mapped_column(String(32))
+    solver: Mapped[str] = mapped_column(String(32))
+    n_gpus: Mapped[int]
+    n_stale: Mapped[int]
+    rows: Mapped[dict[str, Any]]  # per row: {"budget_w", "committed_w", "measured_w", ...}
+
+
+class CapChange(Base):
+    """A GPU's cap as sent, stored only when it differs from the last stored one."""
+
+    __tablename__ = "cap_changes"
+    __table_args__ = (Index(None, "gpu_uuid", "ts"),)
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True, autoincrement=True)
+    ts: Mapped[float] = mapped_column(index=True)
+    tick: Mapped[int] = mapped_column(BigInteger)
+    gpu_uuid: Mapped[str] = mapped_column(String(NAME_LEN))
+    node: Mapped[str] = mapped_column(String(NAME_LEN))
+    old_w: Mapped[float | None]  # None: no earlier cap known to the writer
+    new_w: Mapped[float]
+
+
+class Event(Base):
+    """Events and alarms; an alarm stays active until `cleared_at` is set."""
+
+    __tablename__ = "events"
+    __table_args__ = (
+        CheckConstraint("severity IN ('info', 'warning', 'alarm')", name="severity"),
+        Index(None, "kind", "cleared_at"),
+    )
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True, autoincrement=True)
+    ts: Mapped[float] = mapped_column(index=True)
+    kind: Mapped[str] = mapped_column(String(64))
+    severity: Mapped[str] = mapped_column(String(16))
+    message: Mapped[str] = mapped_column(Text)
+    data: Mapped[dict[str, Any]]
+    cleared_at: Mapped[float | None]
+
+
+class PolicyVersion(Base):
+    __tablename__ = "policy_versions"
+    version: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    ts: Mapped[float]
+    sha256: Mapped[str] = mapped_column(String(64))
+    source: Mapped[str] = mapped_column(String(1024))  # file path, or "api"
+    yaml_text: Mapped[str] = mapped_column(Text)
+    author: Mapped[str] = mapped_column(String(NAME_LEN))
+    reason: Mapped[str] = mapped_column(Text)
+    active: Mapped[bool] = mapped_column(Boolean)
+
+
+# At most one active policy version, enforced by the database itself (a partial unique index
+# works the same on SQLite and PostgreSQL).
+Index(
+    "uq_policy_versions_one_active",
+    PolicyVersion.active,
+    unique=True,
+    sqlite_where=text("active"),
+    postgresql_where=text("active"),
+)
+
+
+class AuditEntry(Base):
+    """One admin action: who did what to what, when, why, and how it ended."""
+
+    __tablename__ = "audit_log"
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True, autoincrement=True)
+    ts: Mapped[float] = mapped_column(index=True)
+    actor: Mapped[str] = mapped_column(String(NAME_LEN))
+    role: Mapped[str] = mapped_column(String(32))
+    action: Mapped[str] = mapped_column(String(64))
+    target: Mapped[str] = mapped_column(String(256))
+    reason: Mapped[str] = mapped_column(Text)
+    payload: Mapped[dict[str, Any]]
+    result: Mapped[str] = mapped_column(String(256))
+
+
+class GpuMinute(Base):
+    """One GPU over one minute: raw samples are aggregated in memory and never stored."""
+
+    __tablename__ = "gpu_minutes"
+
+    # (uuid, minute) is the key a GPU's history query walks; `minute` alone serves pruning.
+    uuid: Mapped[str] = mapped_column(String(NAME_LEN), primary_key=True)
+    minute: Mapped[int] = mapped_column(BigInteger, primary_key=True, index=True)
+    mean_power_w: Mapped[float]
+    max_power_w: Mapped[float]
+    energy_j: Mapped[float]
+    mean_cap_w: Mapped[float]
+    samples: Mapped[int]
