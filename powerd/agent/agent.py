@@ -1,0 +1,361 @@
+"""The node agent: telemetry out, caps in, and a lease that keeps the node safe on its own.
+
+Safety rules, which everything else here serves:
+- The agent never raises a cap on its own. Only a valid CapCommand raises a cap.
+- A command's caps hold for its `lease_s`. Without a valid command for that long (controller
+  dead, broker down, network cut) every GPU goes to min(current cap, failsafe cap), and
+  stays there until the next valid command. The same holds from start until the first one.
+- Bad input (malformed, mismatched, replayed, oversized, retained) is counted by reason,
+  logged and dropped; it never changes a cap and never stops the agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Literal
+
+import structlog
+from pydantic import ValidationError
+
+from powerd import __version__
+from powerd.agent.settings import AgentSettings
+from powerd.backends.base import BackendError, GpuBackend, GpuInfo, GpuReading
+from powerd.clock import Clock
+from powerd.transport.base import LastWill, Message, Transport, TransportError
+from powerd.transport.mqtt import MqttTransport
+from powerd.wire import (
+    AckError,
+    CapAck,
+    CapCommand,
+    GpuAck,
+    GpuTelemetry,
+    NodeState,
+    NodeStatus,
+    NodeTelemetry,
+    Topics,
+    WireError,
+    decode,
+    encode,
+)
+
+log = structlog.get_logger(__name__)
+
+# NVML works in milliwatts and some drivers round the enforced limit; closer than this is the
+# limit we asked for.
+CAP_TOLERANCE_W = 1.0
+
+_TELEMETRY_STATE: dict[NodeState, Literal["steered", "failsafe", "starting"]] = {
+    NodeState.STARTING: "starting",
+    NodeState.STEERED: "steered",
+    NodeState.FAILSAFE: "failsafe",
+    NodeState.OFFLINE: "failsafe",  # only while shutting down, at failsafe caps
+}
+
+
+class Agent:
+    """One node's agent. `run` until a stop event; counters are attributes for metrics.
+
+    `rejected` counts dropped input by reason: the wire's (oversized, not_json, bad_version,
+    invalid, node_mismatch) and the agent's (bad_topic, retained, stale_tick, unknown_gpu).
+    `unsent` counts messages that could not be published (disconnected), by kind.
+    """
+
+    def __init__(
+        self, settings: AgentSettings, backend: GpuBackend, transport: Transport, clock: Clock
+    ) -> None:
+        self.settings = settings
+        self.node_id = settings.node_id
+        self.backend = backend
+        self.transport = transport
+        self.clock = clock
+        self.topics = Topics(settings.topic_prefix)
+        self.gpus: dict[str, GpuInfo] = {g.uuid: g for g in backend.gpus()}
+        self.state = NodeState.STARTING
+        self.last_tick: int | None = None
+        self.lease_until = 0.0  # monotonic time at which the last command's caps lapse
+        self.caps_w: dict[str, float] = {}  # enforced caps, as last read back
+        self.failsafe_w: dict[str, float] = {}  # from the latest command
+        self.seq = 0
+        self.rejected: Counter[str] = Counter()
+        self.unsent: Counter[str] = Counter()
+        self.log = log.bind(node=self.node_id)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self._sample()
+        self._enforce_failsafe()
+        self.log.info("agent_started", gpus=len(self.gpus), state=self.state)
+        will = LastWill(
+            self.topics.status(self.node_id),
+            encode(NodeStatus(node_id=self.node_id, state=NodeState.OFFLINE)),
+        )
+        await self.transport.connect(will=will, on_connect=self._publish_status)
+        await self.transport.subscribe(self.topics.caps(self.node_id), qos=1)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                loops = [
+                    tg.create_task(self._telemetry_loop(), name=f"agent-{self.node_id}-telemetry"),
+                    tg.create_task(self._command_loop(), name=f"agent-{self.node_id}-commands"),
+                    tg.create_task(self._lease_loop(), name=f"agent-{self.node_id}-lease"),
+                ]
+                await stop.wait()
+                for task in loops:
+                    task.cancel()
+        finally:
+            await self._shutdown()
+
+    async def _shutdown(self) -> None:
+        # Nobody watches the lease once we are gone, so leave the node at its failsafe caps.
+        self._enforce_failsafe()
+        self.state = NodeState.OFFLINE
+        await self._publish_status()
+        await self.transport.disconnect()
+        self.log.info("agent_stopped", caps_w=self.caps_w)
+
+    # -- loops ---------------------------------------------------------------------------
+
+    async def _telemetry_loop(self) -> None:
+        period = self.settings.period_s
+        next_at = self.clock.monotonic()
+        while True:
+            await self._publish_telemetry()
+            next_at += period
+            now = self.clock.monotonic()
+            next_at = max(next_at, now)  # fell behind (suspended, overloaded): don't burst
+            await self.clock.sleep(next_at - now)
+
+    async def _command_loop(self) -> None:
+        async for message in self.transport.messages():
+            await self._on_message(message)
+
+    async def _lease_loop(self) -> None:
+        period = self.settings.period_s
+        while True:
+            now = self.clock.monotonic()
+            if self.state is NodeState.STEERED and now >= self.lease_until:
+                self.log.warning("lease_expired", last_tick=self.last_tick)
+                self.state = NodeState.FAILSAFE
+                self._enforce_failsafe()
+                await self._publish_status()
+            elif self.state is not NodeState.STEERED and self._enforce_failsafe():
+                # A cap read back above failsafe (an out-of-band tool, a GPU back from the
+                # dead) is lowered again while nobody steers.
+                await self._publish_status()
+            wait = period
+            if self.state is NodeState.STEERED:
+                wait = min(period, self.lease_until - now)
+            await self.clock.sleep(wait)
+
+    # -- commands ------------------------------------------------------------------------
+
+    async def _on_message(self, message: Message) -> None:
+        if message.topic != self.topics.caps(self.node_id):
+            self._reject("bad_topic", message.topic[:200])
+            return
+        if message.retain:
+            # A retained command could be any age; replaying it after a restart is unsafe.
+            self._reject("retained", "commands must not be retained")
+            return
+        try:
+            cmd = decode(message.payload, CapCommand, topic_node=self.node_id)
+        except WireError as exc:
+            self._reject(exc.reason, exc.detail)
+            return
+        if self.last_tick is not None and cmd.tick <= self.last_tick:
+            self._reject("stale_tick", f"tick {cmd.tick} <= last applied {self.last_tick}")
+            return
+        ack = self._apply(cmd)
+        await self._send("ack", self.topics.ack(self.node_id), ack, qos=1)
+        await self._publish_status()
+
+    def _reject(self, reason: str, detail: str) -> None:
+        self.rejected[reason] += 1
+        self.log.warning("input_rejected", reason=reason, detail=detail)
+
+    def _apply(self, cmd: CapCommand) -> CapAck:
+        """Apply a valid command: decreases first, so the node never sums above before/after."""
+        acks: dict[str, GpuAck] = {}
+        plan: list[tuple[float, str, float, float]] = []  # (change, uuid, requested, target)
+        for uuid, requested in cmd.caps.items():
+            info = self.gpus.get(uuid)
+            if info is None:
+                self._reject("unknown_gpu", uuid)
+                acks[uuid] = GpuAck(requested_w=requested, error=AckError.UNKNOWN_GPU)
+                continue
+            target = min(max(requested, info.min_cap_w), info.max_cap_w)
+            current = self.caps_w.get(uuid, info.max_cap_w)
+            plan.append((target - current, uuid, requested, target))
+        for _, uuid, requested, target in sorted(plan):
+            acks[uuid] = self._set_cap(uuid, requested, target)
+        for uuid, watts in cmd.failsafe_w.items():
+            if uuid in self.gpus:
+                self.failsafe_w[uuid] = watts
+        self.last_tick = cmd.tick
+        self.lease_until = self.clock.monotonic() + cmd.lease_s
+        if self.state is not NodeState.STEERED:
+            self.log.info("steering_resumed", tick=cmd.tick, previous=self.state)
+        self.state = NodeState.STEERED
+        self.log.debug("caps_applied", tick=cmd.tick, caps_w=self.caps_w)
+        return CapAck(node_id=self.node_id, tick=cmd.tick, gpus=acks, ts=self.clock.wall())
+
+    def _set_cap(self, uuid: str, requested: float, target: float) -> GpuAck:
+        try:
+            enforced = self.backend.set_power_limit_w(uuid, target)
+        except BackendError as exc:
+            self.log.warning(
+                "cap_set_failed", gpu=uuid, watts=target, error=exc.code, detail=str(exc)
+            )
+            return GpuAck(requested_w=requested, error=exc.code)
+        self.caps_w[uuid] = enforced
+        if abs(enforced - target) > CAP_TOLERANCE_W:
+            self.log.warning("cap_overridden", gpu=uuid, watts=target, enforced_w=enforced)
+            return GpuAck(requested_w=requested, enforced_w=enforced, error=AckError.OVERRIDDEN)
+        return GpuAck(requested_w=requested, enforced_w=enforced)
+
+    # -- failsafe ------------------------------------------------------------------------
+
+    def failsafe_cap_w(self, info: GpuInfo) -> float:
+        watts = self.failsafe_w.get(info.uuid, self.settings.failsafe_w or info.min_cap_w)
+        return min(max(watts, info.min_cap_w), info.max_cap_w)
+
+    def _enforce_failsafe(self) -> bool:
+        """Lower every GPU above its failsafe cap to it (never raise one); True if any moved."""
+        moved = False
+        for uuid, info in self.gpus.items():
+            current = self.caps_w.get(uuid)
+            if current is None:  # never read (lost GPU): nothing known to lower from
+                continue
+            target = self.failsafe_cap_w(info)
+            if current > target + CAP_TOLERANCE_W:
+                ack = self._set_cap(uuid, target, target)
+                moved = moved or ack.enforced_w is not None
+                self.log.info("failsafe_cap", gpu=uuid, from_w=current, to_w=self.caps_w[uuid])
+        return moved
+
+    # -- publishing ----------------------------------------------------------------------
+
+    def _sample(self) -> list[GpuTelemetry]:
+        samples = []
+        for uuid, info in self.gpus.items():
+            try:
+                reading = self.backend.read(uuid)
+                sample = self._telemetry(info, reading)
+            except BackendError as exc:
+                self.log.warning("gpu_read_failed", gpu=uuid, error=exc.code, detail=str(exc))
+                sample = self._failed_telemetry(info, str(exc.code))
+            except ValidationError as exc:
+                self.log.warning("gpu_reading_invalid", gpu=uuid, detail=str(exc)[:300])
+                sample = self._failed_telemetry(info, "invalid_reading")
+            samples.append(sample)
+        return samples
+
+    def _telemetry(self, info: GpuInfo, r: GpuReading) -> GpuTelemetry:
+        self.caps_w[info.uuid] = r.cap_w
+        return GpuTelemetry(
+            uuid=info.uuid,
+            index=info.index,
+            name=info.name,
+            power_w=r.power_w,
+            energy_j=r.energy_j,
+            cap_w=r.cap_w,
+            min_cap_w=info.min_cap_w,
+            max_cap_w=info.max_cap_w,
+            default_cap_w=info.default_cap_w,
+            temp_c=r.temp_c,
+            util_pct=r.util_pct,
+            sm_clock_mhz=r.sm_clock_mhz,
+            throttle=r.throttle,
+            workload=r.workload,
+            perf=r.perf,
+        )
+
+    def _failed_telemetry(self, info: GpuInfo, error: str) -> GpuTelemetry:
+        """A GPU we could not read: the cap is the last known (else the maximum), no readings."""
+        return GpuTelemetry(
+            uuid=info.uuid,
+            index=info.index,
+            name=info.name,
+            power_w=0.0,
+            energy_j=0.0,
+            cap_w=self.caps_w.get(info.uuid, info.max_cap_w),
+            min_cap_w=info.min_cap_w,
+            max_cap_w=info.max_cap_w,
+            default_cap_w=info.default_cap_w,
+            temp_c=0.0,
+            util_pct=0.0,
+            sm_clock_mhz=0.0,
+            error=error,
+        )
+
+    async def _publish_telemetry(self) -> None:
+        msg = NodeTelemetry(
+            node_id=self.node_id,
+            ts=self.clock.wall(),
+            seq=self.seq,
+            period_s=self.settings.period_s,
+            gpus=self._sample(),
+            state=_TELEMETRY_STATE[self.state],
+        )
+        self.seq += 1
+        await self._send("telemetry", self.topics.telemetry(self.node_id), msg, qos=0)
+
+    async def _publish_status(self) -> None:
+        status = NodeStatus(
+            node_id=self.node_id,
+            state=self.state,
+            ts=self.clock.wall(),
+            last_tick=self.last_tick,
+            gpus=len(self.gpus),
+            agent_version=__version__,
+            caps_w=self.caps_w,
+        )
+        await self._send("status", self.topics.status(self.node_id), status, qos=1, retain=True)
+
+    async def _send(
+        self,
+        kind: str,
+        topic: str,
+        msg: CapAck | NodeStatus | NodeTelemetry,
+        qos: int,
+        retain: bool = False,
+    ) -> None:
+        try:
+            await self.transport.publish(topic, encode(msg), qos=qos, retain=retain)
+        except TransportError as exc:
+            self.unsent[kind] += 1
+            self.log.debug("publish_failed", kind=kind, error=str(exc))
+
+
+async def run_agent(
+    settings: AgentSettings,
+    backend: GpuBackend,
+    transport: Transport,
+    clock: Clock,
+    stop: asyncio.Event,
+) -> None:
+    """Run one node's agent until `stop` is set; leaves the node at failsafe caps."""
+    await Agent(settings, backend, transport, clock).run(stop)
+
+
+def build_backend(settings: AgentSettings, clock: Clock) -> GpuBackend:
+    """The backend the settings name: NVML (imported only here), or a mock fleet of one node."""
+    if settings.backend == "nvml":
+        from powerd.backends.nvml import NvmlBackend
+
+        return NvmlBackend(clock)
+    from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
+
+    fleet = GpuFleetModel(
+        settings.mock_gpus,
+        Workload.of(settings.mock_workload),
+        seed=settings.mock_seed,
+        start_s=clock.monotonic(),
+        uuid_prefix=f"GPU-{settings.node_id}",
+    )
+    return MockBackend(fleet, clock)
+
+
+def build_transport(settings: AgentSettings) -> MqttTransport:
+    return MqttTransport(settings.mqtt_config())

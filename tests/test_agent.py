@@ -1,0 +1,430 @@
+"""The node agent against a real Mosquitto, with mock GPUs and a clock the test moves."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from powerd.agent import Agent, AgentSettings, SettingsError, build_backend
+from powerd.backends.base import NoPermission
+from powerd.backends.mock import GpuFleetModel, MockBackend, Pattern, Workload
+from powerd.transport import ConnectionState, MqttConfig, MqttTransport
+from powerd.transport.mosquitto import LocalMosquitto
+from powerd.wire import (
+    MAX_PAYLOAD_BYTES,
+    AckError,
+    CapAck,
+    CapCommand,
+    NodeState,
+    NodeStatus,
+    NodeTelemetry,
+    Topics,
+    decode,
+    encode,
+)
+
+NODE = "node-1"
+PERIOD_S = 0.5
+LEASE_S = 2.0
+TOPICS = Topics()
+
+
+class Harness:
+    """One agent on 4 mock GPUs, and a controller-side client that sends and listens."""
+
+    def __init__(
+        self, agent: Agent, fleet: GpuFleetModel, backend: MockBackend, clock: Any, eventually: Any
+    ):
+        self.eventually = eventually
+        self.agent = agent
+        self.fleet = fleet
+        self.backend = backend
+        self.clock = clock
+        self.uuids = list(agent.gpus)
+        self.controller: MqttTransport | None = None
+        self.acks: asyncio.Queue[CapAck] = asyncio.Queue()
+        self.statuses: list[NodeStatus] = []
+        self.telemetry: list[NodeTelemetry] = []
+
+    async def listen(self, url: str) -> None:
+        self.controller = MqttTransport(MqttConfig.from_url(url, reconnect_max_s=0.3))
+        await self.controller.connect()
+        for kind in ("ack", "status", "telemetry"):
+            await self.controller.subscribe(TOPICS.all_nodes(kind))
+        await asyncio.wait_for(self.controller.wait_connected(), 10)
+
+    async def receive(self) -> None:
+        assert self.controller is not None
+        async for m in self.controller.messages():
+            _, kind = TOPICS.parse_node_topic(m.topic)
+            if kind == "ack":
+                self.acks.put_nowait(decode(m.payload, CapAck))
+            elif kind == "status":
+                self.statuses.append(decode(m.payload, NodeStatus))
+            elif kind == "telemetry":
+                self.telemetry.append(decode(m.payload, NodeTelemetry))
+
+    async def send(self, payload: bytes | CapCommand, retain: bool = False) -> None:
+        assert self.controller is not None
+        raw = encode(payload) if isinstance(payload, CapCommand) else payload
+        await self.controller.publish(TOPICS.caps(NODE), raw, qos=1, retain=retain)
+
+    async def next_ack(self) -> CapAck:
+        return await asyncio.wait_for(self.acks.get(), 10)
+
+    def command(
+        self, tick: int, caps: list[float], failsafe: float = 300.0, lease_s: float = LEASE_S
+    ) -> CapCommand:
+        return CapCommand(
+            node_id=NODE,
+            tick=tick,
+            lease_s=lease_s,
+            caps=dict(zip(self.uuids, caps, strict=False)),
+            failsafe_w=dict.fromkeys(self.uuids, failsafe),
+        )
+
+    async def apply(self, tick: int, caps: list[float], **kw: Any) -> CapAck:
+        await self.send(self.command(tick, caps, **kw))
+        ack = await self.next_ack()
+        assert ack.tick == tick
+        return ack
+
+    def caps(self) -> list[float]:
+        return [float(c) for c in self.fleet.cap_w]
+
+    async def step(self, seconds: float) -> None:
+        """Move virtual time in periods; after each, wait until the agent has sampled."""
+        for _ in range(round(seconds / PERIOD_S)):
+            seq = self.agent.seq
+            self.clock.advance(PERIOD_S)
+            await self.eventually(lambda seq=seq: self.agent.seq > seq, what="a sample")
+            await asyncio.sleep(0.01)  # the lease loop, woken too, runs its check
+
+    async def latest_telemetry(self) -> NodeTelemetry:
+        """The last sample taken, once it has come through the broker."""
+        seq = self.agent.seq - 1
+        await self.eventually(
+            lambda: bool(self.telemetry) and self.telemetry[-1].seq == seq, what="telemetry"
+        )
+        return self.telemetry[-1]
+
+
+StartAgent = Callable[..., Any]
+
+
+@pytest.fixture
+async def start_agent(
+    mosquitto: LocalMosquitto, stepped_clock: Any, eventually: Any
+) -> AsyncIterator[StartAgent]:
+    """Start an agent (settings overridable) on the test's broker; stopped at teardown."""
+    running: list[tuple[asyncio.Event, asyncio.Task[None], asyncio.Task[None], Harness]] = []
+
+    async def start(
+        prepare: Callable[[GpuFleetModel], None] | None = None, **overrides: Any
+    ) -> Harness:
+        defaults: dict[str, Any] = {
+            "node_id": NODE,
+            "broker": mosquitto.url,
+            "backend": "mock",
+            "period_s": PERIOD_S,
+            "failsafe_w": 400.0,
+            "reconnect_max_s": 0.3,
+        }
+        settings = AgentSettings(**{**defaults, **overrides})
+        fleet = GpuFleetModel(
+            4, Workload.steady(650.0), start_s=stepped_clock.monotonic(), uuid_prefix="GPU-t"
+        )
+        if prepare is not None:
+            prepare(fleet)
+        backend = MockBackend(fleet, stepped_clock)
+        transport = MqttTransport(settings.mqtt_config())
+        agent = Agent(settings, backend, transport, stepped_clock)
+        h = Harness(agent, fleet, backend, stepped_clock, eventually)
+        await h.listen(mosquitto.url)
+        stop = asyncio.Event()
+        receiver = asyncio.create_task(h.receive(), name="test-controller")
+        task = asyncio.create_task(agent.run(stop), name="test-agent")
+        running.append((stop, task, receiver, h))
+        await asyncio.wait_for(transport.wait_connected(), 10)
+        # The agent is subscribed once its status (published after subscribing) is back.
+        await eventually(lambda: bool(h.statuses), what="the agent's status")
+        return h
+
+    yield start
+    for stop, task, receiver, h in running:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        assert h.controller is not None
+        await h.controller.disconnect()
+        await asyncio.wait_for(receiver, 10)
+
+
+# -- start and normal operation ----------------------------------------------------------------
+
+
+async def test_start_lowers_to_failsafe_and_never_raises(start_agent: StartAgent) -> None:
+    h = await start_agent(prepare=lambda fleet: fleet.set_cap(0, 300.0))
+    # failsafe_w = 400 from the settings until the first command; GPU 0 was already lower.
+    assert h.caps() == [300.0, 400.0, 400.0, 400.0]
+    assert h.agent.state is NodeState.STARTING
+    status = h.statuses[-1]
+    assert status.state is NodeState.STARTING
+    assert status.caps_w == dict(zip(h.uuids, [300.0, 400.0, 400.0, 400.0], strict=True))
+
+
+async def test_cap_applied_and_acknowledged_end_to_end(start_agent: StartAgent, eventually: Any):
+    h = await start_agent()
+    # Out-of-range requests are clamped to the device's limits [200, 700] W.
+    ack = await h.apply(1, [500.0, 650.0, 100.0, 900.0], lease_s=60.0)
+    assert {u: (g.requested_w, g.enforced_w, g.error) for u, g in ack.gpus.items()} == {
+        h.uuids[0]: (500.0, 500.0, None),
+        h.uuids[1]: (650.0, 650.0, None),
+        h.uuids[2]: (100.0, 200.0, None),
+        h.uuids[3]: (900.0, 700.0, None),
+    }
+    assert h.caps() == [500.0, 650.0, 200.0, 700.0]
+    await eventually(lambda: h.statuses[-1].state is NodeState.STEERED, what="steered status")
+    assert h.statuses[-1].last_tick == 1
+    assert h.statuses[-1].caps_w[h.uuids[0]] == 500.0
+
+    await h.step(4 * PERIOD_S)  # 10 time constants of the mock's power lag
+    sample = await h.latest_telemetry()
+    assert sample.state == "steered"
+    assert [g.cap_w for g in sample.gpus] == [500.0, 650.0, 200.0, 700.0]
+    # Demand is 650 W: the GPUs capped below it are held back and say so.
+    assert sample.gpus[0].throttle == ["sw_power_cap"]
+    assert sample.gpus[3].throttle == []
+    assert sample.gpus[0].power_w == pytest.approx(500.0, abs=1.0)
+
+
+async def test_decreases_are_applied_before_increases(start_agent: StartAgent) -> None:
+    h = await start_agent()
+    await h.apply(1, [400.0, 600.0, 400.0, 600.0])
+    h.backend.set_log.clear()
+    await h.apply(2, [600.0, 300.0, 650.0, 250.0])
+    order = [uuid for uuid, _ in h.backend.set_log]
+    assert set(order[:2]) == {h.uuids[1], h.uuids[3]}  # the cuts
+    assert set(order[2:]) == {h.uuids[0], h.uuids[2]}  # then the raises
+    assert h.caps() == [600.0, 300.0, 650.0, 250.0]
+
+
+async def test_unknown_gpu_gets_an_error_in_the_ack(start_agent: StartAgent) -> None:
+    h = await start_agent()
+    cmd = h.command(1, [500.0])
+    cmd = cmd.model_copy(update={"caps": {**cmd.caps, "GPU-nonesuch": 500.0}})
+    await h.send(cmd)
+    ack = await h.next_ack()
+    assert ack.gpus["GPU-nonesuch"].error is AckError.UNKNOWN_GPU
+    assert ack.gpus[h.uuids[0]].enforced_w == 500.0
+    assert h.agent.rejected["unknown_gpu"] == 1
+    assert h.caps()[0] == 500.0
+
+
+async def test_device_faults_are_reported_per_gpu(start_agent: StartAgent) -> None:
+    def faults(fleet: GpuFleetModel) -> None:
+        fleet.override(0, 450.0)
+        fleet.fail_set(1, NoPermission)
+
+    h = await start_agent(prepare=faults)
+    h.fleet.lose(2)
+    ack = await h.apply(1, [600.0, 600.0, 600.0, 600.0])
+    g = [ack.gpus[u] for u in h.uuids]
+    assert (g[0].error, g[0].enforced_w) == (AckError.OVERRIDDEN, 450.0)
+    assert g[1].error is AckError.NO_PERMISSION
+    assert g[2].error is AckError.GPU_LOST
+    assert (g[3].error, g[3].enforced_w) == (None, 600.0)
+    # A lost GPU is reported in telemetry, and the agent carries on.
+    await h.step(PERIOD_S)
+    assert (await h.latest_telemetry()).gpus[2].error == "gpu_lost"
+    assert (await h.apply(2, [500.0, 500.0, 500.0, 500.0])).gpus[h.uuids[3]].enforced_w == 500.0
+
+
+async def test_clean_stop_leaves_failsafe_caps_and_offline_status(
+    mosquitto: LocalMosquitto, stepped_clock: Any, eventually: Any
+) -> None:
+    settings = AgentSettings(
+        node_id=NODE, broker=mosquitto.url, backend="mock", mock_gpus=2, period_s=PERIOD_S
+    )
+    backend = build_backend(settings, stepped_clock)
+    agent = Agent(settings, backend, MqttTransport(settings.mqtt_config()), stepped_clock)
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop))
+    await eventually(lambda: agent.transport.state is ConnectionState.CONNECTED)
+    stop.set()
+    await asyncio.wait_for(task, 10)
+    # No failsafe_w configured and no command seen: the device minimum is the failsafe cap.
+    assert [backend.read(g.uuid).cap_w for g in backend.gpus()] == [200.0, 200.0]
+
+    watcher = MqttTransport(MqttConfig.from_url(mosquitto.url))
+    await watcher.connect()
+    await watcher.subscribe(TOPICS.status(NODE))
+    message = await asyncio.wait_for(anext(watcher.messages()), 10)
+    await watcher.disconnect()
+    assert message.retain
+    assert decode(message.payload, NodeStatus).state is NodeState.OFFLINE
+
+
+# -- lease and failsafe ------------------------------------------------------------------------
+
+
+async def test_failsafe_engages_within_lease_plus_one_period(
+    start_agent: StartAgent, eventually: Any
+) -> None:
+    h = await start_agent(failsafe_w=None)
+    await h.apply(1, [250.0, 600.0, 600.0, 600.0], failsafe=500.0)
+    await h.step(LEASE_S - PERIOD_S)
+    assert h.agent.state is NodeState.STEERED
+    assert (await h.latest_telemetry()).state == "steered"
+
+    await h.step(PERIOD_S)  # now at lease + at most one period since the command
+    await eventually(lambda: h.agent.state is NodeState.FAILSAFE, what="failsafe")
+    # min(current, failsafe): lowered to 500 W, GPU 0 stays at 250 W.
+    assert h.caps() == [250.0, 500.0, 500.0, 500.0]
+    await eventually(lambda: h.statuses[-1].state is NodeState.FAILSAFE)
+    await h.step(PERIOD_S)
+    assert (await h.latest_telemetry()).state == "failsafe"
+
+    # The next valid command steers again, raises included.
+    await h.apply(2, [650.0, 650.0, 650.0, 650.0])
+    assert h.agent.state is NodeState.STEERED
+    assert h.caps() == [650.0] * 4
+
+
+async def test_failsafe_when_broker_dies_then_resumes(
+    start_agent: StartAgent, mosquitto: LocalMosquitto, eventually: Any
+) -> None:
+    h = await start_agent()
+    await h.apply(1, [600.0, 600.0, 600.0, 600.0], failsafe=350.0)
+    mosquitto.kill()
+    await eventually(lambda: h.agent.transport.state is not ConnectionState.CONNECTED)
+    await h.step(LEASE_S + PERIOD_S)
+    await eventually(lambda: h.agent.state is NodeState.FAILSAFE, what="failsafe")
+    assert h.caps() == [350.0] * 4
+    assert h.agent.unsent["telemetry"] > 0
+
+    h.statuses.clear()
+    mosquitto.start()
+    # The agent reconnects and republishes its status (the restarted broker forgot it).
+    await eventually(lambda: bool(h.statuses), what="status after reconnection")
+    assert h.statuses[-1].state is NodeState.FAILSAFE
+    assert h.statuses[-1].caps_w == dict.fromkeys(h.uuids, 350.0)
+    ack = await h.apply(2, [550.0, 550.0, 550.0, 550.0])
+    assert all(g.enforced_w == 550.0 for g in ack.gpus.values())
+    assert h.agent.state is NodeState.STEERED
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+def _raw(**fields: Any) -> bytes:
+    base: dict[str, Any] = {
+        "v": 1,
+        "node_id": NODE,
+        "tick": 10,
+        "lease_s": LEASE_S,
+        "caps": {"GPU-t-0-000000": 250.0},
+        "failsafe_w": {},
+    }
+    return json.dumps({**base, **fields}).encode()
+
+
+BAD_INPUT: list[tuple[str, Callable[[Harness], bytes | CapCommand], str]] = [
+    ("not_json", lambda h: b"{caps: 250 W please", "not_json"),
+    ("empty", lambda h: b"", "not_json"),
+    ("wrong_type", lambda h: _raw(tick="ten"), "invalid"),
+    ("caps_not_a_map", lambda h: _raw(caps=[250.0]), "invalid"),
+    ("negative_watts", lambda h: _raw(caps={h.uuids[0]: -250.0}), "invalid"),
+    ("nan_watts", lambda h: _raw().replace(b"250.0", b"NaN"), "invalid"),
+    ("huge_watts", lambda h: _raw(caps={h.uuids[0]: 1e9}), "invalid"),
+    ("wrong_node", lambda h: _raw(node_id="node-2"), "node_mismatch"),
+    ("wrong_version", lambda h: _raw(v=2), "bad_version"),
+    ("oversized", lambda h: _raw(pad="x" * MAX_PAYLOAD_BYTES), "oversized"),
+    ("replayed_tick", lambda h: h.command(5, [250.0]), "stale_tick"),
+    ("older_tick", lambda h: h.command(4, [250.0]), "stale_tick"),
+]
+
+
+@pytest.mark.parametrize(
+    ("make", "reason"), [(m, r) for _, m, r in BAD_INPUT], ids=[n for n, _, _ in BAD_INPUT]
+)
+async def test_bad_input_is_counted_and_changes_nothing(
+    start_agent: StartAgent,
+    eventually: Any,
+    make: Callable[[Harness], bytes | CapCommand],
+    reason: str,
+) -> None:
+    h = await start_agent()
+    await h.apply(5, [450.0, 450.0, 450.0, 450.0])
+    before = h.caps()
+    await h.send(make(h))
+    await eventually(lambda: h.agent.rejected[reason] == 1, what=f"rejected[{reason}]")
+    assert h.caps() == before
+    assert h.agent.state is NodeState.STEERED
+    # No ack for the bad message: the next ack is the next valid command's.
+    assert (await h.apply(6, [460.0])).gpus[h.uuids[0]].enforced_w == 460.0
+    assert sum(h.agent.rejected.values()) == 1
+
+
+async def test_retained_command_is_ignored(
+    start_agent: StartAgent, mosquitto: LocalMosquitto, eventually: Any
+) -> None:
+    # A command left retained on the broker, of unknown age, met by an agent (re)starting.
+    stale = MqttTransport(MqttConfig.from_url(mosquitto.url))
+    await stale.connect()
+    await asyncio.wait_for(stale.wait_connected(), 10)
+    await stale.publish(TOPICS.caps(NODE), _raw(caps={"GPU-t-0-000000": 650.0}), 1, retain=True)
+    await stale.disconnect()
+
+    h = await start_agent()
+    await eventually(lambda: h.agent.rejected["retained"] == 1, what="retained rejected")
+    assert h.caps() == [400.0] * 4
+    assert h.agent.state is NodeState.STARTING
+
+
+# -- settings ----------------------------------------------------------------------------------
+
+
+def test_settings_precedence_file_env_overrides(tmp_path: Path, monkeypatch: Any) -> None:
+    toml = tmp_path / "agent.toml"
+    toml.write_text('node_id = "from-file"\nperiod_s = 2.0\nfailsafe_w = 300\n')
+    monkeypatch.setenv("POWERD_PERIOD_S", "3")
+    s = AgentSettings.load(toml, failsafe_w=350.0, broker=None)
+    assert (s.node_id, s.period_s, s.failsafe_w) == ("from-file", 3.0, 350.0)
+    assert s.broker == "mqtt://127.0.0.1:1883"
+
+    yaml_file = tmp_path / "agent.yaml"
+    yaml_file.write_text("node_id: y1\nbackend: mock\nmock_workload: inference\n")
+    s = AgentSettings.load(yaml_file)
+    assert (s.node_id, s.backend, s.mock_workload) == ("y1", "mock", Pattern.INFERENCE)
+
+
+def test_settings_errors_name_the_file_and_key(tmp_path: Path) -> None:
+    bad = tmp_path / "agent.yaml"
+    bad.write_text("node_id: n1\nperiod_s: -1\nperoid_s: 2\n")
+    with pytest.raises(SettingsError) as err:
+        AgentSettings.load(bad)
+    text = str(err.value)
+    assert str(bad) in text
+    assert "period_s" in text
+    assert "peroid_s: unknown key" in text
+
+
+def test_settings_build_the_mqtt_config() -> None:
+    s = AgentSettings(
+        node_id="n1", broker="mqtts://u:p@127.0.0.1", password="secret", tls_insecure=True
+    )
+    c = s.mqtt_config()
+    assert (c.host, c.port, c.tls, c.username, c.password) == (
+        "127.0.0.1",
+        8883,
+        True,
+        "u",
+        "secret",
+    )
+    assert c.client_id is not None
+    assert c.client_id.startswith("powerd-agent-n1-")
