@@ -7,17 +7,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from powerd import __version__
 from powerd.errors import InputError
+from powerd.logs import configure_logging
 from powerd.policy import LEVELS, Policy, load_policy, subtree_totals
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
+
+DEFAULT_DB_URL = "sqlite:///powerd.db"
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -135,6 +139,29 @@ def cmd_solve(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_db_upgrade(args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from powerd.store import current_revision, head_revision, upgrade
+
+    try:
+        before = current_revision(args.db)
+        upgrade(args.db)
+        after = current_revision(args.db)
+    except SQLAlchemyError as exc:
+        print(
+            f"powerd db upgrade: cannot migrate {args.db}: {exc.__class__.__name__}: "
+            f"{str(exc).splitlines()[0]}",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    if before == after:
+        print(f"{args.db}: already at {after} (head {head_revision()})")
+    else:
+        print(f"{args.db}: migrated {before or 'empty'} -> {after}")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="powerd",
@@ -142,6 +169,17 @@ def build_parser() -> argparse.ArgumentParser:
         "no budget ever exceeded.",
     )
     parser.add_argument("--version", action="version", version=f"powerd {__version__}")
+    parser.add_argument(
+        "--log-format",
+        choices=("auto", "json", "console"),
+        default=os.environ.get("POWERD_LOG_FORMAT", "auto"),
+        help="log lines on stderr: JSON under systemd or without a terminal (auto), or as chosen",
+    )
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("POWERD_LOG_LEVEL", "info"),
+        choices=("debug", "info", "warning", "error"),
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     policy = sub.add_parser("policy", help="work with policy files")
@@ -165,12 +203,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     solve.add_argument("--pretty", action="store_true", help="indent the JSON")
     solve.set_defaults(handler=cmd_solve)
+
+    db = sub.add_parser("db", help="database maintenance")
+    db_sub = db.add_subparsers(dest="db_command", metavar="ACTION", required=True)
+    up = db_sub.add_parser("upgrade", help="run the migrations up to the newest schema")
+    up.add_argument(
+        "--db",
+        default=os.environ.get("POWERD_DB", DEFAULT_DB_URL),
+        help="SQLAlchemy URL, e.g. sqlite:///powerd.db or postgresql://user@host/db "
+        "(default: $POWERD_DB or %(default)s)",
+    )
+    up.set_defaults(handler=cmd_db_upgrade)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    configure_logging(args.log_format, args.log_level)
     handler: Handler = args.handler
     try:
         return handler(args)
