@@ -218,6 +218,8 @@ class GpuFleetModel:
             raise ValueError("n must not be negative")
         if not min_cap_w <= default_cap_w <= max_cap_w:
             raise ValueError("need min_cap_w <= default_cap_w <= max_cap_w")
+        if tau_s <= 0 or temp_tau_s <= 0 or tau_s == temp_tau_s:
+            raise ValueError("time constants must be positive, and tau_s != temp_tau_s")
         self.n = n
         self.t = start_s
         self.tau_s = tau_s
@@ -287,6 +289,7 @@ class GpuFleetModel:
         self._burst_slot[idx] = workload.burst_slot_s
         self._training_idx = np.flatnonzero(self._pattern == _PATTERN_CODES[Pattern.TRAINING])
         self._inference_idx = np.flatnonzero(self._pattern == _PATTERN_CODES[Pattern.INFERENCE])
+        self.demand_w = self.demand_at(self.t)
 
     def workload(self, i: int) -> Workload:
         return self._workloads[int(self._workload_idx[i])]
@@ -324,8 +327,12 @@ class GpuFleetModel:
         energy = target * dt_s + gap * self.tau_s * (1.0 - decay)
         self.energy_j += energy
         self._lagged_w = target + gap * decay
-        temp_target = self.ambient_c + self.temp_per_w * (energy / dt_s)
-        self.temp_c = temp_target + (self.temp_c - temp_target) * np.exp(-dt_s / self.temp_tau_s)
+        # Temperature: a slower lag driven by that draw. Its exact solution is the settled
+        # value, plus the draw's decaying gap passed through, plus its own decaying start.
+        settled = self.ambient_c + self.temp_per_w * target
+        passed = self.temp_per_w * gap * self.tau_s / (self.tau_s - self.temp_tau_s)
+        own = (self.temp_c - settled - passed) * np.exp(-dt_s / self.temp_tau_s)
+        self.temp_c = settled + passed * decay + own
         self.t += dt_s
         self.demand_w = self.demand_at(self.t)
         self._update_reported_power()

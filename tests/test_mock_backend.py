@@ -1,0 +1,169 @@
+"""The mock GPU fleet: exact physics, workload patterns, faults, and the backend view."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from powerd.backends.base import GpuLost, InvalidArgument, NoPermission, UnknownGpu
+from powerd.backends.mock import IDLE_W, GpuFleetModel, MockBackend, Workload
+from powerd.clock import ManualClock
+
+
+def quiet(n: int, workload: Workload, **kw: float) -> GpuFleetModel:
+    return GpuFleetModel(n, workload, noise_frac=0.0, **kw)
+
+
+def test_draw_follows_the_cap_through_an_exact_first_order_lag() -> None:
+    f = quiet(1, Workload.steady(600.0), tau_s=0.2)
+    assert f.power_w[0] == 600.0
+    f.set_cap(0, 300.0)
+    f.advance(0.1)
+    assert f.power_w[0] == pytest.approx(300.0 + 300.0 * math.exp(-0.5))
+    # Energy is the lag's integral, not power × dt.
+    assert f.energy_j[0] == pytest.approx(300.0 * 0.1 + 300.0 * 0.2 * (1 - math.exp(-0.5)))
+
+
+def test_one_long_step_equals_many_short_ones() -> None:
+    coarse = quiet(3, Workload.steady(550.0))
+    fine = quiet(3, Workload.steady(550.0))
+    for f in (coarse, fine):
+        f.set_cap(1, 250.0)
+    coarse.advance(2.0)
+    for _ in range(200):
+        fine.advance(0.01)
+    np.testing.assert_allclose(coarse.power_w, fine.power_w)
+    np.testing.assert_allclose(coarse.energy_j, fine.energy_j)
+    np.testing.assert_allclose(coarse.temp_c, fine.temp_c)
+
+
+def test_draw_is_min_of_cap_and_demand_and_heats_the_gpu() -> None:
+    f = GpuFleetModel(2, Workload.steady(450.0))
+    f.set_cap(0, 300.0)
+    f.advance(5.0)
+    assert f.power_w[0] == pytest.approx(300.0, rel=0.02)
+    assert f.power_w[0] <= 300.0 + 1e-6  # noise never shows a settled GPU above its cap
+    assert f.power_w[1] == pytest.approx(450.0, rel=0.02)
+    assert list(f.power_capped()) == [True, False]
+    # Temperature follows the draw, far more slowly than the draw follows the cap.
+    hot, cool = (f.ambient_c + f.temp_per_w * w for w in (450.0, 300.0))
+    assert cool + 1.0 < f.temp_c[0] < hot
+    f.advance(300.0)
+    assert f.temp_c[0] == pytest.approx(cool, abs=0.5)
+    assert f.temp_c[1] == pytest.approx(hot, abs=0.5)
+
+
+def test_throughput_follows_the_profile_of_the_draw() -> None:
+    w = Workload.steady(700.0)
+    f = quiet(2, w)
+    f.set_cap(0, 400.0)
+    f.advance(5.0)
+    np.testing.assert_allclose(f.throughput(), w.profile.value(f.power_w), rtol=1e-6)
+    assert f.throughput(0)[0] < f.throughput(1)[0]
+    assert f.util_pct(0)[0] == 100.0  # a capped GPU is slowed down, not idle
+    assert f.sm_clock_mhz(0)[0] < f.sm_clock_mhz(1)[0]
+
+
+def test_training_jobs_swing_together_and_apart() -> None:
+    job_a = Workload.training(high_w=650.0, low_w=250.0, period_s=10.0, duty=0.6)
+    job_b = Workload.training(high_w=650.0, low_w=250.0, period_s=10.0, duty=0.6, phase_s=5.0)
+    f = quiet(4, [job_a, job_a, job_b, job_b])
+    assert list(f.demand_at(1.0)) == [650.0, 650.0, 250.0, 250.0]
+    assert list(f.demand_at(7.0)) == [250.0, 250.0, 650.0, 650.0]
+    assert f.workload(0).name == "training"
+
+
+def test_inference_demand_is_deterministic_per_seed() -> None:
+    w = Workload.inference(high_w=500.0, low_w=200.0, burst_w=150.0, burst_prob=0.3)
+    times = np.arange(0.0, 600.0, 2.0)
+    a = np.array([GpuFleetModel(64, w, seed=7).demand_at(t) for t in times])
+    b = np.array([GpuFleetModel(64, w, seed=7).demand_at(t) for t in times])
+    c = np.array([GpuFleetModel(64, w, seed=8).demand_at(t) for t in times])
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    bursting = a > 200.0 + 1.0  # daily curve is near its low at t ≈ 0
+    assert 0.2 < bursting.mean() < 0.4
+    # The daily curve peaks half a day in.
+    noon = GpuFleetModel(1, Workload.inference(burst_prob=0.0)).demand_at(43_200.0)[0]
+    assert noon == pytest.approx(550.0)
+
+
+def test_idle_gpus_draw_little_and_do_no_work() -> None:
+    f = quiet(1, Workload.idle())
+    f.advance(1.0)
+    assert f.power_w[0] == pytest.approx(IDLE_W)
+    assert f.throughput()[0] == 0.0
+    assert f.util_pct()[0] == 0.0
+
+
+def test_workloads_can_change_at_run_time() -> None:
+    f = quiet(2, Workload.idle())
+    f.set_workload([1], Workload.steady(500.0, name="batch"))
+    f.advance(2.0)
+    assert f.power_w[1] == pytest.approx(500.0, rel=1e-3)
+    assert f.workload(1).name == "batch"
+    assert f.workload(0).name == "idle"
+
+
+def test_backend_is_a_lazy_view_on_a_slice_of_the_fleet() -> None:
+    clock = ManualClock(start=100.0)
+    fleet = GpuFleetModel(16, Workload.steady(600.0), start_s=100.0, uuid_prefix="GPU-x")
+    node = MockBackend(fleet, clock, start=8, count=8)
+    gpus = node.gpus()
+    assert [g.index for g in gpus] == list(range(8))
+    assert gpus[0].uuid == fleet.uuids[8]
+    assert (gpus[0].min_cap_w, gpus[0].max_cap_w, gpus[0].default_cap_w) == (200.0, 700.0, 700.0)
+
+    assert node.set_power_limit_w(gpus[0].uuid, 350.0) == 350.0
+    clock.advance(3.0)
+    r = node.read(gpus[0].uuid)
+    assert fleet.t == 103.0
+    assert r.cap_w == 350.0
+    assert r.power_w == pytest.approx(350.0, rel=0.02)
+    assert r.energy_j > 3 * 340.0
+    assert r.throttle == ["sw_power_cap"]
+    assert r.workload == "batch"
+    assert r.perf is not None
+    assert 0 < r.perf < 1
+    with pytest.raises(UnknownGpu):
+        node.read(fleet.uuids[0])  # another node's GPU
+    with pytest.raises(InvalidArgument):
+        node.set_power_limit_w(gpus[0].uuid, 150.0)
+    assert [uuid for uuid, _ in node.set_log] == [gpus[0].uuid]
+
+
+def test_injected_faults() -> None:
+    clock = ManualClock()
+    fleet = GpuFleetModel(3, Workload.steady(600.0))
+    node = MockBackend(fleet, clock)
+    a, b, c = (g.uuid for g in node.gpus())
+
+    fleet.fail_set(0, NoPermission)
+    with pytest.raises(NoPermission):
+        node.set_power_limit_w(a, 300.0)
+    assert node.read(a).cap_w == 700.0  # reading still works
+    fleet.fail_set(0, None)
+    assert node.set_power_limit_w(a, 300.0) == 300.0
+
+    fleet.lose(1)
+    for call in (lambda: node.read(b), lambda: node.set_power_limit_w(b, 300.0)):
+        with pytest.raises(GpuLost):
+            call()
+    assert [g.uuid for g in node.gpus()] == [a, c]
+
+    fleet.override(2, 450.0)
+    assert node.set_power_limit_w(c, 600.0) == 450.0  # enforced: the out-of-band limit
+    assert fleet.requested_cap_w[2] == 600.0
+    fleet.override(2, None)
+    assert node.read(c).cap_w == 600.0
+
+
+def test_rejects_a_fleet_that_cannot_exist() -> None:
+    with pytest.raises(ValueError, match="workloads for"):
+        GpuFleetModel(3, [Workload.idle()])
+    with pytest.raises(ValueError, match="default_cap_w"):
+        GpuFleetModel(1, default_cap_w=800.0)
+    with pytest.raises(ValueError, match="not all in a fleet"):
+        MockBackend(GpuFleetModel(4), ManualClock(), start=2, count=4)
