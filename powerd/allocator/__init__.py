@@ -1,0 +1,48 @@
+"""The allocator: a fleet snapshot and a policy in, one power cap per GPU out.
+
+`allocate` takes a Snapshot; `allocate_arrays` takes per-GPU arrays (`Fleet`) for hot loops.
+Solvers: `fast` (exact, exploits the tree of budgets), `cvxpy` (the reference formulation),
+and the baselines `uniform` and `priority-bands`. See docs/allocator.md.
+"""
+
+from powerd.allocator.api import (
+    SOLVERS,
+    allocate,
+    allocate_arrays,
+    fleet_from_snapshot,
+    group_values,
+)
+from powerd.allocator.model import (
+    FLOORS_DROPPED,
+    INFEASIBLE_MIN,
+    OPTIMAL,
+    Allocation,
+    ClassTable,
+    Fleet,
+    Problem,
+    SolverFailed,
+    Tree,
+    build_problem,
+    class_names,
+    objective,
+)
+
+__all__ = [
+    "FLOORS_DROPPED",
+    "INFEASIBLE_MIN",
+    "OPTIMAL",
+    "SOLVERS",
+    "Allocation",
+    "ClassTable",
+    "Fleet",
+    "Problem",
+    "SolverFailed",
+    "Tree",
+    "allocate",
+    "allocate_arrays",
+    "build_problem",
+    "class_names",
+    "fleet_from_snapshot",
+    "group_values",
+    "objective",
+]

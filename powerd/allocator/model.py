@@ -1,0 +1,389 @@
+"""The allocation problem as arrays: fleet in, bounds and utilities in kW, caps out.
+
+Everything a solver needs is built here once per call, so every solver (exact or baseline)
+sees the same bounds, the same budgets and the same infeasibility handling, and every result
+is verified and scored by the same code. Solvers work in kW: in watts the generic solvers
+lose accuracy (see ALLOCATOR-NOTES.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from powerd.policy import Policy
+from powerd.profile import Profile
+from powerd.topology import N_LEVELS, Topology
+
+FloatArray = NDArray[np.float64]
+IntArray = NDArray[np.int64]
+BoolArray = NDArray[np.bool_]
+
+OPTIMAL = "optimal"
+FLOORS_DROPPED = "floors_dropped"
+INFEASIBLE_MIN = "infeasible_min"
+
+# A GPU drawing this share of its cap is held back by the cap and wants its maximum.
+CAP_LIMITED_SHARE = 0.95
+# Damping 0 would leave ties between equal marginal utilities to floating-point accident; a
+# floor this small costs at most ~1e-5 of one GPU's utility and keeps the optimum unique.
+MIN_DAMPING = 1e-4
+# δ = 2ε·(largest hi − prev + margin): with the margin every GPU strictly wants its hi.
+DELTA_MARGIN_KW = 1.0
+# Budget feasibility checks and the final repair work to this (1e-6 W).
+TOL_KW = 1e-9
+
+
+class SolverFailed(RuntimeError):
+    """A solver could not produce caps (after its fallback); the controller keeps safe caps."""
+
+
+@dataclass(frozen=True, eq=False)
+class Fleet:
+    """Per-GPU arrays for one allocation: the hot-loop input (no pydantic objects).
+
+    `class_index` indexes `class_names(policy)`; `pinned_w` is NaN where a GPU is not pinned.
+    GPU i sits at `topology.gpu_groups[i]`.
+    """
+
+    uuids: tuple[str, ...]
+    topology: Topology
+    min_cap_w: FloatArray
+    max_cap_w: FloatArray
+    power_w: FloatArray
+    cap_w: FloatArray
+    class_index: IntArray
+    stale: BoolArray
+    pinned_w: FloatArray
+
+    @property
+    def n(self) -> int:
+        return len(self.uuids)
+
+
+def class_names(policy: Policy) -> tuple[str, ...]:
+    return tuple(policy.classes)
+
+
+@dataclass(frozen=True, eq=False)
+class ClassTable:
+    """Per-class weights, bounds and profiles, profiles as padded knot/slope rows (per kW)."""
+
+    names: tuple[str, ...]
+    weight: FloatArray
+    floor_w: FloatArray  # 0 where a class has no floor
+    ceiling_w: FloatArray  # inf where a class has no ceiling
+    profiles: tuple[Profile, ...]
+    knots_kw: FloatArray  # (classes, R): where the slope changes, last = peak; +inf padding
+    slopes_kw: FloatArray  # (classes, R): slope before each knot, per kW; 0 padding
+    peak_kw: FloatArray  # (classes,): past this the profile is flat
+
+    @classmethod
+    def from_policy(cls, policy: Policy) -> ClassTable:
+        names = class_names(policy)
+        specs = [policy.classes[c] for c in names]
+        profiles = tuple(policy.class_profile(c) for c in names)
+        # Below its first knot a profile continues its first slope (Profile.value does too),
+        # so knots are power_w[1:] (power_w[0] itself for a one-point profile).
+        rows = []
+        for prof in profiles:
+            if prof.power_w.size >= 2:
+                rows.append((prof.power_w[1:], prof.slopes_per_w))
+            else:
+                rows.append((prof.power_w, np.array([prof.first_slope_per_w])))
+        width = max(k.size for k, _ in rows)
+        knots = np.full((len(names), width), np.inf)
+        slopes = np.zeros((len(names), width))
+        for c, (k, s) in enumerate(rows):
+            knots[c, : k.size] = k / 1000.0
+            slopes[c, : s.size] = s * 1000.0
+        return cls(
+            names=names,
+            weight=np.array([s.weight for s in specs], dtype=np.float64),
+            floor_w=np.array([s.floor_w or 0.0 for s in specs], dtype=np.float64),
+            ceiling_w=np.array(
+                [np.inf if s.ceiling_w is None else s.ceiling_w for s in specs], dtype=np.float64
+            ),
+            profiles=profiles,
+            knots_kw=knots,
+            slopes_kw=slopes,
+            peak_kw=np.array([p.peak_w / 1000.0 for p in profiles], dtype=np.float64),
+        )
+
+
+class Tree:
+    """The topology's levels prepared for fast bottom-up sums (one bincount per level)."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self.n_groups = topology.n_groups
+        self.gpu_groups = topology.gpu_groups
+        self.node_of_gpu = np.ascontiguousarray(topology.gpu_groups[:, N_LEVELS - 1])
+        self.levels = [topology.groups_at(level) for level in range(N_LEVELS)]
+        self.parents = [topology.parent[g] for g in self.levels]
+
+    def sums(self, per_gpu: FloatArray) -> FloatArray:
+        """Sum over every group, like Topology.group_sums but one n-long pass only."""
+        s = np.bincount(self.node_of_gpu, weights=per_gpu, minlength=self.n_groups).astype(
+            np.float64, copy=False
+        )
+        for level in range(N_LEVELS - 1, 0, -1):
+            g = self.levels[level]
+            s += np.bincount(self.parents[level], weights=s[g], minlength=self.n_groups)
+        return s
+
+    def under(self, groups: BoolArray) -> BoolArray:
+        """GPUs below any of the marked groups."""
+        return np.asarray(groups[self.gpu_groups].any(axis=1), dtype=np.bool_)
+
+
+@dataclass(frozen=True, eq=False)
+class Problem:
+    """The instance every solver gets, in kW. Segments are (K, n), one row per segment.
+
+    On [lo, hi] GPU i's weighted utility rises with slope `slopes[k, i]` (weight included)
+    over [starts[k, i], starts[k, i] + lengths[k, i]]; the segments tile [lo, hi] in order,
+    slopes non-increasing, empty (length 0) segments allowed anywhere.
+    """
+
+    fleet: Fleet
+    classes: ClassTable
+    tree: Tree
+    lo: FloatArray
+    hi: FloatArray
+    prev: FloatArray
+    demand_w: FloatArray
+    weight: FloatArray
+    starts: FloatArray
+    lengths: FloatArray
+    slopes: FloatArray
+    capacity: FloatArray  # per group; inf when unconstrained or already infeasible
+    eps: float
+    delta: float
+    dropped_floor: BoolArray
+    infeasible_groups: IntArray
+
+    @property
+    def n(self) -> int:
+        return int(self.lo.size)
+
+    @property
+    def status(self) -> str:
+        if self.infeasible_groups.size:
+            return INFEASIBLE_MIN
+        if self.dropped_floor.any():
+            return FLOORS_DROPPED
+        return OPTIMAL
+
+
+def demand_w(fleet: Fleet, headroom_w: float) -> FloatArray:
+    """What each GPU could use: its maximum when its cap holds it back, else draw + headroom."""
+    limited = fleet.power_w >= CAP_LIMITED_SHARE * fleet.cap_w
+    return np.where(limited, fleet.max_cap_w, fleet.power_w + headroom_w)
+
+
+def capacities_kw(
+    topology: Topology, budget_w: FloatArray | None, reserved_w: FloatArray | None
+) -> FloatArray:
+    """Per-group room for GPU caps: budget − overhead below − power reserved below."""
+    budget = topology.budget_w if budget_w is None else budget_w
+    cap = budget - topology.overhead_w
+    if reserved_w is not None:
+        # Power committed at a group also draws on every ancestor's budget.
+        below = np.asarray(reserved_w, dtype=np.float64).copy()
+        for level in range(N_LEVELS - 1, 0, -1):
+            g = topology.groups_at(level)
+            np.add.at(below, topology.parent[g], below[g])
+        cap = cap - below
+    return np.asarray(cap / 1000.0, dtype=np.float64)
+
+
+def _over(tree: Tree, lo: FloatArray, capacity: FloatArray) -> BoolArray:
+    return np.asarray(tree.sums(lo) > capacity + TOL_KW, dtype=np.bool_)
+
+
+def build_problem(
+    fleet: Fleet,
+    policy: Policy,
+    *,
+    classes: ClassTable | None = None,
+    tree: Tree | None = None,
+    budget_w: FloatArray | None = None,
+    reserved_w: FloatArray | None = None,
+) -> Problem:
+    """Bounds, utilities and budgets for one allocation, with infeasibility resolved.
+
+    Order of concessions when budgets are short: slew's lower bound first (a safety cut
+    beats smoothing), then class floors (lowest weight first, only under violated groups),
+    and when even device minimums do not fit a group, its GPUs are fixed at their minimum
+    and the group is left out of the problem (status infeasible_min).
+    """
+    classes = classes or ClassTable.from_policy(policy)
+    tree = tree or Tree(fleet.topology)
+    ctl = policy.control
+    cls = fleet.class_index
+    weight = classes.weight[cls]
+    capacity = capacities_kw(fleet.topology, budget_w, reserved_w)
+
+    pinned = ~np.isnan(fleet.pinned_w)
+    lo_dev = np.where(pinned, fleet.pinned_w, fleet.min_cap_w) / 1000.0
+    hi_w = np.minimum(fleet.max_cap_w, classes.ceiling_w[cls])
+    hi_w = np.where(fleet.stale, np.minimum(hi_w, fleet.cap_w), hi_w)  # stale: never raised
+    hi_base = np.where(pinned, lo_dev, np.maximum(hi_w / 1000.0, lo_dev))
+
+    bad = _over(tree, lo_dev, capacity)
+    if bad.any():
+        fixed = tree.under(bad)
+        hi_base = np.where(fixed, lo_dev, hi_base)
+        capacity = np.where(bad, np.inf, capacity)
+
+    lo_floor = np.minimum(np.maximum(lo_dev, classes.floor_w[cls] / 1000.0), hi_base)
+    dropped = np.zeros(fleet.n, dtype=np.bool_)
+    for w in np.unique(classes.weight):
+        over = _over(tree, lo_floor, capacity)
+        if not over.any():
+            break
+        drop = tree.under(over) & (weight == w) & (lo_floor > lo_dev)
+        lo_floor = np.where(drop, lo_dev, lo_floor)
+        dropped |= drop
+
+    prev = fleet.cap_w / 1000.0
+    if ctl.slew_w is not None:
+        slew = ctl.slew_w / 1000.0
+        lo = np.clip(prev - slew, lo_floor, hi_base)
+        hi = np.clip(prev + slew, lo_floor, hi_base)
+        over = _over(tree, lo, capacity)
+        if over.any():
+            lo = np.where(tree.under(over), lo_floor, lo)
+    else:
+        lo, hi = lo_floor, hi_base
+
+    demand = demand_w(fleet, policy.defaults.headroom_w)
+    starts, lengths, slopes = _segments(
+        classes, cls=cls, weight=weight, lo=lo, hi=hi, demand=demand / 1000.0
+    )
+    eps = max(ctl.damping, MIN_DAMPING)
+    gap = float(np.max(hi - prev, initial=0.0))
+    return Problem(
+        fleet=fleet,
+        classes=classes,
+        tree=tree,
+        lo=lo,
+        hi=hi,
+        prev=prev,
+        demand_w=demand,
+        weight=weight,
+        starts=starts,
+        lengths=lengths,
+        slopes=slopes,
+        capacity=capacity,
+        eps=eps,
+        delta=2.0 * eps * (max(gap, 0.0) + DELTA_MARGIN_KW),
+        dropped_floor=dropped,
+        infeasible_groups=np.flatnonzero(bad).astype(np.int64),
+    )
+
+
+def _segments(
+    classes: ClassTable,
+    *,
+    cls: IntArray,
+    weight: FloatArray,
+    lo: FloatArray,
+    hi: FloatArray,
+    demand: FloatArray,
+) -> tuple[FloatArray, FloatArray, FloatArray]:
+    """Each GPU's utility on [lo, hi] as K = R + 1 segments: the profile's R pieces cut to
+    [lo, flat], then one flat piece [flat, hi], flat = where demand or the peak stops gains."""
+    n = lo.size
+    n_knots = classes.knots_kw.shape[1]
+    flat = np.clip(np.minimum(demand, classes.peak_kw[cls]), lo, hi)
+    starts = np.empty((n_knots + 1, n))
+    starts[0] = lo
+    # Segment j ends at knot j, clipped into [lo, flat]; padding knots (+inf) clip to flat.
+    np.clip(np.take(classes.knots_kw.T, cls, axis=1), lo, flat, out=starts[1:])
+    lengths = np.empty_like(starts)
+    np.subtract(starts[1:], starts[:-1], out=lengths[:-1])
+    np.subtract(hi, starts[-1], out=lengths[-1])
+    slopes = np.zeros_like(starts)
+    np.multiply(np.take(classes.slopes_kw.T, cls, axis=1), weight, out=slopes[:-1])
+    return starts, lengths, slopes
+
+
+def objective(problem: Problem, p_kw: FloatArray) -> float:
+    """Σ w·profile(min(p, demand)) + δ·Σ p − ε·Σ (p − prev)², p in kW: the same for all solvers."""
+    p_w = p_kw * 1000.0
+    used = np.minimum(p_w, problem.demand_w)
+    util = np.zeros(problem.n)
+    cls = problem.fleet.class_index
+    for c, prof in enumerate(problem.classes.profiles):
+        mask = cls == c
+        if mask.any():
+            util[mask] = prof.value(used[mask])
+    return float(
+        np.dot(problem.weight, util)
+        + problem.delta * p_kw.sum()
+        - problem.eps * np.sum((p_kw - problem.prev) ** 2)
+    )
+
+
+def repair(problem: Problem, p_kw: FloatArray) -> FloatArray:
+    """Clip to bounds, then cut any group still over its capacity, bottom-up.
+
+    Cuts are proportional to each GPU's room above its lower bound; cutting a group never
+    raises a group below it, so one pass per level suffices.
+    """
+    lo = problem.lo
+    p = np.clip(p_kw, lo, problem.hi)
+    tree = problem.tree
+    for level in range(N_LEVELS - 1, -1, -1):
+        idx = tree.gpu_groups[:, level]
+        sums = np.bincount(idx, weights=p, minlength=tree.n_groups)
+        excess = sums - problem.capacity
+        if not np.any(excess > 0.0):
+            continue
+        room = np.bincount(idx, weights=p - lo, minlength=tree.n_groups)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            keep = np.where(excess > 0.0, 1.0 - excess / room, 1.0)
+        keep = np.clip(np.nan_to_num(keep, nan=0.0), 0.0, 1.0)
+        p = lo + (p - lo) * keep[idx]
+    return p
+
+
+@dataclass(frozen=True, eq=False)
+class Allocation:
+    """Caps for every GPU of a snapshot and how they were found.
+
+    `objective` is the same formula for every solver (see `objective`). `repair_w` is the
+    largest change the final verification had to make to the solver's caps (0 for the exact
+    solvers up to rounding); `prices` are the group multipliers per kW (warm start).
+    """
+
+    status: str
+    solver: str
+    objective: float
+    solve_ms: float
+    uuids: tuple[str, ...]
+    caps_w: FloatArray
+    dropped_floors: tuple[str, ...] = ()
+    infeasible_groups: tuple[str, ...] = ()
+    repair_w: float = 0.0
+    prices: FloatArray | None = None
+
+    def caps(self) -> dict[str, float]:
+        return dict(zip(self.uuids, self.caps_w.tolist(), strict=True))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "status": self.status,
+            "solver": self.solver,
+            "objective": self.objective,
+            "solve_ms": self.solve_ms,
+            "caps": self.caps(),
+            "dropped_floors": list(self.dropped_floors),
+            "infeasible_groups": list(self.infeasible_groups),
+            "repair_w": self.repair_w,
+        }

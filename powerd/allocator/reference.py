@@ -1,0 +1,103 @@
+"""The reference formulation in cvxpy, rebuilt on every call.
+
+Rebuilding is deliberate: cvxpy's compile-once (DPP) path costs memory growing like n² and
+is no faster per call here (ALLOCATOR-NOTES.md). The problem is stated in kW, each level's
+budgets as one sparse 0/1 matrix, the utility as the minimum of its affine pieces (concave,
+so DCP). Clarabel runs with tightened tolerances; SCS is the fallback on a solver error.
+The caller verifies and repairs whatever comes back (api.allocate_arrays).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cvxpy as _cvxpy
+import numpy as np
+import scipy.sparse as sp
+
+from powerd.allocator.model import FloatArray, IntArray, Problem, SolverFailed
+from powerd.topology import N_LEVELS
+
+# cvxpy's own annotations are partial (atoms are re-exported untyped); treat it as dynamic.
+cp: Any = _cvxpy
+
+CLARABEL_OPTIONS: dict[str, Any] = {
+    "tol_gap_abs": 1e-10,
+    "tol_gap_rel": 1e-10,
+    "tol_feas": 1e-10,
+    "tol_ktratio": 1e-8,
+    "max_iter": 400,
+}
+SCS_OPTIONS: dict[str, Any] = {"eps_abs": 1e-9, "eps_rel": 1e-9, "max_iters": 200_000}
+_OK = (cp.OPTIMAL, cp.OPTIMAL_INACCURATE)
+
+
+def build(problem: Problem) -> tuple[Any, Any, IntArray]:
+    """The cvxpy problem over the GPUs whose cap is not fixed; returns it, its variable and
+    the indices of those GPUs."""
+    free = np.flatnonzero(problem.hi - problem.lo > 0.0)
+    fixed_p = np.where(problem.hi - problem.lo > 0.0, 0.0, problem.lo)
+    m = free.size
+    p = cp.Variable(m, name="caps_kw")
+    lo, hi, prev = problem.lo[free], problem.hi[free], problem.prev[free]
+    starts, slopes = problem.starts[:, free], problem.slopes[:, free]
+    # Piece k is the tangent of the (weighted) utility along segment k: U(start_k) + s_k·(p −
+    # start_k), with U(lo) = 0. Every piece, even one of an empty segment, lies above a
+    # concave curve, so their minimum is the curve itself.
+    offsets = (
+        np.cumsum(slopes * problem.lengths[:, free], axis=0) - slopes * problem.lengths[:, free]
+    )
+    pieces = [
+        offsets[k] - slopes[k] * starts[k] + cp.multiply(slopes[k], p)
+        for k in range(starts.shape[0])
+    ]
+    utility = pieces[0] if len(pieces) == 1 else cp.minimum(*pieces)
+    gain = cp.sum(utility) + problem.delta * cp.sum(p) - problem.eps * cp.sum_squares(p - prev)
+    constraints: list[Any] = [p >= lo, p <= hi]
+    tree = problem.tree
+    fixed_sums = tree.sums(fixed_p)
+    hi_sums = tree.sums(np.where(problem.hi - problem.lo > 0.0, problem.hi, fixed_p))
+    for level in range(N_LEVELS):
+        groups = tree.levels[level]
+        room = problem.capacity[groups] - fixed_sums[groups]
+        # Only budgets that could bind: the others cannot change the optimum.
+        binding = np.flatnonzero(hi_sums[groups] > problem.capacity[groups])
+        if binding.size == 0 or m == 0:
+            continue
+        row_of_group = np.full(tree.n_groups, -1, dtype=np.int64)
+        row_of_group[groups[binding]] = np.arange(binding.size)
+        rows = row_of_group[tree.gpu_groups[free, level]]
+        member = rows >= 0
+        a = sp.csr_matrix(
+            (np.ones(int(member.sum())), (rows[member], np.flatnonzero(member))),
+            shape=(binding.size, m),
+        )
+        constraints.append(a @ p <= room[binding])
+    prob = cp.Problem(cp.Maximize(gain), constraints)
+    if not prob.is_dcp():
+        raise SolverFailed(
+            "the cvxpy allocation problem is not DCP: every class profile must be concave "
+            "and non-decreasing (Profile builds the envelope) and damping must be >= 0"
+        )
+    return prob, p, free
+
+
+def solve(problem: Problem, warm: FloatArray | None = None) -> tuple[FloatArray, None]:
+    """Caps (kW) from Clarabel, or SCS when Clarabel errors; SolverFailed when neither works."""
+    del warm
+    out = problem.lo.copy()
+    prob, p, free = build(problem)
+    if free.size == 0:
+        return out, None
+    errors: list[str] = []
+    for name, options in (("CLARABEL", CLARABEL_OPTIONS), ("SCS", SCS_OPTIONS)):
+        try:
+            prob.solve(solver=name, **options)
+        except cp.SolverError as exc:
+            errors.append(f"{name}: {exc}")
+            continue
+        if prob.status in _OK and p.value is not None:
+            out[free] = np.asarray(p.value, dtype=np.float64)
+            return out, None
+        errors.append(f"{name}: status {prob.status}")
+    raise SolverFailed("cvxpy could not solve the allocation: " + "; ".join(errors))

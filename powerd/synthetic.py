@@ -1,0 +1,193 @@
+"""Synthetic power domains and fleets for tests, benchmarks and the simulator.
+
+`policy_dict` writes a policy for R rows × K racks × N nodes × G GPUs whose budgets are
+fractions of what the level below could draw, so every level binds; `random_fleet` draws a
+mixed fleet (classes, draws, caps in force) from a seed; `Drift` moves draws tick by tick
+for steady-state loops. Deterministic for a given seed; no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from powerd.allocator.model import Fleet, FloatArray, class_names
+from powerd.policy import Policy, parse_policy
+from powerd.snapshot import GpuState, Snapshot
+from powerd.topology import Topology
+
+# The example policy's profiles (policies/example.yaml): H100/H200-class, 200–700 W.
+PROFILES: dict[str, list[list[float]]] = {
+    "llm-training": [[200, 0.35], [300, 0.58], [400, 0.76], [500, 0.89], [600, 0.97], [700, 1.0]],
+    "llm-inference": [[200, 0.55], [300, 0.78], [400, 0.92], [500, 0.98], [600, 1.0], [700, 1.0]],
+    "batch": [[200, 0.40], [300, 0.62], [400, 0.79], [500, 0.90], [600, 0.97], [700, 1.0]],
+}
+CLASSES: dict[str, dict[str, Any]] = {
+    "inference": {"weight": 4.0, "floor_w": 350.0, "profile": "llm-inference"},
+    "training": {"weight": 1.0, "profile": "llm-training"},
+    "batch": {"weight": 0.5, "ceiling_w": 600.0, "profile": "batch"},
+}
+# Share of each class in a random fleet, in CLASSES order.
+CLASS_MIX = (0.25, 0.55, 0.20)
+
+
+def policy_dict(
+    rows: int,
+    racks: int,
+    nodes: int,
+    gpus: int,
+    *,
+    fractions: tuple[float, float, float, float] = (0.92, 0.92, 0.92, 0.85),
+    overhead_w: float = 800.0,
+    max_cap_w: float = 700.0,
+    min_cap_w: float = 200.0,
+    damping: float = 0.01,
+    slew_w: float | None = None,
+    headroom_w: float = 50.0,
+) -> dict[str, Any]:
+    """A policy as parsed YAML. `fractions` (facility, row, rack, node): each budget is that
+    share of what its children could draw (nodes: of G × max_cap_w, plus overhead)."""
+    f_fac, f_row, f_rack, f_node = fractions
+    node_b = overhead_w + f_node * gpus * max_cap_w
+    rack_b = f_rack * nodes * node_b
+    row_b = f_row * racks * rack_b
+    fac_b = f_fac * rows * row_b
+    control: dict[str, Any] = {"damping": damping}
+    if slew_w is not None:
+        control["slew_w"] = slew_w
+    return {
+        "version": 1,
+        "facility": {
+            "name": "site",
+            "budget_w": round(fac_b, 3),
+            "rows": [
+                {
+                    "name": f"row-{{1..{rows}}}",
+                    "budget_w": round(row_b, 3),
+                    "racks": [
+                        {
+                            "name": f"{{row}}-rack-{{1..{racks}}}",
+                            "budget_w": round(rack_b, 3),
+                            "nodes": [
+                                {
+                                    "name": f"{{rack}}-node-{{1..{nodes}}}",
+                                    "budget_w": round(node_b, 3),
+                                    "overhead_w": overhead_w,
+                                    "gpus": gpus,
+                                }
+                            ],
+                        }
+                    ],
+                }
+            ],
+        },
+        "profiles": {name: {"points": pts} for name, pts in PROFILES.items()},
+        "classes": CLASSES,
+        "defaults": {
+            "class": "training",
+            "failsafe_w": min_cap_w,
+            "headroom_w": headroom_w,
+            "gpus_per_node": gpus,
+            "gpu": {"min_cap_w": min_cap_w, "max_cap_w": max_cap_w},
+        },
+        "control": control,
+    }
+
+
+def make_policy(rows: int, racks: int, nodes: int, gpus: int, **options: Any) -> Policy:
+    return parse_policy(policy_dict(rows, racks, nodes, gpus, **options), "<synthetic>")
+
+
+def random_fleet(
+    policy: Policy,
+    seed: int,
+    *,
+    stale_share: float = 0.0,
+    pinned_share: float = 0.0,
+    limited_share: float = 0.5,
+) -> Fleet:
+    """Every GPU the policy's nodes declare, with random classes, limits, caps and draws.
+
+    About `limited_share` of the GPUs draw at their cap (they want more); the rest draw less,
+    a few sit idle.
+    """
+    rng = np.random.default_rng(seed)
+    node_names = [name for g in policy.groups if g.level == 3 for name in [g.name] * g.gpus]
+    topology = Topology.build(policy, node_names)
+    n = len(node_names)
+    gpu = policy.defaults.gpu
+    names = class_names(policy)
+    mix = np.array([CLASS_MIX[i] if i < len(CLASS_MIX) else 0.0 for i in range(len(names))])
+    mix = mix / mix.sum() if mix.sum() > 0 else np.full(len(names), 1.0 / len(names))
+    min_cap = np.where(rng.random(n) < 0.1, 0.75 * gpu.min_cap_w, gpu.min_cap_w)
+    max_cap = np.where(rng.random(n) < 0.1, 0.85 * gpu.max_cap_w, gpu.max_cap_w)
+    max_cap = np.maximum(max_cap, min_cap)
+    cap = rng.uniform(min_cap, max_cap)
+    limited = rng.random(n) < limited_share
+    idle = rng.random(n) < 0.05
+    power = np.where(limited, cap * rng.uniform(0.96, 1.0, n), cap * rng.uniform(0.3, 0.93, n))
+    power = np.where(idle & ~limited, rng.uniform(60.0, 100.0, n), power)
+    pinned = rng.random(n) < pinned_share
+    return Fleet(
+        uuids=tuple(f"GPU-{seed:x}-{i:06d}" for i in range(n)),
+        topology=topology,
+        min_cap_w=min_cap,
+        max_cap_w=max_cap,
+        power_w=power,
+        cap_w=cap,
+        class_index=rng.choice(len(names), size=n, p=mix).astype(np.int64),
+        stale=rng.random(n) < stale_share,
+        pinned_w=np.where(pinned, rng.uniform(min_cap, max_cap), np.nan),
+    )
+
+
+def to_snapshot(fleet: Fleet, policy: Policy) -> Snapshot:
+    """The fleet as the Snapshot the controller would freeze (for the Snapshot API)."""
+    names = class_names(policy)
+    topo = fleet.topology
+    gpus = [
+        GpuState(
+            uuid=fleet.uuids[i],
+            node=topo.names[int(topo.gpu_groups[i, 3])],
+            min_cap_w=float(fleet.min_cap_w[i]),
+            max_cap_w=float(fleet.max_cap_w[i]),
+            power_w=float(fleet.power_w[i]),
+            cap_w=float(fleet.cap_w[i]),
+            workload=names[int(fleet.class_index[i])],
+            stale=bool(fleet.stale[i]),
+            pinned_w=None if np.isnan(fleet.pinned_w[i]) else float(fleet.pinned_w[i]),
+        )
+        for i in range(fleet.n)
+    ]
+    return Snapshot(gpus=gpus)
+
+
+@dataclass
+class Drift:
+    """Successive ticks: each GPU's wanted power wanders; it draws min(want, cap)."""
+
+    fleet: Fleet
+    want_w: FloatArray
+    rng: np.random.Generator
+    step_share: float = 0.03
+
+    @classmethod
+    def start(cls, fleet: Fleet, seed: int) -> Drift:
+        rng = np.random.default_rng(seed)
+        limited = fleet.power_w >= 0.95 * fleet.cap_w
+        want = np.where(limited, fleet.max_cap_w * rng.uniform(0.9, 1.1, fleet.n), fleet.power_w)
+        return cls(fleet=fleet, want_w=want, rng=rng)
+
+    def tick(self, caps_w: FloatArray) -> Fleet:
+        """The fleet one tick later, with `caps_w` in force."""
+        n = self.fleet.n
+        self.want_w = np.clip(
+            self.want_w * np.exp(self.rng.normal(0.0, self.step_share, n)),
+            50.0,
+            1.2 * self.fleet.max_cap_w,
+        )
+        power = np.minimum(self.want_w, caps_w) * self.rng.uniform(0.97, 1.0, n)
+        self.fleet = replace(self.fleet, cap_w=np.asarray(caps_w, dtype=np.float64), power_w=power)
+        return self.fleet
