@@ -47,13 +47,20 @@ def policy_dict(
     slew_w: float | None = None,
     headroom_w: float = 50.0,
 ) -> dict[str, Any]:
-    """A policy as parsed YAML. `fractions` (facility, row, rack, node): each budget is that
-    share of what its children could draw (nodes: of G × max_cap_w, plus overhead)."""
+    """A policy as parsed YAML. `fractions` (facility, row, rack, node): the room each budget
+    leaves for GPU caps is that share of its children's (a node's: of G × max_cap_w);
+    budgets add the nodes' overhead on top. The failsafe cap is chosen to fit."""
     f_fac, f_row, f_rack, f_node = fractions
-    node_b = overhead_w + f_node * gpus * max_cap_w
-    rack_b = f_rack * nodes * node_b
-    row_b = f_row * racks * rack_b
-    fac_b = f_fac * rows * row_b
+    node_room = f_node * gpus * max_cap_w
+    rack_room = f_rack * nodes * node_room
+    row_room = f_row * racks * rack_room
+    fac_room = f_fac * rows * row_room
+    node_b = node_room + overhead_w
+    rack_b = rack_room + nodes * overhead_w
+    row_b = row_room + racks * nodes * overhead_w
+    fac_b = fac_room + rows * racks * nodes * overhead_w
+    # Agents fall back to the failsafe cap on their own, so its sum must fit every budget.
+    failsafe_w = min(min_cap_w, 0.99 * f_fac * f_row * f_rack * f_node * max_cap_w)
     control: dict[str, Any] = {"damping": damping}
     if slew_w is not None:
         control["slew_w"] = slew_w
@@ -61,19 +68,19 @@ def policy_dict(
         "version": 1,
         "facility": {
             "name": "site",
-            "budget_w": round(fac_b, 3),
+            "budget_w": fac_b,
             "rows": [
                 {
                     "name": f"row-{{1..{rows}}}",
-                    "budget_w": round(row_b, 3),
+                    "budget_w": row_b,
                     "racks": [
                         {
                             "name": f"{{row}}-rack-{{1..{racks}}}",
-                            "budget_w": round(rack_b, 3),
+                            "budget_w": rack_b,
                             "nodes": [
                                 {
                                     "name": f"{{rack}}-node-{{1..{nodes}}}",
-                                    "budget_w": round(node_b, 3),
+                                    "budget_w": node_b,
                                     "overhead_w": overhead_w,
                                     "gpus": gpus,
                                 }
@@ -87,7 +94,7 @@ def policy_dict(
         "classes": CLASSES,
         "defaults": {
             "class": "training",
-            "failsafe_w": min_cap_w,
+            "failsafe_w": round(failsafe_w, 3),
             "headroom_w": headroom_w,
             "gpus_per_node": gpus,
             "gpu": {"min_cap_w": min_cap_w, "max_cap_w": max_cap_w},

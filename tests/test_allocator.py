@@ -1,0 +1,205 @@
+"""Properties of the allocator on random instances (hypothesis): budgets, bounds, floors,
+monotonicity in budget, permutation, fast = cvxpy, and where power is left unallocated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from powerd.allocator import (
+    FLOORS_DROPPED,
+    OPTIMAL,
+    SOLVERS,
+    Allocation,
+    Fleet,
+    allocate_arrays,
+    build_problem,
+)
+from powerd.policy import Policy
+from powerd.synthetic import make_policy, random_fleet
+from powerd.topology import Topology
+
+TOL_W = 1e-6
+FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SLOW = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@lru_cache(maxsize=64)
+def policy_for(
+    shape: tuple[int, int, int, int],
+    fractions: tuple[float, float, float, float],
+    damping: float,
+    slew_w: float | None,
+) -> Policy:
+    return make_policy(*shape, fractions=fractions, damping=damping, slew_w=slew_w)
+
+
+@dataclass(frozen=True)
+class Case:
+    policy: Policy
+    fleet: Fleet
+
+
+fraction = st.floats(0.75, 1.0).map(lambda f: round(f, 3))
+
+
+@st.composite
+def cases(
+    draw: st.DrawFn,
+    *,
+    damping: st.SearchStrategy[float] | None = None,
+    odd_gpus: bool = True,
+    slew: bool = True,
+) -> Case:
+    shape = (
+        draw(st.integers(1, 2)),
+        draw(st.integers(1, 3)),
+        draw(st.integers(1, 3)),
+        draw(st.integers(1, 4)),
+    )
+    fractions = (draw(fraction), draw(fraction), draw(fraction), draw(fraction))
+    damp = draw(damping if damping is not None else st.sampled_from([0.0, 0.001, 0.01, 0.1]))
+    slew_w = draw(st.sampled_from([None, 40.0, 150.0])) if slew else None
+    policy = policy_for(shape, fractions, damp, slew_w)
+    share = st.sampled_from([0.0, 0.0, 0.25])
+    fleet = random_fleet(
+        policy,
+        draw(st.integers(0, 2**31)),
+        stale_share=draw(share) if odd_gpus else 0.0,
+        pinned_share=draw(share) if odd_gpus else 0.0,
+        limited_share=draw(st.sampled_from([0.2, 0.5, 0.9])),
+    )
+    return Case(policy, fleet)
+
+
+def excess_w(fleet: Fleet, caps_w: np.ndarray) -> float:
+    topo = fleet.topology
+    return float(np.max(topo.group_sums(caps_w) + topo.overhead_w - topo.budget_w))
+
+
+def device_bounds(case: Case, alloc: Allocation) -> None:
+    f, caps = case.fleet, alloc.caps_w
+    assert np.all(caps >= f.min_cap_w - TOL_W)
+    assert np.all(caps <= f.max_cap_w + TOL_W)
+    pinned = ~np.isnan(f.pinned_w)
+    assert np.allclose(caps[pinned], f.pinned_w[pinned], rtol=0, atol=TOL_W)
+    stale = f.stale & ~pinned
+    assert np.all(caps[stale] <= np.maximum(f.cap_w[stale], f.min_cap_w[stale]) + TOL_W)
+
+
+@FAST
+@given(cases(), st.sampled_from([s for s in SOLVERS if s != "cvxpy"]))
+def test_every_budget_and_bound_holds(case: Case, solver: str) -> None:
+    alloc = allocate_arrays(case.fleet, case.policy, solver)
+    problem = build_problem(case.fleet, case.policy)
+    if alloc.status != "infeasible_min":
+        assert excess_w(case.fleet, alloc.caps_w) <= TOL_W
+    assert np.all(alloc.caps_w >= problem.lo * 1000 - TOL_W)
+    assert np.all(alloc.caps_w <= problem.hi * 1000 + TOL_W)
+    device_bounds(case, alloc)
+    assert alloc.caps_w.shape == (case.fleet.n,)
+
+
+@FAST
+@given(cases(odd_gpus=False, slew=False))
+def test_floors_are_honoured_when_they_fit(case: Case) -> None:
+    alloc = allocate_arrays(case.fleet, case.policy)
+    f = case.fleet
+    specs = [case.policy.classes[c] for c in case.policy.classes]
+    floor = np.array([s.floor_w or 0.0 for s in specs])[f.class_index]
+    ceiling = np.array([s.ceiling_w or np.inf for s in specs])[f.class_index]
+    want = np.minimum(np.maximum(f.min_cap_w, floor), np.minimum(f.max_cap_w, ceiling))
+    if alloc.status == OPTIMAL:
+        assert np.all(alloc.caps_w >= want - TOL_W)
+        assert alloc.dropped_floors == ()
+    else:
+        assert alloc.status == FLOORS_DROPPED
+        dropped = np.isin(np.array(f.uuids), np.array(alloc.dropped_floors))
+        kept = ~dropped
+        assert np.all(alloc.caps_w[kept] >= want[kept] - TOL_W)
+        assert np.all(floor[dropped] > 0)
+
+
+@FAST
+@given(cases(odd_gpus=False, slew=False), st.floats(1.0, 1.5), st.integers(0, 10_000))
+def test_more_budget_never_lowers_the_objective(case: Case, factor: float, pick: int) -> None:
+    topo = case.fleet.topology
+    budget = topo.budget_w.copy()
+    group = pick % topo.n_groups
+    budget[group] = topo.overhead_w[group] + (budget[group] - topo.overhead_w[group]) * factor
+    before = allocate_arrays(case.fleet, case.policy)
+    after = allocate_arrays(case.fleet, case.policy, budget_w=budget)
+    if before.status == after.status == OPTIMAL:
+        assert after.objective >= before.objective - 1e-9 * abs(before.objective)
+
+
+def permuted(fleet: Fleet, order: np.ndarray) -> Fleet:
+    t = fleet.topology
+    topo = Topology(
+        names=t.names,
+        level=t.level,
+        parent=t.parent,
+        budget_w=t.budget_w,
+        overhead_w=t.overhead_w,
+        gpu_groups=t.gpu_groups[order],
+    )
+    return replace(
+        fleet,
+        uuids=tuple(fleet.uuids[i] for i in order),
+        topology=topo,
+        min_cap_w=fleet.min_cap_w[order],
+        max_cap_w=fleet.max_cap_w[order],
+        power_w=fleet.power_w[order],
+        cap_w=fleet.cap_w[order],
+        class_index=fleet.class_index[order],
+        stale=fleet.stale[order],
+        pinned_w=fleet.pinned_w[order],
+    )
+
+
+@FAST
+@given(cases(), st.sampled_from(["fast", "uniform", "priority-bands"]), st.integers(0, 2**32))
+def test_permuting_gpus_permutes_caps(case: Case, solver: str, seed: int) -> None:
+    order = np.random.default_rng(seed).permutation(case.fleet.n)
+    a = allocate_arrays(case.fleet, case.policy, solver)
+    b = allocate_arrays(permuted(case.fleet, order), case.policy, solver)
+    assert np.allclose(b.caps_w, a.caps_w[order], rtol=0, atol=1e-6)
+    assert b.status == a.status
+    assert sorted(b.dropped_floors) == sorted(a.dropped_floors)
+
+
+@SLOW
+@given(cases(damping=st.sampled_from([0.001, 0.01, 0.1])))
+def test_fast_agrees_with_cvxpy(case: Case) -> None:
+    fast = allocate_arrays(case.fleet, case.policy, "fast")
+    ref = allocate_arrays(case.fleet, case.policy, "cvxpy")
+    assert ref.status == fast.status
+    assert abs(fast.objective - ref.objective) <= 1e-6 * max(abs(ref.objective), 1.0)
+    assert np.max(np.abs(fast.caps_w - ref.caps_w), initial=0.0) <= 0.5
+    if ref.status != "infeasible_min":
+        assert excess_w(case.fleet, ref.caps_w) <= TOL_W
+
+
+@FAST
+@given(cases())
+def test_a_gpu_sits_below_its_maximum_only_under_a_full_group(case: Case) -> None:
+    alloc = allocate_arrays(case.fleet, case.policy)
+    problem = build_problem(case.fleet, case.policy)
+    sums = problem.tree.sums(alloc.caps_w / 1000.0)
+    full = sums >= problem.capacity - 1e-6  # within 1 mW
+    below = alloc.caps_w < problem.hi * 1000.0 - 1e-3
+    under_full = full[case.fleet.topology.gpu_groups].any(axis=1)
+    assert np.all(under_full[below])
+
+
+@SLOW
+@given(cases(damping=st.sampled_from([0.01])))
+def test_baselines_never_beat_the_optimum(case: Case) -> None:
+    best = allocate_arrays(case.fleet, case.policy, "fast").objective
+    for solver in ("uniform", "priority-bands"):
+        other = allocate_arrays(case.fleet, case.policy, solver).objective
+        assert other <= best + 1e-9 * abs(best)
