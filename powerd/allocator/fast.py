@@ -27,6 +27,8 @@ from powerd.topology import N_LEVELS
 MAX_ITERATIONS = 200
 # Relative residual at which a group counts as solved: sums of 1e5 caps carry ~1e-12.
 REL_TOL = 1e-13
+# Passes drop the GPUs of solved groups once fewer than this share of groups is left.
+SHRINK_SHARE = 0.5
 
 
 @dataclass
@@ -39,47 +41,70 @@ class _Pass:
     slopes: FloatArray
 
 
+@dataclass
+class _Part:
+    """The GPUs a pass evaluates: all of them, or those under groups still being solved."""
+
+    a: FloatArray
+    lengths: FloatArray
+    lo: FloatArray
+    node: IntArray  # node group of each GPU
+    base: FloatArray  # price from the levels already solved
+    gidx: IntArray  # group of each GPU at the level being solved
+
+    def take(self, keep: BoolArray) -> _Part:
+        idx = np.flatnonzero(keep)
+        return _Part(
+            a=np.ascontiguousarray(self.a[:, idx]),
+            lengths=np.ascontiguousarray(self.lengths[:, idx]),
+            lo=self.lo[idx],
+            node=self.node[idx],
+            base=self.base[idx],
+            gidx=self.gidx[idx],
+        )
+
+
 class _Response:
     def __init__(self, problem: Problem) -> None:
         self.tree = problem.tree
         self.capacity = problem.capacity
-        self.lo = problem.lo
-        self.lengths = problem.lengths
         inv = 1.0 / (2.0 * problem.eps)
         a = np.add(problem.slopes, problem.delta)
         a *= inv
         a -= problem.starts
         a += problem.prev
-        self.a = a
-        # Above this price a GPU sits at lo (only non-empty segments matter).
-        self.top = np.where(self.lengths > 0.0, a, -np.inf).max(axis=0)
-        self._t = np.empty_like(a)
-        self._inside = np.empty(a.shape, dtype=np.bool_)
-        self._below = np.empty(a.shape, dtype=np.bool_)
-        self.lo_sums = self.tree.sums(self.lo)
+        # Above this price a GPU sits at lo: segment 0 starts lowest with the steepest slope.
+        self.top = a[0]
+        self.all = _Part(
+            a=a,
+            lengths=problem.lengths,
+            lo=problem.lo,
+            node=self.tree.node_of_gpu,
+            base=np.zeros(problem.n),
+            gidx=self.tree.gpu_groups[:, 0],
+        )
+        self.lo_sums = self.tree.sums(problem.lo)
 
-    def at(self, u: FloatArray, level: int) -> _Pass:
-        t = self._t
-        np.subtract(self.a, u, out=t)
+    def at(self, part: _Part, u: FloatArray, level: int) -> _Pass:
+        t = part.a - u
         np.maximum(t, 0.0, out=t)
-        np.minimum(t, self.lengths, out=t)
-        p = self.lo + t.sum(axis=0)
+        np.minimum(t, part.lengths, out=t)
+        p = part.lo + t.sum(axis=0)
         # Segment intervals of one GPU are disjoint in u, so at most one is partly filled.
-        np.greater(t, 0.0, out=self._inside)
-        np.less(t, self.lengths, out=self._below)
-        np.logical_and(self._inside, self._below, out=self._inside)
-        partial = np.logical_or.reduce(self._inside, axis=0)
+        inside = t > 0.0
+        inside &= t < part.lengths
+        partial = np.logical_or.reduce(inside, axis=0)
         tree = self.tree
         n_groups = tree.n_groups
-        s = np.bincount(tree.node_of_gpu, weights=p, minlength=n_groups)
-        ds = np.bincount(tree.node_of_gpu, weights=partial, minlength=n_groups)
+        s = np.bincount(part.node, weights=p, minlength=n_groups).astype(np.float64)
+        ds = np.bincount(part.node, weights=partial, minlength=n_groups).astype(np.float64)
         for lv in range(N_LEVELS - 1, level, -1):
             g = tree.levels[lv]
             cap = self.capacity[g]
             clamped = s[g] > cap
             s += np.bincount(tree.parents[lv], np.where(clamped, cap, s[g]), n_groups)
             ds += np.bincount(tree.parents[lv], np.where(clamped, 0.0, ds[g]), n_groups)
-        return _Pass(p, s.astype(np.float64, copy=False), ds.astype(np.float64, copy=False))
+        return _Pass(p, s, ds)
 
 
 def solve(problem: Problem, warm: FloatArray | None = None) -> tuple[FloatArray, FloatArray]:
@@ -90,28 +115,27 @@ def solve(problem: Problem, warm: FloatArray | None = None) -> tuple[FloatArray,
         return np.zeros(0), mu
     resp = _Response(problem)
     tree = problem.tree
-    base = np.zeros(problem.n)  # price charged by the levels already solved
-    current = resp.at(base, 0)
+    part = resp.all
+    current = resp.at(part, part.base, 0)
     inv = 1.0 / (2.0 * problem.eps)
     for level in range(N_LEVELS):
-        gidx = tree.gpu_groups[:, level]
         groups = tree.levels[level]
+        part.gidx = tree.gpu_groups[:, level]
         start = None if warm is None else warm[groups] * inv
         x, current, exact = _solve_level(
-            resp, base=base, gidx=gidx, groups=groups, level=level, current=current, start=start
+            resp, part, groups=groups, level=level, current=current, start=start
         )
         mu[groups] = x
-        base = base + mu[gidx]
+        part.base = part.base + mu[part.gidx]
         if not exact:
-            current = resp.at(base, min(level + 1, N_LEVELS - 1))
+            current = resp.at(part, part.base, min(level + 1, N_LEVELS - 1))
     return current.p, mu * 2.0 * problem.eps
 
 
 def _solve_level(
     resp: _Response,
+    everyone: _Part,
     *,
-    base: FloatArray,
-    gidx: IntArray,
     groups: IntArray,
     level: int,
     current: _Pass,
@@ -119,9 +143,11 @@ def _solve_level(
 ) -> tuple[FloatArray, _Pass, bool]:
     """Multipliers (in u) of all groups of one level at once, given the pass at zero.
 
-    Returns them, the last pass, and whether that pass was at exactly these multipliers
-    (then the next level reuses it instead of evaluating again).
+    Returns them, the last pass, and whether that pass covered every GPU at exactly these
+    multipliers (then the next level reuses it instead of evaluating again). Once most
+    groups are solved, passes cover only the GPUs under the others.
     """
+    part = everyone
     cap = resp.capacity[groups]
     s, ds = current.sums[groups], current.slopes[groups]
     tol = np.maximum(TOL_KW, REL_TOL * np.where(np.isfinite(cap), cap, 0.0))
@@ -130,13 +156,14 @@ def _solve_level(
     if not todo.any():
         return x, current, True
     # At this price every GPU is at lo, and lo fits every capacity (build_problem saw to it).
-    upper = max(float(np.max(resp.top - base)), 0.0) + 1.0
+    upper = max(float(np.max(resp.top - part.base)), 0.0) + 1.0
     lo_b = np.zeros(groups.size)
     hi_b = np.full(groups.size, upper)
     f_lo = s - cap  # residuals at the bracket's ends (f_hi: all GPUs at lo)
     f_hi = resp.lo_sums[groups] - cap
     kept = np.zeros(groups.size, dtype=np.int8)  # side kept last time: +1 lo, -1 hi
     full = np.zeros(resp.tree.n_groups)
+    covered = groups.size  # groups under the GPUs of `part`
     first = None
     if start is not None:
         first = todo & (start > 0.0) & (start < upper)
@@ -154,7 +181,7 @@ def _solve_level(
             first = None
         x = np.where(todo, step, x)
         full[groups] = x
-        current = resp.at(base + full[gidx], level)
+        current = resp.at(part, part.base + full[part.gidx], level)
         s, ds = current.sums[groups], current.slopes[groups]
         f = s - cap
         over = todo & (f > 0.0)
@@ -166,10 +193,16 @@ def _solve_level(
         kept = np.where(over, -1, np.where(under, 1, kept)).astype(np.int8)
         narrow = hi_b - lo_b <= 4.0 * np.spacing(np.maximum(hi_b, 1.0))
         todo &= ~((np.abs(f) <= tol) | narrow)
-        if not todo.any():
+        n_todo = int(np.count_nonzero(todo))
+        if n_todo == 0:
             break
+        if n_todo < SHRINK_SHARE * covered:
+            active = np.zeros(resp.tree.n_groups, dtype=np.bool_)
+            active[groups[todo]] = True
+            part = part.take(active[part.gidx])
+            covered = n_todo
     # A bracket exhausted above the residual: its feasible end is the safe choice.
     stuck = s > cap + tol
     if stuck.any():
         return np.where(stuck, hi_b, x), current, False
-    return x, current, True
+    return x, current, part is everyone

@@ -81,6 +81,32 @@ class ClassTable:
     slopes_kw: FloatArray  # (classes, R): slope before each knot, per kW; 0 padding
     peak_kw: FloatArray  # (classes,): past this the profile is flat
 
+    # Class c's curve sits at [c·offset, (c+1)·offset) W in `value_table`.
+    TABLE_OFFSET_W = 1e7
+
+    @property
+    def value_table(self) -> tuple[FloatArray, FloatArray]:
+        """All profiles as one interpolation table, equal to Profile.value on [0, offset/2]:
+        the linear extension below the first point (clamped at 0) and flat past the peak."""
+        xs: list[float] = []
+        ys: list[float] = []
+        half = 0.5 * self.TABLE_OFFSET_W
+        for c, prof in enumerate(self.profiles):
+            base = c * self.TABLE_OFFSET_W
+            slope, x0, y0 = prof.first_slope_per_w, float(prof.power_w[0]), prof.throughput[0]
+            at_zero = y0 - slope * x0
+            if at_zero >= 0.0:
+                xs.append(base)
+                ys.append(at_zero)
+            else:
+                xs += [base, base + x0 - y0 / slope]
+                ys += [0.0, 0.0]
+            xs += (base + prof.power_w).tolist()
+            ys += prof.throughput.tolist()
+            xs.append(base + half)
+            ys.append(prof.peak_throughput)
+        return np.asarray(xs), np.asarray(ys)
+
     @classmethod
     def from_policy(cls, policy: Policy) -> ClassTable:
         names = class_names(policy)
@@ -303,26 +329,28 @@ def _segments(
     flat = np.clip(np.minimum(demand, classes.peak_kw[cls]), lo, hi)
     starts = np.empty((n_knots + 1, n))
     starts[0] = lo
+    slopes = np.empty_like(starts)
+    slopes[-1] = 0.0
+    for j in range(n_knots):
+        # Row by row: gathering from a few classes is much faster on a 1-d table.
+        np.take(classes.knots_kw[:, j], cls, out=starts[j + 1])
+        np.take(classes.slopes_kw[:, j], cls, out=slopes[j])
     # Segment j ends at knot j, clipped into [lo, flat]; padding knots (+inf) clip to flat.
-    np.clip(np.take(classes.knots_kw.T, cls, axis=1), lo, flat, out=starts[1:])
+    np.clip(starts[1:], lo, flat, out=starts[1:])
+    slopes[:-1] *= weight
     lengths = np.empty_like(starts)
     np.subtract(starts[1:], starts[:-1], out=lengths[:-1])
     np.subtract(hi, starts[-1], out=lengths[-1])
-    slopes = np.zeros_like(starts)
-    np.multiply(np.take(classes.slopes_kw.T, cls, axis=1), weight, out=slopes[:-1])
     return starts, lengths, slopes
 
 
 def objective(problem: Problem, p_kw: FloatArray) -> float:
     """Σ w·profile(min(p, demand)) + δ·Σ p − ε·Σ (p − prev)², p in kW: the same for all solvers."""
-    p_w = p_kw * 1000.0
-    used = np.minimum(p_w, problem.demand_w)
-    util = np.zeros(problem.n)
-    cls = problem.fleet.class_index
-    for c, prof in enumerate(problem.classes.profiles):
-        mask = cls == c
-        if mask.any():
-            util[mask] = prof.value(used[mask])
+    used = np.minimum(p_kw * 1000.0, problem.demand_w)
+    table_w, table_y = problem.classes.value_table
+    # One interpolation for all classes: class c's curve lives at c·offset (see value_table).
+    shift = problem.fleet.class_index * ClassTable.TABLE_OFFSET_W
+    util = np.interp(np.maximum(used, 0.0) + shift, table_w, table_y)
     return float(
         np.dot(problem.weight, util)
         + problem.delta * p_kw.sum()
