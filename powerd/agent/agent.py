@@ -22,7 +22,13 @@ from powerd import __version__
 from powerd.agent.settings import AgentSettings
 from powerd.backends.base import BackendError, GpuBackend, GpuInfo, GpuReading
 from powerd.clock import Clock
-from powerd.transport.base import LastWill, Message, Transport, TransportError
+from powerd.transport.base import (
+    LastWill,
+    Message,
+    Transport,
+    TransportError,
+    cancel_and_wait,
+)
 from powerd.transport.mqtt import MqttTransport
 from powerd.wire import (
     AckError,
@@ -101,8 +107,7 @@ class Agent:
                     tg.create_task(self._lease_loop(), name=f"agent-{self.node_id}-lease"),
                 ]
                 await stop.wait()
-                for task in loops:
-                    task.cancel()
+                await cancel_and_wait(loops)
         finally:
             await self._shutdown()
 

@@ -8,12 +8,13 @@ reports its state, so callers only decide what to do while it is down.
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 OnConnect = Callable[[], Awaitable[None]]
 
@@ -77,6 +78,20 @@ def check_topic(topic: str) -> None:
     """ValueError unless this is a topic one may publish to (no wildcards)."""
     if not topic or "+" in topic or "#" in topic:
         raise ValueError(f"cannot publish to {topic!r}")
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]]) -> None:
+    """Cancel tasks and wait until every one has ended.
+
+    Python 3.11's asyncio.wait_for (which aiomqtt awaits every publish with) swallows a
+    cancellation that arrives just as its operation completes; the task then carries on.
+    So cancel again until each has really ended.
+    """
+    pending = set(tasks)
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.1)
 
 
 class Transport(ABC):

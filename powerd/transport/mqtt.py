@@ -21,6 +21,7 @@ from powerd.transport.base import (
     OnConnect,
     Transport,
     TransportError,
+    cancel_and_wait,
     check_filter,
     check_topic,
 )
@@ -243,8 +244,7 @@ class MqttTransport(Transport):
     async def disconnect(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
             # Leaving the client's context sends DISCONNECT, so the broker drops the will.
-            await asyncio.wait({task})
+            await cancel_and_wait([task])
         self._set_state(ConnectionState.CLOSED)
         self._queue.put_nowait(None)
