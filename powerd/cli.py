@@ -162,6 +162,43 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from powerd.demo import load_demo_policy, run_demo
+
+    policy = load_demo_policy(args.policy)
+    if args.nodes is not None and not 1 <= args.nodes <= len(policy.node_names()):
+        print(
+            f"powerd demo: --nodes must be between 1 and {len(policy.node_names())} for "
+            f"{policy.source}",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
+    result = asyncio.run(
+        run_demo(
+            policy,
+            duration_s=args.duration,
+            nodes=args.nodes,
+            broker=args.broker,
+            db_url=args.db,
+            as_json=args.json,
+            seed=args.seed,
+        )
+    )
+    return EXIT_OK if result["ticks_committed_over_budget"] == 0 else EXIT_FAILED
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, not {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="powerd",
@@ -177,8 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--log-level",
-        default=os.environ.get("POWERD_LOG_LEVEL", "info"),
+        default=os.environ.get("POWERD_LOG_LEVEL"),
         choices=("debug", "info", "warning", "error"),
+        help="default: info; warning for the demo, whose live view is the output",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -204,6 +242,39 @@ def build_parser() -> argparse.ArgumentParser:
     solve.add_argument("--pretty", action="store_true", help="indent the JSON")
     solve.set_defaults(handler=cmd_solve)
 
+    demo = sub.add_parser(
+        "demo", help="run a controller and simulated GPU nodes in one process (no services needed)"
+    )
+    demo.add_argument(
+        "--duration", type=positive_float, default=30.0, help="seconds to run (default %(default)s)"
+    )
+    demo.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        help="simulate only the first N nodes of the policy (default: all)",
+    )
+    demo.add_argument(
+        "--policy",
+        default=None,
+        help="policy file (default: the embedded example, policies/example.yaml)",
+    )
+    demo.add_argument(
+        "--broker",
+        default=None,
+        help="run through a real MQTT broker, e.g. mqtt://127.0.0.1:1883 (default: in-process)",
+    )
+    demo.add_argument(
+        "--db",
+        default=None,
+        help="SQLAlchemy URL to keep the history in (default: a temporary SQLite file)",
+    )
+    demo.add_argument(
+        "--json", action="store_true", help="one JSON object per tick, then a summary"
+    )
+    demo.add_argument("--seed", type=int, default=0, help="seed of the simulated workloads")
+    demo.set_defaults(handler=cmd_demo)
+
     db = sub.add_parser("db", help="database maintenance")
     db_sub = db.add_subparsers(dest="db_command", metavar="ACTION", required=True)
     up = db_sub.add_parser("upgrade", help="run the migrations up to the newest schema")
@@ -220,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    configure_logging(args.log_format, args.log_level)
+    quiet = args.command == "demo"
+    configure_logging(args.log_format, args.log_level or ("warning" if quiet else "info"))
     handler: Handler = args.handler
     try:
         return handler(args)

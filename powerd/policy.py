@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -199,6 +199,28 @@ class Policy:
 
     def node_names(self) -> list[str]:
         return [g.name for g in self.groups if g.level == 3]
+
+    def subset(self, nodes: Sequence[str]) -> Policy:
+        """The same policy over only these nodes (and the groups above them), e.g. a demo or
+        simulation of part of a site; budgets are unchanged."""
+        wanted = set(nodes)
+        keep = [False] * len(self.groups)
+        for i in range(len(self.groups) - 1, -1, -1):
+            g = self.groups[i]
+            if g.level == len(LEVELS) - 1 and g.name in wanted:
+                keep[i] = True
+            if keep[i] and g.parent >= 0:
+                keep[g.parent] = True
+        keep[0] = True
+        new_index: dict[int, int] = {}
+        groups: list[GroupDef] = []
+        for i, g in enumerate(self.groups):
+            if keep[i]:
+                new_index[i] = len(groups)
+                groups.append(replace(g, parent=new_index.get(g.parent, -1)))
+        return Policy(
+            spec=self.spec, source=self.source, groups=tuple(groups), profiles=self.profiles
+        )
 
     def group_index(self) -> dict[tuple[int, str], int]:
         return {(g.level, g.name): i for i, g in enumerate(self.groups)}

@@ -1,0 +1,747 @@
+"""The steering loop: telemetry in, one allocation per tick, only safe commands out.
+
+Each tick: freeze the fleet's arrays, run the allocator (a solver failure falls back to the
+failsafe caps, with an alarm: a tick never ends without caps), pass the targets through the
+safety planner (cuts at once, raises only within committed budgets, lease renewals to every
+live node), publish, and hand records to the store and metrics off the tick's path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import signal
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import structlog
+from numpy.typing import NDArray
+
+from powerd.allocator import Allocation, ClassTable, Fleet, Tree, allocate_arrays, class_names
+from powerd.allocator.api import group_values
+from powerd.clock import Clock
+from powerd.controller.fleet import FleetArrays, FleetState
+from powerd.controller.overrides import BudgetOverride, OverrideError, Overrides
+from powerd.policy import LEVELS, Policy, load_policy_text
+from powerd.safety import Fleet as SafetyFleet
+from powerd.safety import SafePlan, SafetyPlanner
+from powerd.store import EventRecord, Severity, Store, StoreHealth, StoreWriter, TickRecord
+from powerd.store import GpuRecord as StoredGpu
+from powerd.topology import Topology
+from powerd.transport import ConnectionState, LastWill, Message, Transport, TransportError
+from powerd.wire import (
+    CapAck,
+    ControllerState,
+    ControllerStatus,
+    NodeState,
+    NodeStatus,
+    NodeTelemetry,
+    Topics,
+    WireError,
+    decode,
+    encode,
+)
+
+log = structlog.get_logger(__name__)
+
+FloatArray = NDArray[np.float64]
+BoolArray = NDArray[np.bool_]
+
+
+@dataclass
+class Counters:
+    received: Counter[str] = field(default_factory=Counter)  # by message kind
+    dropped: Counter[str] = field(default_factory=Counter)  # by reason
+    caps_sent: int = 0  # commands published
+    publish_failed: int = 0
+    ticks: int = 0
+
+
+@dataclass(frozen=True)
+class TickReport:
+    """What one tick saw and did, for the live view, the API, metrics and the store."""
+
+    tick: int
+    ts: float  # wall clock at the tick's start
+    duration_ms: float  # tick start → last command published
+    solve_ms: float
+    plan_ms: float
+    status: str  # allocator status, or "fallback"
+    solver: str
+    objective: float
+    group_names: tuple[str, ...]
+    group_levels: NDArray[np.int64]
+    budget_w: FloatArray  # per group, in force (policy ∩ temporary overrides)
+    load_w: FloatArray  # per group: committed caps + overhead + reserve for unknown GPUs
+    draw_w: FloatArray  # per group: measured GPU draw + overhead
+    over: BoolArray  # per group: load above budget (a cut not yet obeyed)
+    uuids: list[str]
+    nodes: list[str]
+    classes: list[str]  # per GPU, as steered
+    power_w: FloatArray
+    targets_w: FloatArray
+    sent_w: FloatArray  # NaN where the node got no command
+    committed_w: FloatArray
+    throughput: FloatArray  # per GPU
+    stale: BoolArray
+    waiting_nodes: tuple[str, ...]
+    alarms: tuple[str, ...]
+
+    @property
+    def throughput_total(self) -> float:
+        return float(self.throughput.sum())
+
+    def throughput_by_class(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for cls, t in zip(self.classes, self.throughput.tolist(), strict=True):
+            out[cls] = out.get(cls, 0.0) + t
+        return out
+
+    def level_totals(self, level: int) -> list[tuple[str, float, float, float]]:
+        """(name, budget, load, draw) of every group at one level."""
+        idx = np.flatnonzero(self.group_levels == level)
+        return [
+            (
+                self.group_names[g],
+                float(self.budget_w[g]),
+                float(self.load_w[g]),
+                float(self.draw_w[g]),
+            )
+            for g in idx.tolist()
+        ]
+
+
+@dataclass(frozen=True)
+class ControllerHealth:
+    broker_connected: bool
+    store: StoreHealth | None
+    last_tick_age_s: float | None
+    ready: bool
+
+
+@dataclass
+class _Shape:
+    """What is rebuilt only when the GPU set or the policy changes."""
+
+    version: tuple[int, int]
+    topology: Topology
+    tree: Tree
+    safety: SafetyFleet
+    reserve_w: FloatArray  # per group: unknown GPUs counted at their maximum
+
+
+class Controller:
+    def __init__(
+        self,
+        policy: Policy,
+        transport: Transport,
+        clock: Clock,
+        *,
+        store: Store | None = None,
+        writer: StoreWriter | None = None,
+        solver: str = "fast",
+        controller_id: str = "powerd-controller",
+        topics: Topics | None = None,
+        policy_path: str | None = None,
+        history: int = 600,
+    ) -> None:
+        self.transport = transport
+        self.clock = clock
+        self.store = store
+        self.writer = writer
+        self.solver = solver
+        self.controller_id = controller_id
+        self.topics = topics or Topics()
+        self.policy_path = policy_path
+        self.counters = Counters()
+        self.overrides = Overrides()
+        self.history: deque[TickReport] = deque(maxlen=history)
+        self.last_tick: TickReport | None = None
+        self.tick_no = 0
+        self.alarms: dict[str, str] = {}  # active alarm kind → message
+        self.on_tick: list[Callable[[TickReport], None]] = []  # metrics, live view, watchdog
+        self.policy_version: int | None = None
+        self._policy_epoch = 0
+        self._shape: _Shape | None = None
+        self._warm: Allocation | None = None
+        self._stored_gpus: set[str] = set()
+        self.fleet = FleetState(policy)
+        self._adopt(policy)
+
+    # -- policy and operators' changes -----------------------------------------------------
+
+    def _adopt(self, policy: Policy) -> None:
+        self.policy = policy
+        self.classes = ClassTable.from_policy(policy)
+        self._class_index = {name: i for i, name in enumerate(class_names(policy))}
+        self.planner = getattr(self, "planner", None) or SafetyPlanner(policy)
+        self.planner.policy = policy
+        self.fleet.set_policy(policy)
+        self.overrides.forget_policy_gaps(policy)
+        self._policy_epoch += 1
+        self._warm = None
+
+    # Every write below takes effect on the next tick and is audited with who (actor and
+    # role), what, when and why. Invalid requests raise OverrideError or PolicyError.
+
+    def replace_policy(
+        self, text: str, *, actor: str, reason: str, role: str = "admin", source: str = "api"
+    ) -> int:
+        """Validate and adopt a new policy (PolicyError leaves the running one in force)."""
+        policy = load_policy_text(text, source)
+        self._adopt(policy)
+        version = 0
+        if self.store is not None:
+            version = self.store.record_policy_version(
+                text, source=source, author=actor, reason=reason
+            )
+        self.policy_version = version or None
+        self._audit(actor, role, "policy.replace", source, reason, {"version": version})
+        log.info("policy_replaced", source=source, version=version, actor=actor)
+        return version
+
+    def reload_policy_file(self) -> int:
+        """SIGHUP: re-read the policy file given at start."""
+        if self.policy_path is None:
+            raise OverrideError("no policy file to reload")
+        text = Path(self.policy_path).read_text(encoding="utf-8")
+        return self.replace_policy(
+            text, actor="sighup", role="system", reason="SIGHUP reload", source=self.policy_path
+        )
+
+    def set_budget(
+        self,
+        group: str,
+        budget_w: float,
+        *,
+        expires_at: float | None,
+        actor: str,
+        reason: str,
+        role: str = "operator",
+    ) -> None:
+        override = BudgetOverride(group, budget_w, expires_at, reason, actor, self.clock.wall())
+        self.overrides.set_budget(self.policy, override)
+        payload = {"budget_w": budget_w, "expires_at": expires_at}
+        self._audit(actor, role, "budget.set", group, reason, payload)
+
+    def clear_budget(self, group: str, *, actor: str, reason: str, role: str = "operator") -> None:
+        self.overrides.clear_budget(group)
+        self._audit(actor, role, "budget.clear", group, reason, {})
+
+    def assign_class(
+        self,
+        cls: str,
+        *,
+        uuids: list[str],
+        nodes: list[str],
+        actor: str,
+        reason: str,
+        role: str = "operator",
+    ) -> None:
+        self.overrides.assign_class(self.policy, cls, uuids=uuids, nodes=nodes)
+        payload = {"class": cls, "uuids": uuids, "nodes": nodes}
+        self._audit(actor, role, "class.assign", ",".join(uuids + nodes), reason, payload)
+
+    def clear_class(
+        self, *, uuids: list[str], nodes: list[str], actor: str, reason: str, role: str = "operator"
+    ) -> None:
+        self.overrides.clear_class(uuids=uuids, nodes=nodes)
+        payload = {"uuids": uuids, "nodes": nodes}
+        self._audit(actor, role, "class.clear", ",".join(uuids + nodes), reason, payload)
+
+    def pin(
+        self, uuid: str, watts: float, *, actor: str, reason: str, role: str = "operator"
+    ) -> None:
+        rec = self.fleet.gpus.get(uuid)
+        if rec is None:
+            raise OverrideError(f"unknown GPU '{uuid}'")
+        if not rec.min_cap_w <= watts <= rec.max_cap_w:
+            raise OverrideError(
+                f"{watts:g} W is outside the GPU's limits [{rec.min_cap_w:g}, {rec.max_cap_w:g}] W"
+            )
+        self.overrides.pins[uuid] = watts
+        self._audit(actor, role, "gpu.pin", uuid, reason, {"watts": watts})
+
+    def unpin(self, uuid: str, *, actor: str, reason: str, role: str = "operator") -> None:
+        if self.overrides.pins.pop(uuid, None) is None:
+            raise OverrideError(f"GPU '{uuid}' is not pinned")
+        self._audit(actor, role, "gpu.unpin", uuid, reason, {})
+
+    def drain(self, node: str, *, actor: str, reason: str, role: str = "operator") -> None:
+        if node not in self.fleet.node_order:
+            raise OverrideError(f"unknown node '{node}'")
+        self.overrides.drained.add(node)
+        self._audit(actor, role, "node.drain", node, reason, {})
+
+    def undrain(self, node: str, *, actor: str, reason: str, role: str = "operator") -> None:
+        if node not in self.overrides.drained:
+            raise OverrideError(f"node '{node}' is not drained")
+        self.overrides.drained.discard(node)
+        self._audit(actor, role, "node.undrain", node, reason, {})
+
+    def _audit(
+        self,
+        actor: str,
+        role: str,
+        action: str,
+        target: str,
+        reason: str,
+        payload: Mapping[str, object],
+    ) -> None:
+        log.info(
+            "admin_action", actor=actor, role=role, action=action, target=target, reason=reason
+        )
+        if self.store is not None:
+            self.store.record_audit(
+                actor=actor,
+                role=role,
+                action=action,
+                target=target[:500],
+                reason=reason,
+                payload=payload,
+            )
+
+    # -- messages ------------------------------------------------------------------------
+
+    def handle(self, message: Message, now: float) -> None:
+        """Route one message; bad ones are counted and dropped, never raised."""
+        try:
+            node, kind = self.topics.parse_node_topic(message.topic)
+            self.counters.received[kind] += 1
+            if kind == "telemetry":
+                t = decode(message.payload, NodeTelemetry, topic_node=node)
+                if self.fleet.ingest_telemetry(t, now):
+                    self.planner.on_telemetry(
+                        node, {g.uuid: g.cap_w for g in t.gpus}, received_at=now, agent_ts=t.ts
+                    )
+                else:
+                    self.counters.dropped["unknown_node"] += 1
+            elif kind == "ack":
+                ack = decode(message.payload, CapAck, topic_node=node)
+                self.planner.on_ack(node, ack.tick, ack.gpus, agent_ts=ack.ts)
+            elif kind == "status":
+                status = decode(message.payload, NodeStatus, topic_node=node)
+                self.fleet.ingest_status(status)
+                if status.caps_w:
+                    self.planner.learn_status(node, status.caps_w, agent_ts=status.ts)
+            elif kind != "caps":  # our own commands come back only if subscribed broadly
+                raise WireError("bad_topic", message.topic[:200])
+        except WireError as exc:
+            self.counters.dropped[exc.reason] += 1
+            log.warning(
+                "message_dropped", topic=message.topic[:200], reason=exc.reason, detail=exc.detail
+            )
+
+    # -- the tick ------------------------------------------------------------------------
+
+    def _shape_for(self, arrays: FleetArrays) -> _Shape:
+        version = (self.fleet.version, self._policy_epoch)
+        if self._shape is not None and self._shape.version == version:
+            return self._shape
+        topology = Topology.build(self.policy, arrays.nodes)
+        safety = SafetyFleet.build(
+            self.policy, arrays.uuids, arrays.nodes, arrays.min_cap_w, arrays.max_cap_w
+        )
+        self.planner.set_fleet(safety)
+        # Telemetry already heard for GPUs new to the planner teaches it their caps now.
+        for node in dict.fromkeys(arrays.nodes):
+            recs = [g for g in self.fleet.gpus.values() if g.node == node]
+            self.planner.on_telemetry(
+                node, {g.uuid: g.cap_w for g in recs}, received_at=min(g.seen_at for g in recs)
+            )
+        known = np.bincount(topology.gpu_groups[:, -1], minlength=topology.n_groups)
+        expected = np.array([g.gpus for g in self.policy.groups], dtype=np.float64)
+        missing = np.where(
+            topology.level == len(LEVELS) - 1, np.maximum(expected - known, 0.0), 0.0
+        )
+        reserve_node = missing * self.policy.defaults.gpu.max_cap_w
+        reserve = _push_up(topology, reserve_node)
+        self._shape = _Shape(version, topology, Tree(topology), safety, reserve)
+        self._warm = None
+        if self.writer is not None:
+            self._store_inventory(arrays)
+        return self._shape
+
+    def _store_inventory(self, arrays: FleetArrays) -> None:
+        assert self.writer is not None
+        new = [u for u in arrays.uuids if u not in self._stored_gpus]
+        if not new:
+            return
+        recs = [self.fleet.gpus[u] for u in new]
+        self.writer.submit_gpus(
+            [
+                StoredGpu(
+                    uuid=r.uuid,
+                    node=r.node,
+                    index=r.index,
+                    name=r.name,
+                    min_cap_w=r.min_cap_w,
+                    max_cap_w=r.max_cap_w,
+                )
+                for r in recs
+            ]
+        )
+        self._stored_gpus.update(new)
+
+    def step(self) -> tuple[TickReport, SafePlan]:
+        """One tick's decisions, synchronously (publishing is `run`'s job)."""
+        t0 = time.perf_counter()
+        now = self.clock.monotonic()
+        wall = self.clock.wall()
+        control = self.policy.control
+        self.tick_no += 1
+        tick = self.tick_no
+        arrays = self.fleet.arrays(now, control.stale_after_s)
+        shape = self._shape_for(arrays)
+        topo = shape.topology
+        n = len(arrays.uuids)
+
+        budgets = self.overrides.active_budgets(self.policy, wall)
+        budget_w = group_values(topo, budgets, topo.budget_w) if budgets else topo.budget_w
+        class_names_ = [
+            self.overrides.class_of(u, node, w)
+            for u, node, w in zip(arrays.uuids, arrays.nodes, arrays.workloads, strict=True)
+        ]
+        default = self.policy.defaults.class_
+        cls_idx = np.fromiter(
+            (self._class_index.get(c or default, self._class_index[default]) for c in class_names_),
+            dtype=np.int64,
+            count=n,
+        )
+        pinned = (
+            np.array(
+                [
+                    np.nan if (p := self.overrides.pinned_w(u, node, lo, hi)) is None else p
+                    for u, node, lo, hi in zip(
+                        arrays.uuids,
+                        arrays.nodes,
+                        arrays.min_cap_w.tolist(),
+                        arrays.max_cap_w.tolist(),
+                        strict=True,
+                    )
+                ],
+                dtype=np.float64,
+            )
+            if (self.overrides.pins or self.overrides.drained)
+            else np.full(n, np.nan)
+        )
+        committed_before = self.planner.committed_w()
+        fleet = Fleet(
+            uuids=tuple(arrays.uuids),
+            topology=topo,
+            min_cap_w=arrays.min_cap_w,
+            max_cap_w=arrays.max_cap_w,
+            power_w=arrays.power_w,
+            # The damping term steers toward the caps that may be in force.
+            cap_w=np.minimum(committed_before, arrays.max_cap_w),
+            class_index=cls_idx,
+            stale=arrays.stale,
+            pinned_w=pinned,
+        )
+        status, solver, objective, solve_ms = "fallback", self.solver, math.nan, 0.0
+        try:
+            alloc = allocate_arrays(
+                fleet,
+                self.policy,
+                self.solver,
+                budget_w=budget_w,
+                reserved_w=shape.reserve_w,
+                warm=self._warm,
+                classes=self.classes,
+                tree=shape.tree,
+            )
+            targets = alloc.caps_w
+            status, objective, solve_ms = alloc.status, alloc.objective, alloc.solve_ms
+            self._warm = alloc
+            self._alarm("solver_failed", None)
+        except Exception as exc:  # any solver failure: steer to failsafe caps, never stop
+            log.exception("allocation_failed", tick=tick, solver=self.solver)
+            targets = shape.safety.failsafe_w.copy()
+            self._alarm("solver_failed", f"{type(exc).__name__}: {exc}"[:300])
+            self._warm = None
+        self._alarm(
+            "infeasible_min",
+            "device minimums exceed a budget" if status == "infeasible_min" else None,
+        )
+        self._alarm(
+            "floors_dropped",
+            "class floors dropped to fit a budget" if status == "floors_dropped" else None,
+        )
+
+        t_plan = time.perf_counter()
+        offline = [name for name, rec in self.fleet.nodes.items() if rec.state is NodeState.OFFLINE]
+        weights = self.classes.weight[cls_idx]
+        plan = self.planner.plan(
+            tick,
+            now,
+            targets,
+            budget_w=budget_w,
+            reserve_w=shape.reserve_w,
+            priority=weights,
+            offline=offline,
+        )
+        plan_ms = (time.perf_counter() - t_plan) * 1000.0
+        for ev in plan.events:
+            log.warning(
+                "safety_event",
+                kind=ev.kind,
+                node=ev.node,
+                gpu=ev.uuid,
+                group=ev.group,
+                value_w=ev.value_w,
+            )
+        over = plan.group_over
+        self._alarm(
+            "budget_over",
+            None
+            if not over.any()
+            else "committed caps above budget at "
+            + ", ".join(topo.names[g] for g in np.flatnonzero(over)[:5]),
+        )
+
+        throughput = self._throughput(arrays, cls_idx)
+        draw = topo.group_sums(arrays.power_w) + topo.overhead_w
+        report = TickReport(
+            tick=tick,
+            ts=wall,
+            duration_ms=(time.perf_counter() - t0) * 1000.0,
+            solve_ms=solve_ms,
+            plan_ms=plan_ms,
+            status=status,
+            solver=solver,
+            objective=objective,
+            group_names=topo.names,
+            group_levels=topo.level,
+            budget_w=np.asarray(budget_w, dtype=np.float64),
+            load_w=plan.group_load_w,
+            draw_w=draw,
+            over=over,
+            uuids=arrays.uuids,
+            nodes=arrays.nodes,
+            classes=[self.classes.names[i] for i in cls_idx.tolist()],
+            power_w=arrays.power_w,
+            targets_w=targets,
+            sent_w=plan.sent_w,
+            committed_w=plan.committed_w,
+            throughput=throughput,
+            stale=plan.stale,
+            waiting_nodes=plan.waiting_nodes,
+            alarms=tuple(sorted(self.alarms)),
+        )
+        return report, plan
+
+    def _throughput(self, arrays: FleetArrays, cls_idx: NDArray[np.int64]) -> FloatArray:
+        """Reported application throughput where the workload gives one, else the profile's."""
+        out = arrays.perf.copy()
+        missing = np.isnan(out)
+        for c, profile in enumerate(self.classes.profiles):
+            sel = missing & (cls_idx == c)
+            if sel.any():
+                out[sel] = profile.value(arrays.power_w[sel])
+        return out
+
+    def _alarm(self, kind: str, message: str | None) -> None:
+        """Raise (message) or clear (None) an alarm; events only on a change."""
+        active = kind in self.alarms
+        if message is not None and not active:
+            self.alarms[kind] = message
+            log.warning("alarm_raised", alarm=kind, message=message)
+            self._event(kind, Severity.ALARM, message)
+        elif message is None and active:
+            del self.alarms[kind]
+            log.info("alarm_cleared", alarm=kind)
+            if self.writer is not None:
+                self.writer.submit_clear(kind, self.clock.wall())
+
+    def _event(self, kind: str, severity: Severity, message: str) -> None:
+        if self.writer is not None:
+            self.writer.submit_event(
+                EventRecord(ts=self.clock.wall(), kind=kind, severity=severity, message=message)
+            )
+
+    async def publish_plan(self, plan: SafePlan) -> None:
+        ts = self.clock.wall()
+        for cmd in plan.commands:
+            try:
+                await self.transport.publish(
+                    self.topics.caps(cmd.node), encode(cmd.to_wire(ts, self.controller_id)), qos=1
+                )
+                self.counters.caps_sent += 1
+            except TransportError as exc:
+                self.counters.publish_failed += 1
+                log.warning("caps_publish_failed", node=cmd.node, tick=plan.tick, error=str(exc))
+
+    def _record(self, report: TickReport, plan: SafePlan) -> None:
+        self.last_tick = report
+        self.history.append(report)
+        self.counters.ticks += 1
+        if self.writer is not None:
+            root_budget = float(report.budget_w[0])
+            self.writer.submit_tick(
+                TickRecord(
+                    tick=report.tick,
+                    ts=report.ts,
+                    budget_w=root_budget,
+                    committed_w=float(report.load_w[0]),
+                    measured_w=float(report.draw_w[0]),
+                    throughput=report.throughput_total,
+                    solve_ms=report.solve_ms,
+                    status=report.status,
+                    solver=report.solver,
+                    n_gpus=len(report.uuids),
+                    n_stale=int(report.stale.sum()),
+                    rows={
+                        name: {
+                            "budget_w": b if math.isfinite(b) else None,
+                            "load_w": load,
+                            "draw_w": d,
+                        }
+                        for name, b, load, d in report.level_totals(1)
+                    },
+                )
+            )
+            by_node: dict[str, dict[str, float]] = {}
+            for cmd in plan.commands:
+                by_node[cmd.node] = dict(cmd.caps_w)
+            self.writer.submit_caps(report.tick, report.ts, by_node)
+            self.writer.submit_samples(
+                list(report.uuids),
+                report.ts,
+                report.power_w.copy(),
+                report.committed_w.copy(),
+                np.array([self.fleet.gpus[u].energy_j for u in report.uuids]),
+            )
+            health = self.writer.health()
+            self._alarm(
+                "store_unreachable",
+                None
+                if health.connected
+                else f"store unreachable: {health.last_error}; backlog {health.backlog}, "
+                f"dropped {health.dropped}",
+            )
+        for hook in self.on_tick:
+            try:
+                hook(report)
+            except Exception:
+                log.exception("tick_hook_failed")
+
+    async def tick_once(self) -> TickReport:
+        t0 = time.perf_counter()
+        report, plan = self.step()
+        await self.publish_plan(plan)
+        report = replace(report, duration_ms=(time.perf_counter() - t0) * 1000.0)
+        self._record(report, plan)
+        return report
+
+    # -- running -------------------------------------------------------------------------
+
+    def health(self) -> ControllerHealth:
+        connected = self.transport.state is ConnectionState.CONNECTED
+        store = self.writer.health() if self.writer is not None else None
+        age = None
+        if self.last_tick is not None:
+            age = max(0.0, self.clock.wall() - self.last_tick.ts)
+        tick_s = self.policy.control.tick_s
+        ready = connected and age is not None and age < 3 * tick_s + 1.0
+        return ControllerHealth(connected, store, age, ready)
+
+    def _status(self, state: ControllerState) -> bytes:
+        return encode(
+            ControllerStatus(
+                controller_id=self.controller_id,
+                state=state,
+                ts=self.clock.wall(),
+                tick=self.tick_no or None,
+            )
+        )
+
+    async def run(self, stop: asyncio.Event, *, learn_s: float | None = None) -> None:
+        """Steer until `stop` is set. Listens for `learn_s` (default: one stale period)
+        before the first tick, so retained status and telemetry teach the caps in force."""
+        will = LastWill(self.topics.controller_status(), self._status(ControllerState.OFFLINE))
+
+        async def on_connect() -> None:
+            await self.transport.publish(
+                self.topics.controller_status(),
+                self._status(ControllerState.ACTIVE),
+                qos=1,
+                retain=True,
+            )
+
+        await self.transport.connect(will=will, on_connect=on_connect)
+        for kind in ("telemetry", "ack", "status"):
+            await self.transport.subscribe(
+                self.topics.all_nodes(kind), qos=1 if kind != "telemetry" else 0
+            )
+        log.info(
+            "controller_started",
+            controller=self.controller_id,
+            solver=self.solver,
+            nodes=len(self.fleet.node_order),
+            tick_s=self.policy.control.tick_s,
+        )
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._listen(), name="controller-listen")
+                tg.create_task(self._tick_loop(stop, learn_s), name="controller-ticks")
+                await stop.wait()
+                raise _Stop
+        except* _Stop:
+            pass
+        finally:
+            with contextlib.suppress(TransportError):
+                await self.transport.publish(
+                    self.topics.controller_status(),
+                    self._status(ControllerState.OFFLINE),
+                    qos=1,
+                    retain=True,
+                )
+            await self.transport.disconnect()
+            log.info("controller_stopped", ticks=self.counters.ticks)
+
+    async def _listen(self) -> None:
+        async for message in self.transport.messages():
+            self.handle(message, self.clock.monotonic())
+
+    async def _tick_loop(self, stop: asyncio.Event, learn_s: float | None) -> None:
+        control = self.policy.control
+        await self.transport.wait_connected()
+        await self.clock.sleep(control.stale_after_s if learn_s is None else learn_s)
+        next_at = self.clock.monotonic()
+        while not stop.is_set():
+            await self.tick_once()
+            tick_s = self.policy.control.tick_s
+            next_at += tick_s
+            now = self.clock.monotonic()
+            if now > next_at:  # overran: skip the missed ticks rather than bunching them
+                log.warning("tick_overrun", late_s=round(now - next_at, 3))
+                next_at = now
+            await self.clock.sleep(next_at - now)
+
+
+class _Stop(Exception):
+    """Ends the TaskGroup when the stop event is set."""
+
+
+def _push_up(topology: Topology, per_group: FloatArray) -> FloatArray:
+    """Sum a per-group value (set on nodes) up to every ancestor."""
+    out = per_group.astype(np.float64, copy=True)
+    for i in range(topology.n_groups - 1, 0, -1):
+        out[topology.parent[i]] += out[i]
+    return out
+
+
+def install_sighup(loop: asyncio.AbstractEventLoop, controller: Controller) -> None:
+    def reload() -> None:
+        try:
+            version = controller.reload_policy_file()
+            log.info("policy_reloaded", version=version)
+        except Exception as exc:
+            log.error("policy_reload_failed", error=str(exc))
+
+    loop.add_signal_handler(signal.SIGHUP, reload)

@@ -1,0 +1,311 @@
+"""`powerd demo`: a controller and simulated GPU nodes in one process, on embedded defaults.
+
+Every part is the real one — agents, safety planner, allocator, store — except the GPUs
+(the mock's physical model) and, unless `--broker` is given, the broker (in-process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass, field, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+from powerd.agent.agent import Agent
+from powerd.agent.settings import AgentSettings
+from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
+from powerd.clock import Clock, SystemClock
+from powerd.controller.controller import Controller, TickReport
+from powerd.policy import Policy, load_policy, load_policy_text
+from powerd.store import Store, StoreWriter, upgrade
+from powerd.transport import MemoryBroker, MqttConfig, MqttTransport, Transport
+
+EMBEDDED_POLICY = "example.yaml"
+
+
+def default_policy() -> Policy:
+    """The example policy shipped inside the package (the same as policies/example.yaml)."""
+    text = resources.files("powerd.data").joinpath(EMBEDDED_POLICY).read_text(encoding="utf-8")
+    return load_policy_text(text, f"<embedded {EMBEDDED_POLICY}>")
+
+
+def workload_mix(policy: Policy, node_index: int, tick_s: float) -> Workload:
+    """A mixed site: per 10 nodes, 3 serve inference, 5 train (two jobs), 1 batch, 1 idle.
+
+    Classes and profiles come from the policy when it has them, so the GPUs' throughput
+    follows the same curves the allocator steers by.
+    """
+    slot = node_index % 10
+
+    def profile(cls: str, fallback: Workload) -> Workload:
+        if cls in policy.classes:
+            return replace(fallback, name=cls, profile=policy.class_profile(cls))
+        return fallback
+
+    if slot < 3:
+        # A compressed "day" so the demo shows load swinging, with bursts.
+        return profile(
+            "inference",
+            Workload.inference(
+                day_s=120.0, phase_s=30.0 * slot, burst_prob=0.15, burst_slot_s=tick_s
+            ),
+        )
+    if slot < 8:
+        job_phase = 0.0 if slot < 6 else 3.3
+        return profile("training", Workload.training(period_s=8.0, phase_s=job_phase))
+    if slot == 8:
+        return profile("batch", Workload.steady(level_w=620.0))
+    return Workload.idle()
+
+
+@dataclass
+class DemoStats:
+    ticks: int = 0
+    over_budget_ticks: int = 0  # committed caps above a budget (must stay 0)
+    draw_over_ticks: int = 0  # measured draw above a budget
+    max_load_frac: float = 0.0
+    max_draw_frac: float = 0.0
+    solve_ms: list[float] = field(default_factory=list)
+    tick_ms: list[float] = field(default_factory=list)
+    throughput: list[float] = field(default_factory=list)
+    draw_w: list[float] = field(default_factory=list)
+    statuses: dict[str, int] = field(default_factory=dict)
+
+    def add(self, r: TickReport) -> None:
+        self.ticks += 1
+        budget = r.budget_w
+        finite = np.isfinite(budget)
+        if r.over.any():
+            self.over_budget_ticks += 1
+        if np.any(r.draw_w[finite] > budget[finite] + 1e-6):
+            self.draw_over_ticks += 1
+        if finite.any():
+            self.max_load_frac = max(
+                self.max_load_frac, float(np.max(r.load_w[finite] / budget[finite]))
+            )
+            self.max_draw_frac = max(
+                self.max_draw_frac, float(np.max(r.draw_w[finite] / budget[finite]))
+            )
+        self.solve_ms.append(r.solve_ms)
+        self.tick_ms.append(r.duration_ms)
+        self.throughput.append(r.throughput_total)
+        self.draw_w.append(float(r.draw_w[0]))
+        self.statuses[r.status] = self.statuses.get(r.status, 0) + 1
+
+
+def _kw(w: float) -> str:
+    return "  ∞  " if not math.isfinite(w) else f"{w / 1000:6.1f}"
+
+
+def live_line(r: TickReport) -> str:
+    rows = " ".join(
+        f"{name}:{load / budget:4.0%}" if math.isfinite(budget) else f"{name}:-"
+        for name, budget, load, _ in r.level_totals(1)
+    )
+    by_class = " ".join(f"{c[:5]}={v:6.1f}" for c, v in sorted(r.throughput_by_class().items()))
+    flag = " OVER" if r.over.any() else ""
+    return (
+        f"tick {r.tick:4d} | budget {_kw(r.budget_w[0])} kW | committed {_kw(r.load_w[0])} kW"
+        f" | draw {_kw(r.draw_w[0])} kW | rows {rows} | throughput {r.throughput_total:7.1f}"
+        f" ({by_class}) | solve {r.solve_ms:5.1f} ms | {r.status}{flag}"
+    )
+
+
+def summary(stats: DemoStats, policy: Policy, n_gpus: int, db_url: str) -> dict[str, Any]:
+    def pct(xs: list[float], q: float) -> float:
+        return float(np.percentile(xs, q)) if xs else math.nan
+
+    installed = n_gpus * policy.defaults.gpu.max_cap_w
+    budget = policy.groups[0].budget_w
+    return {
+        "ticks": stats.ticks,
+        "gpus": n_gpus,
+        "facility_budget_w": budget if math.isfinite(budget) else None,
+        "gpu_tdp_installed_w": installed,
+        "ticks_committed_over_budget": stats.over_budget_ticks,
+        "ticks_draw_over_budget": stats.draw_over_ticks,
+        "max_committed_over_budget_ratio": stats.max_load_frac,
+        "max_draw_over_budget_ratio": stats.max_draw_frac,
+        "mean_draw_w": statistics.fmean(stats.draw_w) if stats.draw_w else math.nan,
+        "mean_throughput": statistics.fmean(stats.throughput) if stats.throughput else math.nan,
+        "solve_ms_p50": pct(stats.solve_ms, 50),
+        "solve_ms_p99": pct(stats.solve_ms, 99),
+        "tick_ms_p50": pct(stats.tick_ms, 50),
+        "tick_ms_p99": pct(stats.tick_ms, 99),
+        "statuses": stats.statuses,
+        "db": db_url,
+    }
+
+
+def print_summary(s: dict[str, Any], out: TextIO) -> None:
+    print("\nsummary", file=out)
+    print(
+        f"  ticks {s['ticks']}, GPUs {s['gpus']}, GPU TDP installed "
+        f"{s['gpu_tdp_installed_w'] / 1000:.1f} kW under a "
+        f"{(s['facility_budget_w'] or math.inf) / 1000:.1f} kW facility budget",
+        file=out,
+    )
+    print(
+        f"  ticks with committed caps over any budget: {s['ticks_committed_over_budget']} "
+        f"(highest committed/budget {s['max_committed_over_budget_ratio']:.1%})",
+        file=out,
+    )
+    print(
+        f"  ticks with measured draw over any budget:  {s['ticks_draw_over_budget']} "
+        f"(highest draw/budget {s['max_draw_over_budget_ratio']:.1%})",
+        file=out,
+    )
+    print(
+        f"  mean facility draw {s['mean_draw_w'] / 1000:.1f} kW, mean throughput "
+        f"{s['mean_throughput']:.1f} (GPU-equivalents at full speed)",
+        file=out,
+    )
+    print(
+        f"  solve p50 {s['solve_ms_p50']:.1f} ms, p99 {s['solve_ms_p99']:.1f} ms; tick p50 "
+        f"{s['tick_ms_p50']:.1f} ms, p99 {s['tick_ms_p99']:.1f} ms",
+        file=out,
+    )
+    print(f"  allocation statuses: {s['statuses']}; history in {s['db']}", file=out)
+
+
+async def run_demo(
+    policy: Policy,
+    *,
+    duration_s: float = 30.0,
+    nodes: int | None = None,
+    broker: str | None = None,
+    db_url: str | None = None,
+    as_json: bool = False,
+    seed: int = 0,
+    out: TextIO = sys.stdout,
+    clock: Clock | None = None,
+) -> dict[str, Any]:
+    clock = clock or SystemClock()
+    node_names = policy.node_names()
+    if nodes is not None:
+        if not 1 <= nodes <= len(node_names):
+            raise ValueError(f"--nodes must be between 1 and {len(node_names)} for this policy")
+        node_names = node_names[:nodes]
+        policy = policy.subset(node_names)
+    groups = {g.name: g for g in policy.groups}
+    counts = [groups[n].gpus for n in node_names]
+    tick_s = policy.control.tick_s
+    per_gpu = [workload_mix(policy, k, tick_s) for k, c in enumerate(counts) for _ in range(c)]
+    model = GpuFleetModel(
+        len(per_gpu), per_gpu, seed=seed, start_s=clock.monotonic(), uuid_prefix="GPU-demo"
+    )
+
+    tmp = None
+    if db_url is None:
+        tmp = tempfile.TemporaryDirectory(prefix="powerd-demo-")
+        db_url = f"sqlite:///{Path(tmp.name) / 'powerd.db'}"
+    upgrade(db_url)
+    store = Store(db_url)
+    writer = StoreWriter(store)
+    writer.start()
+
+    memory = MemoryBroker() if broker is None else None
+
+    def transport(client_id: str) -> Transport:
+        if memory is not None:
+            return memory.client(client_id)
+        assert broker is not None
+        return MqttTransport(MqttConfig.from_url(broker, client_id=client_id))
+
+    failsafe = policy.defaults.failsafe_w
+    agents = []
+    start = 0
+    for name, count in zip(node_names, counts, strict=True):
+        settings = AgentSettings(
+            node_id=name,
+            backend="mock",
+            period_s=tick_s,
+            failsafe_w=failsafe,
+            broker=broker or "mqtt://127.0.0.1:1883",
+        )
+        backend = MockBackend(model, clock, start, count)
+        agents.append(Agent(settings, backend, transport(f"agent-{name}"), clock))
+        start += count
+
+    controller = Controller(
+        policy,
+        transport("controller"),
+        clock,
+        store=store,
+        writer=writer,
+        controller_id="powerd-demo",
+    )
+    stats = DemoStats()
+
+    def show(r: TickReport) -> None:
+        stats.add(r)
+        if as_json:
+            print(
+                json.dumps(
+                    {
+                        "tick": r.tick,
+                        "budget_w": _finite(r.budget_w[0]),
+                        "committed_w": r.load_w[0],
+                        "draw_w": r.draw_w[0],
+                        "throughput": r.throughput_total,
+                        "throughput_by_class": r.throughput_by_class(),
+                        "solve_ms": r.solve_ms,
+                        "status": r.status,
+                        "over_budget": bool(r.over.any()),
+                        "rows": {
+                            n: {"budget_w": _finite(b), "committed_w": ld, "draw_w": d}
+                            for n, b, ld, d in r.level_totals(1)
+                        },
+                    }
+                ),
+                file=out,
+                flush=True,
+            )
+        else:
+            print(live_line(r), file=out, flush=True)
+
+    controller.on_tick.append(show)
+    if not as_json:
+        print(
+            f"powerd demo: {len(per_gpu)} simulated GPUs on {len(node_names)} nodes, "
+            f"policy {policy.source}, {'broker ' + broker if broker else 'in-process broker'}, "
+            f"{duration_s:g} s",
+            file=out,
+            flush=True,
+        )
+    stop = asyncio.Event()
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for agent in agents:
+                tg.create_task(agent.run(stop), name=f"agent-{agent.node_id}")
+            tg.create_task(controller.run(stop, learn_s=tick_s), name="controller")
+            await clock.sleep(duration_s)
+            stop.set()
+    finally:
+        await asyncio.to_thread(writer.stop)
+        result = summary(stats, policy, len(per_gpu), db_url)
+        if as_json:
+            print(json.dumps({"summary": result}), file=out, flush=True)
+        else:
+            print_summary(result, out)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.cleanup()
+    return result
+
+
+def _finite(x: float) -> float | None:
+    return float(x) if math.isfinite(x) else None
+
+
+def load_demo_policy(path: str | None) -> Policy:
+    return default_policy() if path is None else load_policy(path)
