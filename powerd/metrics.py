@@ -1,0 +1,650 @@
+"""Prometheus metrics for the controller and the agent, on a registry the caller owns.
+
+Per-GPU series follow NVIDIA dcgm-exporter where it has a field for the quantity (same
+metric names, same `gpu`/`UUID`/`device`/`modelName`/`Hostname` labels), so existing GPU
+dashboards work on powerd's numbers; what only powerd knows is `powerd_*`.
+
+Cost model: the controller calls `update_*` once per tick with the arrays it already holds.
+An update only stores them (numeric arrays copied, a few µs for 10k GPUs); samples are built
+when Prometheus scrapes, every 15-60 s, not every tick. Serve `/metrics` from a thread (the
+API does) so a scrape of a large fleet never stalls the event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+from prometheus_client import CollectorRegistry, Histogram, generate_latest, start_http_server
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+
+FloatArray = NDArray[np.float64]
+
+# NVML clock event ("throttle") reason bits by the names the backends report (nvml.h; a test
+# checks them against powerd.backends.nvml), so the bitmask means what DCGM's does.
+THROTTLE_BITS: Mapping[str, int] = {
+    "gpu_idle": 0x001,
+    "applications_clocks": 0x002,
+    "sw_power_cap": 0x004,
+    "hw_slowdown": 0x008,
+    "sync_boost": 0x010,
+    "sw_thermal": 0x020,
+    "hw_thermal": 0x040,
+    "hw_power_brake": 0x080,
+    "display_clocks": 0x100,
+    "board_limit": 0x200,
+    "reliability": 0x400,
+}
+GPU_LABELS = ("gpu", "UUID", "device", "modelName", "Hostname")
+# Ticks run at ~1 s with a 250 ms target at 10k GPUs: resolve the fast end finely.
+TICK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def throttle_mask(reasons: Iterable[str]) -> int:
+    """The NVML bitmask of reason names; names NVML has no bit for (`unknown_0x..`) keep
+    their hex bits, anything else is ignored."""
+    mask = 0
+    for r in reasons:
+        bit = THROTTLE_BITS.get(r)
+        if bit is not None:
+            mask |= bit
+        elif r.startswith("unknown_0x"):
+            with contextlib.suppress(ValueError):
+                mask |= int(r[len("unknown_0x") :], 16)
+    return mask
+
+
+def _array(values: ArrayLike, n: int, what: str) -> FloatArray:
+    a = np.array(values, dtype=np.float64)  # a copy: the caller may reuse its buffers
+    if a.shape != (n,):
+        raise ValueError(f"{what}: expected {n} values, got shape {a.shape}")
+    return a
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Label sets of a family's rows (GPUs, groups), also pre-rendered as exposition text.
+
+    Rendering labels is most of a scrape's cost (prometheus-client escapes and sorts each
+    label of each sample); rows change rarely, so their text is built once and reused.
+    """
+
+    labels: list[dict[str, str]]
+    text: list[str]
+
+    @classmethod
+    def of(cls, labels: list[dict[str, str]]) -> Rows:
+        return cls(labels, [_label_text(lb) for lb in labels])
+
+
+def _label_text(labels: Mapping[str, str]) -> str:
+    inner = ",".join(f'{k}="{_escape(labels[k])}"' for k in sorted(labels))
+    return "{" + inner + "}" if inner else ""
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _go_float(v: float) -> str:
+    # The text format's spelling (what prometheus-client's floatToGoString writes).
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(v)
+
+
+class RowFamily(Metric):
+    """A family with one sample per row, NaN rows left out. `text()` renders it fast;
+    `samples` is built only for consumers that read it (prometheus-client's own exposition,
+    e.g. the agent's HTTP server), so the controller's scrape never pays for it."""
+
+    def __init__(
+        self, name: str, doc: str, typ: str, sample: str, rows: Rows, values: FloatArray
+    ) -> None:
+        super().__init__(name, doc, typ)
+        del self.samples  # see __getattr__
+        self._sample = sample
+        self._rows = rows
+        self._values = values
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr != "samples":
+            raise AttributeError(attr)
+        samples = [
+            Sample(self._sample, lb, v)
+            for lb, v in zip(self._rows.labels, self._values.tolist(), strict=True)
+            if not math.isnan(v)
+        ]
+        self.samples = samples
+        return samples
+
+    def text(self) -> str:
+        name = self.name + "_total" if self.type == "counter" else self.name
+        doc = self.documentation.replace("\\", "\\\\").replace("\n", "\\n")
+        head = f"# HELP {name} {doc}\n# TYPE {name} {self.type}\n"
+        values, texts = self._values, self._rows.text
+        finite = np.isfinite(values)
+        if not finite.all():  # rare (unbudgeted groups, missing readings): the slow path
+            keep = ~np.isnan(values)
+            texts = [t for t, k in zip(texts, keep.tolist(), strict=True) if k]
+            values = values[keep]
+            shown = [_go_float(v) for v in values.tolist()]
+        else:
+            shown = _shown(values)
+        prefix = self._sample
+        return head + "".join([f"{prefix}{t} {v}\n" for t, v in zip(texts, shown, strict=True)])
+
+
+def _shown(values: FloatArray) -> list[str]:
+    """Finite values as text. Integral ones (energy in mJ, temperatures, bitmasks, most caps)
+    print as integers, ~3× faster than repr(); float repr dominates a large scrape."""
+    whole = np.rint(values)
+    if np.all(np.abs(whole) < 2.0**53) and np.array_equal(whole, values):
+        return [str(i) for i in whole.astype(np.int64).tolist()]
+    return [repr(v) for v in values.tolist()]
+
+
+def exposition(registry: Collector) -> bytes:
+    """The text format of everything in `registry`, as `generate_latest` writes it but with
+    row families rendered from their cached label text (≈100× faster at 10k GPUs)."""
+    out: list[bytes] = []
+    for metric in registry.collect():
+        if isinstance(metric, RowFamily):
+            out.append(metric.text().encode())
+        else:
+            out.append(generate_latest(_One(metric)))
+    return b"".join(out)
+
+
+class _One(Collector):
+    def __init__(self, metric: Metric) -> None:
+        self.metric = metric
+
+    def collect(self) -> Iterable[Metric]:
+        return [self.metric]
+
+
+@dataclass(frozen=True)
+class GpuSnapshot:
+    """One tick's per-GPU values, replaced whole so a scrape in another thread sees one tick."""
+
+    uuids: Sequence[str]
+    nodes: Sequence[str]
+    index: NDArray[np.int64]
+    models: Sequence[str] | None
+    power_w: FloatArray
+    enforced_w: FloatArray  # read back from the device
+    energy_j: FloatArray
+    temp_c: FloatArray
+    throttle: Sequence[Sequence[str]] | None
+    cap_w: FloatArray | None = None  # controller: the cap in force as it last sent it
+    target_w: FloatArray | None = None  # controller: this tick's allocation
+    _rows: list[Rows] = field(default_factory=list, repr=False)  # built on first scrape
+
+    def rows(self) -> Rows:
+        if not self._rows:
+            models = self.models or [""] * len(self.uuids)
+            self._rows.append(
+                Rows.of(
+                    [
+                        {
+                            "gpu": str(i),
+                            "UUID": u,
+                            "device": f"nvidia{i}",
+                            "modelName": m,
+                            "Hostname": n,
+                        }
+                        for u, n, i, m in zip(
+                            self.uuids, self.nodes, self.index.tolist(), models, strict=True
+                        )
+                    ]
+                )
+            )
+        return self._rows[0]
+
+
+def _family(
+    name: str, doc: str, typ: str, sample: str, rows: Iterable[tuple[dict[str, str], float]]
+) -> Metric:
+    m = Metric(name, doc, typ)
+    m.samples = [Sample(sample, labels, value) for labels, value in rows]
+    return m
+
+
+def _gauge_rows(name: str, doc: str, rows: Rows, values: FloatArray) -> RowFamily:
+    return RowFamily(name, doc, "gauge", name, rows, values)
+
+
+class GpuCollector(Collector):
+    """Per-GPU series, built at scrape time from the latest snapshot."""
+
+    def __init__(self) -> None:
+        self._snap: GpuSnapshot | None = None
+
+    def update(
+        self,
+        *,
+        uuids: Sequence[str],
+        nodes: Sequence[str],
+        index: ArrayLike,
+        power_w: ArrayLike,
+        enforced_w: ArrayLike,
+        energy_j: ArrayLike,
+        temp_c: ArrayLike,
+        throttle: Sequence[Sequence[str]] | None = None,
+        models: Sequence[str] | None = None,
+        cap_w: ArrayLike | None = None,
+        target_w: ArrayLike | None = None,
+    ) -> None:
+        n = len(uuids)
+        if len(nodes) != n or (models is not None and len(models) != n):
+            raise ValueError("uuids, nodes and models must have the same length")
+        if throttle is not None and len(throttle) != n:
+            raise ValueError("throttle must have one entry per GPU")
+        idx = np.array(index, dtype=np.int64)
+        prev = self._snap
+        snap = GpuSnapshot(
+            uuids=uuids,
+            nodes=nodes,
+            index=idx,
+            models=models,
+            power_w=_array(power_w, n, "power_w"),
+            enforced_w=_array(enforced_w, n, "enforced_w"),
+            energy_j=_array(energy_j, n, "energy_j"),
+            temp_c=_array(temp_c, n, "temp_c"),
+            throttle=throttle,
+            cap_w=None if cap_w is None else _array(cap_w, n, "cap_w"),
+            target_w=None if target_w is None else _array(target_w, n, "target_w"),
+        )
+        # The fleet's GPU list is the same object from tick to tick until a GPU comes or
+        # goes (FleetState caches it): keep the rows rendered for it.
+        if (
+            prev is not None
+            and prev.uuids is uuids
+            and prev.nodes is nodes
+            and prev.models is models
+            and prev._rows
+            and np.array_equal(prev.index, idx)
+        ):
+            snap._rows.extend(prev._rows)
+        self._snap = snap
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._snap
+        if s is None:
+            return
+        labels = s.rows()
+        yield _gauge_rows("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).", labels, s.power_w)
+        yield _gauge_rows(
+            "DCGM_FI_DEV_ENFORCED_POWER_LIMIT",
+            "Enforced power limit, read back from the device (in W).",
+            labels,
+            s.enforced_w,
+        )
+        yield RowFamily(
+            "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
+            "Total energy consumption since the driver loaded (in mJ).",
+            "counter",
+            "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION_total",
+            labels,
+            s.energy_j * 1000.0,
+        )
+        yield _gauge_rows("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C).", labels, s.temp_c)
+        if s.throttle is not None:
+            yield _gauge_rows(
+                "DCGM_FI_DEV_CLOCKS_EVENT_REASONS",
+                "Current reasons for clock events (NVML throttle bitmask; 0x4 power cap).",
+                labels,
+                np.array([throttle_mask(t) for t in s.throttle], dtype=np.float64),
+            )
+        if s.cap_w is not None:
+            yield _gauge_rows(
+                "powerd_gpu_cap_watts", "Cap powerd last sent to the GPU (in W).", labels, s.cap_w
+            )
+        if s.target_w is not None:
+            yield _gauge_rows(
+                "powerd_gpu_target_watts",
+                "This tick's allocation for the GPU, before the safety planner (in W).",
+                labels,
+                s.target_w,
+            )
+
+
+class _Families(Collector):
+    """Controller-wide series from plain values the controller hands over each tick."""
+
+    def __init__(self) -> None:
+        self.groups: tuple[Rows, FloatArray, FloatArray, FloatArray] | None = None
+        self.received: Mapping[str, float] = {}
+        self.dropped: Mapping[str, float] = {}
+        self.caps_sent = 0.0
+        self.acks = 0.0
+        self.ticks: dict[str, float] = {}
+        self.solver_status = ""
+        self.statuses: set[str] = set()
+        self.last_tick_ts: float | None = None
+        self.throughput: Mapping[str, float] = {}
+        self.gpus: Mapping[str, float] = {}
+        self.nodes: Mapping[str, float] = {}
+        self.alarms_active: Mapping[str, float] = {}
+        self.alarms_raised: dict[str, float] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        if self.groups is not None:
+            labels, budget, committed, draw = self.groups
+            yield _gauge_rows(
+                "powerd_group_budget_watts",
+                "Budget in force per group (policy or temporary, the lower; +Inf: none) (in W).",
+                labels,
+                budget,
+            )
+            yield _gauge_rows(
+                "powerd_group_committed_watts",
+                "Sum of committed caps plus overhead per group: the most it may draw (in W).",
+                labels,
+                committed,
+            )
+            yield _gauge_rows(
+                "powerd_group_draw_watts", "Measured draw per group (in W).", labels, draw
+            )
+        yield _counter(
+            "powerd_messages_received", "MQTT messages received, by kind.", "kind", self.received
+        )
+        yield _counter(
+            "powerd_messages_dropped",
+            "Messages dropped (malformed, oversized, mismatched, stale...), by reason.",
+            "reason",
+            self.dropped,
+        )
+        yield _scalar("powerd_caps_sent", "Per-GPU caps sent to agents.", "counter", self.caps_sent)
+        yield _scalar(
+            "powerd_acks_received", "Cap acknowledgements received.", "counter", self.acks
+        )
+        yield _counter("powerd_ticks", "Controller ticks, by solver status.", "status", self.ticks)
+        yield _family(
+            "powerd_solver_status",
+            "1 for the last tick's solver status, 0 for the others seen.",
+            "gauge",
+            "powerd_solver_status",
+            (({"status": s}, float(s == self.solver_status)) for s in sorted(self.statuses)),
+        )
+        if self.last_tick_ts is not None:
+            yield _scalar(
+                "powerd_last_tick_timestamp_seconds",
+                "Wall time the last tick ended.",
+                "gauge",
+                self.last_tick_ts,
+            )
+        yield _gauges(
+            "powerd_throughput",
+            "Weighted useful work per class (profile units).",
+            "class",
+            self.throughput,
+        )
+        yield _gauges("powerd_gpus", "GPUs known to the controller, by state.", "state", self.gpus)
+        yield _gauges("powerd_nodes", "Nodes in the policy, by state.", "state", self.nodes)
+        yield _gauges(
+            "powerd_alarms_active",
+            "Alarms raised and not cleared, by kind.",
+            "kind",
+            self.alarms_active,
+        )
+        yield _counter("powerd_alarms", "Alarms raised, by kind.", "kind", self.alarms_raised)
+
+
+def _counter(name: str, doc: str, label: str, values: Mapping[str, float]) -> Metric:
+    return _family(
+        name,
+        doc,
+        "counter",
+        name + "_total",
+        (({label: k}, float(v)) for k, v in sorted(values.items())),
+    )
+
+
+def _gauges(name: str, doc: str, label: str, values: Mapping[str, float]) -> Metric:
+    return _family(
+        name, doc, "gauge", name, (({label: k}, float(v)) for k, v in sorted(values.items()))
+    )
+
+
+def _scalar(name: str, doc: str, typ: str, value: float) -> Metric:
+    return _family(
+        name, doc, typ, name + "_total" if typ == "counter" else name, [({}, float(value))]
+    )
+
+
+class ControllerMetrics:
+    """Everything the controller exports. Register once on a registry, update per tick."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.gpus = GpuCollector()
+        self._f = _Families()
+        self._lock = threading.Lock()
+        self._group_rows: tuple[tuple[list[str], list[str]], Rows] | None = None
+        registry.register(self.gpus)
+        registry.register(self._f)
+        self.tick_seconds = Histogram(
+            "powerd_tick_duration_seconds",
+            "From the tick's start to its last cap published.",
+            buckets=TICK_BUCKETS,
+            registry=registry,
+        )
+        self.solve_seconds = Histogram(
+            "powerd_solve_duration_seconds",
+            "Allocator time per tick.",
+            buckets=TICK_BUCKETS,
+            registry=registry,
+        )
+
+    def update_gpus(
+        self,
+        *,
+        uuids: Sequence[str],
+        nodes: Sequence[str],
+        index: ArrayLike,
+        power_w: ArrayLike,
+        enforced_w: ArrayLike,
+        energy_j: ArrayLike,
+        temp_c: ArrayLike,
+        cap_w: ArrayLike | None = None,
+        target_w: ArrayLike | None = None,
+        throttle: Sequence[Sequence[str]] | None = None,
+        models: Sequence[str] | None = None,
+    ) -> None:
+        """Per-GPU values of this tick, in one order (the fleet's). NaN: no value (left out)."""
+        self.gpus.update(
+            uuids=uuids,
+            nodes=nodes,
+            index=index,
+            power_w=power_w,
+            enforced_w=enforced_w,
+            energy_j=energy_j,
+            temp_c=temp_c,
+            throttle=throttle,
+            models=models,
+            cap_w=cap_w,
+            target_w=target_w,
+        )
+
+    def update_groups(
+        self,
+        *,
+        names: Sequence[str],
+        levels: Sequence[str],
+        budget_w: ArrayLike,
+        committed_w: ArrayLike,
+        draw_w: ArrayLike,
+    ) -> None:
+        """Every budgeted group of the tree (facility, rows, racks, nodes), in any order."""
+        n = len(names)
+        if len(levels) != n:
+            raise ValueError("names and levels must have the same length")
+        key = (list(names), list(levels))
+        rows = self._group_rows
+        if rows is None or rows[0] != key:  # the tree changes only with the policy
+            labels = [{"group": g, "level": lv} for g, lv in zip(names, levels, strict=True)]
+            rows = self._group_rows = (key, Rows.of(labels))
+        self._f.groups = (
+            rows[1],
+            _array(budget_w, n, "budget_w"),
+            _array(committed_w, n, "committed_w"),
+            _array(draw_w, n, "draw_w"),
+        )
+
+    def observe_tick(
+        self,
+        *,
+        duration_s: float,
+        solve_s: float,
+        status: str,
+        ts: float,
+        throughput: Mapping[str, float] | None = None,
+    ) -> None:
+        self.tick_seconds.observe(duration_s)
+        self.solve_seconds.observe(solve_s)
+        with self._lock:
+            self._f.ticks[status] = self._f.ticks.get(status, 0.0) + 1
+            self._f.statuses.add(status)
+            self._f.solver_status = status
+            self._f.last_tick_ts = ts
+            if throughput is not None:
+                self._f.throughput = dict(throughput)
+
+    def update_counters(
+        self,
+        *,
+        received: Mapping[str, float],
+        dropped: Mapping[str, float],
+        caps_sent: float,
+        acks: float,
+    ) -> None:
+        """The controller's own cumulative counts (never reset while it runs)."""
+        self._f.received = dict(received)
+        self._f.dropped = dict(dropped)
+        self._f.caps_sent = caps_sent
+        self._f.acks = acks
+
+    def update_fleet(self, *, gpus: Mapping[str, float], nodes: Mapping[str, float]) -> None:
+        """Counts by state, e.g. gpus={"fresh": 9990, "stale": 10}, nodes={"steered": ...}."""
+        self._f.gpus = dict(gpus)
+        self._f.nodes = dict(nodes)
+
+    def alarm_raised(self, kind: str) -> None:
+        with self._lock:
+            self._f.alarms_raised[kind] = self._f.alarms_raised.get(kind, 0.0) + 1
+
+    def set_active_alarms(self, active: Mapping[str, float]) -> None:
+        self._f.alarms_active = dict(active)
+
+
+class AgentMetrics:
+    """What one node's agent exports about its own GPUs and its command handling."""
+
+    def __init__(self, registry: CollectorRegistry, node_id: str) -> None:
+        self.node_id = node_id
+        self.gpus = GpuCollector()
+        self._f = _AgentFamilies()
+        registry.register(self.gpus)
+        registry.register(self._f)
+
+    def update_gpus(
+        self,
+        *,
+        uuids: Sequence[str],
+        index: ArrayLike,
+        power_w: ArrayLike,
+        enforced_w: ArrayLike,
+        energy_j: ArrayLike,
+        temp_c: ArrayLike,
+        throttle: Sequence[Sequence[str]] | None = None,
+        models: Sequence[str] | None = None,
+    ) -> None:
+        self.gpus.update(
+            uuids=uuids,
+            nodes=[self.node_id] * len(uuids),
+            index=index,
+            power_w=power_w,
+            enforced_w=enforced_w,
+            energy_j=energy_j,
+            temp_c=temp_c,
+            throttle=throttle,
+            models=models,
+        )
+
+    def update_counters(
+        self,
+        *,
+        commands: float,
+        rejected: Mapping[str, float],
+        caps_applied: float,
+        failsafe: bool,
+    ) -> None:
+        self._f.values = {
+            "commands": commands,
+            "rejected": dict(rejected),
+            "caps_applied": caps_applied,
+            "failsafe": failsafe,
+        }
+
+
+class _AgentFamilies(Collector):
+    def __init__(self) -> None:
+        self.values: dict[str, Any] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        v = self.values
+        if not v:
+            return
+        yield _scalar("powerd_agent_commands", "Cap commands accepted.", "counter", v["commands"])
+        yield _counter(
+            "powerd_agent_commands_rejected",
+            "Cap commands rejected, by reason.",
+            "reason",
+            v["rejected"],
+        )
+        yield _scalar(
+            "powerd_agent_caps_applied", "Per-GPU caps applied.", "counter", v["caps_applied"]
+        )
+        yield _scalar(
+            "powerd_agent_failsafe",
+            "1 while the lease has run out and failsafe caps hold.",
+            "gauge",
+            float(v["failsafe"]),
+        )
+
+
+@dataclass
+class MetricsServer:
+    """A registry served over HTTP from a background thread (prometheus-client's server)."""
+
+    host: str
+    port: int
+    _server: Any
+    _thread: threading.Thread
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def start_metrics_server(
+    registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 9400
+) -> MetricsServer:
+    """Serve `registry` at http://host:port/metrics (port 0: any free port).
+
+    The agent's option: a thread of its own, so a scrape never delays telemetry. 9400 is
+    dcgm-exporter's port; pick another when both run on a node.
+    """
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    return MetricsServer(host, int(server.server_address[1]), server, thread)
