@@ -52,6 +52,12 @@ class _Part:
     base: FloatArray  # price from the levels already solved
     gidx: IntArray  # group of each GPU at the level being solved
 
+    def __post_init__(self) -> None:
+        # Scratch space reused by every pass: fresh (K, n) arrays each pass cost page faults.
+        self.t = np.empty_like(self.a)
+        self.inside = np.empty(self.a.shape, dtype=np.bool_)
+        self.full = np.empty(self.a.shape, dtype=np.bool_)
+
     def take(self, keep: BoolArray) -> _Part:
         idx = np.flatnonzero(keep)
         return _Part(
@@ -86,13 +92,13 @@ class _Response:
         self.lo_sums = self.tree.sums(problem.lo)
 
     def at(self, part: _Part, u: FloatArray, level: int) -> _Pass:
-        t = part.a - u
+        t = np.subtract(part.a, u, out=part.t)
         np.maximum(t, 0.0, out=t)
         np.minimum(t, part.lengths, out=t)
         p = part.lo + t.sum(axis=0)
         # Segment intervals of one GPU are disjoint in u, so at most one is partly filled.
-        inside = t > 0.0
-        inside &= t < part.lengths
+        inside = np.greater(t, 0.0, out=part.inside)
+        inside &= np.less(t, part.lengths, out=part.full)
         partial = np.logical_or.reduce(inside, axis=0)
         tree = self.tree
         n_groups = tree.n_groups

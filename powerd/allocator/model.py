@@ -332,9 +332,9 @@ def _segments(
     slopes = np.empty_like(starts)
     slopes[-1] = 0.0
     for j in range(n_knots):
-        # Row by row: gathering from a few classes is much faster on a 1-d table.
-        np.take(classes.knots_kw[:, j], cls, out=starts[j + 1])
-        np.take(classes.slopes_kw[:, j], cls, out=slopes[j])
+        # Row by row from 1-d tables; mode="clip" avoids the buffered copy of mode="raise".
+        np.take(classes.knots_kw[:, j], cls, out=starts[j + 1], mode="clip")
+        np.take(classes.slopes_kw[:, j], cls, out=slopes[j], mode="clip")
     # Segment j ends at knot j, clipped into [lo, flat]; padding knots (+inf) clip to flat.
     np.clip(starts[1:], lo, flat, out=starts[1:])
     slopes[:-1] *= weight

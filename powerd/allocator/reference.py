@@ -42,18 +42,20 @@ def build(problem: Problem) -> tuple[Any, Any, IntArray]:
     lo, hi, prev = problem.lo[free], problem.hi[free], problem.prev[free]
     starts, slopes = problem.starts[:, free], problem.slopes[:, free]
     # Piece k is the tangent of the (weighted) utility along segment k: U(start_k) + s_k·(p −
-    # start_k), with U(lo) = 0. Every piece, even one of an empty segment, lies above a
-    # concave curve, so their minimum is the curve itself.
-    offsets = (
-        np.cumsum(slopes * problem.lengths[:, free], axis=0) - slopes * problem.lengths[:, free]
+    # start_k), with U(lo) = 0. Each lies above a concave curve, so their minimum is the
+    # curve itself: maximise Σ t with t below every piece of a non-empty segment (the
+    # pieces of empty ones are redundant and only cost solver time).
+    lengths = problem.lengths[:, free]
+    offsets = np.cumsum(slopes * lengths, axis=0) - slopes * lengths
+    seg, gpu = np.nonzero(lengths > 0.0)
+    t = cp.Variable(m, name="utility")
+    hypograph = t[gpu] <= (
+        offsets[seg, gpu]
+        - slopes[seg, gpu] * starts[seg, gpu]
+        + cp.multiply(slopes[seg, gpu], p[gpu])
     )
-    pieces = [
-        offsets[k] - slopes[k] * starts[k] + cp.multiply(slopes[k], p)
-        for k in range(starts.shape[0])
-    ]
-    utility = pieces[0] if len(pieces) == 1 else cp.minimum(*pieces)
-    gain = cp.sum(utility) + problem.delta * cp.sum(p) - problem.eps * cp.sum_squares(p - prev)
-    constraints: list[Any] = [p >= lo, p <= hi]
+    gain = cp.sum(t) + problem.delta * cp.sum(p) - problem.eps * cp.sum_squares(p - prev)
+    constraints: list[Any] = [p >= lo, p <= hi, hypograph]
     tree = problem.tree
     fixed_sums = tree.sums(fixed_p)
     hi_sums = tree.sums(np.where(problem.hi - problem.lo > 0.0, problem.hi, fixed_p))

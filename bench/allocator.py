@@ -1,0 +1,123 @@
+"""Allocator figures: steady-state time per allocation and peak memory, fast vs cvxpy.
+
+    .venv/bin/python bench/allocator.py                 # 1k, 10k, 100k GPUs
+    .venv/bin/python bench/allocator.py --sizes 1000 --runs 5
+
+Fleets: 8 GPUs/node, 8 nodes/rack, 16 racks/row (powerd.synthetic, budgets binding at every
+level). Steady state: one untimed first call, then successive ticks whose draws drift and
+whose caps in force are the previous tick's. Each (size, solver) runs in its own process so
+its peak RSS is its own. Results go in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+GPUS_PER_ROW = 8 * 8 * 16
+
+
+def worker(size: int, solver: str, runs: int, warm: bool) -> dict[str, object]:
+    from powerd.allocator import ClassTable, Tree, allocate_arrays
+    from powerd.synthetic import Drift, make_policy, random_fleet
+
+    rows = max(1, round(size / GPUS_PER_ROW))
+    policy = make_policy(rows, 16, 8, 8)
+    fleet = random_fleet(policy, seed=size)
+    classes, tree = ClassTable.from_policy(policy), Tree(fleet.topology)
+    drift = Drift.start(fleet, seed=1)
+    rss_setup = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    last = allocate_arrays(fleet, policy, solver, classes=classes, tree=tree)
+    first_ms = (time.perf_counter() - t0) * 1000
+    times, walls = [], []
+    for _ in range(runs):
+        fleet = drift.tick(last.caps_w)
+        t0 = time.perf_counter()
+        last = allocate_arrays(
+            fleet, policy, solver, classes=classes, tree=tree, warm=last if warm else None
+        )
+        walls.append((time.perf_counter() - t0) * 1000)
+        times.append(last.solve_ms)
+    return {
+        "gpus": fleet.n,
+        "solver": solver + (" (warm)" if warm and solver == "fast" else ""),
+        "runs": runs,
+        "median_ms": statistics.median(times),
+        "min_ms": min(times),
+        "max_ms": max(times),
+        "first_ms": first_ms,
+        "rss_setup_mb": rss_setup / 1024,
+        "rss_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "status": last.status,
+    }
+
+
+def machine() -> str:
+    model = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    import numpy as np
+
+    return (
+        f"{model}, nproc={os.cpu_count()}, Python {platform.python_version()}, "
+        f"numpy {np.__version__}"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--sizes", default="1000,10000,100000")
+    ap.add_argument("--runs", type=int, default=9, help="timed ticks per (size, solver)")
+    ap.add_argument("--cvxpy-runs-100k", type=int, default=1)
+    ap.add_argument("--worker", nargs=4, metavar=("SIZE", "SOLVER", "RUNS", "WARM"))
+    args = ap.parse_args()
+    if args.worker:
+        size, solver, runs, warm = args.worker
+        print(json.dumps(worker(int(size), solver, int(runs), warm == "1")))
+        return
+    print(f"machine: {machine()}")
+    results = []
+    for size in (int(s) for s in args.sizes.split(",")):
+        for solver, warm in (("fast", "1"), ("fast", "0"), ("cvxpy", "0")):
+            runs = args.runs if solver == "fast" or size < 50_000 else args.cvxpy_runs_100k
+            out = subprocess.run(
+                [sys.executable, __file__, "--worker", str(size), solver, str(runs), warm],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            results.append(json.loads(out.stdout))
+            r = results[-1]
+            print(f"  {r['gpus']:>7} {r['solver']:<12} median {r['median_ms']:9.1f} ms", flush=True)
+    print()
+    print(
+        "| GPUs | solver | runs | median ms | min–max ms | first call ms | peak RSS MB "
+        "(setup) | speed-up vs cvxpy |"
+    )
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    ref = {r["gpus"]: r["median_ms"] for r in results if r["solver"] == "cvxpy"}
+    for r in results:
+        speedup = ref[r["gpus"]] / r["median_ms"] if r["gpus"] in ref else float("nan")
+        print(
+            f"| {r['gpus']:,} | {r['solver']} | {r['runs']} | {r['median_ms']:.1f} | "
+            f"{r['min_ms']:.1f}–{r['max_ms']:.1f} | {r['first_ms']:.1f} | "
+            f"{r['rss_peak_mb']:.0f} ({r['rss_setup_mb']:.0f}) | {speedup:.0f}× |"
+        )
+
+
+if __name__ == "__main__":
+    main()
