@@ -45,6 +45,7 @@ MAX_SM_CLOCK_MHZ = 1980.0
 IDLE_SM_CLOCK_MHZ = 345.0
 SW_POWER_CAP = "sw_power_cap"
 ALL = slice(None)
+MIN_STEP_S = 1e-3  # the backend view advances the model at most this finely
 
 _TRAINING_PROFILE = Profile.from_points(
     "llm-training", [(200, 0.35), (300, 0.58), (400, 0.76), (500, 0.89), (600, 0.97), (700, 1.0)]
@@ -445,7 +446,10 @@ class MockBackend(GpuBackend):
             raise UnknownGpu(f"no GPU {uuid} on this node", uuid)
         if self.fleet.lost[i]:
             raise GpuLost(f"GPU {uuid} is lost", uuid)
-        self.fleet.advance_to(self.clock.monotonic())
+        now = self.clock.monotonic()
+        # Calls in one burst (a node's sample, a command) share one step of the model.
+        if now - self.fleet.t >= MIN_STEP_S:
+            self.fleet.advance_to(now)
         return i
 
     def read(self, uuid: str) -> GpuReading:

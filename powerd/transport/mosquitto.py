@@ -46,6 +46,7 @@ class LocalMosquitto:
             f"listener {self.port} 127.0.0.1\n"
             "allow_anonymous true\n"
             "persistence false\n"
+            "set_tcp_nodelay true\n"
             "log_dest stderr\n"
         )
         with self.log_file.open("ab") as log:
