@@ -189,6 +189,57 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return EXIT_OK if result["ticks_committed_over_budget"] == 0 else EXIT_FAILED
 
 
+def cmd_agent(args: argparse.Namespace) -> int:
+    import asyncio
+    from pathlib import Path
+
+    from powerd.agent.main import run_agent_process
+    from powerd.agent.settings import AgentSettings
+    from powerd.backends import BackendError
+
+    settings = AgentSettings.load(
+        Path(args.config) if args.config else None,
+        node_id=args.node_id,
+        broker=args.broker,
+        backend=args.backend,
+        mock_gpus=args.mock_gpus,
+        mock_workload=args.mock_workload,
+        mock_seed=args.mock_seed,
+        period_s=args.period,
+        failsafe_w=args.failsafe_w,
+    )
+    try:
+        asyncio.run(run_agent_process(settings))
+    except BackendError as exc:
+        print(f"powerd agent: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def cmd_controller(args: argparse.Namespace) -> int:
+    import asyncio
+    from pathlib import Path
+
+    from powerd.controller.main import run_controller
+    from powerd.controller.settings import ControllerSettings
+
+    settings = ControllerSettings.load(
+        Path(args.config) if args.config else None,
+        policy=args.policy,
+        broker=args.broker,
+        db=args.db,
+        solver=args.solver,
+        controller_id=args.controller_id,
+        learn_s=args.learn_s,
+        api_port=args.api_port,
+        api_host=args.api_host,
+        tokens_file=args.tokens_file,
+        dev=args.dev or None,
+    )
+    asyncio.run(run_controller(settings))
+    return EXIT_OK
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -275,6 +326,44 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="seed of the simulated workloads")
     demo.set_defaults(handler=cmd_demo)
 
+    agent = sub.add_parser("agent", help="run the node agent (telemetry, caps, failsafe)")
+    agent.add_argument("--node-id", help="this node's name in the policy ($POWERD_NODE_ID)")
+    agent.add_argument("--broker", help="mqtt://HOST:PORT or mqtts://... ($POWERD_BROKER)")
+    agent.add_argument("--backend", choices=("nvml", "mock"), help="GPU backend (default nvml)")
+    agent.add_argument("--mock-gpus", type=int, help="GPUs of the mock backend (default 8)")
+    agent.add_argument(
+        "--mock-workload",
+        choices=("steady", "training", "inference", "idle"),
+        help="demand pattern of the mock GPUs",
+    )
+    agent.add_argument("--mock-seed", type=int, help="seed of the mock GPUs")
+    agent.add_argument("--period", type=positive_float, help="telemetry period, s (default 1)")
+    agent.add_argument(
+        "--failsafe-w",
+        type=positive_float,
+        help="failsafe cap per GPU before the first command (default: device min)",
+    )
+    agent.add_argument("--config", help="settings file (.toml or .yaml); flags win over it")
+    agent.set_defaults(handler=cmd_agent)
+
+    ctl = sub.add_parser("controller", help="run the central controller (the steering loop)")
+    ctl.add_argument("--policy", help="policy YAML file ($POWERD_POLICY)")
+    ctl.add_argument("--broker", help="mqtt://HOST:PORT or mqtts://... ($POWERD_BROKER)")
+    ctl.add_argument("--db", help="SQLAlchemy URL ($POWERD_DB, default sqlite:///powerd.db)")
+    ctl.add_argument("--solver", choices=("fast", "cvxpy", "uniform", "priority-bands"))
+    ctl.add_argument("--controller-id", help="name in the controller status and commands")
+    ctl.add_argument(
+        "--learn-s",
+        type=float,
+        help="seconds to listen before the first tick (default: stale_after_s)",
+    )
+    ctl.add_argument("--api-host", help="admin API address (default 127.0.0.1)")
+    ctl.add_argument("--api-port", type=int, help="admin API port (default: no API)")
+    ctl.add_argument("--tokens-file", help="admin API tokens (hashed), see docs/api.md")
+    ctl.add_argument("--dev", action="store_true", help="development mode: allow weak tokens")
+    ctl.add_argument("--config", help="settings file (.toml or .yaml); flags win over it")
+    ctl.set_defaults(handler=cmd_controller)
+
     db = sub.add_parser("db", help="database maintenance")
     db_sub = db.add_subparsers(dest="db_command", metavar="ACTION", required=True)
     up = db_sub.add_parser("upgrade", help="run the migrations up to the newest schema")
@@ -298,6 +387,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handler(args)
     except InputError as exc:
         print(str(exc), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except ValueError as exc:  # e.g. a malformed broker URL, caught before anything started
+        print(f"powerd {args.command}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return 130

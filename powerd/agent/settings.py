@@ -53,7 +53,7 @@ class AgentSettings(BaseSettings):
         CLI can pass every flag whether given or not. Raises SettingsError.
         """
         source = str(config_file) if config_file is not None else "agent settings"
-        file_values = _read_file(config_file) if config_file is not None else {}
+        file_values = read_settings_file(config_file) if config_file is not None else {}
         given = {k: v for k, v in overrides.items() if v is not None}
         try:
             env_values = EnvSettingsSource(cls)()
@@ -77,7 +77,7 @@ class AgentSettings(BaseSettings):
         )
 
 
-def _read_file(path: Path) -> dict[str, Any]:
+def read_settings_file(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text()
     except OSError as exc:

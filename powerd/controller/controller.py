@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import signal
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
@@ -170,6 +169,7 @@ class Controller:
         self._shape: _Shape | None = None
         self._warm: Allocation | None = None
         self._stored_gpus: set[str] = set()
+        self._safety_seen: dict[str, set[str]] = {}
         self.fleet = FleetState(policy)
         self._adopt(policy)
 
@@ -486,15 +486,7 @@ class Controller:
             offline=offline,
         )
         plan_ms = (time.perf_counter() - t_plan) * 1000.0
-        for ev in plan.events:
-            log.warning(
-                "safety_event",
-                kind=ev.kind,
-                node=ev.node,
-                gpu=ev.uuid,
-                group=ev.group,
-                value_w=ev.value_w,
-            )
+        self._log_safety_events(plan)
         over = plan.group_over
         self._alarm(
             "budget_over",
@@ -534,6 +526,17 @@ class Controller:
             alarms=tuple(sorted(self.alarms)),
         )
         return report, plan
+
+    def _log_safety_events(self, plan: SafePlan) -> None:
+        """One line per kind of safety event, and only when what is affected changes: a
+        condition that lasts (say, unknown GPUs reserving a rack's budget) logs once."""
+        by_kind: dict[str, set[str]] = {}
+        for ev in plan.events:
+            by_kind.setdefault(ev.kind, set()).add(ev.group or ev.node or ev.uuid)
+        for kind, where in by_kind.items():
+            if self._safety_seen.get(kind) != where:
+                log.warning("safety_event", kind=kind, count=len(where), where=sorted(where)[:10])
+        self._safety_seen = by_kind
 
     def _throughput(self, arrays: FleetArrays, cls_idx: NDArray[np.int64]) -> FloatArray:
         """Reported application throughput where the workload gives one, else the profile's."""
@@ -734,14 +737,3 @@ def _push_up(topology: Topology, per_group: FloatArray) -> FloatArray:
     for i in range(topology.n_groups - 1, 0, -1):
         out[topology.parent[i]] += out[i]
     return out
-
-
-def install_sighup(loop: asyncio.AbstractEventLoop, controller: Controller) -> None:
-    def reload() -> None:
-        try:
-            version = controller.reload_policy_file()
-            log.info("policy_reloaded", version=version)
-        except Exception as exc:
-            log.error("policy_reload_failed", error=str(exc))
-
-    loop.add_signal_handler(signal.SIGHUP, reload)
