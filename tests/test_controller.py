@@ -1,0 +1,377 @@
+"""The steering loop end to end in one process: real agents, mock GPUs, in-process broker.
+
+Time is a stepped clock, so every tick, lease and period is exact; after every step the
+true caps in force on the agents are checked against every budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import SteppedClock
+
+from powerd.agent.agent import Agent
+from powerd.agent.settings import AgentSettings
+from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
+from powerd.controller.controller import Controller, TickReport
+from powerd.controller.overrides import OverrideError
+from powerd.policy import Policy, PolicyError, parse_policy
+from powerd.store import Store, StoreWriter, upgrade
+from powerd.transport import MemoryBroker
+from powerd.wire import NodeState, Topics
+
+TICK = 1.0
+LEASE = 4.0
+GPUS = 4
+
+
+def site_policy() -> dict[str, Any]:
+    return {
+        "facility": {
+            "name": "dc",
+            "budget_w": 8000,
+            "rows": [
+                {
+                    "name": "row",
+                    "racks": [
+                        {
+                            "name": "rack-{1..2}",
+                            "budget_w": 4400,
+                            "nodes": [
+                                {
+                                    "name": "{rack}-n{1..2}",
+                                    "budget_w": 2500,
+                                    "overhead_w": 100,
+                                    "gpus": GPUS,
+                                }
+                            ],
+                        }
+                    ],
+                }
+            ],
+        },
+        "profiles": {
+            "train": {"points": [[200, 0.35], [400, 0.76], [600, 0.97], [700, 1.0]]},
+            "infer": {"points": [[200, 0.55], [400, 0.92], [600, 1.0]]},
+        },
+        "classes": {
+            "training": {"weight": 1, "profile": "train"},
+            "inference": {"weight": 4, "floor_w": 350, "profile": "infer"},
+        },
+        "defaults": {"class": "training", "failsafe_w": 250},
+        "control": {"tick_s": TICK, "lease_s": LEASE, "stale_after_s": 3.0},
+    }
+
+
+class Site:
+    """A controller and four agents on one in-process broker, driven by a stepped clock."""
+
+    def __init__(self, policy: Policy, clock: SteppedClock, store: Store | None) -> None:
+        self.policy = policy
+        self.clock = clock
+        self.broker = MemoryBroker()
+        self.store = store
+        self.writer = StoreWriter(store) if store is not None else None
+        self.writer_started = False
+        nodes = policy.node_names()
+        workloads = [
+            Workload.inference(burst_prob=0.0) if k == 0 else Workload.training()
+            for k in range(len(nodes))
+            for _ in range(GPUS)
+        ]
+        self.model = GpuFleetModel(len(workloads), workloads, seed=1, start_s=clock.now)
+        self.agents: dict[str, Agent] = {}
+        self.stops: dict[str, asyncio.Event] = {}
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        for k, node in enumerate(nodes):
+            self.start_agent(node, k * GPUS)
+        self.controller: Controller | None = None
+        self.reports: list[TickReport] = []
+        self.breaches: list[str] = []
+
+    def start_agent(self, node: str, first: int) -> None:
+        settings = AgentSettings(node_id=node, backend="mock", period_s=TICK, failsafe_w=250)
+        agent = Agent(
+            settings,
+            MockBackend(self.model, self.clock, first, GPUS),
+            self.broker.client(f"agent-{node}"),
+            self.clock,
+        )
+        self.agents[node] = agent
+        self.stops[node] = asyncio.Event()
+        self.tasks[node] = asyncio.create_task(agent.run(self.stops[node]), name=node)
+
+    def start_controller(self, solver: str = "fast") -> Controller:
+        if self.writer is not None and not self.writer_started:
+            self.writer.start()
+            self.writer_started = True
+        ctl = Controller(
+            self.policy,
+            self.broker.client("controller"),
+            self.clock,
+            store=self.store,
+            writer=self.writer,
+            solver=solver,
+        )
+        ctl.on_tick.append(self.reports.append)
+        self.controller = ctl
+        self.stops["controller"] = asyncio.Event()
+        self.tasks["controller"] = asyncio.create_task(
+            ctl.run(self.stops["controller"], learn_s=TICK), name="controller"
+        )
+        return ctl
+
+    def true_caps(self) -> dict[str, float]:
+        caps: dict[str, float] = {}
+        for agent in self.agents.values():
+            caps.update(agent.caps_w)
+        return caps
+
+    def check_budgets(self, budgets: dict[str, float] | None = None) -> None:
+        """Σ caps in force + overhead ≤ budget for every group, right now."""
+        caps = self.true_caps()
+        groups = self.policy.groups
+        totals = [0.0] * len(groups)
+        for i, g in enumerate(groups):
+            if g.level == 3:
+                agent = self.agents.get(g.name)
+                node_caps = [caps[u] for u in agent.caps_w] if agent else []
+                totals[i] = sum(node_caps) + g.overhead_w
+        for i in range(len(groups) - 1, 0, -1):
+            totals[groups[i].parent] += totals[i]
+        for g, total in zip(groups, totals, strict=True):
+            budget = min(g.budget_w, (budgets or {}).get(g.name, float("inf")))
+            if total > budget + 1e-6:
+                self.breaches.append(f"t={self.clock.now}: {g.name} {total:.1f} > {budget:.1f}")
+
+    async def settle(self) -> None:
+        for _ in range(60):
+            await asyncio.sleep(0)
+
+    async def step(self, seconds: float = TICK, budgets: dict[str, float] | None = None) -> None:
+        """Advance in quarter ticks, checking every budget after each."""
+        for _ in range(round(seconds / (TICK / 4))):
+            self.clock.advance(TICK / 4)
+            await self.settle()
+            self.check_budgets(budgets)
+
+    async def close(self) -> None:
+        for stop in self.stops.values():
+            stop.set()
+        for _ in range(20):
+            self.clock.advance(TICK)
+            await self.settle()
+        for task in self.tasks.values():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.writer is not None:
+            await asyncio.to_thread(self.writer.stop)
+
+
+@pytest.fixture
+async def site(stepped_clock: SteppedClock, tmp_path: Path) -> AsyncIterator[Site]:
+    url = f"sqlite:///{tmp_path / 'powerd.db'}"
+    upgrade(url)
+    s = Site(parse_policy(site_policy(), "site.yaml"), stepped_clock, Store(url))
+    await s.settle()
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+async def test_steers_every_gpu_and_keeps_every_budget_at_every_moment(site: Site) -> None:
+    ctl = site.start_controller()
+    await site.step(12 * TICK)
+    assert site.breaches == []
+    last = site.reports[-1]
+    assert last.status == "optimal"
+    assert not last.over.any()
+    caps = site.true_caps()
+    assert len(caps) == 4 * GPUS
+    # Steering moved caps off the 250 W failsafe, and the inference node got at least its floor.
+    inference = [caps[u] for u in site.agents["rack-1-n1"].caps_w]
+    assert min(inference) >= 350 - 1e-6
+    assert max(caps.values()) > 300
+    assert all(a.state is NodeState.STEERED for a in site.agents.values())
+    # Power left after demand is handed out: the facility (the binding level: its 8 kW is
+    # less than the racks' 2 × 4.4 kW) runs at its budget.
+    assert last.load_w[0] == pytest.approx(8000.0, abs=1.0)
+    assert ctl.counters.caps_sent >= 4 * 8
+
+
+async def test_budget_cut_is_obeyed_within_two_ticks(site: Site) -> None:
+    ctl = site.start_controller()
+    await site.step(8 * TICK)
+    assert site.breaches == []
+    ctl.set_budget("dc", 6000, expires_at=None, actor="grid", reason="demand response")
+    cut_at = site.clock.now
+    await site.step(2 * TICK)
+    site.breaches.clear()
+    await site.step(6 * TICK, budgets={"dc": 6000})
+    assert site.breaches == [], f"cut made at t={cut_at}"
+    assert site.reports[-1].budget_w[0] == 6000
+    assert site.reports[-1].load_w[0] <= 6000 + 1e-6
+    # Clearing the override lets the site use its full budget again.
+    ctl.clear_budget("dc", actor="grid", reason="event over")
+    await site.step(6 * TICK)
+    assert site.reports[-1].load_w[0] > 6000
+    assert site.breaches == []
+
+
+async def test_temporary_budget_expires_on_its_own(site: Site) -> None:
+    ctl = site.start_controller()
+    await site.step(4 * TICK)
+    ctl.set_budget(
+        "rack-1",
+        3000,
+        expires_at=site.clock.wall() + 3 * TICK,
+        actor="op",
+        reason="breaker maintenance",
+    )
+    await site.step(2 * TICK)
+    assert "rack-1" in ctl.overrides.budgets
+    await site.step(4 * TICK)
+    assert "rack-1" not in ctl.overrides.budgets
+    with pytest.raises(OverrideError, match="unknown group"):
+        ctl.set_budget("nope", 100, expires_at=None, actor="op", reason="x")
+
+
+async def test_dead_controller_sends_nodes_to_failsafe_and_a_new_one_resumes(site: Site) -> None:
+    ctl = site.start_controller()
+    await site.step(6 * TICK)
+    # The controller process dies: its connection drops without a goodbye.
+    ctl.transport.crash()  # type: ignore[attr-defined]
+    site.tasks["controller"].cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await site.tasks["controller"]
+    await site.step(LEASE + 2 * TICK)
+    assert all(a.state is NodeState.FAILSAFE for a in site.agents.values())
+    assert max(site.true_caps().values()) <= 250 + 1e-6
+    # A new controller learns the caps in force before it raises any, and resumes steering.
+    new = site.start_controller()
+    await site.step(8 * TICK)
+    assert all(a.state is NodeState.STEERED for a in site.agents.values())
+    assert max(site.true_caps().values()) > 300
+    assert new.last_tick is not None and not new.last_tick.over.any()
+    assert site.breaches == []
+
+
+async def test_restarted_agent_is_readmitted(site: Site) -> None:
+    site.start_controller()
+    await site.step(6 * TICK)
+    node = "rack-2-n2"
+    site.agents[node].transport.crash()  # type: ignore[attr-defined]
+    site.tasks[node].cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await site.tasks[node]
+    await site.step(5 * TICK)
+    site.start_agent(node, 3 * GPUS)
+    await site.step(6 * TICK)
+    assert site.agents[node].state is NodeState.STEERED
+    assert site.breaches == []
+
+
+async def test_solver_failure_falls_back_to_failsafe_caps_with_an_alarm(site: Site) -> None:
+    ctl = site.start_controller(solver="no-such-solver")
+    await site.step(6 * TICK)
+    assert "solver_failed" in ctl.alarms
+    assert site.reports[-1].status == "fallback"
+    assert ctl.counters.caps_sent > 0  # a tick never ends without caps
+    assert max(site.true_caps().values()) <= 250 + 1e-6
+    assert site.breaches == []
+
+
+async def test_bad_messages_are_counted_and_dropped(site: Site) -> None:
+    ctl = site.start_controller()
+    await site.step(3 * TICK)
+    topics = Topics()
+    junk = site.broker.client("junk")
+    await junk.connect()
+    await junk.wait_connected()
+    await junk.publish(topics.telemetry("rack-1-n1"), b"not json")
+    await junk.publish(
+        topics.ack("rack-1-n1"), b'{"v": 1, "node_id": "rack-2-n1", "tick": 1, "gpus": {}}'
+    )
+    await junk.publish(topics.status("rack-1-n1"), b'{"v": 2, "node_id": "rack-1-n1"}')
+    await site.step(2 * TICK)
+    assert ctl.counters.dropped["not_json"] == 1
+    assert ctl.counters.dropped["node_mismatch"] == 1
+    assert ctl.counters.dropped["bad_version"] == 1
+    assert site.breaches == []
+    await junk.disconnect()
+
+
+async def test_unknown_node_is_never_raised(site: Site, stepped_clock: SteppedClock) -> None:
+    ctl = site.start_controller()
+    rogue_model = GpuFleetModel(
+        2, Workload.training(), start_s=stepped_clock.now, uuid_prefix="GPU-rogue"
+    )
+    settings = AgentSettings(node_id="rogue", backend="mock", period_s=TICK, failsafe_w=250)
+    rogue = Agent(
+        settings,
+        MockBackend(rogue_model, stepped_clock),
+        site.broker.client("rogue"),
+        stepped_clock,
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(rogue.run(stop))
+    await site.step(6 * TICK)
+    assert ctl.counters.dropped["unknown_node"] > 0
+    assert "rogue" in ctl.fleet.unknown_nodes
+    assert max(rogue.caps_w.values()) <= 250
+    assert rogue.last_tick is None  # never commanded
+    stop.set()
+    await site.step(TICK)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def test_operator_overrides_take_effect_next_tick_and_are_audited(site: Site) -> None:
+    ctl = site.start_controller()
+    await site.step(5 * TICK)
+    report = site.reports[-1]
+    gpu = report.uuids[-1]
+    ctl.pin(gpu, 300, actor="alice", reason="thermal check")
+    ctl.drain("rack-2-n1", actor="alice", reason="maintenance")
+    ctl.assign_class("inference", uuids=[], nodes=["rack-1-n2"], actor="sched", reason="job 42")
+    await site.step(3 * TICK)
+    report = site.reports[-1]
+    caps = dict(zip(report.uuids, report.targets_w.tolist(), strict=True))
+    assert caps[gpu] == pytest.approx(300)
+    drained = [u for u, n in zip(report.uuids, report.nodes, strict=True) if n == "rack-2-n1"]
+    assert all(caps[u] == pytest.approx(200) for u in drained)
+    classes = dict(zip(report.nodes, report.classes, strict=True))
+    assert classes["rack-1-n2"] == "inference"
+    assert site.true_caps()[gpu] == pytest.approx(300)
+    with pytest.raises(OverrideError, match="outside the GPU's limits"):
+        ctl.pin(gpu, 5000, actor="alice", reason="typo")
+    assert site.store is not None
+    actions = [e.action for e in site.store.audit_log().items]
+    assert {"gpu.pin", "node.drain", "class.assign"} <= set(actions)
+    assert site.breaches == []
+
+
+async def test_policy_replace_validates_first(site: Site) -> None:
+    ctl = site.start_controller()
+    await site.step(3 * TICK)
+    with pytest.raises(PolicyError):
+        ctl.replace_policy("facility: {}", actor="admin", reason="oops")
+    assert ctl.policy.groups[0].budget_w == 8000  # the running policy stays
+    import yaml
+
+    data = site_policy()
+    data["facility"]["budget_w"] = 7000
+    version = ctl.replace_policy(yaml.safe_dump(data), actor="admin", reason="new contract")
+    assert version >= 1
+    await site.step(4 * TICK, budgets={"dc": 7000})
+    assert site.reports[-1].budget_w[0] == 7000
+    assert float(np.max(site.reports[-1].load_w[0])) <= 7000 + 1e-6
