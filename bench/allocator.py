@@ -90,6 +90,8 @@ def main() -> None:
         print(json.dumps(worker(int(size), solver, int(runs), warm == "1")))
         return
     print(f"machine: {machine()}")
+    # Other work on the machine shows up in the timings: say how busy it was.
+    print(f"load average at start: {os.getloadavg()[0]:.2f}")
     results = []
     for size in (int(s) for s in args.sizes.split(",")):
         for solver, warm in (("fast", "1"), ("fast", "0"), ("cvxpy", "0")):
