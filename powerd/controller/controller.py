@@ -33,6 +33,7 @@ from powerd.store import EventRecord, Severity, Store, StoreHealth, StoreWriter,
 from powerd.store import GpuRecord as StoredGpu
 from powerd.topology import Topology
 from powerd.transport import ConnectionState, LastWill, Message, Transport, TransportError
+from powerd.transport.base import cancel_and_wait
 from powerd.wire import (
     CapAck,
     ControllerState,
@@ -170,6 +171,7 @@ class Controller:
         self._warm: Allocation | None = None
         self._stored_gpus: set[str] = set()
         self._safety_seen: dict[str, set[str]] = {}
+        self._max_seen_tick = 0
         self.fleet = FleetState(policy)
         self._adopt(policy)
 
@@ -323,9 +325,12 @@ class Controller:
                     self.counters.dropped["unknown_node"] += 1
             elif kind == "ack":
                 ack = decode(message.payload, CapAck, topic_node=node)
+                self._max_seen_tick = max(self._max_seen_tick, ack.tick)
                 self.planner.on_ack(node, ack.tick, ack.gpus, agent_ts=ack.ts)
             elif kind == "status":
                 status = decode(message.payload, NodeStatus, topic_node=node)
+                if status.last_tick is not None:
+                    self._max_seen_tick = max(self._max_seen_tick, status.last_tick)
                 self.fleet.ingest_status(status)
                 if status.caps_w:
                     self.planner.learn_status(node, status.caps_w, agent_ts=status.ts)
@@ -394,7 +399,9 @@ class Controller:
         now = self.clock.monotonic()
         wall = self.clock.wall()
         control = self.policy.control
-        self.tick_no += 1
+        # Agents apply only ticks above the last they applied: a restarted controller
+        # continues above every tick it has seen acknowledged or reported.
+        self.tick_no = max(self.tick_no, self._max_seen_tick) + 1
         tick = self.tick_no
         arrays = self.fleet.arrays(now, control.stale_after_s)
         shape = self._shape_for(arrays)
@@ -690,12 +697,12 @@ class Controller:
         )
         try:
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._listen(), name="controller-listen")
-                tg.create_task(self._tick_loop(stop, learn_s), name="controller-ticks")
+                loops = [
+                    tg.create_task(self._listen(), name="controller-listen"),
+                    tg.create_task(self._tick_loop(stop, learn_s), name="controller-ticks"),
+                ]
                 await stop.wait()
-                raise _Stop
-        except* _Stop:
-            pass
+                await cancel_and_wait(loops)
         finally:
             with contextlib.suppress(TransportError):
                 await self.transport.publish(
@@ -725,10 +732,6 @@ class Controller:
                 log.warning("tick_overrun", late_s=round(now - next_at, 3))
                 next_at = now
             await self.clock.sleep(next_at - now)
-
-
-class _Stop(Exception):
-    """Ends the TaskGroup when the stop event is set."""
 
 
 def _push_up(topology: Topology, per_group: FloatArray) -> FloatArray:
