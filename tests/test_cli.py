@@ -1,0 +1,103 @@
+"""The command line as a user runs it: real processes, exit codes, output formats."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "policies" / "example.yaml"
+SNAPSHOT = ROOT / "policies" / "example-snapshot.json"
+
+
+def powerd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "powerd.cli", "--log-format", "json", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        check=False,
+    )
+
+
+def test_policy_check_summarises_the_example() -> None:
+    out = powerd("policy", "check", str(EXAMPLE))
+    assert out.returncode == 0, out.stderr
+    assert "64 nodes, 512 GPUs expected" in out.stdout
+    summary = json.loads(powerd("policy", "check", str(EXAMPLE), "--json").stdout)
+    assert summary["gpus"] == 512
+    assert summary["failsafe_total_w"] == 512 * 300 + 64 * 1000
+
+
+def test_bad_policy_exits_2_with_the_path_and_no_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(EXAMPLE.read_text().replace("profile: llm-training", "profile: nope"))
+    out = powerd("policy", "check", str(bad))
+    assert out.returncode == 2
+    assert f"{bad}: invalid policy" in out.stderr
+    assert "at classes.training.profile: unknown profile 'nope'" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("solver", ["fast", "cvxpy", "uniform", "priority-bands"])
+def test_solve_prints_caps_that_fit_the_budgets(solver: str) -> None:
+    out = powerd("solve", "--policy", str(EXAMPLE), "--snapshot", str(SNAPSHOT), "--solver", solver)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["solver"] == solver
+    assert result["status"] == "optimal"
+    assert result["solve_ms"] > 0
+    caps = result["caps"]
+    assert len(caps) == 512
+    # 64 nodes × 1 kW overhead leave 186 kW of the 250 kW feed for GPU caps.
+    assert sum(caps.values()) <= 186_000 + 1e-3
+    assert all(200 - 1e-9 <= w <= 700 + 1e-9 for w in caps.values())
+
+
+def test_solve_refuses_a_bad_snapshot_with_exit_2(tmp_path: Path) -> None:
+    data = json.loads(SNAPSHOT.read_text())
+    data["gpus"][3]["node"] = "ghost"
+    data["gpus"][5]["power_w"] = -10
+    bad = tmp_path / "s.json"
+    bad.write_text(json.dumps(data))
+    out = powerd("solve", "--policy", str(EXAMPLE), "--snapshot", str(bad))
+    assert out.returncode == 2
+    assert "gpus[5].power_w" in out.stderr
+    data["gpus"][5]["power_w"] = 10
+    bad.write_text(json.dumps(data))
+    out = powerd("solve", "--policy", str(EXAMPLE), "--snapshot", str(bad))
+    assert out.returncode == 2
+    assert "at gpus[3].node: node 'ghost' is not in the policy's tree" in out.stderr
+
+
+def test_db_upgrade_is_idempotent(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'p.db'}"
+    first = powerd("db", "upgrade", "--db", url)
+    assert first.returncode == 0, first.stderr
+    assert "migrated empty ->" in first.stdout
+    second = powerd("db", "upgrade", "--db", url)
+    assert "already at" in second.stdout
+
+
+def test_bad_broker_url_is_a_clear_error() -> None:
+    out = powerd("agent", "--node-id", "n1", "--broker", "http://x", "--backend", "mock")
+    assert out.returncode == 2
+    assert "must start with mqtt:// or mqtts://" in out.stderr
+
+
+def test_demo_steers_within_budgets_and_reports_json() -> None:
+    out = powerd("demo", "--duration", "4", "--nodes", "16", "--json", timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    ticks, summary = lines[:-1], lines[-1]["summary"]
+    assert ticks, "the demo printed no tick"
+    assert all(not t["over_budget"] for t in ticks)
+    assert all(t["committed_w"] <= t["budget_w"] + 1e-6 for t in ticks)
+    assert summary["ticks"] == len(ticks)
+    assert summary["gpus"] == 128
+    assert summary["ticks_committed_over_budget"] == 0
