@@ -546,6 +546,10 @@ class ControllerMetrics:
     def set_active_alarms(self, active: Mapping[str, float]) -> None:
         self._f.alarms_active = dict(active)
 
+    @property
+    def active_alarms(self) -> Mapping[str, float]:
+        return self._f.alarms_active
+
 
 class AgentMetrics:
     """What one node's agent exports about its own GPUs and its command handling."""

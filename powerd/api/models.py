@@ -1,0 +1,299 @@
+"""The admin API's request and response bodies (kept apart from the wire and SQL models).
+
+Power in W, times in seconds since the epoch (UTC) unless named `_age_s`. JSON has no
+infinity: an unlimited budget is `null`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from powerd.wire import MAX_SANE_WATTS, NODE_ID_PATTERN, UUID_PATTERN
+
+T = TypeVar("T")
+
+Reason = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=500,
+        pattern=r"\S",
+        description="Why: written to the audit log (a ticket, a grid event id, a job id).",
+    ),
+]
+NodeName = Annotated[str, Field(pattern=NODE_ID_PATTERN)]
+GpuUuid = Annotated[str, Field(pattern=UUID_PATTERN)]
+Watts = Annotated[float, Field(gt=0, le=1e9, allow_inf_nan=False)]
+GpuWatts = Annotated[float, Field(gt=0, le=MAX_SANE_WATTS, allow_inf_nan=False)]
+NodeStateName = Literal["unseen", "starting", "steered", "failsafe", "offline"]
+GpuStateName = Literal["ok", "stale"]
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+
+class Problem(_Out):
+    path: str = Field(description="Where in the input, e.g. `facility.rows[0].budget_w`.")
+    message: str
+
+
+class ErrorOut(_Out):
+    detail: str
+    problems: list[Problem] = Field(default_factory=list)
+
+
+class Page(_Out, Generic[T]):
+    items: list[T]
+    total: int
+    limit: int
+    offset: int
+
+
+# ---- health ----
+
+
+class Liveness(_Out):
+    status: Literal["ok"] = "ok"
+
+
+class Readiness(_Out):
+    ready: bool
+    broker_connected: bool
+    store_connected: bool | None = Field(description="null: the controller runs without a store")
+    store_backlog: int | None
+    store_error: str | None
+    last_tick_age_s: float | None
+
+
+# ---- fleet ----
+
+
+class GroupUse(_Out):
+    name: str
+    level: str
+    budget_w: float | None = Field(description="In force (policy or temporary, the lower).")
+    committed_w: float = Field(description="Committed caps + overhead: the most it may draw.")
+    draw_w: float
+    over: bool = Field(description="Committed above budget: a cut not yet acknowledged.")
+
+
+class FleetSummary(_Out):
+    tick: int | None
+    ts: float | None
+    status: str | None
+    solver: str | None
+    solve_ms: float | None
+    duration_ms: float | None
+    policy_version: int | None
+    policy_source: str
+    facility: GroupUse | None
+    rows: list[GroupUse]
+    nodes: int = Field(description="Nodes in the policy's inventory.")
+    nodes_by_state: dict[str, int]
+    gpus: int
+    gpus_stale: int
+    throughput: float | None
+    throughput_by_class: dict[str, float]
+    alarms: list[str]
+
+
+class NodeOut(_Out):
+    name: str
+    row: str | None
+    rack: str | None
+    state: NodeStateName
+    drained: bool
+    assigned_class: str | None = Field(description="Class assigned to the whole node, if any.")
+    classes: list[str] = Field(description="Classes its GPUs were steered as on the last tick.")
+    gpus: int
+    last_seen_age_s: float | None
+    budget_w: float | None
+    committed_w: float | None
+    draw_w: float | None
+
+
+class GpuOut(_Out):
+    uuid: str
+    node: str
+    row: str | None
+    rack: str | None
+    index: int
+    name: str
+    class_: str | None = Field(alias="class", description="As steered on the last tick.")
+    state: GpuStateName
+    pinned_w: float | None
+    drained: bool
+    power_w: float
+    cap_w: float = Field(description="Enforced limit, read back by the agent.")
+    target_w: float | None = Field(description="Last tick's allocation.")
+    sent_w: float | None = Field(description="Cap sent on the last tick (null: none sent).")
+    committed_w: float | None
+    min_cap_w: float
+    max_cap_w: float
+    temp_c: float
+    util_pct: float
+    throttle: list[str]
+    age_s: float
+
+
+class GpuCap(_Out):
+    uuid: str
+    node: str
+    class_: str = Field(alias="class")
+    target_w: float
+    sent_w: float | None
+    committed_w: float
+
+
+class AllocationOut(_Out):
+    tick: int
+    ts: float
+    status: str
+    solver: str
+    objective: float | None
+    solve_ms: float
+    caps: Page[GpuCap]
+
+
+class TickOut(_Out):
+    tick: int
+    ts: float
+    status: str
+    solver: str
+    solve_ms: float
+    budget_w: float | None
+    committed_w: float
+    draw_w: float
+    throughput: float
+    gpus: int
+    gpus_stale: int
+
+
+class AlarmOut(_Out):
+    kind: str
+    message: str
+
+
+class EventOut(_Out):
+    id: int
+    ts: float
+    kind: str
+    severity: str
+    message: str
+    data: dict[str, Any]
+    cleared_at: float | None
+
+
+class AuditOut(_Out):
+    id: int
+    ts: float
+    actor: str
+    role: str
+    action: str
+    target: str
+    reason: str
+    payload: dict[str, Any]
+    result: str
+
+
+class PolicyOut(_Out):
+    version: int | None
+    source: str
+    sha256: str | None
+    activated_at: float | None
+    yaml: str | None = Field(description="The text in force (null without a store).")
+
+
+class BudgetOut(_Out):
+    group: str
+    budget_w: float
+    policy_budget_w: float | None
+    expires_at: float | None
+    reason: str
+    actor: str
+    created_at: float
+
+
+class OverridesOut(_Out):
+    budgets: list[BudgetOut]
+    pins_w: dict[str, float]
+    drained: list[str]
+    gpu_classes: dict[str, str]
+    node_classes: dict[str, str]
+
+
+# ---- writes ----
+
+
+class WriteOut(_Out):
+    action: str
+    target: str
+    after_tick: int | None = Field(
+        description="The last tick before the change: it takes effect on the next one."
+    )
+
+
+class PolicyReplaced(WriteOut):
+    version: int | None
+
+
+class BudgetIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    budget_w: Watts
+    expires_at: float | None = Field(
+        default=None, allow_inf_nan=False, description="Epoch seconds; or give ttl_s."
+    )
+    ttl_s: float | None = Field(default=None, gt=0, le=30 * 86400, allow_inf_nan=False)
+    reason: Reason
+
+    @model_validator(mode="after")
+    def _one_expiry(self) -> BudgetIn:
+        if self.expires_at is not None and self.ttl_s is not None:
+            raise ValueError("give expires_at or ttl_s, not both")
+        return self
+
+
+class ClassAssignIn(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    class_: str = Field(alias="class", min_length=1, max_length=128)
+    uuids: list[GpuUuid] = Field(default_factory=list, max_length=10_000)
+    nodes: list[NodeName] = Field(default_factory=list, max_length=10_000)
+    reason: Reason
+
+    @model_validator(mode="after")
+    def _something(self) -> ClassAssignIn:
+        if not self.uuids and not self.nodes:
+            raise ValueError("name at least one GPU (uuids) or node (nodes)")
+        return self
+
+
+class ClassClearIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    uuids: list[GpuUuid] = Field(default_factory=list, max_length=10_000)
+    nodes: list[NodeName] = Field(default_factory=list, max_length=10_000)
+    reason: Reason
+
+    @model_validator(mode="after")
+    def _something(self) -> ClassClearIn:
+        if not self.uuids and not self.nodes:
+            raise ValueError("name at least one GPU (uuids) or node (nodes)")
+        return self
+
+
+class PinIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    watts: GpuWatts
+    reason: Reason
+
+
+class ReasonIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reason: Reason
