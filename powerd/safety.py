@@ -1,0 +1,631 @@
+"""The safety planner: which caps the controller may send *now* so no budget is ever exceeded.
+
+The allocator proposes target caps that fit the budgets once in force. Getting there is the
+dangerous part: messages are delayed or lost, agents and the controller die. The planner keeps,
+per GPU, an upper bound on the cap that may be in force now or later because of anything
+already sent (the *committed* cap), and only sends what keeps every group's committed sum
+within its budget. Pure: no I/O, no clock; the controller feeds it messages and times.
+The rules, exactly as implemented, are in docs/safety.md ("Safety planner").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+from numpy.typing import NDArray
+
+from powerd.policy import Policy
+from powerd.topology import FloatArray, IntArray, Topology
+from powerd.wire import CapCommand, GpuAck
+
+BoolArray = NDArray[np.bool_]
+
+# Slots of unacknowledged commands kept per GPU. A node that stops acknowledging has its older
+# commands folded into newer slots (max/min kept), which only makes the bounds looser.
+PENDING_SLOTS = 8
+# Watts of float noise tolerated in budget comparisons and in "reading above committed".
+TOL_W = 1e-6
+ALARM_TOL_W = 0.5
+_STATUS, _TELEMETRY, _ACK = 0, 1, 2
+_SOURCES = ("status", "telemetry", "ack")
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """The GPUs the planner steers, in the topology's GPU order."""
+
+    topology: Topology
+    uuids: tuple[str, ...]
+    nodes: tuple[str, ...]  # per GPU
+    min_cap_w: FloatArray
+    max_cap_w: FloatArray
+    failsafe_w: FloatArray  # per GPU: the node's failsafe cap clamped to the GPU's limits
+
+    @classmethod
+    def build(
+        cls,
+        policy: Policy,
+        uuids: Sequence[str],
+        nodes: Sequence[str],
+        min_cap_w: Sequence[float] | FloatArray,
+        max_cap_w: Sequence[float] | FloatArray,
+    ) -> Fleet:
+        n = len(uuids)
+        lo = np.asarray(min_cap_w, dtype=np.float64)
+        hi = np.asarray(max_cap_w, dtype=np.float64)
+        if len(nodes) != n or lo.shape != (n,) or hi.shape != (n,):
+            raise ValueError("uuids, nodes, min_cap_w and max_cap_w must have one entry per GPU")
+        if len(set(uuids)) != n:
+            raise ValueError("duplicate GPU uuid in the fleet")
+        if np.any(lo > hi):
+            raise ValueError("min_cap_w must not exceed max_cap_w")
+        topology = Topology.build(policy, nodes)
+        node_failsafe = np.array([g.failsafe_w for g in policy.groups], dtype=np.float64)
+        failsafe = np.clip(node_failsafe[topology.gpu_groups[:, -1]], lo, hi)
+        return cls(topology, tuple(uuids), tuple(nodes), lo, hi, failsafe)
+
+    @property
+    def n_gpus(self) -> int:
+        return len(self.uuids)
+
+
+@dataclass(frozen=True)
+class SafetyEvent:
+    """Something the controller logs, and alarms on (kinds: see docs/safety.md)."""
+
+    kind: str
+    node: str = ""
+    uuid: str = ""
+    group: str = ""
+    value_w: float = math.nan
+    committed_w: float = math.nan
+
+
+class NodeCommand(NamedTuple):
+    """The caps one node gets this tick: a full map of its GPUs, which also renews its lease.
+
+    A tuple because a tick builds one per node (over a thousand at 10k GPUs). `failsafe_w` is
+    shared between ticks: do not mutate it.
+    """
+
+    node: str
+    tick: int
+    lease_s: float
+    caps_w: dict[str, float]
+    failsafe_w: dict[str, float]
+
+    def to_wire(self, ts: float = 0.0, controller_id: str = "") -> CapCommand:
+        return CapCommand(
+            node_id=self.node,
+            tick=self.tick,
+            lease_s=self.lease_s,
+            caps=self.caps_w,
+            failsafe_w=self.failsafe_w,
+            ts=ts,
+            controller_id=controller_id,
+        )
+
+
+@dataclass(frozen=True)
+class SafePlan:
+    """What to send this tick, and where every GPU and group stands after sending it."""
+
+    tick: int
+    commands: list[NodeCommand]
+    sent_w: FloatArray  # per GPU; NaN where its node gets no command
+    committed_w: FloatArray  # per GPU, after this tick's sends
+    raised: BoolArray  # sent above the committed cap (admitted by the budget check)
+    withheld: BoolArray  # target above what was sent, for want of slack or knowledge
+    stale: BoolArray
+    group_committed_w: FloatArray  # per group: Σ committed caps
+    group_load_w: FloatArray  # per group: Σ committed caps + overhead + reserve
+    group_budget_w: FloatArray
+    group_over: BoolArray  # load above budget: a cut not yet obeyed, or knowledge missing
+    waiting_nodes: tuple[str, ...]  # live nodes not sent to: a GPU's cap in force is unknown
+    events: tuple[SafetyEvent, ...] = field(default=())
+
+
+class SafetyPlanner:
+    """Per-GPU knowledge of the caps in force, and the per-tick plan that respects it.
+
+    Call `set_fleet` when the GPU set changes, feed every ack, telemetry message and retained
+    status as it arrives, and call `plan` once per tick with strictly increasing ticks.
+    """
+
+    def __init__(
+        self, policy: Policy, fleet: Fleet | None = None, *, trust_after: float | None = None
+    ) -> None:
+        """`trust_after`: for a controller that takes over from another, the wall-clock time
+        by which the previous controller's commands had all landed or been dropped. Telemetry
+        and acks sampled (agent clock) before it are ignored: a sample taken before an old
+        command landed is neither an upper nor a lower bound of the cap in force. Retained
+        statuses count regardless, since agents republish them after every change.
+        """
+        self.policy = policy
+        self.trust_after = trust_after
+        self._events: list[SafetyEvent] = []
+        self._last_tick = -1
+        self._set_empty()
+        if fleet is not None:
+            self.set_fleet(fleet)
+
+    # ---- fleet --------------------------------------------------------------------------
+
+    def _set_empty(self) -> None:
+        self.fleet: Fleet | None = None
+        self._index: dict[str, int] = {}
+        self._node_names: list[str] = []
+        self._node_index: dict[str, int] = {}
+        self._node_gpus: list[IntArray] = []
+        self._node_uuids: list[list[str]] = []
+        self._node_of_gpu: IntArray = np.zeros(0, dtype=np.int64)
+        self._uuid_rank: IntArray = np.zeros(0, dtype=np.int64)
+        self._hi = np.zeros(0)  # reading, as an upper bound of the cap in force; NaN: none
+        self._lo = np.zeros(0)  # reading, as a lower bound (differs after failed sets)
+        self._ts = np.zeros(0)  # agent time of the reading; NaN: unknown
+        self._seen = np.zeros(0)  # controller time of the last telemetry
+        self._pend_tick = np.zeros((0, PENDING_SLOTS), dtype=np.int64)
+        self._pend_hi = np.zeros((0, PENDING_SLOTS))
+        self._pend_lo = np.zeros((0, PENDING_SLOTS))
+        self._last_ack: dict[str, int] = {}
+        self._node_gpu_list: list[list[int]] = []
+        self._node_failsafe: list[dict[str, float]] = []
+        self._node_order: IntArray = np.zeros(0, dtype=np.int64)
+        self._node_bounds: list[int] = [0]
+        self._clear_queue()
+
+    def set_fleet(self, fleet: Fleet) -> None:
+        """Adopt a new GPU set; what is known about GPUs that stay (same uuid, same node) stays."""
+        old = self.fleet
+        if old is not None:
+            self._absorb()  # queued rows hold indices into the old fleet
+        old_index = self._index
+        old_state = (self._hi, self._lo, self._ts, self._seen)
+        old_pend = (self._pend_tick, self._pend_hi, self._pend_lo)
+        old_last_ack = self._last_ack
+        n = fleet.n_gpus
+        self.fleet = fleet
+        self._index = {u: i for i, u in enumerate(fleet.uuids)}
+        self._node_names = list(dict.fromkeys(fleet.nodes))
+        self._node_index = {name: k for k, name in enumerate(self._node_names)}
+        self._node_of_gpu = np.fromiter(
+            (self._node_index[name] for name in fleet.nodes), dtype=np.int64, count=n
+        )
+        order = np.argsort(self._node_of_gpu, kind="stable")
+        bounds = np.searchsorted(self._node_of_gpu[order], np.arange(len(self._node_names) + 1))
+        self._node_gpus = [order[bounds[k] : bounds[k + 1]] for k in range(len(self._node_names))]
+        self._node_gpu_list = [idx.tolist() for idx in self._node_gpus]
+        self._node_uuids = [[fleet.uuids[i] for i in idx] for idx in self._node_gpu_list]
+        self._node_order = order
+        self._node_bounds = bounds.tolist()
+        # Failsafe caps change only with the fleet: one dict per node, shared by every command.
+        self._node_failsafe = [
+            dict(zip(uuids, fleet.failsafe_w[idx].tolist(), strict=True))
+            for uuids, idx in zip(self._node_uuids, self._node_gpus, strict=True)
+        ]
+        rank = np.empty(n, dtype=np.int64)
+        rank[np.argsort(np.array(fleet.uuids, dtype=object), kind="stable")] = np.arange(n)
+        self._uuid_rank = rank
+        self._hi = np.full(n, np.nan)
+        self._lo = np.full(n, np.nan)
+        self._ts = np.full(n, np.nan)
+        self._seen = np.full(n, -np.inf)
+        self._pend_tick = np.full((n, PENDING_SLOTS), -1, dtype=np.int64)
+        self._pend_hi = np.zeros((n, PENDING_SLOTS))
+        self._pend_lo = np.full((n, PENDING_SLOTS), np.inf)
+        self._last_ack = {
+            name: old_last_ack[name] for name in self._node_names if name in old_last_ack
+        }
+        if old is None:
+            return
+        # A GPU that moved to another node is a new GPU: its old commands went elsewhere.
+        keep_new, keep_old = [], []
+        for i, (u, node) in enumerate(zip(fleet.uuids, fleet.nodes, strict=True)):
+            j = old_index.get(u)
+            if j is not None and old.nodes[j] == node:
+                keep_new.append(i)
+                keep_old.append(j)
+        if keep_new:
+            new_i = np.array(keep_new)
+            old_i = np.array(keep_old)
+            for dst, src in zip((self._hi, self._lo, self._ts, self._seen), old_state, strict=True):
+                dst[new_i] = src[old_i]
+            for dst2, src2 in zip(
+                (self._pend_tick, self._pend_hi, self._pend_lo), old_pend, strict=True
+            ):
+                dst2[new_i] = src2[old_i]
+
+    def _require_fleet(self) -> Fleet:
+        if self.fleet is None:
+            raise RuntimeError("SafetyPlanner.set_fleet must be called before planning")
+        return self.fleet
+
+    # ---- knowledge ----------------------------------------------------------------------
+    #
+    # Messages arrive one by one (over a thousand a second at 10k GPUs), so the handlers only
+    # queue rows in Python lists; `_absorb` folds the queue into the arrays in one vectorised
+    # pass before anything reads them.
+
+    def committed_w(self) -> FloatArray:
+        """Per GPU: the highest cap that may be in force now or later from anything sent."""
+        fleet = self._require_fleet()
+        self._absorb()
+        base = np.where(np.isnan(self._hi), fleet.max_cap_w, self._hi)
+        out: FloatArray = np.maximum(base, self._pend_hi.max(axis=1))
+        return out
+
+    def _low_w(self) -> FloatArray:
+        """Per GPU: a cap no higher than any that may be in force (inf: nothing known)."""
+        base = np.where(np.isnan(self._lo), np.inf, self._lo)
+        out: FloatArray = np.minimum(base, self._pend_lo.min(axis=1))
+        return out
+
+    def _queue_readings(
+        self, node: str, caps_w: Mapping[str, float], agent_ts: float | None, source: int
+    ) -> list[int]:
+        k = self._node_index.get(node)
+        if k is None or (source != _STATUS and not self._trusted(agent_ts)):
+            return []
+        ts = math.nan if agent_ts is None else agent_ts
+        queued = []
+        for u, i in zip(self._node_uuids[k], self._node_gpu_list[k], strict=True):
+            v = caps_w.get(u)
+            if v is not None and math.isfinite(v):
+                self._q_gpu.append(i)
+                self._q_hi.append(v)
+                self._q_lo.append(v)
+                self._q_ts.append(ts)
+                self._q_tick.append(-1)
+                self._q_guess.append(False)
+                self._q_src.append(source)
+                queued.append(i)
+        return queued
+
+    def _trusted(self, agent_ts: float | None) -> bool:
+        return self.trust_after is None or (agent_ts is not None and agent_ts >= self.trust_after)
+
+    def learn_status(
+        self, node: str, caps_w: Mapping[str, float], agent_ts: float | None = None
+    ) -> None:
+        """Caps in force from a node's retained status (how a restarted controller learns)."""
+        self._queue_readings(node, caps_w, agent_ts, _STATUS)
+
+    def on_telemetry(
+        self,
+        node: str,
+        caps_w: Mapping[str, float],
+        received_at: float,
+        agent_ts: float | None = None,
+    ) -> None:
+        """Enforced caps read back by the agent; `received_at` (controller time) dates freshness."""
+        queued = self._queue_readings(node, caps_w, agent_ts, _TELEMETRY)
+        self._q_seen_gpu += queued
+        self._q_seen_at += [received_at] * len(queued)
+
+    def on_ack(
+        self, node: str, tick: int, gpus: Mapping[str, GpuAck], agent_ts: float | None = None
+    ) -> None:
+        """An agent applied command `tick`: it resolves every command to the node up to `tick`.
+
+        Agents apply only ticks newer than the last applied one, so no command at or below
+        `tick` can still take effect. Where a GPU's set failed or it is missing from the ack,
+        the cap in force is whichever of those commands (or the earlier cap) last succeeded,
+        so the bound becomes the highest of them, the request and the read-back value.
+        """
+        k = self._node_index.get(node)
+        if k is None or tick <= self._last_ack.get(node, -1) or not self._trusted(agent_ts):
+            return  # unknown node, an ack older than what we know, or from before take-over
+        self._last_ack[node] = tick
+        ts = math.nan if agent_ts is None else agent_ts
+        for u, i in zip(self._node_uuids[k], self._node_gpu_list[k], strict=True):
+            ack = gpus.get(u)
+            if ack is not None and ack.error is None and ack.enforced_w is not None:
+                hi = lo = ack.enforced_w
+                guess = False
+            else:
+                # Bounds to widen with the earlier ones and the resolved commands in `_absorb`.
+                requested = math.nan if ack is None else ack.requested_w
+                enforced = math.nan if ack is None or ack.enforced_w is None else ack.enforced_w
+                hi = max(requested, enforced) if ack is not None else 0.0
+                lo = min(requested, enforced) if ack is not None else math.inf
+                hi, lo = (0.0 if math.isnan(hi) else hi), (math.inf if math.isnan(lo) else lo)
+                guess = True
+                error = "missing" if ack is None else str(ack.error or "no_enforced_value")
+                self._events.append(
+                    SafetyEvent("ack_error", node=node, uuid=u, group=error, value_w=requested)
+                )
+            self._q_gpu.append(i)
+            self._q_hi.append(hi)
+            self._q_lo.append(lo)
+            self._q_ts.append(ts)
+            self._q_tick.append(tick)
+            self._q_guess.append(guess)
+            self._q_src.append(_ACK)
+
+    def _clear_queue(self) -> None:
+        self._q_gpu: list[int] = []
+        self._q_hi: list[float] = []
+        self._q_lo: list[float] = []
+        self._q_ts: list[float] = []
+        self._q_tick: list[int] = []
+        self._q_guess: list[bool] = []
+        self._q_src: list[int] = []
+        self._q_seen_gpu: list[int] = []
+        self._q_seen_at: list[float] = []
+
+    def _absorb(self) -> None:
+        """Fold queued readings and acks into the per-GPU state.
+
+        Readings: the newest (by the agent's clock, which acks and telemetry share) wins;
+        equal times, and readings without a time, which cannot be ordered, keep the max.
+        """
+        if self._q_seen_gpu:
+            np.maximum.at(self._seen, np.array(self._q_seen_gpu), np.array(self._q_seen_at))
+        if not self._q_gpu:
+            self._clear_queue()
+            return
+        fleet = self._require_fleet()
+        gpu = np.array(self._q_gpu, dtype=np.int64)
+        hi = np.array(self._q_hi)
+        lo = np.array(self._q_lo)
+        ts = np.array(self._q_ts)
+        tick = np.array(self._q_tick, dtype=np.int64)
+        guess = np.array(self._q_guess, dtype=bool)
+        src = np.array(self._q_src, dtype=np.int64)
+        self._clear_queue()
+        touched, local = np.unique(gpu, return_inverse=True)
+        known = ~np.isnan(self._hi[touched])
+
+        # The bound before these messages, including the commands they acknowledge.
+        base = np.where(known, self._hi[touched], fleet.max_cap_w[touched])
+        before = np.maximum(base, self._pend_hi[touched].max(axis=1))
+        acks = np.flatnonzero(tick >= 0)
+        if len(acks):
+            ag, at = gpu[acks], tick[acks]
+            pend_tick = self._pend_tick[ag]
+            res = (pend_tick >= 0) & (pend_tick <= at[:, None])
+            res_hi = self._pend_hi[ag].max(axis=1, where=res, initial=0.0)
+            res_lo = self._pend_lo[ag].min(axis=1, where=res, initial=np.inf)
+            prev_hi = np.where(np.isnan(self._hi[ag]), fleet.max_cap_w[ag], self._hi[ag])
+            prev_lo = np.where(np.isnan(self._lo[ag]), fleet.min_cap_w[ag], self._lo[ag])
+            g = guess[acks]
+            hi[acks] = np.where(g, np.maximum.reduce([hi[acks], prev_hi, res_hi]), hi[acks])
+            lo[acks] = np.where(g, np.minimum.reduce([lo[acks], prev_lo, res_lo]), lo[acks])
+            upto = np.full(len(touched), -1, dtype=np.int64)
+            np.maximum.at(upto, local[acks], at)
+            slots = self._pend_tick[touched]
+            done = (slots >= 0) & (slots <= upto[:, None])
+            self._pend_tick[touched] = np.where(done, -1, slots)
+            self._pend_hi[touched] = np.where(done, 0.0, self._pend_hi[touched])
+            self._pend_lo[touched] = np.where(done, np.inf, self._pend_lo[touched])
+
+        # The readings in force so far take part like queued ones.
+        old = np.flatnonzero(known)
+        all_local = np.concatenate([local, old])
+        all_hi = np.concatenate([hi, self._hi[touched[old]]])
+        all_lo = np.concatenate([lo, self._lo[touched[old]]])
+        all_ts = np.concatenate([ts, self._ts[touched[old]]])
+        newest = np.full(len(touched), -np.inf)
+        np.maximum.at(newest, all_local, np.where(np.isnan(all_ts), -np.inf, all_ts))
+        kept = np.isnan(all_ts) | (all_ts == newest[all_local])
+        new_hi = np.full(len(touched), -np.inf)
+        new_lo = np.full(len(touched), np.inf)
+        np.maximum.at(new_hi, all_local[kept], all_hi[kept])
+        np.minimum.at(new_lo, all_local[kept], all_lo[kept])
+        self._hi[touched] = new_hi
+        self._lo[touched] = new_lo
+        self._ts[touched] = np.where(np.isneginf(newest), np.nan, newest)
+
+        # A reading above the committed cap: something outside powerd raised the limit (or the
+        # device clamped a request up). The bound follows the reading; the controller alarms.
+        q = len(gpu)
+        above = kept[:q] & known[local] & (hi > before[local] + ALARM_TOL_W)
+        for r in np.flatnonzero(above).tolist():
+            i = int(gpu[r])
+            self._events.append(
+                SafetyEvent(
+                    f"{_SOURCES[int(src[r])]}_above_committed",
+                    node=fleet.nodes[i],
+                    uuid=fleet.uuids[i],
+                    value_w=float(hi[r]),
+                    committed_w=float(before[local[r]]),
+                )
+            )
+
+    # ---- planning -----------------------------------------------------------------------
+
+    def plan(
+        self,
+        tick: int,
+        now: float,
+        targets_w: FloatArray,
+        *,
+        budget_w: FloatArray | None = None,
+        reserve_w: FloatArray | None = None,
+        priority: FloatArray | None = None,
+        offline: Collection[str] = (),
+    ) -> SafePlan:
+        """The commands to send at `tick` (controller time `now`) toward `targets_w`.
+
+        `budget_w` (per group) overrides the topology's budgets, e.g. after a cut; `reserve_w`
+        (per group) is power held back on top of overhead; `priority` orders raises that do
+        not all fit (higher first, then uuid). Nodes in `offline` get no command and no raise.
+        """
+        fleet = self._require_fleet()
+        if tick <= self._last_tick:
+            raise ValueError(f"tick {tick} is not after the last planned tick {self._last_tick}")
+        self._last_tick = tick
+        topo = fleet.topology
+        n = fleet.n_gpus
+        targets = np.asarray(targets_w, dtype=np.float64)
+        if targets.shape != (n,):
+            raise ValueError(f"targets_w has shape {targets.shape}, expected ({n},)")
+        budget = topo.budget_w if budget_w is None else np.asarray(budget_w, dtype=np.float64)
+        reserve = np.zeros(topo.n_groups) if reserve_w is None else np.asarray(reserve_w)
+        capacity = budget - topo.overhead_w - reserve
+        control = self.policy.control
+
+        committed = self.committed_w()  # absorbs the queued messages first
+        low = self._low_w()
+        load = topo.group_sums(committed)
+        over_g = load > capacity + TOL_W
+        in_over = over_g[topo.gpu_groups].any(axis=1)
+
+        node_live = np.ones(len(self._node_names), dtype=bool)
+        for name in offline:
+            k = self._node_index.get(name)
+            if k is not None:
+                node_live[k] = False
+        # A node is sent nothing until every one of its GPUs has a known cap in force: any
+        # value sent to a GPU of unknown cap could be a raise.
+        unknown_node = np.bincount(
+            self._node_of_gpu, weights=np.isnan(self._hi), minlength=len(node_live)
+        )
+        waiting = node_live & (unknown_node > 0)
+        node_send = node_live & ~waiting
+        send = node_send[self._node_of_gpu]
+        stale = (now - self._seen) > control.stale_after_s
+
+        wanted = np.clip(
+            np.where(np.isnan(targets), committed, targets), fleet.min_cap_w, fleet.max_cap_w
+        )
+        caps = np.minimum(wanted, committed)
+        caps = self._shed(caps, capacity)
+        # Where a group is over, "≤ committed" proves nothing about the truth: send nothing
+        # above the lowest cap that may be in force, so no GPU there rises even briefly.
+        caps = np.where(in_over, np.minimum(caps, low), caps)
+
+        raise_mask = send & ~in_over & ~stale & (wanted > committed + TOL_W)
+        admitted = self._admit(
+            np.flatnonzero(raise_mask), wanted, committed, load, capacity, priority=priority
+        )
+        caps = np.where(raise_mask, committed + admitted, caps)
+        raised = raise_mask & (admitted > TOL_W)
+
+        sent = np.where(send, caps, np.nan)
+        self._record_sent(tick, np.flatnonzero(send), caps)
+        committed_after = np.where(send, np.maximum(committed, caps), committed)
+        group_committed = topo.group_sums(committed_after)
+        group_load = group_committed + topo.overhead_w + reserve
+
+        commands = self._commands(tick, control.lease_s, node_send, caps)
+        events = tuple(self._events)
+        self._events = []
+        return SafePlan(
+            tick=tick,
+            commands=commands,
+            sent_w=sent,
+            committed_w=committed_after,
+            raised=raised,
+            withheld=wanted > np.where(send, caps, committed) + ALARM_TOL_W,
+            stale=stale,
+            group_committed_w=group_committed,
+            group_load_w=group_load,
+            group_budget_w=budget,
+            group_over=group_load > budget + TOL_W,
+            waiting_nodes=tuple(self._node_names[k] for k in np.flatnonzero(waiting)),
+            events=events,
+        )
+
+    def _shed(self, caps: FloatArray, capacity: FloatArray) -> FloatArray:
+        """Lower caps where even the planned decreases do not fit a budget (targets too high).
+
+        Every group over its capacity scales its GPUs' watts above minimum by one factor; each
+        GPU takes the smallest factor of its groups, so every group then fits (the tree is
+        laminar and the scaling only lowers). Never happens with the allocator's targets.
+        """
+        fleet = self._require_fleet()
+        topo = fleet.topology
+        sums = topo.group_sums(caps)
+        short = sums > capacity + TOL_W
+        if not short.any():
+            return caps
+        floor = topo.group_sums(fleet.min_cap_w)
+        span = np.maximum(sums - floor, TOL_W)
+        factor = np.where(short, np.clip((capacity - floor) / span, 0.0, 1.0), 1.0)
+        for g in np.flatnonzero(short):
+            kind = "min_caps_over_budget" if capacity[g] < floor[g] else "shed"
+            self._events.append(SafetyEvent(kind, group=topo.names[g], value_w=float(sums[g])))
+        per_gpu = factor[topo.gpu_groups].min(axis=1)
+        shed = fleet.min_cap_w + (caps - fleet.min_cap_w) * per_gpu
+        return np.where(per_gpu < 1.0, shed, caps)
+
+    def _admit(
+        self,
+        cand: IntArray,
+        wanted: FloatArray,
+        committed: FloatArray,
+        load: FloatArray,
+        capacity: FloatArray,
+        *,
+        priority: FloatArray | None,
+    ) -> FloatArray:
+        """Watts of raise admitted per GPU: all of it where every group fits all raises at once;
+        elsewhere greedily, highest priority first, as far as the tightest group's slack goes."""
+        fleet = self._require_fleet()
+        topo = fleet.topology
+        admitted = np.zeros(fleet.n_gpus)
+        if not len(cand):
+            return admitted
+        delta = np.zeros(fleet.n_gpus)
+        delta[cand] = wanted[cand] - committed[cand]
+        overflow = load + topo.group_sums(delta) > capacity + TOL_W
+        crowded = overflow[topo.gpu_groups[cand]].any(axis=1)
+        free = cand[~crowded]
+        admitted[free] = delta[free]
+        slack_g = np.where(overflow, np.maximum(capacity - load, 0.0), np.inf)
+        # Under a crowded group with no slack at all (the usual state of a busy site) nothing
+        # can be admitted; dropping those first keeps the loop to where there is a choice.
+        shut = slack_g[topo.gpu_groups[cand]].min(axis=1) <= TOL_W
+        queue = cand[crowded & ~shut]
+        if not len(queue):
+            return admitted
+        prio = np.zeros(fleet.n_gpus) if priority is None else np.asarray(priority, np.float64)
+        queue = queue[np.lexsort((self._uuid_rank[queue], -prio[queue]))]
+        # Only crowded groups limit; others fit whatever subset is admitted.
+        slack = slack_g.tolist()
+        for i, groups, d in zip(
+            queue.tolist(), topo.gpu_groups[queue].tolist(), delta[queue].tolist(), strict=True
+        ):
+            a = min(d, *(slack[g] for g in groups))
+            if a > TOL_W:
+                for g in groups:
+                    slack[g] -= a
+                admitted[i] = a
+        return admitted
+
+    def _record_sent(self, tick: int, idx: IntArray, caps: FloatArray) -> None:
+        slot = tick % PENDING_SLOTS
+        old_tick = self._pend_tick[idx, slot]
+        taken = old_tick >= 0
+        # An unacknowledged command PENDING_SLOTS ticks old shares the slot: fold it into this
+        # one. It is then resolved only by an ack of this tick: looser, never unsafe.
+        self._pend_hi[idx, slot] = np.where(
+            taken, np.maximum(self._pend_hi[idx, slot], caps[idx]), caps[idx]
+        )
+        self._pend_lo[idx, slot] = np.where(
+            taken, np.minimum(self._pend_lo[idx, slot], caps[idx]), caps[idx]
+        )
+        self._pend_tick[idx, slot] = tick
+
+    def _commands(
+        self, tick: int, lease_s: float, node_send: BoolArray, caps: FloatArray
+    ) -> list[NodeCommand]:
+        by_node = caps[self._node_order].tolist()
+        bounds = self._node_bounds
+        return [
+            NodeCommand(
+                node=self._node_names[k],
+                tick=tick,
+                lease_s=lease_s,
+                caps_w=dict(
+                    zip(self._node_uuids[k], by_node[bounds[k] : bounds[k + 1]], strict=True)
+                ),
+                failsafe_w=self._node_failsafe[k],
+            )
+            for k in np.flatnonzero(node_send).tolist()
+        ]

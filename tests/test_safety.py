@@ -1,0 +1,677 @@
+"""The safety planner: unit rules, then a simulated fleet with faults, checked at every moment.
+
+The simulation is a small world in virtual time: agents are state machines that apply
+commands in tick order after random delays, lose messages, clamp to their limits, fall to
+min(cap, failsafe) when their lease runs out, die and come back; the controller's planner may
+be replaced by a fresh one. After every change of a cap in force, every group's true sum plus
+overhead must fit its budget (a budget cut excepted until the planner reports the group back
+within it), and the planner's committed cap must never be below the cap in force.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from powerd.policy import Policy, parse_policy
+from powerd.safety import Fleet, NodeCommand, SafePlan, SafetyPlanner
+from powerd.wire import AckError, GpuAck
+
+TOL = 1e-6
+FAILSAFE_W = 150.0
+
+
+# ---- policies and fleets ----------------------------------------------------------------
+
+
+def policy_dict(nodes: list[dict[str, Any]], *, budgets: dict[str, float] | None = None) -> dict:
+    """One row, one rack unless the nodes say otherwise (keys row/rack in each node)."""
+    budgets = budgets or {}
+    rows: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for node in nodes:
+        rows.setdefault(node.get("row", "r0"), {}).setdefault(node.get("rack", "k0"), []).append(
+            {k: v for k, v in node.items() if k not in ("row", "rack")}
+        )
+
+    def budget(name: str) -> dict[str, float]:
+        return {"budget_w": budgets[name]} if name in budgets else {}
+
+    return {
+        "facility": {
+            "name": "f",
+            **budget("f"),
+            "rows": [
+                {
+                    "name": row,
+                    **budget(row),
+                    "racks": [
+                        {"name": rack, **budget(rack), "nodes": specs}
+                        for rack, specs in racks.items()
+                    ],
+                }
+                for row, racks in rows.items()
+            ],
+        },
+        "profiles": {"p": {"points": [[100, 0.4], [400, 1.0]]}},
+        "classes": {"c": {"weight": 1, "profile": "p"}},
+        "defaults": {
+            "class": "c",
+            "failsafe_w": FAILSAFE_W,
+            "gpu": {"min_cap_w": 100, "max_cap_w": 400},
+        },
+        "control": {"tick_s": 1.0, "lease_s": 4.0, "stale_after_s": 2.5},
+    }
+
+
+def simple_fleet(
+    gpus_per_node: list[int], node_budget: float | None = None, facility: float | None = None
+) -> tuple[Policy, Fleet]:
+    nodes = [
+        {"name": f"n{k}", "gpus": g, **({"budget_w": node_budget} if node_budget else {})}
+        for k, g in enumerate(gpus_per_node)
+    ]
+    policy = parse_policy(policy_dict(nodes, budgets={"f": facility} if facility else {}))
+    uuids, names = [], []
+    for k, g in enumerate(gpus_per_node):
+        for j in range(g):
+            uuids.append(f"g{k}-{j}")
+            names.append(f"n{k}")
+    n = len(uuids)
+    return policy, Fleet.build(policy, uuids, names, np.full(n, 100.0), np.full(n, 400.0))
+
+
+def node_caps(fleet: Fleet, node: str, values: np.ndarray) -> dict[str, float]:
+    return {u: float(values[i]) for i, u in enumerate(fleet.uuids) if fleet.nodes[i] == node}
+
+
+def teach(planner: SafetyPlanner, fleet: Fleet, caps: np.ndarray, at: float) -> None:
+    """Telemetry from every node reporting `caps`, fresh at `at`."""
+    for node in dict.fromkeys(fleet.nodes):
+        planner.on_telemetry(node, node_caps(fleet, node, caps), received_at=at, agent_ts=at)
+
+
+def ack_all(planner: SafetyPlanner, plan: SafePlan, at: float) -> None:
+    for c in plan.commands:
+        acks = {u: GpuAck(requested_w=v, enforced_w=v) for u, v in c.caps_w.items()}
+        planner.on_ack(c.node, c.tick, acks, agent_ts=at)
+
+
+# ---- the rules, one at a time -----------------------------------------------------------
+
+
+def test_fresh_planner_sends_nothing_until_it_learns_the_caps_in_force() -> None:
+    policy, fleet = simple_fleet([2, 2], facility=1000.0)
+    planner = SafetyPlanner(policy, fleet)
+    assert np.array_equal(planner.committed_w(), fleet.max_cap_w)
+    plan = planner.plan(1, 0.0, np.full(4, 250.0))
+    assert plan.commands == []
+    assert plan.waiting_nodes == ("n0", "n1")
+    assert plan.group_over[0]  # 4 × 400 W counted against 1000 W
+
+    planner.learn_status("n0", {"g0-0": 150.0, "g0-1": 150.0}, agent_ts=5.0)
+    plan = planner.plan(2, 0.0, np.full(4, 250.0))
+    # n0 is known, n1 still counts at its maximum, so the facility is over: n0 may only
+    # hold or lower, never rise, even toward a target below its maximum.
+    assert [c.node for c in plan.commands] == ["n0"]
+    assert plan.commands[0].caps_w == {"g0-0": 150.0, "g0-1": 150.0}
+    assert plan.waiting_nodes == ("n1",)
+
+
+def test_a_taking_over_planner_ignores_samples_older_than_the_take_over() -> None:
+    policy, fleet = simple_fleet([1, 1])
+    planner = SafetyPlanner(policy, fleet, trust_after=10.0)
+    planner.on_telemetry("n0", {"g0-0": 150.0}, received_at=10.5, agent_ts=9.5)
+    planner.on_ack("n1", 3, {"g1-0": GpuAck(requested_w=150, enforced_w=150)}, agent_ts=9.0)
+    assert planner.plan(1, 10.5, np.full(2, 150.0)).waiting_nodes == ("n0", "n1")
+    planner.learn_status("n0", {"g0-0": 200.0}, agent_ts=4.0)  # republished on every change
+    planner.on_telemetry("n1", {"g1-0": 250.0}, received_at=11.0, agent_ts=10.8)
+    assert planner.committed_w().tolist() == [200.0, 250.0]
+
+
+def test_decreases_go_at_once_and_the_raises_they_pay_for_wait_for_the_ack() -> None:
+    policy, fleet = simple_fleet([1, 1], facility=600.0)
+    planner = SafetyPlanner(policy, fleet)
+    teach(planner, fleet, np.array([400.0, 200.0]), at=0.0)
+    targets = np.array([200.0, 400.0])
+
+    plan = planner.plan(1, 0.0, targets)
+    assert plan.sent_w.tolist() == [200.0, 200.0]  # the cut goes, the raise waits
+    assert plan.withheld.tolist() == [False, True]
+    plan = planner.plan(2, 0.5, targets)  # no ack yet: still waiting
+    assert plan.sent_w.tolist() == [200.0, 200.0]
+
+    planner.on_ack("n0", 1, {"g0-0": GpuAck(requested_w=200, enforced_w=200)}, agent_ts=0.6)
+    plan = planner.plan(3, 1.0, targets)
+    # The ack of tick 1 leaves tick 2's (equal) command pending; it does not block the raise.
+    assert plan.sent_w.tolist() == [200.0, 400.0]
+    assert plan.raised.tolist() == [False, True]
+    assert plan.group_load_w[0] <= 600.0
+
+
+def test_partial_raises_follow_priority_then_uuid() -> None:
+    policy, fleet = simple_fleet([1, 1, 1], facility=3 * 200.0 + 150.0)
+    planner = SafetyPlanner(policy, fleet)
+    teach(planner, fleet, np.full(3, 200.0), at=0.0)
+    plan = planner.plan(1, 0.0, np.full(3, 300.0), priority=np.array([0.0, 1.0, 0.0]))
+    # 150 W of slack: g1 (highest priority) takes 100, then g0 (uuid order) the last 50.
+    assert plan.sent_w.tolist() == [250.0, 300.0, 200.0]
+    assert plan.group_load_w[0] == 750.0
+
+
+def test_all_raises_that_fit_go_together() -> None:
+    policy, fleet = simple_fleet([2, 2], facility=4 * 400.0)
+    planner = SafetyPlanner(policy, fleet)
+    teach(planner, fleet, np.full(4, 150.0), at=0.0)
+    targets = np.array([400.0, 300.0, 200.0, 350.0])
+    plan = planner.plan(1, 0.0, targets)
+    assert plan.sent_w.tolist() == targets.tolist()
+    assert plan.raised.all()
+
+
+def test_stale_gpus_are_not_raised() -> None:
+    policy, fleet = simple_fleet([1, 1])
+    planner = SafetyPlanner(policy, fleet)
+    teach(planner, fleet, np.full(2, 200.0), at=0.0)
+    planner.on_telemetry("n1", {"g1-0": 200.0}, received_at=9.0, agent_ts=9.0)
+    plan = planner.plan(1, 10.0, np.array([300.0, 300.0]))  # stale_after_s = 2.5
+    assert plan.stale.tolist() == [True, False]
+    assert plan.sent_w.tolist() == [200.0, 300.0]
+    plan = planner.plan(2, 10.0, np.array([150.0, 300.0]))
+    assert plan.sent_w[0] == 150.0  # lowering a stale GPU is fine
+
+
+def test_ack_resolves_every_command_up_to_its_tick_and_older_acks_are_ignored() -> None:
+    policy, fleet = simple_fleet([1])
+    planner = SafetyPlanner(policy, fleet)
+    teach(planner, fleet, np.array([300.0]), at=0.0)
+    for tick, target in ((1, 350.0), (2, 200.0), (3, 250.0)):
+        planner.plan(tick, 0.0, np.array([target]))
+    assert planner.committed_w().tolist() == [350.0]
+    planner.on_ack("n0", 2, {"g0-0": GpuAck(requested_w=200, enforced_w=200)}, agent_ts=1.0)
+    assert planner.committed_w().tolist() == [250.0]  # tick 3 still pending
+    planner.on_ack("n0", 1, {"g0-0": GpuAck(requested_w=350, enforced_w=350)}, agent_ts=0.5)
+    assert planner.committed_w().tolist() == [250.0]  # older than what we know: ignored
+    planner.on_ack("n0", 3, {"g0-0": GpuAck(requested_w=250, enforced_w=250)}, agent_ts=2.0)
+    assert planner.committed_w().tolist() == [250.0]
+    planner.on_telemetry("n0", {"g0-0": 350.0}, received_at=3.0, agent_ts=1.5)
+    assert planner.committed_w().tolist() == [250.0]  # sampled before the ack: superseded
+
+
+def test_failed_set_keeps_the_highest_cap_that_may_be_in_force() -> None:
+    policy, fleet = simple_fleet([2])
+    planner = SafetyPlanner(policy, fleet)
+    teach(planner, fleet, np.array([300.0, 300.0]), at=0.0)
+    planner.plan(1, 0.0, np.array([350.0, 200.0]))  # raise g0-0, lower g0-1
+    planner.plan(2, 0.0, np.array([250.0, 250.0]))
+    acks = {
+        "g0-0": GpuAck(requested_w=250, enforced_w=300, error=AckError.SET_FAILED),
+        # g0-1 missing from the ack: as unknown as a failure
+    }
+    planner.on_ack("n0", 2, acks, agent_ts=1.0)
+    # Either command (or the cap before them) may be the one in force.
+    assert planner.committed_w().tolist() == [350.0, 300.0]
+    plan = planner.plan(3, 0.0, np.array([250.0, 250.0]))
+    assert [e.kind for e in plan.events] == ["ack_error", "ack_error"]
+    # Fresh telemetry tells the truth again.
+    planner.on_telemetry("n0", {"g0-0": 300.0, "g0-1": 200.0}, received_at=2.0, agent_ts=2.0)
+    planner.on_ack("n0", 3, {}, agent_ts=None)  # an ack without a time cannot lower anything
+    assert planner.committed_w().tolist() == [350.0, 300.0]
+
+
+def test_out_of_band_raise_is_reported_and_counted() -> None:
+    policy, fleet = simple_fleet([1])
+    planner = SafetyPlanner(policy, fleet)
+    teach(planner, fleet, np.array([200.0]), at=0.0)
+    assert planner.committed_w().tolist() == [200.0]
+    planner.on_telemetry("n0", {"g0-0": 380.0}, received_at=1.0, agent_ts=1.0)
+    assert planner.committed_w().tolist() == [380.0]
+    plan = planner.plan(1, 1.0, np.array([200.0]))
+    [event] = plan.events
+    assert (event.kind, event.uuid, event.value_w, event.committed_w) == (
+        "telemetry_above_committed",
+        "g0-0",
+        380.0,
+        200.0,
+    )
+
+
+def test_budget_cut_reports_over_lowers_at_once_and_blocks_raises() -> None:
+    policy, fleet = simple_fleet([2, 2])
+    planner = SafetyPlanner(policy, fleet)
+    teach(planner, fleet, np.full(4, 300.0), at=0.0)
+    budget = fleet.topology.budget_w.copy()
+    budget[0] = 1000.0  # facility cut from unlimited to 1000 W under 1200 W of caps
+    targets = np.array([200.0, 150.0, 250.0, 400.0])  # fits 1000 W, but g1-1 wants up
+    plan = planner.plan(1, 0.0, targets, budget_w=budget)
+    assert plan.group_over[0]
+    assert plan.sent_w.tolist() == [200.0, 150.0, 250.0, 300.0]
+    ack_all(planner, plan, at=0.5)
+    plan = planner.plan(2, 1.0, targets, budget_w=budget)
+    assert not plan.group_over.any()
+    assert plan.sent_w.tolist() == targets.tolist()
+
+
+def test_targets_that_do_not_fit_are_shed_until_they_do() -> None:
+    policy, fleet = simple_fleet([2, 2])
+    planner = SafetyPlanner(policy, fleet)
+    teach(planner, fleet, np.full(4, 300.0), at=0.0)
+    budget = fleet.topology.budget_w.copy()
+    budget[0] = 800.0
+    plan = planner.plan(1, 0.0, np.full(4, 300.0), budget_w=budget)
+    assert math.isclose(float(np.sum(plan.sent_w)), 800.0)
+    assert "shed" in [e.kind for e in plan.events]
+    budget[0] = 300.0  # below the device minimums: everyone to minimum, and an alarm
+    plan = planner.plan(2, 0.0, np.full(4, 300.0), budget_w=budget)
+    assert plan.sent_w.tolist() == [100.0] * 4
+    assert "min_caps_over_budget" in [e.kind for e in plan.events]
+
+
+def test_every_live_node_gets_its_full_map_and_failsafe_each_tick() -> None:
+    policy, fleet = simple_fleet([2, 1, 1])
+    planner = SafetyPlanner(policy, fleet)
+    teach(planner, fleet, np.full(4, 200.0), at=0.0)
+    plan = planner.plan(7, 0.0, np.full(4, 200.0), offline={"n2"})
+    by_node = {c.node: c for c in plan.commands}
+    assert set(by_node) == {"n0", "n1"}
+    assert by_node["n0"].caps_w == {"g0-0": 200.0, "g0-1": 200.0}
+    assert by_node["n0"].failsafe_w == {"g0-0": FAILSAFE_W, "g0-1": FAILSAFE_W}
+    wire = by_node["n1"].to_wire(ts=1.0, controller_id="c1")
+    assert (wire.tick, wire.lease_s, wire.node_id) == (7, 4.0, "n1")
+
+
+def test_fleet_change_keeps_what_is_known_about_gpus_that_stay() -> None:
+    policy, fleet = simple_fleet([1, 1])
+    planner = SafetyPlanner(policy, fleet)
+    teach(planner, fleet, np.array([200.0, 250.0]), at=0.0)
+    planner.plan(1, 0.0, np.array([180.0, 250.0]))
+    uuids = ("g1-0", "new", "g0-0")
+    nodes = ("n1", "n1", "n0")
+    grown = Fleet.build(policy, uuids, nodes, np.full(3, 100.0), np.full(3, 400.0))
+    planner.set_fleet(grown)
+    assert planner.committed_w().tolist() == [250.0, 400.0, 200.0]
+    plan = planner.plan(2, 0.0, np.array([250.0, 200.0, 180.0]))
+    assert plan.waiting_nodes == ("n1",)  # "new" has no known cap yet
+    assert [c.node for c in plan.commands] == ["n0"]
+
+
+def test_ticks_must_increase() -> None:
+    policy, fleet = simple_fleet([1])
+    planner = SafetyPlanner(policy, fleet)
+    planner.plan(3, 0.0, np.array([200.0]))
+    try:
+        planner.plan(3, 0.0, np.array([200.0]))
+    except ValueError as exc:
+        assert "tick 3" in str(exc)
+    else:
+        raise AssertionError("a repeated tick was accepted")
+
+
+# ---- the simulated world ----------------------------------------------------------------
+
+
+@dataclass
+class Faults:
+    drop_p: float = 0.0  # each message, either way
+    max_delay: float = 0.2  # ticks
+    set_error_p: float = 0.0  # per GPU per applied command
+    agent_kill_p: float = 0.0  # per agent per tick
+    controller_restart_p: float = 0.0  # per tick
+    cut_p: float = 0.0  # per tick
+    status_lost_p: float = 0.0  # a retained status missing when a controller starts
+    fitting_targets: bool = False
+    # Check that nothing sent into a group over its budget raises a cap even briefly. Only
+    # meaningful where no lease runs out unseen (agents fall to failsafe without telling).
+    strict_over: bool = False
+
+
+@dataclass
+class Agent:
+    node: str
+    gpus: list[int]
+    last_tick: int = -1
+    lease_until: float = 0.0
+    alive: bool = True
+    incarnation: int = 0
+    status_ts: float = 0.0
+
+
+@dataclass(order=True)
+class Event:
+    at: float
+    seq: int
+    action: Callable[[], None] = field(compare=False)
+
+
+def random_policy(rng: random.Random) -> dict:
+    """A random tree whose failsafe caps fit (as parse_policy requires), budgets anywhere
+    from that up to above what full caps would need."""
+    nodes, budgets = [], {}
+    load: dict[str, list[float]] = {}  # group → [failsafe load, max load]
+    rows = [f"r{i}" for i in range(rng.randint(1, 2))]
+    for row in rows:
+        for rack in [f"{row}k{j}" for j in range(rng.randint(1, 2))]:
+            for name in [f"{rack}n{k}" for k in range(rng.randint(1, 3))]:
+                gpus = rng.randint(1, 3)
+                overhead = rng.choice([0.0, 50.0])
+                fs, mx = gpus * FAILSAFE_W + overhead, gpus * 400.0 + overhead
+                spec: dict[str, Any] = {"name": name, "gpus": gpus, "overhead_w": overhead}
+                spec |= {"row": row, "rack": rack}
+                if rng.random() < 0.7:
+                    spec["budget_w"] = round(rng.uniform(fs, mx * 1.05), 1)
+                    mx = min(mx, spec["budget_w"])
+                nodes.append(spec)
+                for g in ("f", row, rack):
+                    acc = load.setdefault(g, [0.0, 0.0])
+                    acc[0] += fs
+                    acc[1] += mx
+    for g in [*(n["rack"] for n in nodes), *rows, "f"]:
+        if g not in budgets and rng.random() < 0.7:
+            fs, mx = load[g]
+            budgets[g] = round(rng.uniform(fs, max(fs, mx * 0.9)), 1)
+    return policy_dict(nodes, budgets=budgets)
+
+
+def fitting(targets: np.ndarray, fleet: Fleet, budget: np.ndarray) -> np.ndarray:
+    """Targets scaled down (above minimum) until every group fits, as an allocator's would."""
+    topo = fleet.topology
+    out = targets.copy()
+    for g in range(topo.n_groups):
+        gpus = topo.subtree_gpus(g)
+        room = budget[g] - topo.overhead_w[g] - fleet.min_cap_w[gpus].sum()
+        above = out[gpus] - fleet.min_cap_w[gpus]
+        if above.sum() > room:
+            out[gpus] = fleet.min_cap_w[gpus] + above * max(room, 0.0) / above.sum()
+    return out
+
+
+class World:
+    """Agents, a broker that delays and drops, and a controller around a SafetyPlanner."""
+
+    def __init__(self, seed: int, faults: Faults, ticks: int) -> None:
+        self.ticks = ticks
+        self.rng = random.Random(seed)
+        self.faults = faults
+        self.policy = parse_policy(random_policy(self.rng))
+        nodes = [g.name for g in self.policy.groups if g.level == 3 for _ in range(g.gpus)]
+        uuids = [f"{node}-g{i}" for i, node in enumerate(nodes)]
+        lo = np.array([self.rng.choice([100.0, 120.0]) for _ in nodes])
+        hi = np.array([self.rng.choice([300.0, 400.0]) for _ in nodes])
+        self.fleet = Fleet.build(self.policy, uuids, nodes, lo, hi)
+        self.topo = self.fleet.topology
+        self.budget = self.topo.budget_w.copy()
+        self.true = self.fleet.failsafe_w.copy()  # the caps in force on the devices
+        self.agents = {
+            name: Agent(name, [i for i, n in enumerate(nodes) if n == name])
+            for name in dict.fromkeys(nodes)
+        }
+        self.lease_s = self.policy.control.lease_s
+        self.queue: list[Event] = []
+        self.seq = itertools.count()
+        self.now = 0.0
+        self.tick = 0
+        self.grace = np.zeros(self.topo.n_groups, dtype=bool)  # cut, not yet obeyed
+        self.cut_at: dict[int, int] = {}  # group → tick of its cut
+        self.cut_ticks: list[int] = []  # ticks each cut took to be obeyed
+        self.in_flight: dict[str, list[NodeCommand]] = {name: [] for name in self.agents}
+        self.over_sends = 0
+        self.applied = 0  # commands applied by agents
+        self.priority = np.array([self.rng.choice([0.0, 1.0]) for _ in nodes])
+        self.targets = self.fleet.failsafe_w.copy()
+        self.checks = 0
+        self.raises = 0
+        self.planner: SafetyPlanner | None = None
+        self.start_controller()
+        for agent in self.agents.values():
+            self.at(self.rng.uniform(0.0, 1.0), lambda a=agent: self.telemetry(a))
+
+    # -- plumbing
+
+    def at(self, when: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self.queue, Event(when, next(self.seq), action))
+
+    def send(self, action: Callable[[], None]) -> bool:
+        if self.rng.random() < self.faults.drop_p:
+            return False
+        self.at(self.now + self.rng.uniform(0.0, self.faults.max_delay), action)
+        return True
+
+    def run(self) -> None:
+        for k in range(1, self.ticks + 1):
+            self.at(float(k), self.controller_tick)
+        # Stop before the last commands' leases run out: the end state is the steered one.
+        while self.queue and self.queue[0].at < self.ticks + 0.99:
+            event = heapq.heappop(self.queue)
+            self.now = event.at
+            event.action()
+
+    # -- invariants
+
+    def check_budgets(self) -> None:
+        self.checks += 1
+        load = self.topo.group_sums(self.true) + self.topo.overhead_w
+        over = (load > self.budget + TOL) & ~self.grace
+        assert not over.any(), (
+            f"t={self.now:.3f}: groups {[self.topo.names[g] for g in np.flatnonzero(over)]} "
+            f"over budget: {load[over]} > {self.budget[over]}"
+        )
+
+    def check_committed(self) -> None:
+        if self.planner is not None:
+            committed = self.planner.committed_w()
+            assert (committed >= self.true - TOL).all(), "committed below the cap in force"
+
+    # -- agents
+
+    def deliver_command(self, agent: Agent, incarnation: int, cmd: NodeCommand) -> None:
+        self.in_flight[agent.node].remove(cmd)
+        if not agent.alive or agent.incarnation != incarnation or cmd.tick <= agent.last_tick:
+            return  # lost with the old process, or an old tick: rejected
+        acks = {}
+        for i in agent.gpus:
+            uuid = self.fleet.uuids[i]
+            if self.rng.random() < self.faults.set_error_p:
+                acks[uuid] = GpuAck(
+                    requested_w=cmd.caps_w[uuid],
+                    enforced_w=float(self.true[i]),
+                    error=AckError.SET_FAILED,
+                )
+                continue
+            limit = min(max(cmd.caps_w[uuid], self.fleet.min_cap_w[i]), self.fleet.max_cap_w[i])
+            self.true[i] = limit
+            acks[uuid] = GpuAck(requested_w=cmd.caps_w[uuid], enforced_w=limit)
+        agent.last_tick = cmd.tick
+        self.applied += 1
+        agent.lease_until = self.now + cmd.lease_s
+        agent.status_ts = self.now
+        self.at(agent.lease_until, lambda: self.lease_check(agent, incarnation))
+        self.check_budgets()
+        self.check_committed()
+        ts = self.now
+        self.send(lambda: self.deliver_ack(agent.node, cmd.tick, acks, ts))
+
+    def lease_check(self, agent: Agent, incarnation: int) -> None:
+        if agent.alive and agent.incarnation == incarnation and self.now >= agent.lease_until:
+            self.fall_to_failsafe(agent)
+
+    def fall_to_failsafe(self, agent: Agent) -> None:
+        idx = np.array(agent.gpus)
+        self.true[idx] = np.minimum(self.true[idx], self.fleet.failsafe_w[idx])
+        agent.status_ts = self.now
+
+    def telemetry(self, agent: Agent) -> None:
+        if agent.alive:
+            caps = {self.fleet.uuids[i]: float(self.true[i]) for i in agent.gpus}
+            ts = self.now
+            self.send(lambda: self.deliver_telemetry(agent.node, caps, ts))
+        if self.now < self.ticks:
+            self.at(self.now + 1.0, lambda: self.telemetry(agent))
+
+    def kill_and_restart(self, agent: Agent, down: float) -> None:
+        agent.alive = False
+
+        def restart() -> None:
+            agent.alive = True
+            agent.incarnation += 1
+            agent.last_tick = -1  # a new process remembers no tick
+            self.fall_to_failsafe(agent)  # at start: min(current, failsafe) until a command
+
+        self.at(self.now + down, restart)
+
+    # -- controller
+
+    def start_controller(self) -> None:
+        # The previous controller's last commands have landed (it died over max_delay ago):
+        # samples from before now may predate them.
+        self.planner = SafetyPlanner(self.policy, self.fleet, trust_after=self.now)
+        for agent in self.agents.values():  # retained statuses: the caps in force now
+            if self.rng.random() >= self.faults.status_lost_p:
+                caps = {self.fleet.uuids[i]: float(self.true[i]) for i in agent.gpus}
+                self.planner.learn_status(agent.node, caps, agent.status_ts)
+
+    def deliver_ack(self, node: str, tick: int, acks: dict[str, GpuAck], ts: float) -> None:
+        if self.planner is not None:
+            self.planner.on_ack(node, tick, acks, agent_ts=ts)
+            self.check_committed()
+
+    def deliver_telemetry(self, node: str, caps: dict[str, float], ts: float) -> None:
+        if self.planner is not None:
+            self.planner.on_telemetry(node, caps, received_at=self.now, agent_ts=ts)
+            self.check_committed()
+
+    def new_targets(self) -> np.ndarray:
+        if self.rng.random() < 0.5:
+            return self.targets  # allocators often keep caps for a while
+        lo, hi = self.fleet.min_cap_w, self.fleet.max_cap_w
+        targets = np.array([self.rng.uniform(a, b) for a, b in zip(lo, hi, strict=True)])
+        return fitting(targets, self.fleet, self.budget) if self.faults.fitting_targets else targets
+
+    def cut_budget(self) -> None:
+        g = self.rng.randrange(self.topo.n_groups)
+        gpus = self.topo.subtree_gpus(g)
+        floor = self.fleet.min_cap_w[gpus].sum() + self.topo.overhead_w[g]
+        ceiling = min(self.budget[g], self.topo.group_sums(self.true)[g] + self.topo.overhead_w[g])
+        self.budget[g] = self.rng.uniform(floor, max(floor, ceiling))
+        self.grace[g] = True
+        self.cut_at[g] = self.tick
+
+    def controller_tick(self) -> None:
+        self.tick += 1
+        if self.planner is None:
+            return
+        if self.rng.random() < self.faults.controller_restart_p:
+            # The old process dies; a new one starts once its last messages have landed.
+            self.planner = None
+            self.at(self.now + self.faults.max_delay + 0.5, self.start_controller)
+            return
+        if self.rng.random() < self.faults.cut_p:
+            self.cut_budget()
+        for agent in self.agents.values():
+            if agent.alive and self.rng.random() < self.faults.agent_kill_p:
+                self.kill_and_restart(agent, self.rng.uniform(0.5, 6.0))
+        self.targets = self.new_targets()
+        self.plan_and_send()
+
+    def plan_and_send(self) -> None:
+        planner = self.planner
+        assert planner is not None
+        before = planner.committed_w()
+        plan = planner.plan(
+            self.tick, self.now, self.targets, budget_w=self.budget.copy(), priority=self.priority
+        )
+        sent = plan.sent_w
+        has = ~np.isnan(sent)
+        # Nothing above the committed cap except a raise the budget check admitted.
+        assert (sent[has & ~plan.raised] <= before[has & ~plan.raised] + TOL).all()
+        for g in np.flatnonzero(plan.raised):
+            groups = self.topo.gpu_groups[g]
+            assert (plan.group_load_w[groups] <= self.budget[groups] + TOL).all()
+        # Stale GPUs are never raised; no raise before the caps in force are known.
+        assert not (plan.raised & plan.stale).any()
+        if self.faults.strict_over:
+            self.check_over_sends(before, plan)
+        learned = {c.node for c in plan.commands}
+        assert not learned & set(plan.waiting_nodes)
+        self.raises += int(plan.raised.sum())
+        # A group whose committed sum fits again has obeyed its cut: from now on it must hold.
+        for g in np.flatnonzero(self.grace & ~plan.group_over):
+            self.grace[g] = False
+            self.cut_ticks.append(self.tick - self.cut_at[g])
+        self.check_budgets()
+        for cmd in plan.commands:
+            agent = self.agents[cmd.node]
+            inc = agent.incarnation
+            if self.send(lambda a=agent, i=inc, c=cmd: self.deliver_command(a, i, c)):
+                self.in_flight[cmd.node].append(cmd)
+
+    def check_over_sends(self, before: np.ndarray, plan: SafePlan) -> None:
+        """In a group over budget, a sent cap is no higher than the cap in force nor than any
+        command still on its way: it cannot raise anything, whichever lands last."""
+        load = self.topo.group_sums(before) + self.topo.overhead_w
+        over = (load > self.budget + TOL)[self.topo.gpu_groups].any(axis=1)
+        for i in np.flatnonzero(over & ~np.isnan(plan.sent_w)):
+            node, uuid = self.fleet.nodes[i], self.fleet.uuids[i]
+            bound = min([self.true[i], *(c.caps_w[uuid] for c in self.in_flight[node])])
+            assert plan.sent_w[i] <= bound + TOL, (uuid, plan.sent_w[i], bound)
+            self.over_sends += 1
+
+
+def simulate(seed: int, faults: Faults, ticks: int) -> World:
+    world = World(seed, faults, ticks)
+    world.run()
+    return world
+
+
+# ---- properties -------------------------------------------------------------------------
+
+SIM = settings(
+    max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None
+)
+
+
+@SIM
+@given(seed=st.integers(0, 2**32 - 1), fitting_targets=st.booleans())
+def test_budgets_hold_at_every_moment_under_faults(seed: int, fitting_targets: bool) -> None:
+    faults = Faults(
+        drop_p=0.15,
+        max_delay=2.5,
+        set_error_p=0.05,
+        agent_kill_p=0.02,
+        controller_restart_p=0.04,
+        status_lost_p=0.2,
+        cut_p=0.05,
+        fitting_targets=fitting_targets,
+    )
+    world = simulate(seed, faults, ticks=40)
+    # The invariants are asserted inside the world at every change; make sure there were some.
+    assert world.applied > 0
+
+
+@SIM
+@given(seed=st.integers(0, 2**32 - 1), fitting_targets=st.booleans())
+def test_cuts_are_obeyed_within_two_ticks_when_acks_flow(seed: int, fitting_targets: bool) -> None:
+    faults = Faults(max_delay=0.4, cut_p=0.15, fitting_targets=fitting_targets, strict_over=True)
+    world = simulate(seed, faults, ticks=30)
+    assert all(t <= 2 for t in world.cut_ticks), world.cut_ticks
+    assert not world.grace[[g for g in world.cut_at if world.cut_at[g] < world.tick - 2]].any()
+
+
+@SIM
+@given(seed=st.integers(0, 2**32 - 1))
+def test_fitting_targets_are_reached_when_messages_flow(seed: int) -> None:
+    world = World(seed, Faults(max_delay=0.4), ticks=6)
+    lo, hi = world.fleet.min_cap_w, world.fleet.max_cap_w
+    raw = np.array([world.rng.uniform(a, b) for a, b in zip(lo, hi, strict=True)])
+    goal = fitting(raw, world.fleet, world.budget)
+    world.new_targets = lambda: goal  # type: ignore[method-assign]
+    world.run()
+    # Cuts land in tick 1, the raises they pay for by tick 3 at the latest.
+    assert np.allclose(world.true, goal, atol=1e-6)
