@@ -181,7 +181,12 @@ class Controller:
         self.policy = policy
         self.classes = ClassTable.from_policy(policy)
         self._class_index = {name: i for i, name in enumerate(class_names(policy))}
-        self.planner = getattr(self, "planner", None) or SafetyPlanner(policy)
+        # A controller may be taking over from one that just died: samples taken before it
+        # started may predate that one's last commands, so the planner trusts only later ones
+        # (retained statuses count regardless: agents republish them after every change).
+        self.planner = getattr(self, "planner", None) or SafetyPlanner(
+            policy, trust_after=self.clock.wall()
+        )
         self.planner.policy = policy
         self.fleet.set_policy(policy)
         self.overrides.forget_policy_gaps(policy)
@@ -318,22 +323,22 @@ class Controller:
             if kind == "telemetry":
                 t = decode(message.payload, NodeTelemetry, topic_node=node)
                 if self.fleet.ingest_telemetry(t, now):
-                    self.planner.on_telemetry(
-                        node, {g.uuid: g.cap_w for g in t.gpus}, received_at=now, agent_ts=t.ts
-                    )
+                    # A GPU reported with an error carries its last known cap, not a reading.
+                    caps = {g.uuid: g.cap_w for g in t.gpus if g.error is None}
+                    self.planner.on_telemetry(node, caps, received_at=now, agent_ts=t.ts or None)
                 else:
                     self.counters.dropped["unknown_node"] += 1
             elif kind == "ack":
                 ack = decode(message.payload, CapAck, topic_node=node)
                 self._max_seen_tick = max(self._max_seen_tick, ack.tick)
-                self.planner.on_ack(node, ack.tick, ack.gpus, agent_ts=ack.ts)
+                self.planner.on_ack(node, ack.tick, ack.gpus, agent_ts=ack.ts or None)
             elif kind == "status":
                 status = decode(message.payload, NodeStatus, topic_node=node)
                 if status.last_tick is not None:
                     self._max_seen_tick = max(self._max_seen_tick, status.last_tick)
                 self.fleet.ingest_status(status)
                 if status.caps_w:
-                    self.planner.learn_status(node, status.caps_w, agent_ts=status.ts)
+                    self.planner.learn_status(node, status.caps_w, agent_ts=status.ts or None)
             elif kind != "caps":  # our own commands come back only if subscribed broadly
                 raise WireError("bad_topic", message.topic[:200])
         except WireError as exc:
@@ -344,7 +349,7 @@ class Controller:
 
     # -- the tick ------------------------------------------------------------------------
 
-    def _shape_for(self, arrays: FleetArrays) -> _Shape:
+    def _shape_for(self, arrays: FleetArrays, now: float) -> _Shape:
         version = (self.fleet.version, self._policy_epoch)
         if self._shape is not None and self._shape.version == version:
             return self._shape
@@ -354,10 +359,14 @@ class Controller:
         )
         self.planner.set_fleet(safety)
         # Telemetry already heard for GPUs new to the planner teaches it their caps now.
-        for node in dict.fromkeys(arrays.nodes):
-            recs = [g for g in self.fleet.gpus.values() if g.node == node]
+        by_node: dict[str, dict[str, float]] = {}
+        for g in self.fleet.gpus.values():
+            if g.error is None:
+                by_node.setdefault(g.node, {})[g.uuid] = g.cap_w
+        for node, caps in by_node.items():
+            rec = self.fleet.nodes[node]
             self.planner.on_telemetry(
-                node, {g.uuid: g.cap_w for g in recs}, received_at=min(g.seen_at for g in recs)
+                node, caps, received_at=rec.seen_at or now, agent_ts=rec.agent_ts or None
             )
         known = np.bincount(topology.gpu_groups[:, -1], minlength=topology.n_groups)
         expected = np.array([g.gpus for g in self.policy.groups], dtype=np.float64)
@@ -404,7 +413,7 @@ class Controller:
         self.tick_no = max(self.tick_no, self._max_seen_tick) + 1
         tick = self.tick_no
         arrays = self.fleet.arrays(now, control.stale_after_s)
-        shape = self._shape_for(arrays)
+        shape = self._shape_for(arrays, now)
         topo = shape.topology
         n = len(arrays.uuids)
 

@@ -50,6 +50,7 @@ class NodeRecord:
     state: NodeState = NodeState.STARTING
     seen_at: float | None = None  # monotonic time of the last telemetry
     seq: int = -1
+    agent_ts: float = 0.0  # the agent's wall clock in its last telemetry
     status_caps_w: dict[str, float] = field(default_factory=dict)
 
 
@@ -108,6 +109,7 @@ class FleetState:
         node = self.node(msg.node_id)
         node.seen_at = now
         node.seq = msg.seq
+        node.agent_ts = msg.ts
         node.state = NodeState(msg.state)
         for g in msg.gpus:
             rec = self.gpus.get(g.uuid)
