@@ -1,0 +1,436 @@
+"""One simulated run: the real allocator and safety planner steering mock GPUs in virtual time.
+
+Each tick (virtual time, nothing sleeps, no broker):
+1. scheduled workload changes take effect (idle windows);
+2. telemetry: the planner hears every node's enforced caps, the allocator sees the model's
+   draws and the caps that may be in force (as the controller builds its Fleet);
+3. the allocator computes targets; the planner turns them into commands; the agents' part is
+   played here: clamp to the device limits, apply, acknowledge with the enforced value. Cuts
+   are admitted at once but raises only once the cuts paying for them are acknowledged, so
+   the planner runs a second round at the same instant (a real controller, ticking every
+   second, does this within the first seconds of a simulated minute);
+4. the GPU model advances by the tick, and measured draw is checked against every budget.
+
+`static` does no steering at all: every GPU keeps its TDP as its cap, as provisioned today.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import structlog
+from numpy.typing import NDArray
+from pydantic import TypeAdapter
+
+from powerd.allocator import Allocation, ClassTable, Fleet, Tree, allocate_arrays
+from powerd.backends.mock import GpuFleetModel
+from powerd.policy import LEVELS, Policy
+from powerd.safety import Fleet as SafetyFleet
+from powerd.safety import NodeCommand, SafetyPlanner
+from powerd.sim.scenario import Scenario
+from powerd.sim.site import Mix, Site
+from powerd.wire import GpuAck
+
+log = structlog.get_logger(__name__)
+
+FloatArray = NDArray[np.float64]
+IntArray = NDArray[np.int64]
+STATIC = "static"
+STEERED = ("fast", "uniform", "priority-bands")
+POLICIES = (*STEERED, STATIC)
+# Planner rounds per tick: cuts, then the raises they pay for (acks are instant here).
+ROUNDS = 2
+# Measured draw above a budget by more than this counts as an excess (float noise below).
+EXCESS_TOL_W = 1e-3
+# A GPU counts as held below its floor when its cap is this far under it and it wants more.
+FLOOR_TOL_W = 0.5
+
+Progress = Callable[[int], None]
+
+
+@dataclass
+class Series:
+    """Per tick, for plots: facility draw and budget, each level's hottest group."""
+
+    t_h: FloatArray
+    facility_draw_w: FloatArray
+    facility_budget_w: float
+    peak_ratio: FloatArray  # (ticks, levels): max over the level's groups of draw / budget
+    throughput: FloatArray  # GPU-equivalents at full speed
+
+
+@dataclass
+class RunResult:
+    policy: str
+    n_gpus: int
+    duration_s: float
+    feed_w: float
+    work_gpu_s: float  # Σ throughput × dt: seconds of one GPU at full speed
+    weighted_work_gpu_s: float  # the same weighted by class weight (what powerd maximises)
+    work_by_class: dict[str, float]
+    gpu_energy_j: float
+    facility_energy_j: float  # GPUs plus node overhead
+    over_budget_s: float  # time any budget was exceeded by measured draw
+    over_budget_s_by_level: dict[str, float]
+    max_excess_w: float
+    max_excess_ratio: float  # highest measured draw / budget of any group (1 = at budget)
+    floors_fit: bool  # class floors fit every budget (so the floor was owed)
+    below_floor_share: dict[str, float]  # per floored class: GPU-time share held below it
+    committed_over_ticks: int  # planner: committed caps above a budget (must stay 0)
+    statuses: dict[str, int]
+    wall_s: float
+    solve_ms_mean: float
+    series: Series = field(repr=False)
+
+    @property
+    def mean_throughput(self) -> float:
+        return self.work_gpu_s / self.duration_s
+
+    @property
+    def work_per_joule(self) -> float:
+        """Full-speed GPU-seconds per joule of GPU energy."""
+        return self.work_gpu_s / self.gpu_energy_j if self.gpu_energy_j > 0 else math.nan
+
+    def summary(self) -> dict[str, object]:
+        """The run's figures as JSON-ready values (no timing: those are not deterministic)."""
+        return {
+            "gpus": self.n_gpus,
+            "feed_w": self.feed_w,
+            "mean_throughput": self.mean_throughput,
+            "work_gpu_h": self.work_gpu_s / 3600.0,
+            "weighted_work_gpu_h": self.weighted_work_gpu_s / 3600.0,
+            "work_gpu_h_by_class": {k: v / 3600.0 for k, v in self.work_by_class.items()},
+            "gpu_energy_kwh": self.gpu_energy_j / 3.6e6,
+            "facility_energy_kwh": self.facility_energy_j / 3.6e6,
+            "gpu_h_per_mwh": self.work_gpu_s / 3600.0 / (self.gpu_energy_j / 3.6e9)
+            if self.gpu_energy_j > 0
+            else None,
+            "work_per_joule": self.work_per_joule,
+            "over_budget_s": self.over_budget_s,
+            "over_budget_s_by_level": self.over_budget_s_by_level,
+            "max_excess_w": self.max_excess_w,
+            "max_draw_over_budget": self.max_excess_ratio,
+            "floors_fit": self.floors_fit,
+            "below_floor_share": self.below_floor_share,
+            "committed_over_ticks": self.committed_over_ticks,
+            "statuses": self.statuses,
+        }
+
+
+class _Nodes:
+    """GPU index ranges per node (GPUs are contiguous per node in a Site)."""
+
+    def __init__(self, site: Site, uuids: list[str]) -> None:
+        names: list[str] = []
+        bounds = [0]
+        for i, node in enumerate(site.gpu_nodes):
+            if not names or names[-1] != node:
+                if names:
+                    bounds.append(i)
+                names.append(node)
+        bounds.append(site.n_gpus)
+        self.names = names
+        self.ranges = list(itertools.pairwise(bounds))
+        self.uuids = [uuids[a:b] for a, b in self.ranges]
+        self.index = {name: k for k, name in enumerate(names)}
+
+
+_ACKS: TypeAdapter[dict[str, GpuAck]] = TypeAdapter(dict[str, GpuAck])
+
+
+class _Run:
+    """The state of one run and its accounting; `simulate` drives it tick by tick."""
+
+    def __init__(self, scenario: Scenario, site: Site, mix: Mix, policy_name: str) -> None:
+        spec = scenario.spec
+        self.site = site
+        self.mix = mix
+        self.policy_name = policy_name
+        policy = site.policy
+        topo = site.topology
+        n = site.n_gpus
+        self.model = GpuFleetModel(
+            n,
+            list(mix.workloads),
+            seed=spec.seed,
+            min_cap_w=site.min_cap_w,
+            max_cap_w=site.tdp_w,
+            default_cap_w=site.tdp_w if policy_name == STATIC else _start_cap_w(site),
+            uuid_prefix="GPU-sim",
+        )
+        model = self.model
+        self.nodes = _Nodes(site, model.uuids)
+        self.classes = classes = ClassTable.from_policy(policy)
+        self.tree = Tree(topo)
+        self.budget = topo.budget_w.copy()
+        self.finite = np.isfinite(self.budget)
+        self.ratio_budget = np.where(self.finite & (self.budget > 0), self.budget, np.inf)
+        cls = mix.class_index
+        self.weight = classes.weight[cls]
+        self.floor_w = classes.floor_w[cls]
+        self.floored_gpu = self.floor_w > 0
+        floor_lo = np.where(self.floored_gpu, np.maximum(self.floor_w, model.min_cap_w), 0.0)
+        floor_lo = np.maximum(floor_lo, model.min_cap_w)
+        floor_lo = np.minimum(floor_lo, np.minimum(model.max_cap_w, classes.ceiling_w[cls]))
+        f = self.finite
+        self.floors_fit = bool(
+            np.all(topo.group_sums(floor_lo)[f] + topo.overhead_w[f] <= self.budget[f])
+        )
+        self.planner: SafetyPlanner | None = None
+        if policy_name != STATIC:
+            self.planner = SafetyPlanner(
+                _planner_policy(policy, scenario.duration_s),
+                SafetyFleet.build(
+                    policy, model.uuids, list(site.gpu_nodes), model.min_cap_w, model.max_cap_w
+                ),
+            )
+            # The agents' first telemetry: from then on acks keep the planner's knowledge exact.
+            caps_now = model.cap_w.tolist()
+            for name, (a, b), ids in zip(
+                self.nodes.names, self.nodes.ranges, self.nodes.uuids, strict=True
+            ):
+                self.planner.on_telemetry(
+                    name, dict(zip(ids, caps_now[a:b], strict=True)), received_at=0.0, agent_ts=0.0
+                )
+        self.no_pin = np.full(n, np.nan)
+        self.not_stale = np.zeros(n, dtype=np.bool_)
+        self.uuids = tuple(model.uuids)
+        self.warm: Allocation | None = None
+        self.plan_tick = 0
+        n_classes = len(classes.names)
+        n_levels = len(LEVELS)
+        # Accounting.
+        self.over_s = 0.0
+        self.over_by_level = np.zeros(n_levels)
+        self.max_excess = 0.0
+        self.max_ratio = 0.0
+        self.committed_over = 0
+        self.statuses: dict[str, int] = {}
+        self.solve_ms: list[float] = []
+        self.work = np.zeros(n_classes)
+        self.weighted_work = 0.0
+        self.below_floor_s = np.zeros(n_classes)
+        self.step_peak = np.zeros(n_levels)
+
+    def steer(self, now: float) -> None:
+        """One controller tick: allocate from fresh telemetry, plan, apply, acknowledge."""
+        planner = self.planner
+        assert planner is not None
+        model = self.model
+        committed = planner.committed_w()
+        fleet = Fleet(
+            uuids=self.uuids,
+            topology=self.site.topology,
+            min_cap_w=model.min_cap_w,
+            max_cap_w=model.max_cap_w,
+            power_w=model.power_w.copy(),
+            # The damping term steers toward the caps that may be in force.
+            cap_w=np.minimum(committed, model.max_cap_w),
+            class_index=self.mix.class_index,
+            stale=self.not_stale,
+            pinned_w=self.no_pin,
+        )
+        alloc = allocate_arrays(
+            fleet,
+            self.site.policy,
+            self.policy_name,
+            budget_w=self.budget,
+            warm=self.warm,
+            classes=self.classes,
+            tree=self.tree,
+        )
+        self.warm = alloc
+        self.statuses[alloc.status] = self.statuses.get(alloc.status, 0) + 1
+        self.solve_ms.append(alloc.solve_ms)
+        for round_no in range(ROUNDS):
+            self.plan_tick += 1
+            plan = planner.plan(
+                self.plan_tick, now, alloc.caps_w, budget_w=self.budget, priority=self.weight
+            )
+            self._apply(plan.commands, plan.sent_w, now)
+            if round_no == ROUNDS - 1 or not plan.withheld.any():
+                # Committed caps after the last round: above a budget would be a planner bug.
+                self.committed_over += int(plan.group_over.any())
+                break
+
+    def _apply(self, commands: list[NodeCommand], sent_w: FloatArray, now: float) -> None:
+        """The agents' part: clamp each command's caps to the device, apply, acknowledge.
+
+        Agents apply decreases before increases; here every cap changes at the same instant
+        of virtual time (the model's draw then moves with its lag), so order cannot show.
+        """
+        model = self.model
+        idx = np.flatnonzero(~np.isnan(sent_w))
+        target = np.clip(sent_w[idx], model.min_cap_w[idx], model.max_cap_w[idx])
+        # GpuFleetModel.set_cap for many GPUs at once.
+        model.requested_cap_w[idx] = target
+        model.cap_w[idx] = np.minimum(target, model.override_w[idx])
+        requested = sent_w.tolist()
+        enforced = model.cap_w.tolist()
+        nodes = self.nodes
+        assert self.planner is not None
+        for cmd in commands:
+            k = nodes.index[cmd.node]
+            a, b = nodes.ranges[k]
+            acks = _ACKS.validate_python(
+                {
+                    u: {"requested_w": r, "enforced_w": e}
+                    for u, r, e in zip(nodes.uuids[k], requested[a:b], enforced[a:b], strict=True)
+                }
+            )
+            self.planner.on_ack(cmd.node, self.plan_tick, acks, agent_ts=now)
+
+    def advance(self, dt: float) -> None:
+        """Move the GPUs on by dt with the caps in force, and account for the interval."""
+        model = self.model
+        topo = self.site.topology
+        cls = self.mix.class_index
+        caps = model.cap_w.copy()
+        demand = model.demand_w.copy()
+        energy_before = model.energy_j.copy()
+        model.advance(dt)
+        # Measured draw: the interval's mean (what a meter integrates) and the closing sample.
+        mean_w = (model.energy_j - energy_before) / dt
+        draw = np.maximum(self.tree.sums(mean_w), self.tree.sums(model.power_w)) + topo.overhead_w
+        excess = np.where(self.finite, draw - self.budget, -np.inf)
+        over = excess > EXCESS_TOL_W
+        if over.any():
+            self.over_s += dt
+            self.over_by_level[np.unique(topo.level[over])] += dt
+            self.max_excess = max(self.max_excess, float(excess[over].max()))
+        ratio = draw / self.ratio_budget
+        self.max_ratio = max(self.max_ratio, float(ratio.max()))
+        levels = topo.level
+        peaks = np.full(self.step_peak.size, -np.inf)
+        np.maximum.at(peaks, levels, ratio)
+        self.step_peak = np.maximum(self.step_peak, peaks)
+        tput = model.throughput()
+        self.work += np.bincount(cls, weights=tput, minlength=self.work.size) * dt
+        self.weighted_work += float(np.dot(self.weight, tput)) * dt
+        held = (
+            self.floored_gpu & (caps < self.floor_w - FLOOR_TOL_W) & (demand > caps + FLOOR_TOL_W)
+        )
+        if held.any():
+            self.below_floor_s += np.bincount(cls[held], minlength=self.below_floor_s.size) * dt
+
+
+def _start_cap_w(site: Site) -> float:
+    """Agents start at their failsafe cap before the first command; where the failsafe caps
+    do not fit the budgets (a site grown past its policy's failsafe), at the device minimum."""
+    failsafe = min(max(site.policy.defaults.failsafe_w, site.min_cap_w), site.tdp_w)
+    topo = site.topology
+    finite = np.isfinite(topo.budget_w)
+    load = topo.group_sums(np.full(site.n_gpus, failsafe)) + topo.overhead_w
+    return failsafe if bool(np.all(load[finite] <= topo.budget_w[finite])) else site.min_cap_w
+
+
+def _planner_policy(policy: Policy, duration_s: float) -> Policy:
+    """The policy as the planner sees it here: telemetry is never late in the simulation
+    (acks carry every enforced cap), so GPUs never go stale."""
+    control = policy.spec.control
+    relaxed = control.model_copy(
+        update={"stale_after_s": max(control.stale_after_s, 2 * duration_s)}
+    )
+    return replace(policy, spec=policy.spec.model_copy(update={"control": relaxed}))
+
+
+def simulate(
+    scenario: Scenario,
+    site: Site,
+    mix: Mix,
+    policy_name: str,
+    *,
+    progress: Progress | None = None,
+) -> RunResult:
+    """Run the scenario on the site under one policy (a solver name, or `static`)."""
+    if policy_name not in POLICIES:
+        raise ValueError(f"unknown policy '{policy_name}'; valid: {', '.join(POLICIES)}")
+    t_start = time.perf_counter()
+    tick_s = scenario.spec.tick_s
+    n_ticks = scenario.ticks
+    run = _Run(scenario, site, mix, policy_name)
+    # The controller reacts to a change of demand within its own tick (1 s by default), far
+    # inside a simulated tick: the first control tick of every step is simulated as such.
+    react_s = min(site.policy.control.tick_s, tick_s / 2)
+    events = mix.events
+    next_event = 0
+    n_levels = len(LEVELS)
+    fac_draw = np.zeros(n_ticks)
+    peak_ratio = np.zeros((n_ticks, n_levels))
+    tput_series = np.zeros(n_ticks)
+    for k in range(n_ticks):
+        now = k * tick_s
+        while next_event < len(events) and events[next_event][0] <= now:
+            _, idx, workload = events[next_event]
+            run.model.set_workload(idx, workload)
+            next_event += 1
+        energy_before = float(run.model.energy_j.sum())
+        work_before = float(run.work.sum())
+        run.step_peak[:] = -np.inf
+        if run.planner is not None:
+            run.advance(react_s)
+            run.steer(now + react_s)
+            run.advance(tick_s - react_s)
+        else:
+            run.advance(tick_s)
+        fac_draw[k] = (float(run.model.energy_j.sum()) - energy_before) / tick_s + float(
+            site.topology.overhead_w[0]
+        )
+        peak_ratio[k] = run.step_peak
+        tput_series[k] = (float(run.work.sum()) - work_before) / tick_s
+        if progress is not None:
+            progress(1)
+
+    duration = n_ticks * tick_s
+    gpu_energy = float(run.model.energy_j.sum())
+    wall = time.perf_counter() - t_start
+    classes = run.classes
+    gpus_per_class = np.bincount(mix.class_index, minlength=len(classes.names))
+    result = RunResult(
+        policy=policy_name,
+        n_gpus=site.n_gpus,
+        duration_s=duration,
+        feed_w=site.feed_w,
+        work_gpu_s=float(run.work.sum()),
+        weighted_work_gpu_s=run.weighted_work,
+        work_by_class={
+            c: float(run.work[i]) for i, c in enumerate(classes.names) if gpus_per_class[i] > 0
+        },
+        gpu_energy_j=gpu_energy,
+        facility_energy_j=gpu_energy + float(site.topology.overhead_w[0]) * duration,
+        over_budget_s=run.over_s,
+        over_budget_s_by_level={LEVELS[lv]: float(run.over_by_level[lv]) for lv in range(n_levels)},
+        max_excess_w=run.max_excess,
+        max_excess_ratio=run.max_ratio,
+        floors_fit=run.floors_fit,
+        below_floor_share={
+            classes.names[c]: float(run.below_floor_s[c] / (gpus_per_class[c] * duration))
+            for c in range(len(classes.names))
+            if classes.floor_w[c] > 0 and gpus_per_class[c] > 0
+        },
+        committed_over_ticks=run.committed_over,
+        statuses=run.statuses,
+        wall_s=wall,
+        solve_ms_mean=float(np.mean(run.solve_ms)) if run.solve_ms else 0.0,
+        series=Series(
+            t_h=np.arange(1, n_ticks + 1, dtype=np.float64) * (tick_s / 3600.0),
+            facility_draw_w=fac_draw,
+            facility_budget_w=float(run.budget[0]),
+            peak_ratio=peak_ratio,
+            throughput=tput_series,
+        ),
+    )
+    log.debug(
+        "sim_run_finished",
+        policy=policy_name,
+        gpus=site.n_gpus,
+        ticks=n_ticks,
+        wall_s=round(wall, 3),
+        over_budget_s=run.over_s,
+    )
+    return result

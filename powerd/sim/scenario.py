@@ -1,0 +1,250 @@
+"""Scenario files: the site, the workload mix over time and how long to simulate it.
+
+A scenario is YAML validated by pydantic, like a policy. It names a policy (the power tree,
+classes and profiles), optionally reshapes its site (nodes, GPUs per node, the feed), and
+says what every GPU runs: inference with a daily load curve and bursts, training jobs whose
+GPUs swing in step, steady batch work, idle periods. Errors name the file, the path inside
+it and what would be valid (`ScenarioError`). Schema: docs/simulator.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from powerd.errors import InputError, validation_problems
+from powerd.policy import Policy, ProfileSpec
+
+Watts = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegWatts = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Share = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+HOUR_S = 3600.0
+# A swing shorter than two ticks is sampled at random points of its cycle (aliasing).
+MIN_TICKS_PER_SWING = 2
+MAX_TICKS = 10_000_000
+
+
+class ScenarioError(InputError):
+    """A scenario that cannot be used, with where and why."""
+
+    kind = "scenario"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class IdleWindow(_Strict):
+    """Hours (from the start of the simulation) during which the workload's GPUs sit idle."""
+
+    start_h: float = Field(ge=0, allow_inf_nan=False)
+    end_h: float = Field(gt=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> IdleWindow:
+        if self.end_h <= self.start_h:
+            raise ValueError(f"end_h ({self.end_h:g}) must be after start_h ({self.start_h:g})")
+        return self
+
+
+class Bursts(_Strict):
+    """Extra load on top of the daily curve: in every slot each GPU bursts with a probability."""
+
+    extra_w: NonNegWatts = 150.0
+    probability: float = Field(default=0.1, ge=0, le=1)
+    slot_s: Watts = 60.0
+
+
+Pattern = Literal["inference", "training", "steady", "idle"]
+
+
+class WorkloadSpec(_Strict):
+    """A share of the site's nodes running one kind of work (whole nodes, as jobs are placed)."""
+
+    name: str = Field(min_length=1)
+    class_: str = Field(alias="class")
+    share: Share
+    pattern: Pattern
+    # The GPUs' true throughput curve: a profile of the policy by name, or points of its own.
+    # Default: the class's profile (the allocator steers by the class's profile either way).
+    profile: str | ProfileSpec | None = None
+    high_w: Watts = 650.0
+    low_w: NonNegWatts = 250.0
+    # training
+    jobs: int = Field(default=1, ge=1, le=10_000)
+    period_s: Watts = 1800.0
+    duty: float = Field(default=0.8, gt=0, le=1)
+    # inference
+    peak_hour: float = Field(default=14.0, ge=0, lt=24)
+    day_h: Watts = 24.0
+    bursts: Bursts | None = None
+    idle: list[IdleWindow] = Field(default_factory=list)
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _levels(self) -> WorkloadSpec:
+        if self.low_w > self.high_w:
+            raise ValueError(f"low_w ({self.low_w:g}) must not exceed high_w ({self.high_w:g})")
+        return self
+
+
+class SiteSpec(_Strict):
+    """Reshape the policy's site: its tree grown or shrunk to `nodes`, and/or a new feed."""
+
+    nodes: int | None = Field(default=None, ge=1, le=100_000)
+    gpus_per_node: int | None = Field(default=None, ge=1, le=64)
+    facility_budget_w: Watts | None = None
+    # The feed as a share of the site's nameplate (every GPU at TDP plus node overhead).
+    feed_fraction: float | None = Field(default=None, gt=0, le=2)
+    placement: Literal["spread", "packed"] = "spread"
+
+    @model_validator(mode="after")
+    def _one_feed(self) -> SiteSpec:
+        if self.facility_budget_w is not None and self.feed_fraction is not None:
+            raise ValueError("give facility_budget_w or feed_fraction, not both")
+        return self
+
+
+class ScenarioSpec(_Strict):
+    version: Literal[1] = 1
+    name: str = Field(min_length=1)
+    description: str = ""
+    policy: str | None = None  # relative to the scenario file
+    duration_h: float = Field(gt=0, le=24 * 366, allow_inf_nan=False)
+    tick_s: float = Field(ge=1, le=3600, allow_inf_nan=False)
+    seed: int = Field(default=0, ge=0, lt=2**63)
+    site: SiteSpec = Field(default_factory=SiteSpec)
+    workloads: list[WorkloadSpec] = Field(min_length=1)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    spec: ScenarioSpec
+    source: str
+    policy_path: Path | None  # resolved against the scenario file
+
+    @property
+    def duration_s(self) -> float:
+        return self.spec.duration_h * HOUR_S
+
+    @property
+    def ticks(self) -> int:
+        return max(1, round(self.duration_s / self.spec.tick_s))
+
+
+def _check(spec: ScenarioSpec) -> list[tuple[str, str]]:
+    problems: list[tuple[str, str]] = []
+    total = sum(w.share for w in spec.workloads)
+    if abs(total - 1.0) > 1e-6:
+        problems.append(
+            (
+                "workloads",
+                f"shares add up to {total:g}; they must add up to 1 "
+                "(give unused GPUs a workload with pattern: idle)",
+            )
+        )
+    names: dict[str, int] = {}
+    for i, w in enumerate(spec.workloads):
+        if w.name in names:
+            problems.append(
+                (
+                    f"workloads[{i}].name",
+                    f"duplicate workload name '{w.name}' (first at workloads[{names[w.name]}])",
+                )
+            )
+        names.setdefault(w.name, i)
+        if w.pattern == "training" and w.period_s < MIN_TICKS_PER_SWING * spec.tick_s:
+            problems.append(
+                (
+                    f"workloads[{i}].period_s",
+                    f"a swing of {w.period_s:g} s is shorter than {MIN_TICKS_PER_SWING} ticks of "
+                    f"{spec.tick_s:g} s, so ticks would sample it at random points; use "
+                    f"period_s >= {MIN_TICKS_PER_SWING * spec.tick_s:g} or a shorter tick_s "
+                    "(iteration-level swings average into high_w/low_w)",
+                )
+            )
+    if spec.duration_h * HOUR_S / spec.tick_s > MAX_TICKS:
+        problems.append(("tick_s", f"more than {MAX_TICKS:,} ticks; raise tick_s"))
+    if spec.tick_s > spec.duration_h * HOUR_S:
+        problems.append(("tick_s", "longer than the simulation (duration_h)"))
+    return problems
+
+
+def check_against_policy(scenario: Scenario, policy: Policy) -> None:
+    """Class and profile names must exist in the policy the scenario runs on."""
+    problems = []
+    classes = sorted(policy.classes)
+    profiles = sorted(policy.profiles)
+    for i, w in enumerate(scenario.spec.workloads):
+        if w.class_ not in policy.classes:
+            problems.append(
+                (
+                    f"workloads[{i}].class",
+                    f"unknown class '{w.class_}' in policy {policy.source}; "
+                    f"valid: {', '.join(classes)}",
+                )
+            )
+        if isinstance(w.profile, str) and w.profile not in policy.profiles:
+            problems.append(
+                (
+                    f"workloads[{i}].profile",
+                    f"unknown profile '{w.profile}' in policy {policy.source}; valid: "
+                    f"{', '.join(profiles)}, or points: [[watts, throughput], ...]",
+                )
+            )
+    if problems:
+        raise ScenarioError(scenario.source, problems)
+
+
+def parse_scenario(
+    data: Any,
+    source: str = "<scenario>",
+    *,
+    base_dir: Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Scenario:
+    """Validate parsed YAML; `overrides` (e.g. tick_s from the command line) replace top-level
+    keys before validation, so they are checked like the file."""
+    if not isinstance(data, dict):
+        raise ScenarioError(
+            source,
+            [("", "a scenario is a mapping with keys name, duration_h, tick_s and workloads")],
+        )
+    data = {**data, **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    try:
+        spec = ScenarioSpec.model_validate(data)
+    except ValidationError as exc:
+        raise ScenarioError(source, validation_problems(exc)) from None
+    problems = _check(spec)
+    if problems:
+        raise ScenarioError(source, problems)
+    policy_path = None
+    if spec.policy is not None:
+        policy_path = (base_dir or Path.cwd()) / spec.policy
+    return Scenario(spec=spec, source=source, policy_path=policy_path)
+
+
+def load_scenario(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Scenario:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ScenarioError(
+            str(p), [("", f"cannot read the file: {exc.strerror or exc}")]
+        ) from None
+    except UnicodeDecodeError:
+        raise ScenarioError(str(p), [("", "the file is not UTF-8 text")]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ScenarioError(str(p), [(where, f"malformed YAML: {problem}")]) from None
+    return parse_scenario(data, str(p), base_dir=p.parent, overrides=overrides)
