@@ -73,14 +73,17 @@ def _err(description: str) -> dict[str, Any]:
     return {"model": ErrorOut, "description": description}
 
 
+# Every operation declares its error bodies (ErrorOut), 422 included: FastAPI would
+# otherwise document its own validation error shape, which the handler below replaces.
 AUTH_ERRORS: dict[int | str, dict[str, Any]] = {
     401: _err("No bearer token, or an unknown one"),
     403: _err("The token's role may not do this"),
+    422: _err("Invalid request; nothing changed"),
 }
 WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
     **AUTH_ERRORS,
+    400: _err("The body is not valid JSON"),
     404: _err("Unknown group, node or GPU"),
-    422: _err("Invalid request; nothing changed"),
 }
 STORE_ERRORS: dict[int | str, dict[str, Any]] = {
     **AUTH_ERRORS,
