@@ -1,0 +1,369 @@
+"""`powerd status`, `powerd budget ...`, `powerd pin ...`: a small client of the admin API.
+
+`add_commands(subparsers)` registers the subcommands on the `powerd` parser; each handler
+returns the CLI's exit status (0 done, 1 failed or refused access, 2 rejected input).
+`--url`/`--token` default to $POWERD_URL and $POWERD_TOKEN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+import httpx
+
+from powerd.auth import Role, new_token_entry
+
+# The same meanings as powerd.cli's (imported lazily there, so not imported from there).
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+DEFAULT_URL = "http://127.0.0.1:8080"
+V1 = "/api/v1"
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        self.status = status
+        self.body = body
+        super().__init__(f"HTTP {status}: {body.get('detail', body)}")
+
+
+class Client:
+    def __init__(self, url: str, token: str | None, timeout_s: float = 10.0) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def call(self, method: str, path: str, **kwargs: Any) -> Any:
+        r = self.http.request(method, path, **kwargs)
+        if r.status_code >= 400:
+            try:
+                body = r.json()
+            except ValueError:
+                body = {"detail": r.text[:500]}
+            raise ApiError(r.status_code, body if isinstance(body, dict) else {"detail": body})
+        return r.json()
+
+    # reads
+    def fleet(self) -> dict[str, Any]:
+        return dict(self.call("GET", f"{V1}/fleet"))
+
+    def overrides(self) -> dict[str, Any]:
+        return dict(self.call("GET", f"{V1}/overrides"))
+
+    def alarms(self) -> list[dict[str, Any]]:
+        return list(self.call("GET", f"{V1}/alarms"))
+
+    # writes
+    def set_budget(
+        self,
+        group: str,
+        budget_w: float,
+        reason: str,
+        *,
+        ttl_s: float | None = None,
+        expires_at: float | None = None,
+    ) -> dict[str, Any]:
+        body = {"budget_w": budget_w, "reason": reason, "ttl_s": ttl_s, "expires_at": expires_at}
+        return dict(self.call("PUT", f"{V1}/budgets/{group}", json=body))
+
+    def clear_budget(self, group: str, reason: str) -> dict[str, Any]:
+        return dict(self.call("DELETE", f"{V1}/budgets/{group}", params={"reason": reason}))
+
+    def pin(self, uuid: str, watts: float, reason: str) -> dict[str, Any]:
+        body = {"watts": watts, "reason": reason}
+        return dict(self.call("PUT", f"{V1}/gpus/{uuid}/pin", json=body))
+
+    def unpin(self, uuid: str, reason: str) -> dict[str, Any]:
+        return dict(self.call("DELETE", f"{V1}/gpus/{uuid}/pin", params={"reason": reason}))
+
+    def drain(self, node: str, reason: str) -> dict[str, Any]:
+        return dict(self.call("PUT", f"{V1}/nodes/{node}/drain", json={"reason": reason}))
+
+    def undrain(self, node: str, reason: str) -> dict[str, Any]:
+        return dict(self.call("DELETE", f"{V1}/nodes/{node}/drain", params={"reason": reason}))
+
+    def assign_class(
+        self, cls: str, reason: str, *, uuids: Sequence[str] = (), nodes: Sequence[str] = ()
+    ) -> dict[str, Any]:
+        body = {"class": cls, "uuids": list(uuids), "nodes": list(nodes), "reason": reason}
+        return dict(self.call("POST", f"{V1}/classes/assign", json=body))
+
+    def clear_class(
+        self, reason: str, *, uuids: Sequence[str] = (), nodes: Sequence[str] = ()
+    ) -> dict[str, Any]:
+        body = {"uuids": list(uuids), "nodes": list(nodes), "reason": reason}
+        return dict(self.call("POST", f"{V1}/classes/clear", json=body))
+
+
+# ---- rendering ----
+
+
+def kw(w: float | None) -> str:
+    return "unlimited" if w is None or not math.isfinite(w) else f"{w / 1000:,.1f} kW"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]], out: TextIO) -> None:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
+    print(line.rstrip(), file=out)
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip(), file=out)
+
+
+def _use(g: dict[str, Any]) -> list[str]:
+    budget = g["budget_w"]
+    share = f"{g['committed_w'] / budget:.0%}" if budget else "-"
+    return [
+        g["name"],
+        kw(budget),
+        kw(g["committed_w"]),
+        share,
+        kw(g["draw_w"]),
+        "OVER" if g["over"] else "",
+    ]
+
+
+def print_status(
+    fleet: dict[str, Any], overrides: dict[str, Any], alarms: list[dict[str, Any]], out: TextIO
+) -> None:
+    if fleet["tick"] is None:
+        print(f"policy {fleet['policy_source']}: no tick yet", file=out)
+        return
+    when = datetime.fromtimestamp(fleet["ts"], tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    version = fleet["policy_version"]
+    print(
+        f"tick {fleet['tick']} at {when}: {fleet['status']} ({fleet['solver']}, solve "
+        f"{fleet['solve_ms']:.1f} ms); policy {fleet['policy_source']}"
+        + (f" v{version}" if version else ""),
+        file=out,
+    )
+    states = ", ".join(f"{n} {s}" for s, n in sorted(fleet["nodes_by_state"].items()))
+    print(
+        f"nodes {fleet['nodes']} ({states}); GPUs {fleet['gpus']} ({fleet['gpus_stale']} stale)",
+        file=out,
+    )
+    by_class = ", ".join(f"{c} {v:.1f}" for c, v in sorted(fleet["throughput_by_class"].items()))
+    print(f"throughput {fleet['throughput'] or 0:.1f} ({by_class})\n", file=out)
+    rows = [_use(fleet["facility"])] if fleet["facility"] else []
+    rows += [_use(r) for r in fleet["rows"]]
+    table(["group", "budget", "committed", "use", "draw", ""], rows, out)
+    if overrides["budgets"]:
+        print("\ntemporary budgets", file=out)
+        table(
+            ["group", "budget", "policy", "until", "by", "reason"],
+            [
+                [
+                    b["group"],
+                    kw(b["budget_w"]),
+                    kw(b["policy_budget_w"]),
+                    "cleared"
+                    if b["expires_at"] is None
+                    else datetime.fromtimestamp(b["expires_at"], tz=UTC).strftime("%H:%M:%S UTC"),
+                    b["actor"],
+                    b["reason"],
+                ]
+                for b in overrides["budgets"]
+            ],
+            out,
+        )
+    if overrides["pins_w"] or overrides["drained"]:
+        pins = ", ".join(f"{u} {w:g} W" for u, w in sorted(overrides["pins_w"].items()))
+        print(
+            f"\npinned: {pins or '-'}; drained: {', '.join(overrides['drained']) or '-'}", file=out
+        )
+    print("\nalarms: " + ("none" if not alarms else ""), file=out)
+    for a in alarms:
+        print(f"  {a['kind']}: {a['message']}", file=out)
+
+
+# ---- command handlers ----
+
+
+def parse_duration(text: str) -> float:
+    """`90`, `90s`, `15m`, `2h`, `1d` → seconds."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 900, 15m, 2h)")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+
+
+def parse_time(text: str) -> float:
+    """Epoch seconds or an ISO 8601 time with a zone (`2026-07-01T18:00:00+02:00`)."""
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        t = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a time: {text!r}") from None
+    if t.tzinfo is None:
+        raise argparse.ArgumentTypeError(f"{text!r} needs a time zone, e.g. +00:00")
+    return t.timestamp()
+
+
+def _run(args: argparse.Namespace, action: Callable[[Client], Any], out: TextIO) -> int:
+    client = Client(args.url, args.token)
+    try:
+        result = action(client)
+    except httpx.HTTPError as exc:
+        print(f"powerd: cannot reach the API at {args.url}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except ApiError as exc:
+        print(f"powerd: {exc.body.get('detail', exc)} (HTTP {exc.status})", file=sys.stderr)
+        for p in exc.body.get("problems") or []:
+            print(f"  at {p['path'] or '<top>'}: {p['message']}", file=sys.stderr)
+        return EXIT_BAD_INPUT if exc.status in (400, 404, 413, 422) else EXIT_FAILED
+    finally:
+        client.close()
+    if isinstance(result, dict) and "action" in result:
+        tick = result.get("after_tick")
+        print(
+            f"{result['action']} {result['target']}: done, in force from tick "
+            f"{tick + 1 if tick else 'the first'}",
+            file=out,
+        )
+    return EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    def show(c: Client) -> None:
+        fleet, overrides, alarms = c.fleet(), c.overrides(), c.alarms()
+        if args.json:
+            print(json.dumps({"fleet": fleet, "overrides": overrides, "alarms": alarms}), file=out)
+        else:
+            print_status(fleet, overrides, alarms, out)
+
+    return _run(args, show, out)
+
+
+def cmd_budget_set(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    return _run(
+        args,
+        lambda c: c.set_budget(
+            args.group, args.watts, args.reason, ttl_s=args.ttl, expires_at=args.until
+        ),
+        out,
+    )
+
+
+def cmd_budget_clear(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    return _run(args, lambda c: c.clear_budget(args.group, args.reason), out)
+
+
+def cmd_pin(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    return _run(args, lambda c: c.pin(args.uuid, args.watts, args.reason), out)
+
+
+def cmd_unpin(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    return _run(args, lambda c: c.unpin(args.uuid, args.reason), out)
+
+
+def cmd_drain(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    return _run(args, lambda c: c.drain(args.node, args.reason), out)
+
+
+def cmd_undrain(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    return _run(args, lambda c: c.undrain(args.node, args.reason), out)
+
+
+def cmd_class_assign(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    return _run(
+        args,
+        lambda c: c.assign_class(args.cls, args.reason, uuids=args.gpu, nodes=args.node),
+        out,
+    )
+
+
+def cmd_class_clear(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    return _run(args, lambda c: c.clear_class(args.reason, uuids=args.gpu, nodes=args.node), out)
+
+
+def cmd_token_new(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    token, entry = new_token_entry(args.name, args.role)
+    print(
+        f"# token for {args.name} ({args.role}); hand it out, it is not stored anywhere:", file=out
+    )
+    print(f"# {token}", file=out)
+    print("# append to /etc/powerd/tokens.toml, then restart the controller:", file=out)
+    print(entry, file=out, end="")
+    return EXIT_OK
+
+
+def add_commands(sub: Any) -> None:
+    """Register the client's subcommands on `powerd`'s subparsers."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--url",
+        default=os.environ.get("POWERD_URL", DEFAULT_URL),
+        help="admin API base URL ($POWERD_URL, default %(default)s)",
+    )
+    common.add_argument(
+        "--token",
+        default=os.environ.get("POWERD_TOKEN"),
+        help="bearer token ($POWERD_TOKEN)",
+    )
+    why = argparse.ArgumentParser(add_help=False)
+    why.add_argument("--reason", required=True, help="why (written to the audit log)")
+
+    status = sub.add_parser("status", parents=[common], help="fleet summary from the API")
+    status.add_argument("--json", action="store_true", help="print the raw JSON")
+    status.set_defaults(handler=cmd_status)
+
+    budget = sub.add_parser("budget", help="temporary budgets (grid events)")
+    budget_sub = budget.add_subparsers(dest="budget_command", metavar="ACTION", required=True)
+    bset = budget_sub.add_parser(
+        "set", parents=[common, why], help="lower a group's budget for a while"
+    )
+    bset.add_argument("group", help="facility, row or rack name from the policy")
+    bset.add_argument("watts", type=float, help="the budget in W (at most the policy's)")
+    until = bset.add_mutually_exclusive_group()
+    until.add_argument("--ttl", type=parse_duration, help="how long: 900, 15m, 2h")
+    until.add_argument("--until", type=parse_time, help="end: epoch seconds or ISO 8601")
+    bset.set_defaults(handler=cmd_budget_set)
+    bclear = budget_sub.add_parser("clear", parents=[common, why], help="end a temporary budget")
+    bclear.add_argument("group")
+    bclear.set_defaults(handler=cmd_budget_clear)
+
+    pin = sub.add_parser("pin", parents=[common, why], help="hold a GPU at a fixed cap")
+    pin.add_argument("uuid")
+    pin.add_argument("watts", type=float)
+    pin.set_defaults(handler=cmd_pin)
+    unpin = sub.add_parser("unpin", parents=[common, why], help="release a pinned GPU")
+    unpin.add_argument("uuid")
+    unpin.set_defaults(handler=cmd_unpin)
+
+    drain = sub.add_parser("drain", parents=[common, why], help="hold a node at its minimum")
+    drain.add_argument("node")
+    drain.set_defaults(handler=cmd_drain)
+    undrain = sub.add_parser("undrain", parents=[common, why], help="release a drained node")
+    undrain.add_argument("node")
+    undrain.set_defaults(handler=cmd_undrain)
+
+    cls = sub.add_parser("class", help="workload class assignments (scheduler prolog/epilog)")
+    cls_sub = cls.add_subparsers(dest="class_command", metavar="ACTION", required=True)
+    assign = cls_sub.add_parser("assign", parents=[common, why], help="steer GPUs/nodes as CLASS")
+    assign.add_argument("cls", metavar="CLASS")
+    assign.add_argument("--gpu", action="append", default=[], help="GPU uuid (repeatable)")
+    assign.add_argument("--node", action="append", default=[], help="node (repeatable)")
+    assign.set_defaults(handler=cmd_class_assign)
+    clear = cls_sub.add_parser("clear", parents=[common, why], help="drop class assignments")
+    clear.add_argument("--gpu", action="append", default=[], help="GPU uuid (repeatable)")
+    clear.add_argument("--node", action="append", default=[], help="node (repeatable)")
+    clear.set_defaults(handler=cmd_class_clear)
+
+    token = sub.add_parser("token", help="admin API tokens")
+    token_sub = token.add_subparsers(dest="token_command", metavar="ACTION", required=True)
+    new = token_sub.add_parser("new", help="make a token and the hashed entry for tokens.toml")
+    new.add_argument("--name", required=True, help="who (the actor in the audit log)")
+    new.add_argument("--role", required=True, choices=[r.label for r in Role])
+    new.set_defaults(handler=cmd_token_new)
