@@ -196,3 +196,26 @@ def test_agent_keeps_only_cap_sys_admin_and_nvidia_devices() -> None:
     assert d["DevicePolicy"] == ["closed"]
     assert "/dev/nvidiactl rw" in d["DeviceAllow"]
     assert "char-nvidia* rw" in d["DeviceAllow"]
+
+
+def test_example_agent_settings_and_tokens_load() -> None:
+    from powerd.agent.settings import AgentSettings
+    from powerd.auth import Role, TokenStore
+
+    etc = REPO / "systemd" / "etc-powerd"
+    agent = AgentSettings.load(etc / "agent.toml")
+    assert agent.node_id == agent.username  # the ACL's %u patterns rely on it
+    assert agent.mqtt_config().tls
+    tokens = TokenStore.from_file(etc / "tokens.toml")
+    assert [(e.name, e.role) for e in tokens.entries] == [
+        ("grafana", Role.VIEWER),
+        ("slurm-prolog", Role.OPERATOR),
+    ]
+
+
+def test_units_read_the_example_config_files() -> None:
+    etc = {p.name for p in (REPO / "systemd" / "etc-powerd").iterdir()}
+    for unit in UNITS:
+        text = (REPO / "systemd" / unit).read_text()
+        named = set(re.findall(r"/etc/powerd/([\w-]+\.[a-z]+)", text)) - {"policy.yaml"}
+        assert named <= etc, named - etc
