@@ -173,6 +173,10 @@ class Controller:
         self._safety_seen: dict[str, set[str]] = {}
         self._max_seen_tick = 0
         self.fleet = FleetState(policy)
+        # A controller may be taking over from one that just died: samples taken before it
+        # started may predate that one's last commands, so the planner trusts only later ones
+        # (retained statuses count regardless: agents republish them after every change).
+        self.planner = SafetyPlanner(policy, trust_after=clock.wall())
         self._adopt(policy)
 
     # -- policy and operators' changes -----------------------------------------------------
@@ -181,12 +185,6 @@ class Controller:
         self.policy = policy
         self.classes = ClassTable.from_policy(policy)
         self._class_index = {name: i for i, name in enumerate(class_names(policy))}
-        # A controller may be taking over from one that just died: samples taken before it
-        # started may predate that one's last commands, so the planner trusts only later ones
-        # (retained statuses count regardless: agents republish them after every change).
-        self.planner = getattr(self, "planner", None) or SafetyPlanner(
-            policy, trust_after=self.clock.wall()
-        )
         self.planner.policy = policy
         self.fleet.set_policy(policy)
         self.overrides.forget_policy_gaps(policy)
@@ -415,37 +413,11 @@ class Controller:
         arrays = self.fleet.arrays(now, control.stale_after_s)
         shape = self._shape_for(arrays, now)
         topo = shape.topology
-        n = len(arrays.uuids)
 
         budgets = self.overrides.active_budgets(self.policy, wall)
         budget_w = group_values(topo, budgets, topo.budget_w) if budgets else topo.budget_w
-        class_names_ = [
-            self.overrides.class_of(u, node, w)
-            for u, node, w in zip(arrays.uuids, arrays.nodes, arrays.workloads, strict=True)
-        ]
-        default = self.policy.defaults.class_
-        cls_idx = np.fromiter(
-            (self._class_index.get(c or default, self._class_index[default]) for c in class_names_),
-            dtype=np.int64,
-            count=n,
-        )
-        pinned = (
-            np.array(
-                [
-                    np.nan if (p := self.overrides.pinned_w(u, node, lo, hi)) is None else p
-                    for u, node, lo, hi in zip(
-                        arrays.uuids,
-                        arrays.nodes,
-                        arrays.min_cap_w.tolist(),
-                        arrays.max_cap_w.tolist(),
-                        strict=True,
-                    )
-                ],
-                dtype=np.float64,
-            )
-            if (self.overrides.pins or self.overrides.drained)
-            else np.full(n, np.nan)
-        )
+        cls_idx = self._class_indices(arrays)
+        pinned = self._pinned(arrays)
         committed_before = self.planner.committed_w()
         fleet = Fleet(
             uuids=tuple(arrays.uuids),
@@ -459,27 +431,8 @@ class Controller:
             stale=arrays.stale,
             pinned_w=pinned,
         )
-        status, solver, objective, solve_ms = "fallback", self.solver, math.nan, 0.0
-        try:
-            alloc = allocate_arrays(
-                fleet,
-                self.policy,
-                self.solver,
-                budget_w=budget_w,
-                reserved_w=shape.reserve_w,
-                warm=self._warm,
-                classes=self.classes,
-                tree=shape.tree,
-            )
-            targets = alloc.caps_w
-            status, objective, solve_ms = alloc.status, alloc.objective, alloc.solve_ms
-            self._warm = alloc
-            self._alarm("solver_failed", None)
-        except Exception as exc:  # any solver failure: steer to failsafe caps, never stop
-            log.exception("allocation_failed", tick=tick, solver=self.solver)
-            targets = shape.safety.failsafe_w.copy()
-            self._alarm("solver_failed", f"{type(exc).__name__}: {exc}"[:300])
-            self._warm = None
+        targets, status, objective, solve_ms = self._allocate(tick, fleet, budget_w, shape)
+        solver = self.solver
         self._alarm(
             "infeasible_min",
             "device minimums exceed a budget" if status == "infeasible_min" else None,
@@ -542,6 +495,61 @@ class Controller:
             alarms=tuple(sorted(self.alarms)),
         )
         return report, plan
+
+    def _class_indices(self, arrays: FleetArrays) -> NDArray[np.int64]:
+        """Each GPU's class: the operator's assignment, else its workload's, else the default
+        (a workload naming a class the policy lacks also gets the default)."""
+        index = self._class_index
+        default = index[self.policy.defaults.class_]
+        classes = (
+            self.overrides.class_of(u, node, w)
+            for u, node, w in zip(arrays.uuids, arrays.nodes, arrays.workloads, strict=True)
+        )
+        return np.fromiter(
+            (default if c is None else index.get(c, default) for c in classes),
+            dtype=np.int64,
+            count=len(arrays.uuids),
+        )
+
+    def _pinned(self, arrays: FleetArrays) -> FloatArray:
+        """Fixed caps (pinned GPUs, drained nodes); NaN where the allocator is free."""
+        n = len(arrays.uuids)
+        if not (self.overrides.pins or self.overrides.drained):
+            return np.full(n, np.nan)
+        rows = zip(
+            arrays.uuids,
+            arrays.nodes,
+            arrays.min_cap_w.tolist(),
+            arrays.max_cap_w.tolist(),
+            strict=True,
+        )
+        fixed = (self.overrides.pinned_w(u, node, lo, hi) for u, node, lo, hi in rows)
+        return np.fromiter((np.nan if f is None else f for f in fixed), dtype=np.float64, count=n)
+
+    def _allocate(
+        self, tick: int, fleet: Fleet, budget_w: FloatArray, shape: _Shape
+    ) -> tuple[FloatArray, str, float, float]:
+        """(targets, status, objective, solve_ms); any solver failure steers to the failsafe
+        caps with an alarm, so a tick never ends without caps."""
+        try:
+            alloc = allocate_arrays(
+                fleet,
+                self.policy,
+                self.solver,
+                budget_w=budget_w,
+                reserved_w=shape.reserve_w,
+                warm=self._warm,
+                classes=self.classes,
+                tree=shape.tree,
+            )
+        except Exception as exc:
+            log.exception("allocation_failed", tick=tick, solver=self.solver)
+            self._alarm("solver_failed", f"{type(exc).__name__}: {exc}"[:300])
+            self._warm = None
+            return shape.safety.failsafe_w.copy(), "fallback", math.nan, 0.0
+        self._warm = alloc
+        self._alarm("solver_failed", None)
+        return alloc.caps_w, alloc.status, alloc.objective, alloc.solve_ms
 
     def _log_safety_events(self, plan: SafePlan) -> None:
         """One line per kind of safety event, and only when what is affected changes: a
