@@ -25,7 +25,6 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import structlog
 from numpy.typing import NDArray
-from pydantic import TypeAdapter
 
 from powerd.allocator import Allocation, ClassTable, Fleet, Tree, allocate_arrays
 from powerd.backends.mock import GpuFleetModel
@@ -140,9 +139,6 @@ class _Nodes:
         self.index = {name: k for k, name in enumerate(names)}
 
 
-_ACKS: TypeAdapter[dict[str, GpuAck]] = TypeAdapter(dict[str, GpuAck])
-
-
 class _Run:
     """The state of one run and its accounting; `simulate` drives it tick by tick."""
 
@@ -201,6 +197,12 @@ class _Run:
         self.not_stale = np.zeros(n, dtype=np.bool_)
         self.uuids = tuple(model.uuids)
         self.warm: Allocation | None = None
+        # The last ack per GPU and what it said (NaN: none yet).
+        # Placeholders: NaN in ack_req marks every GPU as changed on its first command.
+        self.acks: list[GpuAck] = [GpuAck(requested_w=site.tdp_w)] * n
+        self.ack_req = np.full(n, np.nan)
+        self.ack_enf = np.full(n, np.nan)
+        self.level_masks = [topo.level == lv for lv in range(len(LEVELS))]
         self.plan_tick = 0
         n_classes = len(classes.names)
         n_levels = len(LEVELS)
@@ -270,19 +272,20 @@ class _Run:
         # GpuFleetModel.set_cap for many GPUs at once.
         model.requested_cap_w[idx] = target
         model.cap_w[idx] = np.minimum(target, model.override_w[idx])
-        requested = sent_w.tolist()
-        enforced = model.cap_w.tolist()
+        # Most GPUs are sent what they were sent last time: their ack is the same object.
+        changed = idx[(sent_w[idx] != self.ack_req[idx]) | (model.cap_w[idx] != self.ack_enf[idx])]
+        for i, r, e in zip(
+            changed.tolist(), sent_w[changed].tolist(), model.cap_w[changed].tolist(), strict=True
+        ):
+            self.acks[i] = GpuAck(requested_w=r, enforced_w=e)
+        self.ack_req[changed] = sent_w[changed]
+        self.ack_enf[changed] = model.cap_w[changed]
         nodes = self.nodes
         assert self.planner is not None
         for cmd in commands:
             k = nodes.index[cmd.node]
             a, b = nodes.ranges[k]
-            acks = _ACKS.validate_python(
-                {
-                    u: {"requested_w": r, "enforced_w": e}
-                    for u, r, e in zip(nodes.uuids[k], requested[a:b], enforced[a:b], strict=True)
-                }
-            )
+            acks = dict(zip(nodes.uuids[k], self.acks[a:b], strict=True))
             self.planner.on_ack(cmd.node, self.plan_tick, acks, agent_ts=now)
 
     def advance(self, dt: float) -> None:
@@ -305,10 +308,8 @@ class _Run:
             self.max_excess = max(self.max_excess, float(excess[over].max()))
         ratio = draw / self.ratio_budget
         self.max_ratio = max(self.max_ratio, float(ratio.max()))
-        levels = topo.level
-        peaks = np.full(self.step_peak.size, -np.inf)
-        np.maximum.at(peaks, levels, ratio)
-        self.step_peak = np.maximum(self.step_peak, peaks)
+        for lv, mask in enumerate(self.level_masks):
+            self.step_peak[lv] = max(self.step_peak[lv], float(ratio[mask].max()))
         tput = model.throughput()
         self.work += np.bincount(cls, weights=tput, minlength=self.work.size) * dt
         self.weighted_work += float(np.dot(self.weight, tput)) * dt
@@ -373,6 +374,9 @@ def simulate(
         work_before = float(run.work.sum())
         run.step_peak[:] = -np.inf
         if run.planner is not None:
+            if k == 0:
+                # The window opens on a site already under powerd: steer before time passes.
+                run.steer(now)
             run.advance(react_s)
             run.steer(now + react_s)
             run.advance(tick_s - react_s)

@@ -1,0 +1,266 @@
+"""`powerd sim`: a scenario on a policy's site, the policies side by side, sweeps and plots.
+
+The lead's `powerd/cli.py` calls `add_sim_parser(subparsers)`; the handler returns the exit
+status: 0 success, 1 a steered policy exceeded a budget (a bug), 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import structlog
+
+from powerd.errors import InputError
+from powerd.logs import configure_logging
+from powerd.policy import load_policy
+from powerd.sim.engine import POLICIES, STATIC
+from powerd.sim.report import Report, text, to_json, write_outputs
+from powerd.sim.scenario import ScenarioError, check_against_policy, load_scenario
+from powerd.sim.site import site_for
+from powerd.sim.study import (
+    DEFAULT_FRACTIONS,
+    DEFAULT_POINTS,
+    DEFAULT_THRESHOLD,
+    METRICS,
+    Runner,
+    budget_sweep,
+    compare,
+    oversubscribe,
+)
+
+log = structlog.get_logger(__name__)
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+MAX_DEFAULT_JOBS = 4
+
+
+def _fractions(text_: str) -> list[float]:
+    """`0.5,0.75,0.9` or `START:STOP:STEP` (inclusive), as shares of nameplate."""
+    try:
+        if ":" in text_:
+            start, stop, step = (float(x) for x in text_.split(":"))
+            if step <= 0 or stop < start:
+                raise ValueError
+            count = round((stop - start) / step) + 1
+            values = [round(start + k * step, 10) for k in range(count)]
+        else:
+            values = [float(x) for x in text_.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"'{text_}': give shares of nameplate as 0.5,0.75,0.9 or START:STOP:STEP"
+        ) from None
+    if not values or any(not 0 < v <= 2 for v in values):
+        raise argparse.ArgumentTypeError(f"'{text_}': every share must be in (0, 2]")
+    return values
+
+
+def _policies(text_: str) -> list[str]:
+    names = [x.strip() for x in text_.split(",") if x.strip()]
+    bad = [n for n in names if n not in POLICIES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown policy {', '.join(bad) or '(none)'}; valid: {', '.join(POLICIES)}"
+        )
+    return list(dict.fromkeys(names))
+
+
+def _positive(text_: str) -> float:
+    try:
+        value = float(text_)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text_}' is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, not {text_}")
+    return value
+
+
+def add_sim_parser(subparsers: Any) -> None:
+    """Register `powerd sim` on the top-level subparsers (handler in `handler`)."""
+    sim = subparsers.add_parser(
+        "sim",
+        help="simulate a scenario: powerd against baselines, budget sweeps, how many GPUs fit",
+        description="Run the real allocator and safety planner over simulated GPUs in virtual "
+        "time and compare policies on the same scenario and seed (docs/simulator.md).",
+    )
+    sim.add_argument("scenario", help="scenario YAML file (e.g. policies/scenarios/*.yaml)")
+    sim.add_argument("--policy", help="policy YAML file (default: the scenario's `policy`)")
+    sim.add_argument(
+        "--policies",
+        type=_policies,
+        default=list(POLICIES),
+        help=f"comma-separated, default {','.join(POLICIES)}",
+    )
+    sim.add_argument("--seed", type=int, help="override the scenario's seed")
+    sim.add_argument("--duration-h", type=_positive, help="override the simulated duration")
+    sim.add_argument("--tick-s", type=_positive, help="override the simulated tick")
+    sim.add_argument(
+        "--budget-sweep",
+        nargs="?",
+        const=list(DEFAULT_FRACTIONS),
+        type=_fractions,
+        metavar="SHARES",
+        help="also sweep the feed over shares of nameplate (default "
+        f"{','.join(f'{f:g}' for f in DEFAULT_FRACTIONS)}): throughput vs power",
+    )
+    sim.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        help="also find how many GPUs each policy runs under the feed within --threshold loss",
+    )
+    sim.add_argument("--feed-w", type=_positive, help="feed for --oversubscribe (default: site's)")
+    sim.add_argument(
+        "--threshold",
+        type=_positive,
+        default=DEFAULT_THRESHOLD,
+        help="throughput loss allowed by --oversubscribe (default %(default)s)",
+    )
+    sim.add_argument(
+        "--metric",
+        choices=METRICS,
+        default="total",
+        help="loss measured on total or on priority-weighted throughput (default %(default)s)",
+    )
+    sim.add_argument(
+        "--points",
+        type=int,
+        default=DEFAULT_POINTS,
+        help="site sizes on the oversubscription grid (default %(default)s)",
+    )
+    sim.add_argument("--json", action="store_true", help="print the results as JSON")
+    sim.add_argument("--out", help="directory for PNG plots, report.html and results.json")
+    sim.add_argument(
+        "--jobs",
+        type=int,
+        default=min(os.cpu_count() or 1, MAX_DEFAULT_JOBS),
+        help="runs in parallel processes (default: CPUs, at most 4)",
+    )
+    sim.add_argument(
+        "--progress",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="progress bar on stderr (auto: when stderr is a terminal)",
+    )
+    sim.set_defaults(handler=cmd_sim)
+
+
+class ProgressBar:
+    """One line on stderr, redrawn at most ten times a second."""
+
+    def __init__(self, out: TextIO, width: int = 30) -> None:
+        self.out = out
+        self.width = width
+        self.started = time.monotonic()
+        self.last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.last < 0.1 and done < total:
+            return
+        self.last = now
+        share = done / total if total else 1.0
+        filled = int(share * self.width)
+        elapsed = now - self.started
+        eta = elapsed / share - elapsed if share > 0 else 0.0
+        self.out.write(
+            f"\r[{'#' * filled}{'.' * (self.width - filled)}] {share:4.0%} "
+            f"{done:,}/{total:,} ticks, {elapsed:.0f} s, about {eta:.0f} s left "
+        )
+        self.out.flush()
+
+    def close(self) -> None:
+        self.out.write("\r" + " " * (self.width + 60) + "\r")
+        self.out.flush()
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except InputError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _run(args: argparse.Namespace) -> int:
+    overrides = {"seed": args.seed, "duration_h": args.duration_h, "tick_s": args.tick_s}
+    scenario = load_scenario(args.scenario, overrides)
+    if args.policy is not None:
+        policy = load_policy(args.policy)
+    elif scenario.policy_path is not None:
+        policy = load_policy(scenario.policy_path)
+    else:
+        raise ScenarioError(
+            scenario.source, [("policy", "no policy: add `policy: FILE` or give --policy")]
+        )
+    check_against_policy(scenario, policy)
+    if args.points < 2:
+        raise ScenarioError("--points", [("", "at least 2 site sizes")])
+    site = site_for(scenario, policy)
+    show = args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
+    bar = ProgressBar(sys.stderr) if show else None
+    runner = Runner(jobs=args.jobs, progress=bar)
+    t0 = time.perf_counter()
+    report = Report(scenario=scenario, site=site)
+    policies: list[str] = args.policies
+    try:
+        report.compare = compare(scenario, site, policies, runner)
+        if args.budget_sweep:
+            report.sweep = budget_sweep(scenario, site, args.budget_sweep, policies, runner)
+        if args.oversubscribe:
+            report.oversub = oversubscribe(
+                scenario,
+                site,
+                policies,
+                runner,
+                feed_w=args.feed_w,
+                threshold=args.threshold,
+                points=args.points,
+                metric=args.metric,
+            )
+    except ValueError as exc:
+        raise ScenarioError(scenario.source, [("", str(exc))]) from None
+    finally:
+        if bar is not None:
+            bar.close()
+    report.wall_s = time.perf_counter() - t0
+    doc = to_json(report)
+    if args.out:
+        out = Path(args.out)
+        written = write_outputs(report, out)
+        (out / "results.json").write_text(json.dumps(doc, indent=2), encoding="utf-8")
+        log.info("sim_outputs_written", files=[str(p) for p in written])
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print(text(report))
+    log.info("sim_finished", scenario=scenario.spec.name, wall_s=round(report.wall_s, 2))
+    steered_over = [
+        p
+        for p, r in report.compare.items()
+        if p != STATIC and (r.over_budget_s > 0 or r.committed_over_ticks > 0)
+    ]
+    if steered_over:
+        log.error("sim_budget_exceeded", policies=steered_over)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m powerd.sim.cli ...`: the same as `powerd sim ...`, without the top-level CLI."""
+    configure_logging("auto", "warning")
+    parser = argparse.ArgumentParser(prog="powerd")
+    add_sim_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["sim", *(sys.argv[1:] if argv is None else argv)])
+    handler: Any = args.handler
+    return int(handler(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

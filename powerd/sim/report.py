@@ -1,0 +1,417 @@
+"""What a simulation shows: terminal tables, a JSON document, PNG plots and one HTML page.
+
+Plots use matplotlib's Agg backend (no display); the HTML page embeds them as base64, so it
+is one self-contained file.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from powerd.policy import LEVELS
+from powerd.sim.engine import STATIC, RunResult
+from powerd.sim.scenario import Scenario
+from powerd.sim.site import Site
+from powerd.sim.study import Oversubscription, SweepPoint
+
+COLORS = {
+    "fast": "#1f77b4",
+    "uniform": "#ff7f0e",
+    "priority-bands": "#2ca02c",
+    "static": "#7f7f7f",
+}
+
+
+@dataclass
+class Report:
+    scenario: Scenario
+    site: Site
+    compare: dict[str, RunResult] = field(default_factory=dict)
+    sweep: list[SweepPoint] = field(default_factory=list)
+    oversub: Oversubscription | None = None
+    wall_s: float = 0.0
+
+
+def _finite(x: float) -> float | None:
+    return float(x) if math.isfinite(x) else None
+
+
+# -- JSON ----------------------------------------------------------------------------------
+
+
+def to_json(report: Report) -> dict[str, Any]:
+    sc, site = report.scenario, report.site
+    out: dict[str, Any] = {
+        "scenario": {
+            "name": sc.spec.name,
+            "source": sc.source,
+            "policy": site.policy.source,
+            "duration_h": sc.ticks * sc.spec.tick_s / 3600.0,
+            "tick_s": sc.spec.tick_s,
+            "seed": sc.spec.seed,
+        },
+        "site": {
+            "gpus": site.n_gpus,
+            "nodes": site.n_nodes,
+            "feed_w": _finite(site.feed_w),
+            "nameplate_w": site.nameplate_w,
+            "feed_fraction": _finite(site.feed_w / site.nameplate_w),
+        },
+    }
+    if report.compare:
+        static = report.compare.get(STATIC)
+        out["compare"] = {
+            p: {
+                **r.summary(),
+                "vs_static": r.work_gpu_s / static.work_gpu_s if static else None,
+            }
+            for p, r in report.compare.items()
+        }
+    if report.sweep:
+        out["budget_sweep"] = [
+            {
+                "fraction": pt.fraction,
+                "feed_w": pt.feed_w,
+                "policies": {
+                    p: {
+                        "mean_throughput": r.mean_throughput,
+                        "mean_weighted_throughput": r.weighted_work_gpu_s / r.duration_s,
+                        "mean_facility_draw_w": r.facility_energy_j / r.duration_s,
+                        "over_budget_s": r.over_budget_s,
+                        "below_floor_share": r.below_floor_share,
+                    }
+                    for p, r in pt.results.items()
+                },
+            }
+            for pt in report.sweep
+        ]
+    o = report.oversub
+    if o is not None:
+        out["oversubscribe"] = {
+            "feed_w": o.feed_w,
+            "threshold": o.threshold,
+            "metric": o.metric,
+            "gpus_per_node": o.gpus_per_node,
+            "node_nameplate_w": o.node_nameplate_w,
+            "static_tdp_gpus": o.static_tdp_gpus,
+            "max_gpus_min_caps": o.max_nodes * o.gpus_per_node,
+            "fit_gpus": {p: o.fit_gpus(p) for p in o.fit_nodes},
+            "gain_vs_static": {
+                p: (g / o.static_tdp_gpus - 1.0) if g is not None and o.static_tdp_gpus else None
+                for p in o.fit_nodes
+                for g in [o.fit_gpus(p)]
+            },
+            "points": [
+                {
+                    "gpus": pt.gpus,
+                    "loss": pt.loss,
+                    "weighted_loss": pt.weighted_loss,
+                    "over_budget_s": pt.over_budget_s,
+                }
+                for pt in o.points
+            ],
+        }
+    out["runtime"] = {"wall_s": report.wall_s}
+    return out
+
+
+# -- terminal ------------------------------------------------------------------------------
+
+
+def _kw(w: float) -> str:
+    return "unlimited" if not math.isfinite(w) else f"{w / 1000:,.1f} kW"
+
+
+def _duration(s: float) -> str:
+    if s == 0:
+        return "0"
+    if s < 3600:
+        return f"{s / 60:.0f} min" if s >= 60 else f"{s:.0f} s"
+    return f"{s / 3600:.1f} h"
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    line = "  ".join(
+        h.ljust(w) if i == 0 else h.rjust(w)
+        for i, (h, w) in enumerate(zip(head, widths, strict=True))
+    )
+    out = [line, "-" * len(line)]
+    for r in rows:
+        out.append(
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(r, widths, strict=True))
+            )
+        )
+    return out
+
+
+def header(report: Report) -> list[str]:
+    sc, site = report.scenario, report.site
+    frac = site.feed_w / site.nameplate_w
+    feed = _kw(site.feed_w) + (f" ({frac:.0%} of nameplate)" if math.isfinite(frac) else "")
+    return [
+        f"scenario {sc.spec.name} ({sc.source}): {site.n_gpus:,} GPUs on {site.n_nodes} nodes, "
+        f"feed {feed}, nameplate {_kw(site.nameplate_w)}",
+        f"  {sc.ticks * sc.spec.tick_s / 3600:g} h in {sc.spec.tick_s:g} s ticks, seed "
+        f"{sc.spec.seed}; policy {site.policy.source}",
+    ]
+
+
+def compare_lines(results: dict[str, RunResult]) -> list[str]:
+    static = results.get(STATIC)
+    classes = sorted({c for r in results.values() for c in r.work_by_class})
+    floored = sorted({c for r in results.values() for c in r.below_floor_share})
+    head = ["policy", "throughput", "weighted", "vs static"]
+    head += [f"{c} GPU-h" for c in classes]
+    head += ["energy MWh", "GPU-h/MWh", "over budget", "max draw/budget"]
+    head += [f"{c}<floor" for c in floored]
+    rows = []
+    for p, r in results.items():
+        over = _duration(r.over_budget_s)
+        if r.over_budget_s:
+            levels = [lv for lv, s in r.over_budget_s_by_level.items() if s > 0]
+            over += f" ({', '.join(levels)})"
+        row = [
+            p,
+            f"{r.mean_throughput:,.1f}",
+            f"{r.weighted_work_gpu_s / r.duration_s:,.1f}",
+            f"{r.work_gpu_s / static.work_gpu_s:.1%}" if static else "-",
+        ]
+        row += [f"{r.work_by_class.get(c, 0.0) / 3600:,.0f}" for c in classes]
+        row += [
+            f"{r.facility_energy_j / 3.6e9:,.2f}",
+            f"{r.work_gpu_s / 3600 / (r.gpu_energy_j / 3.6e9):,.0f}" if r.gpu_energy_j else "-",
+            over,
+            f"{r.max_excess_ratio:.1%}",
+        ]
+        row += [
+            f"{r.below_floor_share[c]:.2%}" + ("" if r.floors_fit else " (floors do not fit)")
+            if c in r.below_floor_share
+            else "-"
+            for c in floored
+        ]
+        rows.append(row)
+    lines = _table(head, rows)
+    lines.append(
+        "throughput: mean GPU-equivalents at full speed; weighted: by class weight (what powerd "
+        "maximises); GPU-h/MWh: per MWh of GPU energy; over budget: time any budget was exceeded "
+        "by measured draw"
+    )
+    return lines
+
+
+def sweep_lines(points: list[SweepPoint]) -> list[str]:
+    policies = list(points[0].results) if points else []
+    head = ["feed", "kW"] + [f"{p}" for p in policies]
+    rows = []
+    for pt in points:
+        row = [f"{pt.fraction:.0%}", f"{pt.feed_w / 1000:,.1f}"]
+        for p in policies:
+            r = pt.results[p]
+            cell = f"{r.mean_throughput:,.1f} / {r.weighted_work_gpu_s / r.duration_s:,.1f}"
+            if r.over_budget_s:
+                cell += f" OVER {_duration(r.over_budget_s)}"
+            row.append(cell)
+        rows.append(row)
+    lines = ["budget sweep (feed as a share of nameplate; every budget scaled alike):"]
+    lines += _table(head, rows)
+    lines.append("cells: mean throughput / weighted throughput (GPU-equivalents)")
+    return lines
+
+
+def oversub_lines(o: Oversubscription) -> list[str]:
+    lines = [
+        f"oversubscription under a {_kw(o.feed_w)} feed, loss threshold {o.threshold:.1%} "
+        f"({o.metric} throughput against the same GPUs unconstrained):",
+        f"  static TDP provisioning: {o.static_tdp_gpus:,} GPUs "
+        f"({o.static_tdp_nodes} nodes of {o.node_nameplate_w / 1000:.1f} kW nameplate); device "
+        f"minimums fill the feed at {o.max_nodes * o.gpus_per_node:,} GPUs",
+    ]
+    for p in o.fit_nodes:
+        g = o.fit_gpus(p)
+        gain = f" ({g / o.static_tdp_gpus - 1:+.0%} vs static)" if g and o.static_tdp_gpus else ""
+        lines.append(
+            f"  {p}: {g if g is not None else 'none':,} GPUs{gain}" if g else f"  {p}: none"
+        )
+    policies = list(o.fit_nodes)
+    head = ["GPUs", *(f"{p} loss" for p in policies), "static over budget"]
+    rows = [
+        [
+            f"{pt.gpus:,}",
+            *(f"{pt.loss[p]:.2%}" if p in pt.loss else "-" for p in policies),
+            _duration(pt.over_budget_s.get(STATIC, 0.0)),
+        ]
+        for pt in o.points
+    ]
+    return lines + _table(head, rows)
+
+
+def text(report: Report) -> str:
+    lines = header(report)
+    if report.compare:
+        lines += ["", *compare_lines(report.compare)]
+    if report.sweep:
+        lines += ["", *sweep_lines(report.sweep)]
+    if report.oversub is not None:
+        lines += ["", *oversub_lines(report.oversub)]
+    lines.append(f"\n(simulated in {report.wall_s:.1f} s)")
+    return "\n".join(lines)
+
+
+# -- plots ---------------------------------------------------------------------------------
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_power(results: dict[str, RunResult], path: Path) -> None:
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(LEVELS), 1, figsize=(10, 9), sharex=True)
+    for p, r in results.items():
+        s = r.series
+        c = COLORS.get(p)
+        axes[0].plot(s.t_h, s.facility_draw_w / 1000, label=p, color=c, lw=1)
+        for lv in range(1, len(LEVELS)):
+            axes[lv].plot(s.t_h, 100 * s.peak_ratio[:, lv], label=p, color=c, lw=1)
+    first = next(iter(results.values()))
+    if math.isfinite(first.series.facility_budget_w):
+        axes[0].axhline(first.series.facility_budget_w / 1000, color="red", ls="--", label="feed")
+    axes[0].set_ylabel("facility draw, kW")
+    axes[0].set_title("measured draw against budgets")
+    axes[0].legend(loc="lower right", fontsize=8, ncol=5)
+    for lv in range(1, len(LEVELS)):
+        axes[lv].axhline(100, color="red", ls="--")
+        axes[lv].set_ylabel(f"hottest {LEVELS[lv]},\n% of budget")
+    axes[-1].set_xlabel("hours")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_throughput(results: dict[str, RunResult], path: Path) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for p, r in results.items():
+        ax.plot(r.series.t_h, r.series.throughput, label=p, color=COLORS.get(p), lw=1)
+    ax.set_xlabel("hours")
+    ax.set_ylabel("throughput, GPU-equivalents")
+    ax.set_title("delivered throughput over time")
+    ax.legend(fontsize=8, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_pareto(points: list[SweepPoint], path: Path) -> None:
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    policies = list(points[0].results)
+    for p in policies:
+        c = COLORS.get(p)
+        feeds = [pt.feed_w / 1000 for pt in points]
+        rs = [pt.results[p] for pt in points]
+        for ax, values in (
+            (axes[0], [r.mean_throughput for r in rs]),
+            (axes[1], [r.weighted_work_gpu_s / r.duration_s for r in rs]),
+        ):
+            ax.plot(feeds, values, "-", color=c, label=p)
+            ok = [r.over_budget_s == 0 for r in rs]
+            ax.scatter(
+                [f for f, g in zip(feeds, ok, strict=True) if g],
+                [v for v, g in zip(values, ok, strict=True) if g],
+                color=c,
+                s=18,
+            )
+            ax.scatter(
+                [f for f, g in zip(feeds, ok, strict=True) if not g],
+                [v for v, g in zip(values, ok, strict=True) if not g],
+                facecolors="none",
+                edgecolors=c,
+                s=30,
+            )
+    axes[0].set_ylabel("throughput, GPU-equivalents")
+    axes[1].set_ylabel("weighted throughput")
+    for ax in axes:
+        ax.set_xlabel("facility feed, kW")
+        ax.grid(alpha=0.3)
+    axes[0].set_title("throughput vs feed (hollow: budget exceeded)")
+    axes[1].set_title("priority-weighted throughput vs feed")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_oversub(o: Oversubscription, path: Path) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for p in o.fit_nodes:
+        pts = [pt for pt in o.points if p in pt.loss]
+        values = [pt.weighted_loss[p] if o.metric == "weighted" else pt.loss[p] for pt in pts]
+        ax.plot(
+            [pt.gpus for pt in pts],
+            [100 * v for v in values],
+            "o-",
+            ms=3,
+            color=COLORS.get(p),
+            label=p,
+        )
+    ax.axhline(100 * o.threshold, color="red", ls="--", label=f"{o.threshold:.0%} loss")
+    ax.axvline(o.static_tdp_gpus, color=COLORS["static"], ls=":", label="static TDP provisioning")
+    ax.set_xlabel(f"GPUs under a {o.feed_w / 1000:,.0f} kW feed")
+    ax.set_ylabel(f"{o.metric} throughput loss, %")
+    ax.set_title("how many GPUs fit the feed")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_outputs(report: Report, out_dir: Path) -> list[Path]:
+    """PNG plots and report.html (images embedded) into out_dir; returns the files written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    images: list[tuple[str, Path]] = []
+    if report.compare:
+        images.append(("Power against budgets", out_dir / "power.png"))
+        plot_power(report.compare, images[-1][1])
+        images.append(("Throughput over time", out_dir / "throughput.png"))
+        plot_throughput(report.compare, images[-1][1])
+    if report.sweep:
+        images.append(("Pareto: throughput vs feed", out_dir / "pareto.png"))
+        plot_pareto(report.sweep, images[-1][1])
+    if report.oversub is not None and report.oversub.points:
+        images.append(("Oversubscription", out_dir / "oversubscription.png"))
+        plot_oversub(report.oversub, images[-1][1])
+    page = out_dir / "report.html"
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>powerd sim: {html.escape(report.scenario.spec.name)}</title>",
+        "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto}"
+        "pre{background:#f6f6f6;padding:1em;overflow-x:auto;font-size:12px}</style>",
+        "</head><body>",
+        f"<h1>powerd sim: {html.escape(report.scenario.spec.name)}</h1>",
+        f"<p>{html.escape(report.scenario.spec.description)}</p>",
+        f"<pre>{html.escape(text(report))}</pre>",
+    ]
+    for title, img in images:
+        data = base64.b64encode(img.read_bytes()).decode("ascii")
+        parts.append(f"<h2>{html.escape(title)}</h2>")
+        parts.append(f"<img alt='{html.escape(title)}' src='data:image/png;base64,{data}'>")
+    parts.append("</body></html>")
+    page.write_text("\n".join(parts), encoding="utf-8")
+    return [img for _, img in images] + [page]

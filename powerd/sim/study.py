@@ -1,0 +1,292 @@
+"""Studies built from runs: policies side by side, a budget sweep, the oversubscription search.
+
+Runs are independent, so a `Runner` spreads them over processes (`jobs`) and keeps one
+progress count in ticks across all of them. Results do not depend on `jobs`.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import multiprocessing.sharedctypes
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from powerd.sim.engine import STATIC, RunResult, simulate
+from powerd.sim.scenario import Scenario
+from powerd.sim.site import Mix, Site, build_mix, build_site
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_FRACTIONS = (0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+DEFAULT_THRESHOLD = 0.03
+DEFAULT_POINTS = 8
+METRICS = ("total", "weighted")
+
+ProgressHook = Callable[[int, int], None]  # (ticks done, ticks in total)
+
+
+@dataclass(frozen=True)
+class Task:
+    key: tuple[Any, ...]
+    scenario: Scenario
+    site: Site
+    mix: Mix
+    policy: str
+
+
+_counter: Any = None
+
+
+def _init_worker(counter: Any) -> None:
+    global _counter
+    _counter = counter
+
+
+def _tick(n: int) -> None:
+    with _counter.get_lock():
+        _counter.value += n
+
+
+def _run_task(task: Task) -> RunResult:
+    return simulate(
+        task.scenario,
+        task.site,
+        task.mix,
+        task.policy,
+        progress=_tick if _counter is not None else None,
+    )
+
+
+class Runner:
+    """Runs tasks, in parallel when jobs > 1, reporting progress in ticks."""
+
+    def __init__(self, jobs: int = 1, progress: ProgressHook | None = None) -> None:
+        self.jobs = max(1, jobs)
+        self.progress = progress
+        self.done_ticks = 0
+        self.total_ticks = 0
+
+    def run(self, tasks: Sequence[Task]) -> dict[tuple[Any, ...], RunResult]:
+        self.total_ticks += sum(t.scenario.ticks for t in tasks)
+        if self.jobs == 1 or len(tasks) <= 1:
+            out = {}
+            for task in tasks:
+                out[task.key] = simulate(
+                    task.scenario, task.site, task.mix, task.policy, progress=self._step
+                )
+            return out
+        return self._parallel(tasks)
+
+    def _step(self, n: int) -> None:
+        self.done_ticks += n
+        if self.progress is not None:
+            self.progress(self.done_ticks, self.total_ticks)
+
+    def _parallel(self, tasks: Sequence[Task]) -> dict[tuple[Any, ...], RunResult]:
+        ctx = multiprocessing.get_context()
+        counter = ctx.Value("q", 0)
+        base = self.done_ticks
+        out: dict[tuple[Any, ...], RunResult] = {}
+        with ProcessPoolExecutor(
+            max_workers=min(self.jobs, len(tasks)),
+            mp_context=ctx,
+            initializer=_init_worker,
+            initargs=(counter,),
+        ) as pool:
+            # Longest first (most GPUs × ticks), so the last worker does not start last.
+            order = sorted(tasks, key=lambda t: -t.site.n_gpus * t.scenario.ticks)
+            pending: dict[Future[RunResult], Task] = {pool.submit(_run_task, t): t for t in order}
+            while pending:
+                done, _ = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    out[pending.pop(fut).key] = fut.result()
+                self.done_ticks = base + int(counter.value)
+                if self.progress is not None:
+                    self.progress(self.done_ticks, self.total_ticks)
+        return out
+
+
+# -- policies side by side -----------------------------------------------------------------
+
+
+def compare(
+    scenario: Scenario, site: Site, policies: Sequence[str], runner: Runner
+) -> dict[str, RunResult]:
+    mix = build_mix(scenario, site)
+    tasks = [Task((p,), scenario, site, mix, p) for p in policies]
+    results = runner.run(tasks)
+    return {p: results[(p,)] for p in policies}
+
+
+# -- budget sweep --------------------------------------------------------------------------
+
+
+@dataclass
+class SweepPoint:
+    fraction: float  # of the site's nameplate
+    feed_w: float
+    results: dict[str, RunResult]
+
+
+def budget_sweep(
+    scenario: Scenario,
+    site: Site,
+    fractions: Iterable[float],
+    policies: Sequence[str],
+    runner: Runner,
+) -> list[SweepPoint]:
+    """The same site and workloads under feeds of `fraction` × nameplate; every budget in the
+    tree is scaled by the same factor (the same design at another feed)."""
+    mix = build_mix(scenario, site)
+    sites = {f: site.scaled(f * site.nameplate_w) for f in fractions}
+    tasks = [Task((f, p), scenario, s, mix, p) for f, s in sites.items() for p in policies]
+    results = runner.run(tasks)
+    return [
+        SweepPoint(f, s.feed_w, {p: results[(f, p)] for p in policies}) for f, s in sites.items()
+    ]
+
+
+# -- how many GPUs fit a feed --------------------------------------------------------------
+
+
+@dataclass
+class OversubPoint:
+    nodes: int
+    gpus: int
+    work_unconstrained_gpu_h: float
+    weighted_unconstrained_gpu_h: float
+    loss: dict[str, float]  # per steered policy: 1 − its work / unconstrained work
+    weighted_loss: dict[str, float]  # the same, weighted by class weight
+    over_budget_s: dict[str, float]  # per policy, static included
+
+
+@dataclass
+class Oversubscription:
+    feed_w: float
+    threshold: float
+    metric: str  # which loss decides: total or weighted
+    gpus_per_node: int
+    node_nameplate_w: float
+    static_tdp_nodes: int  # nodes whose nameplate fits the feed
+    max_nodes: int  # beyond this, device minimums plus overhead exceed the feed
+    points: list[OversubPoint] = field(default_factory=list)
+    fit_nodes: dict[str, int | None] = field(default_factory=dict)
+
+    def fit_gpus(self, policy: str) -> int | None:
+        n = self.fit_nodes.get(policy)
+        return None if n is None else n * self.gpus_per_node
+
+    @property
+    def static_tdp_gpus(self) -> int:
+        return self.static_tdp_nodes * self.gpus_per_node
+
+
+def oversubscribe(
+    scenario: Scenario,
+    site: Site,
+    policies: Sequence[str],
+    runner: Runner,
+    *,
+    feed_w: float | None = None,
+    threshold: float = DEFAULT_THRESHOLD,
+    points: int = DEFAULT_POINTS,
+    metric: str = "total",
+) -> Oversubscription:
+    """Grow the site node by node under a fixed feed; per policy, the most nodes whose
+    throughput stays within `threshold` of the same GPUs unconstrained (every GPU free to
+    draw up to its TDP: the `static` run, ignoring budgets).
+
+    A grid of `points` sizes from static TDP provisioning up to where device minimums fill
+    the feed draws the curve; each policy's crossing is then bisected to one node.
+    """
+    feed = site.feed_w if feed_w is None else feed_w
+    if not math.isfinite(feed):
+        raise ValueError("the site has no facility budget: give a feed (--feed-w)")
+    node = next(g for g in site.policy.groups if g.level == 3)
+    gpn = node.gpus
+    node_nameplate = gpn * site.tdp_w + node.overhead_w
+    static_nodes = int(feed // node_nameplate)
+    max_nodes = int(feed // (gpn * site.min_cap_w + node.overhead_w))
+    result = Oversubscription(
+        feed_w=feed,
+        threshold=threshold,
+        metric=metric,
+        gpus_per_node=gpn,
+        node_nameplate_w=node_nameplate,
+        static_tdp_nodes=static_nodes,
+        max_nodes=max_nodes,
+    )
+    steered = [p for p in policies if p != STATIC]
+    lo = max(1, static_nodes)
+    if max_nodes < lo:
+        return result
+    grid = sorted({round(lo + (max_nodes - lo) * k / max(points - 1, 1)) for k in range(points)})
+    evaluated: dict[int, OversubPoint] = {}
+
+    def evaluate(sizes: Iterable[int], which: Sequence[str]) -> None:
+        tasks = []
+        for n in sizes:
+            s = build_site(site.policy, nodes=n, facility_budget_w=feed)
+            mix = build_mix(scenario, s)
+            have = evaluated.get(n)
+            for p in (STATIC, *which):
+                if have is None or (p != STATIC and p not in have.loss):
+                    tasks.append(Task((n, p), scenario, s, mix, p))
+        results = runner.run(tasks)
+        for n in sizes:
+            ref = results.get((n, STATIC))
+            if n not in evaluated:
+                assert ref is not None
+                evaluated[n] = OversubPoint(
+                    nodes=n,
+                    gpus=n * gpn,
+                    work_unconstrained_gpu_h=ref.work_gpu_s / 3600.0,
+                    weighted_unconstrained_gpu_h=ref.weighted_work_gpu_s / 3600.0,
+                    loss={},
+                    weighted_loss={},
+                    over_budget_s={STATIC: ref.over_budget_s},
+                )
+            pt = evaluated[n]
+            for p in which:
+                r = results.get((n, p))
+                if r is not None:
+                    pt.loss[p] = 1.0 - r.work_gpu_s / (pt.work_unconstrained_gpu_h * 3600.0)
+                    pt.weighted_loss[p] = 1.0 - r.weighted_work_gpu_s / (
+                        pt.weighted_unconstrained_gpu_h * 3600.0
+                    )
+                    pt.over_budget_s[p] = r.over_budget_s
+
+    def loss(n: int, p: str) -> float:
+        pt = evaluated[n]
+        return pt.weighted_loss[p] if metric == "weighted" else pt.loss[p]
+
+    evaluate(grid, steered)
+    for p in steered:
+        failing = [n for n in grid if loss(n, p) > threshold]
+        if not failing:
+            result.fit_nodes[p] = grid[-1]
+            continue
+        bad = failing[0]
+        passing = [n for n in grid if n < bad]
+        good = passing[-1] if passing else 0
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            evaluate([mid], [p])
+            if loss(mid, p) > threshold:
+                bad = mid
+            else:
+                good = mid
+        result.fit_nodes[p] = good or None
+    result.points = [evaluated[n] for n in sorted(evaluated)]
+    log.info(
+        "sim_oversubscription",
+        feed_w=feed,
+        static_tdp_gpus=result.static_tdp_gpus,
+        fit_gpus={p: result.fit_gpus(p) for p in steered},
+    )
+    return result
