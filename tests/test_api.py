@@ -323,12 +323,12 @@ def test_drain_and_class_assignment(live: LiveApi) -> None:
     with live.client("operator") as c:
         r = c.put("/api/v1/nodes/rack-2-n2/drain", json={"reason": "PSU swap"})
         assert r.status_code == 200
-        after = r.json()["after_tick"]
         r = c.post(
             "/api/v1/classes/assign",
             json={"class": "inference", "nodes": ["rack-1-n1"], "reason": "job 123 prolog"},
         )
         assert r.status_code == 200
+        after = r.json()["after_tick"]  # both changes are in force from the tick after this
 
         def applied() -> bool:
             a = c.get("/api/v1/allocation").json()
