@@ -660,9 +660,13 @@ class Controller:
     async def tick_once(self) -> TickReport:
         t0 = time.perf_counter()
         report, plan = self.step()
-        await self.publish_plan(plan)
-        report = replace(report, duration_ms=(time.perf_counter() - t0) * 1000.0)
-        self._record(report, plan)
+        try:
+            await self.publish_plan(plan)
+        finally:
+            # A stop that cancels the publishing still records the tick: some of its
+            # commands are out, and the store must know the caps that may be in force.
+            report = replace(report, duration_ms=(time.perf_counter() - t0) * 1000.0)
+            self._record(report, plan)
         return report
 
     # -- running -------------------------------------------------------------------------

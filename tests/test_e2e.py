@@ -1,0 +1,485 @@
+"""The steering loop across processes: a controller and four agents over a real Mosquitto.
+
+Every part runs as its own `powerd` process (mock GPUs on the agents), the store is SQLite
+and then a fresh PostgreSQL database. A monitor in the test subscribes to `powerd/v1/#` and,
+after every message, rebuilds each GPU's committed cap from the messages alone (the newest
+cap read back in acks, telemetry and statuses, by the agent's clock, and the highest cap
+sent but not yet acknowledged) and checks every group's committed sum plus overhead
+against its budget. Through the run: a budget cut by SIGHUP, an agent killed and restarted,
+the controller killed (every node must fall to failsafe within its lease) and replaced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pg import pg_database
+
+from powerd.policy import GroupDef, Policy, load_policy, subtree_totals
+from powerd.store import Store
+from powerd.transport import Message, MqttConfig, MqttTransport
+from powerd.transport.mosquitto import LocalMosquitto
+from powerd.wire import CapAck, CapCommand, NodeState, NodeStatus, NodeTelemetry, Topics, decode
+
+TICK_S = 0.5
+LEASE_S = 3.0
+PERIOD_S = 0.5  # agents' telemetry period, which is also how often they check the lease
+GPUS = 4
+FAILSAFE_W = 250.0
+NODES = ("rack-1-n1", "rack-1-n2", "rack-2-n1", "rack-2-n2")
+# Budgets are floats summed in different orders by the allocator and by us.
+TOL_W = 0.01
+# NVML rounds limits; the agent reads a cap within this of the target as the target.
+CAP_TOL_W = 1.0
+WAIT_S = 60.0  # generous: six Python processes share the CPUs with whatever else runs
+TOPICS = Topics()
+
+
+def site_policy(rack_1_w: float = 4400, node_w: float = 2500) -> dict[str, Any]:
+    """2 racks × 2 nodes × 4 GPUs (200–700 W): every level binds, the facility first."""
+    return {
+        "version": 1,
+        "facility": {
+            "name": "dc",
+            "budget_w": 8000,
+            "rows": [
+                {
+                    "name": "row",
+                    "racks": [
+                        {
+                            "name": "rack-1",
+                            "budget_w": rack_1_w,
+                            "nodes": [
+                                {"name": "rack-1-n{1..2}", "budget_w": 2500, "overhead_w": 100}
+                            ],
+                        },
+                        {
+                            "name": "rack-2",
+                            "budget_w": 4400,
+                            "nodes": [
+                                {"name": "rack-2-n1", "budget_w": node_w, "overhead_w": 100},
+                                {"name": "rack-2-n2", "budget_w": 2500, "overhead_w": 100},
+                            ],
+                        },
+                    ],
+                }
+            ],
+        },
+        "profiles": {
+            "train": {"points": [[200, 0.35], [400, 0.76], [600, 0.97], [700, 1.0]]},
+            "infer": {"points": [[200, 0.55], [400, 0.92], [600, 1.0]]},
+        },
+        "classes": {
+            "training": {"weight": 1, "profile": "train"},
+            "inference": {"weight": 4, "floor_w": 350, "profile": "infer"},
+        },
+        "defaults": {"class": "training", "failsafe_w": FAILSAFE_W, "gpus_per_node": GPUS},
+        "control": {"tick_s": TICK_S, "lease_s": LEASE_S, "stale_after_s": 3 * TICK_S},
+    }
+
+
+# -- the monitor: committed caps and budgets, from the messages alone ----------------------
+
+
+@dataclass
+class NodeView:
+    applied: int = -1  # last tick the agent applied, from acks and statuses
+    pending: dict[int, dict[str, float]] = field(default_factory=dict)  # tick → caps sent
+    readings: dict[str, tuple[float, float]] = field(default_factory=dict)  # uuid → (ts, W)
+    status: NodeStatus | None = None
+    statuses: list[NodeStatus] = field(default_factory=list)
+    telemetry_state: str | None = None
+    commands: list[CapCommand] = field(default_factory=list)
+    acks: list[CapAck] = field(default_factory=list)
+
+    def committed(self) -> dict[str, float]:
+        """Per GPU: the highest cap that may be in force now or later."""
+        out = {u: w for u, (_, w) in self.readings.items()}
+        for caps in self.pending.values():
+            for u, w in caps.items():
+                out[u] = max(out.get(u, 0.0), w)
+        return out
+
+    def read(self, uuid: str, ts: float, watts: float) -> None:
+        if ts >= self.readings.get(uuid, (-math.inf, 0.0))[0]:
+            self.readings[uuid] = (ts, watts)
+
+
+class Monitor:
+    """Subscribes to everything and checks every budget after every message."""
+
+    def __init__(self, broker_url: str, policy: Policy) -> None:
+        self.transport = MqttTransport(MqttConfig.from_url(broker_url, client_id="e2e-monitor"))
+        self.groups: tuple[GroupDef, ...] = policy.groups
+        self.budget_w = [g.budget_w for g in self.groups]
+        self.overhead_w = subtree_totals(self.groups, [g.overhead_w for g in self.groups])
+        self.nodes: dict[str, NodeView] = {n: NodeView() for n in NODES}
+        self.ticks: list[int] = []  # tick of every command, in arrival order
+        self.checks = 0
+        self.breaches: list[str] = []
+        self.bad: list[str] = []  # messages that did not decode
+        self.load_w: list[float] = [0.0] * len(self.groups)  # at the last check
+        self._cut: tuple[list[float], int] | None = None  # (budgets, strict from tick)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.transport.connect()
+        await self.transport.subscribe(f"{TOPICS.prefix}/#", qos=1)
+        await asyncio.wait_for(self.transport.wait_connected(), WAIT_S)
+        self._task = asyncio.create_task(self._listen(), name="e2e-monitor")
+
+    async def stop(self) -> None:
+        await self.transport.disconnect()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait_for(self._task, 5)
+
+    async def _listen(self) -> None:
+        async for message in self.transport.messages():
+            self.handle(message)
+
+    @property
+    def last_tick(self) -> int:
+        return max(self.ticks, default=0)
+
+    def cut(self, budgets: list[float], strict_from_tick: int) -> None:
+        """New budgets, to hold once commands of `strict_from_tick` are seen; until then the
+        old ones still hold (a cut lowers them: the controller may not raise past either)."""
+        self._cut = (budgets, strict_from_tick)
+
+    def handle(self, message: Message) -> None:
+        parts = message.topic.split("/")
+        if parts[:3] != ["powerd", "v1", "nodes"] or len(parts) != 5:
+            return  # the controller's status
+        node, kind = parts[3], parts[4]
+        view = self.nodes.get(node)
+        if view is None:
+            self.bad.append(f"message from unknown node {node}")
+            return
+        try:
+            if kind == "caps":
+                cmd = decode(message.payload, CapCommand, topic_node=node)
+                view.commands.append(cmd)
+                self.ticks.append(cmd.tick)
+                if cmd.tick > view.applied:  # the agent drops ticks it has passed
+                    view.pending[cmd.tick] = dict(cmd.caps)
+                if self._cut is not None and cmd.tick >= self._cut[1]:
+                    self.budget_w = self._cut[0]
+                    self._cut = None
+            elif kind == "ack":
+                ack = decode(message.payload, CapAck, topic_node=node)
+                view.acks.append(ack)
+                view.applied = max(view.applied, ack.tick)
+                # Agents apply ticks in order, so every command up to this one is settled.
+                for tick in [t for t in view.pending if t <= ack.tick]:
+                    requested = view.pending.pop(tick)
+                    if tick == ack.tick:
+                        for u, g in ack.gpus.items():
+                            enforced = g.enforced_w if g.error is None else None
+                            # A failed set leaves the cap unknown: keep the request as a bound.
+                            view.read(u, ack.ts, requested[u] if enforced is None else enforced)
+            elif kind == "telemetry":
+                t = decode(message.payload, NodeTelemetry, topic_node=node)
+                view.telemetry_state = t.state
+                for g in t.gpus:
+                    view.read(g.uuid, t.ts, g.cap_w)
+            elif kind == "status":
+                status = decode(message.payload, NodeStatus, topic_node=node)
+                view.status = status
+                view.statuses.append(status)
+                if status.state is NodeState.STARTING:
+                    view.applied = -1  # a new agent process applies any tick
+                elif status.last_tick is not None:
+                    view.applied = max(view.applied, status.last_tick)
+                # The last will knows no caps: the GPUs keep the ones last read.
+                for u, w in status.caps_w.items():
+                    view.read(u, status.ts, w)
+        except Exception as exc:  # a protocol bug: report it, keep checking
+            self.bad.append(f"{message.topic}: {exc}")
+            return
+        self.check(f"after {kind} from {node}")
+
+    def check(self, where: str) -> None:
+        per_node = [0.0] * len(self.groups)
+        for i, g in enumerate(self.groups):
+            if g.level == 3:
+                caps = self.nodes[g.name].committed()
+                # GPUs not heard of yet: an agent lowers them to failsafe before it connects.
+                per_node[i] = sum(caps.values()) + max(0, g.gpus - len(caps)) * g.failsafe_w
+        load = subtree_totals(self.groups, per_node)
+        budgets = self.budget_w
+        if self._cut is not None:
+            budgets = [max(a, b) for a, b in zip(budgets, self._cut[0], strict=True)]
+        self.checks += 1
+        for g, caps_w, overhead, budget in zip(
+            self.groups, load, self.overhead_w, budgets, strict=True
+        ):
+            if caps_w + overhead > budget + TOL_W:
+                self.breaches.append(
+                    f"{where}, last tick {self.last_tick}: {g.name} committed "
+                    f"{caps_w:.2f} W + overhead {overhead:g} W > budget {budget:g} W"
+                )
+        self.load_w = [c + o for c, o in zip(load, self.overhead_w, strict=True)]
+
+    def group_load(self, name: str) -> float:
+        return self.load_w[next(i for i, g in enumerate(self.groups) if g.name == name)]
+
+
+# -- processes -----------------------------------------------------------------------------
+
+
+class Procs:
+    """The powerd processes of one test, each with a log file; all killed at the end."""
+
+    def __init__(self, workdir: Path, broker_url: str) -> None:
+        self.workdir = workdir
+        self.broker_url = broker_url
+        self.running: dict[str, subprocess.Popen[bytes]] = {}
+        self.started: dict[str, int] = {}
+
+    def start(self, name: str, *args: str) -> None:
+        n = self.started[name] = self.started.get(name, 0) + 1
+        log = self.workdir / f"{name}.{n}.log"
+        with log.open("wb") as out:
+            self.running[name] = subprocess.Popen(
+                [sys.executable, "-m", "powerd.cli", "--log-format", "json", *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+
+    def agent(self, node: str) -> None:
+        self.start(
+            node,
+            "agent",
+            f"--node-id={node}",
+            f"--broker={self.broker_url}",
+            "--backend=mock",
+            f"--mock-gpus={GPUS}",
+            # One node serves inference (weight 4, with a floor), the rest train.
+            f"--mock-workload={'inference' if node == NODES[0] else 'training'}",
+            f"--failsafe-w={FAILSAFE_W}",
+            f"--period={PERIOD_S}",
+        )
+
+    def controller(self, name: str, policy: Path, db: str) -> None:
+        self.start(
+            "controller",
+            "controller",
+            f"--policy={policy}",
+            f"--broker={self.broker_url}",
+            f"--db={db}",
+            f"--controller-id={name}",
+            f"--learn-s={TICK_S * 2}",
+        )
+
+    def signal(self, name: str, sig: signal.Signals) -> None:
+        proc = self.running[name]
+        assert proc.poll() is None, f"{name} exited early:\n{self.tail(name)}"
+        proc.send_signal(sig)
+
+    def kill(self, name: str) -> None:
+        proc = self.running.pop(name)
+        proc.kill()
+        proc.wait()
+
+    def stop(self, name: str) -> int:
+        """SIGTERM and wait: a clean stop (failsafe caps, offline status, store flushed)."""
+        proc = self.running.pop(name)
+        proc.terminate()
+        try:
+            return proc.wait(timeout=WAIT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+
+    def tail(self, name: str, lines: int = 15) -> str:
+        log = self.workdir / f"{name}.{self.started.get(name, 1)}.log"
+        text = log.read_text(errors="replace") if log.exists() else "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def check_alive(self) -> None:
+        for name, proc in self.running.items():
+            assert proc.poll() is None, f"{name} exited ({proc.returncode}):\n{self.tail(name)}"
+
+    def close(self) -> None:
+        for proc in self.running.values():
+            proc.kill()
+        for proc in self.running.values():
+            proc.wait()
+        self.running.clear()
+
+
+@dataclass
+class Site:
+    monitor: Monitor
+    procs: Procs
+    policy_file: Path
+    db: str
+
+    async def until(self, cond: Callable[[], bool], what: str) -> None:
+        """Wait (generously) until cond() holds, failing early if a process died."""
+        deadline = time.monotonic() + WAIT_S
+        while not cond():
+            self.procs.check_alive()
+            if time.monotonic() > deadline:
+                pytest.fail(f"timed out waiting until {what}; breaches: {self.monitor.breaches}")
+            await asyncio.sleep(0.02)
+
+    async def ticks(self, n: int) -> None:
+        """Let n more ticks of commands go by."""
+        target = self.monitor.last_tick + n
+        await self.until(lambda: self.monitor.last_tick >= target, f"tick {target}")
+
+    def steered_since(self, node: str, tick: int, controller: str) -> bool:
+        """The node applied a command of `controller` newer than `tick` and says so."""
+        view = self.monitor.nodes[node]
+        sent = {c.tick for c in view.commands if c.controller_id == controller}
+        return (
+            any(a.tick > tick and a.tick in sent for a in view.acks)
+            and view.status is not None
+            and view.status.state is NodeState.STEERED
+            and view.telemetry_state == "steered"
+        )
+
+    def all_steered_since(self, tick: int, controller: str) -> bool:
+        return all(self.steered_since(n, tick, controller) for n in NODES)
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    with pg_database() as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'powerd.db'}"
+    url: str = request.getfixturevalue("pg_url")
+    return url
+
+
+@pytest.fixture
+async def site(mosquitto: LocalMosquitto, db_url: str, tmp_path: Path) -> AsyncIterator[Site]:
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text(yaml.safe_dump(site_policy()))
+    monitor = Monitor(mosquitto.url, load_policy(policy_file))
+    await monitor.start()
+    procs = Procs(tmp_path, mosquitto.url)
+    try:
+        yield Site(monitor, procs, policy_file, db_url)
+    finally:
+        procs.close()
+        await monitor.stop()
+
+
+async def test_controller_and_agents_keep_every_budget_through_cuts_and_deaths(
+    site: Site,
+) -> None:
+    mon, procs = site.monitor, site.procs
+
+    # -- start: every node steered, the facility's budget in use ---------------------------
+    for node in NODES:
+        procs.agent(node)
+    procs.controller("ctl-a", site.policy_file, site.db)
+    await site.until(lambda: site.all_steered_since(0, "ctl-a"), "every node is steered")
+    await site.ticks(6)
+    assert mon.breaches == []
+    # The power left after demand is handed out, so budgets bind: the check is not idle.
+    assert mon.group_load("dc") > 0.95 * 8000
+    assert mon.group_load("rack-1") > 3000 + 100
+    assert mon.group_load("rack-2-n1") > 1500 + 100
+
+    # -- a budget cut by SIGHUP is obeyed within two ticks ---------------------------------
+    # The first tick to start after the reload is at most two past the last one seen (one
+    # may be under way); its cuts must be acknowledged within two more.
+    site.policy_file.write_text(yaml.safe_dump(site_policy(rack_1_w=3000, node_w=1500)))
+    cut = load_policy(site.policy_file)
+    mon.cut([g.budget_w for g in cut.groups], strict_from_tick=mon.last_tick + 4)
+    procs.signal("controller", signal.SIGHUP)
+    await site.ticks(8)
+    assert mon.budget_w == [g.budget_w for g in cut.groups]  # the strict check is in force
+    assert mon.group_load("rack-1") <= 3000 + TOL_W
+    assert mon.group_load("rack-2-n1") <= 1500 + TOL_W
+    assert mon.breaches == []
+
+    # -- an agent killed and restarted is re-admitted --------------------------------------
+    node = NODES[3]
+    procs.kill(node)
+    killed_at = mon.last_tick
+    await site.until(
+        lambda: (
+            mon.nodes[node].status is not None and mon.nodes[node].status.state is NodeState.OFFLINE
+        ),
+        f"{node}'s last will says offline",
+    )
+    procs.agent(node)
+    await site.until(lambda: site.steered_since(node, killed_at, "ctl-a"), f"{node} re-admitted")
+    assert any(s.state is NodeState.STARTING for s in mon.nodes[node].statuses)
+    await site.ticks(4)
+    assert mon.breaches == []
+
+    # -- the controller killed: every node falls to failsafe within its lease ---------------
+    procs.kill("controller")
+    await site.until(
+        lambda: all(
+            mon.nodes[n].status is not None and mon.nodes[n].status.state is NodeState.FAILSAFE
+            for n in NODES
+        ),
+        "every node is in failsafe",
+    )
+    last = {n: mon.nodes[n].commands[-1] for n in NODES}  # the dead controller's last words
+    for n in NODES:
+        status = mon.nodes[n].status
+        assert status is not None
+        # Both clocks are this machine's wall clock.
+        late_s = status.ts - last[n].ts
+        assert late_s <= LEASE_S + PERIOD_S, (
+            f"{n} in failsafe {late_s:.2f} s after its last command"
+        )
+        assert status.caps_w.keys() == last[n].failsafe_w.keys()
+        for uuid, watts in status.caps_w.items():
+            assert watts <= last[n].failsafe_w[uuid] + CAP_TOL_W, (n, uuid, watts)
+    assert mon.breaches == []
+
+    # -- a new controller learns the caps in force and resumes, with no breach -------------
+    dead_tick = mon.last_tick
+    procs.controller("ctl-b", site.policy_file, site.db)
+    await site.until(lambda: site.all_steered_since(dead_tick, "ctl-b"), "ctl-b steers all")
+    await site.ticks(6)
+    # Raised again off failsafe, up to what the cut leaves: rack-1 3000 + 1500 + 2500 W.
+    assert mon.group_load("dc") > 0.95 * 7000
+    assert mon.breaches == []
+    assert mon.bad == []
+    assert mon.checks > 200
+
+    # -- the store kept what both controllers did ------------------------------------------
+    assert procs.stop("controller") == 0
+    sent: dict[str, float] = {}
+    for view in mon.nodes.values():
+        for cmd in view.commands:
+            sent.update(cmd.caps)
+    store = Store(site.db)
+    try:
+        # Cap changes are stored when a cap moves by 0.5 W or more (smaller: solver noise).
+        assert store.latest_caps() == pytest.approx(sent, abs=0.5)
+        assert len(store.recent_ticks(limit=1000)) >= 20
+        versions = store.policy_versions().items
+        assert any(v.author == "sighup" for v in versions)
+    finally:
+        store.close()
