@@ -13,9 +13,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from powerd import __version__
+from powerd.api.client import add_commands as add_api_commands
 from powerd.errors import InputError
 from powerd.logs import configure_logging
 from powerd.policy import LEVELS, Policy, load_policy, subtree_totals
+from powerd.sim.cli import add_sim_parser
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -363,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     ctl.add_argument("--dev", action="store_true", help="development mode: allow weak tokens")
     ctl.add_argument("--config", help="settings file (.toml or .yaml); flags win over it")
     ctl.set_defaults(handler=cmd_controller)
+
+    add_api_commands(sub)
+    add_sim_parser(sub)
 
     db = sub.add_parser("db", help="database maintenance")
     db_sub = db.add_subparsers(dest="db_command", metavar="ACTION", required=True)

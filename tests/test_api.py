@@ -17,8 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from powerd.agent.agent import Agent
 from powerd.agent.settings import AgentSettings
-from powerd.api import ApiServer, create_app
+from powerd.api.app import create_app
 from powerd.api.hooks import metrics_hook
+from powerd.api.server import ApiServer
 from powerd.auth import TokenStore, new_token_entry
 from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
 from powerd.clock import SystemClock

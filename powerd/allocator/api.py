@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from powerd.allocator import baselines, fast, reference
+from powerd.allocator import baselines, fast
 from powerd.allocator.model import (
     TOL_KW,
     Allocation,
@@ -28,9 +28,17 @@ from powerd.topology import Topology
 
 Solver = Callable[[Problem, FloatArray | None], tuple[FloatArray, FloatArray | None]]
 
+
+def _reference(problem: Problem, warm: FloatArray | None) -> tuple[FloatArray, None]:
+    # cvxpy takes over a second to import: only those who ask for the reference pay for it.
+    from powerd.allocator import reference
+
+    return reference.solve(problem, warm)
+
+
 _SOLVERS: dict[str, Solver] = {
     "fast": fast.solve,
-    "cvxpy": reference.solve,
+    "cvxpy": _reference,
     "uniform": baselines.uniform,
     "priority-bands": baselines.priority_bands,
 }

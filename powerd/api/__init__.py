@@ -1,6 +1,5 @@
-"""The admin API (REST, served by the controller) and its command-line client."""
+"""The admin API (REST, served by the controller) and its command-line client.
 
-from powerd.api.app import create_app
-from powerd.api.server import ApiServer, serve_api
-
-__all__ = ["ApiServer", "create_app", "serve_api"]
+`powerd.api.app` (FastAPI, the controller) and `powerd.api.server` are imported by whoever
+serves the API; the command-line client (`powerd.api.client`) must not pay for them.
+"""

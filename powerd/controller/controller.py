@@ -644,12 +644,14 @@ class Controller:
                 np.array([self.fleet.gpus[u].energy_j for u in report.uuids]),
             )
             health = self.writer.health()
+            # Before its first flush the writer is not yet "connected", but nothing failed.
+            failing = not health.connected and health.last_error is not None
             self._alarm(
                 "store_unreachable",
-                None
-                if health.connected
-                else f"store unreachable: {health.last_error}; backlog {health.backlog}, "
-                f"dropped {health.dropped}",
+                f"store unreachable: {health.last_error}; backlog {health.backlog}, "
+                f"dropped {health.dropped}"
+                if failing
+                else None,
             )
         for hook in self.on_tick:
             try:
