@@ -238,7 +238,11 @@ def cmd_controller(args: argparse.Namespace) -> int:
         tokens_file=args.tokens_file,
         dev=args.dev or None,
     )
-    asyncio.run(run_controller(settings))
+    try:
+        asyncio.run(run_controller(settings))
+    except OSError as exc:  # the API port is taken, the policy file unreadable, ...
+        print(f"powerd controller: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     return EXIT_OK
 
 

@@ -30,12 +30,18 @@ async def run_controller(settings: ControllerSettings) -> None:
     policy = load_policy(settings.policy)
     if settings.password is not None:
         check_secret(settings.password.get_secret_value(), "broker password", dev=settings.dev)
+    tokens = None
+    if settings.api_port is not None:
+        tokens = (
+            _no_tokens(settings.dev)
+            if settings.tokens_file is None
+            else TokenStore.from_file(settings.tokens_file, dev=settings.dev)
+        )
     # Migrations first: a controller never runs against a schema it does not know.
     await asyncio.to_thread(upgrade, settings.db)
     store = Store(settings.db)
     writer = StoreWriter(store)
     writer.seed_caps(await asyncio.to_thread(store.latest_caps))
-    writer.start()
     text = settings.policy.read_text(encoding="utf-8")
     version = await asyncio.to_thread(
         store.record_policy_version,
@@ -65,16 +71,13 @@ async def run_controller(settings: ControllerSettings) -> None:
         _ready_once(notifier),
     ]
     api = None
-    if settings.api_port is not None:
-        tokens = (
-            _no_tokens(settings.dev)
-            if settings.tokens_file is None
-            else TokenStore.from_file(settings.tokens_file, dev=settings.dev)
-        )
+    if tokens is not None:
+        assert settings.api_port is not None
         # Bound now, so a taken port fails the start-up rather than a running loop.
         api = ApiServer(
             create_app(controller, tokens, registry=registry), settings.api_host, settings.api_port
         )
+    writer.start()  # last: nothing after it may fail before the finally that stops it
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
