@@ -242,6 +242,8 @@ async def test_temporary_budget_expires_on_its_own(site: Site) -> None:
     assert "rack-1" not in ctl.overrides.budgets
     with pytest.raises(OverrideError, match="unknown group"):
         ctl.set_budget("nope", 100, expires_at=None, actor="op", reason="x")
+    with pytest.raises(OverrideError, match="can only lower"):
+        ctl.set_budget("rack-1", 5000, expires_at=None, actor="op", reason="x")
 
 
 async def test_dead_controller_sends_nodes_to_failsafe_and_a_new_one_resumes(site: Site) -> None:

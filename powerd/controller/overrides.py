@@ -46,6 +46,11 @@ class Overrides:
             raise OverrideError(f"unknown group '{override.group}'")
         if not override.budget_w > 0:
             raise OverrideError("budget_w must be greater than 0")
+        if override.budget_w > group.budget_w:
+            raise OverrideError(
+                f"a temporary budget can only lower '{override.group}' "
+                f"(policy budget {group.budget_w:,.0f} W)"
+            )
         if override.expires_at is not None and override.expires_at <= override.created_at:
             raise OverrideError("expires_at must lie in the future")
         self.budgets[override.group] = override
