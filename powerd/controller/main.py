@@ -14,10 +14,11 @@ from powerd.api.server import ApiServer
 from powerd.auth import TokenStore, check_secret
 from powerd.clock import SystemClock
 from powerd.controller.controller import Controller, TickReport
-from powerd.controller.settings import ControllerSettings, ControllerSettingsError
+from powerd.controller.settings import ControllerSettings
 from powerd.metrics import ControllerMetrics
 from powerd.policy import load_policy
 from powerd.sdnotify import Notifier
+from powerd.settings import SettingsError
 from powerd.store import Store, StoreWriter, upgrade
 from powerd.transport import MqttTransport
 from powerd.wire import Topics
@@ -95,7 +96,7 @@ async def run_controller(settings: ControllerSettings) -> None:
 
 def _no_tokens(dev: bool) -> TokenStore:
     if not dev:
-        raise ControllerSettingsError(
+        raise SettingsError(
             "controller settings",
             [
                 (

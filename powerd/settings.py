@@ -1,0 +1,90 @@
+"""Process settings shared by the agent and the controller: how to reach the broker, and
+how settings are layered: defaults < a TOML or YAML file < `POWERD_` environment < flags."""
+
+from __future__ import annotations
+
+import tomllib
+import uuid
+from pathlib import Path
+from typing import Any, ClassVar, Self
+
+import yaml
+from pydantic import Field, SecretStr, ValidationError
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
+
+from powerd.errors import InputError, validation_problems
+from powerd.transport.mqtt import MqttConfig
+from powerd.wire import DEFAULT_PREFIX
+
+
+class SettingsError(InputError):
+    kind = "settings"
+
+
+class BrokerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="POWERD_", extra="forbid", frozen=True)
+    kind: ClassVar[str] = "settings"  # names the source in errors
+
+    broker: str = "mqtt://127.0.0.1:1883"  # mqtt://host:port or mqtts://host:port
+    username: str | None = None
+    password: SecretStr | None = None
+    tls_ca_file: Path | None = None
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    tls_insecure: bool = False
+    reconnect_max_s: float = Field(default=30.0, gt=0, le=3600)
+    topic_prefix: str = DEFAULT_PREFIX
+
+    @classmethod
+    def load(cls, config_file: Path | None = None, **overrides: Any) -> Self:
+        """Settings from a file (.toml, .yaml or .yml), the environment and explicit values.
+
+        `overrides` (e.g. command-line flags) win; None values among them are ignored, so a
+        CLI can pass every flag whether given or not. Raises SettingsError.
+        """
+        source = str(config_file) if config_file is not None else cls.kind
+        file_values = read_settings_file(config_file) if config_file is not None else {}
+        given = {k: v for k, v in overrides.items() if v is not None}
+        try:
+            env_values = EnvSettingsSource(cls)()
+            return cls(**{**file_values, **env_values, **given})
+        except ValidationError as exc:
+            raise SettingsError(source, validation_problems(exc)) from None
+
+    def client_name(self) -> str:
+        """The broker client id's stem (a random suffix is added per process)."""
+        return "powerd"
+
+    def mqtt_config(self) -> MqttConfig:
+        return MqttConfig.from_url(
+            self.broker,
+            username=self.username,
+            password=self.password.get_secret_value() if self.password else None,
+            ca_file=self.tls_ca_file,
+            cert_file=self.tls_cert_file,
+            key_file=self.tls_key_file,
+            tls_insecure=self.tls_insecure,
+            # Unique per process: a restarted one must not take over (and trigger the will
+            # of) a session the broker still holds for its previous life.
+            client_id=f"{self.client_name()}-{uuid.uuid4().hex[:8]}",
+            reconnect_max_s=self.reconnect_max_s,
+        )
+
+
+def read_settings_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SettingsError(str(path), [("", f"cannot read: {exc.strerror}")]) from None
+    try:
+        if path.suffix == ".toml":
+            data: object = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text) or {}
+        else:
+            raise SettingsError(str(path), [("", "use a .toml, .yaml or .yml file")])
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        raise SettingsError(str(path), [("", f"not valid {path.suffix[1:]}: {exc}")]) from None
+    if not isinstance(data, dict):
+        raise SettingsError(str(path), [("", "the file must hold a table of settings")])
+    return data
