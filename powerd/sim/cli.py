@@ -129,6 +129,11 @@ def add_sim_parser(subparsers: Any) -> None:
         help="loss measured on total or on priority-weighted throughput (default %(default)s)",
     )
     sim.add_argument(
+        "--keep-inner-budgets",
+        action="store_true",
+        help="--oversubscribe with the policy's row/rack/node budgets (default: at nameplate)",
+    )
+    sim.add_argument(
         "--points",
         type=int,
         default=DEFAULT_POINTS,
@@ -223,6 +228,7 @@ def _run(args: argparse.Namespace) -> int:
                 threshold=args.threshold,
                 points=args.points,
                 metric=args.metric,
+                keep_inner=args.keep_inner_budgets,
             )
     except ValueError as exc:
         raise ScenarioError(scenario.source, [("", str(exc))]) from None

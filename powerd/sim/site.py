@@ -64,6 +64,14 @@ class Site:
         )
         return _site(replace(self.policy, groups=groups, source=f"{self.policy.source} ({note})"))
 
+    def inner_at_nameplate(self) -> Site:
+        """Rows, racks and nodes budgeted at the nameplate of what they hold (breakers sized
+        for TDP, as static provisioning sizes them), so the feed is the only shared limit."""
+        topo = self.topology
+        budgets = topo.group_sums(np.full(self.n_gpus, self.tdp_w)) + topo.overhead_w
+        budgets[0] = topo.budget_w[0]
+        return self.with_budgets(budgets, "inner budgets at nameplate")
+
     def scaled(self, facility_budget_w: float) -> Site:
         """Every budget of the tree scaled by one factor so the feed is `facility_budget_w`:
         the same design at another feed. An unbudgeted facility gets the feed alone."""

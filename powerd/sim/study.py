@@ -196,6 +196,7 @@ def oversubscribe(
     threshold: float = DEFAULT_THRESHOLD,
     points: int = DEFAULT_POINTS,
     metric: str = "total",
+    keep_inner: bool = False,
 ) -> Oversubscription:
     """Grow the site node by node under a fixed feed; per policy, the most nodes whose
     throughput stays within `threshold` of the same GPUs unconstrained (every GPU free to
@@ -203,6 +204,8 @@ def oversubscribe(
 
     A grid of `points` sizes from static TDP provisioning up to where device minimums fill
     the feed draws the curve; each policy's crossing is then bisected to one node.
+    Rows, racks and nodes are budgeted at their nameplate, so the feed is the question;
+    `keep_inner` keeps the policy's own inner budgets instead (which may bind at any size).
     """
     feed = site.feed_w if feed_w is None else feed_w
     if not math.isfinite(feed):
@@ -232,6 +235,8 @@ def oversubscribe(
         tasks = []
         for n in sizes:
             s = build_site(site.policy, nodes=n, facility_budget_w=feed)
+            if not keep_inner:
+                s = s.inner_at_nameplate()
             mix = build_mix(scenario, s)
             have = evaluated.get(n)
             for p in (STATIC, *which):
