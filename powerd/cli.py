@@ -14,6 +14,7 @@ from typing import Any
 
 from powerd import __version__
 from powerd.api.client import add_commands as add_api_commands
+from powerd.argtypes import positive_float
 from powerd.errors import InputError
 from powerd.logs import configure_logging
 from powerd.policy import LEVELS, Policy, load_policy, subtree_totals
@@ -246,16 +247,6 @@ def cmd_controller(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, not {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="powerd",
@@ -389,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    quiet = args.command == "demo"
+    quiet = args.command in ("demo", "sim")  # their own output is the point
     configure_logging(args.log_format, args.log_level or ("warning" if quiet else "info"))
     handler: Handler = args.handler
     try:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
+import yaml
 from pydantic import ValidationError
 
 
@@ -42,3 +45,25 @@ def validation_problems(exc: ValidationError) -> list[tuple[str, str]]:
             msg = "required key is missing"
         problems.append((format_loc(loc), msg))
     return problems
+
+
+def read_text(path: str | Path, error: type[InputError]) -> str:
+    """A UTF-8 text file, or `error` saying why it cannot be read."""
+    p = Path(path)
+    try:
+        return p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise error(str(p), [("", f"cannot read the file: {exc.strerror or exc}")]) from None
+    except UnicodeDecodeError:
+        raise error(str(p), [("", "the file is not UTF-8 text")]) from None
+
+
+def parse_yaml(text: str, source: str, error: type[InputError]) -> Any:
+    """YAML data, or `error` with the line and column of the mistake."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise error(source, [(where, f"malformed YAML: {problem}")]) from None

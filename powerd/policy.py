@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -24,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from powerd.errors import InputError, validation_problems
+from powerd.errors import InputError, parse_yaml, read_text, validation_problems
 from powerd.profile import Profile, ProfileError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
@@ -443,27 +442,8 @@ def parse_policy(data: Any, source: str = "<policy>") -> Policy:
 
 
 def load_policy_text(text: str, source: str = "<policy>") -> Policy:
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise PolicyError(source, [(where, f"malformed YAML: {problem}")]) from None
-    return parse_policy(data, source)
+    return parse_policy(parse_yaml(text, source, PolicyError), source)
 
 
 def load_policy(path: str | Path) -> Policy:
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise PolicyError(str(p), [("", f"cannot read the file: {exc.strerror or exc}")]) from None
-    except UnicodeDecodeError:
-        raise PolicyError(str(p), [("", "the file is not UTF-8 text")]) from None
-    return load_policy_text(text, str(p))
-
-
-def iter_levels(policy: Policy) -> Iterator[tuple[str, list[GroupDef]]]:
-    for level, name in enumerate(LEVELS):
-        yield name, [g for g in policy.groups if g.level == level]
+    return load_policy_text(read_text(path, PolicyError), str(path))

@@ -16,6 +16,7 @@ from typing import Any, TextIO
 
 import structlog
 
+from powerd.argtypes import positive_float
 from powerd.errors import InputError
 from powerd.logs import configure_logging
 from powerd.policy import load_policy
@@ -72,16 +73,6 @@ def _policies(text_: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _positive(text_: str) -> float:
-    try:
-        value = float(text_)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text_}' is not a number") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, not {text_}")
-    return value
-
-
 def add_sim_parser(subparsers: Any) -> None:
     """Register `powerd sim` on the top-level subparsers (handler in `handler`)."""
     sim = subparsers.add_parser(
@@ -99,8 +90,8 @@ def add_sim_parser(subparsers: Any) -> None:
         help=f"comma-separated, default {','.join(POLICIES)}",
     )
     sim.add_argument("--seed", type=int, help="override the scenario's seed")
-    sim.add_argument("--duration-h", type=_positive, help="override the simulated duration")
-    sim.add_argument("--tick-s", type=_positive, help="override the simulated tick")
+    sim.add_argument("--duration-h", type=positive_float, help="override the simulated duration")
+    sim.add_argument("--tick-s", type=positive_float, help="override the simulated tick")
     sim.add_argument(
         "--budget-sweep",
         nargs="?",
@@ -115,10 +106,12 @@ def add_sim_parser(subparsers: Any) -> None:
         action="store_true",
         help="also find how many GPUs each policy runs under the feed within --threshold loss",
     )
-    sim.add_argument("--feed-w", type=_positive, help="feed for --oversubscribe (default: site's)")
+    sim.add_argument(
+        "--feed-w", type=positive_float, help="feed for --oversubscribe (default: site's)"
+    )
     sim.add_argument(
         "--threshold",
-        type=_positive,
+        type=positive_float,
         default=DEFAULT_THRESHOLD,
         help="throughput loss allowed by --oversubscribe (default %(default)s)",
     )

@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from powerd.errors import InputError, validation_problems
+from powerd.errors import InputError, parse_yaml, read_text, validation_problems
 from powerd.policy import Policy, ProfileSpec
 
 Watts = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -232,19 +231,5 @@ def parse_scenario(
 
 def load_scenario(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Scenario:
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ScenarioError(
-            str(p), [("", f"cannot read the file: {exc.strerror or exc}")]
-        ) from None
-    except UnicodeDecodeError:
-        raise ScenarioError(str(p), [("", "the file is not UTF-8 text")]) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ScenarioError(str(p), [(where, f"malformed YAML: {problem}")]) from None
+    data = parse_yaml(read_text(p, ScenarioError), str(p), ScenarioError)
     return parse_scenario(data, str(p), base_dir=p.parent, overrides=overrides)
