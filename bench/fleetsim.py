@@ -1,0 +1,299 @@
+"""Load generator for bench/loop.py: every node of a policy's fleet, on one MQTT connection.
+
+A thousand agent processes (or a thousand MQTT clients in one process) would measure the
+load generator more than the controller. This process plays every node instead, speaking
+the wire protocol exactly as `powerd agent` does, from one connection:
+
+- one `GpuFleetModel` (powerd/backends/mock.py) holds every GPU: draw follows min(cap,
+  demand) with a lag, energy integrates, demand follows a job's pattern (a quarter of the
+  nodes serve inference, a fifth run batch jobs, the rest train, phases staggered per node);
+- every period each node's `NodeTelemetry` is published (QoS 0), spread evenly over the
+  period as independently started agents would be, not in one burst;
+- every `CapCommand` is validated (`powerd.wire.decode`, as the agent does), its caps
+  clamped to the device limits and applied to the model, and answered with a `CapAck`
+  (QoS 1) carrying the enforced caps, then the node's retained `NodeStatus` (QoS 1), as the
+  agent does after every command. Acks of different nodes go out concurrently, as separate
+  agents' would;
+- a command whose tick is not above the node's last one is dropped (`stale_tick`).
+
+Not simulated: the lease and failsafe (the bench's controller never stops), NVML latency.
+At the end (SIGTERM/SIGINT) it prints one JSON line of counts and its own CPU time.
+
+    .venv/bin/python bench/fleetsim.py --broker mqtt://127.0.0.1:1883 --policy policy.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import resource
+import signal
+import time
+from typing import Any
+
+import numpy as np
+
+from powerd.backends.mock import GpuFleetModel, Workload
+from powerd.logs import configure_logging
+from powerd.policy import load_policy
+from powerd.transport import Message, MqttConfig, MqttTransport, TransportError
+from powerd.transport.base import cancel_and_wait
+from powerd.wire import CapCommand, NodeTelemetry, Topics, WireError, decode
+
+TOPICS = Topics()
+CHUNKS = 20  # telemetry goes out in this many slices per period
+
+
+class FleetSim:
+    def __init__(self, nodes: list[tuple[str, int]], broker: str, period_s: float, seed: int):
+        self.period_s = period_s
+        self.node_names = [name for name, _ in nodes]
+        self.first: list[int] = []
+        n = 0
+        for _, gpus in nodes:
+            self.first.append(n)
+            n += gpus
+        self.first.append(n)
+        workloads = []
+        rng = np.random.default_rng(seed)
+        for _, gpus in nodes:
+            draw = rng.random()
+            phase = float(rng.uniform(0, 10))
+            if draw < 0.25:
+                w = Workload.inference(phase_s=phase * 8640)
+            elif draw < 0.45:
+                w = Workload.steady(level_w=float(rng.uniform(350, 650)))
+            else:
+                w = Workload.training(phase_s=phase)
+            workloads += [w] * gpus
+        self.model = GpuFleetModel(
+            n, workloads, seed=seed, start_s=time.monotonic(), uuid_prefix="GPU-sim"
+        )
+        self.index = {u: i for i, u in enumerate(self.model.uuids)}
+        self.node_of = {name: k for k, name in enumerate(self.node_names)}
+        self.last_tick = [-1] * len(nodes)
+        self.seq = [0] * len(nodes)
+        self.transport = MqttTransport(
+            MqttConfig.from_url(broker, client_id="powerd-fleetsim", max_queued_messages=100_000)
+        )
+        self.counts = {
+            "telemetry": 0,
+            "commands": 0,
+            "acks": 0,
+            "statuses": 0,
+            "rejected": 0,
+            "publish_failed": 0,
+        }
+        self._pending: set[asyncio.Task[None]] = set()
+
+    # -- telemetry -----------------------------------------------------------------------
+
+    def _gpu_static(self, i: int, k: int) -> dict[str, Any]:
+        m = self.model
+        return {
+            "uuid": m.uuids[i],
+            "index": i - self.first[k],
+            "name": m.name,
+            "min_cap_w": float(m.min_cap_w[i]),
+            "max_cap_w": float(m.max_cap_w[i]),
+            "default_cap_w": float(m.default_cap_w[i]),
+        }
+
+    def telemetry_payloads(self, nodes: range) -> list[tuple[str, bytes]]:
+        """Payloads of these nodes, built straight from the model's arrays (JSON, not pydantic:
+        the simulator must stay cheaper than the controller it loads)."""
+        m = self.model
+        m.advance_to(time.monotonic())
+        lo, hi = self.first[nodes.start], self.first[nodes.stop]
+        sel = slice(lo, hi)
+        power = m.power_w[sel].tolist()
+        energy = m.energy_j[sel].tolist()
+        cap = m.cap_w[sel].tolist()
+        temp = m.temp_c[sel].tolist()
+        util = np.clip(m.util_pct(sel), 0, 100).tolist()
+        clock = m.sm_clock_mhz(sel).tolist()
+        perf = m.throughput(sel).tolist()
+        capped = m.power_capped(sel).tolist()
+        wall = time.time()
+        out = []
+        for k in nodes:
+            gpus = []
+            for i in range(self.first[k], self.first[k + 1]):
+                j = i - lo
+                g = self._gpu_static(i, k)
+                g |= {
+                    "power_w": power[j],
+                    "energy_j": energy[j],
+                    "cap_w": cap[j],
+                    "temp_c": temp[j],
+                    "util_pct": util[j],
+                    "sm_clock_mhz": clock[j],
+                    "throttle": ["sw_power_cap"] if capped[j] else [],
+                    "workload": m.workload(i).name,
+                    "perf": perf[j],
+                }
+                gpus.append(g)
+            node = self.node_names[k]
+            msg = {
+                "v": 1,
+                "node_id": node,
+                "ts": wall,
+                "seq": self.seq[k],
+                "period_s": self.period_s,
+                "gpus": gpus,
+                "state": "steered" if self.last_tick[k] >= 0 else "starting",
+            }
+            self.seq[k] += 1
+            out.append((TOPICS.telemetry(node), json.dumps(msg).encode()))
+        return out
+
+    async def telemetry_loop(self) -> None:
+        n = len(self.node_names)
+        bounds = [round(c * n / CHUNKS) for c in range(CHUNKS + 1)]
+        slot = self.period_s / CHUNKS
+        next_at = time.monotonic()
+        while True:
+            for c in range(CHUNKS):
+                for topic, payload in self.telemetry_payloads(range(bounds[c], bounds[c + 1])):
+                    await self._publish(topic, payload, 0)
+                    self.counts["telemetry"] += 1
+                next_at += slot
+                await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+
+    # -- commands ------------------------------------------------------------------------
+
+    async def command_loop(self) -> None:
+        async for message in self.transport.messages():
+            self.on_command(message)
+
+    def on_command(self, message: Message) -> None:
+        node = message.topic.split("/")[-2]
+        k = self.node_of.get(node)
+        if k is None:
+            self.counts["rejected"] += 1
+            return
+        try:
+            cmd = decode(message.payload, CapCommand, topic_node=node)
+        except WireError:
+            self.counts["rejected"] += 1
+            return
+        self.counts["commands"] += 1
+        if cmd.tick <= self.last_tick[k]:
+            self.counts["rejected"] += 1
+            return
+        m = self.model
+        m.advance_to(time.monotonic())
+        acks: dict[str, dict[str, Any]] = {}
+        plan = []  # (change, index, requested, target): decreases first, as the agent does
+        for uuid, watts in cmd.caps.items():
+            i = self.index.get(uuid)
+            if i is None or not self.first[k] <= i < self.first[k + 1]:
+                acks[uuid] = {"requested_w": watts}  # error: unknown_gpu
+                continue
+            target = min(max(watts, float(m.min_cap_w[i])), float(m.max_cap_w[i]))
+            plan.append((target - float(m.cap_w[i]), i, watts, target))
+        for _, i, watts, target in sorted(plan):
+            acks[m.uuids[i]] = {"requested_w": watts, "enforced_w": m.set_cap(i, target)}
+        self.last_tick[k] = cmd.tick
+        wall = time.time()
+        for a in acks.values():
+            if "enforced_w" not in a:
+                a["error"] = "unknown_gpu"
+        ack = {"v": 1, "node_id": node, "tick": cmd.tick, "gpus": acks, "ts": wall}
+        caps = {m.uuids[i]: float(m.cap_w[i]) for i in range(self.first[k], self.first[k + 1])}
+        status = {
+            "v": 1,
+            "node_id": node,
+            "state": "steered",
+            "ts": wall,
+            "last_tick": cmd.tick,
+            "gpus": len(caps),
+            "agent_version": "fleetsim",
+            "caps_w": caps,
+        }
+        task = asyncio.create_task(
+            self._answer(node, json.dumps(ack).encode(), json.dumps(status).encode())
+        )
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _answer(self, node: str, ack: bytes, status: bytes) -> None:
+        await self._publish(TOPICS.ack(node), ack, 1)
+        self.counts["acks"] += 1
+        await self._publish(TOPICS.status(node), status, 1, retain=True)
+        self.counts["statuses"] += 1
+
+    async def _publish(self, topic: str, payload: bytes, qos: int, retain: bool = False) -> None:
+        try:
+            await self.transport.publish(topic, payload, qos=qos, retain=retain)
+        except TransportError:
+            self.counts["publish_failed"] += 1
+
+    # -- running -------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        # One payload through the protocol's own validation: the fast JSON path stays exact.
+        decode(self.telemetry_payloads(range(1))[0][1], NodeTelemetry, self.node_names[0])
+        self.seq[0] = 0
+        await self.transport.connect()
+        await self.transport.subscribe(TOPICS.all_nodes("caps"), qos=1)
+        await self.transport.wait_connected()
+        for k, node in enumerate(self.node_names):
+            caps = {
+                self.model.uuids[i]: float(self.model.cap_w[i])
+                for i in range(self.first[k], self.first[k + 1])
+            }
+            status = {"v": 1, "node_id": node, "state": "starting", "ts": time.time()}
+            status |= {"gpus": len(caps), "agent_version": "fleetsim", "caps_w": caps}
+            await self._publish(TOPICS.status(node), json.dumps(status).encode(), 1, True)
+        print(json.dumps({"ready": True}), flush=True)
+        tasks = [
+            asyncio.create_task(self.telemetry_loop(), name="fleetsim-telemetry"),
+            asyncio.create_task(self.command_loop(), name="fleetsim-commands"),
+        ]
+        await stop.wait()
+        await cancel_and_wait([*tasks, *self._pending])
+        await self.transport.disconnect()
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--broker", required=True)
+    parser.add_argument("--policy", required=True)
+    parser.add_argument("--period", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    configure_logging("json", "warning")
+    # aiomqtt warns when many publishes await their PUBACK: here that is the point.
+    logging.getLogger("mqtt").setLevel(logging.ERROR)
+    policy = load_policy(args.policy)
+    nodes = [(g.name, g.gpus) for g in policy.groups if g.level == 3]
+    sim = FleetSim(nodes, args.broker, args.period, args.seed)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    start = time.monotonic()
+    await sim.run(stop)
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    wall = time.monotonic() - start
+    cpu = r.ru_utime + r.ru_stime
+    print(
+        json.dumps(
+            sim.counts
+            | {
+                "cpu_s": cpu,
+                "wall_s": wall,
+                "cpu_pct": 100 * cpu / wall if wall > 0 else math.nan,
+                "dropped_incoming": sim.transport.dropped_messages,
+            }
+        ),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
