@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import aiomqtt
 import yaml
 
 from powerd.clock import SystemClock
@@ -45,14 +44,12 @@ from powerd.policy import load_policy
 from powerd.safety import SafePlan
 from powerd.store import Store, StoreWriter, upgrade
 from powerd.synthetic import policy_dict
-from powerd.transport import LastWill, MqttConfig, MqttTransport, TransportError
+from powerd.transport import MqttConfig, MqttTransport
 from powerd.transport.mosquitto import LocalMosquitto
-from powerd.wire import encode
 
 BENCH = Path(__file__).resolve().parent
 GPUS_PER_NODE = 8
 # (rows, racks per row, nodes per rack) for each size; 8 GPUs a node.
-INFLIGHT = 4096
 SHAPES = {1000: (1, 5, 25), 10_000: (2, 25, 25), 100: (1, 1, 13)}
 
 
@@ -123,20 +120,10 @@ class BenchMosquitto(LocalMosquitto):
             time.sleep(0.02)
 
 
-class WideWindowTransport(MqttTransport):
-    """For the concurrent-publish trial: paho's in-flight window (20 QoS 1 messages by
-    default) widened so a whole tick's commands can await their PUBACKs together."""
-
-    def _new_client(self, will: LastWill | None) -> aiomqtt.Client:
-        client = super()._new_client(will)
-        client._client.max_inflight_messages_set(INFLIGHT)
-        return client
-
-
 class Run:
     """The controller and what it measured."""
 
-    def __init__(self, policy_file: Path, broker: str, db: str, concurrent: bool) -> None:
+    def __init__(self, policy_file: Path, broker: str, db: str) -> None:
         self.policy = load_policy(policy_file)
         self.n_gpus = sum(g.gpus for g in self.policy.groups if g.level == 3)
         store = Store(db)
@@ -144,7 +131,7 @@ class Run:
         config = MqttConfig.from_url(
             broker, client_id="bench-controller", max_queued_messages=100_000
         )
-        transport = WideWindowTransport(config) if concurrent else MqttTransport(config)
+        transport = MqttTransport(config)
         self.transport = transport
         self.controller = Controller(
             self.policy,
@@ -159,7 +146,7 @@ class Run:
         self.reports: list[TickReport] = []
         self.publish_ms: list[float] = []
         self.controller.on_tick.append(self._on_tick)
-        inner = self.concurrent_publish if concurrent else self.controller.publish_plan
+        inner = self.controller.publish_plan
 
         async def timed_publish(plan: SafePlan) -> None:
             t0 = time.perf_counter()
@@ -168,23 +155,6 @@ class Run:
                 self.publish_ms.append((time.perf_counter() - t0) * 1000.0)
 
         self.controller.publish_plan = timed_publish  # type: ignore[method-assign]
-
-    async def concurrent_publish(self, plan: SafePlan) -> None:
-        """The proposed fix, tried here only: a tick's commands handed to the client at once,
-        so their PUBACKs overlap (paho pipelines up to its in-flight window) instead of
-        costing one broker round trip each, in sequence."""
-        ctl = self.controller
-        ts = ctl.clock.wall()
-
-        async def one(cmd: Any) -> None:
-            payload = encode(cmd.to_wire(ts, ctl.controller_id))
-            try:
-                await self.transport.publish(ctl.topics.caps(cmd.node), payload, qos=1)
-                ctl.counters.caps_sent += 1
-            except TransportError:
-                ctl.counters.publish_failed += 1
-
-        await asyncio.gather(*(one(cmd) for cmd in plan.commands))
 
     def _on_tick(self, report: TickReport) -> None:
         self.last = report
@@ -235,7 +205,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 async def measure(
     args: argparse.Namespace, policy_file: Path, broker: str, db: str, broker_pid: int, sim_pid: int
 ) -> dict[str, Any]:
-    run = Run(policy_file, broker, db, args.concurrent_publish)
+    run = Run(policy_file, broker, db)
     run.writer.start()
     stop = asyncio.Event()
     task = asyncio.create_task(
@@ -277,7 +247,6 @@ async def measure(
         "gpus": run.n_gpus,
         "nodes": len(run.policy.node_names()),
         "tick_s": args.tick,
-        "concurrent_publish": args.concurrent_publish,
         "measured_s": round(wall, 1),
         "ticks": len(reports),
         "tick_ms": {"median": statistics.median(dur), "p99": pct(dur, 99), "max": max(dur)},
@@ -332,11 +301,6 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=60.0, help="measured seconds")
     parser.add_argument("--warmup", type=float, default=15.0, help="seconds before measuring")
     parser.add_argument("--profile", help="write a cProfile of the measured window here")
-    parser.add_argument(
-        "--concurrent-publish",
-        action="store_true",
-        help="try the proposed fix: publish a tick's commands concurrently (bench only)",
-    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     configure_logging("json", "error")

@@ -593,15 +593,20 @@ class Controller:
 
     async def publish_plan(self, plan: SafePlan) -> None:
         ts = self.clock.wall()
-        for cmd in plan.commands:
-            try:
-                await self.transport.publish(
-                    self.topics.caps(cmd.node), encode(cmd.to_wire(ts, self.controller_id)), qos=1
-                )
-                self.counters.caps_sent += 1
-            except TransportError as exc:
-                self.counters.publish_failed += 1
-                log.warning("caps_publish_failed", node=cmd.node, tick=plan.tick, error=str(exc))
+        batch = [
+            (self.topics.caps(cmd.node), encode(cmd.to_wire(ts, self.controller_id)))
+            for cmd in plan.commands
+        ]
+        try:
+            failed = await self.transport.publish_many(batch, qos=1)
+        except TransportError as exc:
+            failed = len(batch)
+            log.warning("caps_publish_failed", tick=plan.tick, commands=failed, error=str(exc))
+        else:
+            if failed:
+                log.warning("caps_publish_failed", tick=plan.tick, commands=failed)
+        self.counters.caps_sent += len(batch) - failed
+        self.counters.publish_failed += failed
 
     def _record(self, report: TickReport, plan: SafePlan) -> None:
         self.last_tick = report

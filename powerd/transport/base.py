@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from types import TracebackType
@@ -120,6 +120,18 @@ class Transport(ABC):
     @abstractmethod
     async def publish(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False) -> None:
         """Send one message; TransportError when it cannot be handed to the broker."""
+
+    async def publish_many(self, messages: Sequence[tuple[str, bytes]], qos: int = 1) -> int:
+        """Hand a batch to the broker without waiting for each acknowledgement in turn;
+        returns how many could not be handed over. Delivery is QoS's business: what the
+        sender needs to know (the cap was applied) comes back in the receiver's own reply."""
+        failed = 0
+        for topic, payload in messages:
+            try:
+                await self.publish(topic, payload, qos=qos)
+            except TransportError:
+                failed += 1
+        return failed
 
     @abstractmethod
     async def subscribe(self, topic_filter: str, qos: int = 1) -> None:

@@ -7,12 +7,13 @@ import random
 import socket
 import ssl
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import aiomqtt
+import paho.mqtt.client as mqtt
 import structlog
 
 from powerd.transport.base import (
@@ -228,6 +229,22 @@ class MqttTransport(Transport):
             )
         except aiomqtt.MqttError as exc:
             raise TransportError(f"publish to {topic} failed: {exc}") from exc
+
+    async def publish_many(self, messages: Sequence[tuple[str, bytes]], qos: int = 1) -> int:
+        # aiomqtt's publish waits for each PUBACK in turn: 1,250 commands a tick would take
+        # 1,250 broker round trips. paho queues and sends them (QoS 1, retried) on its own;
+        # a command's real confirmation is the agent's ack.
+        client = self._client
+        if client is None:
+            raise TransportError(f"not connected ({self._state}); dropped {len(messages)} messages")
+        paho = client._client  # aiomqtt has no publish that does not wait
+        failed = 0
+        for topic, payload in messages:
+            check_topic(topic)
+            if paho.publish(topic, payload, qos, False).rc != mqtt.MQTT_ERR_SUCCESS:
+                failed += 1
+        await asyncio.sleep(0)  # let the loop start writing
+        return failed
 
     async def subscribe(self, topic_filter: str, qos: int = 1) -> None:
         check_filter(topic_filter)
