@@ -96,6 +96,8 @@ def main() -> None:
     for size in (int(s) for s in args.sizes.split(",")):
         for solver, warm in (("fast", "1"), ("fast", "0"), ("cvxpy", "0")):
             runs = args.runs if solver == "fast" or size < 50_000 else args.cvxpy_runs_100k
+            if runs < 1:
+                continue  # e.g. --cvxpy-runs-100k 0: skip the 15 s reference solve
             out = subprocess.run(
                 [sys.executable, __file__, "--worker", str(size), solver, str(runs), warm],
                 check=True,

@@ -210,6 +210,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         mock_seed=args.mock_seed,
         period_s=args.period,
         failsafe_w=args.failsafe_w,
+        metrics_port=args.metrics_port,
     )
     try:
         asyncio.run(run_agent_process(settings))
@@ -339,6 +340,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--failsafe-w",
         type=positive_float,
         help="failsafe cap per GPU before the first command (default: device min)",
+    )
+    agent.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve this node's Prometheus metrics on 127.0.0.1:PORT (default off)",
     )
     agent.add_argument("--config", help="settings file (.toml or .yaml); flags win over it")
     agent.set_defaults(handler=cmd_agent)

@@ -221,9 +221,6 @@ class Policy:
             spec=self.spec, source=self.source, groups=tuple(groups), profiles=self.profiles
         )
 
-    def group_index(self) -> dict[tuple[int, str], int]:
-        return {(g.level, g.name): i for i, g in enumerate(self.groups)}
-
 
 def expand_name(pattern: str) -> list[str]:
     """`a-n{01..03}` → [a-n01, a-n02, a-n03]; several ranges multiply. No range: [pattern]."""

@@ -7,12 +7,14 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
-from powerd.transport.mosquitto import LocalMosquitto
+from powerd.transport.mosquitto import LocalMosquitto, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +32,9 @@ def notify(tmp_path: Path) -> Iterator[tuple[socket.socket, str]]:
 
 
 def start(args: list[str], notify_path: str, tmp_path: Path, name: str) -> subprocess.Popen[bytes]:
-    env = os.environ | {"NOTIFY_SOCKET": notify_path, "WATCHDOG_USEC": "2000000"}
+    env = os.environ | (
+        {"NOTIFY_SOCKET": notify_path, "WATCHDOG_USEC": "2000000"} if notify_path else {}
+    )
     log = (tmp_path / f"{name}.log").open("wb")
     return subprocess.Popen(
         [sys.executable, "-m", "powerd.cli", "--log-format", "json", *args],
@@ -138,3 +142,40 @@ def test_controller_refuses_an_api_without_tokens(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     assert "tokens_file: the admin API needs a tokens file" in out.stderr
+
+
+def test_agent_serves_its_own_metrics(mosquitto: LocalMosquitto, tmp_path: Path) -> None:
+    port = free_port()
+    proc = start(
+        [
+            "agent",
+            "--node-id",
+            "n1",
+            "--broker",
+            mosquitto.url,
+            "--backend",
+            "mock",
+            "--period",
+            "0.3",
+            "--metrics-port",
+            str(port),
+        ],
+        "",
+        tmp_path,
+        "agent",
+    )
+    try:
+        text = ""
+        for _ in range(200):
+            try:
+                text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+            except httpx.TransportError:
+                text = ""
+            if "DCGM_FI_DEV_POWER_USAGE{" in text:
+                break
+            time.sleep(0.1)
+        assert 'Hostname="n1"' in text or 'node="n1"' in text
+        assert text.count("DCGM_FI_DEV_POWER_USAGE{") == 8
+        assert "powerd_agent_commands" in text
+    finally:
+        assert stop(proc) == 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Callable
 from typing import Literal
 
 import structlog
@@ -85,6 +86,9 @@ class Agent:
         self.seq = 0
         self.rejected: Counter[str] = Counter()
         self.unsent: Counter[str] = Counter()
+        self.commands = 0  # valid commands applied
+        self.caps_applied = 0  # per-GPU limits set successfully
+        self.on_telemetry: list[Callable[[NodeTelemetry], None]] = []  # e.g. metrics
         self.log = log.bind(node=self.node_id)
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -172,6 +176,7 @@ class Agent:
             self._reject("stale_tick", f"tick {cmd.tick} <= last applied {self.last_tick}")
             return
         ack = self._apply(cmd)
+        self.commands += 1
         await self._send("ack", self.topics.ack(self.node_id), ack, qos=1)
         await self._publish_status()
 
@@ -214,6 +219,7 @@ class Agent:
             )
             return GpuAck(requested_w=requested, error=exc.code)
         self.caps_w[uuid] = enforced
+        self.caps_applied += 1
         if abs(enforced - target) > CAP_TOLERANCE_W:
             self.log.warning("cap_overridden", gpu=uuid, watts=target, enforced_w=enforced)
             return GpuAck(requested_w=requested, enforced_w=enforced, error=AckError.OVERRIDDEN)
@@ -304,6 +310,11 @@ class Agent:
             state=_TELEMETRY_STATE[self.state],
         )
         self.seq += 1
+        for hook in self.on_telemetry:
+            try:
+                hook(msg)
+            except Exception:
+                self.log.exception("telemetry_hook_failed")
         await self._send("telemetry", self.topics.telemetry(self.node_id), msg, qos=0)
 
     async def _publish_status(self) -> None:

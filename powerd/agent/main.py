@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 import signal
 
+from prometheus_client import CollectorRegistry
+
 from powerd.agent.agent import Agent, build_backend, build_transport
 from powerd.agent.settings import AgentSettings
 from powerd.clock import Clock, SystemClock
+from powerd.metrics import AgentMetrics, MetricsServer, start_metrics_server
 from powerd.sdnotify import Notifier
 from powerd.transport import Transport
 from powerd.transport.base import cancel_and_wait
+from powerd.wire import NodeState, NodeTelemetry
 
 
 async def run_agent_process(settings: AgentSettings) -> None:
@@ -23,6 +27,7 @@ async def run_agent_process(settings: AgentSettings) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        server = _serve_metrics(agent, settings) if settings.metrics_port is not None else None
         notifier = Notifier()
         systemd = asyncio.create_task(_tell_systemd(notifier, transport, clock, settings))
         try:
@@ -30,6 +35,8 @@ async def run_agent_process(settings: AgentSettings) -> None:
         finally:
             await cancel_and_wait([systemd])
             notifier.stopping()
+            if server is not None:
+                server.close()
     finally:
         backend.close()
 
@@ -46,3 +53,32 @@ async def _tell_systemd(
     while True:
         notifier.watchdog()
         await clock.sleep(min(settings.period_s, notifier.watchdog_s or settings.period_s))
+
+
+def _serve_metrics(agent: Agent, settings: AgentSettings) -> MetricsServer:
+    """The node's own /metrics (GPUs and command handling), refreshed with each sample."""
+    registry = CollectorRegistry()
+    metrics = AgentMetrics(registry, agent.node_id)
+
+    def update(msg: NodeTelemetry) -> None:
+        gpus = msg.gpus
+        metrics.update_gpus(
+            uuids=[g.uuid for g in gpus],
+            index=[g.index for g in gpus],
+            power_w=[g.power_w for g in gpus],
+            enforced_w=[g.cap_w for g in gpus],
+            energy_j=[g.energy_j for g in gpus],
+            temp_c=[g.temp_c for g in gpus],
+            throttle=[g.throttle for g in gpus],
+            models=[g.name for g in gpus],
+        )
+        metrics.update_counters(
+            commands=agent.commands,
+            rejected=agent.rejected,
+            caps_applied=agent.caps_applied,
+            failsafe=agent.state is NodeState.FAILSAFE,
+        )
+
+    agent.on_telemetry.append(update)
+    assert settings.metrics_port is not None
+    return start_metrics_server(registry, settings.metrics_host, settings.metrics_port)

@@ -23,6 +23,10 @@ class AgentSettings(BrokerSettings):
     # device's minimum, the only cap known to fit any budget.
     failsafe_w: float | None = Field(default=None, gt=0, le=MAX_SANE_WATTS)
 
+    # Serve the agent's own Prometheus metrics here (None: off; dcgm-exporter uses 9400).
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+
     backend: Literal["nvml", "mock"] = "nvml"
     mock_gpus: int = Field(default=8, ge=0, le=MAX_GPUS_PER_NODE)
     mock_workload: Pattern = Pattern.TRAINING
