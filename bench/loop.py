@@ -92,32 +92,10 @@ def machine() -> dict[str, Any]:
     return {"nproc": os.cpu_count(), "cpu": model, "python": platform.python_version()}
 
 
-class BenchMosquitto(LocalMosquitto):
-    """The private broker with per-client queues sized for the simulator: its one connection
-    stands for every node, so Mosquitto's defaults (1,000 queued and 20 in-flight QoS 1
-    messages per client) would drop the commands a thousand separate agents would get."""
-
-    def start(self, timeout_s: float = 10.0) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.config_file.write_text(
-            f"listener {self.port} 127.0.0.1\n"
-            "allow_anonymous true\n"
-            "persistence false\n"
-            "set_tcp_nodelay true\n"
-            "max_queued_messages 0\n"
-            "max_inflight_messages 0\n"
-            "log_dest stderr\n"
-        )
-        with self.log_file.open("ab") as log:
-            self._proc = subprocess.Popen(
-                [self.binary, "-c", str(self.config_file)], stdout=log, stderr=log
-            )
-        deadline = time.monotonic() + timeout_s
-        while not self._accepts_connections():
-            if self._proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise SystemExit("mosquitto did not start: " + self.log_file.read_text()[-2000:])
-            time.sleep(0.02)
+# The broker's per-client queues sized for the simulator: its one connection stands for
+# every node, so Mosquitto's defaults (1,000 queued and 20 in-flight QoS 1 messages per
+# client) would drop the commands a thousand separate agents would get.
+BENCH_BROKER_LIMITS = "max_queued_messages 0\nmax_inflight_messages 0\n"
 
 
 class Run:
@@ -172,7 +150,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     write_policy(policy_file, args.gpus, args.tick)
     db = f"sqlite:///{workdir / 'powerd.db'}"
     upgrade(db)
-    with BenchMosquitto(workdir / "mosquitto") as broker:
+    with LocalMosquitto(workdir / "mosquitto", extra_config=BENCH_BROKER_LIMITS) as broker:
         assert broker._proc is not None
         sim = subprocess.Popen(
             [

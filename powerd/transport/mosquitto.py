@@ -22,8 +22,15 @@ def free_port() -> int:
 
 
 class LocalMosquitto:
-    def __init__(self, workdir: Path, port: int | None = None, binary: str = MOSQUITTO) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        port: int | None = None,
+        binary: str = MOSQUITTO,
+        extra_config: str = "",
+    ) -> None:
         self.workdir = workdir
+        self.extra_config = extra_config  # more mosquitto.conf lines (limits, ...)
         self.port = port or free_port()
         self.binary = binary
         self.config_file = workdir / "mosquitto.conf"
@@ -47,7 +54,7 @@ class LocalMosquitto:
             "allow_anonymous true\n"
             "persistence false\n"
             "set_tcp_nodelay true\n"
-            "log_dest stderr\n"
+            "log_dest stderr\n" + self.extra_config
         )
         with self.log_file.open("ab") as log:
             self._proc = subprocess.Popen(
