@@ -34,6 +34,12 @@ def configure_logging(fmt: LogFormat = "auto", level: str = "info") -> None:
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
         ),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # Look sys.stderr up at each write, not once: whoever replaces it later (pytest's
+        # capture, a daemon's redirection) must not leave the logger on a closed file.
+        logger_factory=_stderr_logger,
         cache_logger_on_first_use=False,
     )
+
+
+def _stderr_logger(*_args: object) -> structlog.PrintLogger:
+    return structlog.PrintLogger(sys.stderr)
