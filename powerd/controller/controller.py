@@ -84,6 +84,9 @@ class TickReport:
     nodes: list[str]
     classes: list[str]  # per GPU, as steered
     power_w: FloatArray
+    enforced_w: FloatArray  # the limit each GPU reported in force (telemetry read-back)
+    energy_j: FloatArray
+    temp_c: FloatArray
     targets_w: FloatArray
     sent_w: FloatArray  # NaN where the node got no command
     committed_w: FloatArray
@@ -486,6 +489,9 @@ class Controller:
             nodes=arrays.nodes,
             classes=[self.classes.names[i] for i in cls_idx.tolist()],
             power_w=arrays.power_w,
+            enforced_w=arrays.cap_w,
+            energy_j=arrays.energy_j,
+            temp_c=arrays.temp_c,
             targets_w=targets,
             sent_w=plan.sent_w,
             committed_w=plan.committed_w,
@@ -646,7 +652,7 @@ class Controller:
                 report.ts,
                 report.power_w.copy(),
                 report.committed_w.copy(),
-                np.array([self.fleet.gpus[u].energy_j for u in report.uuids]),
+                report.energy_j.copy(),
             )
             health = self.writer.health()
             # Before its first flush the writer is not yet "connected", but nothing failed.
