@@ -103,24 +103,3 @@ class Profile:
         below = self.throughput[0] - self.first_slope_per_w * (self.power_w[0] - p)
         out = np.where(p < self.power_w[0], np.maximum(below, 0.0), inside)
         return np.asarray(out, dtype=np.float64)
-
-    def segments(self, lo_w: float, hi_w: float) -> tuple[FloatArray, FloatArray]:
-        """Breakpoints and slopes of the curve restricted to [lo_w, hi_w].
-
-        Returns (starts, slopes): segment k covers [starts[k], starts[k+1]) (the last one
-        ends at hi_w) with slope slopes[k] per watt. Slopes are non-increasing.
-        """
-        knots = [lo_w]
-        knots.extend(float(x) for x in self.power_w if lo_w < x < hi_w)
-        starts = np.asarray(knots, dtype=np.float64)
-        ends = np.append(starts[1:], hi_w)
-        mid = 0.5 * (starts + ends)
-        slopes = np.asarray([self._slope_at(float(m)) for m in mid], dtype=np.float64)
-        return starts, slopes
-
-    def _slope_at(self, p: float) -> float:
-        if p < self.power_w[0]:
-            return self.first_slope_per_w
-        idx = int(np.searchsorted(self.power_w, p, side="right")) - 1
-        s = self.slopes_per_w
-        return float(s[idx]) if idx < s.size else 0.0

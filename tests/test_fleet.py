@@ -44,7 +44,6 @@ def test_arrays_follow_policy_order_and_mark_stale_gpus() -> None:
     assert list(arrays.stale) == [False, False, True, True]
     assert list(arrays.power_w) == [300, 300, 400, 400]
     assert arrays.workloads == ["inference", None, "inference", None]
-    assert fleet.live_nodes(now=16.0, stale_after_s=5.0) == [n1]
 
 
 def test_unknown_nodes_are_tracked_apart_and_never_enter_the_arrays() -> None:

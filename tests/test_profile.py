@@ -38,13 +38,6 @@ def test_dip_after_peak_is_flattened_and_noise_is_hulled() -> None:
     assert p.peak_w == 500
 
 
-def test_segments_cover_the_range_with_decreasing_slopes() -> None:
-    p = Profile.from_points("x", [[200, 0.4], [400, 0.8], [600, 1.0]])
-    starts, slopes = p.segments(150, 700)
-    assert list(starts) == [150, 200, 400, 600]
-    assert slopes == pytest.approx([0.002, 0.002, 0.001, 0.0])
-
-
 def test_below_first_point_extends_the_first_slope_and_reports_zero_floor() -> None:
     p = Profile.from_points("x", [[200, 0.4], [400, 0.8]])
     assert p.value(100) == pytest.approx(0.2)

@@ -174,11 +174,3 @@ class FleetState:
                 count=len(recs),
             ),
         )
-
-    def live_nodes(self, now: float, stale_after_s: float) -> list[str]:
-        """Nodes heard from recently, in policy order."""
-        return [
-            n.name
-            for n in sorted(self.nodes.values(), key=lambda n: self.node_order[n.name])
-            if n.seen_at is not None and now - n.seen_at <= stale_after_s
-        ]
