@@ -53,7 +53,7 @@ from powerd.api.models import (
 )
 from powerd.auth import Principal, Role, TokenStore
 from powerd.controller.controller import Controller, TickReport
-from powerd.controller.overrides import OverrideError
+from powerd.controller.overrides import NotFound, OverrideError
 from powerd.errors import InputError
 from powerd.metrics import exposition
 from powerd.policy import LEVELS, Policy
@@ -699,6 +699,25 @@ def create_app(
             )
         rejected(status, detail, problems)
 
+    async def write(
+        p: Principal,
+        action: str,
+        target: str,
+        reason: str,
+        change: Callable[[], object],
+        field: str | None = None,
+    ) -> WriteOut:
+        """Apply one change through the controller, which validates it: what it does not know
+        is a 404, what it refuses a 422 (naming `field`), and either is audited."""
+        try:
+            change()
+        except NotFound as exc:
+            await refuse(p, action, target, reason, 404, str(exc))
+        except OverrideError as exc:
+            problems = [(field, str(exc))] if field else []
+            await refuse(p, action, target, reason, 422, str(exc), problems)
+        return done(action, target)
+
     @app.put(
         f"{V1}/budgets/{{group}}",
         response_model=WriteOut,
@@ -708,28 +727,24 @@ def create_app(
     async def set_budget(group: str, body: BudgetIn, p: Operator) -> WriteOut:
         """Lower a group's budget for a while (a grid demand-response event). A temporary
         budget can only lower: the policy's budget is the breaker or contract rating."""
-        limits = {g.name: g.budget_w for g in controller.policy.groups}
-        if group not in limits:
-            await refuse(p, "budget.set", group, body.reason, 404, f"unknown group '{group}'")
-        if body.budget_w > limits[group]:
-            why = f"{body.budget_w:g} W is above the policy's {limits[group]:g} W"
-            why += "; a temporary budget can only lower"
-            await refuse(p, "budget.set", group, body.reason, 422, why, [("budget_w", why)])
         expires_at = body.expires_at
         if body.ttl_s is not None:
             expires_at = controller.clock.wall() + body.ttl_s
-        try:
-            controller.set_budget(
+        return await write(
+            p,
+            "budget.set",
+            group,
+            body.reason,
+            lambda: controller.set_budget(
                 group,
                 body.budget_w,
                 expires_at=expires_at,
                 actor=p.name,
                 reason=body.reason,
                 role=p.role.label,
-            )
-        except OverrideError as exc:
-            await refuse(p, "budget.set", group, body.reason, 422, str(exc))
-        return done("budget.set", group)
+            ),
+            field="budget_w",
+        )
 
     @app.delete(
         f"{V1}/budgets/{{group}}",
@@ -739,11 +754,13 @@ def create_app(
     )
     async def clear_budget(group: str, reason: ReasonQuery, p: Operator) -> WriteOut:
         """End a temporary budget now (the policy's applies from the next tick)."""
-        if group not in controller.overrides.budgets:
-            why = f"no temporary budget on '{group}'"
-            await refuse(p, "budget.clear", group, reason, 404, why)
-        controller.clear_budget(group, actor=p.name, reason=reason, role=p.role.label)
-        return done("budget.clear", group)
+        return await write(
+            p,
+            "budget.clear",
+            group,
+            reason,
+            lambda: controller.clear_budget(group, actor=p.name, reason=reason, role=p.role.label),
+        )
 
     @app.post(
         f"{V1}/classes/assign",
@@ -754,18 +771,20 @@ def create_app(
     async def assign_class(body: ClassAssignIn, p: Operator) -> WriteOut:
         """Steer GPUs or whole nodes as a workload class (a scheduler's job prolog)."""
         target = ",".join(body.uuids + body.nodes)
-        try:
-            controller.assign_class(
+        return await write(
+            p,
+            "class.assign",
+            target,
+            body.reason,
+            lambda: controller.assign_class(
                 body.class_,
                 uuids=body.uuids,
                 nodes=body.nodes,
                 actor=p.name,
                 reason=body.reason,
                 role=p.role.label,
-            )
-        except OverrideError as exc:
-            await refuse(p, "class.assign", target, body.reason, 422, str(exc))
-        return done("class.assign", target)
+            ),
+        )
 
     @app.post(
         f"{V1}/classes/clear",
@@ -788,13 +807,16 @@ def create_app(
     )
     async def pin(uuid: str, body: PinIn, p: Operator) -> WriteOut:
         """Hold one GPU at a fixed cap (within its limits) until unpinned."""
-        if uuid not in controller.fleet.gpus:
-            await refuse(p, "gpu.pin", uuid, body.reason, 404, f"unknown GPU '{uuid}'")
-        try:
-            controller.pin(uuid, body.watts, actor=p.name, reason=body.reason, role=p.role.label)
-        except OverrideError as exc:
-            await refuse(p, "gpu.pin", uuid, body.reason, 422, str(exc), [("watts", str(exc))])
-        return done("gpu.pin", uuid)
+        return await write(
+            p,
+            "gpu.pin",
+            uuid,
+            body.reason,
+            lambda: controller.pin(
+                uuid, body.watts, actor=p.name, reason=body.reason, role=p.role.label
+            ),
+            field="watts",
+        )
 
     @app.delete(
         f"{V1}/gpus/{{uuid}}/pin",
@@ -803,10 +825,13 @@ def create_app(
         responses=WRITE_ERRORS,
     )
     async def unpin(uuid: str, reason: ReasonQuery, p: Operator) -> WriteOut:
-        if uuid not in controller.overrides.pins:
-            await refuse(p, "gpu.unpin", uuid, reason, 404, f"GPU '{uuid}' is not pinned")
-        controller.unpin(uuid, actor=p.name, reason=reason, role=p.role.label)
-        return done("gpu.unpin", uuid)
+        return await write(
+            p,
+            "gpu.unpin",
+            uuid,
+            reason,
+            lambda: controller.unpin(uuid, actor=p.name, reason=reason, role=p.role.label),
+        )
 
     @app.put(
         f"{V1}/nodes/{{node}}/drain",
@@ -816,10 +841,13 @@ def create_app(
     )
     async def drain(node: str, body: ReasonIn, p: Operator) -> WriteOut:
         """Hold every GPU of a node at its minimum (maintenance, a suspect PSU)."""
-        if node not in controller.fleet.node_order:
-            await refuse(p, "node.drain", node, body.reason, 404, f"unknown node '{node}'")
-        controller.drain(node, actor=p.name, reason=body.reason, role=p.role.label)
-        return done("node.drain", node)
+        return await write(
+            p,
+            "node.drain",
+            node,
+            body.reason,
+            lambda: controller.drain(node, actor=p.name, reason=body.reason, role=p.role.label),
+        )
 
     @app.delete(
         f"{V1}/nodes/{{node}}/drain",
@@ -828,10 +856,13 @@ def create_app(
         responses=WRITE_ERRORS,
     )
     async def undrain(node: str, reason: ReasonQuery, p: Operator) -> WriteOut:
-        if node not in controller.overrides.drained:
-            await refuse(p, "node.undrain", node, reason, 404, f"node '{node}' is not drained")
-        controller.undrain(node, actor=p.name, reason=reason, role=p.role.label)
-        return done("node.undrain", node)
+        return await write(
+            p,
+            "node.undrain",
+            node,
+            reason,
+            lambda: controller.undrain(node, actor=p.name, reason=reason, role=p.role.label),
+        )
 
     @app.put(
         f"{V1}/policy",

@@ -25,7 +25,7 @@ from powerd.allocator import Allocation, ClassTable, Fleet, Tree, allocate_array
 from powerd.allocator.api import group_values
 from powerd.clock import Clock
 from powerd.controller.fleet import FleetArrays, FleetState
-from powerd.controller.overrides import BudgetOverride, OverrideError, Overrides
+from powerd.controller.overrides import BudgetOverride, NotFound, OverrideError, Overrides
 from powerd.policy import LEVELS, Policy, load_policy_text
 from powerd.safety import Fleet as SafetyFleet
 from powerd.safety import SafePlan, SafetyPlanner
@@ -267,7 +267,7 @@ class Controller:
     ) -> None:
         rec = self.fleet.gpus.get(uuid)
         if rec is None:
-            raise OverrideError(f"unknown GPU '{uuid}'")
+            raise NotFound(f"unknown GPU '{uuid}'")
         if not rec.min_cap_w <= watts <= rec.max_cap_w:
             raise OverrideError(
                 f"{watts:g} W is outside the GPU's limits [{rec.min_cap_w:g}, {rec.max_cap_w:g}] W"
@@ -277,18 +277,18 @@ class Controller:
 
     def unpin(self, uuid: str, *, actor: str, reason: str, role: str = "operator") -> None:
         if self.overrides.pins.pop(uuid, None) is None:
-            raise OverrideError(f"GPU '{uuid}' is not pinned")
+            raise NotFound(f"GPU '{uuid}' is not pinned")
         self._audit(actor, role, "gpu.unpin", uuid, reason, {})
 
     def drain(self, node: str, *, actor: str, reason: str, role: str = "operator") -> None:
         if node not in self.fleet.node_order:
-            raise OverrideError(f"unknown node '{node}'")
+            raise NotFound(f"unknown node '{node}'")
         self.overrides.drained.add(node)
         self._audit(actor, role, "node.drain", node, reason, {})
 
     def undrain(self, node: str, *, actor: str, reason: str, role: str = "operator") -> None:
         if node not in self.overrides.drained:
-            raise OverrideError(f"node '{node}' is not drained")
+            raise NotFound(f"node '{node}' is not drained")
         self.overrides.drained.discard(node)
         self._audit(actor, role, "node.undrain", node, reason, {})
 

@@ -18,7 +18,11 @@ log = structlog.get_logger(__name__)
 
 
 class OverrideError(ValueError):
-    """An override that cannot apply (unknown group, class or GPU, value out of range)."""
+    """An override that cannot apply (unknown class, value out of range, ...)."""
+
+
+class NotFound(OverrideError):
+    """The override names a group, node or GPU that does not exist, or nothing to undo."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,7 @@ class Overrides:
         groups = {g.name: g for g in policy.groups}
         group = groups.get(override.group)
         if group is None:
-            raise OverrideError(f"unknown group '{override.group}'")
+            raise NotFound(f"unknown group '{override.group}'")
         if not override.budget_w > 0:
             raise OverrideError("budget_w must be greater than 0")
         if override.budget_w > group.budget_w:
@@ -59,7 +63,7 @@ class Overrides:
         try:
             return self.budgets.pop(group)
         except KeyError:
-            raise OverrideError(f"no temporary budget on '{group}'") from None
+            raise NotFound(f"no temporary budget on '{group}'") from None
 
     def active_budgets(self, policy: Policy, now_wall: float) -> dict[str, float]:
         """Budgets in force by group name: the lower of the policy's and the override's.
