@@ -18,7 +18,6 @@ import structlog
 
 from powerd.argtypes import positive_float
 from powerd.errors import InputError
-from powerd.logs import configure_logging
 from powerd.policy import load_policy
 from powerd.sim.engine import POLICIES, STATIC
 from powerd.sim.report import Report, text, to_json, write_outputs
@@ -252,13 +251,10 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m powerd.sim.cli ...`: the same as `powerd sim ...`, without the top-level CLI."""
-    configure_logging("auto", "warning")
-    parser = argparse.ArgumentParser(prog="powerd")
-    add_sim_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["sim", *(sys.argv[1:] if argv is None else argv)])
-    handler: Any = args.handler
-    return int(handler(args))
+    """`python -m powerd.sim.cli ...`: the same as `powerd sim ...`."""
+    from powerd.cli import main as powerd_main  # powerd.cli imports this module
+
+    return powerd_main(["sim", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
