@@ -12,8 +12,9 @@ the wire protocol exactly as `powerd agent` does, from one connection:
 - every `CapCommand` is validated (`powerd.wire.decode`, as the agent does), its caps
   clamped to the device limits and applied to the model, and answered with a `CapAck`
   (QoS 1) carrying the enforced caps, then the node's retained `NodeStatus` (QoS 1), as the
-  agent does after every command. Acks of different nodes go out concurrently, as separate
-  agents' would;
+  agent does after every command. The answers to every command read in one pass go to the
+  client in one batch, without waiting for each PUBACK, as separate agents would not wait
+  for each other;
 - a command whose tick is not above the node's last one is dropped (`stale_tick`).
 
 Not simulated: the lease and failsafe (the bench's controller never stops), NVML latency.
@@ -88,6 +89,8 @@ class FleetSim:
             "publish_failed": 0,
         }
         self._pending: set[asyncio.Task[None]] = set()
+        self._acks: list[tuple[str, bytes]] = []  # answers not yet handed to the client
+        self._statuses: list[tuple[str, bytes]] = []
 
     # -- telemetry -----------------------------------------------------------------------
 
@@ -157,9 +160,13 @@ class FleetSim:
         next_at = time.monotonic()
         while True:
             for c in range(CHUNKS):
-                for topic, payload in self.telemetry_payloads(range(bounds[c], bounds[c + 1])):
-                    await self._publish(topic, payload, 0)
-                    self.counts["telemetry"] += 1
+                batch = self.telemetry_payloads(range(bounds[c], bounds[c + 1]))
+                try:
+                    failed = await self.transport.publish_many(batch, qos=0)
+                except TransportError:
+                    failed = len(batch)
+                self.counts["publish_failed"] += failed
+                self.counts["telemetry"] += len(batch) - failed
                 next_at += slot
                 await asyncio.sleep(max(0.0, next_at - time.monotonic()))
 
@@ -214,17 +221,31 @@ class FleetSim:
             "agent_version": "fleetsim",
             "caps_w": caps,
         }
-        task = asyncio.create_task(
-            self._answer(node, json.dumps(ack).encode(), json.dumps(status).encode())
-        )
+        self._acks.append((TOPICS.ack(node), json.dumps(ack).encode()))
+        self._statuses.append((TOPICS.status(node), json.dumps(status).encode()))
+        if len(self._acks) == 1:
+            # Commands arrive in a burst: answer every one read in this pass in one batch.
+            asyncio.get_running_loop().call_soon(self._flush_answers)
+
+    def _flush_answers(self) -> None:
+        acks, statuses = self._acks, self._statuses
+        self._acks, self._statuses = [], []
+        task = asyncio.create_task(self._answer(acks, statuses))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _answer(self, node: str, ack: bytes, status: bytes) -> None:
-        await self._publish(TOPICS.ack(node), ack, 1)
-        self.counts["acks"] += 1
-        await self._publish(TOPICS.status(node), status, 1, retain=True)
-        self.counts["statuses"] += 1
+    async def _answer(
+        self, acks: list[tuple[str, bytes]], statuses: list[tuple[str, bytes]]
+    ) -> None:
+        # Handed to the client without awaiting each PUBACK, as separate agents would not
+        # wait for each other: the ack of every node goes before any status, as in the agent.
+        for batch, kind, retain in ((acks, "acks", False), (statuses, "statuses", True)):
+            try:
+                failed = await self.transport.publish_many(batch, qos=1, retain=retain)
+            except TransportError:
+                failed = len(batch)
+            self.counts["publish_failed"] += failed
+            self.counts[kind] += len(batch) - failed
 
     async def _publish(self, topic: str, payload: bytes, qos: int, retain: bool = False) -> None:
         try:

@@ -121,14 +121,16 @@ class Transport(ABC):
     async def publish(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False) -> None:
         """Send one message; TransportError when it cannot be handed to the broker."""
 
-    async def publish_many(self, messages: Sequence[tuple[str, bytes]], qos: int = 1) -> int:
+    async def publish_many(
+        self, messages: Sequence[tuple[str, bytes]], qos: int = 1, retain: bool = False
+    ) -> int:
         """Hand a batch to the broker without waiting for each acknowledgement in turn;
         returns how many could not be handed over. Delivery is QoS's business: what the
         sender needs to know (the cap was applied) comes back in the receiver's own reply."""
         failed = 0
         for topic, payload in messages:
             try:
-                await self.publish(topic, payload, qos=qos)
+                await self.publish(topic, payload, qos=qos, retain=retain)
             except TransportError:
                 failed += 1
         return failed
