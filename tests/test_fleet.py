@@ -65,3 +65,30 @@ def test_gpu_set_changes_bump_the_version_and_status_caps_are_kept() -> None:
     fleet.ingest_status(NodeStatus(node_id=node, state=NodeState.FAILSAFE, caps_w={"a": 300}))
     assert fleet.nodes[node].state is NodeState.FAILSAFE
     assert fleet.nodes[node].status_caps_w == {"a": 300}
+
+
+def test_a_policy_without_a_node_forgets_its_gpus_and_keeps_the_others_samples() -> None:
+    policy = load_policy(EXAMPLE)
+    fleet = FleetState(policy)
+    n1, n2 = "row-1-rack-1-node-01", "row-1-rack-1-node-02"
+    fleet.ingest_telemetry(telemetry(n1, ["a", "b"], power=300), now=1.0)
+    fleet.ingest_telemetry(telemetry(n2, ["c"], power=450), now=2.0)
+    others = [name for name in policy.node_names() if name != n1]
+    fleet.set_policy(policy.subset(others))
+    arrays = fleet.arrays(now=3.0, stale_after_s=5.0)
+    assert arrays.uuids == ["c"]
+    assert list(arrays.power_w) == [450]
+    assert list(arrays.age_s) == [1.0]
+    assert set(fleet.gpus) == {"c"}
+
+
+def test_a_gpu_index_change_reorders_the_arrays() -> None:
+    fleet = FleetState(load_policy(EXAMPLE))
+    node = "row-1-rack-1-node-01"
+    fleet.ingest_telemetry(telemetry(node, ["a", "b"]), now=1.0)
+    assert fleet.arrays(now=1.0, stale_after_s=5.0).uuids == ["a", "b"]
+    swapped = telemetry(node, ["b", "a"], seq=1)
+    fleet.ingest_telemetry(swapped, now=2.0)
+    arrays = fleet.arrays(now=2.0, stale_after_s=5.0)
+    assert arrays.uuids == ["b", "a"]
+    assert arrays.workloads == ["inference", None]

@@ -36,8 +36,8 @@ class _LiveThrottle(Sequence[list[str]]):
     def __getitem__(self, i: slice) -> Sequence[list[str]]: ...
     def __getitem__(self, i: int | slice) -> list[str] | Sequence[list[str]]:
         if isinstance(i, slice):
-            return [r.throttle for r in self._recs[i]]
-        return self._recs[i].throttle
+            return [r.sample.throttle for r in self._recs[i]]
+        return self._recs[i].sample.throttle
 
 
 def metrics_hook(controller: Controller, metrics: ControllerMetrics) -> TickHook:
@@ -53,7 +53,7 @@ def metrics_hook(controller: Controller, metrics: ControllerMetrics) -> TickHook
                 uuids=r.uuids,
                 recs=recs,
                 index=np.array([g.index for g in recs], dtype=np.int64),
-                models=[g.name for g in recs],
+                models=[g.sample.name for g in recs],
                 throttle=_LiveThrottle(recs),
             )
         recs = shape["recs"]

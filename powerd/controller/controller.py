@@ -268,10 +268,9 @@ class Controller:
         rec = self.fleet.gpus.get(uuid)
         if rec is None:
             raise NotFound(f"unknown GPU '{uuid}'")
-        if not rec.min_cap_w <= watts <= rec.max_cap_w:
-            raise OverrideError(
-                f"{watts:g} W is outside the GPU's limits [{rec.min_cap_w:g}, {rec.max_cap_w:g}] W"
-            )
+        lo, hi = rec.sample.min_cap_w, rec.sample.max_cap_w
+        if not lo <= watts <= hi:
+            raise OverrideError(f"{watts:g} W is outside the GPU's limits [{lo:g}, {hi:g}] W")
         self.overrides.pins[uuid] = watts
         self._audit(actor, role, "gpu.pin", uuid, reason, {"watts": watts})
 
@@ -362,8 +361,8 @@ class Controller:
         # Telemetry already heard for GPUs new to the planner teaches it their caps now.
         by_node: dict[str, dict[str, float]] = {}
         for g in self.fleet.gpus.values():
-            if g.error is None:
-                by_node.setdefault(g.node, {})[g.uuid] = g.cap_w
+            if g.sample.error is None:
+                by_node.setdefault(g.node, {})[g.uuid] = g.sample.cap_w
         for node, caps in by_node.items():
             rec = self.fleet.nodes[node]
             self.planner.on_telemetry(
@@ -394,9 +393,9 @@ class Controller:
                     uuid=r.uuid,
                     node=r.node,
                     index=r.index,
-                    name=r.name,
-                    min_cap_w=r.min_cap_w,
-                    max_cap_w=r.max_cap_w,
+                    name=r.sample.name,
+                    min_cap_w=r.sample.min_cap_w,
+                    max_cap_w=r.sample.max_cap_w,
                 )
                 for r in recs
             ]
