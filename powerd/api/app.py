@@ -445,7 +445,7 @@ def create_app(
             if class_ is not None and cls != class_:
                 continue
             age = max(0.0, now - rec.seen_at)
-            stale = age > stale_after or rec.sample.error is not None
+            stale = age > stale_after or rec.error is not None
             if (
                 state is not None
                 and not {
@@ -467,21 +467,21 @@ def create_app(
                     row=places.row.get(rec.node),
                     rack=places.rack.get(rec.node),
                     index=rec.index,
-                    name=rec.sample.name,
+                    name=rec.name,
                     class_=cls,
                     state="stale" if stale else "ok",
                     pinned_w=over.pins.get(rec.uuid),
                     drained=rec.node in over.drained,
-                    power_w=rec.sample.power_w,
-                    cap_w=rec.sample.cap_w,
+                    power_w=rec.power_w,
+                    cap_w=rec.cap_w,
                     target_w=None if tick is None else _nan_none(float(tick.targets_w[i])),
                     sent_w=None if tick is None else _nan_none(float(tick.sent_w[i])),
                     committed_w=None if tick is None else _nan_none(float(tick.committed_w[i])),
-                    min_cap_w=rec.sample.min_cap_w,
-                    max_cap_w=rec.sample.max_cap_w,
-                    temp_c=rec.sample.temp_c,
-                    util_pct=rec.sample.util_pct,
-                    throttle=list(rec.sample.throttle),
+                    min_cap_w=rec.min_cap_w,
+                    max_cap_w=rec.max_cap_w,
+                    temp_c=rec.temp_c,
+                    util_pct=rec.util_pct,
+                    throttle=list(rec.throttle),
                     age_s=age,
                 )
             )

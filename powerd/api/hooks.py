@@ -20,7 +20,7 @@ from powerd.sdnotify import Notifier
 TickHook = Callable[[TickReport], None]
 
 
-class _LiveThrottle(Sequence[list[str]]):
+class _LiveThrottle(Sequence[tuple[str, ...]]):
     """Each GPU's throttle reasons, read from its record when Prometheus scrapes: building
     10k lists every tick would cost more than everything else the hook does."""
 
@@ -31,13 +31,13 @@ class _LiveThrottle(Sequence[list[str]]):
         return len(self._recs)
 
     @overload
-    def __getitem__(self, i: int) -> list[str]: ...
+    def __getitem__(self, i: int) -> tuple[str, ...]: ...
     @overload
-    def __getitem__(self, i: slice) -> Sequence[list[str]]: ...
-    def __getitem__(self, i: int | slice) -> list[str] | Sequence[list[str]]:
+    def __getitem__(self, i: slice) -> Sequence[tuple[str, ...]]: ...
+    def __getitem__(self, i: int | slice) -> tuple[str, ...] | Sequence[tuple[str, ...]]:
         if isinstance(i, slice):
-            return [r.sample.throttle for r in self._recs[i]]
-        return self._recs[i].sample.throttle
+            return [r.throttle for r in self._recs[i]]
+        return self._recs[i].throttle
 
 
 def metrics_hook(controller: Controller, metrics: ControllerMetrics) -> TickHook:
@@ -53,7 +53,7 @@ def metrics_hook(controller: Controller, metrics: ControllerMetrics) -> TickHook
                 uuids=r.uuids,
                 recs=recs,
                 index=np.array([g.index for g in recs], dtype=np.int64),
-                models=[g.sample.name for g in recs],
+                models=[g.name for g in recs],
                 throttle=_LiveThrottle(recs),
             )
         recs = shape["recs"]

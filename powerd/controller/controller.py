@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import math
 import time
 from collections import Counter, deque
@@ -82,7 +83,9 @@ class TickReport:
     over: BoolArray  # per group: load above budget (a cut not yet obeyed)
     uuids: list[str]
     nodes: list[str]
-    classes: list[str]  # per GPU, as steered
+    # Per GPU, as steered. A tuple: the history keeps 600 reports, and a tuple of strings
+    # leaves the garbage collector's view where a list would be walked at every collection.
+    classes: tuple[str, ...]
     power_w: FloatArray
     enforced_w: FloatArray  # the limit each GPU reported in force (telemetry read-back)
     energy_j: FloatArray
@@ -268,9 +271,10 @@ class Controller:
         rec = self.fleet.gpus.get(uuid)
         if rec is None:
             raise NotFound(f"unknown GPU '{uuid}'")
-        lo, hi = rec.sample.min_cap_w, rec.sample.max_cap_w
-        if not lo <= watts <= hi:
-            raise OverrideError(f"{watts:g} W is outside the GPU's limits [{lo:g}, {hi:g}] W")
+        if not rec.min_cap_w <= watts <= rec.max_cap_w:
+            raise OverrideError(
+                f"{watts:g} W is outside the GPU's limits [{rec.min_cap_w:g}, {rec.max_cap_w:g}] W"
+            )
         self.overrides.pins[uuid] = watts
         self._audit(actor, role, "gpu.pin", uuid, reason, {"watts": watts})
 
@@ -361,8 +365,8 @@ class Controller:
         # Telemetry already heard for GPUs new to the planner teaches it their caps now.
         by_node: dict[str, dict[str, float]] = {}
         for g in self.fleet.gpus.values():
-            if g.sample.error is None:
-                by_node.setdefault(g.node, {})[g.uuid] = g.sample.cap_w
+            if g.error is None:
+                by_node.setdefault(g.node, {})[g.uuid] = g.cap_w
         for node, caps in by_node.items():
             rec = self.fleet.nodes[node]
             self.planner.on_telemetry(
@@ -393,9 +397,9 @@ class Controller:
                     uuid=r.uuid,
                     node=r.node,
                     index=r.index,
-                    name=r.sample.name,
-                    min_cap_w=r.sample.min_cap_w,
-                    max_cap_w=r.sample.max_cap_w,
+                    name=r.name,
+                    min_cap_w=r.min_cap_w,
+                    max_cap_w=r.max_cap_w,
                 )
                 for r in recs
             ]
@@ -486,7 +490,7 @@ class Controller:
             over=over,
             uuids=arrays.uuids,
             nodes=arrays.nodes,
-            classes=[self.classes.names[i] for i in cls_idx.tolist()],
+            classes=tuple([self.classes.names[i] for i in cls_idx.tolist()]),
             power_w=arrays.power_w,
             enforced_w=arrays.cap_w,
             energy_j=arrays.energy_j,
@@ -756,8 +760,12 @@ class Controller:
         await self.transport.wait_connected()
         await self.clock.sleep(control.stale_after_s if learn_s is None else learn_s)
         next_at = self.clock.monotonic()
+        frozen: tuple[int, int] | None = None
         while not stop.is_set():
             await self.tick_once()
+            if self._shape is not None and self._shape.version != frozen:
+                frozen = self._shape.version
+                _freeze_heap()
             tick_s = self.policy.control.tick_s
             next_at += tick_s
             now = self.clock.monotonic()
@@ -765,6 +773,16 @@ class Controller:
                 log.warning("tick_overrun", late_s=round(now - next_at, 3))
                 next_at = now
             await self.clock.sleep(next_at - now)
+
+
+def _freeze_heap() -> None:
+    """Move what the fleet's shape built (records, columns, topology, planner state) out of
+    the garbage collector's sight, after the tick it was built for: at 10k GPUs a full
+    collection walked it all several times a minute, ~100 ms each, pausing ticks."""
+    t0 = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    log.debug("heap_frozen", objects=gc.get_freeze_count(), ms=(time.perf_counter() - t0) * 1e3)
 
 
 def _push_up(topology: Topology, per_group: FloatArray) -> FloatArray:
