@@ -6,8 +6,9 @@ A private Mosquitto runs on a free port, and bench/fleetsim.py, in a separate pr
 every node (telemetry each period, a CapAck and a NodeStatus for every command). After the
 fleet is known and a warm-up, it measures for `--duration` seconds:
 
-- per tick, `TickReport.duration_ms`: tick start → last CapCommand handed to the broker
-  (QoS 1: acknowledged by it), with its parts: solve, safety plan, publish;
+- per tick, `TickReport.duration_ms`: tick start → last CapCommand handed to the MQTT
+  client, with its parts: solve, safety plan, publish; and tick start → the last command
+  written to the socket (the client's write queue empty);
 - the controller process's CPU (user + system, all threads: the store writer included) as a
   percentage of one core, and its peak RSS;
 - the CPU of Mosquitto and of the fleet simulator, to show what else the machine carried;
@@ -35,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import paho.mqtt.client as mqtt
 import yaml
 
 from powerd.clock import SystemClock
@@ -133,6 +135,52 @@ class Run:
                 self.publish_ms.append((time.perf_counter() - t0) * 1000.0)
 
         self.controller.publish_plan = timed_publish  # type: ignore[method-assign]
+        # Tick start → the last command written to the socket. publish_many hands the batch
+        # to paho, which sends at most 20 QoS 1 messages ahead of the broker's PUBACKs (its
+        # default window) and writes when the event loop finds the socket writable. The
+        # moment measured: paho's write queue is empty and the tick's last command has left
+        # the "queued" state (it is written, or already acknowledged).
+        self.written_ms: list[float] = []
+        self.unwritten_ticks = 0  # measured ticks whose last command was not written in time
+        self._tick_t0 = 0.0
+        self._last_mid: int | None = None
+        self._paho: Any = None
+        inner_tick = self.controller.tick_once
+
+        async def timed_tick() -> TickReport:
+            if self._last_mid is not None:
+                self.unwritten_ticks += 1
+            self._tick_t0 = time.perf_counter()
+            report = await inner_tick()
+            if self.measuring and self._paho is not None:
+                self._last_mid = next(reversed(self._paho._out_messages), None)
+                self._check_written()
+            return report
+
+        self.controller.tick_once = timed_tick  # type: ignore[method-assign]
+
+    def _check_written(self) -> None:
+        mid = self._last_mid
+        if mid is None or self._paho._out_packet:
+            return
+        msg = self._paho._out_messages.get(mid)
+        if msg is None or msg.state != mqtt.mqtt_ms_queued:
+            self._last_mid = None
+            self.written_ms.append((time.perf_counter() - self._tick_t0) * 1000.0)
+
+    def watch_writes(self) -> None:
+        """Hook paho's "write queue empty" callback (once connected; no reconnection here)."""
+        client = self.transport._client
+        assert client is not None
+        paho = self._paho = client._client
+        inner = paho.on_socket_unregister_write
+
+        def unregistered(c: Any, userdata: Any, sock: Any) -> None:
+            if inner is not None:
+                inner(c, userdata, sock)
+            self._check_written()
+
+        paho.on_socket_unregister_write = unregistered
 
     def _on_tick(self, report: TickReport) -> None:
         self.last = report
@@ -195,6 +243,7 @@ async def measure(
             raise SystemExit("the controller never steered the whole fleet")
         await asyncio.sleep(0.1)
     print(f"steering {run.n_gpus} GPUs; warming up", file=sys.stderr, flush=True)
+    run.watch_writes()
     await asyncio.sleep(args.warmup)
     counters = run.controller.counters
     profiler = cProfile.Profile() if args.profile else None
@@ -227,10 +276,19 @@ async def measure(
         "tick_s": args.tick,
         "measured_s": round(wall, 1),
         "ticks": len(reports),
+        "tick_ms_all": [round(r.duration_ms, 1) for r in reports],
         "tick_ms": {"median": statistics.median(dur), "p99": pct(dur, 99), "max": max(dur)},
         "solve_ms_median": statistics.median(r.solve_ms for r in reports),
         "plan_ms_median": statistics.median(r.plan_ms for r in reports),
         "publish_ms": {"median": statistics.median(run.publish_ms), "p99": pct(run.publish_ms, 99)},
+        "written_ms": {
+            "ticks": len(run.written_ms),
+            "not_written_before_next_tick": run.unwritten_ticks,
+            "median": statistics.median(run.written_ms) if run.written_ms else float("nan"),
+            "p99": pct(run.written_ms, 99),
+            "max": max(run.written_ms, default=float("nan")),
+            "all": [round(v, 1) for v in run.written_ms],
+        },
         "controller_cpu_pct": 100 * ctl_cpu / wall,
         "controller_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "broker_cpu_pct": 100 * broker_cpu / wall,
@@ -255,6 +313,11 @@ def show(r: dict[str, Any]) -> None:
     print(
         f"  tick start → last cap published: median {t['median']:.1f} ms, "
         f"p99 {t['p99']:.1f} ms, max {t['max']:.1f} ms"
+    )
+    w = r["written_ms"]
+    print(
+        f"  tick start → last cap written to the socket: median {w['median']:.1f} ms, "
+        f"p99 {w['p99']:.1f} ms, max {w['max']:.1f} ms ({w['ticks']} ticks)"
     )
     print(
         f"    solve {r['solve_ms_median']:.1f} ms, plan {r['plan_ms_median']:.1f} ms, publish "
