@@ -78,7 +78,15 @@ class FleetSim:
         self.last_tick = [-1] * len(nodes)
         self.seq = [0] * len(nodes)
         self.transport = MqttTransport(
-            MqttConfig.from_url(broker, client_id="powerd-fleetsim", max_queued_messages=100_000)
+            # One connection answers for every node: with paho's window of 20 QoS 1 messages
+            # ahead of the broker's PUBACKs, 2,500 answers a second at 10k GPUs fell behind
+            # (and wrapped paho's 16-bit message ids); each real agent has a window of its own.
+            MqttConfig.from_url(
+                broker,
+                client_id="powerd-fleetsim",
+                max_queued_messages=100_000,
+                max_inflight_messages=200,
+            )
         )
         self.counts = {
             "telemetry": 0,

@@ -51,6 +51,8 @@ class MqttConfig:
     reconnect_min_s: float = 0.5
     reconnect_max_s: float = 30.0
     max_queued_messages: int = 10_000
+    # QoS 1 messages sent ahead of the broker's acknowledgements (paho's default; 0: no limit).
+    max_inflight_messages: int = 20
 
     @classmethod
     def from_url(
@@ -199,6 +201,7 @@ class MqttTransport(Transport):
             keepalive=c.keepalive_s,
             timeout=c.timeout_s,
             tls_context=self._ssl,
+            max_inflight_messages=c.max_inflight_messages,
             # Commands and acks are small and urgent: no Nagle delay (~40 ms with delayed ACKs).
             socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
         )
