@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
+import socket
 import ssl
 import sys
 from typing import Any
@@ -24,7 +25,7 @@ from powerd.transport import (
 )
 from powerd.transport.base import check_filter
 from powerd.transport.mosquitto import LocalMosquitto
-from powerd.transport.mqtt import backoff_delay
+from powerd.transport.mqtt import _ReadBuffer, backoff_delay
 
 
 @pytest.mark.parametrize(
@@ -259,3 +260,22 @@ async def test_mqtt_starts_without_a_broker_and_connects_when_it_comes(
         await asyncio.wait_for(t.wait_connected(), 10)
         await t.publish("a/b", b"hello", qos=1)
         assert await next_message(t) == Message("a/b", b"hello")
+
+
+def test_read_buffer_serves_small_reads_from_one_read_and_reports_what_it_holds() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        b.setblocking(False)
+        buf = _ReadBuffer(b)
+        a.sendall(b"\x30\x05hello\x40")
+        assert buf.recv(1) == b"\x30"  # one system call read all eight bytes
+        assert buf.pending() == 7
+        assert buf.recv(1) == b"\x05"
+        assert buf.recv(5) == b"hello"
+        assert buf.recv(10) == b"\x40"  # what is buffered, not a wait for more, like a socket
+        assert buf.pending() == 0
+        with pytest.raises(BlockingIOError):  # nothing buffered, nothing on the socket
+            buf.recv(1)
+        assert buf.fileno() == b.fileno()  # everything else is the socket's
+        a.shutdown(socket.SHUT_WR)
+        assert buf.recv(1) == b""  # the peer closed
