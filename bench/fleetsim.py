@@ -169,12 +169,7 @@ class FleetSim:
         while True:
             for c in range(CHUNKS):
                 batch = self.telemetry_payloads(range(bounds[c], bounds[c + 1]))
-                try:
-                    failed = await self.transport.publish_many(batch, qos=0)
-                except TransportError:
-                    failed = len(batch)
-                self.counts["publish_failed"] += failed
-                self.counts["telemetry"] += len(batch) - failed
+                await self._publish_batch("telemetry", batch, qos=0)
                 next_at += slot
                 await asyncio.sleep(max(0.0, next_at - time.monotonic()))
 
@@ -247,13 +242,18 @@ class FleetSim:
     ) -> None:
         # Handed to the client without awaiting each PUBACK, as separate agents would not
         # wait for each other: the ack of every node goes before any status, as in the agent.
-        for batch, kind, retain in ((acks, "acks", False), (statuses, "statuses", True)):
-            try:
-                failed = await self.transport.publish_many(batch, qos=1, retain=retain)
-            except TransportError:
-                failed = len(batch)
-            self.counts["publish_failed"] += failed
-            self.counts[kind] += len(batch) - failed
+        await self._publish_batch("acks", acks, qos=1)
+        await self._publish_batch("statuses", statuses, qos=1, retain=True)
+
+    async def _publish_batch(
+        self, kind: str, batch: list[tuple[str, bytes]], qos: int, retain: bool = False
+    ) -> None:
+        try:
+            failed = await self.transport.publish_many(batch, qos=qos, retain=retain)
+        except TransportError:
+            failed = len(batch)
+        self.counts["publish_failed"] += failed
+        self.counts[kind] += len(batch) - failed
 
     async def _publish(self, topic: str, payload: bytes, qos: int, retain: bool = False) -> None:
         try:

@@ -1,11 +1,11 @@
 """What the controller knows of the fleet: the latest sample of every GPU and its age.
 
 Telemetry arrives per node (over a thousand messages a second at 10k GPUs); the tick needs
-per-GPU arrays. Ingest writes the few values the tick reads into per-GPU columns (Python
-lists, one slot per GPU, cheap to write one value at a time) and keeps each GPU's latest
-sample for everything else; the tick turns the columns into arrays in the fleet's stable
-order (the policy's node order, then GPU index, so allocations are deterministic) with one
-numpy call each, instead of visiting ten thousand records.
+per-GPU arrays. Ingest writes every GPU's latest values into per-field columns (Python
+lists, one slot per GPU, cheap to write one value at a time); the tick turns the columns
+it needs into arrays in the fleet's stable order (the policy's node order, then GPU index,
+so allocations are deterministic) with one numpy call each, instead of visiting ten
+thousand records. A GpuRecord reads its attributes from its slot, for the API and metrics.
 """
 
 from __future__ import annotations
