@@ -46,6 +46,8 @@ from powerd.wire import CapCommand, NodeTelemetry, Topics, WireError, decode
 
 TOPICS = Topics()
 CHUNKS = 20  # telemetry goes out in this many slices per period
+THROTTLE = {False: "[]", True: '["sw_power_cap"]'}
+MODEL_STEP_S = 0.005  # while commands arrive, the model moves on at most this often
 
 
 class FleetSim:
@@ -77,6 +79,11 @@ class FleetSim:
         self.node_of = {name: k for k, name in enumerate(self.node_names)}
         self.last_tick = [-1] * len(nodes)
         self.seq = [0] * len(nodes)
+        self._static = [
+            self._gpu_static(i, k)
+            for k in range(len(nodes))
+            for i in range(self.first[k], self.first[k + 1])
+        ]
         self.transport = MqttTransport(
             # One connection answers for every node: with paho's window of 20 QoS 1 messages
             # ahead of the broker's PUBACKs, 2,500 answers a second at 10k GPUs fell behind
@@ -102,63 +109,58 @@ class FleetSim:
 
     # -- telemetry -----------------------------------------------------------------------
 
-    def _gpu_static(self, i: int, k: int) -> dict[str, Any]:
+    def _gpu_static(self, i: int, k: int) -> str:
+        """The GPU's fields that never change, as a JSON fragment (no braces)."""
         m = self.model
-        return {
+        fields = {
             "uuid": m.uuids[i],
             "index": i - self.first[k],
             "name": m.name,
             "min_cap_w": float(m.min_cap_w[i]),
             "max_cap_w": float(m.max_cap_w[i]),
             "default_cap_w": float(m.default_cap_w[i]),
+            "workload": m.workload(i).name,
         }
+        return json.dumps(fields)[1:-1]
 
     def telemetry_payloads(self, nodes: range) -> list[tuple[str, bytes]]:
-        """Payloads of these nodes, built straight from the model's arrays (JSON, not pydantic:
-        the simulator must stay cheaper than the controller it loads)."""
+        """Payloads of these nodes, written straight from the model's arrays as JSON text
+        (not pydantic, not a dict per GPU: the simulator must stay cheaper than the
+        controller it loads; `run` checks one payload against the protocol's model)."""
         m = self.model
         m.advance_to(time.monotonic())
         lo, hi = self.first[nodes.start], self.first[nodes.stop]
         sel = slice(lo, hi)
-        power = m.power_w[sel].tolist()
-        energy = m.energy_j[sel].tolist()
-        cap = m.cap_w[sel].tolist()
-        temp = m.temp_c[sel].tolist()
-        util = np.clip(m.util_pct(sel), 0, 100).tolist()
-        clock = m.sm_clock_mhz(sel).tolist()
-        perf = m.throughput(sel).tolist()
-        capped = m.power_capped(sel).tolist()
+        columns = zip(
+            self._static[lo:hi],
+            m.power_w[sel].tolist(),
+            m.energy_j[sel].tolist(),
+            m.cap_w[sel].tolist(),
+            m.temp_c[sel].tolist(),
+            np.clip(m.util_pct(sel), 0, 100).tolist(),
+            m.sm_clock_mhz(sel).tolist(),
+            m.throughput(sel).tolist(),
+            m.power_capped(sel).tolist(),
+            strict=True,
+        )
+        gpus = [
+            f'{{{static}, "power_w": {power!r}, "energy_j": {energy!r}, "cap_w": {cap!r}, '
+            f'"temp_c": {temp!r}, "util_pct": {util!r}, "sm_clock_mhz": {clock!r}, '
+            f'"perf": {perf!r}, "throttle": {THROTTLE[capped]}}}'
+            for static, power, energy, cap, temp, util, clock, perf, capped in columns
+        ]
         wall = time.time()
         out = []
         for k in nodes:
-            gpus = []
-            for i in range(self.first[k], self.first[k + 1]):
-                j = i - lo
-                g = self._gpu_static(i, k)
-                g |= {
-                    "power_w": power[j],
-                    "energy_j": energy[j],
-                    "cap_w": cap[j],
-                    "temp_c": temp[j],
-                    "util_pct": util[j],
-                    "sm_clock_mhz": clock[j],
-                    "throttle": ["sw_power_cap"] if capped[j] else [],
-                    "workload": m.workload(i).name,
-                    "perf": perf[j],
-                }
-                gpus.append(g)
             node = self.node_names[k]
-            msg = {
-                "v": 1,
-                "node_id": node,
-                "ts": wall,
-                "seq": self.seq[k],
-                "period_s": self.period_s,
-                "gpus": gpus,
-                "state": "steered" if self.last_tick[k] >= 0 else "starting",
-            }
+            state = "steered" if self.last_tick[k] >= 0 else "starting"
+            body = ", ".join(gpus[self.first[k] - lo : self.first[k + 1] - lo])
+            msg = (
+                f'{{"v": 1, "node_id": {json.dumps(node)}, "ts": {wall!r}, "seq": {self.seq[k]}, '
+                f'"period_s": {self.period_s!r}, "state": "{state}", "gpus": [{body}]}}'
+            )
             self.seq[k] += 1
-            out.append((TOPICS.telemetry(node), json.dumps(msg).encode()))
+            out.append((TOPICS.telemetry(node), msg.encode()))
         return out
 
     async def telemetry_loop(self) -> None:
@@ -195,7 +197,11 @@ class FleetSim:
             self.counts["rejected"] += 1
             return
         m = self.model
-        m.advance_to(time.monotonic())
+        now = time.monotonic()
+        if now - m.t > MODEL_STEP_S:
+            # A tick's 1,250 commands arrive within milliseconds: stepping all 10,000 GPUs for
+            # each of them was half of this process's CPU.
+            m.advance_to(now)
         acks: dict[str, dict[str, Any]] = {}
         plan = []  # (change, index, requested, target): decreases first, as the agent does
         for uuid, watts in cmd.caps.items():
@@ -265,7 +271,14 @@ class FleetSim:
 
     async def run(self, stop: asyncio.Event) -> None:
         # One payload through the protocol's own validation: the fast JSON path stays exact.
-        decode(self.telemetry_payloads(range(1))[0][1], NodeTelemetry, self.node_names[0])
+        sample = decode(self.telemetry_payloads(range(1))[0][1], NodeTelemetry, self.node_names[0])
+        gpu = sample.gpus[-1]
+        i = self.first[1] - 1
+        assert (gpu.uuid, gpu.power_w, gpu.cap_w) == (
+            self.model.uuids[i],
+            float(self.model.power_w[i]),
+            float(self.model.cap_w[i]),
+        ), "telemetry JSON does not carry the model's values"
         self.seq[0] = 0
         await self.transport.connect()
         await self.transport.subscribe(TOPICS.all_nodes("caps"), qos=1)
