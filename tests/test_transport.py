@@ -24,8 +24,8 @@ from powerd.transport import (
     topic_matches,
 )
 from powerd.transport.base import check_filter
-from powerd.transport.mosquitto import LocalMosquitto
-from powerd.transport.mqtt import _ReadBuffer, backoff_delay
+from powerd.transport.mosquitto import LocalMosquitto, free_port
+from powerd.transport.mqtt import MAX_SEGMENT_BYTES, _ReadBuffer, backoff_delay, connect_tcp
 
 
 @pytest.mark.parametrize(
@@ -279,3 +279,42 @@ def test_read_buffer_serves_small_reads_from_one_read_and_reports_what_it_holds(
         assert buf.fileno() == b.fileno()  # everything else is the socket's
         a.shutdown(socket.SHUT_WR)
         assert buf.recv(1) == b""  # the peer closed
+
+
+async def test_mqtt_sockets_are_set_up_before_the_handshake(mosquitto: LocalMosquitto) -> None:
+    # Loopback's ~64 KiB segments against a broker window sized from small packets stalled
+    # the controller's connection; no Nagle delay on small commands and acks.
+    async with await connected(mqtt(mosquitto)) as t:
+        assert t._client is not None
+        sock = t._client._client.socket()
+        assert sock is not None
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        assert 0 < sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG) <= MAX_SEGMENT_BYTES
+
+
+def test_connect_tcp_tries_every_address_and_says_why_none_answered() -> None:
+    with pytest.raises(OSError):
+        connect_tcp("127.0.0.1", free_port(), timeout_s=1.0)
+
+
+async def test_publish_many_writes_the_batch_before_it_returns(mosquitto: LocalMosquitto) -> None:
+    batch = [(f"powerd/v1/nodes/n{i}/caps", b"x" * 400) for i in range(200)]
+    async with (
+        await connected(mqtt(mosquitto, max_inflight_messages=0)) as sender,
+        await connected(mqtt(mosquitto)) as receiver,
+    ):
+        await receiver.subscribe("powerd/v1/nodes/+/caps", qos=1)
+        assert sender._client is not None
+        paho = sender._client._client
+        assert await sender.publish_many(batch, qos=1) == 0
+        # Nothing left for the event loop to write: the tick's commands are on the wire.
+        assert not paho.want_write()
+        got = [await next_message(receiver) for _ in batch]
+        assert [m.topic for m in got] == [topic for topic, _ in batch]
+        # Once paho has nothing to write, no writer callback stays registered: a stale one
+        # makes the event loop spin on a writable socket.
+        await asyncio.sleep(0.1)
+        sock = paho.socket()
+        assert sock is not None
+        assert not paho.want_write()
+        assert asyncio.get_running_loop().remove_writer(sock.fileno()) is False

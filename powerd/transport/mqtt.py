@@ -33,6 +33,15 @@ log = structlog.get_logger(__name__)
 
 DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
 
+# The largest TCP segment a connection sends or takes (TCP_MAXSEG, set before connecting).
+# Over loopback the MSS is ~64 KiB, and Linux sizes a receive window from the packets that
+# arrive: a broker that has only had small packets from us advertises less than that
+# (58 KiB seen). Once a burst leaves a backlog, the kernel queues it in full-size segments
+# that never fit that window, and the connection crawls on zero-window probes (seen: the
+# controller's 4 MB of commands stuck for tens of seconds, Mosquitto on the same host).
+# Real networks' MSS (1,448 bytes; 8,948 with jumbo frames) is about this or below.
+MAX_SEGMENT_BYTES = 8192
+
 
 @dataclass(frozen=True)
 class MqttConfig:
@@ -106,6 +115,30 @@ def backoff_delay(attempt: int, min_s: float, max_s: float, rng: random.Random) 
     """
     ceiling = min(max_s, min_s * 2.0 ** min(attempt, 62))
     return rng.uniform(ceiling / 2, ceiling)
+
+
+def connect_tcp(
+    host: str, port: int, timeout_s: float, source: tuple[str, int] | None = None
+) -> socket.socket:
+    """A connected TCP socket (each address of `host` in turn, as socket.create_connection),
+    set up before the handshake: no Nagle delay (commands and acks are small and urgent:
+    ~40 ms with delayed ACKs) and segments of at most MAX_SEGMENT_BYTES."""
+    error: OSError | None = None
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, MAX_SEGMENT_BYTES)
+            sock.settimeout(timeout_s)
+            if source is not None and (source[0] or source[1]):
+                sock.bind(source)
+            sock.connect(address)
+        except OSError as exc:
+            sock.close()
+            error = exc
+            continue
+        return sock
+    raise error or OSError(f"no address for {host}")
 
 
 class _ReadBuffer:
@@ -202,8 +235,6 @@ class MqttTransport(Transport):
             timeout=c.timeout_s,
             tls_context=self._ssl,
             max_inflight_messages=c.max_inflight_messages,
-            # Commands and acks are small and urgent: no Nagle delay (~40 ms with delayed ACKs).
-            socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
         )
 
     async def _keep_connected(self, will: LastWill | None, on_connect: OnConnect | None) -> None:
@@ -211,10 +242,13 @@ class MqttTransport(Transport):
         while True:
             self._set_state(ConnectionState.CONNECTING)
             error = "connection closed"
+            client = self._new_client(will)
+            self._open_socket(client)
             try:
-                async with self._new_client(will) as client:
+                async with client:
                     self._take_messages(client)
                     self._read_ahead(client)
+                    self._write_in_step(client)
                     for topic_filter, qos in list(self._subscriptions.items()):
                         await client.subscribe(topic_filter, qos)
                     self._client = client
@@ -270,6 +304,57 @@ class MqttTransport(Transport):
         client._client.on_message = on_message  # aiomqtt has no per-message callback
 
     @staticmethod
+    def _open_socket(client: aiomqtt.Client) -> None:
+        """Have paho open its TCP connection with our options set before connecting (those
+        aiomqtt sets come after the handshake, too late for the segment size)."""
+        paho = client._client
+        plain = paho._create_socket_connection
+
+        def create_socket_connection() -> socket.socket:
+            if paho._get_proxy():
+                return plain()
+            return connect_tcp(
+                paho._host,
+                paho._port,
+                paho._connect_timeout,
+                (paho._bind_address, paho._bind_port),
+            )
+
+        paho._create_socket_connection = create_socket_connection  # type: ignore[method-assign]
+
+    @staticmethod
+    def _write_in_step(client: aiomqtt.Client) -> None:
+        """Register and remove paho's writer callback at once, from here on.
+
+        aiomqtt adds the writer through call_soon_threadsafe (paho may ask from the thread
+        that connects) but removes it at once. A batch written before the loop's next turn
+        (publish_many) is removed before it is added: the writer then stays registered while
+        paho believes it gone, and the loop spins on a writable socket (a whole core, seen at
+        10k GPUs). Once connected, paho asks only from the loop's own thread.
+        """
+        paho = client._client
+        loop = asyncio.get_running_loop()
+
+        def write() -> None:
+            try:
+                paho.loop_write()
+            except Exception as exc:  # as aiomqtt's own writer: the connection is broken
+                if not client._disconnected.done():
+                    client._disconnected.set_exception(exc)
+
+        def register(_client: object, _userdata: object, sock: Any) -> None:
+            loop.add_writer(sock, write)
+
+        def unregister(_client: object, _userdata: object, sock: Any) -> None:
+            loop.remove_writer(sock)
+
+        paho.on_socket_register_write = register
+        paho.on_socket_unregister_write = unregister
+        sock = paho.socket()
+        if sock is not None and paho.want_write():
+            loop.add_writer(sock, write)
+
+    @staticmethod
     def _read_ahead(client: aiomqtt.Client) -> None:
         """Put paho's socket behind a `_ReadBuffer` (once connected; a new one per connection)."""
         paho = client._client
@@ -317,7 +402,13 @@ class MqttTransport(Transport):
             check_topic(topic)
             if paho.publish(topic, payload, qos, retain).rc != mqtt.MQTT_ERR_SUCCESS:
                 failed += 1
-        await asyncio.sleep(0)  # let the loop start writing
+        # Write now, as far as the socket takes it, without yielding: given to the event
+        # loop, the batch would wait behind every message read and handled first (at 10k
+        # GPUs, the ~600 that arrived while the tick ran: tens of milliseconds).
+        try:
+            paho.loop_write()  # a lost connection is reported through on_disconnect
+        except Exception as exc:  # as aiomqtt's writer callback would meet it
+            log.warning("mqtt_write_failed", error=str(exc))
         return failed
 
     async def subscribe(self, topic_filter: str, qos: int = 1) -> None:
