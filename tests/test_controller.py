@@ -21,7 +21,9 @@ from powerd.agent.settings import AgentSettings
 from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
 from powerd.controller.controller import Controller, TickReport
 from powerd.controller.overrides import OverrideError
+from powerd.controller.settings import ControllerSettings
 from powerd.policy import Policy, PolicyError, parse_policy
+from powerd.settings import SettingsError
 from powerd.store import Store, StoreWriter, upgrade
 from powerd.transport import MemoryBroker
 from powerd.wire import NodeState, Topics
@@ -380,3 +382,12 @@ async def test_policy_replace_validates_first(site: Site) -> None:
     await site.step(4 * TICK, budgets={"dc": 7000})
     assert site.reports[-1].budget_w[0] == 7000
     assert float(np.max(site.reports[-1].load_w[0])) <= 7000 + 1e-6
+
+
+def test_command_window_setting_reaches_the_mqtt_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    # No limit by default: a tick's commands leave in one burst.
+    assert ControllerSettings().mqtt_config().max_inflight_messages == 0
+    monkeypatch.setenv("POWERD_COMMAND_WINDOW", "500")
+    assert ControllerSettings.load().mqtt_config().max_inflight_messages == 500
+    with pytest.raises(SettingsError, match="command_window"):
+        ControllerSettings.load(command_window=-1)
