@@ -15,6 +15,7 @@ fleet is known and a warm-up, it measures for `--duration` seconds:
 - safety: ticks that ended with a group above budget, and ticks that overran the tick.
 
     .venv/bin/python bench/loop.py --gpus 10000 [--duration 60] [--warmup 15] [--json]
+    .venv/bin/python bench/loop.py --gpus 10000 --window 20   # paho's default QoS 1 window
     .venv/bin/python bench/loop.py --gpus 10000 --profile prof.out   # cProfile of the run
 """
 
@@ -41,6 +42,7 @@ import yaml
 
 from powerd.clock import SystemClock
 from powerd.controller.controller import Controller, TickReport
+from powerd.controller.settings import ControllerSettings
 from powerd.logs import configure_logging
 from powerd.policy import load_policy
 from powerd.safety import SafePlan
@@ -103,13 +105,16 @@ BENCH_BROKER_LIMITS = "max_queued_messages 0\nmax_inflight_messages 0\n"
 class Run:
     """The controller and what it measured."""
 
-    def __init__(self, policy_file: Path, broker: str, db: str) -> None:
+    def __init__(self, policy_file: Path, broker: str, db: str, window: int) -> None:
         self.policy = load_policy(policy_file)
         self.n_gpus = sum(g.gpus for g in self.policy.groups if g.level == 3)
         store = Store(db)
         self.writer = StoreWriter(store)
         config = MqttConfig.from_url(
-            broker, client_id="bench-controller", max_queued_messages=100_000
+            broker,
+            client_id="bench-controller",
+            max_queued_messages=100_000,
+            max_inflight_messages=window,
         )
         transport = MqttTransport(config)
         self.transport = transport
@@ -136,13 +141,14 @@ class Run:
 
         self.controller.publish_plan = timed_publish  # type: ignore[method-assign]
         # Tick start → the last command written to the socket. publish_many hands the batch
-        # to paho, which sends at most 20 QoS 1 messages ahead of the broker's PUBACKs (its
-        # default window) and writes when the event loop finds the socket writable. The
-        # moment measured: paho's write queue is empty and the tick's last command has left
-        # the "queued" state (it is written, or already acknowledged).
+        # to paho, which sends at most `window` QoS 1 messages ahead of the broker's PUBACKs
+        # (the rest wait for those) and writes what it may at once. The moment measured:
+        # paho's write queue ran empty and the tick's last command has left the "queued"
+        # state (it is written, or already acknowledged).
         self.written_ms: list[float] = []
         self.unwritten_ticks = 0  # measured ticks whose last command was not written in time
         self._tick_t0 = 0.0
+        self._drained_at = 0.0  # when paho's write queue last ran empty
         self._last_mid: int | None = None
         self._paho: Any = None
         inner_tick = self.controller.tick_once
@@ -166,7 +172,10 @@ class Run:
         msg = self._paho._out_messages.get(mid)
         if msg is None or msg.state != mqtt.mqtt_ms_queued:
             self._last_mid = None
-            self.written_ms.append((time.perf_counter() - self._tick_t0) * 1000.0)
+            # Written when paho's queue last ran empty: often within publish_many itself,
+            # before the tick's end (recording, hooks) where the last mid becomes known.
+            done = self._drained_at if self._drained_at >= self._tick_t0 else time.perf_counter()
+            self.written_ms.append((done - self._tick_t0) * 1000.0)
 
     def watch_writes(self) -> None:
         """Hook paho's "write queue empty" callback (once connected; no reconnection here)."""
@@ -176,6 +185,7 @@ class Run:
         inner = paho.on_socket_unregister_write
 
         def unregistered(c: Any, userdata: Any, sock: Any) -> None:
+            self._drained_at = time.perf_counter()
             if inner is not None:
                 inner(c, userdata, sock)
             self._check_written()
@@ -231,7 +241,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 async def measure(
     args: argparse.Namespace, policy_file: Path, broker: str, db: str, broker_pid: int, sim_pid: int
 ) -> dict[str, Any]:
-    run = Run(policy_file, broker, db)
+    run = Run(policy_file, broker, db, window=args.window)
     run.writer.start()
     stop = asyncio.Event()
     task = asyncio.create_task(
@@ -342,6 +352,12 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=60.0, help="measured seconds")
     parser.add_argument("--warmup", type=float, default=15.0, help="seconds before measuring")
     parser.add_argument("--profile", help="write a cProfile of the measured window here")
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=ControllerSettings.model_fields["command_window"].default,
+        help="the controller's QoS 1 window, as its command_window setting (0: no limit)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     configure_logging("json", "error")
