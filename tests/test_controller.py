@@ -24,7 +24,7 @@ from powerd.controller.overrides import OverrideError
 from powerd.controller.settings import ControllerSettings
 from powerd.policy import Policy, PolicyError, parse_policy
 from powerd.settings import SettingsError
-from powerd.store import Store, StoreWriter, upgrade
+from powerd.store import Retention, Store, StoreWriter, upgrade
 from powerd.transport import MemoryBroker
 from powerd.wire import NodeState, Topics
 
@@ -391,3 +391,15 @@ def test_command_window_setting_reaches_the_mqtt_client(monkeypatch: pytest.Monk
     assert ControllerSettings.load().mqtt_config().max_inflight_messages == 500
     with pytest.raises(SettingsError, match="command_window"):
         ControllerSettings.load(command_window=-1)
+
+
+def test_storage_settings_reach_the_store_writer(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = ControllerSettings()
+    assert s.retention() == Retention()  # the documented defaults
+    assert s.cap_epsilon_w == 0.5
+    monkeypatch.setenv("POWERD_KEEP_TICKS_DAYS", "2")
+    s = ControllerSettings.load(keep_minutes_days=90.0, cap_epsilon_w=2.0)
+    assert s.retention() == Retention(keep_minutes_days=90.0, keep_ticks_days=2.0)
+    assert s.cap_epsilon_w == 2.0
+    with pytest.raises(SettingsError, match="keep_minutes_days"):
+        ControllerSettings.load(keep_minutes_days=0)

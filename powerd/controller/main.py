@@ -41,7 +41,9 @@ async def run_controller(settings: ControllerSettings) -> None:
     # Migrations first: a controller never runs against a schema it does not know.
     await asyncio.to_thread(upgrade, settings.db)
     store = Store(settings.db)
-    writer = StoreWriter(store)
+    writer = StoreWriter(
+        store, retention=settings.retention(), cap_epsilon_w=settings.cap_epsilon_w
+    )
     writer.seed_caps(await asyncio.to_thread(store.latest_caps))
     text = settings.policy.read_text(encoding="utf-8")
     version = await asyncio.to_thread(

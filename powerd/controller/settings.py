@@ -10,6 +10,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from powerd.settings import BrokerSettings
+from powerd.store import Retention
 from powerd.transport.mqtt import MqttConfig
 
 
@@ -31,6 +32,12 @@ class ControllerSettings(BrokerSettings):
     # acknowledgement (quadratic in the burst).
     command_window: int = Field(default=0, ge=0, le=65535)
 
+    # What the store keeps (docs/storage.md).
+    keep_minutes_days: float = Field(default=30.0, gt=0)
+    keep_ticks_days: float = Field(default=7.0, gt=0)
+    keep_cap_changes_days: float | None = Field(default=None, gt=0)  # None: as ticks
+    cap_epsilon_w: float = Field(default=0.5, ge=0)  # smaller cap moves are not stored
+
     api_host: str = "127.0.0.1"
     api_port: int | None = Field(default=None, ge=0, le=65535)  # None: no admin API
     tokens_file: Path | None = None
@@ -41,3 +48,10 @@ class ControllerSettings(BrokerSettings):
 
     def mqtt_config(self) -> MqttConfig:
         return replace(super().mqtt_config(), max_inflight_messages=self.command_window)
+
+    def retention(self) -> Retention:
+        return Retention(
+            keep_minutes_days=self.keep_minutes_days,
+            keep_ticks_days=self.keep_ticks_days,
+            keep_cap_changes_days=self.keep_cap_changes_days,
+        )
