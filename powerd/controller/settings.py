@@ -13,6 +13,8 @@ from powerd.settings import BrokerSettings
 from powerd.store import Retention
 from powerd.transport.mqtt import MqttConfig
 
+_RETENTION = Retention()
+
 
 class ControllerSettings(BrokerSettings):
     kind: ClassVar[str] = "controller settings"
@@ -32,10 +34,12 @@ class ControllerSettings(BrokerSettings):
     # acknowledgement (quadratic in the burst).
     command_window: int = Field(default=0, ge=0, le=65535)
 
-    # What the store keeps (docs/storage.md).
-    keep_minutes_days: float = Field(default=30.0, gt=0)
-    keep_ticks_days: float = Field(default=7.0, gt=0)
-    keep_cap_changes_days: float | None = Field(default=None, gt=0)  # None: as ticks
+    # What the store keeps (docs/storage.md); the defaults are the store's own.
+    keep_minutes_days: float = Field(default=_RETENTION.keep_minutes_days, gt=0)
+    keep_ticks_days: float = Field(default=_RETENTION.keep_ticks_days, gt=0)
+    keep_cap_changes_days: float | None = Field(
+        default=_RETENTION.keep_cap_changes_days, gt=0
+    )  # None: as ticks
     cap_epsilon_w: float = Field(default=0.5, ge=0)  # smaller cap moves are not stored
 
     api_host: str = "127.0.0.1"

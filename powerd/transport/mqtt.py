@@ -7,7 +7,7 @@ import random
 import socket
 import ssl
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,6 +184,7 @@ class MqttTransport(Transport):
         self._state = ConnectionState.CLOSED
         self._connected = asyncio.Event()
         self._client: aiomqtt.Client | None = None
+        self._write: Callable[[], None] = lambda: None  # this connection's writer
         self._subscriptions: dict[str, int] = {}
         self._queue: asyncio.Queue[Message | None] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
@@ -248,7 +249,7 @@ class MqttTransport(Transport):
                 async with client:
                     self._take_messages(client)
                     self._read_ahead(client)
-                    self._write_in_step(client)
+                    self._write = self._write_in_step(client)
                     for topic_filter, qos in list(self._subscriptions.items()):
                         await client.subscribe(topic_filter, qos)
                     self._client = client
@@ -323,8 +324,9 @@ class MqttTransport(Transport):
         paho._create_socket_connection = create_socket_connection  # type: ignore[method-assign]
 
     @staticmethod
-    def _write_in_step(client: aiomqtt.Client) -> None:
-        """Register and remove paho's writer callback at once, from here on.
+    def _write_in_step(client: aiomqtt.Client) -> Callable[[], None]:
+        """Register and remove paho's writer callback at once, from here on; returns the
+        writer, which publish_many also calls to write a batch without waiting.
 
         aiomqtt adds the writer through call_soon_threadsafe (paho may ask from the thread
         that connects) but removes it at once. A batch written before the loop's next turn
@@ -353,6 +355,7 @@ class MqttTransport(Transport):
         sock = paho.socket()
         if sock is not None and paho.want_write():
             loop.add_writer(sock, write)
+        return write
 
     @staticmethod
     def _read_ahead(client: aiomqtt.Client) -> None:
@@ -405,10 +408,7 @@ class MqttTransport(Transport):
         # Write now, as far as the socket takes it, without yielding: given to the event
         # loop, the batch would wait behind every message read and handled first (at 10k
         # GPUs, the ~600 that arrived while the tick ran: tens of milliseconds).
-        try:
-            paho.loop_write()  # a lost connection is reported through on_disconnect
-        except Exception as exc:  # as aiomqtt's writer callback would meet it
-            log.warning("mqtt_write_failed", error=str(exc))
+        self._write()
         return failed
 
     async def subscribe(self, topic_filter: str, qos: int = 1) -> None:
