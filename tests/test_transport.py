@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import signal
 import socket
 import ssl
 import sys
+from collections.abc import Iterator
 from typing import Any
 
+import paho.mqtt.client as paho_mqtt
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from powerd.transport import (
     ConnectionState,
@@ -25,7 +30,8 @@ from powerd.transport import (
 )
 from powerd.transport.base import check_filter
 from powerd.transport.mosquitto import LocalMosquitto, free_port
-from powerd.transport.mqtt import MAX_SEGMENT_BYTES, _ReadBuffer, backoff_delay, connect_tcp
+from powerd.transport.mqtt import MAX_SEGMENT_BYTES, backoff_delay, connect_tcp
+from powerd.transport.reader import PacketReader
 
 
 @pytest.mark.parametrize(
@@ -262,23 +268,164 @@ async def test_mqtt_starts_without_a_broker_and_connects_when_it_comes(
         assert await next_message(t) == Message("a/b", b"hello")
 
 
-def test_read_buffer_serves_small_reads_from_one_read_and_reports_what_it_holds() -> None:
-    a, b = socket.socketpair()
-    with a, b:
-        b.setblocking(False)
-        buf = _ReadBuffer(b)
-        a.sendall(b"\x30\x05hello\x40")
-        assert buf.recv(1) == b"\x30"  # one system call read all eight bytes
-        assert buf.pending() == 7
-        assert buf.recv(1) == b"\x05"
-        assert buf.recv(5) == b"hello"
-        assert buf.recv(10) == b"\x40"  # what is buffered, not a wait for more, like a socket
-        assert buf.pending() == 0
-        with pytest.raises(BlockingIOError):  # nothing buffered, nothing on the socket
-            buf.recv(1)
-        assert buf.fileno() == b.fileno()  # everything else is the socket's
-        a.shutdown(socket.SHUT_WR)
-        assert buf.recv(1) == b""  # the peer closed
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        n, low = divmod(n, 128)
+        out.append(low | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def publish_packet(
+    topic: bytes, payload: bytes, qos: int = 0, mid: int = 0, retain: bool = False
+) -> bytes:
+    body = (
+        len(topic).to_bytes(2, "big") + topic + (mid.to_bytes(2, "big") if qos else b"") + payload
+    )
+    return bytes([0x30 | qos << 1 | int(retain)]) + _varint(len(body)) + body
+
+
+class ReaderRig:
+    """A paho client whose socket is one end of a socketpair, read by a PacketReader."""
+
+    def __init__(self) -> None:
+        self.peer, sock = socket.socketpair()
+        sock.setblocking(False)
+        self.paho = paho_mqtt.Client(paho_mqtt.CallbackAPIVersion.VERSION2)
+        self.paho._sock = sock
+        self.got: list[tuple[bytes, bytes, bool]] = []
+        self.paho_got: list[paho_mqtt.MQTTMessage] = []
+        self.paho.on_message = lambda _c, _u, m: self.paho_got.append(m)
+        # As under the event loop: what paho would write stays queued for a writer callback.
+        self.paho.on_socket_register_write = lambda _c, _u, _s: None
+        self.reader = PacketReader(self.paho, lambda t, p, r: self.got.append((t, p, r)))
+        self.reader.install()
+
+    def feed(self, data: bytes) -> paho_mqtt.MQTTErrorCode:
+        self.peer.sendall(data)
+        return self.paho.loop_read()
+
+    def pubacks(self) -> bytes:
+        return b"".join(bytes(p["packet"]) for p in self.paho._out_packet)
+
+    def close(self) -> None:
+        self.peer.close()
+        if self.paho._sock is not None:
+            self.paho._sock.close()
+
+
+@pytest.fixture
+def rig() -> Iterator[ReaderRig]:
+    r = ReaderRig()
+    yield r
+    r.close()
+
+
+def test_reader_delivers_every_publish_of_a_read_and_acks_qos1_in_one_write(
+    rig: ReaderRig,
+) -> None:
+    big = bytes(range(256)) * 80  # a length of three bytes
+    data = (
+        publish_packet(b"a/b", b"zero")
+        + publish_packet(b"a/c", big, qos=1, mid=7)
+        + publish_packet(b"s/n1", b"retained", qos=1, mid=0x1234, retain=True)
+        + publish_packet(b"a/empty", b"", qos=1, mid=9)
+    )
+    assert rig.feed(data) == paho_mqtt.MQTT_ERR_SUCCESS
+    assert rig.got == [
+        (b"a/b", b"zero", False),
+        (b"a/c", big, False),
+        (b"s/n1", b"retained", True),
+        (b"a/empty", b"", False),
+    ]
+    # The PUBACKs, in the order of their messages, queued as one packet: one send.
+    assert len(rig.paho._out_packet) == 1
+    assert rig.pubacks() == b"\x40\x02\x00\x07" + b"\x40\x02\x12\x34" + b"\x40\x02\x00\x09"
+    assert rig.paho._last_bytes_received > 0  # paho's keepalive sees the traffic
+
+
+def test_reader_waits_for_the_rest_of_a_packet_cut_anywhere(rig: ReaderRig) -> None:
+    packet = publish_packet(b"a/b", b"x" * 300, qos=1, mid=3)
+    for cut in (1, 2, 3, 10, len(packet) - 1):
+        rig.got.clear()
+        assert rig.feed(packet[:cut]) == paho_mqtt.MQTT_ERR_SUCCESS
+        assert rig.got == []
+        rig.feed(packet[cut:] + publish_packet(b"n", b"next"))
+        assert rig.got == [(b"a/b", b"x" * 300, False), (b"n", b"next", False)]
+        assert rig.reader.buffered == 0
+
+
+def test_reader_hands_other_packets_to_paho(rig: ReaderRig) -> None:
+    rig.paho._ping_t = 123.0  # a PINGREQ is out
+    qos2 = publish_packet(b"q/2", b"two", qos=2, mid=5)
+    assert rig.feed(b"\xd0\x00" + qos2 + publish_packet(b"q/0", b"zero")) == 0
+    assert rig.paho._ping_t == 0  # paho took the PINGRESP
+    assert rig.got == [(b"q/0", b"zero", False)]
+    # QoS 2 stays paho's: it answers PUBREC and delivers on PUBREL.
+    assert rig.pubacks() == b"\x50\x02\x00\x05"
+    assert rig.feed(b"\x62\x02\x00\x05") == 0
+    assert [(m.topic, m.payload) for m in rig.paho_got] == [("q/2", b"two")]
+
+
+def test_reader_closes_the_connection_on_a_broken_length(rig: ReaderRig) -> None:
+    assert rig.feed(b"\x30\xff\xff\xff\xff\x01") == paho_mqtt.MQTT_ERR_PROTOCOL
+    assert rig.paho._sock is None
+
+
+def test_reader_reports_the_peer_closing(rig: ReaderRig) -> None:
+    rig.peer.shutdown(socket.SHUT_WR)
+    assert rig.paho.loop_read() == paho_mqtt.MQTT_ERR_CONN_LOST
+    assert rig.paho._sock is None
+
+
+@given(
+    messages=st.lists(
+        st.tuples(
+            st.binary(min_size=1, max_size=40).filter(lambda t: b"\x00" not in t),
+            st.binary(max_size=3000),
+            st.sampled_from([0, 1]),
+            st.booleans(),
+        ),
+        max_size=12,
+    ),
+    cuts=st.lists(st.integers(min_value=0, max_value=40_000), max_size=8),
+)
+@settings(max_examples=60, deadline=None)
+def test_reader_gives_the_same_messages_however_the_stream_is_cut(
+    messages: list[tuple[bytes, bytes, int, bool]], cuts: list[int]
+) -> None:
+    stream = b"".join(
+        publish_packet(t, p, qos=q, mid=i + 1, retain=r) for i, (t, p, q, r) in enumerate(messages)
+    )
+    rig = ReaderRig()
+    try:
+        bounds = sorted({0, len(stream), *(c for c in cuts if c < len(stream))})
+        for lo, hi in itertools.pairwise(bounds):
+            assert rig.feed(stream[lo:hi]) == paho_mqtt.MQTT_ERR_SUCCESS
+        assert rig.got == [(t, p, r) for t, p, _, r in messages]
+        mids = [(i + 1).to_bytes(2, "big") for i, (_, _, q, _) in enumerate(messages) if q]
+        assert rig.pubacks() == b"".join(b"\x40\x02" + m for m in mids)
+        assert rig.reader.buffered == 0
+    finally:
+        rig.close()
+
+
+async def test_mqtt_takes_a_stream_of_qos1_messages_through_the_reader(
+    mosquitto: LocalMosquitto,
+) -> None:
+    # The broker sends at most 20 QoS 1 messages ahead of our PUBACKs: the 600 only all
+    # arrive if the reader's batched acknowledgements reach it.
+    batch = [(f"powerd/v1/nodes/n{i}/ack", bytes([i % 251]) * (i * 7 % 5000)) for i in range(600)]
+    async with (
+        await connected(mqtt(mosquitto, max_inflight_messages=0)) as sender,
+        await connected(mqtt(mosquitto)) as receiver,
+    ):
+        await receiver.subscribe("powerd/v1/nodes/+/ack", qos=1)
+        assert await sender.publish_many(batch, qos=1) == 0
+        got = [await next_message(receiver) for _ in batch]
+        assert [(m.topic, m.payload) for m in got] == batch
+        await receiver.publish("powerd/v1/nodes/n1/status", b"still talking", qos=1)
 
 
 async def test_mqtt_sockets_are_set_up_before_the_handshake(mosquitto: LocalMosquitto) -> None:

@@ -28,6 +28,7 @@ from powerd.transport.base import (
     check_filter,
     check_topic,
 )
+from powerd.transport.reader import PacketReader
 
 log = structlog.get_logger(__name__)
 
@@ -141,39 +142,6 @@ def connect_tcp(
     raise error or OSError(f"no address for {host}")
 
 
-class _ReadBuffer:
-    """A socket that reads ahead: paho reads each packet in three or more `recv` calls
-    (the command byte, each byte of the length, the body), a system call each. Served from
-    one 64 KiB read instead. `pending` counts what is buffered, so aiomqtt's reader callback,
-    which calls paho again while the socket reports pending bytes (as TLS sockets do), drains
-    the buffer before it waits for the socket to become readable again."""
-
-    __slots__ = ("_buf", "_pos", "_sock")
-
-    def __init__(self, sock: Any) -> None:
-        self._sock = sock
-        self._buf = b""
-        self._pos = 0
-
-    def recv(self, bufsize: int) -> bytes:
-        buf, pos = self._buf, self._pos
-        if pos >= len(buf):
-            buf = bytes(self._sock.recv(max(bufsize, 65536)))  # BlockingIOError passes through
-            if not buf:
-                return buf  # the connection closed
-            pos = 0
-        out: bytes = buf[pos : pos + bufsize]
-        self._buf, self._pos = buf, pos + len(out)
-        return out
-
-    def pending(self) -> int:
-        inner = getattr(self._sock, "pending", None)
-        return len(self._buf) - self._pos + (inner() if inner is not None else 0)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._sock, name)
-
-
 class MqttTransport(Transport):
     def __init__(self, config: MqttConfig, rng: random.Random | None = None) -> None:
         self.config = config
@@ -248,7 +216,6 @@ class MqttTransport(Transport):
             try:
                 async with client:
                     self._take_messages(client)
-                    self._read_ahead(client)
                     self._write = self._write_in_step(client)
                     for topic_filter, qos in list(self._subscriptions.items()):
                         await client.subscribe(topic_filter, qos)
@@ -284,25 +251,32 @@ class MqttTransport(Transport):
         raise aiomqtt.MqttError("Disconnected")
 
     def _take_messages(self, client: aiomqtt.Client) -> None:
-        """Have paho hand every incoming message straight to our queue.
+        """Have every incoming message go straight to our queue.
 
         aiomqtt's own message iterator starts a task and an `asyncio.wait` per message and
         builds a validated Topic for each: at 10k GPUs (~3,750 messages a second) that was
-        the controller's largest cost. paho's callback runs in the event loop's reader
-        callback; set before subscribing, so retained messages are not left in aiomqtt's
-        queue.
+        the controller's largest cost. A `PacketReader` reads for paho (see reader.py) and
+        hands PUBLISH packets to `_deliver`; paho's callback takes those it still parses
+        itself. Set once connected, before subscribing, so retained messages are not left
+        in aiomqtt's queue.
         """
+        paho = client._client
 
         def on_message(_client: object, _userdata: object, m: mqtt.MQTTMessage) -> None:
-            try:
-                topic = m.topic
-            except UnicodeDecodeError:  # an exception here would end the connection
-                self.dropped_messages += 1
-                log.warning("mqtt_bad_topic", topic=repr(m._topic[:200]))
-                return
-            self._enqueue(Message(topic, bytes(m.payload), bool(m.retain)))
+            self._deliver(m._topic, bytes(m.payload), bool(m.retain))
 
-        client._client.on_message = on_message  # aiomqtt has no per-message callback
+        paho.on_message = on_message  # aiomqtt has no per-message callback
+        if paho._transport == "tcp":  # (websockets: paho's own reader)
+            PacketReader(paho, self._deliver).install()
+
+    def _deliver(self, topic: bytes, payload: bytes, retain: bool) -> None:
+        try:
+            name = topic.decode()
+        except UnicodeDecodeError:  # an exception here would end the connection
+            self.dropped_messages += 1
+            log.warning("mqtt_bad_topic", topic=repr(topic[:200]))
+            return
+        self._enqueue(Message(name, payload, retain))
 
     @staticmethod
     def _open_socket(client: aiomqtt.Client) -> None:
@@ -356,13 +330,6 @@ class MqttTransport(Transport):
         if sock is not None and paho.want_write():
             loop.add_writer(sock, write)
         return write
-
-    @staticmethod
-    def _read_ahead(client: aiomqtt.Client) -> None:
-        """Put paho's socket behind a `_ReadBuffer` (once connected; a new one per connection)."""
-        paho = client._client
-        if paho._sock is not None and not isinstance(paho._sock, _ReadBuffer):
-            paho._sock = _ReadBuffer(paho._sock)
 
     async def _run_on_connect(self, on_connect: OnConnect) -> None:
         try:
