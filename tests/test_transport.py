@@ -371,6 +371,15 @@ def test_reader_hands_other_packets_to_paho(rig: ReaderRig) -> None:
     assert [(m.topic, m.payload) for m in rig.paho_got] == [("q/2", b"two")]
 
 
+def test_reader_takes_over_only_a_paho_it_knows(rig: ReaderRig) -> None:
+    assert PacketReader.fits(rig.paho)  # the installed paho-mqtt 2.x
+
+    class OtherPaho:  # a paho whose internals moved: it keeps its own reader
+        _in_packet = None
+
+    assert not PacketReader.fits(OtherPaho())  # type: ignore[arg-type]
+
+
 def test_reader_closes_the_connection_on_a_broken_length(rig: ReaderRig) -> None:
     assert rig.feed(b"\x30\xff\xff\xff\xff\x01") == paho_mqtt.MQTT_ERR_PROTOCOL
     assert rig.paho._sock is None

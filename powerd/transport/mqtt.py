@@ -156,6 +156,7 @@ class MqttTransport(Transport):
         self._subscriptions: dict[str, int] = {}
         self._queue: asyncio.Queue[Message | None] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
+        self._warned_reader = False  # paho without the parts PacketReader uses: said once
 
     @property
     def state(self) -> ConnectionState:
@@ -266,8 +267,13 @@ class MqttTransport(Transport):
             self._deliver(m._topic, bytes(m.payload), bool(m.retain))
 
         paho.on_message = on_message  # aiomqtt has no per-message callback
-        if paho._transport == "tcp":  # (websockets: paho's own reader)
+        if paho._transport != "tcp":  # websockets: paho's own reader
+            return
+        if PacketReader.fits(paho):
             PacketReader(paho, self._deliver).install()
+        elif not self._warned_reader:
+            self._warned_reader = True
+            log.warning("mqtt_reader_unsupported", paho=getattr(mqtt, "__version__", "?"))
 
     def _deliver(self, topic: bytes, payload: bytes, retain: bool) -> None:
         try:

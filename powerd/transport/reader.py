@@ -27,6 +27,21 @@ _PUBLISH = 0x30
 _PUBACK = b"\x40\x02"  # PUBACK, remaining length 2 (the message id follows)
 _MAX_LENGTH_BYTES = 4  # the remaining length takes one to four bytes
 
+# paho's internals the reader uses: its state after a packet, its handler, its send queue,
+# its error path and its keepalive clock.
+_PAHO_PARTS = (
+    "_in_packet",
+    "_packet_handle",
+    "_packet_queue",
+    "_loop_rc_handle",
+    "_msgtime_mutex",
+    "_last_bytes_received",
+    "_protocol",
+    "_manual_ack",
+    "_sock",
+    "_easy_log",
+)
+
 Deliver = Callable[[bytes, bytes, bool], None]  # (topic, payload, retain)
 
 
@@ -41,6 +56,14 @@ class PacketReader:
         self._paho_read = paho.loop_read
         self._rest = bytearray()  # the start of a packet not yet complete
         self._need = 0  # bytes `_rest` must reach before another parse can get further
+
+    @staticmethod
+    def fits(paho: mqtt.Client) -> bool:
+        """Whether this paho has the parts the reader works with (paho-mqtt 2.x does); with
+        another, paho keeps reading for itself."""
+        return all(hasattr(paho, name) for name in _PAHO_PARTS) and isinstance(
+            getattr(paho, "_in_packet", None), dict
+        )
 
     def install(self) -> None:
         """Take over paho's reads (aiomqtt's reader callback calls `loop_read`)."""
