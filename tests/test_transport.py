@@ -423,6 +423,19 @@ def test_reader_gives_the_same_messages_however_the_stream_is_cut(
         rig.close()
 
 
+async def stream_through_the_reader(
+    sender: MqttTransport, receiver: MqttTransport, batch: list[tuple[str, bytes]]
+) -> None:
+    """`batch` (topics under powerd/v1/nodes/+/ack) from sender to receiver at QoS 1, read
+    by the receiver's PacketReader: all of it arrives, whole and in order."""
+    await receiver.subscribe("powerd/v1/nodes/+/ack", qos=1)
+    assert receiver._client is not None
+    assert isinstance(receiver._client._client.loop_read.__self__, PacketReader)
+    assert await sender.publish_many(batch, qos=1) == 0
+    got = [await next_message(receiver) for _ in batch]
+    assert [(m.topic, m.payload) for m in got] == batch
+
+
 async def test_mqtt_takes_a_stream_of_qos1_messages_through_the_reader(
     mosquitto: LocalMosquitto,
 ) -> None:
@@ -433,12 +446,7 @@ async def test_mqtt_takes_a_stream_of_qos1_messages_through_the_reader(
         await connected(mqtt(mosquitto, max_inflight_messages=0)) as sender,
         await connected(mqtt(mosquitto)) as receiver,
     ):
-        await receiver.subscribe("powerd/v1/nodes/+/ack", qos=1)
-        assert receiver._client is not None
-        assert isinstance(receiver._client._client.loop_read.__self__, PacketReader)
-        assert await sender.publish_many(batch, qos=1) == 0
-        got = [await next_message(receiver) for _ in batch]
-        assert [(m.topic, m.payload) for m in got] == batch
+        await stream_through_the_reader(sender, receiver, batch)
         await receiver.publish("powerd/v1/nodes/n1/status", b"still talking", qos=1)
 
 
@@ -532,9 +540,4 @@ async def test_mqtt_over_tls_reads_every_message_through_the_reader(
         assert await next_message(receiver) == Message(
             "powerd/v1/nodes/n0/status", b"steered", True
         )
-        await receiver.subscribe("powerd/v1/nodes/+/ack", qos=1)
-        assert receiver._client is not None
-        assert isinstance(receiver._client._client.loop_read.__self__, PacketReader)
-        assert await sender.publish_many(batch, qos=1) == 0
-        got = [await next_message(receiver) for _ in batch]
-        assert [(m.topic, m.payload) for m in got] == batch
+        await stream_through_the_reader(sender, receiver, batch)
