@@ -207,6 +207,16 @@ async def test_steers_every_gpu_and_keeps_every_budget_at_every_moment(site: Sit
     # less than the racks' 2 × 4.4 kW) runs at its budget.
     assert last.load_w[0] == pytest.approx(8000.0, abs=1.0)
     assert ctl.counters.caps_sent >= 4 * 8
+    # What the controller remembers of each tick (the API's /ticks without a store): the
+    # facility's figures, not the per-GPU arrays.
+    assert [h.tick for h in ctl.history] == [r.tick for r in site.reports]
+    h = ctl.history[-1]
+    assert (h.budget_w, h.committed_w, h.draw_w) == (
+        last.budget_w[0],
+        last.load_w[0],
+        last.draw_w[0],
+    )
+    assert (h.gpus, h.gpus_stale, h.throughput) == (4 * GPUS, 0, last.throughput_total)
 
 
 async def test_budget_cut_is_obeyed_within_two_ticks(site: Site) -> None:

@@ -596,12 +596,12 @@ def create_app(
                 status=r.status,
                 solver=r.solver,
                 solve_ms=r.solve_ms,
-                budget_w=finite(float(r.budget_w[0])),
-                committed_w=float(r.load_w[0]),
-                draw_w=float(r.draw_w[0]),
-                throughput=r.throughput_total,
-                gpus=len(r.uuids),
-                gpus_stale=int(r.stale.sum()),
+                budget_w=finite(r.budget_w),
+                committed_w=r.committed_w,
+                draw_w=r.draw_w,
+                throughput=r.throughput,
+                gpus=r.gpus,
+                gpus_stale=r.gpus_stale,
             )
             for r in reversed(history)
             if since is None or r.ts >= since

@@ -83,8 +83,8 @@ class TickReport:
     over: BoolArray  # per group: load above budget (a cut not yet obeyed)
     uuids: list[str]
     nodes: list[str]
-    # Per GPU, as steered. A tuple: the history keeps 600 reports, and a tuple of strings
-    # leaves the garbage collector's view where a list would be walked at every collection.
+    # Per GPU, as steered. A tuple: a tuple of strings leaves the garbage collector's view
+    # where a list would be walked at every collection.
     classes: tuple[str, ...]
     power_w: FloatArray
     enforced_w: FloatArray  # the limit each GPU reported in force (telemetry read-back)
@@ -120,6 +120,41 @@ class TickReport:
             )
             for g in idx.tolist()
         ]
+
+
+@dataclass(frozen=True, slots=True)
+class TickSummary:
+    """A past tick as the controller remembers it (the API's /ticks without a store): a few
+    numbers, not a TickReport's per-GPU arrays (~1 MB a tick at 10k GPUs: 600 MB for the
+    600 it remembers)."""
+
+    tick: int
+    ts: float
+    status: str
+    solver: str
+    solve_ms: float
+    budget_w: float  # the facility's, in force
+    committed_w: float  # the facility's load: committed caps + overhead + reserve
+    draw_w: float
+    throughput: float
+    gpus: int
+    gpus_stale: int
+
+    @classmethod
+    def of(cls, r: TickReport) -> TickSummary:
+        return cls(
+            tick=r.tick,
+            ts=r.ts,
+            status=r.status,
+            solver=r.solver,
+            solve_ms=r.solve_ms,
+            budget_w=float(r.budget_w[0]),
+            committed_w=float(r.load_w[0]),
+            draw_w=float(r.draw_w[0]),
+            throughput=r.throughput_total,
+            gpus=len(r.uuids),
+            gpus_stale=int(r.stale.sum()),
+        )
 
 
 @dataclass(frozen=True)
@@ -166,7 +201,7 @@ class Controller:
         self.policy_path = policy_path
         self.counters = Counters()
         self.overrides = Overrides()
-        self.history: deque[TickReport] = deque(maxlen=history)
+        self.history: deque[TickSummary] = deque(maxlen=history)
         self.last_tick: TickReport | None = None
         self.tick_no = 0
         self.alarms: dict[str, str] = {}  # active alarm kind → message
@@ -619,7 +654,7 @@ class Controller:
 
     def _record(self, report: TickReport, plan: SafePlan) -> None:
         self.last_tick = report
-        self.history.append(report)
+        self.history.append(TickSummary.of(report))
         self.counters.ticks += 1
         if self.writer is not None:
             root_budget = float(report.budget_w[0])
