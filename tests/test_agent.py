@@ -313,6 +313,10 @@ async def test_failsafe_when_broker_dies_then_resumes(
     await eventually(lambda: bool(h.statuses), what="status after reconnection")
     assert h.statuses[-1].state is NodeState.FAILSAFE
     assert h.statuses[-1].caps_w == dict.fromkeys(h.uuids, 350.0)
+    # Retained statuses come while our side is still subscribing, before it counts as
+    # connected: wait for that before sending (a publish before it is refused).
+    assert h.controller is not None
+    await asyncio.wait_for(h.controller.wait_connected(), 10)
     ack = await h.apply(2, [550.0, 550.0, 550.0, 550.0])
     assert all(g.enforced_w == 550.0 for g in ack.gpus.values())
     assert h.agent.state is NodeState.STEERED
