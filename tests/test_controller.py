@@ -406,10 +406,11 @@ def test_command_window_setting_reaches_the_mqtt_client(monkeypatch: pytest.Monk
 def test_storage_settings_reach_the_store_writer(monkeypatch: pytest.MonkeyPatch) -> None:
     s = ControllerSettings()
     assert s.retention() == Retention()  # the documented defaults
-    assert s.cap_epsilon_w == 0.5
+    assert (s.cap_epsilon_w, s.cap_interval_s) == (0.5, 60.0)
     monkeypatch.setenv("POWERD_KEEP_TICKS_DAYS", "2")
+    monkeypatch.setenv("POWERD_CAP_INTERVAL_S", "0")
     s = ControllerSettings.load(keep_minutes_days=90.0, cap_epsilon_w=2.0)
     assert s.retention() == Retention(keep_minutes_days=90.0, keep_ticks_days=2.0)
-    assert s.cap_epsilon_w == 2.0
+    assert (s.cap_epsilon_w, s.cap_interval_s) == (2.0, 0.0)
     with pytest.raises(SettingsError, match="keep_minutes_days"):
         ControllerSettings.load(keep_minutes_days=0)

@@ -232,8 +232,29 @@ def test_round_trip_of_every_table(store: Store) -> None:
 # ---- cap changes ----
 
 
+def test_a_gpus_cap_is_stored_at_most_once_an_interval(store: Store) -> None:
+    w = writer_for(store, cap_interval_s=60)  # the controller's default
+    caps = [
+        (1, 0, 500.0),  # the first cap known: stored
+        (2, 1, 450.0),  # within 60 s of the last stored one: not yet
+        (3, 30, 500.2),  # back where it was stored: nothing to store
+        (4, 59, 420.0),
+        (5, 60, 410.0),  # the interval is over and the cap differs: stored as it is now
+        (6, 61, 300.0),
+        (7, 125, 300.0),
+        (8, 126, 300.0),  # a repeat
+    ]
+    for tick, t, watts in caps:
+        w.submit_caps(tick, T0 + t, {"n1": {"GPU-a": watts, "GPU-b": 200.0 + tick}})
+    assert w.flush()
+    a = [(c.tick, c.old_w, c.new_w) for c in store.cap_changes("GPU-a")]
+    assert a == [(1, None, 500.0), (5, 500.0, 410.0), (7, 410.0, 300.0)]
+    b = [(c.tick, c.new_w) for c in store.cap_changes("GPU-b")]  # each GPU on its own
+    assert b == [(1, 201.0), (5, 205.0), (7, 207.0)]
+
+
 def test_only_cap_changes_are_stored(store: Store) -> None:
-    w = writer_for(store, cap_epsilon_w=0.5)
+    w = writer_for(store, cap_epsilon_w=0.5, cap_interval_s=0)  # every move
     w.submit_caps(1, T0 + 1, {"n1": {"GPU-a": 500.0, "GPU-b": 300.0}})
     w.submit_caps(2, T0 + 2, {"n1": {"GPU-a": 500.0, "GPU-b": 300.0}})  # repeat
     w.submit_caps(3, T0 + 3, {"n1": {"GPU-a": 500.2, "GPU-b": 350.0}})  # noise on a
@@ -248,7 +269,7 @@ def test_only_cap_changes_are_stored(store: Store) -> None:
     assert store.latest_caps() == {"GPU-a": 400.0, "GPU-b": 350.0}
 
     # A restarted controller seeds its writer from the store: a cap in force is no change.
-    w2 = writer_for(store)
+    w2 = writer_for(store, cap_interval_s=0)
     w2.seed_caps(store.latest_caps())
     w2.submit_caps(6, T0 + 6, {"n1": {"GPU-a": 400.0, "GPU-b": 360.0}})
     assert w2.flush()

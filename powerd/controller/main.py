@@ -42,7 +42,10 @@ async def run_controller(settings: ControllerSettings) -> None:
     await asyncio.to_thread(upgrade, settings.db)
     store = Store(settings.db)
     writer = StoreWriter(
-        store, retention=settings.retention(), cap_epsilon_w=settings.cap_epsilon_w
+        store,
+        retention=settings.retention(),
+        cap_epsilon_w=settings.cap_epsilon_w,
+        cap_interval_s=settings.cap_interval_s,
     )
     writer.seed_caps(await asyncio.to_thread(store.latest_caps))
     text = settings.policy.read_text(encoding="utf-8")

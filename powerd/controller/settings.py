@@ -11,6 +11,7 @@ from pydantic import Field
 
 from powerd.settings import BrokerSettings
 from powerd.store import Retention
+from powerd.store.aggregate import CAP_INTERVAL_S
 from powerd.transport.mqtt import MqttConfig
 
 _RETENTION = Retention()
@@ -41,6 +42,8 @@ class ControllerSettings(BrokerSettings):
         default=_RETENTION.keep_cap_changes_days, gt=0
     )  # None: as ticks
     cap_epsilon_w: float = Field(default=0.5, ge=0)  # smaller cap moves are not stored
+    # A GPU's cap is stored at most once per this many seconds (0: every move).
+    cap_interval_s: float = Field(default=CAP_INTERVAL_S, ge=0)
 
     api_host: str = "127.0.0.1"
     api_port: int | None = Field(default=None, ge=0, le=65535)  # None: no admin API

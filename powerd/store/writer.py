@@ -21,7 +21,7 @@ from typing import Any
 import structlog
 
 from powerd.clock import Clock, SystemClock
-from powerd.store.aggregate import CapChanges, Floats, MinuteAggregator
+from powerd.store.aggregate import CAP_INTERVAL_S, CapChanges, Floats, MinuteAggregator
 from powerd.store.records import EventRecord, GpuRecord, NodeRecord, StoreHealth, TickRecord
 from powerd.store.store import Batch, Store, event_row
 
@@ -88,6 +88,7 @@ class StoreWriter:
         backoff_max_s: float = 30.0,
         minute_grace_s: float = 10.0,
         cap_epsilon_w: float = 0.5,
+        cap_interval_s: float = CAP_INTERVAL_S,
         clock: Clock | None = None,
     ) -> None:
         self.store = store
@@ -108,7 +109,7 @@ class StoreWriter:
 
         # Owned by the writer thread (or the caller of flush() when not started).
         self._minutes = MinuteAggregator(grace_s=minute_grace_s)
-        self._caps = CapChanges(epsilon_w=cap_epsilon_w)
+        self._caps = CapChanges(epsilon_w=cap_epsilon_w, interval_s=cap_interval_s)
         self._rows: deque[tuple[str, Any]] = deque()  # (kind, row) in submission order
         self._nodes: dict[str, dict[str, Any]] = {}  # upserts: only the latest matters
         self._gpus: dict[str, dict[str, Any]] = {}
