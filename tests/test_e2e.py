@@ -250,7 +250,7 @@ class Procs:
         self.running: dict[str, subprocess.Popen[bytes]] = {}
         self.started: dict[str, int] = {}
 
-    def start(self, name: str, *args: str) -> None:
+    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> None:
         n = self.started[name] = self.started.get(name, 0) + 1
         log = self.workdir / f"{name}.{n}.log"
         with log.open("wb") as out:
@@ -258,7 +258,7 @@ class Procs:
                 [sys.executable, "-m", "powerd.cli", "--log-format", "json", *args],
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             )
 
     def agent(self, node: str) -> None:
@@ -284,6 +284,9 @@ class Procs:
             f"--db={db}",
             f"--controller-id={name}",
             f"--learn-s={TICK_S * 2}",
+            # Every cap move stored (not one a GPU a minute), so the store can be checked
+            # against the commands themselves.
+            env={"POWERD_CAP_INTERVAL_S": "0"},
         )
 
     def signal(self, name: str, sig: signal.Signals) -> None:
