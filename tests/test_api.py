@@ -69,9 +69,12 @@ class LiveApi:
     """The whole controller process, minus real GPUs and a real broker, in a thread of its
     own with its own event loop; tests use synchronous HTTP clients against `url`."""
 
-    def __init__(self, workdir: Path, policy_text: str = POLICY) -> None:
+    def __init__(
+        self, workdir: Path, policy_text: str = POLICY, *, with_store: bool = True
+    ) -> None:
         self.workdir = workdir
         self.policy_text = policy_text
+        self.with_store = with_store
         self.db_url = f"sqlite:///{workdir / 'powerd.db'}"
         self.tokens: dict[str, str] = {}
         entries = []
@@ -115,13 +118,16 @@ class LiveApi:
     async def _main(self) -> None:
         clock = SystemClock()
         policy = load_policy_text(self.policy_text, "test-policy.yaml")
-        await asyncio.to_thread(upgrade, self.db_url)
-        store = Store(self.db_url)
-        writer = StoreWriter(store)
-        writer.start()
-        version = store.record_policy_version(
-            self.policy_text, source="test-policy.yaml", author="test", reason="start"
-        )
+        store: Store | None = None
+        writer: StoreWriter | None = None
+        if self.with_store:
+            await asyncio.to_thread(upgrade, self.db_url)
+            store = Store(self.db_url)
+            writer = StoreWriter(store)
+            writer.start()
+            version = store.record_policy_version(
+                self.policy_text, source="test-policy.yaml", author="test", reason="start"
+            )
         broker = MemoryBroker()
         model = GpuFleetModel(
             GPUS_PER_NODE * len(NODES),
@@ -142,7 +148,8 @@ class LiveApi:
         controller = Controller(
             policy, broker.client("controller"), clock, store=store, writer=writer
         )
-        controller.policy_version = version
+        if store is not None:
+            controller.policy_version = version
         registry = CollectorRegistry()
         controller.on_tick.append(metrics_hook(controller, ControllerMetrics(registry)))
         tokens = TokenStore.from_file(self.workdir / "tokens.toml")
@@ -164,8 +171,9 @@ class LiveApi:
                 tg.create_task(controller.run(stop, learn_s=0.2), name="controller")
                 tg.create_task(server.serve(stop), name="api")
         finally:
-            await asyncio.to_thread(writer.stop)
-            store.close()
+            if writer is not None and store is not None:
+                await asyncio.to_thread(writer.stop)
+                store.close()
 
 
 def wait_until(cond: Callable[[], Any], what: str) -> Any:
@@ -416,6 +424,28 @@ def test_history_events_metrics(live: LiveApi) -> None:
     assert samples["powerd_tick_duration_seconds_count"].value >= 1
     with live.client(None) as c:
         assert c.get("/metrics").status_code == 401
+
+
+def test_ticks_come_from_memory_without_a_store(tmp_path: Path) -> None:
+    api = LiveApi(tmp_path, with_store=False).start()
+    try:
+        with api.client("viewer") as c:
+            ticks = wait_until(
+                lambda: [t for t in c.get("/api/v1/ticks").json() if t["gpus"] == 8], "ticks"
+            )
+            assert api.controller is not None
+            last = api.controller.last_tick
+            assert last is not None
+            newest = c.get("/api/v1/ticks", params={"limit": 1}).json()[0]
+            assert newest["tick"] >= last.tick >= ticks[0]["tick"]
+            assert newest["budget_w"] == float(last.budget_w[0])
+            assert newest["gpus"] == 8 and newest["gpus_stale"] == 0
+            assert newest["committed_w"] > 0 and newest["draw_w"] > 0
+            events = c.get("/api/v1/events")
+            assert events.status_code == 503
+            assert "without a store" in events.text
+    finally:
+        api.close()
 
 
 def test_openapi_lists_every_endpoint(live: LiveApi) -> None:

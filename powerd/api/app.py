@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Annotated, Any, Literal, NoReturn
 
 import numpy as np
@@ -590,19 +590,7 @@ def create_app(
             ]
         history = list(controller.history)  # a copy: the loop appends meanwhile
         return [
-            TickOut(
-                tick=r.tick,
-                ts=r.ts,
-                status=r.status,
-                solver=r.solver,
-                solve_ms=r.solve_ms,
-                budget_w=finite(r.budget_w),
-                committed_w=r.committed_w,
-                draw_w=r.draw_w,
-                throughput=r.throughput,
-                gpus=r.gpus,
-                gpus_stale=r.gpus_stale,
-            )
+            TickOut(**(asdict(r) | {"budget_w": finite(r.budget_w)}))  # the same fields
             for r in reversed(history)
             if since is None or r.ts >= since
         ][:limit]
