@@ -142,7 +142,7 @@ class Run:
             policy_path=str(policy_file),
         )
         self.measuring = False
-        # Per measured tick, the figures only: a TickReport holds ~1 MB of per-GPU arrays at
+        # Per measured tick, the figures only: a TickReport holds ~0.75 MB of per-GPU arrays at
         # 10k GPUs, and keeping them all made this process grow 0.75 MB a second.
         self.reports: list[TickFigures] = []
         self.publish_ms: list[float] = []

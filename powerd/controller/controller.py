@@ -654,23 +654,23 @@ class Controller:
 
     def _record(self, report: TickReport, plan: SafePlan) -> None:
         self.last_tick = report
-        self.history.append(TickSummary.of(report))
+        summary = TickSummary.of(report)
+        self.history.append(summary)
         self.counters.ticks += 1
         if self.writer is not None:
-            root_budget = float(report.budget_w[0])
             self.writer.submit_tick(
                 TickRecord(
-                    tick=report.tick,
-                    ts=report.ts,
-                    budget_w=root_budget,
-                    committed_w=float(report.load_w[0]),
-                    measured_w=float(report.draw_w[0]),
-                    throughput=report.throughput_total,
-                    solve_ms=report.solve_ms,
-                    status=report.status,
-                    solver=report.solver,
-                    n_gpus=len(report.uuids),
-                    n_stale=int(report.stale.sum()),
+                    tick=summary.tick,
+                    ts=summary.ts,
+                    budget_w=summary.budget_w,
+                    committed_w=summary.committed_w,
+                    measured_w=summary.draw_w,
+                    throughput=summary.throughput,
+                    solve_ms=summary.solve_ms,
+                    status=summary.status,
+                    solver=summary.solver,
+                    n_gpus=summary.gpus,
+                    n_stale=summary.gpus_stale,
                     rows={
                         name: {
                             "budget_w": b if math.isfinite(b) else None,

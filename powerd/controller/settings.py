@@ -11,7 +11,7 @@ from pydantic import Field
 
 from powerd.settings import BrokerSettings
 from powerd.store import Retention
-from powerd.store.aggregate import CAP_INTERVAL_S
+from powerd.store.aggregate import CAP_EPSILON_W, CAP_INTERVAL_S
 from powerd.transport.mqtt import MqttConfig
 
 _RETENTION = Retention()
@@ -41,7 +41,7 @@ class ControllerSettings(BrokerSettings):
     keep_cap_changes_days: float | None = Field(
         default=_RETENTION.keep_cap_changes_days, gt=0
     )  # None: as ticks
-    cap_epsilon_w: float = Field(default=0.5, ge=0)  # smaller cap moves are not stored
+    cap_epsilon_w: float = Field(default=CAP_EPSILON_W, ge=0)  # smaller moves: not stored
     # A GPU's cap is stored at most once per this many seconds (0: every move).
     cap_interval_s: float = Field(default=CAP_INTERVAL_S, ge=0)
 

@@ -180,6 +180,7 @@ class MinuteAggregator:
 # grew dearer as the table's index outgrew SQLite's cache); one row a GPU a minute is what
 # docs/storage.md sizes. The per-minute rows keep each GPU's mean cap in between.
 CAP_INTERVAL_S = 60.0
+CAP_EPSILON_W = 0.5  # a smaller cap move is a repeat (float noise from the solver)
 
 
 class CapChanges:
@@ -193,7 +194,9 @@ class CapChanges:
     and went in between are not stored). 0: every move.
     """
 
-    def __init__(self, epsilon_w: float = 0.5, interval_s: float = CAP_INTERVAL_S) -> None:
+    def __init__(
+        self, epsilon_w: float = CAP_EPSILON_W, interval_s: float = CAP_INTERVAL_S
+    ) -> None:
         if interval_s < 0 or epsilon_w < 0:
             raise ValueError("epsilon_w and interval_s must be >= 0")
         self.epsilon_w = epsilon_w

@@ -21,7 +21,13 @@ from typing import Any
 import structlog
 
 from powerd.clock import Clock, SystemClock
-from powerd.store.aggregate import CAP_INTERVAL_S, CapChanges, Floats, MinuteAggregator
+from powerd.store.aggregate import (
+    CAP_EPSILON_W,
+    CAP_INTERVAL_S,
+    CapChanges,
+    Floats,
+    MinuteAggregator,
+)
 from powerd.store.records import EventRecord, GpuRecord, NodeRecord, StoreHealth, TickRecord
 from powerd.store.store import Batch, Store, event_row
 
@@ -87,7 +93,7 @@ class StoreWriter:
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
         minute_grace_s: float = 10.0,
-        cap_epsilon_w: float = 0.5,
+        cap_epsilon_w: float = CAP_EPSILON_W,
         cap_interval_s: float = CAP_INTERVAL_S,
         clock: Clock | None = None,
     ) -> None:

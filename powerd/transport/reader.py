@@ -114,23 +114,13 @@ class PacketReader:
         pos, size = 0, len(buf)
         while pos < size:
             cmd = buf[pos]
-            # The remaining length: 7 bits a byte, low bits first, high bit set on all but
-            # the last byte.
-            i, length, shift = pos + 1, 0, 0
-            while i < size:
-                byte = buf[i]
-                i += 1
-                length |= (byte & 0x7F) << shift
-                shift += 7
-                if byte < 0x80:
-                    break
-                if i - pos > _MAX_LENGTH_BYTES:
-                    rc = mqtt.MQTT_ERR_PROTOCOL
-                    break
-            else:  # the length itself is incomplete: parse again once more has come
+            header = _remaining_length(buf, pos + 1)
+            if header is None:  # the length itself is incomplete: parse once more has come
                 self._keep(buf, pos, size + 1)
                 break
-            if rc != mqtt.MQTT_ERR_SUCCESS:
+            i, length = header
+            if length < 0:
+                rc = mqtt.MQTT_ERR_PROTOCOL
                 break
             end = i + length
             if end > size:
@@ -170,6 +160,19 @@ class PacketReader:
         finally:
             paho._in_packet = _in_packet(0, 0, b"")
         return rc
+
+
+def _remaining_length(buf: bytes, at: int) -> tuple[int, int] | None:
+    """(where the packet's body starts, its length) from the remaining length at `at`: 7
+    bits a byte, low bits first, the high bit set on all but the last byte. Length -1: more
+    than four bytes (a broken packet); None: `buf` ends within it."""
+    length = 0
+    for n, i in enumerate(range(at, min(len(buf), at + _MAX_LENGTH_BYTES))):
+        byte = buf[i]
+        length |= (byte & 0x7F) << (7 * n)
+        if byte < 0x80:
+            return i + 1, length
+    return (at, -1) if len(buf) >= at + _MAX_LENGTH_BYTES else None
 
 
 def _in_packet(cmd: int, length: int, body: bytes) -> dict[str, Any]:
