@@ -131,6 +131,10 @@ class Control(_Strict):
     tick_s: float = Field(default=1.0, gt=0, le=3600)
     lease_s: float = Field(default=10.0, gt=0, le=86400)
     stale_after_s: float = Field(default=5.0, gt=0, le=86400)
+    # A GPU no telemetry has named for this long is forgotten (its node's missing GPUs are
+    # then reserved at the default maximum, as before it was first seen), and so is a claim
+    # on a uuid that another node holds.
+    forget_after_s: float = Field(default=600.0, gt=0, le=7 * 86400)
     slew_w: Watts | None = None
     # Weight of the damping term ε·Σ(p − p_prev)², p in kW: breaks ties toward the caps in
     # force and damps oscillation. Small against profile slopes (≈1 per kW).
@@ -142,6 +146,11 @@ class Control(_Strict):
             raise ValueError(
                 f"lease_s ({self.lease_s:g}) must be at least two ticks (2 × tick_s = "
                 f"{2 * self.tick_s:g}) or agents fall into failsafe between ticks"
+            )
+        if self.forget_after_s < self.stale_after_s:
+            raise ValueError(
+                f"forget_after_s ({self.forget_after_s:g}) must be at least stale_after_s "
+                f"({self.stale_after_s:g}): a GPU is stale before it is forgotten"
             )
         return self
 

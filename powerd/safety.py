@@ -30,6 +30,13 @@ PENDING_SLOTS = 8
 # Watts of float noise tolerated in budget comparisons and in "reading above committed".
 TOL_W = 1e-6
 ALARM_TOL_W = 0.5
+# A node that has left our commands unacknowledged for more ticks than this is planned as
+# if it kept the caps it may have: the others make room for it.
+UNRESPONSIVE_TICKS = 2
+# A reading's key when it names no tick (an agent that has applied no command since it started).
+NO_TICK = -1
+# `_prior_tick` of a GPU this planner has not yet sent a command to.
+_UNSENT = np.iinfo(np.int64).max
 _STATUS, _TELEMETRY, _ACK = 0, 1, 2
 _SOURCES = ("status", "telemetry", "ack")
 
@@ -125,6 +132,8 @@ class SafePlan:
     group_load_w: FloatArray  # per group: Σ committed caps + overhead + reserve
     group_budget_w: FloatArray
     group_over: BoolArray  # load above budget: a cut not yet obeyed, or knowledge missing
+    # over only because GPUs count at their maximum until a first ack of ours (after a start)
+    group_settling: BoolArray
     waiting_nodes: tuple[str, ...]  # live nodes not sent to: a GPU's cap in force is unknown
     events: tuple[SafetyEvent, ...] = field(default=())
 
@@ -136,17 +145,8 @@ class SafetyPlanner:
     status as it arrives, and call `plan` once per tick with strictly increasing ticks.
     """
 
-    def __init__(
-        self, policy: Policy, fleet: Fleet | None = None, *, trust_after: float | None = None
-    ) -> None:
-        """`trust_after`: for a controller that takes over from another, the wall-clock time
-        by which the previous controller's commands had all landed or been dropped. Telemetry
-        and acks sampled (agent clock) before it are ignored: a sample taken before an old
-        command landed is neither an upper nor a lower bound of the cap in force. Retained
-        statuses count regardless, since agents republish them after every change.
-        """
+    def __init__(self, policy: Policy, fleet: Fleet | None = None) -> None:
         self.policy = policy
-        self.trust_after = trust_after
         self._events: list[SafetyEvent] = []
         self._last_tick = -1
         self._set_empty()
@@ -166,8 +166,14 @@ class SafetyPlanner:
         self._uuid_rank: IntArray = np.zeros(0, dtype=np.int64)
         self._hi = np.zeros(0)  # reading, as an upper bound of the cap in force; NaN: none
         self._lo = np.zeros(0)  # reading, as a lower bound (differs after failed sets)
-        self._ts = np.zeros(0)  # agent time of the reading; NaN: unknown
+        self._key = np.zeros(0, dtype=np.int64)  # the tick the reading reflects (NO_TICK)
         self._seen = np.zeros(0)  # controller time of the last telemetry
+        # Commands a predecessor (another controller, or this one before a restart) may
+        # still have on their way: anything up to max_cap_w, until the GPU acknowledges a
+        # command of ours (`_prior_tick`: the first tick we sent it).
+        self._prior_hi = np.zeros(0)
+        self._prior_tick = np.zeros(0, dtype=np.int64)
+        self._defiant = np.zeros(0, dtype=bool)  # its last ack refused (or missed) our cap
         self._pend_tick = np.zeros((0, PENDING_SLOTS), dtype=np.int64)
         self._pend_hi = np.zeros((0, PENDING_SLOTS))
         self._pend_lo = np.zeros((0, PENDING_SLOTS))
@@ -184,8 +190,9 @@ class SafetyPlanner:
         if old is not None:
             self._absorb()  # queued rows hold indices into the old fleet
         old_index = self._index
-        old_state = (self._hi, self._lo, self._ts, self._seen)
+        old_state = (self._hi, self._lo, self._seen, self._prior_hi)
         old_pend = (self._pend_tick, self._pend_hi, self._pend_lo)
+        old_int = (self._key, self._prior_tick, self._defiant)
         old_last_ack = self._last_ack
         n = fleet.n_gpus
         self.fleet = fleet
@@ -212,8 +219,11 @@ class SafetyPlanner:
         self._uuid_rank = rank
         self._hi = np.full(n, np.nan)
         self._lo = np.full(n, np.nan)
-        self._ts = np.full(n, np.nan)
+        self._key = np.full(n, NO_TICK, dtype=np.int64)
         self._seen = np.full(n, -np.inf)
+        self._prior_hi = fleet.max_cap_w.copy()
+        self._prior_tick = np.full(n, _UNSENT, dtype=np.int64)
+        self._defiant = np.zeros(n, dtype=bool)
         self._pend_tick = np.full((n, PENDING_SLOTS), -1, dtype=np.int64)
         self._pend_hi = np.zeros((n, PENDING_SLOTS))
         self._pend_lo = np.full((n, PENDING_SLOTS), np.inf)
@@ -232,8 +242,14 @@ class SafetyPlanner:
         if keep_new:
             new_i = np.array(keep_new)
             old_i = np.array(keep_old)
-            for dst, src in zip((self._hi, self._lo, self._ts, self._seen), old_state, strict=True):
+            for dst, src in zip(
+                (self._hi, self._lo, self._seen, self._prior_hi), old_state, strict=True
+            ):
                 dst[new_i] = src[old_i]
+            for dst1, src1 in zip(
+                (self._key, self._prior_tick, self._defiant), old_int, strict=True
+            ):
+                dst1[new_i] = src1[old_i]
             for dst2, src2 in zip(
                 (self._pend_tick, self._pend_hi, self._pend_lo), old_pend, strict=True
             ):
@@ -255,7 +271,7 @@ class SafetyPlanner:
         fleet = self._require_fleet()
         self._absorb()
         base = np.where(np.isnan(self._hi), fleet.max_cap_w, self._hi)
-        out: FloatArray = np.maximum(base, self._pend_hi.max(axis=1))
+        out: FloatArray = np.maximum(np.maximum(base, self._pend_hi.max(axis=1)), self._prior_hi)
         return out
 
     def _low_w(self) -> FloatArray:
@@ -264,13 +280,33 @@ class SafetyPlanner:
         out: FloatArray = np.minimum(base, self._pend_lo.min(axis=1))
         return out
 
+    def defiant(self) -> BoolArray:
+        """Per GPU: its last ack refused our cap (or left it out); counted at what it reports."""
+        self._require_fleet()
+        self._absorb()
+        return self._defiant.copy()
+
+    def settling(self) -> BoolArray:
+        """Per GPU: still counted at its maximum for what a predecessor may have sent it."""
+        self._require_fleet()
+        self._absorb()
+        out: BoolArray = self._prior_hi > 0.0
+        return out
+
+    def assume_settled(self) -> None:
+        """Declare that no earlier controller has commands on their way to these GPUs (a
+        simulation, or a test, that starts the fleet itself): they count at their readings
+        at once instead of at their maximum until their first ack."""
+        self._require_fleet()
+        self._prior_hi[:] = 0.0
+
     def _queue_readings(
-        self, node: str, caps_w: Mapping[str, float], agent_ts: float | None, source: int
+        self, node: str, caps_w: Mapping[str, float], as_of_tick: int | None, source: int
     ) -> list[int]:
         k = self._node_index.get(node)
-        if k is None or (source != _STATUS and not self._trusted(agent_ts)):
+        if k is None:
             return []
-        ts = math.nan if agent_ts is None else agent_ts
+        key = NO_TICK if as_of_tick is None else int(as_of_tick)
         queued = []
         for u, i in zip(self._node_uuids[k], self._node_gpu_list[k], strict=True):
             v = caps_w.get(u)
@@ -278,37 +314,34 @@ class SafetyPlanner:
                 self._q_gpu.append(i)
                 self._q_hi.append(v)
                 self._q_lo.append(v)
-                self._q_ts.append(ts)
+                self._q_key.append(key)
                 self._q_tick.append(-1)
                 self._q_guess.append(False)
+                self._q_defiant.append(-1)
                 self._q_src.append(source)
                 queued.append(i)
         return queued
 
-    def _trusted(self, agent_ts: float | None) -> bool:
-        return self.trust_after is None or (agent_ts is not None and agent_ts >= self.trust_after)
-
     def learn_status(
-        self, node: str, caps_w: Mapping[str, float], agent_ts: float | None = None
+        self, node: str, caps_w: Mapping[str, float], as_of_tick: int | None = None
     ) -> None:
-        """Caps in force from a node's retained status (how a restarted controller learns)."""
-        self._queue_readings(node, caps_w, agent_ts, _STATUS)
+        """Caps in force from a node's status; `as_of_tick`: its `last_tick`."""
+        self._queue_readings(node, caps_w, as_of_tick, _STATUS)
 
     def on_telemetry(
         self,
         node: str,
         caps_w: Mapping[str, float],
         received_at: float,
-        agent_ts: float | None = None,
+        as_of_tick: int | None = None,
     ) -> None:
-        """Enforced caps read back by the agent; `received_at` (controller time) dates freshness."""
-        queued = self._queue_readings(node, caps_w, agent_ts, _TELEMETRY)
+        """Enforced caps read back by the agent; `received_at` (controller time) dates freshness,
+        `as_of_tick` (the last command the agent had applied when it sampled) orders it."""
+        queued = self._queue_readings(node, caps_w, as_of_tick, _TELEMETRY)
         self._q_seen_gpu += queued
         self._q_seen_at += [received_at] * len(queued)
 
-    def on_ack(
-        self, node: str, tick: int, gpus: Mapping[str, GpuAck], agent_ts: float | None = None
-    ) -> None:
+    def on_ack(self, node: str, tick: int, gpus: Mapping[str, GpuAck]) -> None:
         """An agent applied command `tick`: it resolves every command to the node up to `tick`.
 
         Agents apply only ticks newer than the last applied one, so no command at or below
@@ -317,12 +350,12 @@ class SafetyPlanner:
         so the bound becomes the highest of them, the request and the read-back value.
         """
         k = self._node_index.get(node)
-        if k is None or tick <= self._last_ack.get(node, -1) or not self._trusted(agent_ts):
-            return  # unknown node, an ack older than what we know, or from before take-over
+        if k is None or tick <= self._last_ack.get(node, -1):
+            return  # unknown node, or an ack older than what we know
         self._last_ack[node] = tick
-        ts = math.nan if agent_ts is None else agent_ts
         for u, i in zip(self._node_uuids[k], self._node_gpu_list[k], strict=True):
             ack = gpus.get(u)
+            defiant = 0
             if ack is not None and ack.error is None and ack.enforced_w is not None:
                 hi = lo = ack.enforced_w
                 guess = False
@@ -334,6 +367,9 @@ class SafetyPlanner:
                 lo = min(requested, enforced) if ack is not None else math.inf
                 hi, lo = (0.0 if math.isnan(hi) else hi), (math.inf if math.isnan(lo) else lo)
                 guess = True
+                # A GPU that may sit above what we asked refuses our cap: the plan counts it at
+                # what it reports and cuts others. One held lower than asked does no harm.
+                defiant = int(not enforced <= requested + ALARM_TOL_W)
                 error = "missing" if ack is None else str(ack.error or "no_enforced_value")
                 self._events.append(
                     SafetyEvent("ack_error", node=node, uuid=u, group=error, value_w=requested)
@@ -341,18 +377,34 @@ class SafetyPlanner:
             self._q_gpu.append(i)
             self._q_hi.append(hi)
             self._q_lo.append(lo)
-            self._q_ts.append(ts)
+            self._q_key.append(tick)
             self._q_tick.append(tick)
             self._q_guess.append(guess)
+            self._q_defiant.append(defiant)
             self._q_src.append(_ACK)
+
+    def node_offline(self, node: str) -> None:
+        """The node's last will: its agent is gone, and with it any knowledge of its caps (a
+        rebooted GPU comes back at its default limit). Its GPUs count at their maximum until
+        it reports again with a reading at least as new (by tick) as the last one we had."""
+        fleet = self._require_fleet()
+        k = self._node_index.get(node)
+        if k is None:
+            return
+        self._absorb()
+        idx = self._node_gpus[k]
+        self._hi[idx] = fleet.max_cap_w[idx]
+        self._lo[idx] = fleet.min_cap_w[idx]
+        self._events.append(SafetyEvent("node_offline", node=node))
 
     def _clear_queue(self) -> None:
         self._q_gpu: list[int] = []
         self._q_hi: list[float] = []
         self._q_lo: list[float] = []
-        self._q_ts: list[float] = []
+        self._q_key: list[int] = []
         self._q_tick: list[int] = []
         self._q_guess: list[bool] = []
+        self._q_defiant: list[int] = []  # 1 refused, 0 obeyed, -1 not an ack
         self._q_src: list[int] = []
         self._q_seen_gpu: list[int] = []
         self._q_seen_at: list[float] = []
@@ -360,8 +412,11 @@ class SafetyPlanner:
     def _absorb(self) -> None:
         """Fold queued readings and acks into the per-GPU state.
 
-        Readings: the newest (by the agent's clock, which acks and telemetry share) wins;
-        equal times, and readings without a time, which cannot be ordered, keep the max.
+        Readings are ordered by the tick they reflect, then by arrival: never by the sender's
+        clock. A reading of a tick at least as new as the one held replaces it; an older one
+        (sampled before a command we have seen acknowledged, or from an agent restarted
+        since) may only widen the bounds. Within one tick a GPU's cap only falls (failsafe),
+        so any reading of the newest tick bounds the cap in force from above.
         """
         if self._q_seen_gpu:
             np.maximum.at(self._seen, np.array(self._q_seen_gpu), np.array(self._q_seen_at))
@@ -372,11 +427,14 @@ class SafetyPlanner:
         gpu = np.array(self._q_gpu, dtype=np.int64)
         hi = np.array(self._q_hi)
         lo = np.array(self._q_lo)
-        ts = np.array(self._q_ts)
+        key = np.array(self._q_key, dtype=np.int64)
         tick = np.array(self._q_tick, dtype=np.int64)
         guess = np.array(self._q_guess, dtype=bool)
+        defiant = np.array(self._q_defiant, dtype=np.int64)
         src = np.array(self._q_src, dtype=np.int64)
         self._clear_queue()
+        q = len(gpu)
+        pos = np.arange(q)
         touched, local = np.unique(gpu, return_inverse=True)
         known = ~np.isnan(self._hi[touched])
 
@@ -402,28 +460,35 @@ class SafetyPlanner:
             self._pend_tick[touched] = np.where(done, -1, slots)
             self._pend_hi[touched] = np.where(done, 0.0, self._pend_hi[touched])
             self._pend_lo[touched] = np.where(done, np.inf, self._pend_lo[touched])
+            # Our own command acknowledged: nothing a predecessor sent can land any more.
+            prior_done = upto >= self._prior_tick[touched]
+            self._prior_hi[touched] = np.where(prior_done, 0.0, self._prior_hi[touched])
+            # Whether the GPU obeys: its latest ack says.
+            last_ack = np.full(len(touched), -1, dtype=np.int64)
+            np.maximum.at(last_ack, local[acks], acks)
+            has = last_ack >= 0
+            self._defiant[touched[has]] = defiant[last_ack[has]] > 0
 
-        # The readings in force so far take part like queued ones.
-        old = np.flatnonzero(known)
-        all_local = np.concatenate([local, old])
-        all_hi = np.concatenate([hi, self._hi[touched[old]]])
-        all_lo = np.concatenate([lo, self._lo[touched[old]]])
-        all_ts = np.concatenate([ts, self._ts[touched[old]]])
-        newest = np.full(len(touched), -np.inf)
-        np.maximum.at(newest, all_local, np.where(np.isnan(all_ts), -np.inf, all_ts))
-        kept = np.isnan(all_ts) | (all_ts == newest[all_local])
-        new_hi = np.full(len(touched), -np.inf)
-        new_lo = np.full(len(touched), np.inf)
-        np.maximum.at(new_hi, all_local[kept], all_hi[kept])
-        np.minimum.at(new_lo, all_local[kept], all_lo[kept])
+        # The newest tick wins; among readings of that tick the last to arrive, and whatever
+        # arrived after it (older ticks) can only widen the bounds.
+        newest = np.where(known, self._key[touched], np.iinfo(np.int64).min)
+        np.maximum.at(newest, local, key)
+        is_newest = key == newest[local]
+        last_pos = np.full(len(touched), -1, dtype=np.int64)
+        np.maximum.at(last_pos, local[is_newest], pos[is_newest])
+        kept = pos >= last_pos[local]
+        keep_state = known & (last_pos < 0)
+        new_hi = np.where(keep_state, self._hi[touched], -np.inf)
+        new_lo = np.where(keep_state, self._lo[touched], np.inf)
+        np.maximum.at(new_hi, local[kept], hi[kept])
+        np.minimum.at(new_lo, local[kept], lo[kept])
         self._hi[touched] = new_hi
         self._lo[touched] = new_lo
-        self._ts[touched] = np.where(np.isneginf(newest), np.nan, newest)
+        self._key[touched] = newest
 
         # A reading above the committed cap: something outside powerd raised the limit (or the
         # device clamped a request up). The bound follows the reading; the controller alarms.
-        q = len(gpu)
-        above = kept[:q] & known[local] & (hi > before[local] + ALARM_TOL_W)
+        above = kept & known[local] & (hi > before[local] + ALARM_TOL_W)
         for r in np.flatnonzero(above).tolist():
             i = int(gpu[r])
             self._events.append(
@@ -471,7 +536,7 @@ class SafetyPlanner:
 
         committed = self.committed_w()  # absorbs the queued messages first
         low = self._low_w()
-        load = topo.group_sums(committed)
+        load = self._sums(committed)
         over_g = load > capacity + TOL_W
         in_over = over_g[topo.gpu_groups].any(axis=1)
 
@@ -494,7 +559,28 @@ class SafetyPlanner:
             np.where(np.isnan(targets), committed, targets), fleet.min_cap_w, fleet.max_cap_w
         )
         caps = np.minimum(wanted, committed)
-        caps = self._shed(caps, capacity)
+        # A GPU that will not move keeps the cap it may have, and the others make room for it:
+        # one that refused its cap (we keep asking), one whose node gets no command (offline,
+        # waiting), one whose node has left our commands unacknowledged for over two ticks.
+        defiant = self._defiant
+        pend = np.where(self._pend_tick >= 0, self._pend_tick, np.iinfo(np.int64).max)
+        silent = pend.min(axis=1) < tick - UNRESPONSIVE_TICKS
+        fixed = defiant | ~send | silent
+        if fixed.any():
+            shed = self._shed(np.where(fixed, committed, caps), capacity, fixed=fixed)
+            caps = np.where(fixed, caps, shed)
+            for i in np.flatnonzero(defiant).tolist():
+                self._events.append(
+                    SafetyEvent(
+                        "cap_refused",
+                        node=fleet.nodes[i],
+                        uuid=fleet.uuids[i],
+                        value_w=float(caps[i]),
+                        committed_w=float(committed[i]),
+                    )
+                )
+        else:
+            caps = self._shed(caps, capacity)
         # Where a group is over, "≤ committed" proves nothing about the truth: send nothing
         # above the lowest cap that may be in force, so no GPU there rises even briefly.
         caps = np.where(in_over, np.minimum(caps, low), caps)
@@ -509,10 +595,15 @@ class SafetyPlanner:
         sent = np.where(send, caps, np.nan)
         self._record_sent(tick, np.flatnonzero(send), caps)
         committed_after = np.where(send, np.maximum(committed, caps), committed)
-        group_committed = topo.group_sums(committed_after)
+        group_committed = self._sums(committed_after)
         group_load = group_committed + topo.overhead_w + reserve
 
         commands = self._commands(tick, control.lease_s, node_send, caps)
+        # Over only for what a predecessor may still send: expected after a start, and gone
+        # with the first acks; no breach known.
+        base = np.where(np.isnan(self._hi), fleet.max_cap_w, self._hi)
+        known_after = np.maximum(base, self._pend_hi.max(axis=1))  # this tick's sends included
+        known_load = self._sums(known_after) + topo.overhead_w + reserve
         events = tuple(self._events)
         self._events = []
         return SafePlan(
@@ -527,32 +618,43 @@ class SafetyPlanner:
             group_load_w=group_load,
             group_budget_w=budget,
             group_over=group_load > budget + TOL_W,
+            group_settling=(group_load > budget + TOL_W) & (known_load <= budget + TOL_W),
             waiting_nodes=tuple(self._node_names[k] for k in np.flatnonzero(waiting)),
             events=events,
         )
 
-    def _shed(self, caps: FloatArray, capacity: FloatArray) -> FloatArray:
-        """Lower caps where even the planned decreases do not fit a budget (targets too high).
+    def _shed(
+        self, caps: FloatArray, capacity: FloatArray, fixed: BoolArray | None = None
+    ) -> FloatArray:
+        """Lower caps where even the planned decreases do not fit a budget (targets too high,
+        or a GPU that refuses its cut: `fixed`, held at its value in `caps`).
 
-        Every group over its capacity scales its GPUs' watts above minimum by one factor; each
-        GPU takes the smallest factor of its groups, so every group then fits (the tree is
-        laminar and the scaling only lowers). Never happens with the allocator's targets.
+        Every group over its capacity scales its GPUs' watts above their floor (minimum, or
+        the fixed value) by one factor; each GPU takes the smallest factor of its groups, so
+        every group then fits (the tree is laminar and the scaling only lowers).
         """
         fleet = self._require_fleet()
         topo = fleet.topology
-        sums = topo.group_sums(caps)
+        sums = self._sums(caps)
         short = sums > capacity + TOL_W
         if not short.any():
             return caps
-        floor = topo.group_sums(fleet.min_cap_w)
+        lowest = fleet.min_cap_w if fixed is None else np.where(fixed, caps, fleet.min_cap_w)
+        floor = self._sums(lowest)
         span = np.maximum(sums - floor, TOL_W)
         factor = np.where(short, np.clip((capacity - floor) / span, 0.0, 1.0), 1.0)
         for g in np.flatnonzero(short):
             kind = "min_caps_over_budget" if capacity[g] < floor[g] else "shed"
             self._events.append(SafetyEvent(kind, group=topo.names[g], value_w=float(sums[g])))
         per_gpu = factor[topo.gpu_groups].min(axis=1)
-        shed = fleet.min_cap_w + (caps - fleet.min_cap_w) * per_gpu
+        shed = lowest + (caps - lowest) * per_gpu
         return np.where(per_gpu < 1.0, shed, caps)
+
+    def _sums(self, per_gpu: FloatArray) -> FloatArray:
+        """Per group Σ per_gpu. A node is counted at what it may have, even above its own
+        budget: a node reporting more than its budget (tampered limits, or hostile) costs
+        its neighbours that much, since the power may really be drawn; it alarms."""
+        return self._require_fleet().topology.group_sums(per_gpu)
 
     def _admit(
         self,
@@ -599,6 +701,8 @@ class SafetyPlanner:
         return admitted
 
     def _record_sent(self, tick: int, idx: IntArray, caps: FloatArray) -> None:
+        first = self._prior_tick[idx]
+        self._prior_tick[idx] = np.where(first == _UNSENT, tick, first)
         slot = tick % PENDING_SLOTS
         old_tick = self._pend_tick[idx, slot]
         taken = old_tick >= 0

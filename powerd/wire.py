@@ -10,7 +10,15 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 PROTOCOL_VERSION = 1
 DEFAULT_PREFIX = "powerd/v1"
@@ -20,6 +28,12 @@ UUID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
 MAX_GPUS_PER_NODE = 64
 # A cap no real GPU accepts; anything above is a corrupt or hostile message.
 MAX_SANE_WATTS = 10_000.0
+# Ticks and sequence numbers: exact in a JSON number read as a double, and far beyond any
+# run (a tick a second for 285 million years). Larger is a corrupt or hostile message: an
+# unbounded integer once overflowed the controller's int64 arrays and killed it.
+MAX_TICK = 2**53 - 1
+Tick = Annotated[int, Field(ge=0, le=MAX_TICK)]
+ShortText = Annotated[str, StringConstraints(max_length=64)]
 
 NodeId = Annotated[str, Field(pattern=NODE_ID_PATTERN)]
 GpuUuid = Annotated[str, Field(pattern=UUID_PATTERN)]
@@ -48,7 +62,7 @@ class GpuTelemetry(BaseModel):
 
     uuid: GpuUuid
     index: int = Field(ge=0, lt=MAX_GPUS_PER_NODE)
-    name: str = ""
+    name: str = Field(default="", max_length=128)
     power_w: Watts
     energy_j: float = Field(ge=0, allow_inf_nan=False)
     cap_w: Watts  # enforced limit, read back from the device
@@ -58,22 +72,38 @@ class GpuTelemetry(BaseModel):
     temp_c: float = Field(ge=-50, le=200, allow_inf_nan=False)
     util_pct: float = Field(ge=0, le=100, allow_inf_nan=False)
     sm_clock_mhz: float = Field(ge=0, le=10_000, allow_inf_nan=False)
-    throttle: list[str] = Field(default_factory=list, max_length=32)
+    throttle: list[ShortText] = Field(default_factory=list, max_length=32)
     workload: str | None = Field(default=None, max_length=128)
-    perf: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    perf: float | None = Field(default=None, ge=0, le=1e12, allow_inf_nan=False)
     error: str | None = Field(default=None, max_length=256)  # e.g. "gpu_lost"
+
+    @model_validator(mode="after")
+    def _limits_ordered(self) -> GpuTelemetry:
+        if self.min_cap_w > self.max_cap_w:
+            raise ValueError(f"min_cap_w {self.min_cap_w:g} exceeds max_cap_w {self.max_cap_w:g}")
+        return self
 
 
 class NodeTelemetry(_Msg):
-    ts: float = Field(allow_inf_nan=False)  # agent's wall clock, seconds since the epoch
-    seq: int = Field(ge=0)
-    period_s: float = Field(gt=0, allow_inf_nan=False)
+    ts: float = Field(allow_inf_nan=False)  # agent's wall clock: informational, never for safety
+    seq: Tick
+    period_s: float = Field(gt=0, le=86_400, allow_inf_nan=False)
     gpus: list[GpuTelemetry] = Field(max_length=MAX_GPUS_PER_NODE)
     state: Literal["steered", "failsafe", "starting"] = "steered"
+    # The tick of the last command the agent applied when it sampled (None: none since it
+    # started). The controller orders a node's readings by it, not by `ts`.
+    tick: Tick | None = None
+
+    @field_validator("gpus")
+    @classmethod
+    def _unique(cls, gpus: list[GpuTelemetry]) -> list[GpuTelemetry]:
+        if len({g.uuid for g in gpus}) != len(gpus):
+            raise ValueError("a GPU uuid appears twice")
+        return gpus
 
 
 class CapCommand(_Msg):
-    tick: int = Field(ge=0)
+    tick: Tick
     lease_s: float = Field(gt=0, le=86_400, allow_inf_nan=False)
     caps: dict[GpuUuid, PosWatts] = Field(max_length=MAX_GPUS_PER_NODE)
     failsafe_w: dict[GpuUuid, PosWatts] = Field(max_length=MAX_GPUS_PER_NODE)
@@ -99,7 +129,7 @@ class GpuAck(BaseModel):
 
 
 class CapAck(_Msg):
-    tick: int = Field(ge=0)
+    tick: Tick
     gpus: dict[GpuUuid, GpuAck] = Field(max_length=MAX_GPUS_PER_NODE)
     ts: float = Field(default=0.0, allow_inf_nan=False)
 
@@ -114,7 +144,7 @@ class NodeState(StrEnum):
 class NodeStatus(_Msg):
     state: NodeState
     ts: float = Field(default=0.0, allow_inf_nan=False)
-    last_tick: int | None = None
+    last_tick: Tick | None = None
     gpus: int = Field(default=0, ge=0, le=MAX_GPUS_PER_NODE)
     agent_version: str = Field(default="", max_length=64)
     # Caps in force, so a restarted controller learns them from the retained status.
@@ -134,7 +164,7 @@ class ControllerStatus(BaseModel):
     controller_id: str = Field(max_length=128)
     state: ControllerState
     ts: float = Field(default=0.0, allow_inf_nan=False)
-    tick: int | None = None
+    tick: Tick | None = None
 
     @field_validator("controller_id")
     @classmethod
@@ -194,6 +224,8 @@ def decode(payload: bytes | bytearray | str, model: type[M], topic_node: str | N
         raise WireError("oversized", f"{len(payload)} bytes > {MAX_PAYLOAD_BYTES}")
     try:
         msg = model.model_validate_json(bytes(payload))
+    except RecursionError:
+        raise WireError("invalid", "nested too deeply") from None
     except ValidationError as exc:
         errs = exc.errors()
         if errs and errs[0]["type"] == "json_invalid":

@@ -96,13 +96,14 @@ def node_caps(fleet: Fleet, node: str, values: np.ndarray) -> dict[str, float]:
 def teach(planner: SafetyPlanner, fleet: Fleet, caps: np.ndarray, at: float) -> None:
     """Telemetry from every node reporting `caps`, fresh at `at`."""
     for node in dict.fromkeys(fleet.nodes):
-        planner.on_telemetry(node, node_caps(fleet, node, caps), received_at=at, agent_ts=at)
+        planner.on_telemetry(node, node_caps(fleet, node, caps), received_at=at)
+    planner.assume_settled()  # these tests start the fleet: no predecessor's commands
 
 
 def ack_all(planner: SafetyPlanner, plan: SafePlan, at: float) -> None:
     for c in plan.commands:
         acks = {u: GpuAck(requested_w=v, enforced_w=v) for u, v in c.caps_w.items()}
-        planner.on_ack(c.node, c.tick, acks, agent_ts=at)
+        planner.on_ack(c.node, c.tick, acks)
 
 
 # ---- the rules, one at a time -----------------------------------------------------------
@@ -117,7 +118,7 @@ def test_fresh_planner_sends_nothing_until_it_learns_the_caps_in_force() -> None
     assert plan.waiting_nodes == ("n0", "n1")
     assert plan.group_over[0]  # 4 × 400 W counted against 1000 W
 
-    planner.learn_status("n0", {"g0-0": 150.0, "g0-1": 150.0}, agent_ts=5.0)
+    planner.learn_status("n0", {"g0-0": 150.0, "g0-1": 150.0})
     plan = planner.plan(2, 0.0, np.full(4, 250.0))
     # n0 is known, n1 still counts at its maximum, so the facility is over: n0 may only
     # hold or lower, never rise, even toward a target below its maximum.
@@ -126,15 +127,91 @@ def test_fresh_planner_sends_nothing_until_it_learns_the_caps_in_force() -> None
     assert plan.waiting_nodes == ("n1",)
 
 
-def test_a_taking_over_planner_ignores_samples_older_than_the_take_over() -> None:
-    policy, fleet = simple_fleet([1, 1])
-    planner = SafetyPlanner(policy, fleet, trust_after=10.0)
-    planner.on_telemetry("n0", {"g0-0": 150.0}, received_at=10.5, agent_ts=9.5)
-    planner.on_ack("n1", 3, {"g1-0": GpuAck(requested_w=150, enforced_w=150)}, agent_ts=9.0)
-    assert planner.plan(1, 10.5, np.full(2, 150.0)).waiting_nodes == ("n0", "n1")
-    planner.learn_status("n0", {"g0-0": 200.0}, agent_ts=4.0)  # republished on every change
-    planner.on_telemetry("n1", {"g1-0": 250.0}, received_at=11.0, agent_ts=10.8)
-    assert planner.committed_w().tolist() == [200.0, 250.0]
+def test_a_new_planner_counts_gpus_at_max_until_a_command_of_its_own_is_acknowledged() -> None:
+    """A predecessor's last command may still land after we learned a cap: no raise on a
+    reading until the GPU acknowledges one of our ticks (older acks prove nothing)."""
+    policy, fleet = simple_fleet([1, 1], facility=700.0)
+    planner = SafetyPlanner(policy, fleet)
+    planner.learn_status("n0", {"g0-0": 200.0}, as_of_tick=500)
+    planner.on_telemetry("n1", {"g1-0": 200.0}, received_at=0.0, as_of_tick=500)
+    assert planner.settling().all()
+    plan = planner.plan(1501, 0.0, np.array([350.0, 350.0]))
+    # Both known, so both get commands, but only holds: 800 W counted against 700 W.
+    assert plan.sent_w.tolist() == [200.0, 200.0]
+    assert not plan.raised.any()
+    assert plan.group_over[0] and plan.group_settling[0]
+    # An ack of the predecessor's tick 501 resolves nothing of ours.
+    planner.on_ack("n0", 501, {"g0-0": GpuAck(requested_w=200, enforced_w=200)})
+    assert planner.committed_w().tolist() == [400.0, 400.0]
+    ack_all(planner, plan, at=0.5)
+    assert planner.committed_w().tolist() == [200.0, 200.0]
+    assert not planner.settling().any()
+    planner.on_telemetry("n0", {"g0-0": 200.0}, received_at=1.0, as_of_tick=1501)  # fresh
+    plan = planner.plan(1502, 1.0, np.array([350.0, 350.0]))
+    assert plan.sent_w.tolist() == [350.0, 350.0]
+    assert not plan.group_over.any()
+
+
+def test_readings_are_ordered_by_the_tick_they_reflect_never_by_a_clock() -> None:
+    policy, fleet = simple_fleet([1])
+    planner = SafetyPlanner(policy, fleet)
+    teach(planner, fleet, np.array([200.0]), at=0.0)
+    planner.plan(5, 0.0, np.array([300.0]))
+    planner.on_ack("n0", 5, {"g0-0": GpuAck(requested_w=300, enforced_w=300)})
+    assert planner.committed_w().tolist() == [300.0]
+    # Sampled before tick 5 was applied, delivered after its ack: it may not lower the bound.
+    planner.on_telemetry("n0", {"g0-0": 200.0}, received_at=1.0, as_of_tick=4)
+    assert planner.committed_w().tolist() == [300.0]
+    # Lease ran out: failsafe, reported under the same tick, lowers it.
+    planner.on_telemetry("n0", {"g0-0": 150.0}, received_at=2.0, as_of_tick=5)
+    assert planner.committed_w().tolist() == [150.0]
+    # A restarted agent (no tick applied yet) at its default limit: may only widen.
+    planner.on_telemetry("n0", {"g0-0": 380.0}, received_at=3.0, as_of_tick=None)
+    assert planner.committed_w().tolist() == [380.0]
+    planner.on_telemetry("n0", {"g0-0": 120.0}, received_at=4.0, as_of_tick=None)
+    assert planner.committed_w().tolist() == [380.0]
+
+
+def test_a_node_gone_offline_counts_at_its_maximum_until_it_reports_again() -> None:
+    policy, fleet = simple_fleet([1, 1], facility=700.0)
+    planner = SafetyPlanner(policy, fleet)
+    teach(planner, fleet, np.array([200.0, 200.0]), at=0.0)
+    plan = planner.plan(1, 0.0, np.array([200.0, 200.0]))
+    ack_all(planner, plan, at=0.1)
+    planner.node_offline("n1")
+    assert planner.committed_w().tolist() == [200.0, 400.0]
+    plan = planner.plan(2, 1.0, np.array([400.0, 200.0]), offline={"n1"})
+    assert plan.sent_w[0] == 300.0  # 100 W of room, with n1 counted at its maximum
+    assert [c.node for c in plan.commands] == ["n0"]
+    # The same agent back after a partition, reporting the tick it had: believed again.
+    planner.on_telemetry("n1", {"g1-0": 150.0}, received_at=2.0, as_of_tick=1)
+    assert planner.committed_w().tolist() == [300.0, 150.0]  # n0: its raise, unacknowledged
+
+
+def test_a_gpu_that_refuses_its_cut_is_made_up_for_by_cutting_the_others() -> None:
+    policy, fleet = simple_fleet([2, 1])
+    planner = SafetyPlanner(policy, fleet)
+    teach(planner, fleet, np.full(3, 300.0), at=0.0)
+    budget = fleet.topology.budget_w.copy()
+    budget[0] = 750.0  # a demand-response cut under 900 W of caps
+    targets = np.full(3, 250.0)
+    plan = planner.plan(1, 0.0, targets, budget_w=budget)
+    assert plan.sent_w.tolist() == [250.0, 250.0, 250.0]
+    acks = {
+        "g0-0": GpuAck(requested_w=250, enforced_w=300, error=AckError.NO_PERMISSION),
+        "g0-1": GpuAck(requested_w=250, enforced_w=250),
+    }
+    planner.on_ack("n0", 1, acks)
+    planner.on_ack("n1", 1, {"g1-0": GpuAck(requested_w=250, enforced_w=250)})
+    assert planner.defiant().tolist() == [True, False, False]
+    plan = planner.plan(2, 1.0, targets, budget_w=budget)
+    # g0-0 stays at 300 W; the other two share the remaining 450 W, and it is asked again.
+    assert plan.sent_w[0] == 250.0
+    assert math.isclose(float(plan.sent_w[1] + plan.sent_w[2]), 450.0)
+    assert "cap_refused" in [e.kind for e in plan.events]
+    ack_all(planner, plan, at=1.5)  # the second try works
+    assert not planner.defiant().any()
+    assert planner.committed_w().sum() <= 750.0 + 1e-6
 
 
 def test_decreases_go_at_once_and_the_raises_they_pay_for_wait_for_the_ack() -> None:
@@ -149,7 +226,7 @@ def test_decreases_go_at_once_and_the_raises_they_pay_for_wait_for_the_ack() -> 
     plan = planner.plan(2, 0.5, targets)  # no ack yet: still waiting
     assert plan.sent_w.tolist() == [200.0, 200.0]
 
-    planner.on_ack("n0", 1, {"g0-0": GpuAck(requested_w=200, enforced_w=200)}, agent_ts=0.6)
+    planner.on_ack("n0", 1, {"g0-0": GpuAck(requested_w=200, enforced_w=200)})
     plan = planner.plan(3, 1.0, targets)
     # The ack of tick 1 leaves tick 2's (equal) command pending; it does not block the raise.
     assert plan.sent_w.tolist() == [200.0, 400.0]
@@ -181,7 +258,7 @@ def test_stale_gpus_are_not_raised() -> None:
     policy, fleet = simple_fleet([1, 1])
     planner = SafetyPlanner(policy, fleet)
     teach(planner, fleet, np.full(2, 200.0), at=0.0)
-    planner.on_telemetry("n1", {"g1-0": 200.0}, received_at=9.0, agent_ts=9.0)
+    planner.on_telemetry("n1", {"g1-0": 200.0}, received_at=9.0)
     plan = planner.plan(1, 10.0, np.array([300.0, 300.0]))  # stale_after_s = 2.5
     assert plan.stale.tolist() == [True, False]
     assert plan.sent_w.tolist() == [200.0, 300.0]
@@ -196,14 +273,18 @@ def test_ack_resolves_every_command_up_to_its_tick_and_older_acks_are_ignored() 
     for tick, target in ((1, 350.0), (2, 200.0), (3, 250.0)):
         planner.plan(tick, 0.0, np.array([target]))
     assert planner.committed_w().tolist() == [350.0]
-    planner.on_ack("n0", 2, {"g0-0": GpuAck(requested_w=200, enforced_w=200)}, agent_ts=1.0)
+    planner.on_ack("n0", 2, {"g0-0": GpuAck(requested_w=200, enforced_w=200)})
     assert planner.committed_w().tolist() == [250.0]  # tick 3 still pending
-    planner.on_ack("n0", 1, {"g0-0": GpuAck(requested_w=350, enforced_w=350)}, agent_ts=0.5)
+    planner.on_ack("n0", 1, {"g0-0": GpuAck(requested_w=350, enforced_w=350)})
     assert planner.committed_w().tolist() == [250.0]  # older than what we know: ignored
-    planner.on_ack("n0", 3, {"g0-0": GpuAck(requested_w=250, enforced_w=250)}, agent_ts=2.0)
+    planner.on_ack("n0", 3, {"g0-0": GpuAck(requested_w=250, enforced_w=250)})
     assert planner.committed_w().tolist() == [250.0]
-    planner.on_telemetry("n0", {"g0-0": 350.0}, received_at=3.0, agent_ts=1.5)
-    assert planner.committed_w().tolist() == [250.0]  # sampled before the ack: superseded
+    planner.on_telemetry("n0", {"g0-0": 350.0}, received_at=3.0, as_of_tick=2)
+    # Sampled before the ack of tick 3: it cannot lower anything, only widen (an agent
+    # restarted since might have applied an old command).
+    assert planner.committed_w().tolist() == [350.0]
+    planner.on_telemetry("n0", {"g0-0": 250.0}, received_at=4.0, as_of_tick=3)
+    assert planner.committed_w().tolist() == [250.0]
 
 
 def test_failed_set_keeps_the_highest_cap_that_may_be_in_force() -> None:
@@ -216,15 +297,17 @@ def test_failed_set_keeps_the_highest_cap_that_may_be_in_force() -> None:
         "g0-0": GpuAck(requested_w=250, enforced_w=300, error=AckError.SET_FAILED),
         # g0-1 missing from the ack: as unknown as a failure
     }
-    planner.on_ack("n0", 2, acks, agent_ts=1.0)
+    planner.on_ack("n0", 2, acks)
     # Either command (or the cap before them) may be the one in force.
     assert planner.committed_w().tolist() == [350.0, 300.0]
     plan = planner.plan(3, 0.0, np.array([250.0, 250.0]))
-    assert [e.kind for e in plan.events] == ["ack_error", "ack_error"]
-    # Fresh telemetry tells the truth again.
-    planner.on_telemetry("n0", {"g0-0": 300.0, "g0-1": 200.0}, received_at=2.0, agent_ts=2.0)
-    planner.on_ack("n0", 3, {}, agent_ts=None)  # an ack without a time cannot lower anything
-    assert planner.committed_w().tolist() == [350.0, 300.0]
+    kinds = [e.kind for e in plan.events]
+    assert kinds == ["ack_error", "ack_error", "cap_refused", "cap_refused"]
+    # Fresh telemetry of tick 2 tells the truth again, with tick 3 still on its way.
+    planner.on_telemetry("n0", {"g0-0": 300.0, "g0-1": 200.0}, received_at=2.0, as_of_tick=2)
+    assert planner.committed_w().tolist() == [300.0, 250.0]
+    planner.on_ack("n0", 3, {})  # an ack naming no GPU lowers nothing it does not prove
+    assert planner.committed_w().tolist() == [300.0, 250.0]
 
 
 def test_out_of_band_raise_is_reported_and_counted() -> None:
@@ -232,7 +315,7 @@ def test_out_of_band_raise_is_reported_and_counted() -> None:
     planner = SafetyPlanner(policy, fleet)
     teach(planner, fleet, np.array([200.0]), at=0.0)
     assert planner.committed_w().tolist() == [200.0]
-    planner.on_telemetry("n0", {"g0-0": 380.0}, received_at=1.0, agent_ts=1.0)
+    planner.on_telemetry("n0", {"g0-0": 380.0}, received_at=1.0)
     assert planner.committed_w().tolist() == [380.0]
     plan = planner.plan(1, 1.0, np.array([200.0]))
     [event] = plan.events
@@ -327,6 +410,8 @@ class Faults:
     controller_restart_p: float = 0.0  # per tick
     cut_p: float = 0.0  # per tick
     status_lost_p: float = 0.0  # a retained status missing when a controller starts
+    stuck_p: float = 0.0  # per GPU per tick: it starts refusing every set for a few ticks
+    will_p: float = 0.0  # a killed agent's last will (offline, no caps) reaches the controller
     fitting_targets: bool = False
     # Check that nothing sent into a group over its budget raises a cap even briefly. Only
     # meaningful where no lease runs out unseen (agents fall to failsafe without telling).
@@ -341,7 +426,6 @@ class Agent:
     lease_until: float = 0.0
     alive: bool = True
     incarnation: int = 0
-    status_ts: float = 0.0
 
 
 @dataclass(order=True)
@@ -429,6 +513,8 @@ class World:
         self.checks = 0
         self.raises = 0
         self.planner: SafetyPlanner | None = None
+        self.stuck_until = np.zeros(len(nodes))  # refuses every set until then
+        self.offline: set[str] = set()  # nodes whose last will the controller has seen
         self.start_controller()
         for agent in self.agents.values():
             self.at(self.rng.uniform(0.0, 1.0), lambda a=agent: self.telemetry(a))
@@ -478,6 +564,13 @@ class World:
         acks = {}
         for i in agent.gpus:
             uuid = self.fleet.uuids[i]
+            if self.now < self.stuck_until[i]:
+                acks[uuid] = GpuAck(
+                    requested_w=cmd.caps_w[uuid],
+                    enforced_w=float(self.true[i]),
+                    error=AckError.NO_PERMISSION,
+                )
+                continue
             if self.rng.random() < self.faults.set_error_p:
                 acks[uuid] = GpuAck(
                     requested_w=cmd.caps_w[uuid],
@@ -491,12 +584,10 @@ class World:
         agent.last_tick = cmd.tick
         self.applied += 1
         agent.lease_until = self.now + cmd.lease_s
-        agent.status_ts = self.now
         self.at(agent.lease_until, lambda: self.lease_check(agent, incarnation))
         self.check_budgets()
         self.check_committed()
-        ts = self.now
-        self.send(lambda: self.deliver_ack(agent.node, cmd.tick, acks, ts))
+        self.send(lambda: self.deliver_ack(agent.node, cmd.tick, acks))
 
     def lease_check(self, agent: Agent, incarnation: int) -> None:
         if agent.alive and agent.incarnation == incarnation and self.now >= agent.lease_until:
@@ -505,18 +596,19 @@ class World:
     def fall_to_failsafe(self, agent: Agent) -> None:
         idx = np.array(agent.gpus)
         self.true[idx] = np.minimum(self.true[idx], self.fleet.failsafe_w[idx])
-        agent.status_ts = self.now
 
     def telemetry(self, agent: Agent) -> None:
         if agent.alive:
             caps = {self.fleet.uuids[i]: float(self.true[i]) for i in agent.gpus}
-            ts = self.now
-            self.send(lambda: self.deliver_telemetry(agent.node, caps, ts))
+            as_of = agent.last_tick if agent.last_tick >= 0 else None
+            self.send(lambda: self.deliver_telemetry(agent.node, caps, as_of))
         if self.now < self.ticks:
             self.at(self.now + 1.0, lambda: self.telemetry(agent))
 
     def kill_and_restart(self, agent: Agent, down: float) -> None:
         agent.alive = False
+        if self.rng.random() < self.faults.will_p:
+            self.send(lambda: self.deliver_will(agent.node))
 
         def restart() -> None:
             agent.alive = True
@@ -529,22 +621,32 @@ class World:
     # -- controller
 
     def start_controller(self) -> None:
-        # The previous controller's last commands have landed (it died over max_delay ago):
-        # samples from before now may predate them.
-        self.planner = SafetyPlanner(self.policy, self.fleet, trust_after=self.now)
+        # The previous controller's last commands may still be on their way, and agents'
+        # clocks play no part: the planner counts GPUs at their maximum until it has an ack.
+        self.planner = SafetyPlanner(self.policy, self.fleet)
+        self.offline = set()
         for agent in self.agents.values():  # retained statuses: the caps in force now
-            if self.rng.random() >= self.faults.status_lost_p:
+            if agent.alive and self.rng.random() >= self.faults.status_lost_p:
                 caps = {self.fleet.uuids[i]: float(self.true[i]) for i in agent.gpus}
-                self.planner.learn_status(agent.node, caps, agent.status_ts)
+                as_of = agent.last_tick if agent.last_tick >= 0 else None
+                self.planner.learn_status(agent.node, caps, as_of_tick=as_of)
 
-    def deliver_ack(self, node: str, tick: int, acks: dict[str, GpuAck], ts: float) -> None:
+    def deliver_ack(self, node: str, tick: int, acks: dict[str, GpuAck]) -> None:
         if self.planner is not None:
-            self.planner.on_ack(node, tick, acks, agent_ts=ts)
+            self.offline.discard(node)
+            self.planner.on_ack(node, tick, acks)
             self.check_committed()
 
-    def deliver_telemetry(self, node: str, caps: dict[str, float], ts: float) -> None:
+    def deliver_telemetry(self, node: str, caps: dict[str, float], as_of: int | None) -> None:
         if self.planner is not None:
-            self.planner.on_telemetry(node, caps, received_at=self.now, agent_ts=ts)
+            self.offline.discard(node)
+            self.planner.on_telemetry(node, caps, received_at=self.now, as_of_tick=as_of)
+            self.check_committed()
+
+    def deliver_will(self, node: str) -> None:
+        if self.planner is not None:
+            self.offline.add(node)
+            self.planner.node_offline(node)
             self.check_committed()
 
     def new_targets(self) -> np.ndarray:
@@ -569,14 +671,18 @@ class World:
             return
         if self.rng.random() < self.faults.controller_restart_p:
             # The old process dies; a new one starts once its last messages have landed.
+            # Its last commands may land after the new one has started.
             self.planner = None
-            self.at(self.now + self.faults.max_delay + 0.5, self.start_controller)
+            self.at(self.now + self.rng.uniform(0.1, 1.0), self.start_controller)
             return
         if self.rng.random() < self.faults.cut_p:
             self.cut_budget()
         for agent in self.agents.values():
             if agent.alive and self.rng.random() < self.faults.agent_kill_p:
                 self.kill_and_restart(agent, self.rng.uniform(0.5, 6.0))
+        for i in range(self.fleet.n_gpus):
+            if self.rng.random() < self.faults.stuck_p:
+                self.stuck_until[i] = self.now + self.rng.uniform(1.0, 5.0)
         self.targets = self.new_targets()
         self.plan_and_send()
 
@@ -585,7 +691,12 @@ class World:
         assert planner is not None
         before = planner.committed_w()
         plan = planner.plan(
-            self.tick, self.now, self.targets, budget_w=self.budget.copy(), priority=self.priority
+            self.tick,
+            self.now,
+            self.targets,
+            budget_w=self.budget.copy(),
+            priority=self.priority,
+            offline=self.offline,
         )
         sent = plan.sent_w
         has = ~np.isnan(sent)
@@ -648,6 +759,8 @@ def test_budgets_hold_at_every_moment_under_faults(seed: int, fitting_targets: b
         controller_restart_p=0.04,
         status_lost_p=0.2,
         cut_p=0.05,
+        stuck_p=0.01,
+        will_p=0.5,
         fitting_targets=fitting_targets,
     )
     world = simulate(seed, faults, ticks=40)

@@ -308,6 +308,9 @@ class Agent:
             period_s=self.settings.period_s,
             gpus=self._sample(),
             state=_TELEMETRY_STATE[self.state],
+            # Read with the sample (nothing awaits between): the controller orders readings
+            # by the command they reflect.
+            tick=self.last_tick,
         )
         self.seq += 1
         for hook in self.on_telemetry:

@@ -36,6 +36,7 @@ from powerd.topology import Topology
 from powerd.transport import ConnectionState, LastWill, Message, Transport, TransportError
 from powerd.transport.base import cancel_and_wait
 from powerd.wire import (
+    MAX_TICK,
     CapAck,
     ControllerState,
     ControllerStatus,
@@ -49,6 +50,11 @@ from powerd.wire import (
 )
 
 log = structlog.get_logger(__name__)
+
+# A restarted controller's first tick lies this far above the newest it has heard of: its
+# predecessor may have sent ticks nobody reported yet, and agents apply only newer ticks, so
+# ours must overtake all of them (ticks are plain numbers: 1,000 is minutes of a run at 1 s).
+TAKEOVER_TICK_GAP = 1000
 
 FloatArray = NDArray[np.float64]
 BoolArray = NDArray[np.bool_]
@@ -212,12 +218,14 @@ class Controller:
         self._warm: Allocation | None = None
         self._stored_gpus: set[str] = set()
         self._safety_seen: dict[str, set[str]] = {}
-        self._max_seen_tick = 0
+        # Before our first tick: the newest tick each node says it applied (a predecessor's).
+        self._node_ticks: dict[str, int] = {}
+        self._message_error: str | None = None
         self.fleet = FleetState(policy)
-        # A controller may be taking over from one that just died: samples taken before it
-        # started may predate that one's last commands, so the planner trusts only later ones
-        # (retained statuses count regardless: agents republish them after every change).
-        self.planner = SafetyPlanner(policy, trust_after=clock.wall())
+        # A controller may be taking over from one that just died, whose last commands may
+        # still land: the planner counts every GPU at its maximum until it acknowledges a
+        # command of ours, and our ticks start well above any the old one can have sent.
+        self.planner = SafetyPlanner(policy)
         self._adopt(policy)
 
     # -- policy and operators' changes -----------------------------------------------------
@@ -355,36 +363,91 @@ class Controller:
     # -- messages ------------------------------------------------------------------------
 
     def handle(self, message: Message, now: float) -> None:
-        """Route one message; bad ones are counted and dropped, never raised."""
+        """Route one message; bad ones are counted and dropped, never raised.
+
+        Everything a node sends is untrusted: the wire models bound every field, a node's
+        readings reach only its own GPUs (the planner looks up the node's uuids, not the
+        message's), and any failure stays inside this message.
+        """
         try:
-            node, kind = self.topics.parse_node_topic(message.topic)
-            self.counters.received[kind] += 1
-            if kind == "telemetry":
-                t = decode(message.payload, NodeTelemetry, topic_node=node)
-                if self.fleet.ingest_telemetry(t, now):
-                    # A GPU reported with an error carries its last known cap, not a reading.
-                    caps = {g.uuid: g.cap_w for g in t.gpus if g.error is None}
-                    self.planner.on_telemetry(node, caps, received_at=now, agent_ts=t.ts or None)
-                else:
-                    self.counters.dropped["unknown_node"] += 1
-            elif kind == "ack":
-                ack = decode(message.payload, CapAck, topic_node=node)
-                self._max_seen_tick = max(self._max_seen_tick, ack.tick)
-                self.planner.on_ack(node, ack.tick, ack.gpus, agent_ts=ack.ts or None)
-            elif kind == "status":
-                status = decode(message.payload, NodeStatus, topic_node=node)
-                if status.last_tick is not None:
-                    self._max_seen_tick = max(self._max_seen_tick, status.last_tick)
-                self.fleet.ingest_status(status)
-                if status.caps_w:
-                    self.planner.learn_status(node, status.caps_w, agent_ts=status.ts or None)
-            elif kind != "caps":  # our own commands come back only if subscribed broadly
-                raise WireError("bad_topic", message.topic[:200])
+            self._route(message, now)
         except WireError as exc:
             self.counters.dropped[exc.reason] += 1
             log.warning(
                 "message_dropped", topic=message.topic[:200], reason=exc.reason, detail=exc.detail
             )
+        except Exception as exc:
+            # A fault of ours that this message found: the message is lost, not the controller.
+            self.counters.dropped["internal_error"] += 1
+            self._message_error = f"{type(exc).__name__}: {exc}"[:300]
+            log.exception("message_failed", topic=message.topic[:200])
+
+    def _route(self, message: Message, now: float) -> None:
+        node, kind = self.topics.parse_node_topic(message.topic)
+        self.counters.received[kind] += 1
+        if kind == "telemetry":
+            t = decode(message.payload, NodeTelemetry, topic_node=node)
+            if self.fleet.ingest_telemetry(t, now):
+                # A GPU reported with an error carries its last known cap, not a reading.
+                caps = {g.uuid: g.cap_w for g in t.gpus if g.error is None}
+                self.planner.on_telemetry(node, caps, received_at=now, as_of_tick=t.tick)
+            else:
+                self.counters.dropped["unknown_node"] += 1
+        elif kind == "ack":
+            ack = decode(message.payload, CapAck, topic_node=node)
+            if node not in self.fleet.node_order:
+                self.counters.dropped["unknown_node"] += 1
+                return
+            if not self._tick_seen(node, ack.tick):
+                return
+            self.planner.on_ack(node, ack.tick, ack.gpus)
+        elif kind == "status":
+            status = decode(message.payload, NodeStatus, topic_node=node)
+            if node not in self.fleet.node_order:
+                self.counters.dropped["unknown_node"] += 1
+                return
+            if status.last_tick is not None and not self._tick_seen(node, status.last_tick):
+                status = status.model_copy(update={"last_tick": None})
+            self.fleet.ingest_status(status)
+            if status.state is NodeState.OFFLINE:
+                self.planner.node_offline(node)
+            elif status.caps_w:
+                self.planner.learn_status(node, status.caps_w, as_of_tick=status.last_tick)
+        elif kind != "caps":  # our own commands come back only if subscribed broadly
+            raise WireError("bad_topic", message.topic[:200])
+
+    def _tick_seen(self, node: str, tick: int) -> bool:
+        """Note a tick a node says it applied; False for one we cannot have sent (above our
+        own, once we tick): dropped, so that no node can push our ticks past their end."""
+        if self.tick_no == 0:
+            self._node_ticks[node] = max(self._node_ticks.get(node, 0), tick)
+            return True
+        if tick > self.tick_no:
+            self.counters.dropped["future_tick"] += 1
+            log.warning("future_tick", node=node, tick=tick, ours=self.tick_no)
+            return False
+        return True
+
+    def _first_tick(self) -> int:
+        """Above every tick the nodes say they applied, with room for any our predecessor
+        sent that nobody reported. One node claiming a far higher tick than the others (no
+        predecessor sends one node ticks far ahead of the rest) is not followed: its agent
+        then refuses our commands and falls to its failsafe caps, and it is alarmed."""
+        ticks = sorted(self._node_ticks.values())
+        if not ticks:
+            return 1
+        ceiling = ticks[len(ticks) // 2] + TAKEOVER_TICK_GAP
+        outliers = sorted(n for n, t in self._node_ticks.items() if t > ceiling)
+        if outliers:
+            log.warning("tick_outliers", nodes=outliers[:10], ceiling=ceiling)
+            self._event(
+                "tick_outliers",
+                Severity.ALARM,
+                "nodes claiming ticks far above the others (not followed): "
+                + ", ".join(outliers[:10]),
+            )
+        # A majority claiming absurd ticks still leaves half the tick space to run in.
+        return min(max(t for t in ticks if t <= ceiling) + TAKEOVER_TICK_GAP, MAX_TICK // 2)
 
     # -- the tick ------------------------------------------------------------------------
 
@@ -397,22 +460,41 @@ class Controller:
             self.policy, arrays.uuids, arrays.nodes, arrays.min_cap_w, arrays.max_cap_w
         )
         self.planner.set_fleet(safety)
-        # Telemetry already heard for GPUs new to the planner teaches it their caps now.
+        # What was heard before the planner knew these GPUs (retained statuses arrive first
+        # after a start, telemetry of new GPUs) teaches it their caps now, in arrival order.
         by_node: dict[str, dict[str, float]] = {}
         for g in self.fleet.gpus.values():
             if g.error is None:
                 by_node.setdefault(g.node, {})[g.uuid] = g.cap_w
         for node, caps in by_node.items():
             rec = self.fleet.nodes[node]
+            status = rec.status_caps_w
+            if status and not rec.status_newer:
+                self.planner.learn_status(node, status, as_of_tick=rec.status_tick)
             self.planner.on_telemetry(
-                node, caps, received_at=rec.seen_at or now, agent_ts=rec.agent_ts or None
+                node, caps, received_at=rec.seen_at or now, as_of_tick=rec.tick
             )
+            if status and rec.status_newer:
+                self.planner.learn_status(node, status, as_of_tick=rec.status_tick)
+            if rec.state is NodeState.OFFLINE:
+                self.planner.node_offline(node)
         known = np.bincount(topology.gpu_groups[:, -1], minlength=topology.n_groups)
         expected = np.array([g.gpus for g in self.policy.groups], dtype=np.float64)
         missing = np.where(
             topology.level == len(LEVELS) - 1, np.maximum(expected - known, 0.0), 0.0
         )
-        reserve_node = missing * self.policy.defaults.gpu.max_cap_w
+        # A GPU not (or no longer) reported counts at the largest maximum its node has shown.
+        default_max = self.policy.defaults.gpu.max_cap_w
+        node_max = np.array(
+            [
+                max(default_max, node_rec.max_cap_w)
+                if (node_rec := self.fleet.nodes.get(g.name)) is not None
+                else default_max
+                for g in self.policy.groups
+            ],
+            dtype=np.float64,
+        )
+        reserve_node = missing * node_max
         reserve = _push_up(topology, reserve_node)
         self._shape = _Shape(version, topology, Tree(topology), safety, reserve)
         self._warm = None
@@ -442,15 +524,124 @@ class Controller:
         self._stored_gpus.update(new)
 
     def step(self) -> tuple[TickReport, SafePlan]:
-        """One tick's decisions, synchronously (publishing is `run`'s job)."""
+        """One tick's decisions, synchronously (publishing is `run`'s job).
+
+        A tick never ends without caps: a fault anywhere in it falls back to the failsafe
+        caps through the safety planner (cuts at once, raises only where they fit), alarms
+        `tick_failed`, and the next tick tries again.
+        """
         t0 = time.perf_counter()
         now = self.clock.monotonic()
         wall = self.clock.wall()
-        control = self.policy.control
         # Agents apply only ticks above the last they applied: a restarted controller
-        # continues above every tick it has seen acknowledged or reported.
-        self.tick_no = max(self.tick_no, self._max_seen_tick) + 1
+        # continues above every tick it has seen acknowledged or reported, with room for
+        # any its predecessor sent that nobody has reported yet.
+        self.tick_no = self._first_tick() if self.tick_no == 0 else self.tick_no + 1
         tick = self.tick_no
+        self._alarm_inputs()
+        planned: list[SafePlan] = []
+        try:
+            report, plan = self._decide(tick, now, wall, t0, planned)
+        except Exception as exc:
+            log.exception("tick_failed", tick=tick)
+            self._alarm("tick_failed", f"tick {tick}: {type(exc).__name__}: {exc}"[:300])
+            return self._fallback(tick, now, wall, t0, planned)
+        self._alarm("tick_failed", None)
+        return report, plan
+
+    def _alarm_inputs(self) -> None:
+        """Alarms about what nodes sent: faults of a node, not of a tick."""
+        fleet = self.fleet
+        refused = sorted(n for n, rec in fleet.nodes.items() if rec.refused)
+        self._alarm(
+            "gpus_beyond_inventory",
+            None
+            if not refused
+            else "telemetry names more GPUs than the policy gives "
+            + ", ".join(f"{n} ({fleet.nodes[n].refused} refused)" for n in refused[:5]),
+        )
+        claims = sorted(fleet.claims.values(), key=lambda c: c.uuid)
+        self._alarm(
+            "gpu_claimed_twice",
+            None
+            if not claims
+            else "GPU uuids named by two nodes (held at their committed caps): "
+            + ", ".join(f"{c.uuid} ({c.holder}, {c.claimant})" for c in claims[:5]),
+        )
+        offline = sorted(n for n, rec in fleet.nodes.items() if rec.state is NodeState.OFFLINE)
+        self._alarm(
+            "nodes_offline",
+            None
+            if not offline
+            else "counted at their GPUs' maximum until they report: " + ", ".join(offline[:10]),
+        )
+        error, self._message_error = self._message_error, None
+        if error is not None:
+            self._event("message_failed", Severity.ALARM, error)
+
+    def _fallback(
+        self, tick: int, now: float, wall: float, t0: float, planned: list[SafePlan]
+    ) -> tuple[TickReport, SafePlan]:
+        """The tick's plan when its decision failed: the plan if it was made, else the
+        failsafe caps through the planner, under the budgets in force."""
+        fleet = self.planner.fleet
+        if fleet is None:
+            raise RuntimeError("no fleet to steer yet")  # nothing was ever sent: nothing to hold
+        topo = fleet.topology
+        if planned:
+            plan = planned[0]
+        else:
+            budget_w = topo.budget_w
+            try:
+                budgets = self.overrides.active_budgets(self.policy, wall)
+                budget_w = group_values(topo, budgets, topo.budget_w) if budgets else budget_w
+            except Exception:
+                log.exception("fallback_budgets_failed", tick=tick)
+                budget_w = np.zeros(topo.n_groups)  # nothing may rise
+            offline = [n for n, r in self.fleet.nodes.items() if r.state is NodeState.OFFLINE]
+            plan = self.planner.plan(
+                tick, now, fleet.failsafe_w.copy(), budget_w=budget_w, offline=offline
+            )
+        n = fleet.n_gpus
+        nan = np.full(n, np.nan)
+        report = TickReport(
+            tick=tick,
+            ts=wall,
+            duration_ms=(time.perf_counter() - t0) * 1000.0,
+            solve_ms=0.0,
+            plan_ms=0.0,
+            status="tick_failed",
+            solver=self.solver,
+            objective=math.nan,
+            group_names=topo.names,
+            group_levels=topo.level,
+            budget_w=plan.group_budget_w,
+            load_w=plan.group_load_w,
+            draw_w=np.full(topo.n_groups, np.nan),
+            over=plan.group_over,
+            uuids=list(fleet.uuids),
+            nodes=list(fleet.nodes),
+            classes=tuple(self.policy.defaults.class_ for _ in range(n)),
+            power_w=nan,
+            enforced_w=nan,
+            energy_j=nan,
+            temp_c=nan,
+            targets_w=fleet.failsafe_w.copy(),
+            sent_w=plan.sent_w,
+            committed_w=plan.committed_w,
+            throughput=np.zeros(n),
+            stale=plan.stale,
+            waiting_nodes=plan.waiting_nodes,
+            alarms=tuple(sorted(self.alarms)),
+        )
+        return report, plan
+
+    def _decide(
+        self, tick: int, now: float, wall: float, t0: float, planned: list[SafePlan]
+    ) -> tuple[TickReport, SafePlan]:
+        control = self.policy.control
+        if self.fleet.forget(now, control.forget_after_s):
+            self._shape = None
         arrays = self.fleet.arrays(now, control.stale_after_s)
         shape = self._shape_for(arrays, now)
         topo = shape.topology
@@ -460,6 +651,14 @@ class Controller:
         cls_idx = self._class_indices(arrays)
         pinned = self._pinned(arrays)
         committed_before = self.planner.committed_w()
+        # GPUs we cannot steer keep the power they may have, and the allocator shares out
+        # the rest: one that refused its last cap, one a second node claims (quarantined).
+        held = self.planner.defiant()
+        quarantined = self.fleet.quarantined()
+        if quarantined:
+            held |= np.fromiter((u in quarantined for u in arrays.uuids), bool, len(held))
+        if held.any():
+            pinned = np.where(held, np.minimum(committed_before, arrays.max_cap_w), pinned)
         fleet = Fleet(
             uuids=tuple(arrays.uuids),
             topology=topo,
@@ -473,6 +672,8 @@ class Controller:
             pinned_w=pinned,
         )
         targets, status, objective, solve_ms = self._allocate(tick, fleet, budget_w, shape)
+        if held.any():
+            targets = np.where(held, np.nan, targets)  # NaN: hold the committed cap
         solver = self.solver
         self._alarm(
             "infeasible_min",
@@ -495,9 +696,20 @@ class Controller:
             priority=weights,
             offline=offline,
         )
+        planned.append(plan)
         plan_ms = (time.perf_counter() - t_plan) * 1000.0
         self._log_safety_events(plan)
-        over = plan.group_over
+        # Over only while GPUs count at their maximum until a first ack (after a start) is
+        # no breach known: nothing rises there meanwhile.
+        over = plan.group_over & ~plan.group_settling
+        refusing = np.flatnonzero(self.planner.defiant())
+        self._alarm(
+            "caps_refused",
+            None
+            if not len(refusing)
+            else "GPUs refuse their caps (others cut to make room): "
+            + ", ".join(arrays.uuids[i] for i in refusing[:5].tolist()),
+        )
         self._alarm(
             "budget_over",
             None
@@ -675,7 +887,7 @@ class Controller:
                         name: {
                             "budget_w": b if math.isfinite(b) else None,
                             "load_w": load,
-                            "draw_w": d,
+                            "draw_w": d if math.isfinite(d) else None,
                         }
                         for name, b, load, d in report.level_totals(1)
                     },
@@ -685,13 +897,14 @@ class Controller:
             for cmd in plan.commands:
                 by_node[cmd.node] = dict(cmd.caps_w)
             self.writer.submit_caps(report.tick, report.ts, by_node)
-            self.writer.submit_samples(
-                list(report.uuids),
-                report.ts,
-                report.power_w.copy(),
-                report.committed_w.copy(),
-                report.energy_j.copy(),
-            )
+            if report.status != "tick_failed":  # a failed tick measured nothing
+                self.writer.submit_samples(
+                    list(report.uuids),
+                    report.ts,
+                    report.power_w.copy(),
+                    report.committed_w.copy(),
+                    report.energy_j.copy(),
+                )
             health = self.writer.health()
             # Before its first flush the writer is not yet "connected", but nothing failed.
             failing = not health.connected and health.last_error is not None
@@ -797,7 +1010,12 @@ class Controller:
         next_at = self.clock.monotonic()
         frozen: tuple[int, int] | None = None
         while not stop.is_set():
-            await self.tick_once()
+            try:
+                await self.tick_once()
+            except Exception:
+                # Only when not even the fallback could plan (no fleet yet): agents keep
+                # their leases' failsafe; the next tick tries again.
+                log.exception("tick_lost", tick=self.tick_no)
             if self._shape is not None and self._shape.version != frozen:
                 frozen = self._shape.version
                 _freeze_heap()

@@ -35,8 +35,23 @@ class NodeRecord:
     state: NodeState = NodeState.STARTING
     seen_at: float | None = None  # monotonic time of the last telemetry
     seq: int = -1
-    agent_ts: float = 0.0  # the agent's wall clock in its last telemetry
+    agent_ts: float = 0.0  # the agent's wall clock in its last telemetry (informational)
+    tick: int | None = None  # the last command applied, as of its last telemetry
     status_caps_w: dict[str, float] = field(default_factory=dict)
+    status_tick: int | None = None  # `last_tick` of the status that gave status_caps_w
+    status_newer: bool = False  # the status arrived after the last telemetry
+    max_cap_w: float = 0.0  # the highest device maximum its GPUs ever reported
+    refused: int = 0  # GPUs in its last telemetry beyond its inventory (not taken)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A node's telemetry named a GPU uuid that another node holds."""
+
+    uuid: str
+    holder: str
+    claimant: str
+    at: float  # monotonic time of the latest such claim
 
 
 @dataclass(frozen=True)
@@ -193,17 +208,22 @@ class FleetState:
         self.gpus: dict[str, GpuRecord] = {}
         self.nodes: dict[str, NodeRecord] = {}
         self.unknown_nodes: dict[str, float] = {}  # node → last seen, not in the policy
+        # GPUs claimed by a second node: quarantined (held, never raised) while claims last.
+        self.claims: dict[str, Claim] = {}
         self.version = 0  # bumps whenever the set of GPUs (or their order) changes
         self._cols = _Columns()
         self._order: list[str] = []
         self._order_nodes: list[str] = []
         self._perm: IntArray = np.zeros(0, dtype=np.int64)  # ordered position → slot
         self._order_version = -1
+        self._node_gpus: dict[str, set[str]] = {}
         self.set_policy(policy)
 
     def set_policy(self, policy: Policy) -> None:
         self.policy = policy
         self.node_order = {name: i for i, name in enumerate(policy.node_names())}
+        # A node may report at most the GPUs its policy entry says it has.
+        self.inventory = {g.name: g.gpus for g in policy.groups if g.name in self.node_order}
         # GPUs of nodes the new policy no longer has are forgotten (they get no commands).
         gone = [u for u, g in self.gpus.items() if g.node not in self.node_order]
         for uuid in gone:
@@ -212,7 +232,30 @@ class FleetState:
             del self.nodes[name]
         if gone:
             self._compact()
+        self._node_gpus = {}
+        for uuid, rec in self.gpus.items():
+            self._node_gpus.setdefault(rec.node, set()).add(uuid)
         self.version += 1
+
+    def forget(self, now: float, after_s: float) -> list[str]:
+        """Forget GPUs no telemetry has named for `after_s`, and claims as old; return the
+        uuids forgotten. Their node's missing GPUs are reserved at the maximum again."""
+        cols = self._cols
+        gone = [u for u, g in self.gpus.items() if now - cols.seen_at[g.slot] > after_s]
+        for uuid in gone:
+            rec = self.gpus.pop(uuid)
+            self._node_gpus.get(rec.node, set()).discard(uuid)
+            log.warning("gpu_forgotten", node=rec.node, uuid=uuid, after_s=after_s)
+        for uuid in [u for u, c in self.claims.items() if now - c.at > after_s]:
+            del self.claims[uuid]
+        if gone:
+            self._compact()
+            self.version += 1
+        return gone
+
+    def quarantined(self) -> set[str]:
+        """GPUs that a second node claims: held at their committed cap until claims stop."""
+        return {u for u in self.claims if u in self.gpus}
 
     def _compact(self) -> None:
         """New slots for the GPUs that remain, after some were forgotten."""
@@ -239,20 +282,46 @@ class FleetState:
         node.seen_at = now
         node.seq = msg.seq
         node.agent_ts = msg.ts
+        node.tick = msg.tick
+        node.status_newer = False
         node.state = NodeState(msg.state)
         gpus, cols = self.gpus, self._cols
+        mine = self._node_gpus.setdefault(node_id, set())
+        room = self.inventory.get(node_id, 0) - len(mine)
+        refused = 0
         for g in msg.gpus:
             rec = gpus.get(g.uuid)
-            if rec is None or rec.node != node_id:
-                slot = cols.append(g, now) if rec is None else rec.slot
+            if rec is None:
+                if room <= 0:
+                    refused += 1  # beyond the node's inventory: a phantom, or a wrong policy
+                    continue
+                room -= 1
+                slot = cols.append(g, now)
                 gpus[g.uuid] = GpuRecord(g.uuid, node_id, slot, cols)
+                mine.add(g.uuid)
                 self.version += 1
                 log.info("gpu_discovered", node=node_id, uuid=g.uuid, index=g.index)
+            elif rec.node != node_id:
+                # Another node's GPU: its holder keeps it (a real move shows once the holder
+                # has stopped naming it for forget_after_s); the GPU is quarantined meanwhile.
+                if g.uuid not in self.claims:
+                    log.warning("gpu_claimed_twice", uuid=g.uuid, holder=rec.node, claimant=node_id)
+                self.claims[g.uuid] = Claim(g.uuid, rec.node, node_id, now)
+                continue
             else:
                 slot = rec.slot
                 if cols.index[slot] != g.index:
                     self.version += 1  # the fleet's order follows GPU indices
             cols.write(slot, g, now)
+            node.max_cap_w = max(node.max_cap_w, g.max_cap_w)
+        if refused and not node.refused:
+            log.warning(
+                "gpus_beyond_inventory",
+                node=node_id,
+                refused=refused,
+                inventory=self.inventory.get(node_id, 0),
+            )
+        node.refused = refused
         return True
 
     def ingest_status(self, msg: NodeStatus) -> None:
@@ -262,6 +331,8 @@ class FleetState:
         node.state = msg.state
         if msg.caps_w:
             node.status_caps_w = dict(msg.caps_w)
+            node.status_tick = msg.last_tick
+            node.status_newer = True
 
     def _refresh_order(self) -> None:
         if self._order_version == self.version:

@@ -191,8 +191,10 @@ class _Run:
                 self.nodes.names, self.nodes.ranges, self.nodes.uuids, strict=True
             ):
                 self.planner.on_telemetry(
-                    name, dict(zip(ids, caps_now[a:b], strict=True)), received_at=0.0, agent_ts=0.0
+                    name, dict(zip(ids, caps_now[a:b], strict=True)), received_at=0.0
                 )
+            # The simulation starts the fleet: no earlier controller has commands on their way.
+            self.planner.assume_settled()
         self.no_pin = np.full(n, np.nan)
         self.not_stale = np.zeros(n, dtype=np.bool_)
         self.uuids = tuple(model.uuids)
@@ -286,7 +288,7 @@ class _Run:
             k = nodes.index[cmd.node]
             a, b = nodes.ranges[k]
             acks = dict(zip(nodes.uuids[k], self.acks[a:b], strict=True))
-            self.planner.on_ack(cmd.node, self.plan_tick, acks, agent_ts=now)
+            self.planner.on_ack(cmd.node, self.plan_tick, acks)
 
     def advance(self, dt: float) -> None:
         """Move the GPUs on by dt with the caps in force, and account for the interval."""

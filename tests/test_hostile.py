@@ -1,0 +1,296 @@
+"""One hostile node against the controller: whatever it sends on its own topics, the
+controller keeps running, every tick ends with caps, and the honest GPUs stay within every
+budget with the controller's belief above the truth.
+
+The controller runs synchronously (`handle` and `step`, a manual clock); honest agents are
+state machines that apply each command and report it, the hostile node publishes what
+hypothesis draws: the attacks of the outside review (huge ticks, inverted limits, phantom
+GPUs, other nodes' uuids, clocks an hour off, a last will) and arbitrary JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from powerd.clock import ManualClock
+from powerd.controller.controller import Controller
+from powerd.policy import parse_policy
+from powerd.transport import MemoryBroker, Message
+from powerd.wire import (
+    CapAck,
+    CapCommand,
+    GpuAck,
+    GpuTelemetry,
+    NodeState,
+    NodeStatus,
+    NodeTelemetry,
+    Topics,
+    encode,
+)
+
+GPUS = 4
+NODES = ["r1-n1", "r1-n2", "r2-n1", "r2-n2"]
+HOSTILE = "r1-n1"
+TOPICS = Topics()
+TOL = 1e-6
+
+
+def policy_dict() -> dict[str, Any]:
+    return {
+        "facility": {
+            "name": "dc",
+            "budget_w": 7000,
+            "rows": [
+                {
+                    "name": "row",
+                    "racks": [
+                        {
+                            "name": "r{1..2}",
+                            "budget_w": 3800,
+                            "nodes": [{"name": "{rack}-n{1..2}", "budget_w": 2400, "gpus": GPUS}],
+                        }
+                    ],
+                }
+            ],
+        },
+        "profiles": {"p": {"points": [[200, 0.4], [700, 1.0]]}},
+        "classes": {"c": {"weight": 1, "profile": "p"}},
+        "defaults": {"class": "c", "failsafe_w": 200},
+        "control": {"tick_s": 1.0, "lease_s": 4.0, "stale_after_s": 3.0, "forget_after_s": 20},
+    }
+
+
+class HonestNode:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.uuids = [f"GPU-{name}-{i}" for i in range(GPUS)]
+        self.caps = dict.fromkeys(self.uuids, 200.0)  # failsafe, as an agent starts
+        self.last_tick: int | None = None
+        self.seq = 0
+
+    def telemetry(self, wall: float) -> bytes:
+        self.seq += 1
+        gpus = [
+            GpuTelemetry(
+                uuid=u,
+                index=i,
+                power_w=min(cap, 650.0),
+                energy_j=1.0,
+                cap_w=cap,
+                min_cap_w=200.0,
+                max_cap_w=700.0,
+                default_cap_w=700.0,
+                temp_c=50.0,
+                util_pct=90.0,
+                sm_clock_mhz=1500.0,
+            )
+            for i, (u, cap) in enumerate(self.caps.items())
+        ]
+        msg = NodeTelemetry(
+            node_id=self.name, ts=wall, seq=self.seq, period_s=1.0, gpus=gpus, tick=self.last_tick
+        )
+        return encode(msg)
+
+    def apply(self, cmd: CapCommand) -> bytes | None:
+        if self.last_tick is not None and cmd.tick <= self.last_tick:
+            return None
+        self.last_tick = cmd.tick
+        acks = {}
+        for u, w in cmd.caps.items():
+            if u in self.caps:
+                self.caps[u] = min(max(w, 200.0), 700.0)
+                acks[u] = GpuAck(requested_w=w, enforced_w=self.caps[u])
+        return encode(CapAck(node_id=self.name, tick=cmd.tick, gpus=acks))
+
+
+def gpu_dict(uuid: str, index: int, **over: Any) -> dict[str, Any]:
+    base = {
+        "uuid": uuid,
+        "index": index,
+        "power_w": 300.0,
+        "energy_j": 1.0,
+        "cap_w": 300.0,
+        "min_cap_w": 200.0,
+        "max_cap_w": 700.0,
+        "default_cap_w": 700.0,
+        "temp_c": 40.0,
+        "util_pct": 50.0,
+        "sm_clock_mhz": 1000.0,
+    }
+    base.update(over)
+    return base
+
+
+huge = st.sampled_from([10**29, 2**63, 2**64 + 1, -1, 2**53, 2**53 - 1])
+watts = st.one_of(
+    st.floats(allow_nan=False, allow_infinity=False, min_value=-1e6, max_value=1e6),
+    st.sampled_from([0.0, 1e-9, 10_000.0, 10_000.1]),
+)
+others = st.sampled_from([u for n in NODES if n != HOSTILE for u in HonestNode(n).uuids])
+wall_offset = st.sampled_from([0.0, 3600.0, -3600.0, 600.0, -300.0, 1e12])
+
+
+@st.composite
+def hostile_message(draw: st.DrawFn) -> tuple[str, bytes]:
+    kind = draw(st.sampled_from(["telemetry", "ack", "status", "junk"]))
+    topic = TOPICS.telemetry(HOSTILE) if kind != "junk" else TOPICS.ack(HOSTILE)
+    attack = draw(st.integers(0, 7))
+    if kind == "telemetry":
+        topic = TOPICS.telemetry(HOSTILE)
+        own = [f"GPU-{HOSTILE}-{i}" for i in range(GPUS)]
+        if attack == 0:  # phantom GPUs
+            gpus = [gpu_dict(f"phantom-{i}", i % 64) for i in range(draw(st.integers(5, 64)))]
+        elif attack == 1:  # another node's GPU
+            gpus = [gpu_dict(draw(others), 0, cap_w=200.0)]
+        elif attack == 2:  # inverted or odd limits
+            gpus = [gpu_dict(own[0], 0, min_cap_w=draw(watts), max_cap_w=draw(watts))]
+        else:
+            gpus = [
+                gpu_dict(u, i, cap_w=draw(watts), power_w=draw(watts)) for i, u in enumerate(own)
+            ]
+        payload: Any = {
+            "v": 1,
+            "node_id": HOSTILE,
+            "ts": 1.7e9 + draw(wall_offset),
+            "seq": draw(st.one_of(st.integers(0, 10), huge)),
+            "period_s": 1.0,
+            "gpus": gpus,
+            "tick": draw(st.one_of(st.none(), st.integers(0, 5000), huge)),
+        }
+    elif kind == "ack":
+        topic = TOPICS.ack(HOSTILE)
+        payload = {
+            "v": 1,
+            "node_id": HOSTILE,
+            "tick": draw(st.one_of(st.integers(0, 5000), huge)),
+            "gpus": {
+                draw(st.one_of(others, st.just(f"GPU-{HOSTILE}-0"))): {
+                    "requested_w": draw(watts),
+                    "enforced_w": draw(watts),
+                }
+            },
+            "ts": 1.7e9 + draw(wall_offset),
+        }
+    elif kind == "status":
+        topic = TOPICS.status(HOSTILE)
+        payload = {
+            "v": 1,
+            "node_id": HOSTILE,
+            "state": draw(st.sampled_from(["starting", "steered", "failsafe", "offline"])),
+            "last_tick": draw(st.one_of(st.none(), st.integers(0, 5000), huge)),
+            "caps_w": {draw(others): draw(watts), f"GPU-{HOSTILE}-1": draw(watts)},
+        }
+    else:
+        payload = draw(
+            st.recursive(
+                st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=5)),
+                lambda inner: (
+                    st.lists(inner, max_size=3)
+                    | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+                ),
+                max_leaves=8,
+            )
+        )
+        if attack == 0:
+            return topic, b"[" * 100_000  # nested past any parser's depth
+        if attack == 1:
+            return topic, bytes(draw(st.binary(max_size=64)))
+    return topic, json.dumps(payload).encode()
+
+
+def belief_check(c: Controller, honest: dict[str, HonestNode]) -> None:
+    """The controller's committed cap bounds every honest GPU's cap in force."""
+    fleet = c.planner.fleet
+    if fleet is None:
+        return
+    committed = c.planner.committed_w()
+    for i, (u, node) in enumerate(zip(fleet.uuids, fleet.nodes, strict=True)):
+        if node in honest:
+            assert committed[i] >= honest[node].caps[u] - TOL, (u, committed[i])
+
+
+def budget_check(c: Controller, honest: dict[str, HonestNode]) -> None:
+    """Honest GPUs' true caps, with the hostile node at what the controller counts for it,
+    fit every group, or every honest GPU under it is already at its minimum (a node that
+    reports more than its budget costs its neighbours what it reports: see docs/safety.md)."""
+    fleet = c.planner.fleet
+    assert fleet is not None
+    topo = fleet.topology
+    committed = c.planner.committed_w()
+    is_honest = np.array([node in honest for node in fleet.nodes])
+    true = np.array(
+        [
+            honest[node].caps[u] if node in honest else committed[i]
+            for i, (u, node) in enumerate(zip(fleet.uuids, fleet.nodes, strict=True))
+        ]
+    )
+    load = topo.group_sums(true) + topo.overhead_w
+    above_min = topo.group_sums(np.where(is_honest, true - 200.0, 0.0))
+    bad = np.flatnonzero((load > topo.budget_w + TOL) & (above_min > TOL))
+    assert not len(bad), [topo.names[g] for g in bad]
+
+
+SETTINGS = settings(
+    max_examples=60,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+@SETTINGS
+@given(
+    attacks=st.lists(st.lists(hostile_message(), max_size=4), min_size=12, max_size=12),
+    order=st.randoms(use_true_random=False),
+)
+def test_a_hostile_node_cannot_stop_the_controller_or_breach_a_budget(
+    attacks: list[list[tuple[str, bytes]]], order: Any
+) -> None:
+    clock = ManualClock(start=100.0)
+    c = Controller(parse_policy(policy_dict()), MemoryBroker().client("c"), clock)
+    honest = {n: HonestNode(n) for n in NODES if n != HOSTILE}
+    hostile = HonestNode(HOSTILE)  # starts honest: it is steered before it turns
+
+    def deliver(topic: str, payload: bytes) -> None:
+        c.handle(Message(topic, payload), clock.monotonic())  # must never raise
+
+    for node in [hostile, *honest.values()]:
+        deliver(
+            TOPICS.status(node.name),
+            encode(NodeStatus(node_id=node.name, state=NodeState.STARTING)),
+        )
+        deliver(TOPICS.telemetry(node.name), node.telemetry(clock.wall()))
+    steered = 0
+    for tick_attacks in [*attacks, [], [], [], []]:  # then four quiet ticks
+        report, plan = c.step()  # must never raise
+        assert plan.commands or plan.waiting_nodes, "a tick ended without caps"
+        for cmd in plan.commands:
+            node = honest.get(cmd.node)
+            if node is not None:
+                steered += 1
+                ack = node.apply(cmd.to_wire(clock.wall()))
+                belief_check(c, honest)
+                if ack is not None:
+                    deliver(TOPICS.ack(node.name), ack)
+        events: list[tuple[str, bytes]] = list(tick_attacks)
+        events += [(TOPICS.telemetry(n.name), n.telemetry(clock.wall())) for n in honest.values()]
+        order.shuffle(events)
+        for topic, payload in events:
+            deliver(topic, payload)
+            belief_check(c, honest)
+        clock.advance(1.0)
+    assert steered > 0
+    # Four ticks after the last attack, the honest GPUs fit every budget beside it.
+    budget_check(c, honest)
+    # The hostile node reached only its own GPUs: every honest GPU is still its node's.
+    for node in honest.values():
+        for u in node.uuids:
+            assert c.fleet.gpus[u].node == node.name
+    assert len([g for g in c.fleet.gpus.values() if g.node == HOSTILE]) <= GPUS
+    assert math.isfinite(float(report.load_w[0]))
