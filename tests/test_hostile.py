@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from powerd.clock import ManualClock
 from powerd.controller.controller import Controller
+from powerd.controller.overrides import BudgetOverride
 from powerd.policy import parse_policy
 from powerd.transport import MemoryBroker, Message
 from powerd.wire import (
@@ -294,3 +295,47 @@ def test_a_hostile_node_cannot_stop_the_controller_or_breach_a_budget(
             assert c.fleet.gpus[u].node == node.name
     assert len([g for g in c.fleet.gpus.values() if g.node == HOSTILE]) <= GPUS
     assert math.isfinite(float(report.load_w[0]))
+
+
+def test_a_tick_that_fails_still_ends_with_safe_caps_and_an_alarm() -> None:
+    clock = ManualClock(start=100.0)
+    c = Controller(parse_policy(policy_dict()), MemoryBroker().client("c"), clock)
+    nodes = {n: HonestNode(n) for n in NODES}
+
+    def exchange(plan_commands: list[Any]) -> None:
+        for cmd in plan_commands:
+            ack = nodes[cmd.node].apply(cmd.to_wire(clock.wall()))
+            if ack is not None:
+                c.handle(Message(TOPICS.ack(cmd.node), ack), clock.monotonic())
+        for n in nodes.values():
+            c.handle(
+                Message(TOPICS.telemetry(n.name), n.telemetry(clock.wall())),
+                0.0 + clock.monotonic(),
+            )
+        clock.advance(1.0)
+
+    exchange([])
+    for _ in range(3):
+        _, plan = c.step()
+        exchange(plan.commands)
+    steered = {u: w for n in nodes.values() for u, w in n.caps.items()}
+    c.overrides.set_budget(
+        c.policy, BudgetOverride("dc", 4000.0, None, "grid event", "test", clock.wall())
+    )
+
+    def broken(*_: Any) -> Any:
+        raise RuntimeError("a fault inside the tick")
+
+    c._class_indices = broken  # type: ignore[method-assign]
+    report, plan = c.step()
+    assert report.status == "tick_failed" and "tick_failed" in c.alarms
+    assert {cmd.node for cmd in plan.commands} == set(NODES)  # every lease renewed
+    exchange(plan.commands)
+    _, plan = c.step()  # still failing: the cut is obeyed all the same
+    exchange(plan.commands)
+    total = sum(w for n in nodes.values() for w in n.caps.values())
+    assert total + 0.0 <= 4000.0 + TOL
+    assert any(n.caps[u] < steered[u] for n in nodes.values() for u in n.uuids)
+    del c._class_indices  # the fault goes away: so does the alarm
+    report, _ = c.step()
+    assert report.status != "tick_failed" and "tick_failed" not in c.alarms
