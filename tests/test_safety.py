@@ -120,10 +120,10 @@ def test_fresh_planner_sends_nothing_until_it_learns_the_caps_in_force() -> None
 
     planner.learn_status("n0", {"g0-0": 150.0, "g0-1": 150.0})
     plan = planner.plan(2, 0.0, np.full(4, 250.0))
-    # n0 is known, n1 still counts at its maximum, so the facility is over: n0 may only
-    # hold or lower, never rise, even toward a target below its maximum.
+    # n0 is known, n1 still counts at its maximum (800 W) and gets no command, so it will
+    # not move: n0 makes room for it, down to its minimum, and never rises meanwhile.
     assert [c.node for c in plan.commands] == ["n0"]
-    assert plan.commands[0].caps_w == {"g0-0": 150.0, "g0-1": 150.0}
+    assert plan.commands[0].caps_w == {"g0-0": 100.0, "g0-1": 100.0}
     assert plan.waiting_nodes == ("n1",)
 
 
