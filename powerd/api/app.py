@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from sqlalchemy.exc import SQLAlchemyError
 
 from powerd import __version__
 from powerd.api.models import (
@@ -94,7 +95,7 @@ WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
 }
 STORE_ERRORS: dict[int | str, dict[str, Any]] = {
     **AUTH_ERRORS,
-    503: _err("The controller runs without a store"),
+    503: _err("The controller runs without a store, or the database is unreachable now"),
 }
 
 
@@ -236,6 +237,13 @@ def create_app(
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         body = exc.detail if isinstance(exc.detail, dict) else {"detail": str(exc.detail)}
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(SQLAlchemyError)
+    async def store_error(request: Request, exc: SQLAlchemyError) -> JSONResponse:
+        # A read of history while the database is down: say so, not a 500.
+        log.warning("api_store_unreachable", path=request.url.path, error=type(exc).__name__)
+        body = ErrorOut(detail=f"the database is unreachable now ({type(exc).__name__})")
+        return JSONResponse(body.model_dump(), status_code=503)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -665,8 +673,23 @@ def create_app(
 
     @app.get(f"{V1}/policy", response_model=PolicyOut, tags=["policy"], responses=AUTH_ERRORS)
     def policy(_: Viewer) -> PolicyOut:
-        """The policy in force, with its text when the store keeps it."""
-        active = controller.store.active_policy() if controller.store is not None else None
+        """The policy in force, with its text when the store keeps it (or when the API
+        replaced it and the database is down)."""
+        active = None
+        if controller.store is not None and controller.policy_version is not None:
+            try:
+                active = controller.store.active_policy()
+            except SQLAlchemyError as exc:
+                log.warning("api_store_unreachable", path="policy", error=type(exc).__name__)
+        api = controller.ledger.api_policy
+        if active is None and api is not None and controller.policy.source == "api":
+            return PolicyOut(
+                version=controller.policy_version,
+                source="api",
+                sha256=api.sha256,
+                activated_at=api.ts,
+                yaml=api.text,
+            )
         return PolicyOut(
             version=controller.policy_version,
             source=controller.policy.source,

@@ -251,6 +251,7 @@ class Ledger:
         self.failures = 0  # database syncs failed in a row
         self.last_error: str | None = None
         self._batch: list[AuditRow] = []  # rows journaled by the change being committed
+        self._committing = False
         self._lock = asyncio.Lock()  # one write (change + state file) at a time
         self._file_lock = asyncio.Lock()  # snapshot + save, in order
         self._sync_task: asyncio.Task[bool] | None = None
@@ -288,8 +289,9 @@ class Ledger:
             payload=dict(payload),
             result=result[:256],
         )
-        self._batch.append(row)
-        if self.store is not None:
+        if self._committing:
+            self._batch.append(row)  # queued once the commit has decided its result
+        elif self.store is not None:
             self.pending.append(row)
             self._wake.set()
         return row
@@ -317,6 +319,12 @@ class Ledger:
             self._wake.set()
         return sha
 
+    def _queue(self, rows: list[AuditRow]) -> None:
+        self._committing, self._batch = False, []
+        if self.store is not None and rows:
+            self.pending.extend(rows)
+            self._wake.set()
+
     # ---- writes (async: I/O in worker threads) ----
 
     async def commit(self, change: Callable[[], object], *, lowers_power: bool) -> WriteOutcome:
@@ -327,18 +335,23 @@ class Ledger:
         only lower power, was rolled back (its audit row says so)."""
         async with self._lock:
             before = self._before()
-            self._batch = []
-            change()
-            mine = self._batch
-            self.revision += 1
-            error = await self._save()
-            rolled_back = error is not None and not lowers_power
-            if rolled_back:
-                self._roll_back(before)
-                self.revision -= 1
-                for row in mine:
-                    row.result = f"rolled back: state file not written: {error}"[:256]
-                log.error("admin_write_rolled_back", error=error, actions=[r.action for r in mine])
+            self._batch, self._committing = [], True
+            try:
+                change()
+                mine = self._batch
+                self.revision += 1
+                error = await self._save()
+                rolled_back = error is not None and not lowers_power
+                if rolled_back:
+                    self._roll_back(before)
+                    self.revision -= 1
+                    for row in mine:
+                        row.result = f"rolled back: state file not written: {error}"[:256]
+                    log.error(
+                        "admin_write_rolled_back", error=error, actions=[r.action for r in mine]
+                    )
+            finally:
+                self._queue(self._batch)
         audited = await self._wait_audited(mine)
         detail = self._detail(error, audited)
         if rolled_back:
@@ -354,11 +367,14 @@ class Ledger:
         """Audit a refused write (queued, and kept in the state file, if the database is
         down); True if its row is in the database now."""
         async with self._lock:
-            self._batch = []
-            self.journal(actor, role, action, target, reason, {}, f"refused: {detail}")
-            mine = self._batch
-            if self.store is not None:
-                await self._save()
+            self._batch, self._committing = [], True
+            try:
+                self.journal(actor, role, action, target, reason, {}, f"refused: {detail}")
+                mine = self._batch
+                if self.store is not None:
+                    await self._save()
+            finally:
+                self._queue(self._batch)
         return await self._wait_audited(mine)
 
     async def replace_policy(
@@ -392,7 +408,7 @@ class Ledger:
             revision=self.revision if revision is None else revision,
             ts=self._ctl.clock.wall(),
             api_policy=self.api_policy,
-            pending_audit=list(self.pending),
+            pending_audit=self.pending + (self._batch if self.store is not None else []),
             **capture(self._ctl.overrides),
         )
 
