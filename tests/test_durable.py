@@ -22,6 +22,14 @@ from tcpproxy import TcpProxy
 from test_api import POLICY, LiveApi, wait_until
 
 from powerd.auth import new_token_entry
+from powerd.controller.opstate import (
+    BudgetState,
+    OperatorState,
+    StateFile,
+    StateFileError,
+    restore,
+)
+from powerd.policy import load_policy_text
 from powerd.transport.mosquitto import LocalMosquitto, free_port
 
 NODE = "rack-1-n1"
@@ -410,3 +418,54 @@ def test_state_file_unwritable_lowering_applies_anything_else_rolls_back(tmp_pat
             ]
     finally:
         live.close()
+
+
+# ---- the state file and its restore ----
+
+
+def test_state_file_round_trip_is_atomic_and_refuses_garbage(tmp_path: Path) -> None:
+    sf = StateFile(tmp_path / "var" / "powerd-state.json")
+    assert sf.load() is None  # no file yet: nothing to restore
+    state = OperatorState(
+        revision=7,
+        ts=1.7e9,
+        budgets=[
+            BudgetState(
+                group="site",
+                budget_w=3000,
+                expires_at=1.7e9 + 7200,
+                reason="DR",
+                actor="grid",
+                created_at=1.7e9,
+            )
+        ],
+        pins_w={"GPU-a": 250.0},
+        drained=["rack-1-n1"],
+    )
+    sf.save(state)
+    sf.save(state.model_copy(update={"revision": 8}))
+    assert sf.load() == state.model_copy(update={"revision": 8})
+    assert [p.name for p in sf.path.parent.iterdir()] == ["powerd-state.json"]  # no temp left
+    sf.path.write_text('{"v": 1, "revision": "many"}')
+    with pytest.raises(StateFileError, match="not a powerd state file"):
+        sf.load()
+
+
+def test_restore_drops_expired_budgets_and_what_the_policy_no_longer_allows() -> None:
+    policy = load_policy_text(POLICY, "p.yaml")
+    now = 1.7e9
+    budget = {"reason": "DR", "actor": "grid", "created_at": now - 100}
+    state = OperatorState(
+        budgets=[
+            BudgetState(group="site", budget_w=3000, expires_at=now + 60, **budget),
+            BudgetState(group="rack-1", budget_w=1000, expires_at=now - 1, **budget),  # over
+            BudgetState(group="rack-2", budget_w=2500, expires_at=None, **budget),  # > 2000 W
+            BudgetState(group="gone", budget_w=10, expires_at=None, **budget),
+        ],
+        drained=["rack-1-n1", "old-node"],
+        node_classes={"rack-2-n1": "inference", "rack-2-n2": "no-such-class"},
+    )
+    o = restore(state, policy, now)
+    assert list(o.budgets) == ["site"] and o.budgets["site"].expires_at == now + 60
+    assert o.drained == {"rack-1-n1"}
+    assert o.node_classes == {"rack-2-n1": "inference"}
