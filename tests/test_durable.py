@@ -244,6 +244,17 @@ def test_restart_keeps_operators_state_and_an_api_policy_until_the_file_is_edite
         assert overrides(c)["drained"] == ["rack-2-n2"]  # the rest of the state stays
     [chosen] = site.events("policy_from_file")
     assert "changed since the API replaced" in chosen["why"]
+    # The file won: the state saved at that start no longer holds the API's policy.
+    saved = json.loads(site.state_file.read_text())
+    assert saved["api_policy"] is None and saved["revision"] == 7  # 6 writes, then this
+    site.stop()
+
+    # The state file lost (a new disk): the database's revision restores the same state.
+    site.state_file.unlink()
+    with site.start() as c:
+        assert overrides(c) == before
+    [restored] = site.events("operator_state_from_database")
+    assert restored["revision"] == 7
 
 
 def test_sighup_reload_logs_applied_and_stored(sqlite_site: Site) -> None:

@@ -412,14 +412,20 @@ class Ledger:
             **capture(self._ctl.overrides),
         )
 
-    def start_from(self, state: OperatorState | None, *, db_revision: int) -> None:
+    def start_from(
+        self, state: OperatorState | None, *, db_revision: int, file_revision: int
+    ) -> None:
         """Take a stored state at start (before the first tick): its overrides, checked
-        against the policy in force, its revision and its queued audit rows."""
+        against the policy in force, its revision and its queued audit rows. Set
+        `api_policy` first: a stored API policy it no longer has (the file won) makes a
+        new revision, which `run()` saves."""
         self.db_revision = db_revision
-        self.revision = max(db_revision, state.revision if state is not None else 0)
+        self.file_revision = file_revision
+        self.revision = max(db_revision, file_revision)
         if state is None:
             return
-        self.file_revision = state.revision
+        if state.api_policy is not None and self.api_policy is None:
+            self.revision += 1
         self._ctl.overrides = restore(state, self._ctl.policy, self._ctl.clock.wall())
         self.pending = list(state.pending_audit) if self.store is not None else []
         o = self._ctl.overrides

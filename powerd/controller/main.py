@@ -61,7 +61,8 @@ async def run_controller(settings: ControllerSettings) -> None:
     # the database it steers anyway and the ledger migrates when the database returns.
     db = await asyncio.to_thread(_open_db, store, settings.db)
     state_file = StateFile(settings.state_path())
-    state = _newer(await asyncio.to_thread(_load_state_file, state_file), db.state)
+    from_file = await asyncio.to_thread(_load_state_file, state_file)
+    state = _newer(from_file, db.state)
     policy, api_policy = _choose_policy(file_policy, file_sha, state)
     writer = StoreWriter(
         store,
@@ -86,7 +87,11 @@ async def run_controller(settings: ControllerSettings) -> None:
         controller, store=store, state_file=state_file, schema_ready=db.ok
     )
     ledger.api_policy = api_policy
-    ledger.start_from(state, db_revision=db.revision)
+    ledger.start_from(
+        state,
+        db_revision=db.revision,
+        file_revision=0 if from_file is None else from_file.revision,
+    )
     controller.policy_version = await _start_version(
         ledger, store, db.ok, file_text, policy, api_policy
     )
