@@ -232,6 +232,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
         policy=args.policy,
         broker=args.broker,
         db=args.db,
+        state_file=args.state_file,
         solver=args.solver,
         controller_id=args.controller_id,
         learn_s=args.learn_s,
@@ -353,6 +354,11 @@ def build_parser() -> argparse.ArgumentParser:
     ctl.add_argument("--policy", help="policy YAML file ($POWERD_POLICY)")
     ctl.add_argument("--broker", help="mqtt://HOST:PORT or mqtts://... ($POWERD_BROKER)")
     ctl.add_argument("--db", help="SQLAlchemy URL ($POWERD_DB, default sqlite:///powerd.db)")
+    ctl.add_argument(
+        "--state-file",
+        help="operators' changes in force ($POWERD_STATE_FILE; default powerd-state.json "
+        "next to a SQLite database, else in the working directory)",
+    )
     ctl.add_argument("--solver", choices=("fast", "cvxpy", "uniform", "priority-bands"))
     ctl.add_argument("--controller-id", help="name in the controller status and commands")
     ctl.add_argument(

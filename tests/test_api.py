@@ -23,7 +23,9 @@ from powerd.api.server import ApiServer
 from powerd.auth import TokenStore, new_token_entry
 from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
 from powerd.clock import SystemClock
+from powerd.controller.admin import Ledger
 from powerd.controller.controller import Controller
+from powerd.controller.opstate import StateFile
 from powerd.metrics import ControllerMetrics
 from powerd.policy import load_policy_text
 from powerd.store import Store, StoreWriter, upgrade
@@ -70,9 +72,15 @@ class LiveApi:
     own with its own event loop; tests use synchronous HTTP clients against `url`."""
 
     def __init__(
-        self, workdir: Path, policy_text: str = POLICY, *, with_store: bool = True
+        self,
+        workdir: Path,
+        policy_text: str = POLICY,
+        *,
+        with_store: bool = True,
+        state_file: Path | None = None,
     ) -> None:
         self.workdir = workdir
+        self.state_file = state_file
         self.policy_text = policy_text
         self.with_store = with_store
         self.db_url = f"sqlite:///{workdir / 'powerd.db'}"
@@ -150,6 +158,10 @@ class LiveApi:
         )
         if store is not None:
             controller.policy_version = version
+        if self.state_file is not None:
+            controller.ledger = Ledger(
+                controller, store=store, state_file=StateFile(self.state_file)
+            )
         registry = CollectorRegistry()
         controller.on_tick.append(metrics_hook(controller, ControllerMetrics(registry)))
         tokens = TokenStore.from_file(self.workdir / "tokens.toml")
@@ -169,6 +181,7 @@ class LiveApi:
                 for agent in agents:
                     tg.create_task(agent.run(stop), name=f"agent-{agent.node_id}")
                 tg.create_task(controller.run(stop, learn_s=0.2), name="controller")
+                tg.create_task(controller.ledger.run(stop), name="ledger")
                 tg.create_task(server.serve(stop), name="api")
         finally:
             if writer is not None and store is not None:

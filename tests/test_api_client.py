@@ -55,6 +55,8 @@ def test_writes_and_their_exit_codes(live: LiveApi, capsys: pytest.CaptureFixtur
     op = ["--url", live.url, "--token", live.tokens["operator"]]
     code, out = run(["budget", "set", "site", "3000", "--ttl", "15m", "--reason", "DR", *op])
     assert code == EXIT_OK and out.startswith("budget.set site: done, in force from tick ")
+    # This controller has no state file: the client says the change would not outlive it.
+    assert "note: no state file: the change ends with this process" in out
     code, out = run(["status", *op])
     assert "temporary budgets" in out and "3.0 kW" in out and "operator-user" in out
 

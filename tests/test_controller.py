@@ -360,6 +360,8 @@ async def test_operator_overrides_take_effect_next_tick_and_are_audited(site: Si
     ctl.pin(gpu, 300, actor="alice", reason="thermal check")
     ctl.drain("rack-2-n1", actor="alice", reason="maintenance")
     ctl.assign_class("inference", uuids=[], nodes=["rack-1-n2"], actor="sched", reason="job 42")
+    # Applied in memory at once; the audit rows reach the database off the loop.
+    await ctl.ledger.flush(10.0)
     await site.step(3 * TICK)
     report = site.reports[-1]
     caps = dict(zip(report.uuids, report.targets_w.tolist(), strict=True))
@@ -387,8 +389,13 @@ async def test_policy_replace_validates_first(site: Site) -> None:
 
     data = site_policy()
     data["facility"]["budget_w"] = 7000
-    version = ctl.replace_policy(yaml.safe_dump(data), actor="admin", reason="new contract")
-    assert version >= 1
+    text = yaml.safe_dump(data)
+    outcome = await ctl.ledger.commit(
+        lambda: ctl.replace_policy(text, actor="admin", reason="new contract"),
+        lowers_power=False,
+    )
+    assert outcome.applied and outcome.audited
+    assert outcome.policy_version is not None and outcome.policy_version >= 1
     await site.step(4 * TICK, budgets={"dc": 7000})
     assert site.reports[-1].budget_w[0] == 7000
     assert float(np.max(site.reports[-1].load_w[0])) <= 7000 + 1e-6

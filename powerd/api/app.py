@@ -8,7 +8,6 @@ pool, where a slow database delays nobody else. `/metrics` renders in that pool 
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -22,6 +21,7 @@ from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from sqlalchemy.exc import SQLAlchemyError
 
 from powerd import __version__
 from powerd.api.models import (
@@ -50,8 +50,10 @@ from powerd.api.models import (
     ReasonIn,
     TickOut,
     WriteOut,
+    WriteRefused,
 )
 from powerd.auth import Principal, Role, TokenStore
+from powerd.controller.admin import WriteFailed, WriteOutcome
 from powerd.controller.controller import Controller, TickReport
 from powerd.controller.overrides import NotFound, OverrideError
 from powerd.errors import InputError
@@ -69,8 +71,8 @@ ReasonQuery = Annotated[str, Query(min_length=1, max_length=500, pattern=r"\S")]
 NameQuery = Annotated[str | None, Query(max_length=128)]
 
 
-def _err(description: str) -> dict[str, Any]:
-    return {"model": ErrorOut, "description": description}
+def _err(description: str, model: type[ErrorOut] = ErrorOut) -> dict[str, Any]:
+    return {"model": model, "description": description}
 
 
 # Every operation declares its error bodies (ErrorOut), 422 included: FastAPI would
@@ -83,11 +85,17 @@ AUTH_ERRORS: dict[int | str, dict[str, Any]] = {
 WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
     **AUTH_ERRORS,
     400: _err("The body is not valid JSON"),
-    404: _err("Unknown group, node or GPU"),
+    404: _err("Unknown group, node or GPU; not applied, audited", WriteRefused),
+    422: _err("Invalid request; nothing changed (a refused change is audited)", WriteRefused),
+    503: _err(
+        "The state file could not be written: the change (which does not only lower "
+        "power) was rolled back, not applied",
+        WriteRefused,
+    ),
 }
 STORE_ERRORS: dict[int | str, dict[str, Any]] = {
     **AUTH_ERRORS,
-    503: _err("The controller runs without a store"),
+    503: _err("The controller runs without a store, or the database is unreachable now"),
 }
 
 
@@ -230,6 +238,13 @@ def create_app(
         body = exc.detail if isinstance(exc.detail, dict) else {"detail": str(exc.detail)}
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
+    @app.exception_handler(SQLAlchemyError)
+    async def store_error(request: Request, exc: SQLAlchemyError) -> JSONResponse:
+        # A read of history while the database is down: say so, not a 500.
+        log.warning("api_store_unreachable", path=request.url.path, error=type(exc).__name__)
+        body = ErrorOut(detail=f"the database is unreachable now ({type(exc).__name__})")
+        return JSONResponse(body.model_dump(), status_code=503)
+
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         problems = [
@@ -246,8 +261,16 @@ def create_app(
         body = ErrorOut(detail=detail, problems=[Problem(path=p, message=m) for p, m in problems])
         raise HTTPException(status, body.model_dump())
 
-    def done(action: str, target: str) -> WriteOut:
-        return WriteOut(action=action, target=target, after_tick=controller.tick_no or None)
+    def done(action: str, target: str, outcome: WriteOutcome) -> WriteOut:
+        return WriteOut(
+            action=action,
+            target=target,
+            after_tick=controller.tick_no or None,
+            applied=outcome.applied,
+            durable=outcome.durable,
+            audited=outcome.audited,
+            detail=outcome.detail,
+        )
 
     # ---- health (no auth) ----
 
@@ -650,8 +673,23 @@ def create_app(
 
     @app.get(f"{V1}/policy", response_model=PolicyOut, tags=["policy"], responses=AUTH_ERRORS)
     def policy(_: Viewer) -> PolicyOut:
-        """The policy in force, with its text when the store keeps it."""
-        active = controller.store.active_policy() if controller.store is not None else None
+        """The policy in force, with its text when the store keeps it (or when the API
+        replaced it and the database is down)."""
+        active = None
+        if controller.store is not None and controller.policy_version is not None:
+            try:
+                active = controller.store.active_policy()
+            except SQLAlchemyError as exc:
+                log.warning("api_store_unreachable", path="policy", error=type(exc).__name__)
+        api = controller.ledger.api_policy
+        if active is None and api is not None and controller.policy.source == "api":
+            return PolicyOut(
+                version=controller.policy_version,
+                source="api",
+                sha256=api.sha256,
+                activated_at=api.ts,
+                yaml=api.text,
+            )
         return PolicyOut(
             version=controller.policy_version,
             source=controller.policy.source,
@@ -660,7 +698,8 @@ def create_app(
             yaml=None if active is None else active.yaml_text,
         )
 
-    # ---- writes (on the loop; effective next tick; audited by the controller) ----
+    # ---- writes: validated and applied on the loop (effective next tick), then made
+    # durable and audited by the controller's ledger in worker threads (controller/admin.py)
 
     async def refuse(
         p: Principal,
@@ -674,18 +713,20 @@ def create_app(
         """Answer `status` and audit the refusal: who tried what is as telling as what was
         done. (Requests that fail authentication or schema validation are only logged.)"""
         log.info("admin_action_refused", actor=p.name, action=action, target=target, why=detail)
-        store = controller.store
-        if store is not None:
-            await asyncio.to_thread(
-                store.record_audit,
-                actor=p.name,
-                role=p.role.label,
-                action=action,
-                target=target[:500],
-                reason=reason,
-                result=f"refused: {detail}"[:256],
-            )
-        rejected(status, detail, problems)
+        audited = await controller.ledger.refused(
+            p.name, p.role.label, action, target, reason, detail
+        )
+        body = WriteRefused(
+            detail=detail,
+            problems=[Problem(path=path, message=m) for path, m in problems],
+            audited=audited,
+        )
+        raise HTTPException(status, body.model_dump())
+
+    def failed(exc: WriteFailed) -> NoReturn:
+        detail = f"not applied: {exc.outcome.detail}"
+        body = WriteRefused(detail=detail, audited=exc.outcome.audited)
+        raise HTTPException(503, body.model_dump())
 
     async def write(
         p: Principal,
@@ -694,17 +735,22 @@ def create_app(
         reason: str,
         change: Callable[[], object],
         field: str | None = None,
+        *,
+        lowers_power: bool = False,
     ) -> WriteOut:
         """Apply one change through the controller, which validates it: what it does not know
-        is a 404, what it refuses a 422 (naming `field`), and either is audited."""
+        is a 404, what it refuses a 422 (naming `field`), and either is audited. Then the
+        ledger makes it durable; the answer says what happened (`WriteOut`)."""
         try:
-            change()
+            outcome = await controller.ledger.commit(change, lowers_power=lowers_power)
         except NotFound as exc:
             await refuse(p, action, target, reason, 404, str(exc))
         except OverrideError as exc:
             problems = [(field, str(exc))] if field else []
             await refuse(p, action, target, reason, 422, str(exc), problems)
-        return done(action, target)
+        except WriteFailed as exc:
+            failed(exc)
+        return done(action, target, outcome)
 
     @app.put(
         f"{V1}/budgets/{{group}}",
@@ -732,6 +778,8 @@ def create_app(
                 role=p.role.label,
             ),
             field="budget_w",
+            # Applied even when the state file fails, if it lowers what is in force now.
+            lowers_power=body.budget_w <= controller.budget_in_force_w(group),
         )
 
     @app.delete(
@@ -782,10 +830,19 @@ def create_app(
     )
     async def clear_class(body: ClassClearIn, p: Operator) -> WriteOut:
         """Drop class assignments (the job epilog): the workload's own report applies again."""
-        controller.clear_class(
-            uuids=body.uuids, nodes=body.nodes, actor=p.name, reason=body.reason, role=p.role.label
+        return await write(
+            p,
+            "class.clear",
+            ",".join(body.uuids + body.nodes),
+            body.reason,
+            lambda: controller.clear_class(
+                uuids=body.uuids,
+                nodes=body.nodes,
+                actor=p.name,
+                reason=body.reason,
+                role=p.role.label,
+            ),
         )
-        return done("class.clear", ",".join(body.uuids + body.nodes))
 
     @app.put(
         f"{V1}/gpus/{{uuid}}/pin",
@@ -835,6 +892,7 @@ def create_app(
             node,
             body.reason,
             lambda: controller.drain(node, actor=p.name, reason=body.reason, role=p.role.label),
+            lowers_power=True,
         )
 
     @app.delete(
@@ -877,17 +935,17 @@ def create_app(
             why = "the policy is not UTF-8 text"
             await refuse(p, "policy.replace", "api", reason, 422, why, [("", why)])
         try:
-            version = controller.replace_policy(
-                text, actor=p.name, reason=reason, role=p.role.label, source="api"
+            outcome = await controller.ledger.replace_policy(
+                text, actor=p.name, reason=reason, role=p.role.label
             )
         except InputError as exc:
             why = str(exc).splitlines()[0]
             await refuse(p, "policy.replace", "api", reason, 422, why, exc.problems)
+        except WriteFailed as exc:
+            failed(exc)
         return PolicyReplaced(
-            action="policy.replace",
-            target="api",
-            after_tick=controller.tick_no or None,
-            version=version or None,
+            **done("policy.replace", "api", outcome).model_dump(),
+            version=outcome.policy_version,
         )
 
     return app

@@ -232,6 +232,8 @@ def _run(args: argparse.Namespace, action: Callable[[Client], Any], out: TextIO)
             f"{tick + 1 if tick else 'the first'}",
             file=out,
         )
+        if result.get("detail"):  # not durable, or its audit row queued: say so
+            print(f"  note: {result['detail']}", file=out)
     return EXIT_OK
 
 

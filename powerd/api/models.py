@@ -228,16 +228,42 @@ class OverridesOut(_Out):
 # ---- writes ----
 
 
+class WriteRefused(ErrorOut):
+    """A write that was not applied: refused (404, 422) or rolled back (503)."""
+
+    applied: Literal[False] = False
+    audited: bool = Field(
+        default=False,
+        description="The refusal's audit row is in the database now (else queued until it "
+        "answers; a request failing schema validation is only logged).",
+    )
+
+
 class WriteOut(_Out):
     action: str
     target: str
     after_tick: int | None = Field(
         description="The last tick before the change: it takes effect on the next one."
     )
+    applied: bool = Field(default=True, description="In force from the next tick.")
+    durable: bool = Field(
+        default=False,
+        description="Written to the controller's state file: it outlives a restart.",
+    )
+    audited: bool = Field(
+        default=False,
+        description="Its audit row is in the database now; false: queued (written when the "
+        "database answers again) or the controller runs without a store.",
+    )
+    detail: str | None = Field(
+        default=None, description="Why not durable or not audited, for a person."
+    )
 
 
 class PolicyReplaced(WriteOut):
-    version: int | None
+    version: int | None = Field(
+        description="Its policy version; null until the database has stored it."
+    )
 
 
 class BudgetIn(BaseModel):

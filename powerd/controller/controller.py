@@ -14,9 +14,8 @@ import gc
 import math
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import numpy as np
 import structlog
@@ -25,9 +24,10 @@ from numpy.typing import NDArray
 from powerd.allocator import Allocation, ClassTable, Fleet, Tree, allocate_arrays, class_names
 from powerd.allocator.api import group_values
 from powerd.clock import Clock
+from powerd.controller.admin import AdminWrites, Ledger
 from powerd.controller.fleet import FleetArrays, FleetState
-from powerd.controller.overrides import BudgetOverride, NotFound, OverrideError, Overrides
-from powerd.policy import LEVELS, Policy, load_policy_text
+from powerd.controller.overrides import Overrides
+from powerd.policy import LEVELS, Policy
 from powerd.safety import Fleet as SafetyFleet
 from powerd.safety import SafePlan, SafetyPlanner
 from powerd.store import EventRecord, Severity, Store, StoreHealth, StoreWriter, TickRecord
@@ -182,7 +182,9 @@ class _Shape:
     reserve_w: FloatArray  # per group: unknown GPUs counted at their maximum
 
 
-class Controller:
+class Controller(AdminWrites):
+    """The steering loop. Operators' writes (`AdminWrites`) live in controller/admin.py."""
+
     def __init__(
         self,
         policy: Policy,
@@ -227,6 +229,8 @@ class Controller:
         # command of ours, and our ticks start well above any the old one can have sent.
         self.planner = SafetyPlanner(policy)
         self._adopt(policy)
+        # Operators' writes made durable (state file, database); main.py gives it a state file.
+        self.ledger = Ledger(self, store=store)
 
     # -- policy and operators' changes -----------------------------------------------------
 
@@ -239,126 +243,6 @@ class Controller:
         self.overrides.forget_policy_gaps(policy)
         self._policy_epoch += 1
         self._warm = None
-
-    # Every write below takes effect on the next tick and is audited with who (actor and
-    # role), what, when and why. Invalid requests raise OverrideError or PolicyError.
-
-    def replace_policy(
-        self, text: str, *, actor: str, reason: str, role: str = "admin", source: str = "api"
-    ) -> int:
-        """Validate and adopt a new policy (PolicyError leaves the running one in force)."""
-        policy = load_policy_text(text, source)
-        self._adopt(policy)
-        version = 0
-        if self.store is not None:
-            version = self.store.record_policy_version(
-                text, source=source, author=actor, reason=reason
-            )
-        self.policy_version = version or None
-        self._audit(actor, role, "policy.replace", source, reason, {"version": version})
-        log.info("policy_replaced", source=source, version=version, actor=actor)
-        return version
-
-    def reload_policy_file(self) -> int:
-        """SIGHUP: re-read the policy file given at start."""
-        if self.policy_path is None:
-            raise OverrideError("no policy file to reload")
-        text = Path(self.policy_path).read_text(encoding="utf-8")
-        return self.replace_policy(
-            text, actor="sighup", role="system", reason="SIGHUP reload", source=self.policy_path
-        )
-
-    def set_budget(
-        self,
-        group: str,
-        budget_w: float,
-        *,
-        expires_at: float | None,
-        actor: str,
-        reason: str,
-        role: str = "operator",
-    ) -> None:
-        override = BudgetOverride(group, budget_w, expires_at, reason, actor, self.clock.wall())
-        self.overrides.set_budget(self.policy, override)
-        payload = {"budget_w": budget_w, "expires_at": expires_at}
-        self._audit(actor, role, "budget.set", group, reason, payload)
-
-    def clear_budget(self, group: str, *, actor: str, reason: str, role: str = "operator") -> None:
-        self.overrides.clear_budget(group)
-        self._audit(actor, role, "budget.clear", group, reason, {})
-
-    def assign_class(
-        self,
-        cls: str,
-        *,
-        uuids: list[str],
-        nodes: list[str],
-        actor: str,
-        reason: str,
-        role: str = "operator",
-    ) -> None:
-        self.overrides.assign_class(self.policy, cls, uuids=uuids, nodes=nodes)
-        payload = {"class": cls, "uuids": uuids, "nodes": nodes}
-        self._audit(actor, role, "class.assign", ",".join(uuids + nodes), reason, payload)
-
-    def clear_class(
-        self, *, uuids: list[str], nodes: list[str], actor: str, reason: str, role: str = "operator"
-    ) -> None:
-        self.overrides.clear_class(uuids=uuids, nodes=nodes)
-        payload = {"uuids": uuids, "nodes": nodes}
-        self._audit(actor, role, "class.clear", ",".join(uuids + nodes), reason, payload)
-
-    def pin(
-        self, uuid: str, watts: float, *, actor: str, reason: str, role: str = "operator"
-    ) -> None:
-        rec = self.fleet.gpus.get(uuid)
-        if rec is None:
-            raise NotFound(f"unknown GPU '{uuid}'")
-        if not rec.min_cap_w <= watts <= rec.max_cap_w:
-            raise OverrideError(
-                f"{watts:g} W is outside the GPU's limits [{rec.min_cap_w:g}, {rec.max_cap_w:g}] W"
-            )
-        self.overrides.pins[uuid] = watts
-        self._audit(actor, role, "gpu.pin", uuid, reason, {"watts": watts})
-
-    def unpin(self, uuid: str, *, actor: str, reason: str, role: str = "operator") -> None:
-        if self.overrides.pins.pop(uuid, None) is None:
-            raise NotFound(f"GPU '{uuid}' is not pinned")
-        self._audit(actor, role, "gpu.unpin", uuid, reason, {})
-
-    def drain(self, node: str, *, actor: str, reason: str, role: str = "operator") -> None:
-        if node not in self.fleet.node_order:
-            raise NotFound(f"unknown node '{node}'")
-        self.overrides.drained.add(node)
-        self._audit(actor, role, "node.drain", node, reason, {})
-
-    def undrain(self, node: str, *, actor: str, reason: str, role: str = "operator") -> None:
-        if node not in self.overrides.drained:
-            raise NotFound(f"node '{node}' is not drained")
-        self.overrides.drained.discard(node)
-        self._audit(actor, role, "node.undrain", node, reason, {})
-
-    def _audit(
-        self,
-        actor: str,
-        role: str,
-        action: str,
-        target: str,
-        reason: str,
-        payload: Mapping[str, object],
-    ) -> None:
-        log.info(
-            "admin_action", actor=actor, role=role, action=action, target=target, reason=reason
-        )
-        if self.store is not None:
-            self.store.record_audit(
-                actor=actor,
-                role=role,
-                action=action,
-                target=target[:500],
-                reason=reason,
-                payload=payload,
-            )
 
     # -- messages ------------------------------------------------------------------------
 

@@ -3,20 +3,32 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
+import time
+from dataclasses import dataclass
 
 import structlog
 from prometheus_client import CollectorRegistry
+from pydantic import ValidationError
 
 from powerd.api.app import create_app
 from powerd.api.hooks import TickHook, metrics_hook, watchdog_hook
 from powerd.api.server import ApiServer
 from powerd.auth import TokenStore, check_secret
 from powerd.clock import SystemClock
+from powerd.controller.admin import Ledger, PolicyVersionToStore, WriteFailed
 from powerd.controller.controller import Controller, TickReport
+from powerd.controller.opstate import (
+    ApiPolicy,
+    OperatorState,
+    StateFile,
+    StateFileError,
+    file_sha256,
+)
 from powerd.controller.settings import ControllerSettings
 from powerd.metrics import ControllerMetrics
-from powerd.policy import load_policy
+from powerd.policy import Policy, PolicyError, load_policy, load_policy_text
 from powerd.sdnotify import Notifier
 from powerd.settings import SettingsError
 from powerd.store import Store, StoreWriter, upgrade
@@ -27,8 +39,14 @@ log = structlog.get_logger(__name__)
 
 
 async def run_controller(settings: ControllerSettings) -> None:
-    """Run until SIGTERM/SIGINT. PolicyError for a bad policy; SIGHUP reloads the policy."""
-    policy = load_policy(settings.policy)
+    """Run until SIGTERM/SIGINT. PolicyError for a bad policy; SIGHUP reloads the policy.
+
+    The database may be down: the controller then starts from its policy file and state
+    file, steers, raises an alarm and catches up (migrations, policy version, queued audit
+    rows) when the database returns."""
+    file_policy = load_policy(settings.policy)
+    file_sha = await asyncio.to_thread(file_sha256, settings.policy)
+    file_text = await asyncio.to_thread(settings.policy.read_text, encoding="utf-8")
     if settings.password is not None:
         check_secret(settings.password.get_secret_value(), "broker password", dev=settings.dev)
     tokens = None
@@ -38,24 +56,21 @@ async def run_controller(settings: ControllerSettings) -> None:
             if settings.tokens_file is None
             else TokenStore.from_file(settings.tokens_file, dev=settings.dev)
         )
-    # Migrations first: a controller never runs against a schema it does not know.
-    await asyncio.to_thread(upgrade, settings.db)
     store = Store(settings.db)
+    # Migrations first: a controller never writes to a schema it does not know. Without
+    # the database it steers anyway and the ledger migrates when the database returns.
+    db = await asyncio.to_thread(_open_db, store, settings.db)
+    state_file = StateFile(settings.state_path())
+    from_file = await asyncio.to_thread(_load_state_file, state_file)
+    state = _newer(from_file, db.state)
+    policy, api_policy = _choose_policy(file_policy, file_sha, state)
     writer = StoreWriter(
         store,
         retention=settings.retention(),
         cap_epsilon_w=settings.cap_epsilon_w,
         cap_interval_s=settings.cap_interval_s,
     )
-    writer.seed_caps(await asyncio.to_thread(store.latest_caps))
-    text = settings.policy.read_text(encoding="utf-8")
-    version = await asyncio.to_thread(
-        store.record_policy_version,
-        text,
-        source=str(settings.policy),
-        author="controller",
-        reason="start-up",
-    )
+    writer.seed_caps(db.caps)
     transport = MqttTransport(settings.mqtt_config())
     controller = Controller(
         policy,
@@ -68,7 +83,18 @@ async def run_controller(settings: ControllerSettings) -> None:
         topics=Topics(settings.topic_prefix),
         policy_path=str(settings.policy),
     )
-    controller.policy_version = version
+    ledger = controller.ledger = Ledger(
+        controller, store=store, state_file=state_file, schema_ready=db.ok
+    )
+    ledger.api_policy = api_policy
+    ledger.start_from(
+        state,
+        db_revision=db.revision,
+        file_revision=0 if from_file is None else from_file.revision,
+    )
+    controller.policy_version = await _start_version(
+        ledger, store, db.ok, file_text, policy, api_policy
+    )
     notifier = Notifier()
     registry = CollectorRegistry()
     controller.on_tick += [
@@ -88,9 +114,11 @@ async def run_controller(settings: ControllerSettings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, lambda: _reload(controller))
+    reloads: set[asyncio.Task[None]] = set()
+    loop.add_signal_handler(signal.SIGHUP, lambda: _reload(controller, reloads))
     try:
         async with asyncio.TaskGroup() as tg:
+            tg.create_task(ledger.run(stop), name="ledger")
             if api is not None:
                 tg.create_task(api.serve(stop), name="api")
             tg.create_task(controller.run(stop, learn_s=settings.learn_s), name="controller")
@@ -130,9 +158,136 @@ def _ready_once(notifier: Notifier) -> TickHook:
     return hook
 
 
-def _reload(controller: Controller) -> None:
+def _reload(controller: Controller, tasks: set[asyncio.Task[None]]) -> None:
+    task = asyncio.get_running_loop().create_task(_reload_policy(controller), name="reload")
+    tasks.add(task)  # a reference until it ends; it logs its own failures
+    task.add_done_callback(tasks.discard)
+
+
+async def _reload_policy(controller: Controller) -> None:
+    """SIGHUP: the policy file replaces the policy in force (an API one included). What was
+    applied and what was stored are logged apart: a database outage does not undo it."""
     try:
-        version = controller.reload_policy_file()
-        log.info("policy_reloaded", version=version)
+        outcome = await controller.ledger.reload_policy_file()
+    except WriteFailed as exc:
+        log.error("policy_reload_failed", error=exc.outcome.detail, applied=False)
+        return
     except Exception as exc:  # a bad file keeps the running policy
-        log.error("policy_reload_failed", error=str(exc))
+        log.error("policy_reload_failed", error=str(exc), applied=False)
+        return
+    log.info(
+        "policy_reloaded",
+        source=controller.policy.source,
+        version=outcome.policy_version,
+        durable=outcome.durable,
+    )
+    if outcome.policy_version is None:
+        log.warning("policy_version_not_stored", detail=outcome.detail)
+
+
+@dataclass(frozen=True)
+class _DbAtStart:
+    ok: bool  # migrated and reachable
+    state: OperatorState | None
+    revision: int
+    caps: dict[str, float]
+
+
+def _open_db(store: Store, url: str) -> _DbAtStart:
+    """(worker thread) Migrate, then read the operators' state and the caps last stored."""
+    try:
+        upgrade(url)
+        row = store.latest_operator_state()
+        caps = store.latest_caps()
+    except Exception as exc:
+        log.error("store_unreachable_at_start", error=f"{type(exc).__name__}: {exc}"[:300])
+        return _DbAtStart(False, None, 0, {})
+    state = None
+    if row is not None:
+        try:
+            state = OperatorState.model_validate(row.state | {"revision": row.revision})
+        except ValidationError as exc:
+            log.error("operator_state_unreadable", where="database", error=str(exc)[:300])
+    return _DbAtStart(True, state, 0 if row is None else row.revision, caps)
+
+
+def _load_state_file(state_file: StateFile) -> OperatorState | None:
+    """(worker thread) The state file; an unreadable one is moved aside (and logged) so the
+    next write does not destroy what an operator may want to read."""
+    try:
+        return state_file.load()
+    except StateFileError as exc:
+        aside = state_file.path.with_name(f"{state_file.path.name}.bad-{int(time.time())}")
+        with contextlib.suppress(OSError):
+            state_file.path.rename(aside)
+        log.error("operator_state_unreadable", where="file", error=str(exc)[:300], moved=str(aside))
+        return None
+
+
+def _newer(file: OperatorState | None, db: OperatorState | None) -> OperatorState | None:
+    """The higher revision; the file on a tie (it also holds the queued audit rows)."""
+    if file is None or (db is not None and db.revision > file.revision):
+        if db is not None:
+            log.info("operator_state_from_database", revision=db.revision)
+        return db
+    return file
+
+
+def _choose_policy(
+    file_policy: Policy, file_sha: str | None, state: OperatorState | None
+) -> tuple[Policy, ApiPolicy | None]:
+    """A policy replaced through the API stays in force while the policy file is unchanged
+    since; a file edited since wins (the operator's later word)."""
+    api = state.api_policy if state is not None else None
+    if api is None:
+        return file_policy, None
+    if api.file_sha256 != file_sha:
+        log.warning(
+            "policy_from_file",
+            why="the policy file changed since the API replaced the policy",
+            api_policy_sha256=api.sha256[:12],
+            api_policy_by=api.actor,
+        )
+        return file_policy, None
+    try:
+        policy = load_policy_text(api.text, "api")
+    except PolicyError as exc:
+        log.error("policy_from_file", why=f"the API's policy is no longer valid: {exc}"[:300])
+        return file_policy, None
+    log.info(
+        "policy_from_api",
+        why="replaced through the API; the policy file is unchanged since",
+        sha256=api.sha256[:12],
+        by=api.actor,
+        at=api.ts,
+    )
+    return policy, api
+
+
+async def _start_version(
+    ledger: Ledger,
+    store: Store,
+    db_ok: bool,
+    file_text: str,
+    policy: Policy,
+    api: ApiPolicy | None,
+) -> int | None:
+    """The policy in force as a stored version (the same text: the same version); queued
+    for the ledger when the database is down."""
+    text = api.text if api is not None else file_text
+    source = "api" if api is not None else policy.source
+    if db_ok:
+        try:
+            return await asyncio.to_thread(
+                store.record_policy_version,
+                text,
+                source=source,
+                author="controller",
+                reason="start-up",
+            )
+        except Exception as exc:
+            log.error("policy_version_not_stored", error=f"{type(exc).__name__}: {exc}"[:300])
+    ledger.versions.append(
+        PolicyVersionToStore(text, source, "controller", "start-up", time.time())
+    )
+    return None

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import Field
+from sqlalchemy.engine import make_url
 
 from powerd.settings import BrokerSettings
 from powerd.store import Retention
@@ -15,6 +16,7 @@ from powerd.store.aggregate import CAP_EPSILON_W, CAP_INTERVAL_S
 from powerd.transport.mqtt import MqttConfig
 
 _RETENTION = Retention()
+STATE_FILE_NAME = "powerd-state.json"
 
 
 class ControllerSettings(BrokerSettings):
@@ -22,6 +24,10 @@ class ControllerSettings(BrokerSettings):
 
     policy: Path = Path("/etc/powerd/policy.yaml")
     db: str = "sqlite:///powerd.db"
+    # Operators' changes in force (docs/operations.md), written before the API answers and
+    # read at start. None: `powerd-state.json` next to a SQLite database, else in the
+    # working directory (systemd: /var/lib/powerd).
+    state_file: Path | None = None
     solver: Literal["fast", "cvxpy", "uniform", "priority-bands"] = "fast"
     controller_id: str = Field(default_factory=lambda: f"powerd-{socket.gethostname()}")
     # Listen this long before the first tick so retained status and telemetry teach the caps
@@ -55,6 +61,15 @@ class ControllerSettings(BrokerSettings):
 
     def mqtt_config(self) -> MqttConfig:
         return replace(super().mqtt_config(), max_inflight_messages=self.command_window)
+
+    def state_path(self) -> Path:
+        if self.state_file is not None:
+            return self.state_file
+        url = make_url(self.db) if "://" in self.db else None
+        database = url.database if url is not None and url.get_backend_name() == "sqlite" else None
+        if database and database != ":memory:":
+            return Path(database).parent / STATE_FILE_NAME
+        return Path(STATE_FILE_NAME)
 
     def retention(self) -> Retention:
         return Retention(

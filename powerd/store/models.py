@@ -176,6 +176,21 @@ class AuditEntry(Base):
     reason: Mapped[str] = mapped_column(Text)
     payload: Mapped[dict[str, Any]]
     result: Mapped[str] = mapped_column(String(256))
+    # Set by the controller: a row queued while the database was down may be sent again after
+    # a restart; the key makes the second insert a no-op. None: written directly.
+    key: Mapped[str | None] = mapped_column(String(64), unique=True, index=True)
+
+
+class OperatorState(Base):
+    """Operators' changes in force (temporary budgets, pins, drains, class assignments, a
+    policy replaced through the API), one row per revision; the controller's state file
+    holds the same document, and a start takes the higher revision of the two."""
+
+    __tablename__ = "operator_state"
+
+    revision: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    ts: Mapped[float]
+    state: Mapped[dict[str, Any]]
 
 
 class GpuMinute(Base):

@@ -40,6 +40,7 @@ from powerd.store.models import (
     Gpu,
     GpuMinute,
     Node,
+    OperatorState,
     PolicyVersion,
     Severity,
     Tick,
@@ -215,6 +216,34 @@ class Store:
                     raise
                 log.info("policy_version_conflict", attempt=attempt)
         raise AssertionError("unreachable")
+
+    def record_audit_rows(self, rows: Sequence[Mapping[str, Any]]) -> int:
+        """Append audit rows that carry a `key` (AuditEntry's columns, `id` aside), skipping
+        keys already stored: the controller re-sends what it queued during an outage, and
+        a restart may send a row again. Returns how many were new."""
+        if not rows:
+            return 0
+        keys = [r["key"] for r in rows]
+        with self.engine.begin() as conn:
+            known = set(conn.scalars(select(AuditEntry.key).where(AuditEntry.key.in_(keys))))
+            new = [dict(r) for r in rows if r["key"] not in known]
+            if new:
+                conn.execute(insert(AuditEntry), new)
+        return len(new)
+
+    def save_operator_state(self, revision: int, ts: float, state: Mapping[str, Any]) -> bool:
+        """Store one revision of the operators' state; False if that revision is stored
+        already (a re-send, or another controller wrote it)."""
+        with self.engine.begin() as conn:
+            stmt = _upsert_stmt(conn, OperatorState).on_conflict_do_nothing(  # type: ignore[attr-defined]
+                index_elements=["revision"]
+            )
+            result = conn.execute(stmt, {"revision": revision, "ts": ts, "state": dict(state)})
+            return bool(result.rowcount)
+
+    def latest_operator_state(self) -> OperatorState | None:
+        """The highest revision of the operators' state; None before the first."""
+        return self._one(select(OperatorState).order_by(OperatorState.revision.desc()).limit(1))
 
     def clear_alarm(self, kind: str, ts: float | None = None) -> int:
         """Clear every active event of `kind` raised at or before `ts`; returns how many."""

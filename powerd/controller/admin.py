@@ -1,0 +1,641 @@
+"""Operators' writes: validated and applied in memory on the loop, made durable off it.
+
+`AdminWrites` (mixed into the Controller) validates a change and applies it to the
+controller's memory: a dict update, cheap and synchronous, effective on the next tick. It
+queues the audit row; it does no I/O.
+
+`Ledger` makes the change durable and says what happened. Per write, in order:
+1. the state file (`opstate.StateFile`, in a worker thread): the durability point, which
+   works while the database is down. If it cannot be written, a change that only lowers
+   power (a lower temporary budget, a drain) stays applied (safety wins) with an alarm;
+   anything else is rolled back and the write answered as not applied;
+2. the database (in a worker thread, one sync at a time): queued audit rows, policy
+   versions and the operators' state by revision. The API waits for it at most `db_wait_s`;
+   a database that is down or hangs leaves the rows queued (in the state file too) and
+   `run()` retries with capped backoff until it returns, running the migrations first if
+   the controller started without it. An alarm (`audit_queued`) says so meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from powerd.clock import Clock
+from powerd.controller.opstate import (
+    ApiPolicy,
+    AuditRow,
+    OperatorState,
+    StateFile,
+    StateFileError,
+    capture,
+    file_sha256,
+    restore,
+    sha256_text,
+)
+from powerd.controller.overrides import BudgetOverride, NotFound, OverrideError, Overrides
+from powerd.policy import Policy, load_policy_text
+from powerd.store import Store, upgrade
+
+if TYPE_CHECKING:
+    from powerd.controller.fleet import FleetState
+
+log = structlog.get_logger(__name__)
+
+DB_WAIT_S = 2.0  # how long an API answer waits for the audit row to reach the database
+RETRY_INITIAL_S = 0.5
+RETRY_MAX_S = 30.0
+MAX_ERROR_LEN = 300
+
+
+@dataclass(frozen=True)
+class WriteOutcome:
+    """What one admin write did, as the API answers it."""
+
+    applied: bool  # in force from the next tick
+    durable: bool  # in the state file: survives a restart
+    audited: bool  # its audit row is in the database (else queued, or no store)
+    detail: str | None = None  # why not durable / not audited, for a person
+    policy_version: int | None = None  # a policy write: its stored version, when stored
+
+
+class WriteFailed(Exception):
+    """A write rolled back because the state file could not be written."""
+
+    def __init__(self, outcome: WriteOutcome) -> None:
+        super().__init__(outcome.detail)
+        self.outcome = outcome
+
+
+@dataclass
+class PolicyVersionToStore:
+    """A policy adopted while the database could not store it yet."""
+
+    text: str
+    source: str
+    author: str
+    reason: str
+    ts: float
+
+
+@dataclass
+class _Before:
+    overrides: Overrides
+    policy: Policy
+    api_policy: ApiPolicy | None
+    versions: list[PolicyVersionToStore] = field(default_factory=list)
+
+
+class AdminWrites:
+    """The Controller's admin writes. Each validates (OverrideError, NotFound, PolicyError
+    leave everything as it was), applies in memory and queues its audit row through
+    `ledger.journal`; `Ledger.commit` makes it durable."""
+
+    # What the Controller provides.
+    policy: Policy
+    overrides: Overrides
+    fleet: FleetState
+    clock: Clock
+    ledger: Ledger
+
+    def _adopt(self, policy: Policy) -> None:
+        raise NotImplementedError
+
+    def replace_policy(
+        self,
+        text: str,
+        *,
+        actor: str,
+        reason: str,
+        role: str = "admin",
+        source: str = "api",
+        file_sha256: str | None = None,
+    ) -> Policy:
+        """Validate and adopt a new policy (PolicyError leaves the running one in force).
+
+        `source` "api": the policy outlives a restart unless the policy file (whose sha256
+        was `file_sha256` then) is edited since; a file path: the file is in force."""
+        policy = load_policy_text(text, source)
+        self._adopt(policy)
+        sha = self.ledger.policy_replaced(
+            text, source=source, actor=actor, reason=reason, file_sha256=file_sha256
+        )
+        self._audit(actor, role, "policy.replace", source, reason, {"sha256": sha})
+        log.info("policy_replaced", source=source, sha256=sha[:12], actor=actor)
+        return policy
+
+    def set_budget(
+        self,
+        group: str,
+        budget_w: float,
+        *,
+        expires_at: float | None,
+        actor: str,
+        reason: str,
+        role: str = "operator",
+    ) -> None:
+        override = BudgetOverride(group, budget_w, expires_at, reason, actor, self.clock.wall())
+        self.overrides.set_budget(self.policy, override)
+        payload = {"budget_w": budget_w, "expires_at": expires_at}
+        self._audit(actor, role, "budget.set", group, reason, payload)
+
+    def budget_in_force_w(self, group: str) -> float:
+        """A group's budget now: the policy's, or a lower temporary one (inf: unknown)."""
+        policy_w = next((g.budget_w for g in self.policy.groups if g.name == group), None)
+        if policy_w is None:
+            return float("inf")
+        override = self.overrides.budgets.get(group)
+        return policy_w if override is None else min(policy_w, override.budget_w)
+
+    def clear_budget(self, group: str, *, actor: str, reason: str, role: str = "operator") -> None:
+        self.overrides.clear_budget(group)
+        self._audit(actor, role, "budget.clear", group, reason, {})
+
+    def assign_class(
+        self,
+        cls: str,
+        *,
+        uuids: list[str],
+        nodes: list[str],
+        actor: str,
+        reason: str,
+        role: str = "operator",
+    ) -> None:
+        self.overrides.assign_class(self.policy, cls, uuids=uuids, nodes=nodes)
+        payload = {"class": cls, "uuids": uuids, "nodes": nodes}
+        self._audit(actor, role, "class.assign", ",".join(uuids + nodes), reason, payload)
+
+    def clear_class(
+        self, *, uuids: list[str], nodes: list[str], actor: str, reason: str, role: str = "operator"
+    ) -> None:
+        self.overrides.clear_class(uuids=uuids, nodes=nodes)
+        payload = {"uuids": uuids, "nodes": nodes}
+        self._audit(actor, role, "class.clear", ",".join(uuids + nodes), reason, payload)
+
+    def pin(
+        self, uuid: str, watts: float, *, actor: str, reason: str, role: str = "operator"
+    ) -> None:
+        rec = self.fleet.gpus.get(uuid)
+        if rec is None:
+            raise NotFound(f"unknown GPU '{uuid}'")
+        if not rec.min_cap_w <= watts <= rec.max_cap_w:
+            raise OverrideError(
+                f"{watts:g} W is outside the GPU's limits [{rec.min_cap_w:g}, {rec.max_cap_w:g}] W"
+            )
+        self.overrides.pins[uuid] = watts
+        self._audit(actor, role, "gpu.pin", uuid, reason, {"watts": watts})
+
+    def unpin(self, uuid: str, *, actor: str, reason: str, role: str = "operator") -> None:
+        if self.overrides.pins.pop(uuid, None) is None:
+            raise NotFound(f"GPU '{uuid}' is not pinned")
+        self._audit(actor, role, "gpu.unpin", uuid, reason, {})
+
+    def drain(self, node: str, *, actor: str, reason: str, role: str = "operator") -> None:
+        if node not in self.fleet.node_order:
+            raise NotFound(f"unknown node '{node}'")
+        self.overrides.drained.add(node)
+        self._audit(actor, role, "node.drain", node, reason, {})
+
+    def undrain(self, node: str, *, actor: str, reason: str, role: str = "operator") -> None:
+        if node not in self.overrides.drained:
+            raise NotFound(f"node '{node}' is not drained")
+        self.overrides.drained.discard(node)
+        self._audit(actor, role, "node.undrain", node, reason, {})
+
+    def _audit(
+        self,
+        actor: str,
+        role: str,
+        action: str,
+        target: str,
+        reason: str,
+        payload: Mapping[str, object],
+    ) -> None:
+        self.ledger.journal(actor, role, action, target, reason, payload)
+
+
+class Ledger:
+    """The durable side of operators' writes: state file, database, audit queue, alarms."""
+
+    def __init__(
+        self,
+        controller: Any,  # the Controller (typed loosely: it imports this module)
+        *,
+        store: Store | None = None,
+        state_file: StateFile | None = None,
+        schema_ready: bool = True,
+        db_wait_s: float = DB_WAIT_S,
+        retry_initial_s: float = RETRY_INITIAL_S,
+        retry_max_s: float = RETRY_MAX_S,
+    ) -> None:
+        self._ctl = controller
+        self.store = store
+        self.state_file = state_file
+        self.schema_ready = schema_ready  # False: run the migrations before the first write
+        self.db_wait_s = db_wait_s
+        self.retry_initial_s = retry_initial_s
+        self.retry_max_s = retry_max_s
+        self.revision = 0  # of the operators' state in memory
+        self.file_revision = 0  # in the state file
+        self.db_revision = 0  # in the database, as far as this process knows
+        self.api_policy: ApiPolicy | None = None
+        self.pending: list[AuditRow] = []  # audit rows the database has not acknowledged
+        self.versions: list[PolicyVersionToStore] = []  # policy versions to store, oldest first
+        self.failures = 0  # database syncs failed in a row
+        self.last_error: str | None = None
+        self._batch: list[AuditRow] = []  # rows journaled by the change being committed
+        self._committing = False
+        self._lock = asyncio.Lock()  # one write (change + state file) at a time
+        self._file_lock = asyncio.Lock()  # snapshot + save, in order
+        self._sync_task: asyncio.Task[bool] | None = None
+        self._wake = asyncio.Event()
+
+    # ---- journal (on the loop, no I/O) ----
+
+    def journal(
+        self,
+        actor: str,
+        role: str,
+        action: str,
+        target: str,
+        reason: str,
+        payload: Mapping[str, object],
+        result: str = "ok",
+    ) -> AuditRow:
+        log.info(
+            "admin_action",
+            actor=actor,
+            role=role,
+            action=action,
+            target=target,
+            reason=reason,
+            result=result,
+        )
+        row = AuditRow(
+            key=uuid.uuid4().hex,
+            ts=self._ctl.clock.wall(),
+            actor=actor,
+            role=role,
+            action=action,
+            target=target[:256],
+            reason=reason,
+            payload=dict(payload),
+            result=result[:256],
+        )
+        if self._committing:
+            self._batch.append(row)  # queued once the commit has decided its result
+        elif self.store is not None:
+            self.pending.append(row)
+            self._wake.set()
+        return row
+
+    def policy_replaced(
+        self, text: str, *, source: str, actor: str, reason: str, file_sha256: str | None
+    ) -> str:
+        """Note a policy adopted; returns its sha256."""
+        sha = sha256_text(text)
+        now = self._ctl.clock.wall()
+        self.api_policy = (
+            ApiPolicy(
+                text=text,
+                sha256=sha,
+                file_sha256=file_sha256,
+                actor=actor,
+                reason=reason,
+                ts=now,
+            )
+            if source == "api"
+            else None
+        )
+        if self.store is not None:
+            self.versions.append(PolicyVersionToStore(text, source, actor, reason, now))
+            self._wake.set()
+        return sha
+
+    def _queue(self, rows: list[AuditRow]) -> None:
+        self._committing, self._batch = False, []
+        if self.store is not None and rows:
+            self.pending.extend(rows)
+            self._wake.set()
+
+    # ---- writes (async: I/O in worker threads) ----
+
+    async def commit(self, change: Callable[[], object], *, lowers_power: bool) -> WriteOutcome:
+        """Apply `change` (validation errors propagate: nothing changed, nothing written),
+        write the state file, then give the database up to `db_wait_s`.
+
+        WriteFailed: the state file could not be written and the change, which does not
+        only lower power, was rolled back (its audit row says so)."""
+        async with self._lock:
+            before = self._before()
+            self._batch, self._committing = [], True
+            try:
+                change()
+                mine = self._batch
+                self.revision += 1
+                error = await self._save()
+                rolled_back = error is not None and not lowers_power
+                if rolled_back:
+                    self._roll_back(before)
+                    self.revision -= 1
+                    for row in mine:
+                        row.result = f"rolled back: state file not written: {error}"[:256]
+                    log.error(
+                        "admin_write_rolled_back", error=error, actions=[r.action for r in mine]
+                    )
+            finally:
+                self._queue(self._batch)
+        audited = await self._wait_audited(mine)
+        detail = self._detail(error, audited)
+        if rolled_back:
+            raise WriteFailed(WriteOutcome(False, False, audited, detail))
+        version = self._ctl.policy_version if audited and not self.versions else None
+        return WriteOutcome(
+            True, error is None and self.state_file is not None, audited, detail, version
+        )
+
+    async def refused(
+        self, actor: str, role: str, action: str, target: str, reason: str, detail: str
+    ) -> bool:
+        """Audit a refused write (queued, and kept in the state file, if the database is
+        down); True if its row is in the database now."""
+        async with self._lock:
+            self._batch, self._committing = [], True
+            try:
+                self.journal(actor, role, action, target, reason, {}, f"refused: {detail}")
+                mine = self._batch
+                if self.store is not None:
+                    await self._save()
+            finally:
+                self._queue(self._batch)
+        return await self._wait_audited(mine)
+
+    async def replace_policy(
+        self, text: str, *, actor: str, reason: str, role: str = "admin"
+    ) -> WriteOutcome:
+        """A policy from the API, remembering the policy file's sha256 at this moment."""
+        file_sha = await asyncio.to_thread(file_sha256, self._ctl.policy_path)
+        return await self.commit(
+            lambda: self._ctl.replace_policy(
+                text, actor=actor, reason=reason, role=role, source="api", file_sha256=file_sha
+            ),
+            lowers_power=False,
+        )
+
+    async def reload_policy_file(self) -> WriteOutcome:
+        """SIGHUP: the policy file wins (over a policy replaced through the API)."""
+        path = self._ctl.policy_path
+        if path is None:
+            raise OverrideError("no policy file to reload")
+        text = await asyncio.to_thread(Path(path).read_text, encoding="utf-8")
+        return await self.commit(
+            lambda: self._ctl.replace_policy(
+                text, actor="sighup", role="system", reason="SIGHUP reload", source=str(path)
+            ),
+            lowers_power=False,
+        )
+
+    def state(self, revision: int | None = None) -> OperatorState:
+        """The operators' state in memory (a copy: cheap, on the loop)."""
+        return OperatorState(
+            revision=self.revision if revision is None else revision,
+            ts=self._ctl.clock.wall(),
+            api_policy=self.api_policy,
+            pending_audit=self.pending + (self._batch if self.store is not None else []),
+            **capture(self._ctl.overrides),
+        )
+
+    def start_from(
+        self, state: OperatorState | None, *, db_revision: int, file_revision: int
+    ) -> None:
+        """Take a stored state at start (before the first tick): its overrides, checked
+        against the policy in force, its revision and its queued audit rows. Set
+        `api_policy` first: a stored API policy it no longer has (the file won) makes a
+        new revision, which `run()` saves."""
+        self.db_revision = db_revision
+        self.file_revision = file_revision
+        self.revision = max(db_revision, file_revision)
+        if state is None:
+            return
+        if state.api_policy is not None and self.api_policy is None:
+            self.revision += 1
+        self._ctl.overrides = restore(state, self._ctl.policy, self._ctl.clock.wall())
+        self.pending = list(state.pending_audit) if self.store is not None else []
+        o = self._ctl.overrides
+        log.info(
+            "operator_state_restored",
+            revision=state.revision,
+            budgets=sorted(o.budgets),
+            pins=len(o.pins),
+            drained=sorted(o.drained),
+            gpu_classes=len(o.gpu_classes),
+            node_classes=len(o.node_classes),
+            api_policy=self.api_policy is not None,
+            queued_audit=len(self.pending),
+        )
+
+    # ---- the database (background) ----
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Until `stop`: save a state changed at start, then catch the database up whenever
+        there is something to store, retrying with capped backoff while it fails."""
+        if self.revision != self.file_revision and self.state_file is not None:
+            await self._save()
+        while not stop.is_set():
+            delay: float | None = None
+            if self.has_db_work():
+                ok = await asyncio.shield(self._kick())
+                if not ok:
+                    delay = min(self.retry_max_s, self.retry_initial_s * 2 ** (self.failures - 1))
+                    delay *= random.uniform(0.5, 1.0)
+            self._wake.clear()
+            if delay is None and self.has_db_work():
+                continue
+            waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
+            try:
+                await asyncio.wait(waiters, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waiters:
+                    w.cancel()
+        if self.has_db_work():  # a last try; what is left stays queued in the state file
+            await self.flush(self.db_wait_s)
+
+    def has_db_work(self) -> bool:
+        if self.store is None:
+            return False
+        return (
+            not self.schema_ready
+            or bool(self.pending)
+            or bool(self.versions)
+            or self.revision > self.db_revision
+        )
+
+    async def _wait_audited(self, rows: list[AuditRow]) -> bool:
+        if self.store is None or not rows:
+            return False
+        keys = {r.key for r in rows}
+        await self.flush(self.db_wait_s)
+        return not any(r.key in keys for r in self.pending)
+
+    async def flush(self, wait_s: float) -> None:
+        """Let the database catch up for at most `wait_s`: a sync already running started
+        before the latest rows, so wait for it and then for one of our own."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        for _ in range(2):
+            if not self.has_db_work():
+                return
+            task = self._kick()
+            try:
+                ok = await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                return
+            if not ok:
+                return
+
+    def _kick(self) -> asyncio.Task[bool]:
+        if self._sync_task is None or self._sync_task.done():
+            self._sync_task = asyncio.create_task(self._sync(), name="operator-state-sync")
+            self._sync_task.add_done_callback(_log_failure)
+        return self._sync_task
+
+    async def _sync(self) -> bool:
+        """One write of everything queued to the database, in a worker thread (one at a
+        time: only `_kick` starts it)."""
+        store = self.store
+        if store is None:
+            return True
+        rows = list(self.pending)
+        versions = list(self.versions)
+        state = self.state() if self.revision > self.db_revision else None
+        try:
+            stored = await asyncio.to_thread(self._write_db, store, rows, versions, state)
+        except Exception as exc:
+            self.failures += 1
+            self.last_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:MAX_ERROR_LEN]
+            log.warning(
+                "operator_state_sync_failed",
+                error=self.last_error,
+                failures=self.failures,
+                queued_audit=len(self.pending),
+                queued_versions=len(self.versions),
+            )
+            self._alarm()
+            return False
+        written = {r.key for r in rows}
+        self.pending = [r for r in self.pending if r.key not in written]
+        self.versions = self.versions[len(versions) :]
+        if state is not None:
+            self.db_revision = max(self.db_revision, state.revision)
+        if stored is not None:
+            self._ctl.policy_version = stored
+        if self.failures:
+            log.info(
+                "operator_state_caught_up",
+                failures=self.failures,
+                audit_rows=len(rows),
+                policy_versions=len(versions),
+                revision=self.db_revision,
+            )
+        self.failures = 0
+        self.last_error = None
+        self._alarm()
+        if rows and self.state_file is not None:
+            await self._save()  # the file's queue need not list them any more
+        return True
+
+    def _write_db(
+        self,
+        store: Store,
+        rows: list[AuditRow],
+        versions: list[PolicyVersionToStore],
+        state: OperatorState | None,
+    ) -> int | None:
+        """(worker thread) Migrations if still owed, then versions, audit rows, state."""
+        if not self.schema_ready:
+            upgrade(store.engine.url)
+            self.schema_ready = True
+        version = None
+        for v in versions:
+            version = store.record_policy_version(
+                v.text, source=v.source, author=v.author, reason=v.reason, ts=v.ts
+            )
+        store.record_audit_rows([r.model_dump() for r in rows])
+        if state is not None:
+            store.save_operator_state(state.revision, state.ts, state.for_db())
+        return version
+
+    def _alarm(self) -> None:
+        message = None
+        if self.failures:
+            owed = [f"{len(self.pending)} audit rows"]
+            if self.versions:
+                owed.append(f"{len(self.versions)} policy versions")
+            if not self.schema_ready:
+                owed.append("the migrations")
+            message = f"not yet in the database: {', '.join(owed)}; {self.last_error}"
+        self._ctl._alarm("audit_queued", message)
+
+    # ---- the state file ----
+
+    async def _save(self) -> str | None:
+        """Write the state file (in a worker thread); the error, or None when written or
+        when there is no state file."""
+        if self.state_file is None:
+            return None
+        async with self._file_lock:
+            state = self.state()
+            try:
+                await asyncio.to_thread(self.state_file.save, state)
+            except StateFileError as exc:
+                error = str(exc)[:MAX_ERROR_LEN]
+                log.error("state_file_write_failed", path=str(self.state_file.path), error=error)
+                self._ctl._alarm("state_not_durable", f"operator state not saved: {error}")
+                return error
+            self.file_revision = state.revision
+            self._ctl._alarm("state_not_durable", None)
+            return None
+
+    def _before(self) -> _Before:
+        o = self._ctl.overrides
+        copy = Overrides(
+            budgets=dict(o.budgets),
+            gpu_classes=dict(o.gpu_classes),
+            node_classes=dict(o.node_classes),
+            pins=dict(o.pins),
+            drained=set(o.drained),
+        )
+        return _Before(copy, self._ctl.policy, self.api_policy, list(self.versions))
+
+    def _roll_back(self, before: _Before) -> None:
+        if self._ctl.policy is not before.policy:
+            self._ctl._adopt(before.policy)
+        self._ctl.overrides = before.overrides
+        self.api_policy = before.api_policy
+        kept = {id(v) for v in before.versions}
+        self.versions = [v for v in self.versions if id(v) in kept]
+
+    def _detail(self, file_error: str | None, audited: bool) -> str | None:
+        parts = []
+        if file_error is not None:
+            parts.append(f"state file not written ({file_error})")
+        elif self.state_file is None:
+            parts.append("no state file: the change ends with this process")
+        if self.store is None:
+            parts.append("no store: audited in the log only")
+        elif not audited:
+            why = self.last_error or "the database did not answer in time"
+            parts.append(f"audit row queued until the database answers ({why})")
+        return "; ".join(parts) or None
+
+
+def _log_failure(task: asyncio.Task[bool]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("operator_state_sync_crashed", error=repr(task.exception()))

@@ -1,0 +1,191 @@
+"""Operators' state on disk: what they changed (temporary budgets, pins, drains, class
+assignments, a policy replaced through the API) and the audit rows not yet in the database.
+
+The state file is the durability point of an admin write: it is written (temp file, fsync,
+rename, fsync of the directory) before the API answers, and it works while the database is
+down. The database keeps the same document by revision (`operator_state`); a start takes the
+higher revision of the two. Everything here does blocking I/O: call it from a worker thread
+(`asyncio.to_thread`), never on the event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+import structlog
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from powerd.controller.overrides import BudgetOverride, OverrideError, Overrides
+from powerd.policy import Policy
+
+log = structlog.get_logger(__name__)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class BudgetState(_Model):
+    group: str
+    budget_w: float
+    expires_at: float | None  # wall-clock seconds; None: until cleared
+    reason: str
+    actor: str
+    created_at: float
+
+
+class ApiPolicy(_Model):
+    """A policy replaced through the API, and the policy file as it was at that moment: at
+    a start, a file edited since wins (an operator's later edit); an unchanged one does not."""
+
+    text: str
+    sha256: str  # of `text`
+    file_sha256: str | None  # of the policy file then; None: no file or unreadable
+    actor: str
+    reason: str
+    ts: float
+
+
+class AuditRow(_Model):
+    """An audit row not yet in the database (AuditEntry's columns, `key` making a re-send a
+    no-op)."""
+
+    key: str
+    ts: float
+    actor: str
+    role: str
+    action: str
+    target: str
+    reason: str
+    payload: dict[str, Any] = Field(default_factory=dict)
+    result: str
+
+
+class OperatorState(_Model):
+    v: Literal[1] = 1
+    revision: int = Field(default=0, ge=0)
+    ts: float = 0.0
+    budgets: list[BudgetState] = Field(default_factory=list)
+    pins_w: dict[str, float] = Field(default_factory=dict)
+    drained: list[str] = Field(default_factory=list)
+    gpu_classes: dict[str, str] = Field(default_factory=dict)
+    node_classes: dict[str, str] = Field(default_factory=dict)
+    api_policy: ApiPolicy | None = None
+    # Only in the file: what the database has not acknowledged yet.
+    pending_audit: list[AuditRow] = Field(default_factory=list)
+
+    def for_db(self) -> dict[str, Any]:
+        """The document the database keeps (the queue of audit rows is the file's alone)."""
+        return self.model_dump(mode="json", exclude={"pending_audit"})
+
+
+def capture(overrides: Overrides) -> dict[str, Any]:
+    """The overrides' fields as plain data (a copy: cheap, on the loop)."""
+    return {
+        "budgets": [
+            BudgetState(
+                group=b.group,
+                budget_w=b.budget_w,
+                expires_at=b.expires_at,
+                reason=b.reason,
+                actor=b.actor,
+                created_at=b.created_at,
+            )
+            for b in overrides.budgets.values()
+        ],
+        "pins_w": dict(overrides.pins),
+        "drained": sorted(overrides.drained),
+        "gpu_classes": dict(overrides.gpu_classes),
+        "node_classes": dict(overrides.node_classes),
+    }
+
+
+def restore(state: OperatorState, policy: Policy, now_wall: float) -> Overrides:
+    """Overrides from a stored state, checked against the policy in force now: an expired
+    budget, or one that names a group gone or no longer lowers it, is dropped and logged."""
+    out = Overrides(
+        pins=dict(state.pins_w),
+        drained=set(state.drained),
+        gpu_classes=dict(state.gpu_classes),
+        node_classes=dict(state.node_classes),
+    )
+    for b in state.budgets:
+        if b.expires_at is not None and b.expires_at <= now_wall:
+            log.info("budget_override_expired", group=b.group, budget_w=b.budget_w)
+            continue
+        override = BudgetOverride(
+            b.group, b.budget_w, b.expires_at, b.reason, b.actor, b.created_at
+        )
+        try:
+            out.set_budget(policy, override)
+        except OverrideError as exc:
+            log.warning("operator_state_budget_dropped", group=b.group, why=str(exc))
+    out.forget_policy_gaps(policy)
+    return out
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def file_sha256(path: str | Path | None) -> str | None:
+    """The sha256 of a file's bytes; None when there is no path or it cannot be read."""
+    if path is None:
+        return None
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+class StateFileError(Exception):
+    """The state file cannot be read (unparseable) or written."""
+
+
+class StateFile:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def load(self) -> OperatorState | None:
+        """The stored state; None if there is no file yet. StateFileError if it cannot be
+        read or parsed (a start must not silently forget operators' changes)."""
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StateFileError(f"{self.path}: {exc}") from exc
+        try:
+            return OperatorState.model_validate_json(raw)
+        except ValidationError as exc:
+            raise StateFileError(f"{self.path}: not a powerd state file: {exc}") from exc
+
+    def save(self, state: OperatorState) -> None:
+        """Replace the file atomically: a crash leaves the old file or the new one, whole."""
+        data = state.model_dump_json(indent=1).encode()
+        directory = self.path.parent
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=directory)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            dir_fd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)  # the rename itself survives a power cut
+            finally:
+                os.close(dir_fd)
+        except OSError as exc:
+            raise StateFileError(f"{self.path}: {exc}") from exc
