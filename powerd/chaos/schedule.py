@@ -99,6 +99,8 @@ def soak_schedule(duration_s: float, seed: int, nodes: list[str], groups: list[s
     while t < duration_s:
         rng.shuffle(kinds)
         for kind in kinds:
+            if t >= duration_s:
+                break
             lo, hi = _HOLD_RANGE_S.get(kind, (1.0, 4.0))
             target = ""
             if kind in NODE_FAULTS:
