@@ -208,6 +208,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         mock_gpus=args.mock_gpus,
         mock_workload=args.mock_workload,
         mock_seed=args.mock_seed,
+        mock_journal=args.mock_journal,
         period_s=args.period,
         failsafe_w=args.failsafe_w,
         metrics_port=args.metrics_port,
@@ -336,6 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="demand pattern of the mock GPUs",
     )
     agent.add_argument("--mock-seed", type=int, help="seed of the mock GPUs")
+    agent.add_argument(
+        "--mock-journal",
+        help="append every change of a mock GPU's cap to this file ($POWERD_MOCK_JOURNAL)",
+    )
     agent.add_argument("--period", type=positive_float, help="telemetry period, s (default 1)")
     agent.add_argument(
         "--failsafe-w",

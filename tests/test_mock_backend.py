@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from powerd.backends.base import GpuLost, InvalidArgument, NoPermission, UnknownGpu
-from powerd.backends.mock import IDLE_W, GpuFleetModel, MockBackend, Workload
+from powerd.backends.mock import IDLE_W, CapJournal, GpuFleetModel, MockBackend, Workload
 from powerd.clock import ManualClock
 
 
@@ -132,6 +133,50 @@ def test_backend_is_a_lazy_view_on_a_slice_of_the_fleet() -> None:
     with pytest.raises(InvalidArgument):
         node.set_power_limit_w(gpus[0].uuid, 150.0)
     assert [uuid for uuid, _ in node.set_log] == [gpus[0].uuid]
+
+
+def test_journal_records_every_change_and_outlives_the_process(tmp_path: Path) -> None:
+    journal = tmp_path / "caps.journal"
+    clock = ManualClock(start=50.0)
+    node = MockBackend(GpuFleetModel(2, Workload.steady(600.0)), clock, journal=journal)
+    a, b = (g.uuid for g in node.gpus())
+    clock.advance(1.0)
+    node.set_power_limit_w(a, 300.0)
+    node.set_power_limit_w(a, 300.0)  # no change in force: not journalled
+    clock.advance(0.5)
+    node.set_power_limit_w(b, 450.0)
+    with pytest.raises(InvalidArgument):
+        node.set_power_limit_w(b, 900.0)  # refused: the cap in force stays
+    node.close()
+    assert CapJournal.read(journal) == [
+        (50.0, "start", a, 700.0),
+        (50.0, "start", b, 700.0),
+        (51.0, "set", a, 300.0),
+        (51.5, "set", b, 450.0),
+    ]
+
+    # A new agent process on the same GPUs: the limits are where the last one left them
+    # (a driver keeps them), and the journal goes on.
+    clock.advance(2.0)
+    again = MockBackend(GpuFleetModel(2, Workload.steady(600.0)), clock, journal=journal)
+    assert [again.read(u).cap_w for u in (a, b)] == [300.0, 450.0]
+    assert CapJournal.read(journal)[-2:] == [(53.5, "start", a, 300.0), (53.5, "start", b, 450.0)]
+    with journal.open("a") as f:
+        f.write("54.0 set")  # a line cut short is skipped
+    assert len(CapJournal.read(journal)) == 6
+    again.close()
+
+
+def test_agent_settings_name_the_journal(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from powerd.agent.agent import build_backend
+    from powerd.agent.settings import AgentSettings
+
+    monkeypatch.setenv("POWERD_MOCK_JOURNAL", str(tmp_path / "j"))
+    settings = AgentSettings.load(node_id="n1", backend="mock", mock_gpus=3)
+    backend = build_backend(settings, ManualClock())
+    assert isinstance(backend, MockBackend)
+    backend.close()
+    assert [e for _, e, _, _ in CapJournal.read(tmp_path / "j")] == ["start"] * 3
 
 
 def test_injected_faults() -> None:

@@ -373,7 +373,7 @@ def build_backend(settings: AgentSettings, clock: Clock) -> GpuBackend:
         start_s=clock.monotonic(),
         uuid_prefix=f"GPU-{settings.node_id}",
     )
-    return MockBackend(fleet, clock)
+    return MockBackend(fleet, clock, journal=settings.mock_journal)
 
 
 def build_transport(settings: AgentSettings) -> MqttTransport:

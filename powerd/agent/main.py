@@ -17,8 +17,10 @@ from powerd.transport.base import cancel_and_wait
 from powerd.wire import NodeState, NodeTelemetry
 
 
-async def run_agent_process(settings: AgentSettings) -> None:
-    clock = SystemClock()
+async def run_agent_process(settings: AgentSettings, clock: Clock | None = None) -> None:
+    """Run until SIGTERM/SIGINT. `clock`: the system's unless given (the chaos harness
+    steps the wall clock of an agent; powerd/chaos/agent.py)."""
+    clock = clock or SystemClock()
     backend = build_backend(settings, clock)  # BackendError (no driver, ...) propagates
     try:
         transport = build_transport(settings)

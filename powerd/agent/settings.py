@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import Field
@@ -31,6 +32,9 @@ class AgentSettings(BrokerSettings):
     mock_gpus: int = Field(default=8, ge=0, le=MAX_GPUS_PER_NODE)
     mock_workload: Pattern = Pattern.TRAINING
     mock_seed: int = 0
+    # Journal every change of a mock GPU's cap in force here, and start from the caps last
+    # journalled (a chaos harness's ground truth, docs/safety.md); None: no journal.
+    mock_journal: Path | None = None
 
     def client_name(self) -> str:
         return f"powerd-agent-{self.node_id}"

@@ -15,10 +15,12 @@ seed gives the same demand whatever the step sizes.
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
@@ -409,11 +411,54 @@ class GpuFleetModel:
         self.cap_w[i] = min(self.requested_cap_w[i], self.override_w[i])
 
 
+class CapJournal:
+    """An append-only file of every change of a cap in force, for an outside watcher.
+
+    One line per change: `<monotonic s> <event> <uuid> <enforced W>`, where the event is
+    `start` (the cap in force when the backend opens) or `set`. Each line is one `write` to
+    a file opened with O_APPEND, so lines from a process killed at any moment are whole, and
+    several processes may share a file. `time.monotonic()` is system-wide on Linux, so a
+    watcher in another process can merge journals on one time line.
+
+    The file is also the device's memory: a backend opened on a journal starts each GPU at
+    its last journalled cap, as a real GPU keeps its limit when the agent process restarts.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def record(self, t_s: float, event: str, uuid: str, watts: float) -> None:
+        os.write(self._fd, f"{t_s:.6f} {event} {uuid} {watts:.3f}\n".encode())
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+    @staticmethod
+    def read(path: Path) -> list[tuple[float, str, str, float]]:
+        """Every whole line of a journal, in file order: (t_s, event, uuid, watts)."""
+        out = []
+        for line in path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 4:
+                out.append((float(parts[0]), parts[1], parts[2], float(parts[3])))
+        return out
+
+
 class MockBackend(GpuBackend):
-    """One node's GPUs: a slice of a fleet model, advanced lazily to the clock when used."""
+    """One node's GPUs: a slice of a fleet model, advanced lazily to the clock when used.
+
+    With a `journal`, the GPUs start at their last journalled caps and every change of a
+    cap in force is journalled (see `CapJournal`).
+    """
 
     def __init__(
-        self, fleet: GpuFleetModel, clock: Clock, start: int = 0, count: int | None = None
+        self,
+        fleet: GpuFleetModel,
+        clock: Clock,
+        start: int = 0,
+        count: int | None = None,
+        journal: Path | None = None,
     ) -> None:
         stop = fleet.n if count is None else start + count
         if not 0 <= start <= stop <= fleet.n:
@@ -424,6 +469,18 @@ class MockBackend(GpuBackend):
         self._start = start
         # Every successful set, in order (uuid, watts): lets tests see the order of changes.
         self.set_log: deque[tuple[str, float]] = deque(maxlen=10_000)
+        self.journal: CapJournal | None = None
+        if journal is not None:
+            self._open_journal(journal)
+
+    def _open_journal(self, path: Path) -> None:
+        last = {u: w for _, _, u, w in CapJournal.read(path)} if path.exists() else {}
+        self.journal = CapJournal(path)
+        now = self.clock.monotonic()
+        for uuid, i in self._index.items():
+            if uuid in last:
+                self.fleet.set_cap(i, last[uuid])
+            self.journal.record(now, "start", uuid, float(self.fleet.cap_w[i]))
 
     def gpus(self) -> list[GpuInfo]:
         f = self.fleet
@@ -480,6 +537,14 @@ class MockBackend(GpuBackend):
             raise InvalidArgument(
                 f"{watts:g} W is outside [{f.min_cap_w[i]:g}, {f.max_cap_w[i]:g}] W", uuid
             )
+        before = float(f.cap_w[i])
         enforced = f.set_cap(i, watts)
         self.set_log.append((uuid, watts))
+        if self.journal is not None and enforced != before:
+            self.journal.record(self.clock.monotonic(), "set", uuid, enforced)
         return enforced
+
+    def close(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None

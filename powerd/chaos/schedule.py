@@ -1,0 +1,112 @@
+"""Faults as data: at t, do what, to whom, for how long.
+
+`Fault.at_s` is the earliest start, in seconds after the site is up; the runner starts a
+fault only once the one before it has been undone and steering has recovered (or its
+recovery timed out), so each fault has a window of its own for the breaches it causes.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class FaultKind(StrEnum):
+    CONTROLLER_KILL = "controller_kill"  # SIGKILL, down for hold_s, start a new one
+    AGENT_KILL = "agent_kill"  # SIGKILL the target node's agent, down for hold_s
+    BROKER_KILL = "broker_kill"  # SIGKILL Mosquitto (retained state lost), down for hold_s
+    PARTITION = "partition"  # cut the target agent's TCP path to the broker for hold_s
+    CLOCK_FORWARD = "clock_forward"  # the target agent's wall clock +600 s for hold_s
+    CLOCK_BACK = "clock_back"  # the target agent's wall clock −600 s for hold_s
+    DB_LOCK = "db_lock"  # an exclusive lock on the store from another process, hold_s
+    DB_OUTAGE = "db_outage"  # the store unreachable for hold_s
+    BUDGET_CUT = "budget_cut"  # temporary budget (admin API) on the target group, cleared
+    EVIL_ACK_TICK = "evil_ack_tick"  # an ack with tick 10^29 claiming 200 W caps
+    EVIL_STATUS_TICK = "evil_status_tick"  # a retained status with last_tick 10^29
+    EVIL_MIN_GT_MAX = "evil_min_gt_max"  # telemetry with min_cap_w > max_cap_w
+    EVIL_GHOST_GPUS = "evil_ghost_gpus"  # telemetry listing 60 GPUs that do not exist
+    EVIL_FOREIGN_UUID = "evil_foreign_uuid"  # telemetry with another node's GPUs at 200 W
+    EVIL_TS_AHEAD = "evil_ts_ahead"  # telemetry an hour ahead claiming 200 W caps
+    EVIL_OFFLINE_WILL = "evil_offline_will"  # the node's offline last will, node alive
+
+
+NODE_FAULTS = frozenset(FaultKind) - {
+    FaultKind.CONTROLLER_KILL,
+    FaultKind.BROKER_KILL,
+    FaultKind.DB_LOCK,
+    FaultKind.DB_OUTAGE,
+    FaultKind.BUDGET_CUT,
+}
+
+CLOCK_STEP_S = 600.0
+CUT_SHARE = 0.7  # a demand-response event takes this share of the group's budget
+
+
+@dataclass(frozen=True)
+class Fault:
+    at_s: float
+    kind: FaultKind
+    target: str = ""  # a node (node faults) or a group (budget cuts); "" for the rest
+    hold_s: float = 2.0
+
+    def describe(self) -> str:
+        target = f" {self.target}" if self.target else ""
+        return f"{self.kind}{target} for {self.hold_s:.1f} s"
+
+
+def short_schedule(nodes: list[str], group: str) -> list[Fault]:
+    """Every kind once, back to back: the test suite's run (about a minute of faults)."""
+    victim = nodes[1]  # a training node in the first rack
+    holds = {
+        FaultKind.CONTROLLER_KILL: 1.0,
+        FaultKind.AGENT_KILL: 1.0,
+        FaultKind.BROKER_KILL: 1.0,
+        FaultKind.PARTITION: 4.0,  # past the 3 s lease: the node falls to failsafe
+        FaultKind.CLOCK_FORWARD: 3.0,
+        FaultKind.CLOCK_BACK: 3.0,
+        FaultKind.DB_LOCK: 3.0,
+        FaultKind.DB_OUTAGE: 7.0,  # past SQLite's 5 s busy_timeout: writes fail
+        FaultKind.BUDGET_CUT: 3.0,
+    }
+    faults = []
+    for kind in FaultKind:
+        target = victim if kind in NODE_FAULTS else group if kind is FaultKind.BUDGET_CUT else ""
+        faults.append(Fault(0.0, kind, target, holds.get(kind, 2.0)))
+    return faults
+
+
+_HOLD_RANGE_S = {
+    FaultKind.CONTROLLER_KILL: (0.5, 6.0),
+    FaultKind.AGENT_KILL: (0.5, 6.0),
+    FaultKind.BROKER_KILL: (0.5, 6.0),
+    FaultKind.PARTITION: (1.0, 8.0),
+    FaultKind.CLOCK_FORWARD: (2.0, 8.0),
+    FaultKind.CLOCK_BACK: (2.0, 8.0),
+    FaultKind.DB_LOCK: (1.0, 4.0),
+    FaultKind.DB_OUTAGE: (6.0, 12.0),
+    FaultKind.BUDGET_CUT: (3.0, 10.0),
+}
+
+
+def soak_schedule(duration_s: float, seed: int, nodes: list[str], groups: list[str]) -> list[Fault]:
+    """Random faults for `duration_s`: every kind in turn (shuffled rounds), random targets,
+    holds and gaps; the same seed gives the same list."""
+    rng = random.Random(seed)
+    kinds = list(FaultKind)
+    faults: list[Fault] = []
+    t = 3.0
+    while t < duration_s:
+        rng.shuffle(kinds)
+        for kind in kinds:
+            if t >= duration_s:
+                break
+            lo, hi = _HOLD_RANGE_S.get(kind, (1.0, 4.0))
+            target = ""
+            if kind in NODE_FAULTS:
+                target = rng.choice(nodes)
+            elif kind is FaultKind.BUDGET_CUT:
+                target = rng.choice(groups)
+            faults.append(Fault(round(t, 1), kind, target, round(rng.uniform(lo, hi), 1)))
+            t += rng.uniform(2.0, 6.0)
+    return faults
