@@ -420,6 +420,8 @@ def test_state_file_unwritable_lowering_applies_anything_else_rolls_back(tmp_pat
             assert o["pins_w"] == {} and o["drained"] == ["rack-1-n1"]
             assert [b["budget_w"] for b in o["budgets"]] == [1500]
             assert live.controller is not None and live.controller.policy.source != "api"
+            # The rolled-back policy never became a stored version.
+            assert c.get("/api/v1/policy").json()["version"] == 1
             audit = c.get("/api/v1/audit").json()["items"]
             assert [(a["action"], a["result"].split(":")[0]) for a in audit] == [
                 ("policy.replace", "rolled back"),

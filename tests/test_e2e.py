@@ -282,6 +282,8 @@ class Procs:
             f"--policy={policy}",
             f"--broker={self.broker_url}",
             f"--db={db}",
+            # The site's own state file (the default would be the working directory).
+            f"--state-file={self.workdir / 'powerd-state.json'}",
             f"--controller-id={name}",
             f"--learn-s={TICK_S * 2}",
             # Every cap move stored (not one a GPU a minute), so the store can be checked

@@ -512,9 +512,12 @@ class Ledger:
         store = self.store
         if store is None:
             return True
-        rows = list(self.pending)
-        versions = list(self.versions)
-        state = self.state() if self.revision > self.db_revision else None
+        # A commit in flight (applied, its state file being written) may still roll back:
+        # take what to store once it has decided. The lock is held only for that moment.
+        async with self._lock:
+            rows = list(self.pending)
+            versions = list(self.versions)
+            state = self.state() if self.revision > self.db_revision else None
         try:
             stored = await asyncio.to_thread(self._write_db, store, rows, versions, state)
         except Exception as exc:
