@@ -119,18 +119,27 @@ def _xfail(why: str) -> pytest.MarkDecorator:
     return pytest.mark.xfail(strict=False, reason=f"breaks on the unfixed controller: {why}")
 
 
-# Observed on this branch (the controller of 8c407c6); remove a mark once its fix is in.
-# The first two break every run; the others breached in one short run of three (sub-ms
-# overshoots: a raise on one node landing before the cut on another that pays for it).
+# Observed on this branch (the controller of 8c407c6): remove a mark once its fix is in.
+# The two huge ticks kill the controller every run; the rest breached in some runs, not all
+# (a short run of each kind, or the 600 s soak of docs/performance.md): mostly 1-3 ms, a
+# raise on one node landing before the cut on another that pays for it; a partition, for
+# 1.5 s. Never seen to breach: controller_kill, evil_foreign_uuid, evil_ghost_gpus,
+# evil_offline_will.
 _KNOWN = {
     FaultKind.EVIL_ACK_TICK: _xfail("tick 10^29 in an ack: OverflowError kills the controller"),
     FaultKind.EVIL_STATUS_TICK: _xfail(
         "last_tick 10^29 in a retained status: OverflowError kills the controller"
     ),
-    FaultKind.EVIL_MIN_GT_MAX: _xfail("min_cap_w > max_cap_w: facility +200 W for 1 ms, at times"),
-    FaultKind.CLOCK_BACK: _xfail("agent clock −600 s: facility +3.5 W for 1 ms, at times"),
-    FaultKind.DB_LOCK: _xfail("locked store: facility up to +1.2 W for ≤ 3 ms, at times"),
-    FaultKind.DB_OUTAGE: _xfail("failing store: facility +2.6 W for 1 ms, at times"),
+    FaultKind.PARTITION: _xfail("facility +1,400 W for 1.5 s, rack +600 W for 1 s (soak)"),
+    FaultKind.AGENT_KILL: _xfail("facility +803 W, rack +408 W for 3 ms (soak)"),
+    FaultKind.EVIL_TS_AHEAD: _xfail("telemetry an hour ahead: facility +600 W for 2 ms (soak)"),
+    FaultKind.BROKER_KILL: _xfail("facility +250 W for 2 ms (soak)"),
+    FaultKind.DB_LOCK: _xfail("locked store: facility +249 W for < 1 ms (soak)"),
+    FaultKind.EVIL_MIN_GT_MAX: _xfail("min_cap_w > max_cap_w: facility +200 W for 1 ms"),
+    FaultKind.CLOCK_BACK: _xfail("agent clock −600 s: facility +25 W for 1 ms"),
+    FaultKind.CLOCK_FORWARD: _xfail("agent clock +600 s: facility +12.6 W for 3 ms (soak)"),
+    FaultKind.DB_OUTAGE: _xfail("failing store: facility +12.6 W for 2 ms"),
+    FaultKind.BUDGET_CUT: _xfail("cut and cleared: facility +12.6 W for 1 ms"),
 }
 
 
