@@ -54,6 +54,11 @@ def test_budget_check_finds_a_breach_with_its_worst_overshoot_and_duration() -> 
     assert check.breaches[1].duration_s == 1.0
     check.finish(7.0)
     assert check.breaches[1].end_s == 6.0  # closed when it ended, not at the finish
+    # From arming (1 s) to the end (7 s): 7,600 W for 1 s, 7,850 W for 1 s, 8,100 W for
+    # 0.5 s, 8,200 W for 0.5 s, 8,000 W for 3 s.
+    assert check.mean_load_w("dc") == pytest.approx(
+        (7600 + 7850 + 0.5 * 8100 + 0.5 * 8200 + 3 * 8000) / 6
+    )
 
 
 def test_budget_check_counts_a_gpu_never_heard_of_at_its_maximum() -> None:

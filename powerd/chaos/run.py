@@ -66,6 +66,8 @@ class ChaosReport:
     duration_s: float
     checks: int
     undecodable: dict[str, int]
+    facility_budget_w: float
+    facility_mean_w: float  # time-weighted Σ caps + overhead: safe but starved shows here
 
     def by_kind(self) -> dict[str, KindFigures]:
         out: dict[str, KindFigures] = {}
@@ -99,7 +101,9 @@ class ChaosReport:
     def render(self) -> str:
         lines = [
             f"{len(self.records)} faults in {self.duration_s:.0f} s; {self.checks} budget checks; "
-            f"{len(self.breaches)} breaches ({len(self.steady_breaches)} outside any fault)",
+            f"{len(self.breaches)} breaches ({len(self.steady_breaches)} outside any fault); "
+            f"facility caps + overhead {self.facility_mean_w:.0f} W on average of "
+            f"{self.facility_budget_w:.0f} W",
             f"{'fault':<20} {'inj':>4} {'ok':>4} {'breach':>6} {'worst W':>9} "
             f"{'longest s':>9} {'recover s (median/max)':>22} {'never':>5} {'not inj':>7}",
         ]
@@ -132,6 +136,8 @@ class ChaosReport:
             "faults": len(self.records),
             "breaches": len(self.breaches),
             "steady_breaches": len(self.steady_breaches),
+            "facility_budget_w": self.facility_budget_w,
+            "facility_mean_w": round(self.facility_mean_w, 1),
             "undecodable": self.undecodable,
             "by_kind": {
                 k: {
@@ -357,4 +363,6 @@ async def run_schedule(
         duration_s=end - t0,
         checks=check.checks,
         undecodable=dict(site.watcher.undecodable),
+        facility_budget_w=site.policy.groups[0].budget_w,
+        facility_mean_w=check.mean_load_w(site.policy.groups[0].name),
     )

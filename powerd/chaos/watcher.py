@@ -89,10 +89,20 @@ class BudgetCheck:
         self._open: dict[int, Breach] = {}
         self.load_w = [0.0] * len(groups)
         self.t_s = -math.inf
+        # ∫ load dt per group since arming: a site held safe but starved shows here.
+        self._load_ws = [0.0] * len(groups)
+        self._armed_s = math.nan
 
     def arm(self, t_s: float) -> None:
         self.armed = True
+        self._armed_s = t_s
         self._evaluate(t_s)
+
+    def mean_load_w(self, name: str) -> float:
+        """Σ caps + overhead of a group, averaged over time from arming to the last event."""
+        span = self.t_s - self._armed_s
+        i = self.index[name]
+        return self._load_ws[i] / span if span > 0 else self.load_w[i]
 
     def cap(self, t_s: float, node: str, uuid: str, watts: float) -> None:
         self.caps[node][uuid] = watts
@@ -105,12 +115,16 @@ class BudgetCheck:
         self._evaluate(t_s)
 
     def finish(self, t_s: float) -> None:
-        """Close breaches still open at the end of the run."""
+        """Close breaches still open at the end of the run (and count time up to t_s)."""
+        self._evaluate(t_s)
         for b in self._open.values():
             b.end_s = t_s
         self._open.clear()
 
     def _evaluate(self, t_s: float) -> None:
+        if self.armed and t_s > self.t_s:
+            for i, load in enumerate(self.load_w):
+                self._load_ws[i] += load * (t_s - max(self.t_s, self._armed_s))
         self.t_s = max(self.t_s, t_s)
         per_node = [0.0] * len(self.groups)
         for i, g in enumerate(self.groups):
