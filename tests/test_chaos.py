@@ -109,7 +109,11 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> ChaosReport:
         finally:
             await site.close()
 
-    return asyncio.run(run())
+    result = asyncio.run(run())
+    # Shown with any failure below (pytest prints a test's captured output): the figures of
+    # the whole run, and the logs and journals stay in the work directory.
+    print(f"chaos run in {workdir}:\n{result.render()}")
+    return result
 
 
 def test_the_watcher_checked_a_site_that_used_its_budget(report: ChaosReport) -> None:
@@ -128,8 +132,8 @@ def _xfail(why: str) -> pytest.MarkDecorator:
 # The two huge ticks kill the controller every run; the rest breached in some runs, not all
 # (a short run of each kind, or the 600 s soak of docs/performance.md): mostly 1-3 ms, a
 # raise on one node landing before the cut on another that pays for it; a partition, for
-# 1.5 s. Never seen to breach: controller_kill, evil_foreign_uuid, evil_ghost_gpus,
-# evil_offline_will.
+# 1.5 s. Never seen to breach: controller_kill, evil_ghost_gpus (which starves the site
+# instead: every GPU at its minimum for tens of seconds).
 _KNOWN = {
     FaultKind.EVIL_ACK_TICK: _xfail("tick 10^29 in an ack: OverflowError kills the controller"),
     FaultKind.EVIL_STATUS_TICK: _xfail(
@@ -145,6 +149,8 @@ _KNOWN = {
     FaultKind.CLOCK_FORWARD: _xfail("agent clock +600 s: facility +12.6 W for 3 ms (soak)"),
     FaultKind.DB_OUTAGE: _xfail("failing store: facility +12.6 W for 2 ms"),
     FaultKind.BUDGET_CUT: _xfail("cut and cleared: facility +12.6 W for 1 ms"),
+    FaultKind.EVIL_FOREIGN_UUID: _xfail("another node's GPUs: breached in 1 short run of 6"),
+    FaultKind.EVIL_OFFLINE_WILL: _xfail("offline will, node alive: breached in 1 short run of 6"),
 }
 
 
@@ -154,6 +160,7 @@ _KNOWN = {
 def test_no_budget_breached_and_the_controller_lives_through(
     report: ChaosReport, kind: FaultKind
 ) -> None:
+    print(report.render())
     rec = next(r for r in report.records if r.fault.kind is kind)
     breaches = [
         f"{b.group} +{b.worst_w:.2f} W for {b.duration_s * 1000:.1f} ms" for b in rec.breaches
