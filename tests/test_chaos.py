@@ -54,6 +54,11 @@ def test_budget_check_finds_a_breach_with_its_worst_overshoot_and_duration() -> 
     assert check.breaches[1].duration_s == 1.0
     check.finish(7.0)
     assert check.breaches[1].end_s == 6.0  # closed when it ended, not at the finish
+    # From arming (1 s) to the end (7 s): 7,600 W for 1 s, 7,850 W for 1 s, 8,100 W for
+    # 0.5 s, 8,200 W for 0.5 s, 8,000 W for 3 s.
+    assert check.mean_load_w("dc") == pytest.approx(
+        (7600 + 7850 + 0.5 * 8100 + 0.5 * 8200 + 3 * 8000) / 6
+    )
 
 
 def test_budget_check_counts_a_gpu_never_heard_of_at_its_maximum() -> None:
@@ -104,14 +109,18 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> ChaosReport:
         finally:
             await site.close()
 
-    return asyncio.run(run())
+    result = asyncio.run(run())
+    # Shown with any failure below (pytest prints a test's captured output): the figures of
+    # the whole run, and the logs and journals stay in the work directory.
+    print(f"chaos run in {workdir}:\n{result.render()}")
+    return result
 
 
 def test_the_watcher_checked_a_site_that_used_its_budget(report: ChaosReport) -> None:
     # Not an idle check: thousands of changes checked, and every fault ran.
     assert report.checks > 300
     assert [r.fault.kind for r in report.records] == list(FaultKind)
-    assert all(not math.isnan(r.restored_s) for r in report.records)
+    assert all(r.injected and not math.isnan(r.restored_s) for r in report.records)
     assert report.steady_breaches == []
 
 
@@ -119,15 +128,25 @@ def _xfail(why: str) -> pytest.MarkDecorator:
     return pytest.mark.xfail(strict=False, reason=f"breaks on the unfixed controller: {why}")
 
 
-# Observed on the controller of 8c407c6: the huge ticks killed it every run (fixed: ticks
-# bounded, their marks removed). The others breached in one short run of three there
-# (sub-ms overshoots: a raise on one node landing before the cut on another that pays for
-# it); they passed on the fixed code, but not yet often enough to drop the marks.
+# Observed on the controller of 8c407c6: remove a mark once its fix is in. The two huge
+# ticks killed the controller every run (fixed: ticks bounded, marks removed); the rest breached in some runs, not all
+# (a short run of each kind, or the 600 s soak of docs/performance.md): mostly 1-3 ms, a
+# raise on one node landing before the cut on another that pays for it; a partition, for
+# 1.5 s. Never seen to breach: controller_kill, evil_ghost_gpus (which starves the site
+# instead: every GPU at its minimum for tens of seconds).
 _KNOWN = {
-    FaultKind.EVIL_MIN_GT_MAX: _xfail("min_cap_w > max_cap_w: facility +200 W for 1 ms, at times"),
-    FaultKind.CLOCK_BACK: _xfail("agent clock −600 s: facility +3.5 W for 1 ms, at times"),
-    FaultKind.DB_LOCK: _xfail("locked store: facility up to +1.2 W for ≤ 3 ms, at times"),
-    FaultKind.DB_OUTAGE: _xfail("failing store: facility +2.6 W for 1 ms, at times"),
+    FaultKind.PARTITION: _xfail("facility +1,400 W for 1.5 s, rack +600 W for 1 s (soak)"),
+    FaultKind.AGENT_KILL: _xfail("facility +803 W, rack +408 W for 3 ms (soak)"),
+    FaultKind.EVIL_TS_AHEAD: _xfail("telemetry an hour ahead: facility +600 W for 2 ms (soak)"),
+    FaultKind.BROKER_KILL: _xfail("facility +250 W for 2 ms (soak)"),
+    FaultKind.DB_LOCK: _xfail("locked store: facility +249 W for < 1 ms (soak)"),
+    FaultKind.EVIL_MIN_GT_MAX: _xfail("min_cap_w > max_cap_w: facility +200 W for 1 ms"),
+    FaultKind.CLOCK_BACK: _xfail("agent clock −600 s: facility +25 W for 1 ms"),
+    FaultKind.CLOCK_FORWARD: _xfail("agent clock +600 s: facility +12.6 W for 3 ms (soak)"),
+    FaultKind.DB_OUTAGE: _xfail("failing store: facility +12.6 W for 2 ms"),
+    FaultKind.BUDGET_CUT: _xfail("cut and cleared: facility +12.6 W for 1 ms"),
+    FaultKind.EVIL_FOREIGN_UUID: _xfail("another node's GPUs: breached in 1 short run of 6"),
+    FaultKind.EVIL_OFFLINE_WILL: _xfail("offline will, node alive: breached in 1 short run of 6"),
 }
 
 
@@ -137,6 +156,7 @@ _KNOWN = {
 def test_no_budget_breached_and_the_controller_lives_through(
     report: ChaosReport, kind: FaultKind
 ) -> None:
+    print(report.render())
     rec = next(r for r in report.records if r.fault.kind is kind)
     breaches = [
         f"{b.group} +{b.worst_w:.2f} W for {b.duration_s * 1000:.1f} ms" for b in rec.breaches

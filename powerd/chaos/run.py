@@ -35,6 +35,7 @@ class FaultRecord:
     window_end_s: float = math.inf
     breaches: list[Breach] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    injected: bool = True  # False: the harness could not inject it (see notes)
 
     @property
     def recovery_s(self) -> float | None:
@@ -54,6 +55,7 @@ class KindFigures:
     worst_breach_s: float = 0.0  # the longest breach
     recovery_s: list[float] = field(default_factory=list)
     not_recovered: int = 0
+    not_injected: int = 0  # the harness's own failures, not counted above
 
 
 @dataclass
@@ -64,11 +66,16 @@ class ChaosReport:
     duration_s: float
     checks: int
     undecodable: dict[str, int]
+    facility_budget_w: float
+    facility_mean_w: float  # time-weighted Σ caps + overhead: safe but starved shows here
 
     def by_kind(self) -> dict[str, KindFigures]:
         out: dict[str, KindFigures] = {}
         for r in self.records:
             k = out.setdefault(r.fault.kind.value, KindFigures())
+            if not r.injected:
+                k.not_injected += 1
+                continue
             k.injected += 1
             k.survived += r.survived
             k.breaches += len(r.breaches)
@@ -86,7 +93,7 @@ class ChaosReport:
 
     def failed_kinds(self) -> set[str]:
         """Kinds with a breach, a controller that died, or steering that never came back."""
-        return {r.fault.kind.value for r in self.records if not r.survived}
+        return {r.fault.kind.value for r in self.records if r.injected and not r.survived}
 
     def worst(self) -> Breach | None:
         return max(self.breaches, key=lambda b: b.worst_w, default=None)
@@ -94,9 +101,11 @@ class ChaosReport:
     def render(self) -> str:
         lines = [
             f"{len(self.records)} faults in {self.duration_s:.0f} s; {self.checks} budget checks; "
-            f"{len(self.breaches)} breaches ({len(self.steady_breaches)} outside any fault)",
+            f"{len(self.breaches)} breaches ({len(self.steady_breaches)} outside any fault); "
+            f"facility caps + overhead {self.facility_mean_w:.0f} W on average of "
+            f"{self.facility_budget_w:.0f} W",
             f"{'fault':<20} {'inj':>4} {'ok':>4} {'breach':>6} {'worst W':>9} "
-            f"{'longest s':>9} {'recover s (median/max)':>22} {'never':>5}",
+            f"{'longest s':>9} {'recover s (median/max)':>22} {'never':>5} {'not inj':>7}",
         ]
         for kind, f in sorted(self.by_kind().items()):
             rec = (
@@ -107,7 +116,7 @@ class ChaosReport:
             lines.append(
                 f"{kind:<20} {f.injected:>4} {f.survived:>4} {f.breaches:>6} "
                 f"{f.worst_overshoot_w:>9.1f} {f.worst_breach_s:>9.3f} {rec:>22} "
-                f"{f.not_recovered:>5}"
+                f"{f.not_recovered:>5} {f.not_injected:>7}"
             )
         worst = self.worst()
         if worst is not None:
@@ -127,6 +136,8 @@ class ChaosReport:
             "faults": len(self.records),
             "breaches": len(self.breaches),
             "steady_breaches": len(self.steady_breaches),
+            "facility_budget_w": self.facility_budget_w,
+            "facility_mean_w": round(self.facility_mean_w, 1),
             "undecodable": self.undecodable,
             "by_kind": {
                 k: {
@@ -140,6 +151,7 @@ class ChaosReport:
                     ),
                     "recovery_max_s": round(max(f.recovery_s), 2) if f.recovery_s else None,
                     "not_recovered": f.not_recovered,
+                    "not_injected": f.not_injected,
                 }
                 for k, f in sorted(self.by_kind().items())
             },
@@ -275,6 +287,7 @@ async def run_fault(site: Site, fault: Fault, recover_timeout_s: float) -> Fault
         undo = await inject(site, fault)
     except Exception as exc:  # the harness's own trouble: say so, keep going
         rec.notes.append(f"injection failed: {exc!r}")
+        rec.injected = False
         rec.restored_s = time.monotonic()
         return rec
     await asyncio.sleep(fault.hold_s)
@@ -350,4 +363,6 @@ async def run_schedule(
         duration_s=end - t0,
         checks=check.checks,
         undecodable=dict(site.watcher.undecodable),
+        facility_budget_w=site.policy.groups[0].budget_w,
+        facility_mean_w=check.mean_load_w(site.policy.groups[0].name),
     )

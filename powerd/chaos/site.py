@@ -311,7 +311,9 @@ class Site:
                 "time.sleep(3600)\n"
             )
             assert self.config.pg_url is not None
-            target = self.config.pg_url  # directly, not through the proxy
+            # Directly, not through the proxy; libpq's URL has no SQLAlchemy driver name.
+            pg = make_url(self.config.pg_url).set(drivername="postgresql")
+            target = pg.render_as_string(hide_password=False)
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-c", code, target, stdout=asyncio.subprocess.PIPE
         )

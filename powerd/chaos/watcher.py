@@ -25,14 +25,11 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import structlog
+from typing import Literal
 
 from powerd.policy import GroupDef, Policy, subtree_totals
 from powerd.transport import Message, MqttConfig, MqttTransport
 from powerd.wire import CapAck, CapCommand, NodeState, NodeStatus, Topics, WireError, decode
-
-log = structlog.get_logger(__name__)
 
 # Budgets are floats summed in different orders by the allocator and by us.
 TOL_W = 0.01
@@ -61,9 +58,10 @@ class Breach:
 @dataclass(order=True)
 class _Event:
     t_s: float
-    order: int  # budget changes before cap changes at the same instant (stricter first)
-    node: str = field(compare=False)
-    uuid: str = field(compare=False)  # or the group, for a budget change
+    order: int  # arming and budget changes before cap changes at the same instant
+    kind: Literal["arm", "budget", "cap"] = field(compare=False)
+    name: str = field(compare=False)  # the GPU's node, or the group of a budget change
+    uuid: str = field(compare=False)  # the GPU ("" for the others)
     watts: float = field(compare=False)  # NaN: the policy's budget again
 
 
@@ -89,10 +87,20 @@ class BudgetCheck:
         self._open: dict[int, Breach] = {}
         self.load_w = [0.0] * len(groups)
         self.t_s = -math.inf
+        # ∫ load dt per group since arming: a site held safe but starved shows here.
+        self._load_ws = [0.0] * len(groups)
+        self._armed_s = math.nan
 
     def arm(self, t_s: float) -> None:
         self.armed = True
+        self._armed_s = t_s
         self._evaluate(t_s)
+
+    def mean_load_w(self, name: str) -> float:
+        """Σ caps + overhead of a group, averaged over time from arming to the last event."""
+        span = self.t_s - self._armed_s
+        i = self.index[name]
+        return self._load_ws[i] / span if span > 0 else self.load_w[i]
 
     def cap(self, t_s: float, node: str, uuid: str, watts: float) -> None:
         self.caps[node][uuid] = watts
@@ -105,12 +113,16 @@ class BudgetCheck:
         self._evaluate(t_s)
 
     def finish(self, t_s: float) -> None:
-        """Close breaches still open at the end of the run."""
+        """Close breaches still open at the end of the run (and count time up to t_s)."""
+        self._evaluate(t_s)
         for b in self._open.values():
             b.end_s = t_s
         self._open.clear()
 
     def _evaluate(self, t_s: float) -> None:
+        if self.armed and t_s > self.t_s:
+            for i, load in enumerate(self.load_w):
+                self._load_ws[i] += load * (t_s - max(self.t_s, self._armed_s))
         self.t_s = max(self.t_s, t_s)
         per_node = [0.0] * len(self.groups)
         for i, g in enumerate(self.groups):
@@ -228,7 +240,7 @@ class Watcher:
     def arm(self) -> None:
         """Check every budget from now on (the site is up and steered)."""
         self.armed_at = time.monotonic()
-        self._push(self.armed_at, 0, "", "arm", math.nan)
+        self._push(self.armed_at, "arm", "", "", math.nan)
 
     # -- budgets -------------------------------------------------------------------------
 
@@ -240,12 +252,15 @@ class Watcher:
     def clear(self, group: str) -> None:
         """A temporary budget ends now (call before the API call that ends it)."""
         self._cuts = [c for c in self._cuts if c[0] != group]
-        self._push(time.monotonic(), 0, "", group, math.nan)
+        self._push(time.monotonic(), "budget", group, "", math.nan)
 
     # -- input ---------------------------------------------------------------------------
 
-    def _push(self, t_s: float, order: int, node: str, uuid: str, watts: float) -> None:
-        event = _Event(t_s, order * 10**9 + self._seq, node, uuid, watts)
+    def _push(
+        self, t_s: float, kind: Literal["arm", "budget", "cap"], name: str, uuid: str, watts: float
+    ) -> None:
+        order = (0 if kind != "cap" else 10**12) + self._seq
+        event = _Event(t_s, order, kind, name, uuid, watts)
         self._seq += 1
         self.events.append(event)
         heapq.heappush(self._queue, event)
@@ -253,7 +268,7 @@ class Watcher:
     def _read_journals(self) -> None:
         for tail in self.tails.values():
             for t_s, _, uuid, watts in tail.read_new():
-                self._push(t_s, 1, tail.node, uuid, watts)
+                self._push(t_s, "cap", tail.node, uuid, watts)
 
     async def _poll(self) -> None:
         while True:
@@ -267,12 +282,12 @@ class Watcher:
 
     @staticmethod
     def _apply(check: BudgetCheck, e: _Event) -> None:
-        if e.uuid == "arm" and not e.node:
+        if e.kind == "arm":
             check.arm(e.t_s)
-        elif not e.node:
-            check.budget(e.t_s, e.uuid, None if math.isnan(e.watts) else e.watts)
+        elif e.kind == "budget":
+            check.budget(e.t_s, e.name, None if math.isnan(e.watts) else e.watts)
         else:
-            check.cap(e.t_s, e.node, e.uuid, e.watts)
+            check.cap(e.t_s, e.name, e.uuid, e.watts)
 
     def replay(self, end_s: float) -> BudgetCheck:
         """The exact check over every event, in time order, whatever arrived late."""
@@ -318,7 +333,7 @@ class Watcher:
     def _on_tick(self, tick: int, now: float) -> None:
         due = [c for c in self._cuts if tick >= c[2]]
         for group, watts, _ in due:
-            self._push(now, 0, "", group, watts)
+            self._push(now, "budget", group, "", watts)
         self._cuts = [c for c in self._cuts if tick < c[2]]
 
     # -- recovery ------------------------------------------------------------------------
