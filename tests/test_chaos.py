@@ -130,8 +130,8 @@ def _xfail(why: str) -> pytest.MarkDecorator:
 
 # Observed on the controller of 8c407c6: remove a mark once its fix is in. The two huge
 # ticks killed the controller every run (fixed: ticks bounded, marks removed); the rest
-# breached in some runs, not all (a short run of each kind, or the 600 s soak of docs/performance.md): mostly 1-3 ms, a
-# raise on one node landing before the cut on another that pays for it; a partition, for
+# breached in some runs, not all (a short run of each kind, or the 600 s soak of
+# docs/performance.md): mostly 1-3 ms, a raise on one node landing before the cut on another that pays for it; a partition, for
 # 1.5 s. Never seen to breach: controller_kill, evil_ghost_gpus (which starves the site
 # instead: every GPU at its minimum for tens of seconds).
 _KNOWN = {
