@@ -131,9 +131,9 @@ def _xfail(why: str) -> pytest.MarkDecorator:
 # Observed on the controller of 8c407c6: remove a mark once its fix is in. The two huge
 # ticks killed the controller every run (fixed: ticks bounded, marks removed); the rest
 # breached in some runs, not all (a short run of each kind, or the 600 s soak of
-# docs/performance.md): mostly 1-3 ms, a raise on one node landing before the cut on another that pays for it; a partition, for
-# 1.5 s. Never seen to breach: controller_kill, evil_ghost_gpus (which starves the site
-# instead: every GPU at its minimum for tens of seconds).
+# docs/performance.md): mostly 1-3 ms, a raise on one node landing before the cut on
+# another that pays for it; a partition, for 1.5 s. Never seen to breach: controller_kill,
+# evil_ghost_gpus (which starved the site instead: every GPU at its minimum for tens of s).
 _KNOWN = {
     FaultKind.PARTITION: _xfail("facility +1,400 W for 1.5 s, rack +600 W for 1 s (soak)"),
     FaultKind.AGENT_KILL: _xfail("facility +803 W, rack +408 W for 3 ms (soak)"),
