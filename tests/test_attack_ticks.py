@@ -25,13 +25,13 @@ max(non-outlier ticks, stored tick) + gap); keep the last tick in the store/stat
 
 from __future__ import annotations
 
+from test_hostile import HOSTILE, NODES, TOPICS, HonestNode, policy_dict
+
 from powerd.clock import ManualClock
 from powerd.controller.controller import Controller
 from powerd.policy import parse_policy
 from powerd.transport import MemoryBroker, Message
 from powerd.wire import MAX_TICK, NodeState, NodeStatus, encode
-
-from test_hostile import HOSTILE, NODES, TOPICS, HonestNode, policy_dict
 
 
 def _controller(clock: ManualClock) -> Controller:
