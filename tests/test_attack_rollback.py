@@ -104,8 +104,7 @@ async def test_a_rolled_back_budget_clear_was_in_force_while_the_state_file_hung
             lowers_power=False,
         )
     )
-    while not state_file.entered.is_set():
-        await asyncio.sleep(0.001)
+    assert await asyncio.to_thread(state_file.entered.wait, 10)
     # The disk hangs for a few ticks; the tick loop runs on meanwhile.
     worst = total_w(nodes)
     for _ in range(4):
