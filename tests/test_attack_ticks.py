@@ -108,3 +108,51 @@ def test_a_poisoned_tick_makes_every_restart_send_ticks_honest_agents_refuse() -
         f"restarted controller ticks from {second.tick_no - 9} (MAX_TICK//2 = {MAX_TICK // 2}); "
         f"honest agents last applied {last_applied}: {applied} commands applied in 10 ticks"
     )
+
+
+def test_a_controller_that_ticked_before_hearing_anyone_never_catches_up() -> None:
+    """Attack (no hostile node needed): the management host reboots, Mosquitto with it
+    (retained statuses lost), and the agents reconnect after the controller's learning
+    period (their reconnect backoff reaches 30 s; `learn_s` is one stale period).
+
+    What breaks: the controller's first tick is chosen from what it heard; having heard no
+    tick it starts at 1. The agents then republish their statuses with `last_tick` = the
+    old controller's ticks, but once ticking `_tick_seen` drops every tick above ours as
+    `future_tick`, so the controller never jumps ahead; every agent drops every command as
+    `stale_tick` and sits in failsafe until the new ticks overtake the old ones: as many
+    ticks as the old controller ran (a month of uptime, a month of failsafe), with the
+    controller steering nothing and believing no ack.
+
+    Observed: old controller ran 30 ticks (agents at tick 30); the new one ticked 1..11,
+    dropped the 3 statuses it then heard as `future_tick`; 0 commands applied.
+
+    Fix: before any node has acknowledged one of our commands, a status (or ack) above our
+    tick from a node that is not an outlier must move our tick above it (+ the gap), as at
+    the first tick; or keep the last tick durable (state file / store) and start above it.
+    """
+    clock = ManualClock(start=100.0)
+    honest = {n: HonestNode(n) for n in NODES if n != HOSTILE}
+    first = _controller(clock)
+    for node in honest.values():
+        first.handle(
+            Message(TOPICS.telemetry(node.name), node.telemetry(clock.wall())), clock.monotonic()
+        )
+    assert _run(first, clock, honest, 30) > 0
+    last_applied = max(n.last_tick or 0 for n in honest.values())
+
+    second = _controller(clock)
+    second.step()  # nothing heard yet: an empty broker after the reboot
+    for node in honest.values():  # the agents are back: statuses, then telemetry
+        status = NodeStatus(
+            node_id=node.name,
+            state=NodeState.STEERED,
+            last_tick=node.last_tick,
+            caps_w=node.caps,
+        )
+        second.handle(Message(TOPICS.status(node.name), encode(status)), clock.monotonic())
+    applied = _run(second, clock, honest, 10)
+    assert applied > 0, (
+        f"agents last applied tick {last_applied}; the new controller ticks "
+        f"{second.tick_no}: {applied} commands applied in 10 ticks, "
+        f"dropped {dict(second.counters.dropped)}"
+    )
