@@ -464,7 +464,7 @@ def test_state_file_round_trip_is_atomic_and_refuses_garbage(tmp_path: Path) -> 
         sf.load()
 
 
-def test_restore_drops_expired_budgets_and_what_the_policy_no_longer_allows() -> None:
+def test_restore_drops_expired_budgets_and_groups_gone_and_keeps_redundant_cuts() -> None:
     policy = load_policy_text(POLICY, "p.yaml")
     now = 1.7e9
     budget = {"reason": "DR", "actor": "grid", "created_at": now - 100}
@@ -472,13 +472,15 @@ def test_restore_drops_expired_budgets_and_what_the_policy_no_longer_allows() ->
         budgets=[
             BudgetState(group="site", budget_w=3000, expires_at=now + 60, **budget),
             BudgetState(group="rack-1", budget_w=1000, expires_at=now - 1, **budget),  # over
-            BudgetState(group="rack-2", budget_w=2500, expires_at=None, **budget),  # > 2000 W
+            # Above the policy's 2,000 W now: kept, it binds again if the policy rises.
+            BudgetState(group="rack-2", budget_w=2500, expires_at=None, **budget),
             BudgetState(group="gone", budget_w=10, expires_at=None, **budget),
         ],
         drained=["rack-1-n1", "old-node"],
         node_classes={"rack-2-n1": "inference", "rack-2-n2": "no-such-class"},
     )
     o = restore(state, policy, now)
-    assert list(o.budgets) == ["site"] and o.budgets["site"].expires_at == now + 60
+    assert list(o.budgets) == ["site", "rack-2"] and o.budgets["site"].expires_at == now + 60
+    assert o.active_budgets(policy, now)["rack-2"] == 2000.0  # the lower of the two
     assert o.drained == {"rack-1-n1"}
     assert o.node_classes == {"rack-2-n1": "inference"}

@@ -105,25 +105,24 @@ def test_a_node_reports_at_most_its_inventory_and_keeps_its_own_gpus() -> None:
     fleet.ingest_telemetry(telemetry(n1, phantoms[40:]), now=2.0)
     assert sum(g.node == n1 for g in fleet.gpus.values()) == inventory
     assert fleet.nodes[n1].refused == 20
-    # A uuid of n1's claimed by n2: it stays n1's and is quarantined, n2's own GPU is taken.
+    # A uuid of n1's named by n2 too: it belongs to neither now; n2's own GPU is taken.
     fleet.ingest_telemetry(telemetry(n2, ["p0", "own"]), now=3.0)
-    assert fleet.gpus["p0"].node == n1 and fleet.gpus["own"].node == n2
-    assert fleet.quarantined() == {"p0"}
-    claim = fleet.claims["p0"]
-    assert (claim.holder, claim.claimant) == (n1, n2)
+    assert "p0" not in fleet.gpus and fleet.gpus["own"].node == n2
+    assert set(fleet.disputes["p0"].seen) == {n1, n2}
+    fleet.ingest_telemetry(telemetry(n1, phantoms[:40]), now=4.0)  # n1 still names it
+    assert "p0" not in fleet.gpus
 
 
-def test_gpus_and_claims_unseen_for_forget_after_are_forgotten() -> None:
+def test_gpus_and_disputes_unseen_for_forget_after_are_forgotten() -> None:
     fleet = FleetState(load_policy(EXAMPLE))
     n1, n2 = "row-1-rack-1-node-01", "row-1-rack-1-node-02"
-    fleet.ingest_telemetry(telemetry(n1, ["a", "b"]), now=0.0)
-    fleet.ingest_telemetry(telemetry(n2, ["a"]), now=5.0)  # a claim on n1's GPU
-    fleet.ingest_telemetry(telemetry(n1, ["a"]), now=50.0)  # n1 no longer names "b"
+    fleet.ingest_telemetry(telemetry(n1, ["a", "b", "c"]), now=0.0)
+    fleet.ingest_telemetry(telemetry(n2, ["a"]), now=5.0)  # "a" disputed: nobody's
+    fleet.ingest_telemetry(telemetry(n1, ["a", "c"]), now=50.0)  # n1 no longer names "b"
     v = fleet.version
     assert fleet.forget(now=70.0, after_s=30.0) == ["b"]
-    assert set(fleet.gpus) == {"a"} and fleet.version > v
-    assert fleet.claims == {}  # the claim is older than 30 s too
-    # Now that "a"'s holder has gone quiet too, a node naming it may have it.
-    assert fleet.forget(now=100.0, after_s=30.0) == ["a"]
-    fleet.ingest_telemetry(telemetry(n2, ["a"]), now=101.0)
-    assert fleet.gpus["a"].node == n2
+    assert set(fleet.gpus) == {"c"} and fleet.version > v
+    # n2 stopped naming "a" over 30 s ago: the dispute ends, n1's next sample takes it back.
+    assert fleet.disputes == {}
+    fleet.ingest_telemetry(telemetry(n1, ["a", "c"]), now=71.0)
+    assert fleet.gpus["a"].node == n1

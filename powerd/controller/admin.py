@@ -340,10 +340,22 @@ class Ledger:
                 change()
                 mine = self._batch
                 self.revision += 1
-                error = await self._save()
-                rolled_back = error is not None and not lowers_power
-                if rolled_back:
+                if lowers_power:
+                    # A cut is in force at once, durable or not: safety wins.
+                    error = await self._save()
+                    rolled_back = False
+                else:
+                    # Anything else is in force only once it is durable: the ticks that run
+                    # while the file is written still see the state before it (a rolled-back
+                    # write was never in force, as its answer says).
+                    after = self._before()
+                    state = self.state()
                     self._roll_back(before)
+                    error = await self._save(state)
+                    rolled_back = error is not None
+                    if not rolled_back:
+                        self._roll_forward(after)
+                if rolled_back:
                     self.revision -= 1
                     for row in mine:
                         row.result = f"rolled back: state file not written: {error}"[:256]
@@ -519,7 +531,7 @@ class Ledger:
             versions = list(self.versions)
             state = self.state() if self.revision > self.db_revision else None
         try:
-            stored = await asyncio.to_thread(self._write_db, store, rows, versions, state)
+            stored, revision = await asyncio.to_thread(self._write_db, store, rows, versions, state)
         except Exception as exc:
             self.failures += 1
             self.last_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:MAX_ERROR_LEN]
@@ -536,7 +548,11 @@ class Ledger:
         self.pending = [r for r in self.pending if r.key not in written]
         self.versions = self.versions[len(versions) :]
         if state is not None:
-            self.db_revision = max(self.db_revision, state.revision)
+            self.db_revision = max(self.db_revision, revision)
+            if revision > state.revision:  # renumbered above the database's: the file too
+                # A write since the snapshot is newer still: it goes above, at the next sync.
+                self.revision = revision + (self.revision > state.revision)
+                await self._save()
         if stored is not None:
             self._ctl.policy_version = stored
         if self.failures:
@@ -560,8 +576,9 @@ class Ledger:
         rows: list[AuditRow],
         versions: list[PolicyVersionToStore],
         state: OperatorState | None,
-    ) -> int | None:
-        """(worker thread) Migrations if still owed, then versions, audit rows, state."""
+    ) -> tuple[int | None, int]:
+        """(worker thread) Migrations if still owed, then versions, audit rows, state;
+        (the last policy version stored, the revision the state was stored under)."""
         if not self.schema_ready:
             upgrade(store.engine.url)
             self.schema_ready = True
@@ -571,9 +588,33 @@ class Ledger:
                 v.text, source=v.source, author=v.author, reason=v.reason, ts=v.ts
             )
         store.record_audit_rows([r.model_dump() for r in rows])
+        revision = 0
         if state is not None:
-            store.save_operator_state(state.revision, state.ts, state.for_db())
-        return version
+            revision = self._store_state(store, state)
+        return version, revision
+
+    @staticmethod
+    def _store_state(store: Store, state: OperatorState) -> int:
+        """Store the state as the database's newest revision; the revision used. Ours is
+        the operators' latest intent: where the database holds the same or a higher
+        revision with another state (written while we could not see it: a start without
+        state file and database, another process), ours goes above it, never under."""
+        body = state.for_db()
+        revision = state.revision
+        for _ in range(5):
+            latest = store.latest_operator_state()
+            if latest is not None and latest.revision >= revision:
+                if latest.revision == revision and dict(latest.state) == body:
+                    return revision  # a re-send of what is stored
+                revision = latest.revision + 1
+            if store.save_operator_state(revision, state.ts, body):
+                if revision != state.revision:
+                    log.warning(
+                        "operator_state_renumbered", revision=state.revision, stored=revision
+                    )
+                return revision
+            revision += 1  # another writer took it between the two statements
+        raise RuntimeError("operator state revision conflict persisted")
 
     def _alarm(self) -> None:
         message = None
@@ -588,13 +629,14 @@ class Ledger:
 
     # ---- the state file ----
 
-    async def _save(self) -> str | None:
-        """Write the state file (in a worker thread); the error, or None when written or
-        when there is no state file."""
+    async def _save(self, state: OperatorState | None = None) -> str | None:
+        """Write the state file (in a worker thread): `state`, or the one in memory; the
+        error, or None when written or when there is no state file."""
         if self.state_file is None:
             return None
         async with self._file_lock:
-            state = self.state()
+            if state is None:
+                state = self.state()
             try:
                 await asyncio.to_thread(self.state_file.save, state)
             except StateFileError as exc:
@@ -616,6 +658,14 @@ class Ledger:
             drained=set(o.drained),
         )
         return _Before(copy, self._ctl.policy, self.api_policy, list(self.versions))
+
+    def _roll_forward(self, after: _Before) -> None:
+        """Put a change taken back by `_roll_back` in force again (its snapshot)."""
+        if self._ctl.policy is not after.policy:
+            self._ctl._adopt(after.policy)
+        self._ctl.overrides = after.overrides
+        self.api_policy = after.api_policy
+        self.versions = list(after.versions)
 
     def _roll_back(self, before: _Before) -> None:
         if self._ctl.policy is not before.policy:

@@ -220,8 +220,10 @@ class Controller(AdminWrites):
         self._warm: Allocation | None = None
         self._stored_gpus: set[str] = set()
         self._safety_seen: dict[str, set[str]] = {}
-        # Before our first tick: the newest tick each node says it applied (a predecessor's).
+        # The newest tick each node says it applied (statuses, acks): ours must stay above
+        # them, or its agent refuses our commands.
         self._node_ticks: dict[str, int] = {}
+        self._outliers: tuple[str, ...] = ()
         self._message_error: str | None = None
         self.fleet = FleetState(policy)
         # A controller may be taking over from one that just died, whose last commands may
@@ -282,16 +284,19 @@ class Controller(AdminWrites):
             if node not in self.fleet.node_order:
                 self.counters.dropped["unknown_node"] += 1
                 return
-            if not self._tick_seen(node, ack.tick):
-                return
+            # Even an ack of a tick we did not send resolves our commands up to it: the agent
+            # applies only newer ticks, so none of them can still land.
+            self._tick_seen(node, ack.tick)
             self.planner.on_ack(node, ack.tick, ack.gpus)
         elif kind == "status":
             status = decode(message.payload, NodeStatus, topic_node=node)
             if node not in self.fleet.node_order:
                 self.counters.dropped["unknown_node"] += 1
                 return
-            if status.last_tick is not None and not self._tick_seen(node, status.last_tick):
-                status = status.model_copy(update={"last_tick": None})
+            if status.state is NodeState.STARTING and status.last_tick is None:
+                self._node_ticks.pop(node, None)  # a new agent process applies any tick
+            elif status.last_tick is not None:
+                self._tick_seen(node, status.last_tick)
             self.fleet.ingest_status(status)
             if status.state is NodeState.OFFLINE:
                 self.planner.node_offline(node)
@@ -300,38 +305,30 @@ class Controller(AdminWrites):
         elif kind != "caps":  # our own commands come back only if subscribed broadly
             raise WireError("bad_topic", message.topic[:200])
 
-    def _tick_seen(self, node: str, tick: int) -> bool:
-        """Note a tick a node says it applied; False for one we cannot have sent (above our
-        own, once we tick): dropped, so that no node can push our ticks past their end."""
-        if self.tick_no == 0:
-            self._node_ticks[node] = max(self._node_ticks.get(node, 0), tick)
-            return True
-        if tick > self.tick_no:
-            self.counters.dropped["future_tick"] += 1
-            log.warning("future_tick", node=node, tick=tick, ours=self.tick_no)
-            return False
-        return True
+    def _tick_seen(self, node: str, tick: int) -> None:
+        self._node_ticks[node] = max(self._node_ticks.get(node, 0), tick)
 
-    def _first_tick(self) -> int:
-        """Above every tick the nodes say they applied, with room for any our predecessor
-        sent that nobody reported. One node claiming a far higher tick than the others (no
-        predecessor sends one node ticks far ahead of the rest) is not followed: its agent
-        then refuses our commands and falls to its failsafe caps, and it is alarmed."""
-        ticks = sorted(self._node_ticks.values())
-        if not ticks:
-            return 1
-        ceiling = ticks[len(ticks) // 2] + TAKEOVER_TICK_GAP
-        outliers = sorted(n for n, t in self._node_ticks.items() if t > ceiling)
-        if outliers:
-            log.warning("tick_outliers", nodes=outliers[:10], ceiling=ceiling)
-            self._event(
-                "tick_outliers",
-                Severity.ALARM,
-                "nodes claiming ticks far above the others (not followed): "
-                + ", ".join(outliers[:10]),
-            )
+    def _next_tick(self) -> int:
+        """Our next tick: above every tick the nodes say they applied, with room for any a
+        predecessor sent that nobody reported (first tick, or when we fall behind: a
+        controller that ticked before hearing its agents).
+
+        A node cannot push our ticks where it likes: a tick more than TAKEOVER_TICK_GAP
+        above the median over *every* node of the policy (a node that reported none counts
+        as 0) is not followed. A predecessor sends all nodes the same ticks, so honest nodes
+        agree; the outlier's agent refuses our commands and stays at its failsafe caps, and
+        it is alarmed (`tick_outliers`)."""
+        ticks = [self._node_ticks.get(n, 0) for n in self.fleet.node_order]
+        ceiling = sorted(ticks)[len(ticks) // 2] + TAKEOVER_TICK_GAP if ticks else 0
+        self._outliers = tuple(sorted(n for n, t in self._node_ticks.items() if t > ceiling))
+        needed = max((t for t in ticks if t <= ceiling), default=0)
+        tick = self.tick_no + 1
+        if needed >= tick or (self.tick_no == 0 and needed > 0):
+            if self.tick_no:
+                log.warning("ticks_behind", ours=self.tick_no, theirs=needed)
+            tick = needed + TAKEOVER_TICK_GAP
         # A majority claiming absurd ticks still leaves half the tick space to run in.
-        return min(max(t for t in ticks if t <= ceiling) + TAKEOVER_TICK_GAP, MAX_TICK // 2)
+        return min(tick, MAX_TICK // 2) if tick > self.tick_no else self.tick_no + 1
 
     # -- the tick ------------------------------------------------------------------------
 
@@ -420,7 +417,7 @@ class Controller(AdminWrites):
         # Agents apply only ticks above the last they applied: a restarted controller
         # continues above every tick it has seen acknowledged or reported, with room for
         # any its predecessor sent that nobody has reported yet.
-        self.tick_no = self._first_tick() if self.tick_no == 0 else self.tick_no + 1
+        self.tick_no = self._next_tick()
         tick = self.tick_no
         self._alarm_inputs()
         planned: list[SafePlan] = []
@@ -444,13 +441,14 @@ class Controller(AdminWrites):
             else "telemetry names more GPUs than the policy gives "
             + ", ".join(f"{n} ({fleet.nodes[n].refused} refused)" for n in refused[:5]),
         )
-        claims = sorted(fleet.claims.values(), key=lambda c: c.uuid)
+        disputes = sorted(fleet.disputes.values(), key=lambda d: d.uuid)
         self._alarm(
             "gpu_claimed_twice",
             None
-            if not claims
-            else "GPU uuids named by two nodes (held at their committed caps): "
-            + ", ".join(f"{c.uuid} ({c.holder}, {c.claimant})" for c in claims[:5]),
+            if not disputes
+            else "GPU uuids named by more than one node (steered by none, counted at their "
+            "maximum): "
+            + ", ".join(f"{d.uuid} ({', '.join(sorted(d.seen))})" for d in disputes[:5]),
         )
         offline = sorted(n for n, rec in fleet.nodes.items() if rec.state is NodeState.OFFLINE)
         self._alarm(
@@ -458,6 +456,13 @@ class Controller(AdminWrites):
             None
             if not offline
             else "counted at their GPUs' maximum until they report: " + ", ".join(offline[:10]),
+        )
+        self._alarm(
+            "tick_outliers",
+            None
+            if not self._outliers
+            else "nodes claiming ticks far above the others (not followed; their agents "
+            "refuse our commands and stay at failsafe): " + ", ".join(self._outliers[:10]),
         )
         error, self._message_error = self._message_error, None
         if error is not None:
@@ -536,11 +541,8 @@ class Controller(AdminWrites):
         pinned = self._pinned(arrays)
         committed_before = self.planner.committed_w()
         # GPUs we cannot steer keep the power they may have, and the allocator shares out
-        # the rest: one that refused its last cap, one a second node claims (quarantined).
+        # the rest: one that refused its last cap.
         held = self.planner.defiant()
-        quarantined = self.fleet.quarantined()
-        if quarantined:
-            held |= np.fromiter((u in quarantined for u in arrays.uuids), bool, len(held))
         if held.any():
             pinned = np.where(held, np.minimum(committed_before, arrays.max_cap_w), pinned)
         fleet = Fleet(

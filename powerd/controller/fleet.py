@@ -44,14 +44,13 @@ class NodeRecord:
     refused: int = 0  # GPUs in its last telemetry beyond its inventory (not taken)
 
 
-@dataclass(frozen=True)
-class Claim:
-    """A node's telemetry named a GPU uuid that another node holds."""
+@dataclass
+class Dispute:
+    """A GPU uuid that two or more nodes' telemetry named: it belongs to none of them while
+    the dispute lasts (no node can take a neighbour's GPU by naming it first)."""
 
     uuid: str
-    holder: str
-    claimant: str
-    at: float  # monotonic time of the latest such claim
+    seen: dict[str, float]  # node → monotonic time it last named the uuid
 
 
 @dataclass(frozen=True)
@@ -208,8 +207,8 @@ class FleetState:
         self.gpus: dict[str, GpuRecord] = {}
         self.nodes: dict[str, NodeRecord] = {}
         self.unknown_nodes: dict[str, float] = {}  # node → last seen, not in the policy
-        # GPUs claimed by a second node: quarantined (held, never raised) while claims last.
-        self.claims: dict[str, Claim] = {}
+        # GPU uuids named by more than one node: steered by none while that lasts.
+        self.disputes: dict[str, Dispute] = {}
         self.version = 0  # bumps whenever the set of GPUs (or their order) changes
         self._cols = _Columns()
         self._order: list[str] = []
@@ -246,16 +245,21 @@ class FleetState:
             rec = self.gpus.pop(uuid)
             self._node_gpus.get(rec.node, set()).discard(uuid)
             log.warning("gpu_forgotten", node=rec.node, uuid=uuid, after_s=after_s)
-        for uuid in [u for u, c in self.claims.items() if now - c.at > after_s]:
-            del self.claims[uuid]
+        for uuid, d in list(self.disputes.items()):
+            d.seen = {n: t for n, t in d.seen.items() if now - t <= after_s}
+            if len(d.seen) <= 1:  # one node still names it: its next telemetry may take it
+                del self.disputes[uuid]
+                log.info("gpu_dispute_ended", uuid=uuid, nodes=sorted(d.seen))
         if gone:
             self._compact()
             self.version += 1
         return gone
 
-    def quarantined(self) -> set[str]:
-        """GPUs that a second node claims: held at their committed cap until claims stop."""
-        return {u for u in self.claims if u in self.gpus}
+    def _drop(self, uuid: str) -> None:
+        rec = self.gpus.pop(uuid)
+        self._node_gpus.get(rec.node, set()).discard(uuid)
+        self._compact()
+        self.version += 1
 
     def _compact(self) -> None:
         """New slots for the GPUs that remain, after some were forgotten."""
@@ -290,6 +294,10 @@ class FleetState:
         room = self.inventory.get(node_id, 0) - len(mine)
         refused = 0
         for g in msg.gpus:
+            dispute = self.disputes.get(g.uuid)
+            if dispute is not None:
+                dispute.seen[node_id] = now
+                continue
             rec = gpus.get(g.uuid)
             if rec is None:
                 if room <= 0:
@@ -302,11 +310,16 @@ class FleetState:
                 self.version += 1
                 log.info("gpu_discovered", node=node_id, uuid=g.uuid, index=g.index)
             elif rec.node != node_id:
-                # Another node's GPU: its holder keeps it (a real move shows once the holder
-                # has stopped naming it for forget_after_s); the GPU is quarantined meanwhile.
-                if g.uuid not in self.claims:
-                    log.warning("gpu_claimed_twice", uuid=g.uuid, holder=rec.node, claimant=node_id)
-                self.claims[g.uuid] = Claim(g.uuid, rec.node, node_id, now)
+                # Named by a second node: which one has it cannot be told from what they
+                # send (whoever spoke first after a start would win), so neither does. It
+                # leaves the fleet: its node's missing GPUs are reserved at their maximum,
+                # and no node gets commands for it until one node alone has named it for
+                # forget_after_s (a real move: the old node stopped naming it).
+                log.warning("gpu_claimed_twice", uuid=g.uuid, holder=rec.node, claimant=node_id)
+                self.disputes[g.uuid] = Dispute(
+                    g.uuid, {rec.node: self._cols.seen_at[rec.slot], node_id: now}
+                )
+                self._drop(g.uuid)
                 continue
             else:
                 slot = rec.slot

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from powerd.controller.overrides import BudgetOverride, OverrideError, Overrides
+from powerd.controller.overrides import BudgetOverride, Overrides
 from powerd.policy import Policy
 
 log = structlog.get_logger(__name__)
@@ -107,24 +107,26 @@ def capture(overrides: Overrides) -> dict[str, Any]:
 
 def restore(state: OperatorState, policy: Policy, now_wall: float) -> Overrides:
     """Overrides from a stored state, checked against the policy in force now: an expired
-    budget, or one that names a group gone or no longer lowers it, is dropped and logged."""
+    budget, or one that names a group gone, is dropped and logged. A cut the policy has
+    made redundant for now is kept as stored: it binds again if the policy rises (the
+    budget in force is always the lower of the two), as it would have without a restart."""
     out = Overrides(
         pins=dict(state.pins_w),
         drained=set(state.drained),
         gpu_classes=dict(state.gpu_classes),
         node_classes=dict(state.node_classes),
     )
+    groups = {g.name for g in policy.groups}
     for b in state.budgets:
         if b.expires_at is not None and b.expires_at <= now_wall:
             log.info("budget_override_expired", group=b.group, budget_w=b.budget_w)
             continue
-        override = BudgetOverride(
+        if b.group not in groups or not b.budget_w > 0:
+            log.warning("operator_state_budget_dropped", group=b.group, budget_w=b.budget_w)
+            continue
+        out.budgets[b.group] = BudgetOverride(
             b.group, b.budget_w, b.expires_at, b.reason, b.actor, b.created_at
         )
-        try:
-            out.set_budget(policy, override)
-        except OverrideError as exc:
-            log.warning("operator_state_budget_dropped", group=b.group, why=str(exc))
     out.forget_policy_gaps(policy)
     return out
 
