@@ -529,7 +529,9 @@ class Controller(AdminWrites):
         self, tick: int, now: float, wall: float, t0: float, planned: list[SafePlan]
     ) -> tuple[TickReport, SafePlan]:
         control = self.policy.control
-        if self.fleet.forget(now, control.forget_after_s):
+        # A dispute ends once one node alone has named the uuid for a stale period: a single
+        # spoofed message costs seconds of steering of those GPUs, not forget_after_s.
+        if self.fleet.forget(now, control.forget_after_s, dispute_s=control.stale_after_s):
             self._shape = None
         arrays = self.fleet.arrays(now, control.stale_after_s)
         shape = self._shape_for(arrays, now)

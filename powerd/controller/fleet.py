@@ -236,9 +236,11 @@ class FleetState:
             self._node_gpus.setdefault(rec.node, set()).add(uuid)
         self.version += 1
 
-    def forget(self, now: float, after_s: float) -> list[str]:
-        """Forget GPUs no telemetry has named for `after_s`, and claims as old; return the
-        uuids forgotten. Their node's missing GPUs are reserved at the maximum again."""
+    def forget(self, now: float, after_s: float, dispute_s: float | None = None) -> list[str]:
+        """Forget GPUs no telemetry has named for `after_s`, and a node's claim on a disputed
+        uuid it has not named for `dispute_s` (default `after_s`); return the uuids
+        forgotten. Their node's missing GPUs are reserved at the maximum again."""
+        dispute_s = after_s if dispute_s is None else dispute_s
         cols = self._cols
         gone = [u for u, g in self.gpus.items() if now - cols.seen_at[g.slot] > after_s]
         for uuid in gone:
@@ -246,7 +248,7 @@ class FleetState:
             self._node_gpus.get(rec.node, set()).discard(uuid)
             log.warning("gpu_forgotten", node=rec.node, uuid=uuid, after_s=after_s)
         for uuid, d in list(self.disputes.items()):
-            d.seen = {n: t for n, t in d.seen.items() if now - t <= after_s}
+            d.seen = {n: t for n, t in d.seen.items() if now - t <= dispute_s}
             if len(d.seen) <= 1:  # one node still names it: its next telemetry may take it
                 del self.disputes[uuid]
                 log.info("gpu_dispute_ended", uuid=uuid, nodes=sorted(d.seen))
