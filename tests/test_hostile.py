@@ -341,3 +341,39 @@ def test_a_tick_that_fails_still_ends_with_safe_caps_and_an_alarm() -> None:
     del c._class_indices  # the fault goes away: so does the alarm
     report, _ = c.step()
     assert report.status != "tick_failed" and "tick_failed" not in c.alarms
+
+
+def test_unknown_gpus_above_their_nodes_budget_floor_only_that_node() -> None:
+    """r2-n2's GPUs, disputed by one spoofed message, count at their maximum: 2,800 W in a
+    2,400 W node. Only that node is infeasible; the rest of the site keeps steering. (The
+    allocator once got the reserves already summed up the tree and added them up again:
+    every GPU of the site went to its minimum, 3,200 W of a 7,000 W facility.)"""
+    clock = ManualClock(start=100.0)
+    c = Controller(parse_policy(policy_dict()), MemoryBroker().client("c"), clock)
+    nodes = {n: HonestNode(n) for n in NODES}
+
+    def cycle(spoof: bool = False) -> None:
+        if spoof:
+            gpus = [gpu_dict(u, i) for i, u in enumerate(nodes["r2-n2"].uuids)]
+            msg = {"v": 1, "node_id": "r1-n1", "ts": 0, "seq": 1, "period_s": 1, "gpus": gpus}
+            c.handle(
+                Message(TOPICS.telemetry("r1-n1"), json.dumps(msg).encode()), clock.monotonic()
+            )
+        for n in nodes.values():
+            c.handle(
+                Message(TOPICS.telemetry(n.name), n.telemetry(clock.wall())), clock.monotonic()
+            )
+        clock.advance(1.0)
+        _, plan = c.step()
+        for cmd in plan.commands:
+            ack = nodes[cmd.node].apply(cmd.to_wire(clock.wall()))
+            if ack is not None:
+                c.handle(Message(TOPICS.ack(cmd.node), ack), clock.monotonic())
+
+    for _ in range(6):
+        cycle()
+    cycle(spoof=True)
+    cycle()
+    assert "infeasible_min" in c.alarms and set(nodes["r2-n2"].uuids) <= set(c.fleet.disputes)
+    total = {n: sum(node.caps.values()) for n, node in nodes.items()}
+    assert total["r1-n1"] > 1000.0 and total["r1-n2"] > 1000.0, total

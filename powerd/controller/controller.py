@@ -179,7 +179,10 @@ class _Shape:
     topology: Topology
     tree: Tree
     safety: SafetyFleet
-    reserve_w: FloatArray  # per group: unknown GPUs counted at their maximum
+    reserve_w: FloatArray  # per group: unknown GPUs below it counted at their maximum
+    # per group: the same, only those of the group itself (nodes): what the allocator
+    # takes, adding them up the tree itself
+    reserve_own_w: FloatArray
 
 
 class Controller(AdminWrites):
@@ -377,7 +380,7 @@ class Controller(AdminWrites):
         )
         reserve_node = missing * node_max
         reserve = _push_up(topology, reserve_node)
-        self._shape = _Shape(version, topology, Tree(topology), safety, reserve)
+        self._shape = _Shape(version, topology, Tree(topology), safety, reserve, reserve_node)
         self._warm = None
         if self.writer is not None:
             self._store_inventory(arrays)
@@ -681,7 +684,10 @@ class Controller(AdminWrites):
                 self.policy,
                 self.solver,
                 budget_w=budget_w,
-                reserved_w=shape.reserve_w,
+                # Its own, not the sums: the allocator adds them up the tree (given the
+                # sums, it counted a node's missing GPUs at every level twice or more, and
+                # one node with unknown GPUs above its budget put the whole site at minimum).
+                reserved_w=shape.reserve_own_w,
                 warm=self._warm,
                 classes=self.classes,
                 tree=shape.tree,
