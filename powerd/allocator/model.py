@@ -3,7 +3,7 @@
 Everything a solver needs is built here once per call, so every solver (exact or baseline)
 sees the same bounds, the same budgets and the same infeasibility handling, and every result
 is verified and scored by the same code. Solvers work in kW: in watts the generic solvers
-lose accuracy (see ALLOCATOR-NOTES.md).
+lose accuracy (docs/allocator.md, "Measurements behind the design").
 """
 
 from __future__ import annotations

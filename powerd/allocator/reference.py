@@ -1,10 +1,11 @@
 """The reference formulation in cvxpy, rebuilt on every call.
 
 Rebuilding is deliberate: cvxpy's compile-once (DPP) path costs memory growing like n² and
-is no faster per call here (ALLOCATOR-NOTES.md). The problem is stated in kW, each level's
-budgets as one sparse 0/1 matrix, the utility as the minimum of its affine pieces (concave,
-so DCP). Clarabel runs with tightened tolerances; SCS is the fallback on a solver error.
-The caller verifies and repairs whatever comes back (api.allocate_arrays).
+is no faster per call here (docs/allocator.md, "Measurements behind the design"). The
+problem is stated in kW, each level's budgets as one sparse 0/1 matrix, the utility as the
+minimum of its affine pieces (concave, so DCP). Clarabel runs with tightened tolerances;
+SCS is the fallback on a solver error. The caller verifies and repairs whatever comes
+back (api.allocate_arrays).
 """
 
 from __future__ import annotations

@@ -326,7 +326,7 @@ def add_commands(sub: Any) -> None:
     bset = budget_sub.add_parser(
         "set", parents=[common, why], help="lower a group's budget for a while"
     )
-    bset.add_argument("group", help="facility, row or rack name from the policy")
+    bset.add_argument("group", help="facility, row, rack or node name from the policy")
     bset.add_argument("watts", type=float, help="the budget in W (at most the policy's)")
     until = bset.add_mutually_exclusive_group()
     until.add_argument("--ttl", type=parse_duration, help="how long: 900, 15m, 2h")
