@@ -25,6 +25,9 @@ from powerd.transport.mosquitto import MOSQUITTO
 
 CONFIG = SiteConfig()
 
+# Real processes for a minute or more: left out of the quick loop (pytest -m "not slow").
+pytestmark = pytest.mark.slow
+
 
 def test_budget_check_finds_a_breach_with_its_worst_overshoot_and_duration() -> None:
     policy = parse_policy(CONFIG.policy())

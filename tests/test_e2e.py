@@ -47,6 +47,9 @@ CAP_TOL_W = 1.0
 WAIT_S = 60.0  # generous: six Python processes share the CPUs with whatever else runs
 TOPICS = Topics()
 
+# Real processes for a minute or more: left out of the quick loop (pytest -m "not slow").
+pytestmark = pytest.mark.slow
+
 
 def site_policy(rack_1_w: float = 4400, node_w: float = 2500) -> dict[str, Any]:
     """2 racks × 2 nodes × 4 GPUs (200–700 W): every level binds, the facility first."""
