@@ -190,9 +190,7 @@ class SafetyPlanner:
         if old is not None:
             self._absorb()  # queued rows hold indices into the old fleet
         old_index = self._index
-        old_state = (self._hi, self._lo, self._seen, self._prior_hi)
-        old_pend = (self._pend_tick, self._pend_hi, self._pend_lo)
-        old_int = (self._key, self._prior_tick, self._defiant)
+        old_state = self._per_gpu()
         old_last_ack = self._last_ack
         n = fleet.n_gpus
         self.fleet = fleet
@@ -242,18 +240,23 @@ class SafetyPlanner:
         if keep_new:
             new_i = np.array(keep_new)
             old_i = np.array(keep_old)
-            for dst, src in zip(
-                (self._hi, self._lo, self._seen, self._prior_hi), old_state, strict=True
-            ):
+            for dst, src in zip(self._per_gpu(), old_state, strict=True):
                 dst[new_i] = src[old_i]
-            for dst1, src1 in zip(
-                (self._key, self._prior_tick, self._defiant), old_int, strict=True
-            ):
-                dst1[new_i] = src1[old_i]
-            for dst2, src2 in zip(
-                (self._pend_tick, self._pend_hi, self._pend_lo), old_pend, strict=True
-            ):
-                dst2[new_i] = src2[old_i]
+
+    def _per_gpu(self) -> tuple[NDArray[np.generic], ...]:
+        """Every array indexed by GPU (first axis): what a GPU that stays keeps."""
+        return (
+            self._hi,
+            self._lo,
+            self._key,
+            self._seen,
+            self._prior_hi,
+            self._prior_tick,
+            self._defiant,
+            self._pend_tick,
+            self._pend_hi,
+            self._pend_lo,
+        )
 
     def _require_fleet(self) -> Fleet:
         if self.fleet is None:
@@ -536,7 +539,7 @@ class SafetyPlanner:
 
         committed = self.committed_w()  # absorbs the queued messages first
         low = self._low_w()
-        load = self._sums(committed)
+        load = topo.group_sums(committed)
         over_g = load > capacity + TOL_W
         in_over = over_g[topo.gpu_groups].any(axis=1)
 
@@ -566,21 +569,18 @@ class SafetyPlanner:
         pend = np.where(self._pend_tick >= 0, self._pend_tick, np.iinfo(np.int64).max)
         silent = pend.min(axis=1) < tick - UNRESPONSIVE_TICKS
         fixed = defiant | ~send | silent
-        if fixed.any():
-            shed = self._shed(np.where(fixed, committed, caps), capacity, fixed=fixed)
-            caps = np.where(fixed, caps, shed)
-            for i in np.flatnonzero(defiant).tolist():
-                self._events.append(
-                    SafetyEvent(
-                        "cap_refused",
-                        node=fleet.nodes[i],
-                        uuid=fleet.uuids[i],
-                        value_w=float(caps[i]),
-                        committed_w=float(committed[i]),
-                    )
+        shed = self._shed(np.where(fixed, committed, caps), capacity, fixed)
+        caps = np.where(fixed, caps, shed)
+        for i in np.flatnonzero(defiant).tolist():
+            self._events.append(
+                SafetyEvent(
+                    "cap_refused",
+                    node=fleet.nodes[i],
+                    uuid=fleet.uuids[i],
+                    value_w=float(caps[i]),
+                    committed_w=float(committed[i]),
                 )
-        else:
-            caps = self._shed(caps, capacity)
+            )
         # Where a group is over, "≤ committed" proves nothing about the truth: send nothing
         # above the lowest cap that may be in force, so no GPU there rises even briefly.
         caps = np.where(in_over, np.minimum(caps, low), caps)
@@ -595,15 +595,19 @@ class SafetyPlanner:
         sent = np.where(send, caps, np.nan)
         self._record_sent(tick, np.flatnonzero(send), caps)
         committed_after = np.where(send, np.maximum(committed, caps), committed)
-        group_committed = self._sums(committed_after)
+        group_committed = topo.group_sums(committed_after)
         group_load = group_committed + topo.overhead_w + reserve
 
         commands = self._commands(tick, control.lease_s, node_send, caps)
-        # Over only for what a predecessor may still send: expected after a start, and gone
-        # with the first acks; no breach known.
-        base = np.where(np.isnan(self._hi), fleet.max_cap_w, self._hi)
-        known_after = np.maximum(base, self._pend_hi.max(axis=1))  # this tick's sends included
-        known_load = self._sums(known_after) + topo.overhead_w + reserve
+        group_over = group_load > budget + TOL_W
+        settling = np.zeros_like(group_over)
+        if group_over.any() and self._prior_hi.any():
+            # Over only for what a predecessor may still send: expected after a start, and
+            # gone with the first acks; no breach known.
+            base = np.where(np.isnan(self._hi), fleet.max_cap_w, self._hi)
+            known_after = np.maximum(base, self._pend_hi.max(axis=1))  # this tick's included
+            known_load = topo.group_sums(known_after) + topo.overhead_w + reserve
+            settling = group_over & (known_load <= budget + TOL_W)
         events = tuple(self._events)
         self._events = []
         return SafePlan(
@@ -617,15 +621,13 @@ class SafetyPlanner:
             group_committed_w=group_committed,
             group_load_w=group_load,
             group_budget_w=budget,
-            group_over=group_load > budget + TOL_W,
-            group_settling=(group_load > budget + TOL_W) & (known_load <= budget + TOL_W),
+            group_over=group_over,
+            group_settling=settling,
             waiting_nodes=tuple(self._node_names[k] for k in np.flatnonzero(waiting)),
             events=events,
         )
 
-    def _shed(
-        self, caps: FloatArray, capacity: FloatArray, fixed: BoolArray | None = None
-    ) -> FloatArray:
+    def _shed(self, caps: FloatArray, capacity: FloatArray, fixed: BoolArray) -> FloatArray:
         """Lower caps where even the planned decreases do not fit a budget (targets too high,
         or a GPU that refuses its cut: `fixed`, held at its value in `caps`).
 
@@ -635,12 +637,12 @@ class SafetyPlanner:
         """
         fleet = self._require_fleet()
         topo = fleet.topology
-        sums = self._sums(caps)
+        sums = topo.group_sums(caps)
         short = sums > capacity + TOL_W
         if not short.any():
             return caps
-        lowest = fleet.min_cap_w if fixed is None else np.where(fixed, caps, fleet.min_cap_w)
-        floor = self._sums(lowest)
+        lowest = np.where(fixed, caps, fleet.min_cap_w)
+        floor = topo.group_sums(lowest)
         span = np.maximum(sums - floor, TOL_W)
         factor = np.where(short, np.clip((capacity - floor) / span, 0.0, 1.0), 1.0)
         for g in np.flatnonzero(short):
@@ -649,12 +651,6 @@ class SafetyPlanner:
         per_gpu = factor[topo.gpu_groups].min(axis=1)
         shed = lowest + (caps - lowest) * per_gpu
         return np.where(per_gpu < 1.0, shed, caps)
-
-    def _sums(self, per_gpu: FloatArray) -> FloatArray:
-        """Per group Σ per_gpu. A node is counted at what it may have, even above its own
-        budget: a node reporting more than its budget (tampered limits, or hostile) costs
-        its neighbours that much, since the power may really be drawn; it alarms."""
-        return self._require_fleet().topology.group_sums(per_gpu)
 
     def _admit(
         self,
