@@ -131,9 +131,8 @@ class Control(_Strict):
     tick_s: float = Field(default=1.0, gt=0, le=3600)
     lease_s: float = Field(default=10.0, gt=0, le=86400)
     stale_after_s: float = Field(default=5.0, gt=0, le=86400)
-    # A GPU no telemetry has named for this long is forgotten (its node's missing GPUs are
-    # then reserved at the default maximum, as before it was first seen), and so is a claim
-    # on a uuid that another node holds.
+    # A GPU no telemetry has named for this long is forgotten: its node's missing GPUs are
+    # then reserved at the largest maximum the node has shown, as before it was first seen.
     forget_after_s: float = Field(default=600.0, gt=0, le=7 * 86400)
     slew_w: Watts | None = None
     # Weight of the damping term ε·Σ(p − p_prev)², p in kW: breaks ties toward the caps in

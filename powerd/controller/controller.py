@@ -326,12 +326,12 @@ class Controller(AdminWrites):
         self._outliers = tuple(sorted(n for n, t in self._node_ticks.items() if t > ceiling))
         needed = max((t for t in ticks if t <= ceiling), default=0)
         tick = self.tick_no + 1
-        if needed >= tick or (self.tick_no == 0 and needed > 0):
+        if needed >= tick:
             if self.tick_no:
                 log.warning("ticks_behind", ours=self.tick_no, theirs=needed)
-            tick = needed + TAKEOVER_TICK_GAP
-        # A majority claiming absurd ticks still leaves half the tick space to run in.
-        return min(tick, MAX_TICK // 2) if tick > self.tick_no else self.tick_no + 1
+            # A majority claiming absurd ticks still leaves half the tick space to run in.
+            tick = max(tick, min(needed + TAKEOVER_TICK_GAP, MAX_TICK // 2))
+        return tick
 
     # -- the tick ------------------------------------------------------------------------
 
@@ -367,17 +367,14 @@ class Controller(AdminWrites):
         missing = np.where(
             topology.level == len(LEVELS) - 1, np.maximum(expected - known, 0.0), 0.0
         )
-        # A GPU not (or no longer) reported counts at the largest maximum its node has shown.
-        default_max = self.policy.defaults.gpu.max_cap_w
-        node_max = np.array(
-            [
-                max(default_max, node_rec.max_cap_w)
-                if (node_rec := self.fleet.nodes.get(g.name)) is not None
-                else default_max
-                for g in self.policy.groups
-            ],
-            dtype=np.float64,
-        )
+        # A GPU not (or no longer) reported counts at the largest maximum its node has shown:
+        # of its GPUs now, of those it no longer has, or the policy's default.
+        node_max = np.full(topology.n_groups, self.policy.defaults.gpu.max_cap_w)
+        np.maximum.at(node_max, topology.gpu_groups[:, -1], arrays.max_cap_w)
+        for k, group in enumerate(self.policy.groups):
+            node_rec = self.fleet.nodes.get(group.name)
+            if node_rec is not None and node_rec.gone_max_cap_w > node_max[k]:
+                node_max[k] = node_rec.gone_max_cap_w
         reserve_node = missing * node_max
         reserve = _push_up(topology, reserve_node)
         self._shape = _Shape(version, topology, Tree(topology), safety, reserve, reserve_node)
@@ -453,7 +450,7 @@ class Controller(AdminWrites):
             "maximum): "
             + ", ".join(f"{d.uuid} ({', '.join(sorted(d.seen))})" for d in disputes[:5]),
         )
-        offline = sorted(n for n, rec in fleet.nodes.items() if rec.state is NodeState.OFFLINE)
+        offline = fleet.offline_nodes()
         self._alarm(
             "nodes_offline",
             None
@@ -483,16 +480,17 @@ class Controller(AdminWrites):
         if planned:
             plan = planned[0]
         else:
-            budget_w = topo.budget_w
             try:
-                budgets = self.overrides.active_budgets(self.policy, wall)
-                budget_w = group_values(topo, budgets, topo.budget_w) if budgets else budget_w
+                budget_w = self._budgets_in_force(topo, wall)
             except Exception:
                 log.exception("fallback_budgets_failed", tick=tick)
                 budget_w = np.zeros(topo.n_groups)  # nothing may rise
-            offline = [n for n, r in self.fleet.nodes.items() if r.state is NodeState.OFFLINE]
             plan = self.planner.plan(
-                tick, now, fleet.failsafe_w.copy(), budget_w=budget_w, offline=offline
+                tick,
+                now,
+                fleet.failsafe_w.copy(),
+                budget_w=budget_w,
+                offline=self.fleet.offline_nodes(),
             )
         n = fleet.n_gpus
         nan = np.full(n, np.nan)
@@ -528,6 +526,11 @@ class Controller(AdminWrites):
         )
         return report, plan
 
+    def _budgets_in_force(self, topo: Topology, wall: float) -> FloatArray:
+        """Per group: the policy's budget, or a lower temporary one (expired ones end here)."""
+        budgets = self.overrides.active_budgets(self.policy, wall)
+        return group_values(topo, budgets, topo.budget_w) if budgets else topo.budget_w
+
     def _decide(
         self, tick: int, now: float, wall: float, t0: float, planned: list[SafePlan]
     ) -> tuple[TickReport, SafePlan]:
@@ -540,8 +543,7 @@ class Controller(AdminWrites):
         shape = self._shape_for(arrays, now)
         topo = shape.topology
 
-        budgets = self.overrides.active_budgets(self.policy, wall)
-        budget_w = group_values(topo, budgets, topo.budget_w) if budgets else topo.budget_w
+        budget_w = self._budgets_in_force(topo, wall)
         cls_idx = self._class_indices(arrays)
         pinned = self._pinned(arrays)
         committed_before = self.planner.committed_w()
@@ -576,7 +578,7 @@ class Controller(AdminWrites):
         )
 
         t_plan = time.perf_counter()
-        offline = [name for name, rec in self.fleet.nodes.items() if rec.state is NodeState.OFFLINE]
+        offline = self.fleet.offline_nodes()
         weights = self.classes.weight[cls_idx]
         plan = self.planner.plan(
             tick,
@@ -593,7 +595,7 @@ class Controller(AdminWrites):
         # Over only while GPUs count at their maximum until a first ack (after a start) is
         # no breach known: nothing rises there meanwhile.
         over = plan.group_over & ~plan.group_settling
-        refusing = np.flatnonzero(self.planner.defiant())
+        refusing = np.flatnonzero(held)
         self._alarm(
             "caps_refused",
             None

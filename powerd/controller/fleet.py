@@ -40,7 +40,7 @@ class NodeRecord:
     status_caps_w: dict[str, float] = field(default_factory=dict)
     status_tick: int | None = None  # `last_tick` of the status that gave status_caps_w
     status_newer: bool = False  # the status arrived after the last telemetry
-    max_cap_w: float = 0.0  # the highest device maximum its GPUs ever reported
+    gone_max_cap_w: float = 0.0  # the highest device maximum of GPUs it no longer has
     refused: int = 0  # GPUs in its last telemetry beyond its inventory (not taken)
 
 
@@ -244,9 +244,8 @@ class FleetState:
         cols = self._cols
         gone = [u for u, g in self.gpus.items() if now - cols.seen_at[g.slot] > after_s]
         for uuid in gone:
-            rec = self.gpus.pop(uuid)
-            self._node_gpus.get(rec.node, set()).discard(uuid)
-            log.warning("gpu_forgotten", node=rec.node, uuid=uuid, after_s=after_s)
+            node = self._unlink(uuid)
+            log.warning("gpu_forgotten", node=node, uuid=uuid, after_s=after_s)
         for uuid, d in list(self.disputes.items()):
             d.seen = {n: t for n, t in d.seen.items() if now - t <= dispute_s}
             if len(d.seen) <= 1:  # one node still names it: its next telemetry may take it
@@ -257,11 +256,14 @@ class FleetState:
             self.version += 1
         return gone
 
-    def _drop(self, uuid: str) -> None:
+    def _unlink(self, uuid: str) -> str:
+        """Take a GPU out of the fleet (its slot stays until `_compact`); its node."""
         rec = self.gpus.pop(uuid)
         self._node_gpus.get(rec.node, set()).discard(uuid)
-        self._compact()
-        self.version += 1
+        node = self.nodes.get(rec.node)
+        if node is not None:  # its node now counts it missing, at the largest maximum seen
+            node.gone_max_cap_w = max(node.gone_max_cap_w, self._cols.max_cap_w[rec.slot])
+        return rec.node
 
     def _compact(self) -> None:
         """New slots for the GPUs that remain, after some were forgotten."""
@@ -316,19 +318,20 @@ class FleetState:
                 # send (whoever spoke first after a start would win), so neither does. It
                 # leaves the fleet: its node's missing GPUs are reserved at their maximum,
                 # and no node gets commands for it until one node alone has named it for
-                # forget_after_s (a real move: the old node stopped naming it).
+                # stale_after_s (the claim stopped, or a real move).
                 log.warning("gpu_claimed_twice", uuid=g.uuid, holder=rec.node, claimant=node_id)
                 self.disputes[g.uuid] = Dispute(
                     g.uuid, {rec.node: self._cols.seen_at[rec.slot], node_id: now}
                 )
-                self._drop(g.uuid)
+                self._unlink(g.uuid)
+                self._compact()
+                self.version += 1
                 continue
             else:
                 slot = rec.slot
                 if cols.index[slot] != g.index:
                     self.version += 1  # the fleet's order follows GPU indices
             cols.write(slot, g, now)
-            node.max_cap_w = max(node.max_cap_w, g.max_cap_w)
         if refused and not node.refused:
             log.warning(
                 "gpus_beyond_inventory",
@@ -338,6 +341,10 @@ class FleetState:
             )
         node.refused = refused
         return True
+
+    def offline_nodes(self) -> list[str]:
+        """Nodes whose last status is `offline` (their last will, or a clean stop)."""
+        return sorted(n for n, rec in self.nodes.items() if rec.state is NodeState.OFFLINE)
 
     def ingest_status(self, msg: NodeStatus) -> None:
         if msg.node_id not in self.node_order:
