@@ -151,8 +151,7 @@ class AdminWrites:
         policy_w = next((g.budget_w for g in self.policy.groups if g.name == group), None)
         if policy_w is None:
             return float("inf")
-        override = self.overrides.budgets.get(group)
-        return policy_w if override is None else min(policy_w, override.budget_w)
+        return self.overrides.active_budgets(self.policy, self.clock.wall()).get(group, policy_w)
 
     def clear_budget(self, group: str, *, actor: str, reason: str, role: str = "operator") -> None:
         self.overrides.clear_budget(group)

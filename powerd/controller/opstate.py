@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import os
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,6 +32,8 @@ class _Model(BaseModel):
 
 
 class BudgetState(_Model):
+    """A BudgetOverride as stored (the same fields)."""
+
     group: str
     budget_w: float
     expires_at: float | None  # wall-clock seconds; None: until cleared
@@ -87,17 +90,7 @@ class OperatorState(_Model):
 def capture(overrides: Overrides) -> dict[str, Any]:
     """The overrides' fields as plain data (a copy: cheap, on the loop)."""
     return {
-        "budgets": [
-            BudgetState(
-                group=b.group,
-                budget_w=b.budget_w,
-                expires_at=b.expires_at,
-                reason=b.reason,
-                actor=b.actor,
-                created_at=b.created_at,
-            )
-            for b in overrides.budgets.values()
-        ],
+        "budgets": [BudgetState(**asdict(b)) for b in overrides.budgets.values()],
         "pins_w": dict(overrides.pins),
         "drained": sorted(overrides.drained),
         "gpu_classes": dict(overrides.gpu_classes),
@@ -124,9 +117,7 @@ def restore(state: OperatorState, policy: Policy, now_wall: float) -> Overrides:
         if b.group not in groups or not b.budget_w > 0:
             log.warning("operator_state_budget_dropped", group=b.group, budget_w=b.budget_w)
             continue
-        out.budgets[b.group] = BudgetOverride(
-            b.group, b.budget_w, b.expires_at, b.reason, b.actor, b.created_at
-        )
+        out.budgets[b.group] = BudgetOverride(**b.model_dump())
     out.forget_policy_gaps(policy)
     return out
 
