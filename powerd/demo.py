@@ -25,6 +25,7 @@ from powerd.agent.settings import AgentSettings
 from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
 from powerd.clock import Clock, SystemClock
 from powerd.controller.controller import Controller, TickReport
+from powerd.numeric import finite_or_none
 from powerd.policy import Policy, load_policy, load_policy_text
 from powerd.store import Store, StoreWriter, upgrade
 from powerd.transport import MemoryBroker, MqttConfig, MqttTransport, Transport
@@ -269,7 +270,7 @@ async def run_demo(
                 json.dumps(
                     {
                         "tick": r.tick,
-                        "budget_w": _finite(r.budget_w[0]),
+                        "budget_w": finite_or_none(r.budget_w[0]),
                         "committed_w": r.load_w[0],
                         "draw_w": r.draw_w[0],
                         "throughput": r.throughput_total,
@@ -278,7 +279,7 @@ async def run_demo(
                         "status": r.status,
                         "over_budget": bool(r.over.any()),
                         "rows": {
-                            n: {"budget_w": _finite(b), "committed_w": ld, "draw_w": d}
+                            n: {"budget_w": finite_or_none(b), "committed_w": ld, "draw_w": d}
                             for n, b, ld, d in r.level_totals(1)
                         },
                     }
@@ -317,10 +318,6 @@ async def run_demo(
             with contextlib.suppress(OSError):
                 tmp.cleanup()
     return result
-
-
-def _finite(x: float) -> float | None:
-    return float(x) if math.isfinite(x) else None
 
 
 def load_demo_policy(path: str | None) -> Policy:

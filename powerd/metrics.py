@@ -12,7 +12,6 @@ API does) so a scrape of a large fleet never stalls the event loop.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -26,40 +25,13 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
+from powerd.backends.base import throttle_mask
+
 FloatArray = NDArray[np.float64]
 
-# NVML clock event ("throttle") reason bits by the names the backends report (nvml.h; a test
-# checks them against powerd.backends.nvml), so the bitmask means what DCGM's does.
-THROTTLE_BITS: Mapping[str, int] = {
-    "gpu_idle": 0x001,
-    "applications_clocks": 0x002,
-    "sw_power_cap": 0x004,
-    "hw_slowdown": 0x008,
-    "sync_boost": 0x010,
-    "sw_thermal": 0x020,
-    "hw_thermal": 0x040,
-    "hw_power_brake": 0x080,
-    "display_clocks": 0x100,
-    "board_limit": 0x200,
-    "reliability": 0x400,
-}
 GPU_LABELS = ("gpu", "UUID", "device", "modelName", "Hostname")
 # Ticks run at ~1 s with a 250 ms target at 10k GPUs: resolve the fast end finely.
 TICK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
-
-def throttle_mask(reasons: Iterable[str]) -> int:
-    """The NVML bitmask of reason names; names NVML has no bit for (`unknown_0x..`) keep
-    their hex bits, anything else is ignored."""
-    mask = 0
-    for r in reasons:
-        bit = THROTTLE_BITS.get(r)
-        if bit is not None:
-            mask |= bit
-        elif r.startswith("unknown_0x"):
-            with contextlib.suppress(ValueError):
-                mask |= int(r[len("unknown_0x") :], 16)
-    return mask
 
 
 def _array(values: ArrayLike, n: int, what: str) -> FloatArray:

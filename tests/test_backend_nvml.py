@@ -26,8 +26,9 @@ from powerd.backends.base import (
     NoPermission,
     NotSupported,
     UnknownGpu,
+    throttle_reasons,
 )
-from powerd.backends.nvml import NvmlBackend, throttle_reasons
+from powerd.backends.nvml import NvmlBackend
 from powerd.clock import ManualClock
 from powerd.wire import AckError
 

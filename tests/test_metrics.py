@@ -10,14 +10,12 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from powerd.backends.nvml import throttle_reasons
+from powerd.backends.base import THROTTLE_REASON_BITS, throttle_mask, throttle_reasons
 from powerd.metrics import (
-    THROTTLE_BITS,
     AgentMetrics,
     ControllerMetrics,
     exposition,
     start_metrics_server,
-    throttle_mask,
 )
 
 Parsed = dict[str, dict[tuple[tuple[str, str], ...], float]]
@@ -198,7 +196,7 @@ def test_throttle_mask_inverts_the_nvml_backend_names(bit: int) -> None:
 
 
 def test_throttle_names_cover_every_known_bit() -> None:
-    assert throttle_reasons(sum(THROTTLE_BITS.values())) == list(THROTTLE_BITS)
+    assert throttle_reasons(sum(THROTTLE_REASON_BITS.values())) == list(THROTTLE_REASON_BITS)
 
 
 def test_agent_serves_its_registry_over_http() -> None:

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import yaml
 
+from powerd.cli import main as powerd_main
 from powerd.policy import Policy, parse_policy
-from powerd.sim.cli import main as sim_main
 from powerd.sim.engine import STATIC, simulate
 from powerd.sim.report import Report, to_json, write_outputs
 from powerd.sim.scenario import (
@@ -164,7 +164,7 @@ def test_bad_scenario_on_the_command_line_exits_2_naming_file_and_path(
     data = scenario_dict()
     data["workloads"][2]["bursts"] = {"probability": 2}
     bad.write_text(yaml.safe_dump(data))
-    assert sim_main([str(bad), "--policy", str(ROOT / "policies" / "example.yaml")]) == 2
+    assert powerd_main(["sim", str(bad), "--policy", str(ROOT / "policies" / "example.yaml")]) == 2
     err = capsys.readouterr().err
     assert f"{bad}: invalid scenario" in err
     assert "workloads[2].bursts.probability" in err
@@ -288,7 +288,7 @@ def test_cli_json_plots_and_html(tmp_path: Path, capsys: pytest.CaptureFixture[s
     out = tmp_path / "out"
     argv = [str(sc), "--json", "--out", str(out), "--budget-sweep", "0.5,0.8", "--jobs", "1"]
     argv += ["--oversubscribe", "--points", "2", "--policies", "fast,static", "--progress", "never"]
-    assert sim_main(argv) == 0
+    assert powerd_main(["sim", *argv]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert set(doc) == {"scenario", "site", "compare", "budget_sweep", "oversubscribe", "runtime"}
     assert set(doc["compare"]) == {"fast", "static"}

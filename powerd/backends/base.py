@@ -6,10 +6,54 @@ one place; nothing vendor-specific leaks upward. Units are in the names.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from powerd.wire import AckError
+
+# Clock event ("throttle") reason bits from nvml.h, by the names agents report in telemetry
+# (the legacy ClocksThrottleReasons call uses the same bits; tests check them against pynvml's
+# nvmlClocksEventReason* constants). The metrics export the bitmask, as DCGM does.
+THROTTLE_REASON_BITS: Mapping[str, int] = {
+    "gpu_idle": 0x001,
+    "applications_clocks": 0x002,
+    "sw_power_cap": 0x004,
+    "hw_slowdown": 0x008,
+    "sync_boost": 0x010,
+    "sw_thermal": 0x020,
+    "hw_thermal": 0x040,
+    "hw_power_brake": 0x080,
+    "display_clocks": 0x100,
+    "board_limit": 0x200,
+    "reliability": 0x400,
+}
+_KNOWN_REASON_BITS = sum(THROTTLE_REASON_BITS.values())
+_UNKNOWN = "unknown_0x"
+
+
+def throttle_reasons(bits: int) -> list[str]:
+    """Readable names for a clock event reason bit mask; unknown bits are kept, in hex."""
+    names = [name for name, bit in THROTTLE_REASON_BITS.items() if bits & bit]
+    unknown = bits & ~_KNOWN_REASON_BITS
+    if unknown:
+        names.append(f"{_UNKNOWN}{unknown:x}")
+    return names
+
+
+def throttle_mask(reasons: Iterable[str]) -> int:
+    """The bit mask of reason names (the inverse of `throttle_reasons`): `unknown_0x..`
+    names keep their hex bits, anything else is ignored."""
+    mask = 0
+    for r in reasons:
+        bit = THROTTLE_REASON_BITS.get(r)
+        if bit is not None:
+            mask |= bit
+        elif r.startswith(_UNKNOWN):
+            with contextlib.suppress(ValueError):
+                mask |= int(r[len(_UNKNOWN) :], 16)
+    return mask
 
 
 class BackendError(Exception):

@@ -25,6 +25,7 @@ from powerd.backends.base import (
     NoPermission,
     NotSupported,
     UnknownGpu,
+    throttle_reasons,
 )
 from powerd.clock import Clock, SystemClock
 
@@ -57,23 +58,6 @@ _ERRORS: dict[int, tuple[type[BackendError], str]] = {
     pynvml.NVML_ERROR_INVALID_ARGUMENT: (InvalidArgument, "NVML rejected the value"),
 }
 
-# Clock event ("throttle") reason bits, from nvml.h; the legacy ClocksThrottleReasons call
-# uses the same bits. The tests check them against pynvml's nvmlClocksEventReason* constants.
-_REASONS: tuple[tuple[int, str], ...] = (
-    (0x001, "gpu_idle"),
-    (0x002, "applications_clocks"),
-    (0x004, "sw_power_cap"),
-    (0x008, "hw_slowdown"),
-    (0x010, "sync_boost"),
-    (0x020, "sw_thermal"),
-    (0x040, "hw_thermal"),
-    (0x080, "hw_power_brake"),
-    (0x100, "display_clocks"),
-    (0x200, "board_limit"),
-    (0x400, "reliability"),
-)
-_KNOWN_REASON_BITS = sum(bit for bit, _ in _REASONS)
-
 # Preferred call first; the later ones serve drivers (or nvidia-ml-py versions) without it.
 _TEMPERATURE_CALLS = ("nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature")
 _REASON_CALLS = (
@@ -88,15 +72,6 @@ def translate_nvml_error(err: Exception, what: str, uuid: str | None = None) -> 
     cls, hint = _ERRORS.get(code, (BackendError, ""))
     where = f" on {uuid}" if uuid else ""
     return cls(f"{what}{where}: {err} ({hint})" if hint else f"{what}{where}: {err}", uuid=uuid)
-
-
-def throttle_reasons(bits: int) -> list[str]:
-    """Readable names for a clock event reason bit mask; unknown bits are kept, in hex."""
-    names = [name for bit, name in _REASONS if bits & bit]
-    unknown = bits & ~_KNOWN_REASON_BITS
-    if unknown:
-        names.append(f"unknown_0x{unknown:x}")
-    return names
 
 
 def _call(name: str, *args: Any, uuid: str | None = None) -> Any:

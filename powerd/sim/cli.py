@@ -1,7 +1,8 @@
 """`powerd sim`: a scenario on a policy's site, the policies side by side, sweeps and plots.
 
-The lead's `powerd/cli.py` calls `add_sim_parser(subparsers)`; the handler returns the exit
-status: 0 success, 1 a steered policy exceeded a budget (a bug), 2 bad input.
+`powerd/cli.py` calls `add_sim_parser(subparsers)` (this module imports nothing of the CLI's:
+the dependency goes one way); the handler returns the exit status: 0 success, 1 a steered
+policy exceeded a budget (a bug), 2 bad input.
 """
 
 from __future__ import annotations
@@ -248,14 +249,3 @@ def _run(args: argparse.Namespace) -> int:
         log.error("sim_budget_exceeded", policies=steered_over)
         return EXIT_FAILED
     return EXIT_OK
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m powerd.sim.cli ...`: the same as `powerd sim ...`."""
-    from powerd.cli import main as powerd_main  # powerd.cli imports this module
-
-    return powerd_main(["sim", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

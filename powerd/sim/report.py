@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from powerd.numeric import finite_or_none
 from powerd.policy import LEVELS
 from powerd.sim.engine import STATIC, RunResult
 from powerd.sim.scenario import Scenario
@@ -38,10 +39,6 @@ class Report:
     wall_s: float = 0.0
 
 
-def _finite(x: float) -> float | None:
-    return float(x) if math.isfinite(x) else None
-
-
 # -- JSON ----------------------------------------------------------------------------------
 
 
@@ -59,9 +56,9 @@ def to_json(report: Report) -> dict[str, Any]:
         "site": {
             "gpus": site.n_gpus,
             "nodes": site.n_nodes,
-            "feed_w": _finite(site.feed_w),
+            "feed_w": finite_or_none(site.feed_w),
             "nameplate_w": site.nameplate_w,
-            "feed_fraction": _finite(site.feed_w / site.nameplate_w),
+            "feed_fraction": finite_or_none(site.feed_w / site.nameplate_w),
         },
     }
     if report.compare:
