@@ -117,7 +117,8 @@ class RowFamily(Metric):
 
 def _shown(values: FloatArray) -> list[str]:
     """Finite values as text. Integral ones (energy in mJ, temperatures, bitmasks, most caps)
-    print as integers, ~3× faster than repr(); float repr dominates a large scrape."""
+    print as integers, which is much cheaper than repr(); float repr dominates a large scrape
+    (bench/scrape.py; docs/performance.md)."""
     whole = np.rint(values)
     if np.all(np.abs(whole) < 2.0**53) and np.array_equal(whole, values):
         return [str(i) for i in whole.astype(np.int64).tolist()]
@@ -126,7 +127,8 @@ def _shown(values: FloatArray) -> list[str]:
 
 def exposition(registry: Collector) -> bytes:
     """The text format of everything in `registry`, as `generate_latest` writes it but with
-    row families rendered from their cached label text (≈100× faster at 10k GPUs)."""
+    row families rendered from their cached label text: a fleet's label text is built once,
+    not per sample per scrape (bench/scrape.py measures both; docs/performance.md)."""
     out: list[bytes] = []
     for metric in registry.collect():
         if isinstance(metric, RowFamily):

@@ -9,12 +9,19 @@ import numpy as np
 import pytest
 
 from powerd.backends.base import GpuLost, InvalidArgument, NoPermission, UnknownGpu
-from powerd.backends.mock import IDLE_W, CapJournal, GpuFleetModel, MockBackend, Workload
+from powerd.backends.mock import (
+    IDLE_W,
+    CapJournal,
+    GpuFleetModel,
+    MockBackend,
+    MockGpuSpec,
+    Workload,
+)
 from powerd.clock import ManualClock
 
 
 def quiet(n: int, workload: Workload, **kw: float) -> GpuFleetModel:
-    return GpuFleetModel(n, workload, noise_frac=0.0, **kw)
+    return GpuFleetModel(n, workload, spec=MockGpuSpec(noise_frac=0.0, **kw))
 
 
 def test_draw_follows_the_cap_through_an_exact_first_order_lag() -> None:
@@ -209,6 +216,6 @@ def test_rejects_a_fleet_that_cannot_exist() -> None:
     with pytest.raises(ValueError, match="workloads for"):
         GpuFleetModel(3, [Workload.idle()])
     with pytest.raises(ValueError, match="default_cap_w"):
-        GpuFleetModel(1, default_cap_w=800.0)
+        MockGpuSpec(default_cap_w=800.0)
     with pytest.raises(ValueError, match="not all in a fleet"):
         MockBackend(GpuFleetModel(4), ManualClock(), start=2, count=4)

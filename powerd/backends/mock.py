@@ -189,6 +189,31 @@ def _intern(items: list[T], item: T) -> int:
     return len(items) - 1
 
 
+@dataclass(frozen=True)
+class MockGpuSpec:
+    """What kind of GPU a model simulates: its power limits, the lag of its draw behind a
+    cap, its thermal response and its measurement noise (defaults: an H200-like part)."""
+
+    min_cap_w: float = 200.0
+    max_cap_w: float = 700.0
+    default_cap_w: float = 700.0
+    tau_s: float = 0.2  # draw follows min(cap, demand) with this first-order lag
+    ambient_c: float = 30.0
+    temp_per_w: float = 0.08  # settled temperature rise per watt drawn
+    temp_tau_s: float = 30.0
+    noise_frac: float = 0.005  # reported draw's noise, as a share of the draw (uniform)
+    name: str = "Mock H200"
+
+    def __post_init__(self) -> None:
+        if not self.min_cap_w <= self.default_cap_w <= self.max_cap_w:
+            raise ValueError("need min_cap_w <= default_cap_w <= max_cap_w")
+        if self.tau_s <= 0 or self.temp_tau_s <= 0 or self.tau_s == self.temp_tau_s:
+            raise ValueError("time constants must be positive, and tau_s != temp_tau_s")
+
+
+DEFAULT_SPEC = MockGpuSpec()
+
+
 class GpuFleetModel:
     """State of n simulated GPUs as arrays; `advance(dt_s)` integrates them exactly.
 
@@ -204,40 +229,29 @@ class GpuFleetModel:
         n: int,
         workloads: Workload | Sequence[Workload] | None = None,
         *,
+        spec: MockGpuSpec = DEFAULT_SPEC,
         seed: int = 0,
-        tau_s: float = 0.2,
-        min_cap_w: float = 200.0,
-        max_cap_w: float = 700.0,
-        default_cap_w: float = 700.0,
-        ambient_c: float = 30.0,
-        temp_per_w: float = 0.08,
-        temp_tau_s: float = 30.0,
-        noise_frac: float = 0.005,
         start_s: float = 0.0,
         uuid_prefix: str = "GPU-mock",
-        name: str = "Mock H200",
     ) -> None:
         if n < 0:
             raise ValueError("n must not be negative")
-        if not min_cap_w <= default_cap_w <= max_cap_w:
-            raise ValueError("need min_cap_w <= default_cap_w <= max_cap_w")
-        if tau_s <= 0 or temp_tau_s <= 0 or tau_s == temp_tau_s:
-            raise ValueError("time constants must be positive, and tau_s != temp_tau_s")
         self.n = n
         self.t = start_s
-        self.tau_s = tau_s
-        self.ambient_c = ambient_c
-        self.temp_per_w = temp_per_w
-        self.temp_tau_s = temp_tau_s
-        self.noise_frac = noise_frac
-        self.name = name
+        self.spec = spec
+        self.tau_s = spec.tau_s
+        self.ambient_c = spec.ambient_c
+        self.temp_per_w = spec.temp_per_w
+        self.temp_tau_s = spec.temp_tau_s
+        self.noise_frac = spec.noise_frac
+        self.name = spec.name
         self.uuids = [f"{uuid_prefix}-{seed:x}-{i:06d}" for i in range(n)]
         self._seeds = _mix64(np.arange(n, dtype=np.uint64) + np.uint64(seed) * np.uint64(n + 1))
 
-        self.min_cap_w = np.full(n, min_cap_w)
-        self.max_cap_w = np.full(n, max_cap_w)
-        self.default_cap_w = np.full(n, default_cap_w)
-        self.requested_cap_w = np.full(n, default_cap_w)
+        self.min_cap_w = np.full(n, spec.min_cap_w)
+        self.max_cap_w = np.full(n, spec.max_cap_w)
+        self.default_cap_w = np.full(n, spec.default_cap_w)
+        self.requested_cap_w = np.full(n, spec.default_cap_w)
         self.override_w = np.full(n, np.inf)  # out-of-band limit; inf = none
         self.cap_w = self.requested_cap_w.copy()
         self.lost = np.zeros(n, dtype=bool)

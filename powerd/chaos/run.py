@@ -171,59 +171,89 @@ class ChaosReport:
 
 async def inject(site: Site, fault: Fault) -> Undo:
     """Do the fault now; return what undoes it."""
+    do = _INJECT.get(fault.kind)
+    if do is not None:
+        return await do(site, fault.target)
+    await _adversary(site, fault)
+    return _nothing
 
-    async def nothing() -> None:
-        return None
 
-    node = fault.target
-    match fault.kind:
-        case FaultKind.CONTROLLER_KILL:
-            site.controller.kill()
+async def _nothing() -> None:
+    return None
 
-            async def restart_controller() -> None:
-                site.start_controller()
 
-            return restart_controller
-        case FaultKind.AGENT_KILL:
-            site.agents[node].kill()
+async def _kill_controller(site: Site, _target: str) -> Undo:
+    site.controller.kill()
 
-            async def restart_agent() -> None:
-                site.start_agent(node)
+    async def restart() -> None:
+        site.start_controller()
 
-            return restart_agent
-        case FaultKind.BROKER_KILL:
-            site.broker.kill()
+    return restart
 
-            async def restart_broker() -> None:
-                await asyncio.to_thread(site.broker.start)
 
-            return restart_broker
-        case FaultKind.PARTITION:
-            await site.partition(node)
-            return lambda: site.heal(node)
-        case FaultKind.CLOCK_FORWARD | FaultKind.CLOCK_BACK:
-            step = CLOCK_STEP_S if fault.kind is FaultKind.CLOCK_FORWARD else -CLOCK_STEP_S
-            site.step_clock(node, step)
+async def _kill_agent(site: Site, node: str) -> Undo:
+    site.agents[node].kill()
 
-            async def step_back() -> None:
-                site.step_clock(node, 0.0)
+    async def restart() -> None:
+        site.start_agent(node)
 
-            return step_back
-        case FaultKind.DB_LOCK:
-            await site.hold_db_lock()
-            return site.release_db_lock
-        case FaultKind.DB_OUTAGE:
-            await site.db_down()
-            return site.db_up
-        case FaultKind.BUDGET_CUT:
-            group = site.policy.groups[
-                next(i for i, g in enumerate(site.policy.groups) if g.name == fault.target)
-            ]
-            await site.cut_budget(group.name, round(CUT_SHARE * group.budget_w))
-            return lambda: site.clear_budget(group.name)
-        case _:
-            await _adversary(site, fault)
-            return nothing
+    return restart
+
+
+async def _kill_broker(site: Site, _target: str) -> Undo:
+    site.broker.kill()
+
+    async def restart() -> None:
+        await asyncio.to_thread(site.broker.start)
+
+    return restart
+
+
+async def _partition(site: Site, node: str) -> Undo:
+    await site.partition(node)
+    return lambda: site.heal(node)
+
+
+def _clock_step(step_s: float) -> Callable[[Site, str], Awaitable[Undo]]:
+    async def step(site: Site, node: str) -> Undo:
+        site.step_clock(node, step_s)
+
+        async def step_back() -> None:
+            site.step_clock(node, 0.0)
+
+        return step_back
+
+    return step
+
+
+async def _lock_db(site: Site, _target: str) -> Undo:
+    await site.hold_db_lock()
+    return site.release_db_lock
+
+
+async def _db_down(site: Site, _target: str) -> Undo:
+    await site.db_down()
+    return site.db_up
+
+
+async def _cut_budget(site: Site, group_name: str) -> Undo:
+    group = next(g for g in site.policy.groups if g.name == group_name)
+    await site.cut_budget(group.name, round(CUT_SHARE * group.budget_w))
+    return lambda: site.clear_budget(group.name)
+
+
+# The faults done to the site's parts; every other kind is an adversary's message.
+_INJECT: dict[FaultKind, Callable[[Site, str], Awaitable[Undo]]] = {
+    FaultKind.CONTROLLER_KILL: _kill_controller,
+    FaultKind.AGENT_KILL: _kill_agent,
+    FaultKind.BROKER_KILL: _kill_broker,
+    FaultKind.PARTITION: _partition,
+    FaultKind.CLOCK_FORWARD: _clock_step(CLOCK_STEP_S),
+    FaultKind.CLOCK_BACK: _clock_step(-CLOCK_STEP_S),
+    FaultKind.DB_LOCK: _lock_db,
+    FaultKind.DB_OUTAGE: _db_down,
+    FaultKind.BUDGET_CUT: _cut_budget,
+}
 
 
 async def _adversary(site: Site, fault: Fault) -> None:

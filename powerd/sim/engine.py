@@ -27,7 +27,7 @@ import structlog
 from numpy.typing import NDArray
 
 from powerd.allocator import Allocation, ClassTable, Fleet, Tree, allocate_arrays
-from powerd.backends.mock import GpuFleetModel
+from powerd.backends.mock import GpuFleetModel, MockGpuSpec
 from powerd.policy import LEVELS, Policy
 from powerd.safety import Fleet as SafetyFleet
 from powerd.safety import NodeCommand, SafetyPlanner
@@ -153,10 +153,12 @@ class _Run:
         self.model = GpuFleetModel(
             n,
             list(mix.workloads),
+            spec=MockGpuSpec(
+                min_cap_w=site.min_cap_w,
+                max_cap_w=site.tdp_w,
+                default_cap_w=site.tdp_w if policy_name == STATIC else _start_cap_w(site),
+            ),
             seed=spec.seed,
-            min_cap_w=site.min_cap_w,
-            max_cap_w=site.tdp_w,
-            default_cap_w=site.tdp_w if policy_name == STATIC else _start_cap_w(site),
             uuid_prefix="GPU-sim",
         )
         model = self.model

@@ -16,6 +16,7 @@ from typing import Any
 
 import structlog
 
+from powerd.policy import Policy
 from powerd.sim.engine import STATIC, RunResult, simulate
 from powerd.sim.scenario import Scenario
 from powerd.sim.site import Mix, Site, build_mix, build_site
@@ -186,6 +187,93 @@ class Oversubscription:
         return self.static_tdp_nodes * self.gpus_per_node
 
 
+class _Sizes:
+    """The site at each size tried by `oversubscribe`: built, simulated (the unconstrained
+    `static` run once a size, each policy once), and its loss against unconstrained."""
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        policy: Policy,
+        runner: Runner,
+        feed_w: float,
+        gpus_per_node: int,
+        *,
+        keep_inner: bool,
+        metric: str,
+    ) -> None:
+        self.scenario = scenario
+        self.policy = policy
+        self.runner = runner
+        self.feed_w = feed_w
+        self.gpus_per_node = gpus_per_node
+        self.keep_inner = keep_inner
+        self.metric = metric
+        self.evaluated: dict[int, OversubPoint] = {}
+
+    def evaluate(self, sizes: Iterable[int], which: Sequence[str]) -> None:
+        tasks = []
+        for n in sizes:
+            s = build_site(self.policy, nodes=n, facility_budget_w=self.feed_w)
+            if not self.keep_inner:
+                s = s.inner_at_nameplate()
+            mix = build_mix(self.scenario, s)
+            have = self.evaluated.get(n)
+            tasks += [
+                Task((n, p), self.scenario, s, mix, p)
+                for p in (STATIC, *which)
+                if have is None or (p != STATIC and p not in have.loss)
+            ]
+        results = self.runner.run(tasks)
+        for n in sizes:
+            pt = self._point(n, results.get((n, STATIC)))
+            for p in which:
+                r = results.get((n, p))
+                if r is not None:
+                    pt.loss[p] = 1.0 - r.work_gpu_s / (pt.work_unconstrained_gpu_h * 3600.0)
+                    pt.weighted_loss[p] = 1.0 - r.weighted_work_gpu_s / (
+                        pt.weighted_unconstrained_gpu_h * 3600.0
+                    )
+                    pt.over_budget_s[p] = r.over_budget_s
+
+    def _point(self, n: int, ref: RunResult | None) -> OversubPoint:
+        """Size `n`'s point, made from its unconstrained run `ref` the first time."""
+        if n not in self.evaluated:
+            assert ref is not None
+            self.evaluated[n] = OversubPoint(
+                nodes=n,
+                gpus=n * self.gpus_per_node,
+                work_unconstrained_gpu_h=ref.work_gpu_s / 3600.0,
+                weighted_unconstrained_gpu_h=ref.weighted_work_gpu_s / 3600.0,
+                loss={},
+                weighted_loss={},
+                over_budget_s={STATIC: ref.over_budget_s},
+            )
+        return self.evaluated[n]
+
+    def loss(self, n: int, p: str) -> float:
+        pt = self.evaluated[n]
+        return pt.weighted_loss[p] if self.metric == "weighted" else pt.loss[p]
+
+    def fit(self, p: str, grid: Sequence[int], threshold: float) -> int | None:
+        """The most nodes on which policy `p` loses at most `threshold`: the grid's first
+        failing size, then bisection down to one node (None: not even the smallest)."""
+        failing = [n for n in grid if self.loss(n, p) > threshold]
+        if not failing:
+            return grid[-1]
+        bad = failing[0]
+        passing = [n for n in grid if n < bad]
+        good = passing[-1] if passing else 0
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            self.evaluate([mid], [p])
+            if self.loss(mid, p) > threshold:
+                bad = mid
+            else:
+                good = mid
+        return good or None
+
+
 def oversubscribe(
     scenario: Scenario,
     site: Site,
@@ -229,65 +317,11 @@ def oversubscribe(
     if max_nodes < lo:
         return result
     grid = sorted({round(lo + (max_nodes - lo) * k / max(points - 1, 1)) for k in range(points)})
-    evaluated: dict[int, OversubPoint] = {}
-
-    def evaluate(sizes: Iterable[int], which: Sequence[str]) -> None:
-        tasks = []
-        for n in sizes:
-            s = build_site(site.policy, nodes=n, facility_budget_w=feed)
-            if not keep_inner:
-                s = s.inner_at_nameplate()
-            mix = build_mix(scenario, s)
-            have = evaluated.get(n)
-            for p in (STATIC, *which):
-                if have is None or (p != STATIC and p not in have.loss):
-                    tasks.append(Task((n, p), scenario, s, mix, p))
-        results = runner.run(tasks)
-        for n in sizes:
-            ref = results.get((n, STATIC))
-            if n not in evaluated:
-                assert ref is not None
-                evaluated[n] = OversubPoint(
-                    nodes=n,
-                    gpus=n * gpn,
-                    work_unconstrained_gpu_h=ref.work_gpu_s / 3600.0,
-                    weighted_unconstrained_gpu_h=ref.weighted_work_gpu_s / 3600.0,
-                    loss={},
-                    weighted_loss={},
-                    over_budget_s={STATIC: ref.over_budget_s},
-                )
-            pt = evaluated[n]
-            for p in which:
-                r = results.get((n, p))
-                if r is not None:
-                    pt.loss[p] = 1.0 - r.work_gpu_s / (pt.work_unconstrained_gpu_h * 3600.0)
-                    pt.weighted_loss[p] = 1.0 - r.weighted_work_gpu_s / (
-                        pt.weighted_unconstrained_gpu_h * 3600.0
-                    )
-                    pt.over_budget_s[p] = r.over_budget_s
-
-    def loss(n: int, p: str) -> float:
-        pt = evaluated[n]
-        return pt.weighted_loss[p] if metric == "weighted" else pt.loss[p]
-
-    evaluate(grid, steered)
+    sizes = _Sizes(scenario, site.policy, runner, feed, gpn, keep_inner=keep_inner, metric=metric)
+    sizes.evaluate(grid, steered)
     for p in steered:
-        failing = [n for n in grid if loss(n, p) > threshold]
-        if not failing:
-            result.fit_nodes[p] = grid[-1]
-            continue
-        bad = failing[0]
-        passing = [n for n in grid if n < bad]
-        good = passing[-1] if passing else 0
-        while bad - good > 1:
-            mid = (good + bad) // 2
-            evaluate([mid], [p])
-            if loss(mid, p) > threshold:
-                bad = mid
-            else:
-                good = mid
-        result.fit_nodes[p] = good or None
-    result.points = [evaluated[n] for n in sorted(evaluated)]
+        result.fit_nodes[p] = sizes.fit(p, grid, threshold)
+    result.points = [sizes.evaluated[n] for n in sorted(sizes.evaluated)]
     log.info(
         "sim_oversubscription",
         feed_w=feed,

@@ -175,10 +175,10 @@ class MinuteAggregator:
 
 
 # A GPU's cap is stored at most once per this many seconds by default. At 1 s ticks the
-# allocator may move most caps every tick (measured: 42 % of 10,000 GPUs by 0.5 W or more
-# under training and inference load, 4,200 rows a second, ~100 GB a day, and inserts that
-# grew dearer as the table's index outgrew SQLite's cache); one row a GPU a minute is what
-# docs/storage.md sizes. The per-minute rows keep each GPU's mean cap in between.
+# allocator may move most caps a little every tick: a row per move would grow the table, and
+# its index, with the fleet times the tick rate (docs/performance.md has the figures). One
+# row a GPU a minute is what docs/storage.md sizes; the per-minute rows keep each GPU's mean
+# cap in between.
 CAP_INTERVAL_S = 60.0
 CAP_EPSILON_W = 0.5  # a smaller cap move is a repeat (float noise from the solver)
 
