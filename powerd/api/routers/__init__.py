@@ -1,0 +1,1 @@
+"""One router per resource of the admin API; `powerd.api.app.create_app` includes them."""

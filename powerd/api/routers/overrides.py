@@ -1,0 +1,284 @@
+"""Operators' overrides of the policy: temporary budgets, class assignments, pins and
+drains, and the read of those in force.
+
+The eight writes are rows of one table, `OVERRIDE_WRITES`; `add_override_routes` makes each
+row an endpoint. A row says what the endpoint reads (its path's one parameter, then a JSON
+body or a `reason` query parameter) and what it does with it (the controller call); what
+every write does after that (the ledger, refusals, the answer) is powerd.api.writes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Literal, TypedDict
+
+from fastapi import APIRouter
+from pydantic import BaseModel
+
+from powerd.api.deps import V1, ControllerDep, Operator, ReasonQuery, Viewer
+from powerd.api.errors import AUTH_ERRORS, WRITE_ERRORS
+from powerd.api.models import (
+    BudgetIn,
+    BudgetOut,
+    ClassAssignIn,
+    ClassClearIn,
+    OverridesOut,
+    PinIn,
+    ReasonIn,
+    WriteOut,
+)
+from powerd.api.views import finite
+from powerd.api.writes import write
+from powerd.auth import Principal
+from powerd.controller.controller import Controller
+
+router = APIRouter(prefix=V1, tags=["overrides"])
+
+
+@router.get("/overrides", response_model=OverridesOut, responses=AUTH_ERRORS)
+async def overrides(_: Viewer, controller: ControllerDep) -> OverridesOut:
+    """Temporary budgets, pins, drained nodes and class assignments in force."""
+    o = controller.overrides
+    policy_budgets = {g.name: g.budget_w for g in controller.policy.groups}
+    return OverridesOut(
+        budgets=[
+            BudgetOut(
+                group=b.group,
+                budget_w=b.budget_w,
+                policy_budget_w=finite(policy_budgets.get(b.group, math.inf)),
+                expires_at=b.expires_at,
+                reason=b.reason,
+                actor=b.actor,
+                created_at=b.created_at,
+            )
+            for b in o.budgets.values()
+        ],
+        pins_w=dict(o.pins),
+        drained=sorted(o.drained),
+        gpu_classes=dict(o.gpu_classes),
+        node_classes=dict(o.node_classes),
+    )
+
+
+# ---- the writes ----
+
+
+class Who(TypedDict):
+    """Who asks and why: the controller's keyword arguments for the audit row."""
+
+    actor: str
+    reason: str
+    role: str
+
+
+@dataclass(frozen=True)
+class WriteRequest:
+    """One override write as its endpoint received it."""
+
+    key: str
+    """The path's parameter ({group}, {uuid} or {node}); "" when the path has none."""
+    body: Any
+    """The row's body model, validated; None when the reason is a query parameter."""
+    who: Who
+
+
+Change = Callable[[], object]
+
+
+@dataclass(frozen=True)
+class OverrideWrite:
+    """One row of the table: an endpoint that changes an override."""
+
+    name: str
+    """The endpoint's name, from which FastAPI derives its operationId and summary."""
+    method: Literal["PUT", "POST", "DELETE"]
+    path: str
+    """Under /api/v1; at most one {parameter}, which becomes `WriteRequest.key`."""
+    body: type[BaseModel] | None
+    """The JSON body, which carries the reason; None: `reason` is a query parameter."""
+    action: str
+    """The audit log's name for it."""
+    target: Callable[[WriteRequest], str]
+    """What the audit log and the answer name as changed."""
+    change: Callable[[Controller, WriteRequest], Change]
+    """The controller call, bound when the request comes; the ledger runs it."""
+    doc: str | None = None
+    """The endpoint's description in the OpenAPI document."""
+    field: str | None = None
+    """The body field a refused value (422) is blamed on."""
+    lowers_power: bool | Callable[[Controller, WriteRequest], bool] = False
+    """Applied even when the state file cannot be written (safety wins the tie)."""
+
+
+def _key(w: WriteRequest) -> str:
+    return w.key
+
+
+def _listed(w: WriteRequest) -> str:
+    return ",".join(w.body.uuids + w.body.nodes)
+
+
+def _set_budget(c: Controller, w: WriteRequest) -> Change:
+    body: BudgetIn = w.body
+    # A ttl counts from the request, not from when the ledger gets to the change.
+    expires_at = body.expires_at if body.ttl_s is None else c.clock.wall() + body.ttl_s
+    return partial(c.set_budget, w.key, body.budget_w, expires_at=expires_at, **w.who)
+
+
+def _lowers_budget(c: Controller, w: WriteRequest) -> bool:
+    # Applied even when the state file fails, if it lowers what is in force now.
+    return bool(w.body.budget_w <= c.budget_in_force_w(w.key))
+
+
+OVERRIDE_WRITES: tuple[OverrideWrite, ...] = (
+    OverrideWrite(
+        "set_budget",
+        "PUT",
+        "/budgets/{group}",
+        body=BudgetIn,
+        action="budget.set",
+        target=_key,
+        change=_set_budget,
+        doc="""Lower a group's budget for a while (a grid demand-response event). A temporary
+        budget can only lower: the policy's budget is the breaker or contract rating.""",
+        field="budget_w",
+        lowers_power=_lowers_budget,
+    ),
+    OverrideWrite(
+        "clear_budget",
+        "DELETE",
+        "/budgets/{group}",
+        body=None,
+        action="budget.clear",
+        target=_key,
+        change=lambda c, w: partial(c.clear_budget, w.key, **w.who),
+        doc="End a temporary budget now (the policy's applies from the next tick).",
+    ),
+    OverrideWrite(
+        "assign_class",
+        "POST",
+        "/classes/assign",
+        body=ClassAssignIn,
+        action="class.assign",
+        target=_listed,
+        change=lambda c, w: partial(
+            c.assign_class, w.body.class_, uuids=w.body.uuids, nodes=w.body.nodes, **w.who
+        ),
+        doc="Steer GPUs or whole nodes as a workload class (a scheduler's job prolog).",
+    ),
+    OverrideWrite(
+        "clear_class",
+        "POST",
+        "/classes/clear",
+        body=ClassClearIn,
+        action="class.clear",
+        target=_listed,
+        change=lambda c, w: partial(c.clear_class, uuids=w.body.uuids, nodes=w.body.nodes, **w.who),
+        doc="Drop class assignments (the job epilog): the workload's own report applies again.",
+    ),
+    OverrideWrite(
+        "pin",
+        "PUT",
+        "/gpus/{uuid}/pin",
+        body=PinIn,
+        action="gpu.pin",
+        target=_key,
+        change=lambda c, w: partial(c.pin, w.key, w.body.watts, **w.who),
+        doc="Hold one GPU at a fixed cap (within its limits) until unpinned.",
+        field="watts",
+    ),
+    OverrideWrite(
+        "unpin",
+        "DELETE",
+        "/gpus/{uuid}/pin",
+        body=None,
+        action="gpu.unpin",
+        target=_key,
+        change=lambda c, w: partial(c.unpin, w.key, **w.who),
+    ),
+    OverrideWrite(
+        "drain",
+        "PUT",
+        "/nodes/{node}/drain",
+        body=ReasonIn,
+        action="node.drain",
+        target=_key,
+        change=lambda c, w: partial(c.drain, w.key, **w.who),
+        doc="Hold every GPU of a node at its minimum (maintenance, a suspect PSU).",
+        lowers_power=True,
+    ),
+    OverrideWrite(
+        "undrain",
+        "DELETE",
+        "/nodes/{node}/drain",
+        body=None,
+        action="node.undrain",
+        target=_key,
+        change=lambda c, w: partial(c.undrain, w.key, **w.who),
+    ),
+)
+
+
+def _endpoint(row: OverrideWrite) -> Callable[..., Awaitable[WriteOut]]:
+    """The endpoint of one row, with the signature FastAPI reads its inputs from."""
+    keys = re.findall(r"{(\w+)}", row.path)
+    if len(keys) > 1:
+        raise ValueError(f"{row.path}: an override write takes at most one path parameter")
+    key = keys[0] if keys else None
+
+    async def endpoint(controller: Controller, p: Principal, **inputs: Any) -> WriteOut:
+        body = inputs.get("body")
+        reason: str = inputs["reason"] if body is None else body.reason
+        w = WriteRequest(
+            key=inputs[key] if key else "",
+            body=body,
+            who=Who(actor=p.name, reason=reason, role=p.role.label),
+        )
+        return await write(
+            controller,
+            p,
+            row.action,
+            row.target(w),
+            reason,
+            row.change(controller, w),
+            row.field,
+            lowers_power=row.lowers_power(controller, w)
+            if callable(row.lowers_power)
+            else row.lowers_power,
+        )
+
+    param = partial(inspect.Parameter, kind=inspect.Parameter.KEYWORD_ONLY)
+    inputs = [param(key, annotation=str)] if key else []
+    inputs.append(
+        param("reason", annotation=ReasonQuery)
+        if row.body is None
+        else param("body", annotation=row.body)
+    )
+    # FastAPI reads the inputs from the signature (inspect.signature honours __signature__).
+    endpoint.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [*inputs, param("p", annotation=Operator), param("controller", annotation=ControllerDep)],
+        return_annotation=WriteOut,
+    )
+    endpoint.__name__ = endpoint.__qualname__ = row.name
+    endpoint.__doc__ = row.doc
+    return endpoint
+
+
+def add_override_routes(router: APIRouter, rows: tuple[OverrideWrite, ...]) -> None:
+    for row in rows:
+        router.add_api_route(
+            row.path,
+            _endpoint(row),
+            methods=[row.method],
+            name=row.name,
+            response_model=WriteOut,
+            responses=WRITE_ERRORS,
+        )
+
+
+add_override_routes(router, OVERRIDE_WRITES)

@@ -1,0 +1,88 @@
+"""The policy in force: read it (viewer), replace it (admin)."""
+
+from __future__ import annotations
+
+import structlog
+from fastapi import APIRouter, Request
+from sqlalchemy.exc import SQLAlchemyError
+
+from powerd.api.deps import V1, Admin, ControllerDep, ReasonQuery, Viewer
+from powerd.api.errors import AUTH_ERRORS, WRITE_ERRORS, error_doc, rejected
+from powerd.api.models import PolicyOut, PolicyReplaced
+from powerd.api.writes import done, failed, refuse
+from powerd.controller.admin import WriteFailed
+from powerd.errors import InputError
+
+log = structlog.get_logger(__name__)
+
+MAX_POLICY_BYTES = 4 * 1024 * 1024
+
+router = APIRouter(prefix=V1, tags=["policy"])
+
+
+@router.get("/policy", response_model=PolicyOut, responses=AUTH_ERRORS)
+def policy(_: Viewer, controller: ControllerDep) -> PolicyOut:
+    """The policy in force, with its text when the store keeps it (or when the API
+    replaced it and the database is down)."""
+    active = None
+    if controller.store is not None and controller.policy_version is not None:
+        try:
+            active = controller.store.active_policy()
+        except SQLAlchemyError as exc:
+            log.warning("api_store_unreachable", path="policy", error=type(exc).__name__)
+    api = controller.ledger.api_policy
+    if active is None and api is not None and controller.policy.source == "api":
+        return PolicyOut(
+            version=controller.policy_version,
+            source="api",
+            sha256=api.sha256,
+            activated_at=api.ts,
+            yaml=api.text,
+        )
+    return PolicyOut(
+        version=controller.policy_version,
+        source=controller.policy.source,
+        sha256=None if active is None else active.sha256,
+        activated_at=None if active is None else active.ts,
+        yaml=None if active is None else active.yaml_text,
+    )
+
+
+@router.put(
+    "/policy",
+    response_model=PolicyReplaced,
+    responses={**WRITE_ERRORS, 413: error_doc("Policy text too large")},
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "description": "The whole policy file (docs/policy.md).",
+            "content": {"application/yaml": {"schema": {"type": "string"}}},
+        }
+    },
+)
+async def replace_policy(
+    request: Request, reason: ReasonQuery, p: Admin, controller: ControllerDep
+) -> PolicyReplaced:
+    """Replace the policy. It is validated first: a bad one is refused with the same
+    problems as `powerd policy check`, and the running policy stays."""
+    raw = await request.body()
+    if len(raw) > MAX_POLICY_BYTES:
+        rejected(413, f"policy text over {MAX_POLICY_BYTES} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        why = "the policy is not UTF-8 text"
+        await refuse(controller, p, "policy.replace", "api", reason, 422, why, [("", why)])
+    try:
+        outcome = await controller.ledger.replace_policy(
+            text, actor=p.name, reason=reason, role=p.role.label
+        )
+    except InputError as exc:
+        why = str(exc).splitlines()[0]
+        await refuse(controller, p, "policy.replace", "api", reason, 422, why, exc.problems)
+    except WriteFailed as exc:
+        failed(exc)
+    return PolicyReplaced(
+        **done(controller, "policy.replace", "api", outcome).model_dump(),
+        version=outcome.policy_version,
+    )
