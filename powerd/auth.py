@@ -228,8 +228,11 @@ def _entry(item: object, *, dev: bool) -> TokenEntry:
     if not isinstance(item.get("hash"), str):
         raise ValueError("hash is required (`powerd token new` prints one)")
     salt, digest = parse_hash(item["hash"])
-    if not dev:
-        for placeholder in PLACEHOLDERS:
-            if hmac.compare_digest(_digest(placeholder, salt), digest):
-                raise ValueError("hash is of an empty or placeholder token; make a real one")
+    if not dev and _is_placeholder(salt, digest):
+        raise ValueError("hash is of an empty or placeholder token; make a real one")
     return TokenEntry(name, parsed_role, salt, digest)
+
+
+def _is_placeholder(salt: bytes, digest: bytes) -> bool:
+    """Whether the hash is of an empty or example token (copied from the docs)."""
+    return any(hmac.compare_digest(_digest(p, salt), digest) for p in PLACEHOLDERS)

@@ -3,19 +3,10 @@ fit for JSON (which has no infinity and no NaN)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from powerd.controller.controller import Controller, TickReport
 from powerd.policy import LEVELS, Policy
-
-
-def finite(x: float) -> float | None:
-    return x if math.isfinite(x) else None
-
-
-def nan_none(x: float) -> float | None:
-    return None if math.isnan(x) else float(x)
 
 
 @dataclass(frozen=True)

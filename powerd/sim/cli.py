@@ -19,10 +19,10 @@ import structlog
 
 from powerd.argtypes import positive_float
 from powerd.errors import InputError
-from powerd.policy import load_policy
+from powerd.policy import Policy, load_policy
 from powerd.sim.engine import POLICIES, STATIC
 from powerd.sim.report import Report, text, to_json, write_outputs
-from powerd.sim.scenario import ScenarioError, check_against_policy, load_scenario
+from powerd.sim.scenario import Scenario, ScenarioError, check_against_policy, load_scenario
 from powerd.sim.site import site_for
 from powerd.sim.study import (
     DEFAULT_FRACTIONS,
@@ -186,18 +186,22 @@ def cmd_sim(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
 
 
-def _run(args: argparse.Namespace) -> int:
+def _scenario_and_policy(args: argparse.Namespace) -> tuple[Scenario, Policy]:
+    """The scenario with the command line's overrides, and the policy it runs on."""
     overrides = {"seed": args.seed, "duration_h": args.duration_h, "tick_s": args.tick_s}
     scenario = load_scenario(args.scenario, overrides)
-    if args.policy is not None:
-        policy = load_policy(args.policy)
-    elif scenario.policy_path is not None:
-        policy = load_policy(scenario.policy_path)
-    else:
+    path = args.policy if args.policy is not None else scenario.policy_path
+    if path is None:
         raise ScenarioError(
             scenario.source, [("policy", "no policy: add `policy: FILE` or give --policy")]
         )
+    policy = load_policy(path)
     check_against_policy(scenario, policy)
+    return scenario, policy
+
+
+def _run(args: argparse.Namespace) -> int:
+    scenario, policy = _scenario_and_policy(args)
     if args.points < 2:
         raise ScenarioError("--points", [("", "at least 2 site sizes")])
     site = site_for(scenario, policy)
@@ -229,16 +233,7 @@ def _run(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     report.wall_s = time.perf_counter() - t0
-    doc = to_json(report)
-    if args.out:
-        out = Path(args.out)
-        written = write_outputs(report, out)
-        (out / "results.json").write_text(json.dumps(doc, indent=2), encoding="utf-8")
-        log.info("sim_outputs_written", files=[str(p) for p in written])
-    if args.json:
-        print(json.dumps(doc, indent=2))
-    else:
-        print(text(report))
+    _show(report, args)
     log.info("sim_finished", scenario=scenario.spec.name, wall_s=round(report.wall_s, 2))
     steered_over = [
         p
@@ -249,3 +244,17 @@ def _run(args: argparse.Namespace) -> int:
         log.error("sim_budget_exceeded", policies=steered_over)
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _show(report: Report, args: argparse.Namespace) -> None:
+    """The report as text or JSON on stdout, and its files under --out."""
+    doc = to_json(report)
+    if args.out:
+        out = Path(args.out)
+        written = write_outputs(report, out)
+        (out / "results.json").write_text(json.dumps(doc, indent=2), encoding="utf-8")
+        log.info("sim_outputs_written", files=[str(p) for p in written])
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print(text(report))

@@ -21,8 +21,8 @@ from powerd.api.models import (
     NodeOut,
     Page,
 )
-from powerd.api.views import finite, nan_none
 from powerd.controller.controller import TickReport
+from powerd.numeric import finite_or_none
 from powerd.policy import LEVELS
 
 router = APIRouter(prefix=V1, tags=["fleet"])
@@ -32,7 +32,7 @@ def _group_use(r: TickReport, g: int) -> GroupUse:
     return GroupUse(
         name=r.group_names[g],
         level=LEVELS[int(r.group_levels[g])],
-        budget_w=finite(float(r.budget_w[g])),
+        budget_w=finite_or_none(float(r.budget_w[g])),
         committed_w=float(r.load_w[g]),
         draw_w=float(r.draw_w[g]),
         over=bool(r.over[g]),
@@ -75,7 +75,7 @@ async def fleet(_: Viewer, controller: ControllerDep) -> FleetSummary:
         nodes_by_state=states,
         gpus=len(controller.fleet.gpus) if r is None else len(r.uuids),
         gpus_stale=0 if r is None else int(r.stale.sum()),
-        throughput=None if r is None else finite(r.throughput_total),
+        throughput=None if r is None else finite_or_none(r.throughput_total),
         throughput_by_class={}
         if r is None
         else {k: v for k, v in r.throughput_by_class().items() if math.isfinite(v)},
@@ -154,7 +154,7 @@ async def nodes(
                 last_seen_age_s=None
                 if rec is None or rec.seen_at is None
                 else max(0.0, now - rec.seen_at),
-                budget_w=None if r is None or g is None else finite(float(r.budget_w[g])),
+                budget_w=None if r is None or g is None else finite_or_none(float(r.budget_w[g])),
                 committed_w=None if r is None or g is None else float(r.load_w[g]),
                 draw_w=None if r is None or g is None else float(r.draw_w[g]),
             )
@@ -226,9 +226,9 @@ async def gpus(
                 drained=rec.node in over.drained,
                 power_w=rec.power_w,
                 cap_w=rec.cap_w,
-                target_w=None if tick is None else nan_none(float(tick.targets_w[i])),
-                sent_w=None if tick is None else nan_none(float(tick.sent_w[i])),
-                committed_w=None if tick is None else nan_none(float(tick.committed_w[i])),
+                target_w=None if tick is None else finite_or_none(float(tick.targets_w[i])),
+                sent_w=None if tick is None else finite_or_none(float(tick.sent_w[i])),
+                committed_w=None if tick is None else finite_or_none(float(tick.committed_w[i])),
                 min_cap_w=rec.min_cap_w,
                 max_cap_w=rec.max_cap_w,
                 temp_c=rec.temp_c,
@@ -263,7 +263,7 @@ async def allocation(
             node=r.nodes[i],
             class_=r.classes[i],
             target_w=float(r.targets_w[i]),
-            sent_w=nan_none(float(r.sent_w[i])),
+            sent_w=finite_or_none(float(r.sent_w[i])),
             committed_w=float(r.committed_w[i]),
         )
         for i in idx[offset : offset + limit]
@@ -273,7 +273,7 @@ async def allocation(
         ts=r.ts,
         status=r.status,
         solver=r.solver,
-        objective=finite(r.objective),
+        objective=finite_or_none(r.objective),
         solve_ms=r.solve_ms,
         caps=Page[GpuCap](items=caps, total=len(idx), limit=limit, offset=offset),
     )

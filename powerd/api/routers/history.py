@@ -12,7 +12,7 @@ from fastapi import APIRouter, Query
 from powerd.api.deps import V1, ControllerDep, Limit, NameQuery, Offset, Viewer, store_or_503
 from powerd.api.errors import AUTH_ERRORS, STORE_ERRORS
 from powerd.api.models import AlarmOut, AuditOut, EventOut, Page, TickOut
-from powerd.api.views import finite
+from powerd.numeric import finite_or_none
 
 router = APIRouter(prefix=V1)
 
@@ -40,7 +40,7 @@ def ticks(
                 status=t.status,
                 solver=t.solver,
                 solve_ms=t.solve_ms,
-                budget_w=finite(t.budget_w),
+                budget_w=finite_or_none(t.budget_w),
                 committed_w=t.committed_w,
                 draw_w=t.measured_w,
                 throughput=t.throughput,
@@ -51,7 +51,7 @@ def ticks(
         ]
     history = list(controller.history)  # a copy: the loop appends meanwhile
     return [
-        TickOut(**(asdict(r) | {"budget_w": finite(r.budget_w)}))  # the same fields
+        TickOut(**(asdict(r) | {"budget_w": finite_or_none(r.budget_w)}))  # the same fields
         for r in reversed(history)
         if since is None or r.ts >= since
     ][:limit]

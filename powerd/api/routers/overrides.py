@@ -32,10 +32,10 @@ from powerd.api.models import (
     ReasonIn,
     WriteOut,
 )
-from powerd.api.views import finite
 from powerd.api.writes import write
 from powerd.auth import Principal
 from powerd.controller.controller import Controller
+from powerd.numeric import finite_or_none
 
 router = APIRouter(prefix=V1, tags=["overrides"])
 
@@ -50,7 +50,7 @@ async def overrides(_: Viewer, controller: ControllerDep) -> OverridesOut:
             BudgetOut(
                 group=b.group,
                 budget_w=b.budget_w,
-                policy_budget_w=finite(policy_budgets.get(b.group, math.inf)),
+                policy_budget_w=finite_or_none(policy_budgets.get(b.group, math.inf)),
                 expires_at=b.expires_at,
                 reason=b.reason,
                 actor=b.actor,
