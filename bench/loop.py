@@ -42,7 +42,8 @@ import paho.mqtt.client as mqtt
 import yaml
 
 from powerd.clock import SystemClock
-from powerd.controller.controller import Controller, TickReport
+from powerd.controller.controller import Controller
+from powerd.controller.engine import TickReport
 from powerd.controller.settings import ControllerSettings
 from powerd.logs import configure_logging
 from powerd.policy import load_policy

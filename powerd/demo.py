@@ -24,7 +24,8 @@ from powerd.agent.agent import Agent
 from powerd.agent.settings import AgentSettings
 from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
 from powerd.clock import Clock, SystemClock
-from powerd.controller.controller import Controller, TickReport
+from powerd.controller.controller import Controller
+from powerd.controller.engine import TickReport
 from powerd.policy import Policy, load_policy, load_policy_text
 from powerd.store import Store, StoreWriter, upgrade
 from powerd.transport import MemoryBroker, MqttConfig, MqttTransport, Transport

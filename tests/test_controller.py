@@ -19,7 +19,8 @@ from conftest import SteppedClock
 from powerd.agent.agent import Agent
 from powerd.agent.settings import AgentSettings
 from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
-from powerd.controller.controller import Controller, TickReport
+from powerd.controller.controller import Controller
+from powerd.controller.engine import TickReport
 from powerd.controller.overrides import OverrideError
 from powerd.controller.settings import ControllerSettings
 from powerd.policy import Policy, PolicyError, parse_policy

@@ -54,7 +54,8 @@ from powerd.api.models import (
 )
 from powerd.auth import Principal, Role, TokenStore
 from powerd.controller.admin import WriteFailed, WriteOutcome
-from powerd.controller.controller import Controller, TickReport
+from powerd.controller.controller import Controller
+from powerd.controller.engine import TickReport
 from powerd.controller.overrides import NotFound, OverrideError
 from powerd.errors import InputError
 from powerd.metrics import exposition

@@ -11,7 +11,8 @@ from typing import Any, overload
 
 import numpy as np
 
-from powerd.controller.controller import Controller, TickReport
+from powerd.controller.controller import Controller
+from powerd.controller.engine import TickReport
 from powerd.controller.fleet import GpuRecord
 from powerd.metrics import ControllerMetrics
 from powerd.policy import LEVELS

@@ -18,7 +18,8 @@ from powerd.api.server import ApiServer
 from powerd.auth import TokenStore, check_secret
 from powerd.clock import SystemClock
 from powerd.controller.admin import Ledger, PolicyVersionToStore, WriteFailed
-from powerd.controller.controller import Controller, TickReport
+from powerd.controller.controller import Controller
+from powerd.controller.engine import TickReport
 from powerd.controller.opstate import (
     ApiPolicy,
     OperatorState,

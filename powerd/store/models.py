@@ -14,7 +14,6 @@ that these models and the migrated database agree.
 
 from __future__ import annotations
 
-from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import (
@@ -45,12 +44,6 @@ NAMING_CONVENTION = {
 Id = BigInteger().with_variant(Integer(), "sqlite")
 
 NAME_LEN = 128
-
-
-class Severity(StrEnum):
-    INFO = "info"
-    WARNING = "warning"
-    ALARM = "alarm"
 
 
 class Base(DeclarativeBase):

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from powerd.store.models import Severity
+from powerd.alarms import Severity
 
 T = TypeVar("T")
 
