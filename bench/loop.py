@@ -114,7 +114,9 @@ class TickFigures:
 
     @classmethod
     def of(cls, r: TickReport) -> TickFigures:
-        return cls(r.duration_ms, r.solve_ms, r.plan_ms, bool(r.over.any()), bool(r.stale.any()))
+        return cls(
+            r.duration_ms, r.solve_ms, r.plan_ms, bool(r.group_over.any()), bool(r.stale.any())
+        )
 
 
 class Run:

@@ -456,7 +456,7 @@ def test_ticks_come_from_memory_without_a_store(tmp_path: Path) -> None:
             assert last is not None
             newest = c.get("/api/v1/ticks", params={"limit": 1}).json()[0]
             assert newest["tick"] >= last.tick >= ticks[0]["tick"]
-            assert newest["budget_w"] == float(last.budget_w[0])
+            assert newest["budget_w"] == float(last.group_budget_w[0])
             assert newest["gpus"] == 8 and newest["gpus_stale"] == 0
             assert newest["committed_w"] > 0 and newest["draw_w"] > 0
             events = c.get("/api/v1/events")

@@ -138,12 +138,12 @@ def test_the_engine_alone_steers_every_gpu_within_every_budget() -> None:
         topo = engine.shape.topology if engine.shape is not None else None
         assert topo is not None
         caps = np.array([nodes[n].caps[u] for u, n in zip(report.uuids, report.nodes, strict=True)])
-        assert (topo.group_sums(caps) + topo.overhead_w <= report.budget_w + TOL).all()
+        assert (topo.group_sums(caps) + topo.overhead_w <= report.group_budget_w + TOL).all()
         # The planner's bound is over only while it counts GPUs at their maximum for what a
         # predecessor may have sent (until the first acks of ours).
         assert not (plan.group_over & ~plan.group_settling).any()
-    assert report.status == "optimal" and not report.over.any()
-    assert (plan.group_load_w <= report.budget_w + TOL).all()
+    assert report.status == "optimal" and not report.group_over.any()
+    assert (plan.group_committed_w <= report.group_budget_w + TOL).all()
     assert len(report.uuids) == GPUS * len(NODES)
     # The budget is shared out, not left at the failsafe caps: 7000 W for 16 GPUs.
     total = sum(w for n in nodes.values() for w in n.caps.values())

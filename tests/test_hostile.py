@@ -296,7 +296,7 @@ def test_a_hostile_node_cannot_stop_the_controller_or_breach_a_budget(
             rec = c.fleet.gpus.get(u)
             assert rec.node == node.name if rec is not None else u in c.fleet.disputes
     assert len([g for g in c.fleet.gpus.values() if g.node == HOSTILE]) <= GPUS
-    assert math.isfinite(float(report.load_w[0]))
+    assert math.isfinite(float(report.group_committed_w[0]))
 
 
 def test_a_tick_that_fails_still_ends_with_safe_caps_and_an_alarm() -> None:

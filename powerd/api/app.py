@@ -192,10 +192,10 @@ def _group_use(r: TickReport, g: int) -> GroupUse:
     return GroupUse(
         name=r.group_names[g],
         level=LEVELS[int(r.group_levels[g])],
-        budget_w=finite(float(r.budget_w[g])),
-        committed_w=float(r.load_w[g]),
-        draw_w=float(r.draw_w[g]),
-        over=bool(r.over[g]),
+        budget_w=finite(float(r.group_budget_w[g])),
+        committed_w=float(r.group_committed_w[g]),
+        draw_w=float(r.group_draw_w[g]),
+        over=bool(r.group_over[g]),
     )
 
 
@@ -377,7 +377,7 @@ def create_app(
         if level is not None:
             idx = np.flatnonzero(r.group_levels == LEVELS.index(level)).tolist()
         if over is not None:
-            idx = [g for g in idx if bool(r.over[g]) == over]
+            idx = [g for g in idx if bool(r.group_over[g]) == over]
         items = [_group_use(r, g) for g in idx[offset : offset + limit]]
         return {"items": items, "total": len(idx), "limit": limit, "offset": offset}
 
@@ -429,9 +429,9 @@ def create_app(
                     last_seen_age_s=None
                     if rec is None or rec.seen_at is None
                     else max(0.0, now - rec.seen_at),
-                    budget_w=None if r is None or g is None else finite(float(r.budget_w[g])),
-                    committed_w=None if r is None or g is None else float(r.load_w[g]),
-                    draw_w=None if r is None or g is None else float(r.draw_w[g]),
+                    budget_w=None if r is None or g is None else finite(float(r.group_budget_w[g])),
+                    committed_w=None if r is None or g is None else float(r.group_committed_w[g]),
+                    draw_w=None if r is None or g is None else float(r.group_draw_w[g]),
                 )
             )
         return _page(out, limit, offset)
@@ -605,7 +605,7 @@ def create_app(
                     solve_ms=t.solve_ms,
                     budget_w=finite(t.budget_w),
                     committed_w=t.committed_w,
-                    draw_w=t.measured_w,
+                    draw_w=t.draw_w,
                     throughput=t.throughput,
                     gpus=t.n_gpus,
                     gpus_stale=t.n_stale,

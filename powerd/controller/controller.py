@@ -16,7 +16,7 @@ import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import structlog
 
@@ -28,8 +28,15 @@ from powerd.controller.fleet import FleetState
 from powerd.controller.overrides import Overrides
 from powerd.policy import Policy
 from powerd.safety import SafePlan, SafetyPlanner
-from powerd.store import EventRecord, Severity, Store, StoreHealth, StoreWriter, TickRecord
-from powerd.store import GpuRecord as StoredGpu
+from powerd.store import (
+    EventRecord,
+    GpuRecord,
+    Severity,
+    Store,
+    StoreHealth,
+    StoreWriter,
+    TickRecord,
+)
 from powerd.transport import ConnectionState, LastWill, Message, Transport, TransportError
 from powerd.transport.base import cancel_and_wait
 from powerd.wire import (
@@ -45,6 +52,9 @@ from powerd.wire import (
 )
 
 log = structlog.get_logger(__name__)
+
+# What the store keeps of each GPU, read off the fleet's record of it.
+_INVENTORY_FIELDS = tuple(f.name for f in fields(GpuRecord))
 
 
 @dataclass
@@ -217,22 +227,12 @@ class Controller(AdminWrites):
         if self.writer is None or shape is None or shape.version == self._inventoried:
             return
         self._inventoried = shape.version
-        new = [u for u in shape.safety.uuids if u not in self._stored_gpus]
+        new = [u for u in shape.layout.uuids if u not in self._stored_gpus]
         if not new:
             return
-        recs = [self.fleet.gpus[u] for u in new]
+        gpus = self.fleet.gpus
         self.writer.submit_gpus(
-            [
-                StoredGpu(
-                    uuid=r.uuid,
-                    node=r.node,
-                    index=r.index,
-                    name=r.name,
-                    min_cap_w=r.min_cap_w,
-                    max_cap_w=r.max_cap_w,
-                )
-                for r in recs
-            ]
+            GpuRecord(**{f: getattr(gpus[u], f) for f in _INVENTORY_FIELDS}) for u in new
         )
         self._stored_gpus.update(new)
 
@@ -265,7 +265,7 @@ class Controller(AdminWrites):
                     ts=summary.ts,
                     budget_w=summary.budget_w,
                     committed_w=summary.committed_w,
-                    measured_w=summary.draw_w,
+                    draw_w=summary.draw_w,
                     throughput=summary.throughput,
                     solve_ms=summary.solve_ms,
                     status=summary.status,
@@ -275,10 +275,10 @@ class Controller(AdminWrites):
                     rows={
                         name: {
                             "budget_w": b if math.isfinite(b) else None,
-                            "load_w": load,
+                            "load_w": committed,  # the stored key since the first schema
                             "draw_w": d if math.isfinite(d) else None,
                         }
-                        for name, b, load, d in report.level_totals(1)
+                        for name, b, committed, d in report.level_totals(1)
                     },
                 )
             )

@@ -25,8 +25,7 @@ from powerd.allocator.api import group_values
 from powerd.controller.fleet import FleetArrays, FleetState
 from powerd.controller.overrides import Overrides
 from powerd.policy import LEVELS, Policy
-from powerd.safety import Fleet as SafetyFleet
-from powerd.safety import SafePlan, SafetyPlanner
+from powerd.safety import FleetLayout, SafePlan, SafetyPlanner
 from powerd.topology import Topology
 from powerd.wire import MAX_TICK, CapAck, NodeState, NodeStatus, NodeTelemetry
 
@@ -55,10 +54,10 @@ class TickReport:
     objective: float
     group_names: tuple[str, ...]
     group_levels: NDArray[np.int64]
-    budget_w: FloatArray  # per group, in force (policy ∩ temporary overrides)
-    load_w: FloatArray  # per group: committed caps + overhead + reserve for unknown GPUs
-    draw_w: FloatArray  # per group: measured GPU draw + overhead
-    over: BoolArray  # per group: load above budget (a cut not yet obeyed)
+    group_budget_w: FloatArray  # in force (policy ∩ temporary overrides)
+    group_committed_w: FloatArray  # committed caps + overhead + reserve for unknown GPUs
+    group_draw_w: FloatArray  # measured GPU draw + overhead
+    group_over: BoolArray  # committed above budget (a cut not yet obeyed)
     uuids: list[str]
     nodes: list[str]
     # Per GPU, as steered. A tuple: a tuple of strings leaves the garbage collector's view
@@ -87,14 +86,14 @@ class TickReport:
         return out
 
     def level_totals(self, level: int) -> list[tuple[str, float, float, float]]:
-        """(name, budget, load, draw) of every group at one level."""
+        """(name, budget, committed, draw) of every group at one level."""
         idx = np.flatnonzero(self.group_levels == level)
         return [
             (
                 self.group_names[g],
-                float(self.budget_w[g]),
-                float(self.load_w[g]),
-                float(self.draw_w[g]),
+                float(self.group_budget_w[g]),
+                float(self.group_committed_w[g]),
+                float(self.group_draw_w[g]),
             )
             for g in idx.tolist()
         ]
@@ -112,8 +111,8 @@ class TickSummary:
     solver: str
     solve_ms: float
     budget_w: float  # the facility's, in force
-    committed_w: float  # the facility's load: committed caps + overhead + reserve
-    draw_w: float
+    committed_w: float  # the facility's: committed caps + overhead + reserve
+    draw_w: float  # the facility's: measured GPU draw + overhead
     throughput: float
     gpus: int
     gpus_stale: int
@@ -126,9 +125,9 @@ class TickSummary:
             status=r.status,
             solver=r.solver,
             solve_ms=r.solve_ms,
-            budget_w=float(r.budget_w[0]),
-            committed_w=float(r.load_w[0]),
-            draw_w=float(r.draw_w[0]),
+            budget_w=float(r.group_budget_w[0]),
+            committed_w=float(r.group_committed_w[0]),
+            draw_w=float(r.group_draw_w[0]),
             throughput=r.throughput_total,
             gpus=len(r.uuids),
             gpus_stale=int(r.stale.sum()),
@@ -142,7 +141,7 @@ class Shape:
     version: tuple[int, int]
     topology: Topology
     tree: Tree
-    safety: SafetyFleet
+    layout: FleetLayout
     reserve_w: FloatArray  # per group: unknown GPUs below it counted at their maximum
     # per group: the same, only those of the group itself (nodes): what the allocator
     # takes, adding them up the tree itself
@@ -255,7 +254,7 @@ class TickEngine:
         if self.shape is not None and self.shape.version == version:
             return self.shape
         topology = Topology.build(self.policy, arrays.nodes)
-        safety = SafetyFleet.build(
+        safety = FleetLayout.build(
             self.policy, arrays.uuids, arrays.nodes, arrays.min_cap_w, arrays.max_cap_w
         )
         self.planner.set_fleet(safety)
@@ -396,10 +395,10 @@ class TickEngine:
             objective=math.nan,
             group_names=topo.names,
             group_levels=topo.level,
-            budget_w=plan.group_budget_w,
-            load_w=plan.group_load_w,
-            draw_w=np.full(topo.n_groups, np.nan),
-            over=plan.group_over,
+            group_budget_w=plan.group_budget_w,
+            group_committed_w=plan.group_committed_w,
+            group_draw_w=np.full(topo.n_groups, np.nan),
+            group_over=plan.group_over,
             uuids=list(fleet.uuids),
             nodes=list(fleet.nodes),
             classes=tuple(self.policy.defaults.class_ for _ in range(n)),
@@ -515,10 +514,10 @@ class TickEngine:
             objective=objective,
             group_names=topo.names,
             group_levels=topo.level,
-            budget_w=np.asarray(budget_w, dtype=np.float64),
-            load_w=plan.group_load_w,
-            draw_w=draw,
-            over=over,
+            group_budget_w=np.asarray(budget_w, dtype=np.float64),
+            group_committed_w=plan.group_committed_w,
+            group_draw_w=draw,
+            group_over=over,
             uuids=arrays.uuids,
             nodes=arrays.nodes,
             classes=tuple([self.classes.names[i] for i in cls_idx.tolist()]),
@@ -589,7 +588,7 @@ class TickEngine:
             log.exception("allocation_failed", tick=tick, solver=self.solver)
             self._alarm("solver_failed", f"{type(exc).__name__}: {exc}"[:300])
             self._warm = None
-            return shape.safety.failsafe_w.copy(), "fallback", math.nan, 0.0
+            return shape.layout.failsafe_w.copy(), "fallback", math.nan, 0.0
         self._warm = alloc
         self._alarm("solver_failed", None)
         return alloc.caps_w, alloc.status, alloc.objective, alloc.solve_ms
