@@ -18,13 +18,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from powerd.agent.agent import Agent
 from powerd.agent.settings import AgentSettings
 from powerd.api.app import create_app
-from powerd.api.hooks import metrics_hook
 from powerd.api.server import ApiServer
 from powerd.auth import TokenStore, new_token_entry
 from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
 from powerd.clock import SystemClock
 from powerd.controller.admin import Ledger
 from powerd.controller.controller import Controller
+from powerd.controller.hooks import metrics_hook
 from powerd.controller.opstate import StateFile
 from powerd.metrics import ControllerMetrics
 from powerd.policy import load_policy_text
