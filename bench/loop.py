@@ -42,7 +42,8 @@ import paho.mqtt.client as mqtt
 import yaml
 
 from powerd.clock import SystemClock
-from powerd.controller.controller import Controller, TickReport
+from powerd.controller.controller import Controller
+from powerd.controller.engine import TickReport
 from powerd.controller.settings import ControllerSettings
 from powerd.logs import configure_logging
 from powerd.policy import load_policy
@@ -113,7 +114,9 @@ class TickFigures:
 
     @classmethod
     def of(cls, r: TickReport) -> TickFigures:
-        return cls(r.duration_ms, r.solve_ms, r.plan_ms, bool(r.over.any()), bool(r.stale.any()))
+        return cls(
+            r.duration_ms, r.solve_ms, r.plan_ms, bool(r.group_over.any()), bool(r.stale.any())
+        )
 
 
 class Run:

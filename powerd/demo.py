@@ -24,7 +24,8 @@ from powerd.agent.agent import Agent
 from powerd.agent.settings import AgentSettings
 from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
 from powerd.clock import Clock, SystemClock
-from powerd.controller.controller import Controller, TickReport
+from powerd.controller.controller import Controller
+from powerd.controller.engine import TickReport
 from powerd.numeric import finite_or_none
 from powerd.policy import Policy, load_policy, load_policy_text
 from powerd.store import Store, StoreWriter, upgrade
@@ -83,23 +84,23 @@ class DemoStats:
 
     def add(self, r: TickReport) -> None:
         self.ticks += 1
-        budget = r.budget_w
+        budget = r.group_budget_w
         finite = np.isfinite(budget)
-        if r.over.any():
+        if r.group_over.any():
             self.over_budget_ticks += 1
-        if np.any(r.draw_w[finite] > budget[finite] + 1e-6):
+        if np.any(r.group_draw_w[finite] > budget[finite] + 1e-6):
             self.draw_over_ticks += 1
         if finite.any():
             self.max_load_frac = max(
-                self.max_load_frac, float(np.max(r.load_w[finite] / budget[finite]))
+                self.max_load_frac, float(np.max(r.group_committed_w[finite] / budget[finite]))
             )
             self.max_draw_frac = max(
-                self.max_draw_frac, float(np.max(r.draw_w[finite] / budget[finite]))
+                self.max_draw_frac, float(np.max(r.group_draw_w[finite] / budget[finite]))
             )
         self.solve_ms.append(r.solve_ms)
         self.tick_ms.append(r.duration_ms)
         self.throughput.append(r.throughput_total)
-        self.draw_w.append(float(r.draw_w[0]))
+        self.draw_w.append(float(r.group_draw_w[0]))
         self.statuses[r.status] = self.statuses.get(r.status, 0) + 1
 
 
@@ -113,10 +114,11 @@ def live_line(r: TickReport) -> str:
         for name, budget, load, _ in r.level_totals(1)
     )
     by_class = " ".join(f"{c[:5]}={v:6.1f}" for c, v in sorted(r.throughput_by_class().items()))
-    flag = " OVER" if r.over.any() else ""
+    flag = " OVER" if r.group_over.any() else ""
     return (
-        f"tick {r.tick:4d} | budget {_kw(r.budget_w[0])} kW | committed {_kw(r.load_w[0])} kW"
-        f" | draw {_kw(r.draw_w[0])} kW | rows {rows} | throughput {r.throughput_total:7.1f}"
+        f"tick {r.tick:4d} | budget {_kw(r.group_budget_w[0])} kW"
+        f" | committed {_kw(r.group_committed_w[0])} kW"
+        f" | draw {_kw(r.group_draw_w[0])} kW | rows {rows} | throughput {r.throughput_total:7.1f}"
         f" ({by_class}) | solve {r.solve_ms:5.1f} ms | {r.status}{flag}"
     )
 
@@ -270,14 +272,14 @@ async def run_demo(
                 json.dumps(
                     {
                         "tick": r.tick,
-                        "budget_w": finite_or_none(r.budget_w[0]),
-                        "committed_w": r.load_w[0],
-                        "draw_w": r.draw_w[0],
+                        "budget_w": finite_or_none(r.group_budget_w[0]),
+                        "committed_w": r.group_committed_w[0],
+                        "draw_w": r.group_draw_w[0],
                         "throughput": r.throughput_total,
                         "throughput_by_class": r.throughput_by_class(),
                         "solve_ms": r.solve_ms,
                         "status": r.status,
-                        "over_budget": bool(r.over.any()),
+                        "over_budget": bool(r.group_over.any()),
                         "rows": {
                             n: {"budget_w": finite_or_none(b), "committed_w": ld, "draw_w": d}
                             for n, b, ld, d in r.level_totals(1)

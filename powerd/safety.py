@@ -42,7 +42,7 @@ _SOURCES = ("status", "telemetry", "ack")
 
 
 @dataclass(frozen=True)
-class Fleet:
+class FleetLayout:
     """The GPUs the planner steers, in the topology's GPU order."""
 
     topology: Topology
@@ -60,7 +60,7 @@ class Fleet:
         nodes: Sequence[str],
         min_cap_w: Sequence[float] | FloatArray,
         max_cap_w: Sequence[float] | FloatArray,
-    ) -> Fleet:
+    ) -> FleetLayout:
         n = len(uuids)
         lo = np.asarray(min_cap_w, dtype=np.float64)
         hi = np.asarray(max_cap_w, dtype=np.float64)
@@ -128,8 +128,8 @@ class SafePlan:
     raised: BoolArray  # sent above the committed cap (admitted by the budget check)
     withheld: BoolArray  # target above what was sent, for want of slack or knowledge
     stale: BoolArray
-    group_committed_w: FloatArray  # per group: Σ committed caps
-    group_load_w: FloatArray  # per group: Σ committed caps + overhead + reserve
+    group_caps_w: FloatArray  # per group: Σ committed caps
+    group_committed_w: FloatArray  # per group: Σ committed caps + overhead + reserve
     group_budget_w: FloatArray
     group_over: BoolArray  # load above budget: a cut not yet obeyed, or knowledge missing
     # over only because GPUs count at their maximum until a first ack of ours (after a start)
@@ -145,7 +145,7 @@ class SafetyPlanner:
     status as it arrives, and call `plan` once per tick with strictly increasing ticks.
     """
 
-    def __init__(self, policy: Policy, fleet: Fleet | None = None) -> None:
+    def __init__(self, policy: Policy, fleet: FleetLayout | None = None) -> None:
         self.policy = policy
         self._events: list[SafetyEvent] = []
         self._last_tick = -1
@@ -156,7 +156,7 @@ class SafetyPlanner:
     # ---- fleet --------------------------------------------------------------------------
 
     def _set_empty(self) -> None:
-        self.fleet: Fleet | None = None
+        self.fleet: FleetLayout | None = None
         self._index: dict[str, int] = {}
         self._node_names: list[str] = []
         self._node_index: dict[str, int] = {}
@@ -164,19 +164,7 @@ class SafetyPlanner:
         self._node_uuids: list[list[str]] = []
         self._node_of_gpu: IntArray = np.zeros(0, dtype=np.int64)
         self._uuid_rank: IntArray = np.zeros(0, dtype=np.int64)
-        self._hi = np.zeros(0)  # reading, as an upper bound of the cap in force; NaN: none
-        self._lo = np.zeros(0)  # reading, as a lower bound (differs after failed sets)
-        self._key = np.zeros(0, dtype=np.int64)  # the tick the reading reflects (NO_TICK)
-        self._seen = np.zeros(0)  # controller time of the last telemetry
-        # Commands a predecessor (another controller, or this one before a restart) may
-        # still have on their way: anything up to max_cap_w, until the GPU acknowledges a
-        # command of ours (`_prior_tick`: the first tick we sent it).
-        self._prior_hi = np.zeros(0)
-        self._prior_tick = np.zeros(0, dtype=np.int64)
-        self._defiant = np.zeros(0, dtype=bool)  # its last ack refused (or missed) our cap
-        self._pend_tick = np.zeros((0, PENDING_SLOTS), dtype=np.int64)
-        self._pend_hi = np.zeros((0, PENDING_SLOTS))
-        self._pend_lo = np.zeros((0, PENDING_SLOTS))
+        self._new_gpus(np.zeros(0))
         self._last_ack: dict[str, int] = {}
         self._node_gpu_list: list[list[int]] = []
         self._node_failsafe: list[dict[str, float]] = []
@@ -184,7 +172,7 @@ class SafetyPlanner:
         self._node_bounds: list[int] = [0]
         self._clear_queue()
 
-    def set_fleet(self, fleet: Fleet) -> None:
+    def set_fleet(self, fleet: FleetLayout) -> None:
         """Adopt a new GPU set; what is known about GPUs that stay (same uuid, same node) stays."""
         old = self.fleet
         if old is not None:
@@ -215,16 +203,7 @@ class SafetyPlanner:
         rank = np.empty(n, dtype=np.int64)
         rank[np.argsort(np.array(fleet.uuids, dtype=object), kind="stable")] = np.arange(n)
         self._uuid_rank = rank
-        self._hi = np.full(n, np.nan)
-        self._lo = np.full(n, np.nan)
-        self._key = np.full(n, NO_TICK, dtype=np.int64)
-        self._seen = np.full(n, -np.inf)
-        self._prior_hi = fleet.max_cap_w.copy()
-        self._prior_tick = np.full(n, _UNSENT, dtype=np.int64)
-        self._defiant = np.zeros(n, dtype=bool)
-        self._pend_tick = np.full((n, PENDING_SLOTS), -1, dtype=np.int64)
-        self._pend_hi = np.zeros((n, PENDING_SLOTS))
-        self._pend_lo = np.full((n, PENDING_SLOTS), np.inf)
+        self._new_gpus(fleet.max_cap_w)
         self._last_ack = {
             name: old_last_ack[name] for name in self._node_names if name in old_last_ack
         }
@@ -243,6 +222,23 @@ class SafetyPlanner:
             for dst, src in zip(self._per_gpu(), old_state, strict=True):
                 dst[new_i] = src[old_i]
 
+    def _new_gpus(self, max_cap_w: FloatArray) -> None:
+        """The per-GPU arrays (listed again in `_per_gpu`) for GPUs nothing is known of."""
+        n = len(max_cap_w)
+        self._hi = np.full(n, np.nan)  # reading, as an upper bound of the cap in force
+        self._lo = np.full(n, np.nan)  # reading, as a lower bound (differs after failed sets)
+        self._key = np.full(n, NO_TICK, dtype=np.int64)  # the tick the reading reflects
+        self._seen = np.full(n, -np.inf)  # controller time of the last telemetry
+        # Commands a predecessor (another controller, or this one before a restart) may
+        # still have on their way: anything up to max_cap_w, until the GPU acknowledges a
+        # command of ours (`_prior_tick`: the first tick we sent it).
+        self._prior_hi = max_cap_w.copy()
+        self._prior_tick = np.full(n, _UNSENT, dtype=np.int64)
+        self._defiant = np.zeros(n, dtype=bool)  # its last ack refused (or missed) our cap
+        self._pend_tick = np.full((n, PENDING_SLOTS), -1, dtype=np.int64)
+        self._pend_hi = np.zeros((n, PENDING_SLOTS))
+        self._pend_lo = np.full((n, PENDING_SLOTS), np.inf)
+
     def _per_gpu(self) -> tuple[NDArray[np.generic], ...]:
         """Every array indexed by GPU (first axis): what a GPU that stays keeps."""
         return (
@@ -258,7 +254,7 @@ class SafetyPlanner:
             self._pend_lo,
         )
 
-    def _require_fleet(self) -> Fleet:
+    def _require_fleet(self) -> FleetLayout:
         if self.fleet is None:
             raise RuntimeError("SafetyPlanner.set_fleet must be called before planning")
         return self.fleet
@@ -618,8 +614,8 @@ class SafetyPlanner:
             raised=raised,
             withheld=wanted > np.where(send, caps, committed) + ALARM_TOL_W,
             stale=stale,
-            group_committed_w=group_committed,
-            group_load_w=group_load,
+            group_caps_w=group_committed,
+            group_committed_w=group_load,
             group_budget_w=budget,
             group_over=group_over,
             group_settling=settling,

@@ -1,8 +1,10 @@
-"""A frozen view of the fleet for one allocation: every GPU, its limits, draw and cap.
+"""A fleet written down for one allocation: every GPU, its limits, draw and cap.
 
-The controller builds snapshots from telemetry each tick; `powerd solve` reads them from a
-JSON file (docs/snapshot.md). Validation against the policy happens here, so the allocator
-only ever sees consistent input.
+The input of `powerd solve` and `powerd.allocator.allocate`, read from a JSON file
+(docs/snapshot.md) or built by the synthetic fleets of the benchmarks and tests. The
+controller does not use it: its tick builds the allocator's arrays from telemetry directly
+(controller/fleet.py). Validation against the policy happens here, so the allocator only
+ever sees consistent input.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class GpuState(BaseModel):
     power_w: Watts
     cap_w: Watts  # cap in force (the previous allocation's, as enforced)
     workload: str | None = None  # a class name; None → the policy's default class
-    # Set by the controller: a stale GPU is never raised; a pinned GPU gets exactly this cap.
+    # A stale GPU is never raised; a pinned GPU gets exactly this cap.
     stale: bool = False
     pinned_w: Watts | None = None
 

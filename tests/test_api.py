@@ -18,13 +18,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from powerd.agent.agent import Agent
 from powerd.agent.settings import AgentSettings
 from powerd.api.app import create_app
-from powerd.api.hooks import metrics_hook
 from powerd.api.server import ApiServer
 from powerd.auth import TokenStore, new_token_entry
 from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
 from powerd.clock import SystemClock
 from powerd.controller.admin import Ledger
 from powerd.controller.controller import Controller
+from powerd.controller.hooks import metrics_hook
 from powerd.controller.opstate import StateFile
 from powerd.metrics import ControllerMetrics
 from powerd.policy import load_policy_text
@@ -456,7 +456,7 @@ def test_ticks_come_from_memory_without_a_store(tmp_path: Path) -> None:
             assert last is not None
             newest = c.get("/api/v1/ticks", params={"limit": 1}).json()[0]
             assert newest["tick"] >= last.tick >= ticks[0]["tick"]
-            assert newest["budget_w"] == float(last.budget_w[0])
+            assert newest["budget_w"] == float(last.group_budget_w[0])
             assert newest["gpus"] == 8 and newest["gpus_stale"] == 0
             assert newest["committed_w"] > 0 and newest["draw_w"] > 0
             events = c.get("/api/v1/events")

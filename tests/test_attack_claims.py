@@ -71,7 +71,7 @@ def test_a_node_naming_a_neighbours_gpus_first_gets_none_of_them() -> None:
     assert set(stolen) <= set(c.fleet.disputes)
     assert HOSTILE in c.alarms["gpu_claimed_twice"] and VICTIM in c.alarms["gpu_claimed_twice"]
     # r2-n2's disputed GPUs are counted at their maximum in its node's reserve.
-    shape = c._shape
+    shape = c.engine.shape
     assert shape is not None
     victim = shape.topology.names.index(VICTIM)
     assert shape.reserve_w[victim] >= 4 * 700.0

@@ -19,7 +19,8 @@ from conftest import SteppedClock
 from powerd.agent.agent import Agent
 from powerd.agent.settings import AgentSettings
 from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
-from powerd.controller.controller import Controller, TickReport
+from powerd.controller.controller import Controller
+from powerd.controller.engine import TickReport
 from powerd.controller.overrides import OverrideError
 from powerd.controller.settings import ControllerSettings
 from powerd.policy import Policy, PolicyError, parse_policy
@@ -195,7 +196,7 @@ async def test_steers_every_gpu_and_keeps_every_budget_at_every_moment(site: Sit
     assert site.breaches == []
     last = site.reports[-1]
     assert last.status == "optimal"
-    assert not last.over.any()
+    assert not last.group_over.any()
     caps = site.true_caps()
     assert len(caps) == 4 * GPUS
     # Steering moved caps off the 250 W failsafe, and the inference node got at least its floor.
@@ -205,16 +206,16 @@ async def test_steers_every_gpu_and_keeps_every_budget_at_every_moment(site: Sit
     assert all(a.state is NodeState.STEERED for a in site.agents.values())
     # Power left after demand is handed out: the facility (the binding level: its 8 kW is
     # less than the racks' 2 × 4.4 kW) runs at its budget.
-    assert last.load_w[0] == pytest.approx(8000.0, abs=1.0)
+    assert last.group_committed_w[0] == pytest.approx(8000.0, abs=1.0)
     assert ctl.counters.caps_sent >= 4 * 8
     # What the controller remembers of each tick (the API's /ticks without a store): the
     # facility's figures, not the per-GPU arrays.
     assert [h.tick for h in ctl.history] == [r.tick for r in site.reports]
     h = ctl.history[-1]
     assert (h.budget_w, h.committed_w, h.draw_w) == (
-        last.budget_w[0],
-        last.load_w[0],
-        last.draw_w[0],
+        last.group_budget_w[0],
+        last.group_committed_w[0],
+        last.group_draw_w[0],
     )
     assert (h.gpus, h.gpus_stale, h.throughput) == (4 * GPUS, 0, last.throughput_total)
 
@@ -229,12 +230,12 @@ async def test_budget_cut_is_obeyed_within_two_ticks(site: Site) -> None:
     site.breaches.clear()
     await site.step(6 * TICK, budgets={"dc": 6000})
     assert site.breaches == [], f"cut made at t={cut_at}"
-    assert site.reports[-1].budget_w[0] == 6000
-    assert site.reports[-1].load_w[0] <= 6000 + 1e-6
+    assert site.reports[-1].group_budget_w[0] == 6000
+    assert site.reports[-1].group_committed_w[0] <= 6000 + 1e-6
     # Clearing the override lets the site use its full budget again.
     ctl.clear_budget("dc", actor="grid", reason="event over")
     await site.step(6 * TICK)
-    assert site.reports[-1].load_w[0] > 6000
+    assert site.reports[-1].group_committed_w[0] > 6000
     assert site.breaches == []
 
 
@@ -277,7 +278,7 @@ async def test_dead_controller_sends_nodes_to_failsafe_and_a_new_one_resumes(sit
     assert all(a.state is NodeState.STEERED for a in site.agents.values())
     await site.step(5 * TICK)
     assert max(site.true_caps().values()) > 300
-    assert new.last_tick is not None and not new.last_tick.over.any()
+    assert new.last_tick is not None and not new.last_tick.group_over.any()
     assert site.breaches == []
 
 
@@ -397,8 +398,8 @@ async def test_policy_replace_validates_first(site: Site) -> None:
     assert outcome.applied and outcome.audited
     assert outcome.policy_version is not None and outcome.policy_version >= 1
     await site.step(4 * TICK, budgets={"dc": 7000})
-    assert site.reports[-1].budget_w[0] == 7000
-    assert float(np.max(site.reports[-1].load_w[0])) <= 7000 + 1e-6
+    assert site.reports[-1].group_budget_w[0] == 7000
+    assert float(np.max(site.reports[-1].group_committed_w[0])) <= 7000 + 1e-6
 
 
 def test_command_window_setting_reaches_the_mqtt_client(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from powerd.policy import Policy, parse_policy
-from powerd.safety import Fleet, NodeCommand, SafePlan, SafetyPlanner
+from powerd.safety import FleetLayout, NodeCommand, SafePlan, SafetyPlanner
 from powerd.wire import AckError, GpuAck
 
 TOL = 1e-6
@@ -74,7 +74,7 @@ def policy_dict(nodes: list[dict[str, Any]], *, budgets: dict[str, float] | None
 
 def simple_fleet(
     gpus_per_node: list[int], node_budget: float | None = None, facility: float | None = None
-) -> tuple[Policy, Fleet]:
+) -> tuple[Policy, FleetLayout]:
     nodes = [
         {"name": f"n{k}", "gpus": g, **({"budget_w": node_budget} if node_budget else {})}
         for k, g in enumerate(gpus_per_node)
@@ -86,14 +86,14 @@ def simple_fleet(
             uuids.append(f"g{k}-{j}")
             names.append(f"n{k}")
     n = len(uuids)
-    return policy, Fleet.build(policy, uuids, names, np.full(n, 100.0), np.full(n, 400.0))
+    return policy, FleetLayout.build(policy, uuids, names, np.full(n, 100.0), np.full(n, 400.0))
 
 
-def node_caps(fleet: Fleet, node: str, values: np.ndarray) -> dict[str, float]:
+def node_caps(fleet: FleetLayout, node: str, values: np.ndarray) -> dict[str, float]:
     return {u: float(values[i]) for i, u in enumerate(fleet.uuids) if fleet.nodes[i] == node}
 
 
-def teach(planner: SafetyPlanner, fleet: Fleet, caps: np.ndarray, at: float) -> None:
+def teach(planner: SafetyPlanner, fleet: FleetLayout, caps: np.ndarray, at: float) -> None:
     """Telemetry from every node reporting `caps`, fresh at `at`."""
     for node in dict.fromkeys(fleet.nodes):
         planner.on_telemetry(node, node_caps(fleet, node, caps), received_at=at)
@@ -231,7 +231,7 @@ def test_decreases_go_at_once_and_the_raises_they_pay_for_wait_for_the_ack() -> 
     # The ack of tick 1 leaves tick 2's (equal) command pending; it does not block the raise.
     assert plan.sent_w.tolist() == [200.0, 400.0]
     assert plan.raised.tolist() == [False, True]
-    assert plan.group_load_w[0] <= 600.0
+    assert plan.group_committed_w[0] <= 600.0
 
 
 def test_partial_raises_follow_priority_then_uuid() -> None:
@@ -241,7 +241,7 @@ def test_partial_raises_follow_priority_then_uuid() -> None:
     plan = planner.plan(1, 0.0, np.full(3, 300.0), priority=np.array([0.0, 1.0, 0.0]))
     # 150 W of slack: g1 (highest priority) takes 100, then g0 (uuid order) the last 50.
     assert plan.sent_w.tolist() == [250.0, 300.0, 200.0]
-    assert plan.group_load_w[0] == 750.0
+    assert plan.group_committed_w[0] == 750.0
 
 
 def test_all_raises_that_fit_go_together() -> None:
@@ -378,7 +378,7 @@ def test_fleet_change_keeps_what_is_known_about_gpus_that_stay() -> None:
     planner.plan(1, 0.0, np.array([180.0, 250.0]))
     uuids = ("g1-0", "new", "g0-0")
     nodes = ("n1", "n1", "n0")
-    grown = Fleet.build(policy, uuids, nodes, np.full(3, 100.0), np.full(3, 400.0))
+    grown = FleetLayout.build(policy, uuids, nodes, np.full(3, 100.0), np.full(3, 400.0))
     planner.set_fleet(grown)
     assert planner.committed_w().tolist() == [250.0, 400.0, 200.0]
     plan = planner.plan(2, 0.0, np.array([250.0, 200.0, 180.0]))
@@ -464,7 +464,7 @@ def random_policy(rng: random.Random) -> dict:
     return policy_dict(nodes, budgets=budgets)
 
 
-def fitting(targets: np.ndarray, fleet: Fleet, budget: np.ndarray) -> np.ndarray:
+def fitting(targets: np.ndarray, fleet: FleetLayout, budget: np.ndarray) -> np.ndarray:
     """Targets scaled down (above minimum) until every group fits, as an allocator's would."""
     topo = fleet.topology
     out = targets.copy()
@@ -489,7 +489,7 @@ class World:
         uuids = [f"{node}-g{i}" for i, node in enumerate(nodes)]
         lo = np.array([self.rng.choice([100.0, 120.0]) for _ in nodes])
         hi = np.array([self.rng.choice([300.0, 400.0]) for _ in nodes])
-        self.fleet = Fleet.build(self.policy, uuids, nodes, lo, hi)
+        self.fleet = FleetLayout.build(self.policy, uuids, nodes, lo, hi)
         self.topo = self.fleet.topology
         self.budget = self.topo.budget_w.copy()
         self.true = self.fleet.failsafe_w.copy()  # the caps in force on the devices
@@ -704,7 +704,7 @@ class World:
         assert (sent[has & ~plan.raised] <= before[has & ~plan.raised] + TOL).all()
         for g in np.flatnonzero(plan.raised):
             groups = self.topo.gpu_groups[g]
-            assert (plan.group_load_w[groups] <= self.budget[groups] + TOL).all()
+            assert (plan.group_committed_w[groups] <= self.budget[groups] + TOL).all()
         # Stale GPUs are never raised; no raise before the caps in force are known.
         assert not (plan.raised & plan.stale).any()
         if self.faults.strict_over:

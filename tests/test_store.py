@@ -119,7 +119,7 @@ def test_round_trip_of_every_table(store: Store) -> None:
             ts=T0 + 1.5,
             budget_w=10_000.0,
             committed_w=9_000.0,
-            measured_w=8_123.25,
+            draw_w=8_123.25,
             throughput=42.5,
             solve_ms=3.25,
             status="optimal",
@@ -145,7 +145,7 @@ def test_round_trip_of_every_table(store: Store) -> None:
         ("GPU-b", 1, "H100", 200.0, 700.0),
     ]
     [tick] = store.recent_ticks()
-    assert (tick.tick, tick.ts, tick.budget_w, tick.committed_w, tick.measured_w) == (
+    assert (tick.tick, tick.ts, tick.budget_w, tick.committed_w, tick.draw_w) == (
         7,
         T0 + 1.5,
         10_000.0,

@@ -45,7 +45,7 @@ from powerd.policy import Policy, load_policy_text
 from powerd.store import Store, upgrade
 
 if TYPE_CHECKING:
-    from powerd.controller.fleet import FleetState
+    from powerd.controller.engine import TickEngine
 
 log = structlog.get_logger(__name__)
 
@@ -98,15 +98,10 @@ class AdminWrites:
     leave everything as it was), applies in memory and queues its audit row through
     `ledger.journal`; `Ledger.commit` makes it durable."""
 
-    # What the Controller provides.
-    policy: Policy
-    overrides: Overrides
-    fleet: FleetState
+    # What the Controller provides: the tick engine's state is what the writes change.
+    engine: TickEngine
     clock: Clock
     ledger: Ledger
-
-    def _adopt(self, policy: Policy) -> None:
-        raise NotImplementedError
 
     def replace_policy(
         self,
@@ -123,7 +118,7 @@ class AdminWrites:
         `source` "api": the policy outlives a restart unless the policy file (whose sha256
         was `file_sha256` then) is edited since; a file path: the file is in force."""
         policy = load_policy_text(text, source)
-        self._adopt(policy)
+        self.engine.adopt(policy)
         sha = self.ledger.policy_replaced(
             text, source=source, actor=actor, reason=reason, file_sha256=file_sha256
         )
@@ -142,19 +137,20 @@ class AdminWrites:
         role: str = "operator",
     ) -> None:
         override = BudgetOverride(group, budget_w, expires_at, reason, actor, self.clock.wall())
-        self.overrides.set_budget(self.policy, override)
+        self.engine.overrides.set_budget(self.engine.policy, override)
         payload = {"budget_w": budget_w, "expires_at": expires_at}
         self._audit(actor, role, "budget.set", group, reason, payload)
 
     def budget_in_force_w(self, group: str) -> float:
         """A group's budget now: the policy's, or a lower temporary one (inf: unknown)."""
-        policy_w = next((g.budget_w for g in self.policy.groups if g.name == group), None)
+        policy, overrides = self.engine.policy, self.engine.overrides
+        policy_w = next((g.budget_w for g in policy.groups if g.name == group), None)
         if policy_w is None:
             return float("inf")
-        return self.overrides.active_budgets(self.policy, self.clock.wall()).get(group, policy_w)
+        return overrides.active_budgets(policy, self.clock.wall()).get(group, policy_w)
 
     def clear_budget(self, group: str, *, actor: str, reason: str, role: str = "operator") -> None:
-        self.overrides.clear_budget(group)
+        self.engine.overrides.clear_budget(group)
         self._audit(actor, role, "budget.clear", group, reason, {})
 
     def assign_class(
@@ -167,45 +163,45 @@ class AdminWrites:
         reason: str,
         role: str = "operator",
     ) -> None:
-        self.overrides.assign_class(self.policy, cls, uuids=uuids, nodes=nodes)
+        self.engine.overrides.assign_class(self.engine.policy, cls, uuids=uuids, nodes=nodes)
         payload = {"class": cls, "uuids": uuids, "nodes": nodes}
         self._audit(actor, role, "class.assign", ",".join(uuids + nodes), reason, payload)
 
     def clear_class(
         self, *, uuids: list[str], nodes: list[str], actor: str, reason: str, role: str = "operator"
     ) -> None:
-        self.overrides.clear_class(uuids=uuids, nodes=nodes)
+        self.engine.overrides.clear_class(uuids=uuids, nodes=nodes)
         payload = {"uuids": uuids, "nodes": nodes}
         self._audit(actor, role, "class.clear", ",".join(uuids + nodes), reason, payload)
 
     def pin(
         self, uuid: str, watts: float, *, actor: str, reason: str, role: str = "operator"
     ) -> None:
-        rec = self.fleet.gpus.get(uuid)
+        rec = self.engine.fleet.gpus.get(uuid)
         if rec is None:
             raise NotFound(f"unknown GPU '{uuid}'")
         if not rec.min_cap_w <= watts <= rec.max_cap_w:
             raise OverrideError(
                 f"{watts:g} W is outside the GPU's limits [{rec.min_cap_w:g}, {rec.max_cap_w:g}] W"
             )
-        self.overrides.pins[uuid] = watts
+        self.engine.overrides.pins[uuid] = watts
         self._audit(actor, role, "gpu.pin", uuid, reason, {"watts": watts})
 
     def unpin(self, uuid: str, *, actor: str, reason: str, role: str = "operator") -> None:
-        if self.overrides.pins.pop(uuid, None) is None:
+        if self.engine.overrides.pins.pop(uuid, None) is None:
             raise NotFound(f"GPU '{uuid}' is not pinned")
         self._audit(actor, role, "gpu.unpin", uuid, reason, {})
 
     def drain(self, node: str, *, actor: str, reason: str, role: str = "operator") -> None:
-        if node not in self.fleet.node_order:
+        if node not in self.engine.fleet.node_order:
             raise NotFound(f"unknown node '{node}'")
-        self.overrides.drained.add(node)
+        self.engine.overrides.drained.add(node)
         self._audit(actor, role, "node.drain", node, reason, {})
 
     def undrain(self, node: str, *, actor: str, reason: str, role: str = "operator") -> None:
-        if node not in self.overrides.drained:
+        if node not in self.engine.overrides.drained:
             raise NotFound(f"node '{node}' is not drained")
-        self.overrides.drained.discard(node)
+        self.engine.overrides.drained.discard(node)
         self._audit(actor, role, "node.undrain", node, reason, {})
 
     def _audit(

@@ -1,9 +1,10 @@
-"""The steering loop: telemetry in, one allocation per tick, only safe commands out.
+"""The daemon around the tick engine: messages in, the plan out, the records kept.
 
-Each tick: freeze the fleet's arrays, run the allocator (a solver failure falls back to the
-failsafe caps, with an alarm: a tick never ends without caps), pass the targets through the
-safety planner (cuts at once, raises only within committed budgets, lease renewals to every
-live node), publish, and hand records to the store and metrics off the tick's path.
+`TickEngine` (engine.py) decides; this shell does the I/O around it: it subscribes and
+routes each message to the engine (decoded; bad ones counted and dropped), runs the tick
+timer, publishes each tick's plan, hands the report to the store writer, metrics and the
+live view off the tick's path, keeps the controller's status and last will, and hosts the
+operators' writes (`AdminWrites`, `Ledger`: controller/admin.py).
 """
 
 from __future__ import annotations
@@ -15,32 +16,33 @@ import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
-import numpy as np
 import structlog
-from numpy.typing import NDArray
 
-from powerd.allocator import Allocation, ClassTable, Fleet, Tree, allocate_arrays, class_names
-from powerd.allocator.api import group_values
+from powerd.allocator import ClassTable
 from powerd.clock import Clock
 from powerd.controller.admin import AdminWrites, Ledger
-from powerd.controller.fleet import FleetArrays, FleetState
+from powerd.controller.engine import TickEngine, TickReport, TickSummary
+from powerd.controller.fleet import FleetState
 from powerd.controller.overrides import Overrides
-from powerd.policy import LEVELS, Policy
-from powerd.safety import Fleet as SafetyFleet
+from powerd.policy import Policy
 from powerd.safety import SafePlan, SafetyPlanner
-from powerd.store import EventRecord, Severity, Store, StoreHealth, StoreWriter, TickRecord
-from powerd.store import GpuRecord as StoredGpu
-from powerd.topology import Topology
+from powerd.store import (
+    EventRecord,
+    GpuRecord,
+    Severity,
+    Store,
+    StoreHealth,
+    StoreWriter,
+    TickRecord,
+)
 from powerd.transport import ConnectionState, LastWill, Message, Transport, TransportError
 from powerd.transport.base import cancel_and_wait
 from powerd.wire import (
-    MAX_TICK,
     CapAck,
     ControllerState,
     ControllerStatus,
-    NodeState,
     NodeStatus,
     NodeTelemetry,
     Topics,
@@ -51,13 +53,8 @@ from powerd.wire import (
 
 log = structlog.get_logger(__name__)
 
-# A restarted controller's first tick lies this far above the newest it has heard of: its
-# predecessor may have sent ticks nobody reported yet, and agents apply only newer ticks, so
-# ours must overtake all of them (ticks are plain numbers: 1,000 is minutes of a run at 1 s).
-TAKEOVER_TICK_GAP = 1000
-
-FloatArray = NDArray[np.float64]
-BoolArray = NDArray[np.bool_]
+# What the store keeps of each GPU, read off the fleet's record of it.
+_INVENTORY_FIELDS = tuple(f.name for f in fields(GpuRecord))
 
 
 @dataclass
@@ -70,100 +67,6 @@ class Counters:
 
 
 @dataclass(frozen=True)
-class TickReport:
-    """What one tick saw and did, for the live view, the API, metrics and the store."""
-
-    tick: int
-    ts: float  # wall clock at the tick's start
-    duration_ms: float  # tick start → last command published
-    solve_ms: float
-    plan_ms: float
-    status: str  # allocator status, or "fallback"
-    solver: str
-    objective: float
-    group_names: tuple[str, ...]
-    group_levels: NDArray[np.int64]
-    budget_w: FloatArray  # per group, in force (policy ∩ temporary overrides)
-    load_w: FloatArray  # per group: committed caps + overhead + reserve for unknown GPUs
-    draw_w: FloatArray  # per group: measured GPU draw + overhead
-    over: BoolArray  # per group: load above budget (a cut not yet obeyed)
-    uuids: list[str]
-    nodes: list[str]
-    # Per GPU, as steered. A tuple: a tuple of strings leaves the garbage collector's view
-    # where a list would be walked at every collection.
-    classes: tuple[str, ...]
-    power_w: FloatArray
-    enforced_w: FloatArray  # the limit each GPU reported in force (telemetry read-back)
-    energy_j: FloatArray
-    temp_c: FloatArray
-    targets_w: FloatArray
-    sent_w: FloatArray  # NaN where the node got no command
-    committed_w: FloatArray
-    throughput: FloatArray  # per GPU
-    stale: BoolArray
-    waiting_nodes: tuple[str, ...]
-    alarms: tuple[str, ...]
-
-    @property
-    def throughput_total(self) -> float:
-        return float(self.throughput.sum())
-
-    def throughput_by_class(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for cls, t in zip(self.classes, self.throughput.tolist(), strict=True):
-            out[cls] = out.get(cls, 0.0) + t
-        return out
-
-    def level_totals(self, level: int) -> list[tuple[str, float, float, float]]:
-        """(name, budget, load, draw) of every group at one level."""
-        idx = np.flatnonzero(self.group_levels == level)
-        return [
-            (
-                self.group_names[g],
-                float(self.budget_w[g]),
-                float(self.load_w[g]),
-                float(self.draw_w[g]),
-            )
-            for g in idx.tolist()
-        ]
-
-
-@dataclass(frozen=True, slots=True)
-class TickSummary:
-    """A past tick as the controller remembers it (the API's /ticks without a store): a few
-    numbers, not a TickReport's per-GPU arrays (~0.75 MB a tick at 10k GPUs, measured:
-    ~450 MB for the 600 it remembers)."""
-
-    tick: int
-    ts: float
-    status: str
-    solver: str
-    solve_ms: float
-    budget_w: float  # the facility's, in force
-    committed_w: float  # the facility's load: committed caps + overhead + reserve
-    draw_w: float
-    throughput: float
-    gpus: int
-    gpus_stale: int
-
-    @classmethod
-    def of(cls, r: TickReport) -> TickSummary:
-        return cls(
-            tick=r.tick,
-            ts=r.ts,
-            status=r.status,
-            solver=r.solver,
-            solve_ms=r.solve_ms,
-            budget_w=float(r.budget_w[0]),
-            committed_w=float(r.load_w[0]),
-            draw_w=float(r.draw_w[0]),
-            throughput=r.throughput_total,
-            gpus=len(r.uuids),
-            gpus_stale=int(r.stale.sum()),
-        )
-
-
-@dataclass(frozen=True)
 class ControllerHealth:
     broker_connected: bool
     store: StoreHealth | None
@@ -171,22 +74,9 @@ class ControllerHealth:
     ready: bool
 
 
-@dataclass
-class _Shape:
-    """What is rebuilt only when the GPU set or the policy changes."""
-
-    version: tuple[int, int]
-    topology: Topology
-    tree: Tree
-    safety: SafetyFleet
-    reserve_w: FloatArray  # per group: unknown GPUs below it counted at their maximum
-    # per group: the same, only those of the group itself (nodes): what the allocator
-    # takes, adding them up the tree itself
-    reserve_own_w: FloatArray
-
-
 class Controller(AdminWrites):
-    """The steering loop. Operators' writes (`AdminWrites`) live in controller/admin.py."""
+    """The steering daemon: a `TickEngine` fed from the transport, its plans published.
+    Operators' writes (`AdminWrites`) live in controller/admin.py."""
 
     def __init__(
         self,
@@ -206,48 +96,78 @@ class Controller(AdminWrites):
         self.clock = clock
         self.store = store
         self.writer = writer
-        self.solver = solver
         self.controller_id = controller_id
         self.topics = topics or Topics()
         self.policy_path = policy_path
         self.counters = Counters()
-        self.overrides = Overrides()
         self.history: deque[TickSummary] = deque(maxlen=history)
         self.last_tick: TickReport | None = None
-        self.tick_no = 0
-        self.alarms: dict[str, str] = {}  # active alarm kind → message
         self.on_tick: list[Callable[[TickReport], None]] = []  # metrics, live view, watchdog
         self.policy_version: int | None = None
-        self._policy_epoch = 0
-        self._shape: _Shape | None = None
-        self._warm: Allocation | None = None
+        self.engine = TickEngine(policy, solver=solver)
         self._stored_gpus: set[str] = set()
-        self._safety_seen: dict[str, set[str]] = {}
-        # The newest tick each node says it applied (statuses, acks): ours must stay above
-        # them, or its agent refuses our commands.
-        self._node_ticks: dict[str, int] = {}
-        self._outliers: tuple[str, ...] = ()
-        self._message_error: str | None = None
-        self.fleet = FleetState(policy)
-        # A controller may be taking over from one that just died, whose last commands may
-        # still land: the planner counts every GPU at its maximum until it acknowledges a
-        # command of ours, and our ticks start well above any the old one can have sent.
-        self.planner = SafetyPlanner(policy)
-        self._adopt(policy)
+        self._inventoried: tuple[int, int] | None = None  # the shape whose GPUs are stored
         # Operators' writes made durable (state file, database); main.py gives it a state file.
         self.ledger = Ledger(self, store=store)
 
-    # -- policy and operators' changes -----------------------------------------------------
+    # -- the engine's state, as the admin writes, the API and metrics see it -------------
+
+    @property
+    def policy(self) -> Policy:
+        return self.engine.policy
+
+    @property
+    def overrides(self) -> Overrides:
+        return self.engine.overrides
+
+    @overrides.setter
+    def overrides(self, value: Overrides) -> None:
+        self.engine.overrides = value
+
+    @property
+    def fleet(self) -> FleetState:
+        return self.engine.fleet
+
+    @property
+    def planner(self) -> SafetyPlanner:
+        return self.engine.planner
+
+    @property
+    def classes(self) -> ClassTable:
+        return self.engine.classes
+
+    @property
+    def solver(self) -> str:
+        return self.engine.solver
+
+    @property
+    def tick_no(self) -> int:
+        return self.engine.tick_no
+
+    @property
+    def alarms(self) -> dict[str, str]:
+        """Active alarms: kind → message."""
+        return self.engine.alarms.active
 
     def _adopt(self, policy: Policy) -> None:
-        self.policy = policy
-        self.classes = ClassTable.from_policy(policy)
-        self._class_index = {name: i for i, name in enumerate(class_names(policy))}
-        self.planner.policy = policy
-        self.fleet.set_policy(policy)
-        self.overrides.forget_policy_gaps(policy)
-        self._policy_epoch += 1
-        self._warm = None
+        self.engine.adopt(policy)
+
+    def _alarm(self, kind: str, message: str | None) -> None:
+        """Raise (message) or clear (None) an alarm; recorded only on a change."""
+        self.engine.alarms.set(kind, message, self.clock.wall())
+        self._record_alarms()
+
+    def _record_alarms(self) -> None:
+        changes = self.engine.alarms.take()
+        if self.writer is None:
+            return
+        for ch in changes:
+            if ch.message is None:
+                self.writer.submit_clear(ch.kind, ch.ts)
+            else:
+                self.writer.submit_event(
+                    EventRecord(ts=ch.ts, kind=ch.kind, severity=Severity.ALARM, message=ch.message)
+                )
 
     # -- messages ------------------------------------------------------------------------
 
@@ -268,480 +188,53 @@ class Controller(AdminWrites):
         except Exception as exc:
             # A fault of ours that this message found: the message is lost, not the controller.
             self.counters.dropped["internal_error"] += 1
-            self._message_error = f"{type(exc).__name__}: {exc}"[:300]
+            self.engine.message_failed(f"{type(exc).__name__}: {exc}")
             log.exception("message_failed", topic=message.topic[:200])
 
     def _route(self, message: Message, now: float) -> None:
         node, kind = self.topics.parse_node_topic(message.topic)
         self.counters.received[kind] += 1
         if kind == "telemetry":
-            t = decode(message.payload, NodeTelemetry, topic_node=node)
-            if self.fleet.ingest_telemetry(t, now):
-                # A GPU reported with an error carries its last known cap, not a reading.
-                caps = {g.uuid: g.cap_w for g in t.gpus if g.error is None}
-                self.planner.on_telemetry(node, caps, received_at=now, as_of_tick=t.tick)
-            else:
-                self.counters.dropped["unknown_node"] += 1
+            known = self.engine.on_telemetry(
+                decode(message.payload, NodeTelemetry, topic_node=node), now
+            )
         elif kind == "ack":
-            ack = decode(message.payload, CapAck, topic_node=node)
-            if node not in self.fleet.node_order:
-                self.counters.dropped["unknown_node"] += 1
-                return
-            # Even an ack of a tick we did not send resolves our commands up to it: the agent
-            # applies only newer ticks, so none of them can still land.
-            self._tick_seen(node, ack.tick)
-            self.planner.on_ack(node, ack.tick, ack.gpus)
+            known = self.engine.on_ack(node, decode(message.payload, CapAck, topic_node=node))
         elif kind == "status":
-            status = decode(message.payload, NodeStatus, topic_node=node)
-            if node not in self.fleet.node_order:
-                self.counters.dropped["unknown_node"] += 1
-                return
-            if status.state is NodeState.STARTING and status.last_tick is None:
-                self._node_ticks.pop(node, None)  # a new agent process applies any tick
-            elif status.last_tick is not None:
-                self._tick_seen(node, status.last_tick)
-            self.fleet.ingest_status(status)
-            if status.state is NodeState.OFFLINE:
-                self.planner.node_offline(node)
-            elif status.caps_w:
-                self.planner.learn_status(node, status.caps_w, as_of_tick=status.last_tick)
-        elif kind != "caps":  # our own commands come back only if subscribed broadly
+            known = self.engine.on_status(
+                node, decode(message.payload, NodeStatus, topic_node=node)
+            )
+        elif kind == "caps":  # our own commands come back only if subscribed broadly
+            return
+        else:
             raise WireError("bad_topic", message.topic[:200])
-
-    def _tick_seen(self, node: str, tick: int) -> None:
-        self._node_ticks[node] = max(self._node_ticks.get(node, 0), tick)
-
-    def _next_tick(self) -> int:
-        """Our next tick: above every tick the nodes say they applied, with room for any a
-        predecessor sent that nobody reported (first tick, or when we fall behind: a
-        controller that ticked before hearing its agents).
-
-        A node cannot push our ticks where it likes: a tick more than TAKEOVER_TICK_GAP
-        above the median over *every* node of the policy (a node that reported none counts
-        as 0) is not followed. A predecessor sends all nodes the same ticks, so honest nodes
-        agree; the outlier's agent refuses our commands and stays at its failsafe caps, and
-        it is alarmed (`tick_outliers`)."""
-        ticks = [self._node_ticks.get(n, 0) for n in self.fleet.node_order]
-        ceiling = sorted(ticks)[len(ticks) // 2] + TAKEOVER_TICK_GAP if ticks else 0
-        self._outliers = tuple(sorted(n for n, t in self._node_ticks.items() if t > ceiling))
-        needed = max((t for t in ticks if t <= ceiling), default=0)
-        tick = self.tick_no + 1
-        if needed >= tick:
-            if self.tick_no:
-                log.warning("ticks_behind", ours=self.tick_no, theirs=needed)
-            # A majority claiming absurd ticks still leaves half the tick space to run in.
-            tick = max(tick, min(needed + TAKEOVER_TICK_GAP, MAX_TICK // 2))
-        return tick
+        if not known:
+            self.counters.dropped["unknown_node"] += 1
 
     # -- the tick ------------------------------------------------------------------------
 
-    def _shape_for(self, arrays: FleetArrays, now: float) -> _Shape:
-        version = (self.fleet.version, self._policy_epoch)
-        if self._shape is not None and self._shape.version == version:
-            return self._shape
-        topology = Topology.build(self.policy, arrays.nodes)
-        safety = SafetyFleet.build(
-            self.policy, arrays.uuids, arrays.nodes, arrays.min_cap_w, arrays.max_cap_w
-        )
-        self.planner.set_fleet(safety)
-        # What was heard before the planner knew these GPUs (retained statuses arrive first
-        # after a start, telemetry of new GPUs) teaches it their caps now, in arrival order.
-        by_node: dict[str, dict[str, float]] = {}
-        for g in self.fleet.gpus.values():
-            if g.error is None:
-                by_node.setdefault(g.node, {})[g.uuid] = g.cap_w
-        for node, caps in by_node.items():
-            rec = self.fleet.nodes[node]
-            status = rec.status_caps_w
-            if status and not rec.status_newer:
-                self.planner.learn_status(node, status, as_of_tick=rec.status_tick)
-            self.planner.on_telemetry(
-                node, caps, received_at=rec.seen_at or now, as_of_tick=rec.tick
-            )
-            if status and rec.status_newer:
-                self.planner.learn_status(node, status, as_of_tick=rec.status_tick)
-            if rec.state is NodeState.OFFLINE:
-                self.planner.node_offline(node)
-        known = np.bincount(topology.gpu_groups[:, -1], minlength=topology.n_groups)
-        expected = np.array([g.gpus for g in self.policy.groups], dtype=np.float64)
-        missing = np.where(
-            topology.level == len(LEVELS) - 1, np.maximum(expected - known, 0.0), 0.0
-        )
-        # A GPU not (or no longer) reported counts at the largest maximum its node has shown:
-        # of its GPUs now, of those it no longer has, or the policy's default.
-        node_max = np.full(topology.n_groups, self.policy.defaults.gpu.max_cap_w)
-        np.maximum.at(node_max, topology.gpu_groups[:, -1], arrays.max_cap_w)
-        for k, group in enumerate(self.policy.groups):
-            node_rec = self.fleet.nodes.get(group.name)
-            if node_rec is not None and node_rec.gone_max_cap_w > node_max[k]:
-                node_max[k] = node_rec.gone_max_cap_w
-        reserve_node = missing * node_max
-        reserve = _push_up(topology, reserve_node)
-        self._shape = _Shape(version, topology, Tree(topology), safety, reserve, reserve_node)
-        self._warm = None
-        if self.writer is not None:
-            self._store_inventory(arrays)
-        return self._shape
+    def step(self) -> tuple[TickReport, SafePlan]:
+        """One tick's decisions, synchronously (publishing is `run`'s job)."""
+        try:
+            return self.engine.step(self.clock.monotonic(), self.clock.wall())
+        finally:
+            self._record_alarms()
+            self._store_inventory()
 
-    def _store_inventory(self, arrays: FleetArrays) -> None:
-        assert self.writer is not None
-        new = [u for u in arrays.uuids if u not in self._stored_gpus]
+    def _store_inventory(self) -> None:
+        """The GPUs of a new fleet shape that the store has not seen yet."""
+        shape = self.engine.shape
+        if self.writer is None or shape is None or shape.version == self._inventoried:
+            return
+        self._inventoried = shape.version
+        new = [u for u in shape.layout.uuids if u not in self._stored_gpus]
         if not new:
             return
-        recs = [self.fleet.gpus[u] for u in new]
+        gpus = self.fleet.gpus
         self.writer.submit_gpus(
-            [
-                StoredGpu(
-                    uuid=r.uuid,
-                    node=r.node,
-                    index=r.index,
-                    name=r.name,
-                    min_cap_w=r.min_cap_w,
-                    max_cap_w=r.max_cap_w,
-                )
-                for r in recs
-            ]
+            GpuRecord(**{f: getattr(gpus[u], f) for f in _INVENTORY_FIELDS}) for u in new
         )
         self._stored_gpus.update(new)
-
-    def step(self) -> tuple[TickReport, SafePlan]:
-        """One tick's decisions, synchronously (publishing is `run`'s job).
-
-        A tick never ends without caps: a fault anywhere in it falls back to the failsafe
-        caps through the safety planner (cuts at once, raises only where they fit), alarms
-        `tick_failed`, and the next tick tries again.
-        """
-        t0 = time.perf_counter()
-        now = self.clock.monotonic()
-        wall = self.clock.wall()
-        # Agents apply only ticks above the last they applied: a restarted controller
-        # continues above every tick it has seen acknowledged or reported, with room for
-        # any its predecessor sent that nobody has reported yet.
-        self.tick_no = self._next_tick()
-        tick = self.tick_no
-        self._alarm_inputs()
-        planned: list[SafePlan] = []
-        try:
-            report, plan = self._decide(tick, now, wall, t0, planned)
-        except Exception as exc:
-            log.exception("tick_failed", tick=tick)
-            self._alarm("tick_failed", f"tick {tick}: {type(exc).__name__}: {exc}"[:300])
-            return self._fallback(tick, now, wall, t0, planned)
-        self._alarm("tick_failed", None)
-        return report, plan
-
-    def _alarm_inputs(self) -> None:
-        """Alarms about what nodes sent: faults of a node, not of a tick."""
-        fleet = self.fleet
-        refused = sorted(n for n, rec in fleet.nodes.items() if rec.refused)
-        self._alarm(
-            "gpus_beyond_inventory",
-            None
-            if not refused
-            else "telemetry names more GPUs than the policy gives "
-            + ", ".join(f"{n} ({fleet.nodes[n].refused} refused)" for n in refused[:5]),
-        )
-        disputes = sorted(fleet.disputes.values(), key=lambda d: d.uuid)
-        self._alarm(
-            "gpu_claimed_twice",
-            None
-            if not disputes
-            else "GPU uuids named by more than one node (steered by none, counted at their "
-            "maximum): "
-            + ", ".join(f"{d.uuid} ({', '.join(sorted(d.seen))})" for d in disputes[:5]),
-        )
-        offline = fleet.offline_nodes()
-        self._alarm(
-            "nodes_offline",
-            None
-            if not offline
-            else "counted at their GPUs' maximum until they report: " + ", ".join(offline[:10]),
-        )
-        self._alarm(
-            "tick_outliers",
-            None
-            if not self._outliers
-            else "nodes claiming ticks far above the others (not followed; their agents "
-            "refuse our commands and stay at failsafe): " + ", ".join(self._outliers[:10]),
-        )
-        error, self._message_error = self._message_error, None
-        if error is not None:
-            self._event("message_failed", Severity.ALARM, error)
-
-    def _fallback(
-        self, tick: int, now: float, wall: float, t0: float, planned: list[SafePlan]
-    ) -> tuple[TickReport, SafePlan]:
-        """The tick's plan when its decision failed: the plan if it was made, else the
-        failsafe caps through the planner, under the budgets in force."""
-        fleet = self.planner.fleet
-        if fleet is None:
-            raise RuntimeError("no fleet to steer yet")  # nothing was ever sent: nothing to hold
-        topo = fleet.topology
-        if planned:
-            plan = planned[0]
-        else:
-            try:
-                budget_w = self._budgets_in_force(topo, wall)
-            except Exception:
-                log.exception("fallback_budgets_failed", tick=tick)
-                budget_w = np.zeros(topo.n_groups)  # nothing may rise
-            plan = self.planner.plan(
-                tick,
-                now,
-                fleet.failsafe_w.copy(),
-                budget_w=budget_w,
-                offline=self.fleet.offline_nodes(),
-            )
-        n = fleet.n_gpus
-        nan = np.full(n, np.nan)
-        report = TickReport(
-            tick=tick,
-            ts=wall,
-            duration_ms=(time.perf_counter() - t0) * 1000.0,
-            solve_ms=0.0,
-            plan_ms=0.0,
-            status="tick_failed",
-            solver=self.solver,
-            objective=math.nan,
-            group_names=topo.names,
-            group_levels=topo.level,
-            budget_w=plan.group_budget_w,
-            load_w=plan.group_load_w,
-            draw_w=np.full(topo.n_groups, np.nan),
-            over=plan.group_over,
-            uuids=list(fleet.uuids),
-            nodes=list(fleet.nodes),
-            classes=tuple(self.policy.defaults.class_ for _ in range(n)),
-            power_w=nan,
-            enforced_w=nan,
-            energy_j=nan,
-            temp_c=nan,
-            targets_w=fleet.failsafe_w.copy(),
-            sent_w=plan.sent_w,
-            committed_w=plan.committed_w,
-            throughput=np.zeros(n),
-            stale=plan.stale,
-            waiting_nodes=plan.waiting_nodes,
-            alarms=tuple(sorted(self.alarms)),
-        )
-        return report, plan
-
-    def _budgets_in_force(self, topo: Topology, wall: float) -> FloatArray:
-        """Per group: the policy's budget, or a lower temporary one (expired ones end here)."""
-        budgets = self.overrides.active_budgets(self.policy, wall)
-        return group_values(topo, budgets, topo.budget_w) if budgets else topo.budget_w
-
-    def _decide(
-        self, tick: int, now: float, wall: float, t0: float, planned: list[SafePlan]
-    ) -> tuple[TickReport, SafePlan]:
-        control = self.policy.control
-        # A dispute ends once one node alone has named the uuid for a stale period: a single
-        # spoofed message costs seconds of steering of those GPUs, not forget_after_s.
-        if self.fleet.forget(now, control.forget_after_s, dispute_s=control.stale_after_s):
-            self._shape = None
-        arrays = self.fleet.arrays(now, control.stale_after_s)
-        shape = self._shape_for(arrays, now)
-        topo = shape.topology
-
-        budget_w = self._budgets_in_force(topo, wall)
-        cls_idx = self._class_indices(arrays)
-        pinned = self._pinned(arrays)
-        committed_before = self.planner.committed_w()
-        # GPUs we cannot steer keep the power they may have, and the allocator shares out
-        # the rest: one that refused its last cap.
-        held = self.planner.defiant()
-        if held.any():
-            pinned = np.where(held, np.minimum(committed_before, arrays.max_cap_w), pinned)
-        fleet = Fleet(
-            uuids=tuple(arrays.uuids),
-            topology=topo,
-            min_cap_w=arrays.min_cap_w,
-            max_cap_w=arrays.max_cap_w,
-            power_w=arrays.power_w,
-            # The damping term steers toward the caps that may be in force.
-            cap_w=np.minimum(committed_before, arrays.max_cap_w),
-            class_index=cls_idx,
-            stale=arrays.stale,
-            pinned_w=pinned,
-        )
-        targets, status, objective, solve_ms = self._allocate(tick, fleet, budget_w, shape)
-        if held.any():
-            targets = np.where(held, np.nan, targets)  # NaN: hold the committed cap
-        solver = self.solver
-        self._alarm(
-            "infeasible_min",
-            "device minimums exceed a budget" if status == "infeasible_min" else None,
-        )
-        self._alarm(
-            "floors_dropped",
-            "class floors dropped to fit a budget" if status == "floors_dropped" else None,
-        )
-
-        t_plan = time.perf_counter()
-        offline = self.fleet.offline_nodes()
-        weights = self.classes.weight[cls_idx]
-        plan = self.planner.plan(
-            tick,
-            now,
-            targets,
-            budget_w=budget_w,
-            reserve_w=shape.reserve_w,
-            priority=weights,
-            offline=offline,
-        )
-        planned.append(plan)
-        plan_ms = (time.perf_counter() - t_plan) * 1000.0
-        self._log_safety_events(plan)
-        # Over only while GPUs count at their maximum until a first ack (after a start) is
-        # no breach known: nothing rises there meanwhile.
-        over = plan.group_over & ~plan.group_settling
-        refusing = np.flatnonzero(held)
-        self._alarm(
-            "caps_refused",
-            None
-            if not len(refusing)
-            else "GPUs refuse their caps (others cut to make room): "
-            + ", ".join(arrays.uuids[i] for i in refusing[:5].tolist()),
-        )
-        self._alarm(
-            "budget_over",
-            None
-            if not over.any()
-            else "committed caps above budget at "
-            + ", ".join(topo.names[g] for g in np.flatnonzero(over)[:5]),
-        )
-
-        throughput = self._throughput(arrays, cls_idx)
-        draw = topo.group_sums(arrays.power_w) + topo.overhead_w
-        report = TickReport(
-            tick=tick,
-            ts=wall,
-            duration_ms=(time.perf_counter() - t0) * 1000.0,
-            solve_ms=solve_ms,
-            plan_ms=plan_ms,
-            status=status,
-            solver=solver,
-            objective=objective,
-            group_names=topo.names,
-            group_levels=topo.level,
-            budget_w=np.asarray(budget_w, dtype=np.float64),
-            load_w=plan.group_load_w,
-            draw_w=draw,
-            over=over,
-            uuids=arrays.uuids,
-            nodes=arrays.nodes,
-            classes=tuple([self.classes.names[i] for i in cls_idx.tolist()]),
-            power_w=arrays.power_w,
-            enforced_w=arrays.cap_w,
-            energy_j=arrays.energy_j,
-            temp_c=arrays.temp_c,
-            targets_w=targets,
-            sent_w=plan.sent_w,
-            committed_w=plan.committed_w,
-            throughput=throughput,
-            stale=plan.stale,
-            waiting_nodes=plan.waiting_nodes,
-            alarms=tuple(sorted(self.alarms)),
-        )
-        return report, plan
-
-    def _class_indices(self, arrays: FleetArrays) -> NDArray[np.int64]:
-        """Each GPU's class: the operator's assignment, else its workload's, else the default
-        (a workload naming a class the policy lacks also gets the default)."""
-        index = self._class_index
-        default = index[self.policy.defaults.class_]
-        classes = (
-            self.overrides.class_of(u, node, w)
-            for u, node, w in zip(arrays.uuids, arrays.nodes, arrays.workloads, strict=True)
-        )
-        return np.fromiter(
-            (default if c is None else index.get(c, default) for c in classes),
-            dtype=np.int64,
-            count=len(arrays.uuids),
-        )
-
-    def _pinned(self, arrays: FleetArrays) -> FloatArray:
-        """Fixed caps (pinned GPUs, drained nodes); NaN where the allocator is free."""
-        n = len(arrays.uuids)
-        if not (self.overrides.pins or self.overrides.drained):
-            return np.full(n, np.nan)
-        rows = zip(
-            arrays.uuids,
-            arrays.nodes,
-            arrays.min_cap_w.tolist(),
-            arrays.max_cap_w.tolist(),
-            strict=True,
-        )
-        fixed = (self.overrides.pinned_w(u, node, lo, hi) for u, node, lo, hi in rows)
-        return np.fromiter((np.nan if f is None else f for f in fixed), dtype=np.float64, count=n)
-
-    def _allocate(
-        self, tick: int, fleet: Fleet, budget_w: FloatArray, shape: _Shape
-    ) -> tuple[FloatArray, str, float, float]:
-        """(targets, status, objective, solve_ms); any solver failure steers to the failsafe
-        caps with an alarm, so a tick never ends without caps."""
-        try:
-            alloc = allocate_arrays(
-                fleet,
-                self.policy,
-                self.solver,
-                budget_w=budget_w,
-                # Its own, not the sums: the allocator adds them up the tree (given the
-                # sums, it counted a node's missing GPUs at every level twice or more, and
-                # one node with unknown GPUs above its budget put the whole site at minimum).
-                reserved_w=shape.reserve_own_w,
-                warm=self._warm,
-                classes=self.classes,
-                tree=shape.tree,
-            )
-        except Exception as exc:
-            log.exception("allocation_failed", tick=tick, solver=self.solver)
-            self._alarm("solver_failed", f"{type(exc).__name__}: {exc}"[:300])
-            self._warm = None
-            return shape.safety.failsafe_w.copy(), "fallback", math.nan, 0.0
-        self._warm = alloc
-        self._alarm("solver_failed", None)
-        return alloc.caps_w, alloc.status, alloc.objective, alloc.solve_ms
-
-    def _log_safety_events(self, plan: SafePlan) -> None:
-        """One line per kind of safety event, and only when what is affected changes: a
-        condition that lasts (say, unknown GPUs reserving a rack's budget) logs once."""
-        by_kind: dict[str, set[str]] = {}
-        for ev in plan.events:
-            by_kind.setdefault(ev.kind, set()).add(ev.group or ev.node or ev.uuid)
-        for kind, where in by_kind.items():
-            if self._safety_seen.get(kind) != where:
-                log.warning("safety_event", kind=kind, count=len(where), where=sorted(where)[:10])
-        self._safety_seen = by_kind
-
-    def _throughput(self, arrays: FleetArrays, cls_idx: NDArray[np.int64]) -> FloatArray:
-        """Reported application throughput where the workload gives one, else the profile's."""
-        out = arrays.perf.copy()
-        missing = np.isnan(out)
-        for c, profile in enumerate(self.classes.profiles):
-            sel = missing & (cls_idx == c)
-            if sel.any():
-                out[sel] = profile.value(arrays.power_w[sel])
-        return out
-
-    def _alarm(self, kind: str, message: str | None) -> None:
-        """Raise (message) or clear (None) an alarm; events only on a change."""
-        active = kind in self.alarms
-        if message is not None and not active:
-            self.alarms[kind] = message
-            log.warning("alarm_raised", alarm=kind, message=message)
-            self._event(kind, Severity.ALARM, message)
-        elif message is None and active:
-            del self.alarms[kind]
-            log.info("alarm_cleared", alarm=kind)
-            if self.writer is not None:
-                self.writer.submit_clear(kind, self.clock.wall())
-
-    def _event(self, kind: str, severity: Severity, message: str) -> None:
-        if self.writer is not None:
-            self.writer.submit_event(
-                EventRecord(ts=self.clock.wall(), kind=kind, severity=severity, message=message)
-            )
 
     async def publish_plan(self, plan: SafePlan) -> None:
         ts = self.clock.wall()
@@ -772,7 +265,7 @@ class Controller(AdminWrites):
                     ts=summary.ts,
                     budget_w=summary.budget_w,
                     committed_w=summary.committed_w,
-                    measured_w=summary.draw_w,
+                    draw_w=summary.draw_w,
                     throughput=summary.throughput,
                     solve_ms=summary.solve_ms,
                     status=summary.status,
@@ -782,10 +275,10 @@ class Controller(AdminWrites):
                     rows={
                         name: {
                             "budget_w": b if math.isfinite(b) else None,
-                            "load_w": load,
+                            "load_w": committed,  # the stored key since the first schema
                             "draw_w": d if math.isfinite(d) else None,
                         }
-                        for name, b, load, d in report.level_totals(1)
+                        for name, b, committed, d in report.level_totals(1)
                     },
                 )
             )
@@ -912,8 +405,9 @@ class Controller(AdminWrites):
                 # Only when not even the fallback could plan (no fleet yet): agents keep
                 # their leases' failsafe; the next tick tries again.
                 log.exception("tick_lost", tick=self.tick_no)
-            if self._shape is not None and self._shape.version != frozen:
-                frozen = self._shape.version
+            shape = self.engine.shape
+            if shape is not None and shape.version != frozen:
+                frozen = shape.version
                 _freeze_heap()
             tick_s = self.policy.control.tick_s
             next_at += tick_s
@@ -932,11 +426,3 @@ def _freeze_heap() -> None:
     gc.collect()
     gc.freeze()
     log.debug("heap_frozen", objects=gc.get_freeze_count(), ms=(time.perf_counter() - t0) * 1e3)
-
-
-def _push_up(topology: Topology, per_group: FloatArray) -> FloatArray:
-    """Sum a per-group value (set on nodes) up to every ancestor."""
-    out = per_group.astype(np.float64, copy=True)
-    for i in range(topology.n_groups - 1, 0, -1):
-        out[topology.parent[i]] += out[i]
-    return out

@@ -5,13 +5,13 @@ per-GPU arrays. Ingest writes every GPU's latest values into per-field columns (
 lists, one slot per GPU, cheap to write one value at a time); the tick turns the columns
 it needs into arrays in the fleet's stable order (the policy's node order, then GPU index,
 so allocations are deterministic) with one numpy call each, instead of visiting ten
-thousand records. A GpuRecord reads its attributes from its slot, for the API and metrics.
+thousand records. A FleetGpu reads its attributes from its slot, for the API and metrics.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Generic, TypeVar
 
 import numpy as np
@@ -30,7 +30,7 @@ T = TypeVar("T")
 
 
 @dataclass
-class NodeRecord:
+class FleetNode:
     name: str
     state: NodeState = NodeState.STARTING
     seen_at: float | None = None  # monotonic time of the last telemetry
@@ -71,55 +71,34 @@ class FleetArrays:
     perf: FloatArray  # NaN where the workload reports none
 
 
+@dataclass(slots=True)
 class _Columns:
     """Every GPU's latest values, one list per field and one slot per GPU. Lists of plain
     values: cheap to write one at a time, one numpy call to turn into an array, and no
     new long-lived objects per sample for the garbage collector to walk (keeping each
     sample's pydantic object alive made full collections of ~100 ms several times a minute
-    at 10k GPUs)."""
+    at 10k GPUs). The fields here are the one list of what the controller keeps per GPU."""
 
-    FIELDS = (
-        "min_cap_w",
-        "max_cap_w",
-        "default_cap_w",
-        "power_w",
-        "cap_w",
-        "energy_j",
-        "temp_c",
-        "util_pct",
-        "sm_clock_mhz",
-        "seen_at",
-        "perf",
-        "lost",
-        "name",
-        "index",
-        "throttle",
-        "workload",
-        "error",
-    )
-    __slots__ = FIELDS
-
-    def __init__(self) -> None:
-        self.min_cap_w: list[float] = []
-        self.max_cap_w: list[float] = []
-        self.default_cap_w: list[float] = []
-        self.power_w: list[float] = []
-        self.cap_w: list[float] = []
-        self.energy_j: list[float] = []
-        self.temp_c: list[float] = []
-        self.util_pct: list[float] = []
-        self.sm_clock_mhz: list[float] = []
-        self.seen_at: list[float] = []  # monotonic time of the last sample
-        self.perf: list[float] = []  # NaN where the workload reports none
-        self.lost: list[bool] = []  # the agent reported an error instead of a reading
-        self.name: list[str] = []
-        self.index: list[int] = []
-        self.throttle: list[tuple[str, ...]] = []
-        self.workload: list[str | None] = []
-        self.error: list[str | None] = []
+    min_cap_w: list[float] = field(default_factory=list)
+    max_cap_w: list[float] = field(default_factory=list)
+    default_cap_w: list[float] = field(default_factory=list)
+    power_w: list[float] = field(default_factory=list)
+    cap_w: list[float] = field(default_factory=list)
+    energy_j: list[float] = field(default_factory=list)
+    temp_c: list[float] = field(default_factory=list)
+    util_pct: list[float] = field(default_factory=list)
+    sm_clock_mhz: list[float] = field(default_factory=list)
+    seen_at: list[float] = field(default_factory=list)  # monotonic time of the last sample
+    perf: list[float] = field(default_factory=list)  # NaN where the workload reports none
+    lost: list[bool] = field(default_factory=list)  # an error reported instead of a reading
+    name: list[str] = field(default_factory=list)
+    index: list[int] = field(default_factory=list)
+    throttle: list[tuple[str, ...]] = field(default_factory=list)
+    workload: list[str | None] = field(default_factory=list)
+    error: list[str | None] = field(default_factory=list)
 
     def append(self, g: GpuTelemetry, now: float) -> int:
-        for name in self.FIELDS:
+        for name in _FIELDS:
             getattr(self, name).append(None)
         slot = len(self.seen_at) - 1
         self.write(slot, g, now)
@@ -151,24 +130,29 @@ class _Columns:
     def take(self, slots: list[int]) -> _Columns:
         """A copy holding only these slots, renumbered 0, 1, ..."""
         out = _Columns()
-        for name in self.FIELDS:
+        for name in _FIELDS:
             values = getattr(self, name)
             setattr(out, name, [values[i] for i in slots])
         return out
 
 
+_FIELDS = tuple(f.name for f in fields(_Columns))
+
+
 class _Column(Generic[T]):
-    """A GpuRecord attribute read from the record's slot of one column."""
+    """A FleetGpu attribute read from the GPU's slot of the column of the same name."""
 
-    def __init__(self, column: str) -> None:
-        self.column = column
+    def __set_name__(self, owner: type[FleetGpu], name: str) -> None:
+        if name not in _FIELDS:
+            raise TypeError(f"{owner.__name__}.{name}: no column of that name")
+        self.column = name
 
-    def __get__(self, rec: GpuRecord, owner: type[GpuRecord] | None = None) -> T:
+    def __get__(self, rec: FleetGpu, owner: type[FleetGpu] | None = None) -> T:
         values: list[T] = getattr(rec.columns, self.column)
         return values[rec.slot]
 
 
-class GpuRecord:
+class FleetGpu:
     """One GPU: its identity, and its latest sample as attributes (read from FleetState's
     columns, for the admin API, metrics and the store)."""
 
@@ -180,21 +164,21 @@ class GpuRecord:
         self.slot = slot
         self.columns = columns
 
-    index: _Column[int] = _Column("index")
-    name: _Column[str] = _Column("name")
-    min_cap_w: _Column[float] = _Column("min_cap_w")
-    max_cap_w: _Column[float] = _Column("max_cap_w")
-    default_cap_w: _Column[float] = _Column("default_cap_w")
-    power_w: _Column[float] = _Column("power_w")
-    cap_w: _Column[float] = _Column("cap_w")
-    energy_j: _Column[float] = _Column("energy_j")
-    temp_c: _Column[float] = _Column("temp_c")
-    util_pct: _Column[float] = _Column("util_pct")
-    sm_clock_mhz: _Column[float] = _Column("sm_clock_mhz")
-    throttle: _Column[tuple[str, ...]] = _Column("throttle")
-    workload: _Column[str | None] = _Column("workload")
-    error: _Column[str | None] = _Column("error")
-    seen_at: _Column[float] = _Column("seen_at")  # monotonic time of the last sample
+    index: _Column[int] = _Column()
+    name: _Column[str] = _Column()
+    min_cap_w: _Column[float] = _Column()
+    max_cap_w: _Column[float] = _Column()
+    default_cap_w: _Column[float] = _Column()
+    power_w: _Column[float] = _Column()
+    cap_w: _Column[float] = _Column()
+    energy_j: _Column[float] = _Column()
+    temp_c: _Column[float] = _Column()
+    util_pct: _Column[float] = _Column()
+    sm_clock_mhz: _Column[float] = _Column()
+    throttle: _Column[tuple[str, ...]] = _Column()
+    workload: _Column[str | None] = _Column()
+    error: _Column[str | None] = _Column()
+    seen_at: _Column[float] = _Column()  # monotonic time of the last sample
 
     @property
     def perf(self) -> float | None:
@@ -204,8 +188,8 @@ class GpuRecord:
 
 class FleetState:
     def __init__(self, policy: Policy) -> None:
-        self.gpus: dict[str, GpuRecord] = {}
-        self.nodes: dict[str, NodeRecord] = {}
+        self.gpus: dict[str, FleetGpu] = {}
+        self.nodes: dict[str, FleetNode] = {}
         self.unknown_nodes: dict[str, float] = {}  # node → last seen, not in the policy
         # GPU uuids named by more than one node: steered by none while that lasts.
         self.disputes: dict[str, Dispute] = {}
@@ -272,10 +256,10 @@ class FleetState:
         for slot, rec in enumerate(recs):
             rec.slot, rec.columns = slot, self._cols
 
-    def node(self, name: str) -> NodeRecord:
+    def node(self, name: str) -> FleetNode:
         rec = self.nodes.get(name)
         if rec is None:
-            rec = self.nodes[name] = NodeRecord(name)
+            rec = self.nodes[name] = FleetNode(name)
         return rec
 
     def ingest_telemetry(self, msg: NodeTelemetry, now: float) -> bool:
@@ -309,7 +293,7 @@ class FleetState:
                     continue
                 room -= 1
                 slot = cols.append(g, now)
-                gpus[g.uuid] = GpuRecord(g.uuid, node_id, slot, cols)
+                gpus[g.uuid] = FleetGpu(g.uuid, node_id, slot, cols)
                 mine.add(g.uuid)
                 self.version += 1
                 log.info("gpu_discovered", node=node_id, uuid=g.uuid, index=g.index)

@@ -13,12 +13,13 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from powerd.api.app import create_app
-from powerd.api.hooks import TickHook, metrics_hook, watchdog_hook
 from powerd.api.server import ApiServer
 from powerd.auth import TokenStore, check_secret
 from powerd.clock import SystemClock
 from powerd.controller.admin import Ledger, PolicyVersionToStore, WriteFailed
-from powerd.controller.controller import Controller, TickReport
+from powerd.controller.controller import Controller
+from powerd.controller.engine import TickReport
+from powerd.controller.hooks import TickHook, metrics_hook, watchdog_hook
 from powerd.controller.opstate import (
     ApiPolicy,
     OperatorState,

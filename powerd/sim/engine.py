@@ -29,8 +29,7 @@ from numpy.typing import NDArray
 from powerd.allocator import Allocation, ClassTable, Fleet, Tree, allocate_arrays
 from powerd.backends.mock import GpuFleetModel, MockGpuSpec
 from powerd.policy import LEVELS, Policy
-from powerd.safety import Fleet as SafetyFleet
-from powerd.safety import NodeCommand, SafetyPlanner
+from powerd.safety import FleetLayout, NodeCommand, SafetyPlanner
 from powerd.sim.scenario import Scenario
 from powerd.sim.site import Mix, Site
 from powerd.wire import GpuAck
@@ -183,7 +182,7 @@ class _Run:
         if policy_name != STATIC:
             self.planner = SafetyPlanner(
                 _planner_policy(policy, scenario.duration_s),
-                SafetyFleet.build(
+                FleetLayout.build(
                     policy, model.uuids, list(site.gpu_nodes), model.min_cap_w, model.max_cap_w
                 ),
             )

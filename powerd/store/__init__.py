@@ -3,8 +3,8 @@
 SQLite file by default, PostgreSQL in production, same code (see docs/storage.md).
 """
 
+from powerd.alarms import Severity
 from powerd.store.db import DEFAULT_URL, current_revision, head_revision, make_engine, upgrade
-from powerd.store.models import Severity
 from powerd.store.records import (
     EventRecord,
     GpuRecord,

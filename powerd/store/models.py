@@ -14,7 +14,6 @@ that these models and the migrated database agree.
 
 from __future__ import annotations
 
-from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import (
@@ -45,12 +44,6 @@ NAMING_CONVENTION = {
 Id = BigInteger().with_variant(Integer(), "sqlite")
 
 NAME_LEN = 128
-
-
-class Severity(StrEnum):
-    INFO = "info"
-    WARNING = "warning"
-    ALARM = "alarm"
 
 
 class Base(DeclarativeBase):
@@ -96,14 +89,15 @@ class Tick(Base):
     ts: Mapped[float] = mapped_column(index=True)
     budget_w: Mapped[float]
     committed_w: Mapped[float]
-    measured_w: Mapped[float]
+    draw_w: Mapped[float] = mapped_column("measured_w")  # measured GPU draw + overhead
     throughput: Mapped[float]
     solve_ms: Mapped[float]
     status: Mapped[str] = mapped_column(String(32))
     solver: Mapped[str] = mapped_column(String(32))
     n_gpus: Mapped[int]
     n_stale: Mapped[int]
-    rows: Mapped[dict[str, Any]]  # per row: {"budget_w", "committed_w", "measured_w", ...}
+    # per row: {"budget_w", "load_w" (committed caps + overhead), "draw_w"}; None: not finite
+    rows: Mapped[dict[str, Any]]
 
 
 class CapChange(Base):

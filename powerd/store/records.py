@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from powerd.store.models import Severity
+from powerd.alarms import Severity
 
 T = TypeVar("T")
 
@@ -36,7 +36,7 @@ class TickRecord:
     ts: float
     budget_w: float
     committed_w: float
-    measured_w: float
+    draw_w: float  # measured GPU draw + overhead (column measured_w)
     throughput: float
     solve_ms: float
     status: str

@@ -31,6 +31,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
+from powerd.alarms import Severity
 from powerd.store.db import DEFAULT_URL, make_engine
 from powerd.store.models import (
     AuditEntry,
@@ -42,7 +43,6 @@ from powerd.store.models import (
     Node,
     OperatorState,
     PolicyVersion,
-    Severity,
     Tick,
 )
 from powerd.store.records import EventRecord, Page

@@ -398,12 +398,13 @@ class StoreWriter:
 
 
 def _tick_row(rec: TickRecord) -> dict[str, Any]:
+    # Keyed by column name (a Core insert): `draw_w` is stored in the column `measured_w`.
     return {
         "tick": rec.tick,
         "ts": rec.ts,
         "budget_w": rec.budget_w,
         "committed_w": rec.committed_w,
-        "measured_w": rec.measured_w,
+        "measured_w": rec.draw_w,
         "throughput": rec.throughput,
         "solve_ms": rec.solve_ms,
         "status": rec.status,

@@ -21,7 +21,7 @@ from powerd.api.models import (
     NodeOut,
     Page,
 )
-from powerd.controller.controller import TickReport
+from powerd.controller.engine import TickReport
 from powerd.numeric import finite_or_none
 from powerd.policy import LEVELS
 
@@ -32,10 +32,10 @@ def _group_use(r: TickReport, g: int) -> GroupUse:
     return GroupUse(
         name=r.group_names[g],
         level=LEVELS[int(r.group_levels[g])],
-        budget_w=finite_or_none(float(r.budget_w[g])),
-        committed_w=float(r.load_w[g]),
-        draw_w=float(r.draw_w[g]),
-        over=bool(r.over[g]),
+        budget_w=finite_or_none(float(r.group_budget_w[g])),
+        committed_w=float(r.group_committed_w[g]),
+        draw_w=float(r.group_draw_w[g]),
+        over=bool(r.group_over[g]),
     )
 
 
@@ -100,7 +100,7 @@ async def groups(
     if level is not None:
         idx = np.flatnonzero(r.group_levels == LEVELS.index(level)).tolist()
     if over is not None:
-        idx = [g for g in idx if bool(r.over[g]) == over]
+        idx = [g for g in idx if bool(r.group_over[g]) == over]
     items = [_group_use(r, g) for g in idx[offset : offset + limit]]
     return {"items": items, "total": len(idx), "limit": limit, "offset": offset}
 
@@ -154,9 +154,11 @@ async def nodes(
                 last_seen_age_s=None
                 if rec is None or rec.seen_at is None
                 else max(0.0, now - rec.seen_at),
-                budget_w=None if r is None or g is None else finite_or_none(float(r.budget_w[g])),
-                committed_w=None if r is None or g is None else float(r.load_w[g]),
-                draw_w=None if r is None or g is None else float(r.draw_w[g]),
+                budget_w=None
+                if r is None or g is None
+                else finite_or_none(float(r.group_budget_w[g])),
+                committed_w=None if r is None or g is None else float(r.group_committed_w[g]),
+                draw_w=None if r is None or g is None else float(r.group_draw_w[g]),
             )
         )
     return _page(out, limit, offset)

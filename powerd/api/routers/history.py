@@ -42,7 +42,7 @@ def ticks(
                 solve_ms=t.solve_ms,
                 budget_w=finite_or_none(t.budget_w),
                 committed_w=t.committed_w,
-                draw_w=t.measured_w,
+                draw_w=t.draw_w,
                 throughput=t.throughput,
                 gpus=t.n_gpus,
                 gpus_stale=t.n_stale,

@@ -11,8 +11,9 @@ from typing import Any, overload
 
 import numpy as np
 
-from powerd.controller.controller import Controller, TickReport
-from powerd.controller.fleet import GpuRecord
+from powerd.controller.controller import Controller
+from powerd.controller.engine import TickReport
+from powerd.controller.fleet import FleetGpu
 from powerd.metrics import ControllerMetrics
 from powerd.policy import LEVELS
 from powerd.sdnotify import Notifier
@@ -24,7 +25,7 @@ class _LiveThrottle(Sequence[tuple[str, ...]]):
     """Each GPU's throttle reasons, read from its record when Prometheus scrapes: building
     10k lists every tick would cost more than everything else the hook does."""
 
-    def __init__(self, recs: list[GpuRecord]) -> None:
+    def __init__(self, recs: list[FleetGpu]) -> None:
         self._recs = recs
 
     def __len__(self) -> int:
@@ -74,9 +75,9 @@ def metrics_hook(controller: Controller, metrics: ControllerMetrics) -> TickHook
         metrics.update_groups(
             names=r.group_names,
             levels=[LEVELS[int(lv)] for lv in r.group_levels.tolist()],
-            budget_w=r.budget_w,
-            committed_w=r.load_w,
-            draw_w=r.draw_w,
+            budget_w=r.group_budget_w,
+            committed_w=r.group_committed_w,
+            draw_w=r.group_draw_w,
         )
         metrics.observe_tick(
             duration_s=r.duration_ms / 1000.0,
@@ -113,7 +114,8 @@ def watchdog_hook(notifier: Notifier) -> TickHook:
     def ping(r: TickReport) -> None:
         status = (
             f"STATUS=tick {r.tick}: {r.status}, {len(r.uuids)} GPUs, "
-            f"committed {r.load_w[0] / 1000:.1f} kW of {r.budget_w[0] / 1000:.1f} kW"
+            f"committed {r.group_committed_w[0] / 1000:.1f} kW "
+            f"of {r.group_budget_w[0] / 1000:.1f} kW"
         )
         if notifier.watchdog_s is not None:
             notifier.notify("WATCHDOG=1", status)
