@@ -420,8 +420,9 @@ class Controller(AdminWrites):
 
 def _freeze_heap() -> None:
     """Move what the fleet's shape built (records, columns, topology, planner state) out of
-    the garbage collector's sight, after the tick it was built for: at 10k GPUs a full
-    collection walked it all several times a minute, ~100 ms each, pausing ticks."""
+    the garbage collector's sight, after the tick it was built for: it lives as long as the
+    shape, and a full collection that walks it all pauses the tick for a time that grows
+    with the fleet (docs/performance.md, "Steering loop")."""
     t0 = time.perf_counter()
     gc.collect()
     gc.freeze()

@@ -102,8 +102,8 @@ class TickReport:
 @dataclass(frozen=True, slots=True)
 class TickSummary:
     """A past tick as the controller remembers it (the API's /ticks without a store): a few
-    numbers, not a TickReport's per-GPU arrays (~0.75 MB a tick at 10k GPUs, measured:
-    ~450 MB for the 600 it remembers)."""
+    numbers, not a TickReport's per-GPU arrays, which would make the memory of the last
+    ticks grow with the fleet (docs/performance.md, "Steering loop")."""
 
     tick: int
     ts: float

@@ -76,8 +76,9 @@ class _Columns:
     """Every GPU's latest values, one list per field and one slot per GPU. Lists of plain
     values: cheap to write one at a time, one numpy call to turn into an array, and no
     new long-lived objects per sample for the garbage collector to walk (keeping each
-    sample's pydantic object alive made full collections of ~100 ms several times a minute
-    at 10k GPUs). The fields here are the one list of what the controller keeps per GPU."""
+    sample's pydantic object alive made full collections slow enough to pause ticks:
+    docs/performance.md, "Steering loop"). The fields here are the one list of what the
+    controller keeps per GPU."""
 
     min_cap_w: list[float] = field(default_factory=list)
     max_cap_w: list[float] = field(default_factory=list)
