@@ -4,7 +4,7 @@ Fills `ControllerMetrics` with N GPUs (eight to a node, every per-GPU family set
 the text exposition two ways: powerd's `exposition` (rows rendered from cached label text,
 integral values printed as integers) and prometheus_client's own `generate_latest` over the
 same registry. Prints the median of `--repeat` scrapes of each, the size of the text, and
-the time of one `update_gpus` (what each tick pays).
+the time of one `update_gpus` with a new `GpuSnapshot` (what each tick pays).
 
     .venv/bin/python bench/scrape.py [--gpus 10000] [--repeat 5]
 """
@@ -18,7 +18,7 @@ import time
 import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
 
-from powerd.metrics import ControllerMetrics, exposition
+from powerd.metrics import ControllerMetrics, GpuSnapshot, exposition
 
 
 def main() -> None:
@@ -38,17 +38,19 @@ def main() -> None:
     def update() -> float:
         t0 = time.perf_counter()
         metrics.update_gpus(
-            uuids=uuids,
-            nodes=nodes,
-            index=np.arange(n) % 8,
-            power_w=rng.uniform(200, 700, n).round(1),
-            enforced_w=np.full(n, 700.0),
-            energy_j=rng.uniform(1e6, 1e9, n).round(),
-            temp_c=rng.integers(40, 85, n).astype(np.float64),
-            cap_w=rng.uniform(300, 700, n).round(1),
-            target_w=rng.uniform(300, 700, n).round(1),
-            throttle=reasons,
-            models=models,
+            GpuSnapshot(
+                uuids=uuids,
+                nodes=nodes,
+                index=np.arange(n) % 8,
+                power_w=rng.uniform(200, 700, n).round(1),
+                enforced_w=np.full(n, 700.0),
+                energy_j=rng.uniform(1e6, 1e9, n).round(),
+                temp_c=rng.integers(40, 85, n).astype(np.float64),
+                cap_w=rng.uniform(300, 700, n).round(1),
+                target_w=rng.uniform(300, 700, n).round(1),
+                throttle=reasons,
+                models=models,
+            )
         )
         return time.perf_counter() - t0
 

@@ -196,6 +196,35 @@ def print_summary(s: dict[str, Any], out: TextIO) -> None:
     print(f"  allocation statuses: {s['statuses']}; history in {s['db']}", file=out)
 
 
+def tick_json(r: TickReport) -> dict[str, Any]:
+    """One line of `powerd demo --json`: the facility and its rows at this tick."""
+    return {
+        "tick": r.tick,
+        "budget_w": finite_or_none(r.group_budget_w[0]),
+        "committed_w": r.group_committed_w[0],
+        "draw_w": r.group_draw_w[0],
+        "throughput": r.throughput_total,
+        "throughput_by_class": r.throughput_by_class(),
+        "solve_ms": r.solve_ms,
+        "status": r.status,
+        "over_budget": bool(r.group_over.any()),
+        "rows": {
+            n: {"budget_w": finite_or_none(b), "committed_w": ld, "draw_w": d}
+            for n, b, ld, d in r.level_totals(1)
+        },
+    }
+
+
+def _first_nodes(policy: Policy, nodes: int | None) -> tuple[Policy, list[str]]:
+    """The policy cut down to its first `nodes` nodes (None: all of them), and their names."""
+    names = policy.node_names()
+    if nodes is None:
+        return policy, names
+    if not 1 <= nodes <= len(names):
+        raise ValueError(f"--nodes must be between 1 and {len(names)} for this policy")
+    return policy.subset(names[:nodes]), names[:nodes]
+
+
 async def run_demo(
     policy: Policy,
     *,
@@ -209,12 +238,7 @@ async def run_demo(
     clock: Clock | None = None,
 ) -> dict[str, Any]:
     clock = clock or SystemClock()
-    node_names = policy.node_names()
-    if nodes is not None:
-        if not 1 <= nodes <= len(node_names):
-            raise ValueError(f"--nodes must be between 1 and {len(node_names)} for this policy")
-        node_names = node_names[:nodes]
-        policy = policy.subset(node_names)
+    policy, node_names = _first_nodes(policy, nodes)
     groups = {g.name: g for g in policy.groups}
     counts = [groups[n].gpus for n in node_names]
     tick_s = policy.control.tick_s
@@ -268,27 +292,7 @@ async def run_demo(
     def show(r: TickReport) -> None:
         stats.add(r)
         if as_json:
-            print(
-                json.dumps(
-                    {
-                        "tick": r.tick,
-                        "budget_w": finite_or_none(r.group_budget_w[0]),
-                        "committed_w": r.group_committed_w[0],
-                        "draw_w": r.group_draw_w[0],
-                        "throughput": r.throughput_total,
-                        "throughput_by_class": r.throughput_by_class(),
-                        "solve_ms": r.solve_ms,
-                        "status": r.status,
-                        "over_budget": bool(r.group_over.any()),
-                        "rows": {
-                            n: {"budget_w": finite_or_none(b), "committed_w": ld, "draw_w": d}
-                            for n, b, ld, d in r.level_totals(1)
-                        },
-                    }
-                ),
-                file=out,
-                flush=True,
-            )
+            print(json.dumps(tick_json(r)), file=out, flush=True)
         else:
             print(live_line(r), file=out, flush=True)
 

@@ -79,7 +79,7 @@ class RowFamily(Metric):
     e.g. the agent's HTTP server), so the controller's scrape never pays for it."""
 
     def __init__(
-        self, name: str, doc: str, typ: str, sample: str, rows: Rows, values: FloatArray
+        self, name: str, doc: str, typ: str, rows: Rows, values: FloatArray, *, sample: str
     ) -> None:
         super().__init__(name, doc, typ)
         del self.samples  # see __getattr__
@@ -148,20 +148,35 @@ class _One(Collector):
 
 @dataclass(frozen=True)
 class GpuSnapshot:
-    """One tick's per-GPU values, replaced whole so a scrape in another thread sees one tick."""
+    """One tick's (or sample's) per-GPU values, in one order (the fleet's); replaced whole,
+    so a scrape in another thread sees one tick. NaN: no value (the row is left out). The
+    arrays are copied: the caller may reuse its buffers."""
 
     uuids: Sequence[str]
     nodes: Sequence[str]
     index: NDArray[np.int64]
-    models: Sequence[str] | None
     power_w: FloatArray
     enforced_w: FloatArray  # read back from the device
     energy_j: FloatArray
     temp_c: FloatArray
-    throttle: Sequence[Sequence[str]] | None
+    models: Sequence[str] | None = None
+    throttle: Sequence[Sequence[str]] | None = None
     cap_w: FloatArray | None = None  # controller: the cap in force as it last sent it
     target_w: FloatArray | None = None  # controller: this tick's allocation
     _rows: list[Rows] = field(default_factory=list, repr=False)  # built on first scrape
+
+    def __post_init__(self) -> None:
+        n = len(self.uuids)
+        if len(self.nodes) != n or (self.models is not None and len(self.models) != n):
+            raise ValueError("uuids, nodes and models must have the same length")
+        if self.throttle is not None and len(self.throttle) != n:
+            raise ValueError("throttle must have one entry per GPU")
+        set_ = object.__setattr__
+        set_(self, "index", np.array(self.index, dtype=np.int64))
+        for name in ("power_w", "enforced_w", "energy_j", "temp_c", "cap_w", "target_w"):
+            value = getattr(self, name)
+            if value is not None:
+                set_(self, name, _array(value, n, name))
 
     def rows(self) -> Rows:
         if not self._rows:
@@ -194,7 +209,7 @@ def _family(
 
 
 def _gauge_rows(name: str, doc: str, rows: Rows, values: FloatArray) -> RowFamily:
-    return RowFamily(name, doc, "gauge", name, rows, values)
+    return RowFamily(name, doc, "gauge", rows, values, sample=name)
 
 
 class GpuCollector(Collector):
@@ -203,50 +218,17 @@ class GpuCollector(Collector):
     def __init__(self) -> None:
         self._snap: GpuSnapshot | None = None
 
-    def update(
-        self,
-        *,
-        uuids: Sequence[str],
-        nodes: Sequence[str],
-        index: ArrayLike,
-        power_w: ArrayLike,
-        enforced_w: ArrayLike,
-        energy_j: ArrayLike,
-        temp_c: ArrayLike,
-        throttle: Sequence[Sequence[str]] | None = None,
-        models: Sequence[str] | None = None,
-        cap_w: ArrayLike | None = None,
-        target_w: ArrayLike | None = None,
-    ) -> None:
-        n = len(uuids)
-        if len(nodes) != n or (models is not None and len(models) != n):
-            raise ValueError("uuids, nodes and models must have the same length")
-        if throttle is not None and len(throttle) != n:
-            raise ValueError("throttle must have one entry per GPU")
-        idx = np.array(index, dtype=np.int64)
+    def update(self, snap: GpuSnapshot) -> None:
         prev = self._snap
-        snap = GpuSnapshot(
-            uuids=uuids,
-            nodes=nodes,
-            index=idx,
-            models=models,
-            power_w=_array(power_w, n, "power_w"),
-            enforced_w=_array(enforced_w, n, "enforced_w"),
-            energy_j=_array(energy_j, n, "energy_j"),
-            temp_c=_array(temp_c, n, "temp_c"),
-            throttle=throttle,
-            cap_w=None if cap_w is None else _array(cap_w, n, "cap_w"),
-            target_w=None if target_w is None else _array(target_w, n, "target_w"),
-        )
         # The fleet's GPU list is the same object from tick to tick until a GPU comes or
         # goes (FleetState caches it): keep the rows rendered for it.
         if (
             prev is not None
-            and prev.uuids is uuids
-            and prev.nodes is nodes
-            and prev.models is models
+            and prev.uuids is snap.uuids
+            and prev.nodes is snap.nodes
+            and prev.models is snap.models
             and prev._rows
-            and np.array_equal(prev.index, idx)
+            and np.array_equal(prev.index, snap.index)
         ):
             snap._rows.extend(prev._rows)
         self._snap = snap
@@ -267,9 +249,9 @@ class GpuCollector(Collector):
             "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
             "Total energy consumption since the driver loaded (in mJ).",
             "counter",
-            "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION_total",
             labels,
             s.energy_j * 1000.0,
+            sample="DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION_total",
         )
         yield _gauge_rows("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C).", labels, s.temp_c)
         if s.throttle is not None:
@@ -420,35 +402,9 @@ class ControllerMetrics:
             registry=registry,
         )
 
-    def update_gpus(
-        self,
-        *,
-        uuids: Sequence[str],
-        nodes: Sequence[str],
-        index: ArrayLike,
-        power_w: ArrayLike,
-        enforced_w: ArrayLike,
-        energy_j: ArrayLike,
-        temp_c: ArrayLike,
-        cap_w: ArrayLike | None = None,
-        target_w: ArrayLike | None = None,
-        throttle: Sequence[Sequence[str]] | None = None,
-        models: Sequence[str] | None = None,
-    ) -> None:
-        """Per-GPU values of this tick, in one order (the fleet's). NaN: no value (left out)."""
-        self.gpus.update(
-            uuids=uuids,
-            nodes=nodes,
-            index=index,
-            power_w=power_w,
-            enforced_w=enforced_w,
-            energy_j=energy_j,
-            temp_c=temp_c,
-            throttle=throttle,
-            models=models,
-            cap_w=cap_w,
-            target_w=target_w,
-        )
+    def update_gpus(self, snap: GpuSnapshot) -> None:
+        """Per-GPU values of this tick."""
+        self.gpus.update(snap)
 
     def update_groups(
         self,
@@ -535,29 +491,9 @@ class AgentMetrics:
         registry.register(self.gpus)
         registry.register(self._f)
 
-    def update_gpus(
-        self,
-        *,
-        uuids: Sequence[str],
-        index: ArrayLike,
-        power_w: ArrayLike,
-        enforced_w: ArrayLike,
-        energy_j: ArrayLike,
-        temp_c: ArrayLike,
-        throttle: Sequence[Sequence[str]] | None = None,
-        models: Sequence[str] | None = None,
-    ) -> None:
-        self.gpus.update(
-            uuids=uuids,
-            nodes=[self.node_id] * len(uuids),
-            index=index,
-            power_w=power_w,
-            enforced_w=enforced_w,
-            energy_j=energy_j,
-            temp_c=temp_c,
-            throttle=throttle,
-            models=models,
-        )
+    def update_gpus(self, snap: GpuSnapshot) -> None:
+        """This node's GPUs, from its latest sample."""
+        self.gpus.update(snap)
 
     def update_counters(
         self,

@@ -417,8 +417,7 @@ class SafetyPlanner:
         since) may only widen the bounds. Within one tick a GPU's cap only falls (failsafe),
         so any reading of the newest tick bounds the cap in force from above.
         """
-        if self._q_seen_gpu:
-            np.maximum.at(self._seen, np.array(self._q_seen_gpu), np.array(self._q_seen_at))
+        self._absorb_seen()
         if not self._q_gpu:
             self._clear_queue()
             return
@@ -432,8 +431,7 @@ class SafetyPlanner:
         defiant = np.array(self._q_defiant, dtype=np.int64)
         src = np.array(self._q_src, dtype=np.int64)
         self._clear_queue()
-        q = len(gpu)
-        pos = np.arange(q)
+        pos = np.arange(len(gpu))
         touched, local = np.unique(gpu, return_inverse=True)
         known = ~np.isnan(self._hi[touched])
 
@@ -488,7 +486,27 @@ class SafetyPlanner:
         # A reading above the committed cap: something outside powerd raised the limit (or the
         # device clamped a request up). The bound follows the reading; the controller alarms.
         above = kept & known[local] & (hi > before[local] + ALARM_TOL_W)
-        for r in np.flatnonzero(above).tolist():
+        self._alarm_above(
+            fleet, np.flatnonzero(above), gpu=gpu, hi=hi, src=src, before=before[local]
+        )
+
+    def _absorb_seen(self) -> None:
+        """When each GPU was last named by its node (the queue's sightings)."""
+        if self._q_seen_gpu:
+            np.maximum.at(self._seen, np.array(self._q_seen_gpu), np.array(self._q_seen_at))
+
+    def _alarm_above(
+        self,
+        fleet: FleetLayout,
+        rows: NDArray[np.int64],
+        *,
+        gpu: NDArray[np.int64],
+        hi: FloatArray,
+        src: NDArray[np.int64],
+        before: FloatArray,
+    ) -> None:
+        """An event for each queued reading (`rows`) whose cap is above what was committed."""
+        for r in rows.tolist():
             i = int(gpu[r])
             self._events.append(
                 SafetyEvent(
@@ -496,7 +514,7 @@ class SafetyPlanner:
                     node=fleet.nodes[i],
                     uuid=fleet.uuids[i],
                     value_w=float(hi[r]),
-                    committed_w=float(before[local[r]]),
+                    committed_w=float(before[r]),
                 )
             )
 

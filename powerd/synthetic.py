@@ -41,15 +41,16 @@ def policy_dict(
     *,
     fractions: tuple[float, float, float, float] = (0.92, 0.92, 0.92, 0.85),
     overhead_w: float = 800.0,
-    max_cap_w: float = 700.0,
-    min_cap_w: float = 200.0,
+    gpu_w: tuple[float, float] = (200.0, 700.0),
     damping: float = 0.01,
     slew_w: float | None = None,
     headroom_w: float = 50.0,
 ) -> dict[str, Any]:
     """A policy as parsed YAML. `fractions` (facility, row, rack, node): the room each budget
     leaves for GPU caps is that share of its children's (a node's: of G × max_cap_w);
-    budgets add the nodes' overhead on top. The failsafe cap is chosen to fit."""
+    budgets add the nodes' overhead on top. `gpu_w`: every GPU's (min, max) cap. The
+    failsafe cap is chosen to fit."""
+    min_cap_w, max_cap_w = gpu_w
     f_fac, f_row, f_rack, f_node = fractions
     node_room = f_node * gpus * max_cap_w
     rack_room = f_rack * nodes * node_room

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import httpx
 import numpy as np
@@ -14,6 +15,7 @@ from powerd.backends.base import THROTTLE_REASON_BITS, throttle_mask, throttle_r
 from powerd.metrics import (
     AgentMetrics,
     ControllerMetrics,
+    GpuSnapshot,
     exposition,
     start_metrics_server,
 )
@@ -45,23 +47,30 @@ def gpu_key(index: int, uuid: str, node: str, model: str = "") -> tuple[tuple[st
     return tuple(sorted(labels.items()))
 
 
+def snapshot(**values: Any) -> GpuSnapshot:
+    """A GpuSnapshot from plain lists (the snapshot copies them into arrays)."""
+    return GpuSnapshot(**values)
+
+
 UUIDS = ["GPU-a0", "GPU-a1", "GPU-b0"]
 NODES = ["a", "a", "b"]
 
 
 def update(m: ControllerMetrics, power: list[float], uuids: list[str] = UUIDS) -> None:
     m.update_gpus(
-        uuids=uuids,
-        nodes=NODES,
-        index=[0, 1, 0],
-        power_w=power,
-        enforced_w=[500.0, 400.0, 700.0],
-        energy_j=[1.5, 2.0, 3.0],
-        temp_c=[60.0, 61.0, math.nan],
-        cap_w=[500.0, 400.0, 700.0],
-        target_w=[520.0, 380.0, 700.0],
-        throttle=[["sw_power_cap"], [], ["sw_thermal", "hw_slowdown"]],
-        models=["H100", "H100", "H200"],
+        snapshot(
+            uuids=uuids,
+            nodes=NODES,
+            index=[0, 1, 0],
+            power_w=power,
+            enforced_w=[500.0, 400.0, 700.0],
+            energy_j=[1.5, 2.0, 3.0],
+            temp_c=[60.0, 61.0, math.nan],
+            cap_w=[500.0, 400.0, 700.0],
+            target_w=[520.0, 380.0, 700.0],
+            throttle=[["sw_power_cap"], [], ["sw_thermal", "hw_slowdown"]],
+            models=["H100", "H100", "H200"],
+        )
     )
 
 
@@ -159,14 +168,16 @@ def test_fast_exposition_matches_prometheus_client() -> None:
     m = ControllerMetrics(reg)
     update(m, [450.0, 390.5, 10.0])
     m.update_gpus(
-        uuids=["GPU-1"],
-        nodes=['odd "node"\\name'],  # quotes and backslashes must be escaped alike
-        index=[0],
-        power_w=[1e-3],
-        enforced_w=[math.inf],
-        energy_j=[1e12],
-        temp_c=[-5.0],
-        models=["model\nwith newline"],
+        snapshot(
+            uuids=["GPU-1"],
+            nodes=['odd "node"\\name'],  # quotes and backslashes must be escaped alike
+            index=[0],
+            power_w=[1e-3],
+            enforced_w=[math.inf],
+            energy_j=[1e12],
+            temp_c=[-5.0],
+            models=["model\nwith newline"],
+        )
     )
     m.update_groups(
         names=["site"], levels=["facility"], budget_w=[math.inf], committed_w=[1], draw_w=[2]
@@ -203,13 +214,16 @@ def test_agent_serves_its_registry_over_http() -> None:
     reg = CollectorRegistry()
     m = AgentMetrics(reg, node_id="n01")
     m.update_gpus(
-        uuids=["GPU-x"],
-        index=[3],
-        power_w=[321.0],
-        enforced_w=[400.0],
-        energy_j=[10.0],
-        temp_c=[55.0],
-        throttle=[["sw_power_cap"]],
+        snapshot(
+            uuids=["GPU-x"],
+            nodes=["n01"],
+            index=[3],
+            power_w=[321.0],
+            enforced_w=[400.0],
+            energy_j=[10.0],
+            temp_c=[55.0],
+            throttle=[["sw_power_cap"]],
+        )
     )
     m.update_counters(commands=5, rejected={"stale": 1}, caps_applied=40, failsafe=False)
     server = start_metrics_server(reg, "127.0.0.1", 0)

@@ -27,6 +27,7 @@ from powerd.store import (
     Store,
     StoreWriter,
     TickRecord,
+    WriterLimits,
     current_revision,
     head_revision,
     upgrade,
@@ -59,10 +60,10 @@ def store(empty_url: str) -> Iterator[Store]:
     s.close()
 
 
-def writer_for(store: Store, **kwargs: Any) -> StoreWriter:
+def writer_for(store: Store, **limits: Any) -> StoreWriter:
     # A manual clock: no backoff or prune schedule depends on real time passing.
-    kwargs.setdefault("clock", ManualClock(start=0.0, wall_offset=T0))
-    return StoreWriter(store, **kwargs)
+    clock = ManualClock(start=0.0, wall_offset=T0)
+    return StoreWriter(store, limits=WriterLimits(**limits), clock=clock)
 
 
 # ---- migrations ----

@@ -6,6 +6,7 @@ happened. A refusal is audited too."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import NoReturn
 
 import structlog
@@ -20,20 +21,27 @@ from powerd.controller.overrides import NotFound, OverrideError
 log = structlog.get_logger(__name__)
 
 
+@dataclass(frozen=True)
+class Attempt:
+    """Who tries which write on what, and why: what a write's audit row and answer name."""
+
+    controller: Controller
+    principal: Principal
+    action: str  # e.g. "budget.set"
+    target: str  # the group, node or GPU; "api" for the policy
+    reason: str
+
+
 async def refuse(
-    controller: Controller,
-    p: Principal,
-    action: str,
-    target: str,
-    reason: str,
-    status: int,
-    detail: str,
-    problems: Sequence[tuple[str, str]] = (),
+    attempt: Attempt, status: int, detail: str, problems: Sequence[tuple[str, str]] = ()
 ) -> NoReturn:
     """Answer `status` and audit the refusal: who tried what is as telling as what was
     done. (Requests that fail authentication or schema validation are only logged.)"""
-    log.info("admin_action_refused", actor=p.name, action=action, target=target, why=detail)
-    audited = await controller.ledger.refused(p.name, p.role.label, action, target, reason, detail)
+    a, p = attempt, attempt.principal
+    log.info("admin_action_refused", actor=p.name, action=a.action, target=a.target, why=detail)
+    audited = await a.controller.ledger.refused(
+        a.action, a.target, detail, actor=p.name, role=p.role.label, reason=a.reason
+    )
     body = WriteRefused(
         detail=detail,
         problems=[Problem(path=path, message=m) for path, m in problems],
@@ -49,11 +57,11 @@ def failed(exc: WriteFailed) -> NoReturn:
     raise HTTPException(503, body.model_dump())
 
 
-def done(controller: Controller, action: str, target: str, outcome: WriteOutcome) -> WriteOut:
+def done(attempt: Attempt, outcome: WriteOutcome) -> WriteOut:
     return WriteOut(
-        action=action,
-        target=target,
-        after_tick=controller.tick_no or None,
+        action=attempt.action,
+        target=attempt.target,
+        after_tick=attempt.controller.tick_no or None,
         applied=outcome.applied,
         durable=outcome.durable,
         audited=outcome.audited,
@@ -62,11 +70,7 @@ def done(controller: Controller, action: str, target: str, outcome: WriteOutcome
 
 
 async def write(
-    controller: Controller,
-    p: Principal,
-    action: str,
-    target: str,
-    reason: str,
+    attempt: Attempt,
     change: Callable[[], object],
     field: str | None = None,
     *,
@@ -76,12 +80,12 @@ async def write(
     is a 404, what it refuses a 422 (naming `field`), and either is audited. Then the
     ledger makes it durable; the answer says what happened (`WriteOut`)."""
     try:
-        outcome = await controller.ledger.commit(change, lowers_power=lowers_power)
+        outcome = await attempt.controller.ledger.commit(change, lowers_power=lowers_power)
     except NotFound as exc:
-        await refuse(controller, p, action, target, reason, 404, str(exc))
+        await refuse(attempt, 404, str(exc))
     except OverrideError as exc:
         problems = [(field, str(exc))] if field else []
-        await refuse(controller, p, action, target, reason, 422, str(exc), problems)
+        await refuse(attempt, 422, str(exc), problems)
     except WriteFailed as exc:
         failed(exc)
-    return done(controller, action, target, outcome)
+    return done(attempt, outcome)

@@ -122,7 +122,9 @@ class AdminWrites:
         sha = self.ledger.policy_replaced(
             text, source=source, actor=actor, reason=reason, file_sha256=file_sha256
         )
-        self._audit(actor, role, "policy.replace", source, reason, {"sha256": sha})
+        self._audit(
+            "policy.replace", source, {"sha256": sha}, actor=actor, role=role, reason=reason
+        )
         log.info("policy_replaced", source=source, sha256=sha[:12], actor=actor)
         return policy
 
@@ -139,7 +141,7 @@ class AdminWrites:
         override = BudgetOverride(group, budget_w, expires_at, reason, actor, self.clock.wall())
         self.engine.overrides.set_budget(self.engine.policy, override)
         payload = {"budget_w": budget_w, "expires_at": expires_at}
-        self._audit(actor, role, "budget.set", group, reason, payload)
+        self._audit("budget.set", group, payload, actor=actor, role=role, reason=reason)
 
     def budget_in_force_w(self, group: str) -> float:
         """A group's budget now: the policy's, or a lower temporary one (inf: unknown)."""
@@ -151,7 +153,7 @@ class AdminWrites:
 
     def clear_budget(self, group: str, *, actor: str, reason: str, role: str = "operator") -> None:
         self.engine.overrides.clear_budget(group)
-        self._audit(actor, role, "budget.clear", group, reason, {})
+        self._audit("budget.clear", group, {}, actor=actor, role=role, reason=reason)
 
     def assign_class(
         self,
@@ -165,14 +167,18 @@ class AdminWrites:
     ) -> None:
         self.engine.overrides.assign_class(self.engine.policy, cls, uuids=uuids, nodes=nodes)
         payload = {"class": cls, "uuids": uuids, "nodes": nodes}
-        self._audit(actor, role, "class.assign", ",".join(uuids + nodes), reason, payload)
+        self._audit(
+            "class.assign", ",".join(uuids + nodes), payload, actor=actor, role=role, reason=reason
+        )
 
     def clear_class(
         self, *, uuids: list[str], nodes: list[str], actor: str, reason: str, role: str = "operator"
     ) -> None:
         self.engine.overrides.clear_class(uuids=uuids, nodes=nodes)
         payload = {"uuids": uuids, "nodes": nodes}
-        self._audit(actor, role, "class.clear", ",".join(uuids + nodes), reason, payload)
+        self._audit(
+            "class.clear", ",".join(uuids + nodes), payload, actor=actor, role=role, reason=reason
+        )
 
     def pin(
         self, uuid: str, watts: float, *, actor: str, reason: str, role: str = "operator"
@@ -185,35 +191,36 @@ class AdminWrites:
                 f"{watts:g} W is outside the GPU's limits [{rec.min_cap_w:g}, {rec.max_cap_w:g}] W"
             )
         self.engine.overrides.pins[uuid] = watts
-        self._audit(actor, role, "gpu.pin", uuid, reason, {"watts": watts})
+        self._audit("gpu.pin", uuid, {"watts": watts}, actor=actor, role=role, reason=reason)
 
     def unpin(self, uuid: str, *, actor: str, reason: str, role: str = "operator") -> None:
         if self.engine.overrides.pins.pop(uuid, None) is None:
             raise NotFound(f"GPU '{uuid}' is not pinned")
-        self._audit(actor, role, "gpu.unpin", uuid, reason, {})
+        self._audit("gpu.unpin", uuid, {}, actor=actor, role=role, reason=reason)
 
     def drain(self, node: str, *, actor: str, reason: str, role: str = "operator") -> None:
         if node not in self.engine.fleet.node_order:
             raise NotFound(f"unknown node '{node}'")
         self.engine.overrides.drained.add(node)
-        self._audit(actor, role, "node.drain", node, reason, {})
+        self._audit("node.drain", node, {}, actor=actor, role=role, reason=reason)
 
     def undrain(self, node: str, *, actor: str, reason: str, role: str = "operator") -> None:
         if node not in self.engine.overrides.drained:
             raise NotFound(f"node '{node}' is not drained")
         self.engine.overrides.drained.discard(node)
-        self._audit(actor, role, "node.undrain", node, reason, {})
+        self._audit("node.undrain", node, {}, actor=actor, role=role, reason=reason)
 
     def _audit(
         self,
-        actor: str,
-        role: str,
         action: str,
         target: str,
-        reason: str,
         payload: Mapping[str, object],
+        *,
+        actor: str,
+        role: str,
+        reason: str,
     ) -> None:
-        self.ledger.journal(actor, role, action, target, reason, payload)
+        self.ledger.journal(action, target, payload, actor=actor, role=role, reason=reason)
 
 
 class Ledger:
@@ -256,12 +263,13 @@ class Ledger:
 
     def journal(
         self,
-        actor: str,
-        role: str,
         action: str,
         target: str,
-        reason: str,
         payload: Mapping[str, object],
+        *,
+        actor: str,
+        role: str,
+        reason: str,
         result: str = "ok",
     ) -> AuditRow:
         log.info(
@@ -369,14 +377,22 @@ class Ledger:
         )
 
     async def refused(
-        self, actor: str, role: str, action: str, target: str, reason: str, detail: str
+        self, action: str, target: str, detail: str, *, actor: str, role: str, reason: str
     ) -> bool:
         """Audit a refused write (queued, and kept in the state file, if the database is
         down); True if its row is in the database now."""
         async with self._lock:
             self._batch, self._committing = [], True
             try:
-                self.journal(actor, role, action, target, reason, {}, f"refused: {detail}")
+                self.journal(
+                    action,
+                    target,
+                    {},
+                    actor=actor,
+                    role=role,
+                    reason=reason,
+                    result=f"refused: {detail}",
+                )
                 mine = self._batch
                 if self.store is not None:
                     await self._save()

@@ -14,7 +14,7 @@ import numpy as np
 from powerd.controller.controller import Controller
 from powerd.controller.engine import TickReport
 from powerd.controller.fleet import FleetGpu
-from powerd.metrics import ControllerMetrics
+from powerd.metrics import ControllerMetrics, GpuSnapshot
 from powerd.policy import LEVELS
 from powerd.sdnotify import Notifier
 
@@ -60,17 +60,19 @@ def metrics_hook(controller: Controller, metrics: ControllerMetrics) -> TickHook
         recs = shape["recs"]
         n = len(recs)
         metrics.update_gpus(
-            uuids=r.uuids,
-            nodes=r.nodes,
-            index=shape["index"],
-            power_w=r.power_w,
-            enforced_w=r.enforced_w,
-            energy_j=r.energy_j,
-            temp_c=r.temp_c,
-            cap_w=r.committed_w,
-            target_w=r.targets_w,
-            throttle=shape["throttle"],
-            models=shape["models"],
+            GpuSnapshot(
+                uuids=r.uuids,
+                nodes=r.nodes,
+                index=shape["index"],
+                power_w=r.power_w,
+                enforced_w=r.enforced_w,
+                energy_j=r.energy_j,
+                temp_c=r.temp_c,
+                cap_w=r.committed_w,
+                target_w=r.targets_w,
+                throttle=shape["throttle"],
+                models=shape["models"],
+            )
         )
         metrics.update_groups(
             names=r.group_names,

@@ -32,7 +32,7 @@ from powerd.metrics import ControllerMetrics
 from powerd.policy import Policy, PolicyError, load_policy, load_policy_text
 from powerd.sdnotify import Notifier
 from powerd.settings import SettingsError
-from powerd.store import Store, StoreWriter, upgrade
+from powerd.store import Store, StoreWriter, WriterLimits, upgrade
 from powerd.transport import MqttTransport
 from powerd.wire import Topics
 
@@ -68,8 +68,9 @@ async def run_controller(settings: ControllerSettings) -> None:
     writer = StoreWriter(
         store,
         retention=settings.retention(),
-        cap_epsilon_w=settings.cap_epsilon_w,
-        cap_interval_s=settings.cap_interval_s,
+        limits=WriterLimits(
+            cap_epsilon_w=settings.cap_epsilon_w, cap_interval_s=settings.cap_interval_s
+        ),
     )
     writer.seed_caps(db.caps)
     transport = MqttTransport(settings.mqtt_config())
@@ -94,7 +95,7 @@ async def run_controller(settings: ControllerSettings) -> None:
         file_revision=0 if from_file is None else from_file.revision,
     )
     controller.policy_version = await _start_version(
-        ledger, store, db.ok, file_text, policy, api_policy
+        ledger, store, file_text, policy, api_policy, db_ok=db.ok
     )
     notifier = Notifier()
     registry = CollectorRegistry()
@@ -268,10 +269,11 @@ def _choose_policy(
 async def _start_version(
     ledger: Ledger,
     store: Store,
-    db_ok: bool,
     file_text: str,
     policy: Policy,
     api: ApiPolicy | None,
+    *,
+    db_ok: bool,
 ) -> int | None:
     """The policy in force as a stored version (the same text: the same version); queued
     for the ledger when the database is down."""

@@ -14,7 +14,7 @@ from powerd.store.records import (
     TickRecord,
 )
 from powerd.store.store import Pruned, Store
-from powerd.store.writer import Retention, StoreWriter
+from powerd.store.writer import Retention, StoreWriter, WriterLimits
 
 __all__ = [
     "DEFAULT_URL",
@@ -29,6 +29,7 @@ __all__ = [
     "StoreHealth",
     "StoreWriter",
     "TickRecord",
+    "WriterLimits",
     "current_revision",
     "head_revision",
     "make_engine",

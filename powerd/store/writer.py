@@ -69,6 +69,26 @@ class _Clear:
 _Item = TickRecord | EventRecord | NodeRecord | GpuRecord | _Samples | _Caps | _Clear
 
 
+@dataclass(frozen=True, slots=True)
+class WriterLimits:
+    """How much a `StoreWriter` holds, how often it writes and retries, and which cap
+    changes it keeps (docs/storage.md)."""
+
+    max_queue: int = 100_000  # submitted items not yet taken by the writer thread
+    max_backlog_rows: int = 200_000  # rows kept while the database is down
+    batch_rows: int = 10_000  # rows per transaction
+    flush_interval_s: float = 1.0
+    probe_interval_s: float = 10.0  # while the database is down
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+    minute_grace_s: float = 10.0  # how late a sample may come for its minute
+    cap_epsilon_w: float = CAP_EPSILON_W
+    cap_interval_s: float = CAP_INTERVAL_S
+
+
+DEFAULT_LIMITS = WriterLimits()
+
+
 class StoreWriter:
     """Buffered, batched, non-blocking writes to a `Store`.
 
@@ -85,27 +105,20 @@ class StoreWriter:
         store: Store,
         *,
         retention: Retention | None = None,
-        max_queue: int = 100_000,
-        max_backlog_rows: int = 200_000,
-        batch_rows: int = 10_000,
-        flush_interval_s: float = 1.0,
-        probe_interval_s: float = 10.0,
-        backoff_initial_s: float = 0.5,
-        backoff_max_s: float = 30.0,
-        minute_grace_s: float = 10.0,
-        cap_epsilon_w: float = CAP_EPSILON_W,
-        cap_interval_s: float = CAP_INTERVAL_S,
+        limits: WriterLimits = DEFAULT_LIMITS,
         clock: Clock | None = None,
     ) -> None:
         self.store = store
         self.retention = retention or Retention()
-        self.max_backlog_rows = max_backlog_rows
-        self.batch_rows = batch_rows
-        self.flush_interval_s = flush_interval_s
-        self.probe_interval_s = probe_interval_s
-        self.backoff_initial_s = backoff_initial_s
-        self.backoff_max_s = backoff_max_s
+        self.limits = limits
+        self.max_backlog_rows = limits.max_backlog_rows
+        self.batch_rows = limits.batch_rows
+        self.flush_interval_s = limits.flush_interval_s
+        self.probe_interval_s = limits.probe_interval_s
+        self.backoff_initial_s = limits.backoff_initial_s
+        self.backoff_max_s = limits.backoff_max_s
         self._clock: Clock = clock or SystemClock()
+        max_queue = limits.max_queue
 
         # Shared with the submitting thread(s); guarded by _lock, held only for O(1) work.
         self._lock = threading.Lock()
@@ -114,8 +127,8 @@ class StoreWriter:
         self._dropped_queued = 0
 
         # Owned by the writer thread (or the caller of flush() when not started).
-        self._minutes = MinuteAggregator(grace_s=minute_grace_s)
-        self._caps = CapChanges(epsilon_w=cap_epsilon_w, interval_s=cap_interval_s)
+        self._minutes = MinuteAggregator(grace_s=limits.minute_grace_s)
+        self._caps = CapChanges(epsilon_w=limits.cap_epsilon_w, interval_s=limits.cap_interval_s)
         self._rows: deque[tuple[str, Any]] = deque()  # (kind, row) in submission order
         self._nodes: dict[str, dict[str, Any]] = {}  # upserts: only the latest matters
         self._gpus: dict[str, dict[str, Any]] = {}

@@ -32,7 +32,7 @@ from powerd.api.models import (
     ReasonIn,
     WriteOut,
 )
-from powerd.api.writes import write
+from powerd.api.writes import Attempt, write
 from powerd.auth import Principal
 from powerd.controller.controller import Controller
 from powerd.numeric import finite_or_none
@@ -240,11 +240,7 @@ def _endpoint(row: OverrideWrite) -> Callable[..., Awaitable[WriteOut]]:
             who=Who(actor=p.name, reason=reason, role=p.role.label),
         )
         return await write(
-            controller,
-            p,
-            row.action,
-            row.target(w),
-            reason,
+            Attempt(controller, p, row.action, row.target(w), reason),
             row.change(controller, w),
             row.field,
             lowers_power=row.lowers_power(controller, w)

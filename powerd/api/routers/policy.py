@@ -9,7 +9,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from powerd.api.deps import V1, Admin, ControllerDep, ReasonQuery, Viewer
 from powerd.api.errors import AUTH_ERRORS, WRITE_ERRORS, error_doc, rejected
 from powerd.api.models import PolicyOut, PolicyReplaced
-from powerd.api.writes import done, failed, refuse
+from powerd.api.writes import Attempt, done, failed, refuse
 from powerd.controller.admin import WriteFailed
 from powerd.errors import InputError
 
@@ -65,6 +65,7 @@ async def replace_policy(
 ) -> PolicyReplaced:
     """Replace the policy. It is validated first: a bad one is refused with the same
     problems as `powerd policy check`, and the running policy stays."""
+    attempt = Attempt(controller, p, "policy.replace", "api", reason)
     raw = await request.body()
     if len(raw) > MAX_POLICY_BYTES:
         rejected(413, f"policy text over {MAX_POLICY_BYTES} bytes")
@@ -72,17 +73,17 @@ async def replace_policy(
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         why = "the policy is not UTF-8 text"
-        await refuse(controller, p, "policy.replace", "api", reason, 422, why, [("", why)])
+        await refuse(attempt, 422, why, [("", why)])
     try:
         outcome = await controller.ledger.replace_policy(
             text, actor=p.name, reason=reason, role=p.role.label
         )
     except InputError as exc:
         why = str(exc).splitlines()[0]
-        await refuse(controller, p, "policy.replace", "api", reason, 422, why, exc.problems)
+        await refuse(attempt, 422, why, exc.problems)
     except WriteFailed as exc:
         failed(exc)
     return PolicyReplaced(
-        **done(controller, "policy.replace", "api", outcome).model_dump(),
+        **done(attempt, outcome).model_dump(),
         version=outcome.policy_version,
     )
