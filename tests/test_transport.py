@@ -455,6 +455,13 @@ async def test_packet_ids_wrap_and_skip_those_in_use() -> None:
     assert [rig.conn.next_id() for _ in range(3)] == [65534, 2, 3]
 
 
+async def test_connection_refuses_what_no_packet_id_is_left_for() -> None:
+    rig = ConnRig()
+    rig.conn.unacked.update(dict.fromkeys(range(1, 65535)))  # 65,534 ids in use
+    assert rig.conn.send_qos1([(b"a", b"1"), (b"b", b"2"), (b"c", b"3")], False, None) == 2
+    assert Decoder().feed(rig.written()) == [Publish(b"a", b"1", 1, False, False, 65535)]
+
+
 @given(
     messages=st.lists(
         st.tuples(

@@ -386,19 +386,27 @@ class _Connection(asyncio.Protocol):
 
     def send_qos1(
         self, messages: list[tuple[bytes, bytes]], retain: bool, waiter: asyncio.Future[None] | None
-    ) -> None:
-        """Send QoS 1 messages as far as the window lets, in one write; hold back the rest."""
+    ) -> int:
+        """Send QoS 1 messages as far as the window lets, in one write, and hold back the rest;
+        returns how many could not be taken (every packet id in use: the broker stopped
+        acknowledging)."""
         out: list[bytes] = []
-        window, unacked = self._window, self.unacked
-        for topic, payload in messages:
-            if self.held or (window and len(unacked) >= window):
-                self.held.append((topic, payload, retain, waiter))
+        window, unacked, held = self._window, self.unacked, self.held
+        refused = 0
+        for i, (topic, payload) in enumerate(messages):
+            if held or (window and len(unacked) >= window):
+                held.append((topic, payload, retain, waiter))
                 continue
-            packet_id = self.next_id()
+            try:
+                packet_id = self.next_id()
+            except TransportError:
+                refused = len(messages) - i
+                break
             unacked[packet_id] = waiter
             out.append(encode_publish(topic, payload, 1, retain, packet_id))
         if out:
             self.write(b"".join(out))
+        return refused
 
     def _release(self, out: list[bytes]) -> None:
         window, unacked, held = self._window, self.unacked, self.held
@@ -546,7 +554,7 @@ class MqttTransport(Transport):
                 )
             )
             try:
-                connack = await asyncio.wait_for(asyncio.shield(conn.connack), c.timeout_s)
+                connack = await asyncio.wait_for(conn.connack, c.timeout_s)
             except TimeoutError:
                 raise TransportError(f"no CONNACK within {c.timeout_s} s") from None
             if connack.return_code != 0:
@@ -631,7 +639,8 @@ class MqttTransport(Transport):
             conn.write(encode_publish(topic, payload, 0, retain))
             return
         acked = asyncio.get_running_loop().create_future()
-        conn.send_qos1([(topic.encode(), payload)], retain, acked)
+        if conn.send_qos1([(topic.encode(), payload)], retain, acked):
+            raise TransportError(f"publish to {topic}: all 65,535 packet ids are in use")
         try:
             await asyncio.wait_for(acked, self.config.timeout_s)
         except TimeoutError:
@@ -666,12 +675,10 @@ class MqttTransport(Transport):
         if qos == 0:
             conn.write(b"".join(encode_publish(t, p, 0, retain) for t, p in batch))
             return failed
-        try:
-            conn.send_qos1(batch, retain, None)
-        except TransportError as exc:  # every packet id in use: the broker stopped answering
-            log.warning("mqtt_publish_failed", error=str(exc), messages=len(batch))
-            failed = len(messages)
-        return failed
+        refused = conn.send_qos1(batch, retain, None)
+        if refused:
+            log.warning("mqtt_publish_failed", error="all packet ids in use", messages=refused)
+        return failed + refused
 
     async def subscribe(self, topic_filter: str, qos: int = 1) -> None:
         check_filter(topic_filter)
