@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from structlog.testing import capture_logs
 
 from powerd.transport import (
     ConnectionState,
@@ -453,6 +454,25 @@ async def test_packet_ids_wrap_and_skip_those_in_use() -> None:
     rig.conn.unacked[65535] = None
     rig.conn.unacked[1] = None
     assert [rig.conn.next_id() for _ in range(3)] == [65534, 2, 3]
+
+
+async def test_mqtt_drops_bad_topics_and_the_oldest_of_a_full_queue() -> None:
+    t = MqttTransport(MqttConfig("127.0.0.1", max_queued_messages=3))
+    conn = _Connection(t._deliver, 0, 1 << 20, [])
+    sock = FakeSocket()
+    conn.connection_made(sock)
+    with capture_logs() as logs:
+        conn.data_received(
+            publish_packet(b"bad/\xff", b"x", qos=1, mid=1)
+            + b"".join(publish_packet(f"n/{i}".encode(), b"%d" % i) for i in range(5))
+        )
+    assert [e["event"] for e in logs] == ["mqtt_bad_topic"]
+    assert sock.writes == [pubacks(1)]  # acknowledged all the same
+    # One bad topic, and the two oldest of five when the queue holds three.
+    assert t.dropped_messages == 3
+    assert [t._queue.get_nowait() for _ in range(3)] == [
+        Message(f"n/{i}", b"%d" % i) for i in (2, 3, 4)
+    ]
 
 
 async def test_connection_refuses_what_no_packet_id_is_left_for() -> None:
