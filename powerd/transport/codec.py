@@ -284,9 +284,14 @@ class Decoder:
         while pos < size:
             first = buf[pos]
             i = pos + 1
-            if i < size and buf[i] < 0x80:  # a remaining length of one byte: most packets
+            # A remaining length of one byte (acknowledgements, commands) or two (telemetry,
+            # up to 16 KiB) without a call; three or four bytes in _long_length.
+            if i < size and buf[i] < 0x80:
                 length = buf[i]
                 i += 1
+            elif i + 1 < size and buf[i + 1] < 0x80:
+                length = (buf[i] & 0x7F) | buf[i + 1] << 7
+                i += 2
             else:
                 header = _long_length(buf, i)
                 if header is None:  # the length itself is not complete yet
