@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import math
 import resource
 import signal
@@ -85,9 +84,9 @@ class FleetSim:
             for i in range(self.first[k], self.first[k + 1])
         ]
         self.transport = MqttTransport(
-            # One connection answers for every node: with paho's window of 20 QoS 1 messages
-            # ahead of the broker's PUBACKs, 2,500 answers a second at 10k GPUs fell behind
-            # (and wrapped paho's 16-bit message ids); each real agent has a window of its own.
+            # One connection answers for every node: with a window of 20 QoS 1 messages ahead
+            # of the broker's PUBACKs (MqttConfig's default), 2,500 answers a second at 10k
+            # GPUs fell behind; each real agent has a window of its own.
             MqttConfig.from_url(
                 broker,
                 client_id="powerd-fleetsim",
@@ -309,8 +308,6 @@ async def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     configure_logging("json", "warning")
-    # aiomqtt warns when many publishes await their PUBACK: here that is the point.
-    logging.getLogger("mqtt").setLevel(logging.ERROR)
     policy = load_policy(args.policy)
     nodes = [(g.name, g.gpus) for g in policy.groups if g.level == 3]
     sim = FleetSim(nodes, args.broker, args.period, args.seed)

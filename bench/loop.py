@@ -15,7 +15,7 @@ fleet is known and a warm-up, it measures for `--duration` seconds:
 - safety: ticks that ended with a group above budget, and ticks that overran the tick.
 
     .venv/bin/python bench/loop.py --gpus 10000 [--duration 60] [--warmup 15] [--json]
-    .venv/bin/python bench/loop.py --gpus 10000 --window 20   # paho's default QoS 1 window
+    .venv/bin/python bench/loop.py --gpus 10000 --window 20   # MqttConfig's default QoS 1 window
     .venv/bin/python bench/loop.py --gpus 10000 --profile prof.out   # cProfile of the run
 """
 
@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import paho.mqtt.client as mqtt
 import yaml
 
 from powerd.clock import SystemClock
@@ -159,57 +158,48 @@ class Run:
                 self.publish_ms.append((time.perf_counter() - t0) * 1000.0)
 
         self.controller.publish_plan = timed_publish  # type: ignore[method-assign]
-        # Tick start → the last command written to the socket. publish_many hands the batch
-        # to paho, which sends at most `window` QoS 1 messages ahead of the broker's PUBACKs
-        # (the rest wait for those) and writes what it may at once. The moment measured:
-        # paho's write queue ran empty and the tick's last command has left the "queued"
-        # state (it is written, or already acknowledged).
+        # Tick start → the last command written to the socket. publish_many writes the batch
+        # at once, up to `window` QoS 1 messages ahead of the broker's PUBACKs (the rest wait
+        # for those); what the socket does not take at once the event loop writes later. The
+        # moment measured: the transport has nothing of the tick's left to write
+        # (`unwritten` is 0, told by its `on_written` callbacks).
         self.written_ms: list[float] = []
         self.unwritten_ticks = 0  # measured ticks whose last command was not written in time
         self._tick_t0 = 0.0
-        self._drained_at = 0.0  # when paho's write queue last ran empty
-        self._last_mid: int | None = None
-        self._paho: Any = None
+        self._drained_at = 0.0  # when the transport last had nothing left to write
+        self._waiting = False  # a measured tick's commands not all written yet
         inner_tick = self.controller.tick_once
 
         async def timed_tick() -> TickReport:
-            if self._last_mid is not None:
+            if self._waiting:
                 self.unwritten_ticks += 1
+                self._waiting = False
             self._tick_t0 = time.perf_counter()
             report = await inner_tick()
-            if self.measuring and self._paho is not None:
-                self._last_mid = next(reversed(self._paho._out_messages), None)
-                self._check_written()
+            if self.measuring:
+                if self.transport.unwritten == 0:
+                    # Written when the transport last ran empty: often within publish_many,
+                    # before the tick's end (recording, hooks).
+                    done = self._drained_at
+                    if done < self._tick_t0:
+                        done = time.perf_counter()
+                    self.written_ms.append((done - self._tick_t0) * 1000.0)
+                else:
+                    self._waiting = True
             return report
 
         self.controller.tick_once = timed_tick  # type: ignore[method-assign]
 
-    def _check_written(self) -> None:
-        mid = self._last_mid
-        if mid is None or self._paho._out_packet:
-            return
-        msg = self._paho._out_messages.get(mid)
-        if msg is None or msg.state != mqtt.mqtt_ms_queued:
-            self._last_mid = None
-            # Written when paho's queue last ran empty: often within publish_many itself,
-            # before the tick's end (recording, hooks) where the last mid becomes known.
-            done = self._drained_at if self._drained_at >= self._tick_t0 else time.perf_counter()
-            self.written_ms.append((done - self._tick_t0) * 1000.0)
-
     def watch_writes(self) -> None:
-        """Hook paho's "write queue empty" callback (once connected; no reconnection here)."""
-        client = self.transport._client
-        assert client is not None
-        paho = self._paho = client._client
-        inner = paho.on_socket_unregister_write
+        """Be told each time the transport has written everything it was given."""
 
-        def unregistered(c: Any, userdata: Any, sock: Any) -> None:
+        def written() -> None:
             self._drained_at = time.perf_counter()
-            if inner is not None:
-                inner(c, userdata, sock)
-            self._check_written()
+            if self._waiting:
+                self._waiting = False
+                self.written_ms.append((self._drained_at - self._tick_t0) * 1000.0)
 
-        paho.on_socket_unregister_write = unregistered
+        self.transport.on_written.append(written)
 
     def _on_tick(self, report: TickReport) -> None:
         self.last = report

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
 import signal
@@ -11,14 +12,15 @@ import ssl
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import paho.mqtt.client as paho_mqtt
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from structlog.testing import capture_logs
 
 from powerd.transport import (
     ConnectionState,
@@ -32,9 +34,14 @@ from powerd.transport import (
     topic_matches,
 )
 from powerd.transport.base import check_filter
+from powerd.transport.codec import Decoder, Publish, encode_publish
 from powerd.transport.mosquitto import MOSQUITTO, LocalMosquitto, free_port
-from powerd.transport.mqtt import MAX_SEGMENT_BYTES, backoff_delay, connect_tcp
-from powerd.transport.reader import PacketReader
+from powerd.transport.mqtt import (
+    MAX_SEGMENT_BYTES,
+    _Connection,
+    backoff_delay,
+    connect_tcp,
+)
 
 
 @pytest.mark.parametrize(
@@ -271,63 +278,68 @@ async def test_mqtt_starts_without_a_broker_and_connects_when_it_comes(
         assert await next_message(t) == Message("a/b", b"hello")
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        n, low = divmod(n, 128)
-        out.append(low | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
 def publish_packet(
     topic: bytes, payload: bytes, qos: int = 0, mid: int = 0, retain: bool = False
 ) -> bytes:
-    body = (
-        len(topic).to_bytes(2, "big") + topic + (mid.to_bytes(2, "big") if qos else b"") + payload
-    )
-    return bytes([0x30 | qos << 1 | int(retain)]) + _varint(len(body)) + body
+    """A PUBLISH as a broker sends it (QoS 2 too, which our encoder does not write)."""
+    if qos < 2:
+        return encode_publish(topic, payload, qos, retain, mid)
+    body = len(topic).to_bytes(2, "big") + topic + mid.to_bytes(2, "big") + payload
+    return bytes([0x30 | qos << 1 | int(retain)]) + bytes([len(body)]) + body
 
 
-class ReaderRig:
-    """A paho client whose socket is one end of a socketpair, read by a PacketReader."""
+class FakeSocket(asyncio.Transport):
+    """The asyncio transport under a `_Connection`: records what it writes, nothing sent."""
 
     def __init__(self) -> None:
-        self.peer, sock = socket.socketpair()
-        sock.setblocking(False)
-        self.paho = paho_mqtt.Client(paho_mqtt.CallbackAPIVersion.VERSION2)
-        self.paho._sock = sock
-        self.got: list[tuple[bytes, bytes, bool]] = []
-        self.paho_got: list[paho_mqtt.MQTTMessage] = []
-        self.paho.on_message = lambda _c, _u, m: self.paho_got.append(m)
-        # As under the event loop: what paho would write stays queued for a writer callback.
-        self.paho.on_socket_register_write = lambda _c, _u, _s: None
-        self.reader = PacketReader(self.paho, lambda t, p, r: self.got.append((t, p, r)))
-        self.reader.install()
+        super().__init__()
+        self.writes: list[bytes] = []
+        self.aborted = False
+        self.closed = False
 
-    def feed(self, data: bytes) -> paho_mqtt.MQTTErrorCode:
-        self.peer.sendall(data)
-        return self.paho.loop_read()
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes.append(bytes(data))
 
-    def pubacks(self) -> bytes:
-        return b"".join(bytes(p["packet"]) for p in self.paho._out_packet)
+    def is_closing(self) -> bool:
+        return self.aborted or self.closed
+
+    def abort(self) -> None:
+        self.aborted = True
 
     def close(self) -> None:
-        self.peer.close()
-        if self.paho._sock is not None:
-            self.paho._sock.close()
+        self.closed = True
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
 
 
-@pytest.fixture
-def rig() -> Iterator[ReaderRig]:
-    r = ReaderRig()
-    yield r
-    r.close()
+class ConnRig:
+    """A `_Connection` over a FakeSocket: the hot path without a broker."""
+
+    def __init__(self, window: int = 0, max_packet_bytes: int = 1 << 20) -> None:
+        self.got: list[tuple[bytes, bytes, bool]] = []
+        self.conn = _Connection(
+            lambda t, p, r: self.got.append((t, p, r)), window, max_packet_bytes, []
+        )
+        self.sock = FakeSocket()
+        self.conn.connection_made(self.sock)
+
+    def feed(self, data: bytes) -> None:
+        self.conn.data_received(data)
+
+    def written(self) -> bytes:
+        return b"".join(self.sock.writes)
 
 
-def test_reader_delivers_every_publish_of_a_read_and_acks_qos1_in_one_write(
-    rig: ReaderRig,
-) -> None:
+def pubacks(*mids: int) -> bytes:
+    return b"".join(b"\x40\x02" + m.to_bytes(2, "big") for m in mids)
+
+
+async def test_connection_delivers_every_publish_of_a_read_and_acks_qos1_in_one_write() -> None:
+    rig = ConnRig()
     big = bytes(range(256)) * 80  # a length of three bytes
     data = (
         publish_packet(b"a/b", b"zero")
@@ -335,60 +347,139 @@ def test_reader_delivers_every_publish_of_a_read_and_acks_qos1_in_one_write(
         + publish_packet(b"s/n1", b"retained", qos=1, mid=0x1234, retain=True)
         + publish_packet(b"a/empty", b"", qos=1, mid=9)
     )
-    assert rig.feed(data) == paho_mqtt.MQTT_ERR_SUCCESS
+    before = rig.conn.last_received
+    await asyncio.sleep(0.01)
+    rig.feed(data)
     assert rig.got == [
         (b"a/b", b"zero", False),
         (b"a/c", big, False),
         (b"s/n1", b"retained", True),
         (b"a/empty", b"", False),
     ]
-    # The PUBACKs, in the order of their messages, queued as one packet: one send.
-    assert len(rig.paho._out_packet) == 1
-    assert rig.pubacks() == b"\x40\x02\x00\x07" + b"\x40\x02\x12\x34" + b"\x40\x02\x00\x09"
-    assert rig.paho._last_bytes_received > 0  # paho's keepalive sees the traffic
+    # The PUBACKs, in the order of their messages, as one write: one send.
+    assert rig.sock.writes == [pubacks(7, 0x1234, 9)]
+    assert rig.conn.last_received > before  # the keepalive sees the traffic
 
 
-def test_reader_waits_for_the_rest_of_a_packet_cut_anywhere(rig: ReaderRig) -> None:
+async def test_connection_waits_for_the_rest_of_a_packet_cut_anywhere() -> None:
+    rig = ConnRig()
     packet = publish_packet(b"a/b", b"x" * 300, qos=1, mid=3)
     for cut in (1, 2, 3, 10, len(packet) - 1):
         rig.got.clear()
-        assert rig.feed(packet[:cut]) == paho_mqtt.MQTT_ERR_SUCCESS
+        rig.sock.writes.clear()
+        rig.feed(packet[:cut])
         assert rig.got == []
+        assert rig.sock.writes == []
         rig.feed(packet[cut:] + publish_packet(b"n", b"next"))
         assert rig.got == [(b"a/b", b"x" * 300, False), (b"n", b"next", False)]
-        assert rig.reader.buffered == 0
+        assert rig.sock.writes == [pubacks(3)]
+        assert rig.conn._decoder.buffered == 0
 
 
-def test_reader_hands_other_packets_to_paho(rig: ReaderRig) -> None:
-    rig.paho._ping_t = 123.0  # a PINGREQ is out
+async def test_connection_answers_incoming_qos2_and_delivers_it_once() -> None:
+    # We never subscribe at QoS 2, but a broker may still send it.
+    rig = ConnRig()
     qos2 = publish_packet(b"q/2", b"two", qos=2, mid=5)
-    assert rig.feed(b"\xd0\x00" + qos2 + publish_packet(b"q/0", b"zero")) == 0
-    assert rig.paho._ping_t == 0  # paho took the PINGRESP
-    assert rig.got == [(b"q/0", b"zero", False)]
-    # QoS 2 stays paho's: it answers PUBREC and delivers on PUBREL.
-    assert rig.pubacks() == b"\x50\x02\x00\x05"
-    assert rig.feed(b"\x62\x02\x00\x05") == 0
-    assert [(m.topic, m.payload) for m in rig.paho_got] == [("q/2", b"two")]
+    rig.feed(b"\xd0\x00" + qos2 + publish_packet(b"q/0", b"zero"))  # PINGRESP first
+    assert rig.got == [(b"q/2", b"two", False), (b"q/0", b"zero", False)]
+    assert rig.written() == b"\x50\x02\x00\x05"  # PUBREC
+    dup = bytes([qos2[0] | 0x08]) + qos2[1:]  # sent again before our PUBREC arrived
+    rig.feed(dup)
+    assert len(rig.got) == 2  # not delivered twice
+    rig.sock.writes.clear()
+    rig.feed(b"\x62\x02\x00\x05")  # PUBREL
+    assert rig.written() == b"\x70\x02\x00\x05"  # PUBCOMP
+    assert rig.conn.qos2_in == set()
+    assert not rig.sock.aborted
 
 
-def test_reader_takes_over_only_a_paho_it_knows(rig: ReaderRig) -> None:
-    assert PacketReader.fits(rig.paho)  # the installed paho-mqtt 2.x
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\x30\xff\xff\xff\xff\x01",  # a remaining length of five bytes
+        b"\x30\x80\x80\x80\x01",  # 2 MiB: larger than the connection takes
+        b"\x10\x00",  # CONNECT: nothing a broker sends
+        b"\x40\x03\x00\x01\x00",  # a PUBACK of three bytes
+    ],
+)
+async def test_connection_closes_on_a_malformed_or_oversized_packet(data: bytes) -> None:
+    rig = ConnRig()
+    rig.feed(publish_packet(b"ok", b"before", qos=1, mid=1) + data)
+    assert rig.sock.aborted
+    assert "protocol error" in rig.conn.error
+    assert rig.got == []  # the read was broken: nothing of it is taken
 
-    class OtherPaho:  # a paho whose internals moved: it keeps its own reader
-        _in_packet = None
 
-    assert not PacketReader.fits(OtherPaho())  # type: ignore[arg-type]
+async def test_connection_reports_the_peer_closing_and_fails_waiters() -> None:
+    rig = ConnRig(window=1)
+    loop = asyncio.get_running_loop()
+    first, second = loop.create_future(), loop.create_future()
+    rig.conn.send_qos1([(b"a", b"1")], False, first)
+    rig.conn.send_qos1([(b"a", b"2")], False, second)  # held back by the window
+    rig.conn.connection_lost(ConnectionResetError("reset by peer"))
+    assert rig.conn.closed.done()
+    for waiter in (first, second):
+        with pytest.raises(TransportError, match="reset by peer"):
+            waiter.result()
+    assert not rig.conn.held
+    assert not rig.conn.unacked
 
 
-def test_reader_closes_the_connection_on_a_broken_length(rig: ReaderRig) -> None:
-    assert rig.feed(b"\x30\xff\xff\xff\xff\x01") == paho_mqtt.MQTT_ERR_PROTOCOL
-    assert rig.paho._sock is None
+async def test_connection_window_holds_qos1_messages_until_pubacks_come() -> None:
+    rig = ConnRig(window=20)
+    batch = [(f"c/{i}".encode(), b"x") for i in range(50)]
+    rig.conn.send_qos1(batch, False, None)
+    decoded = Decoder().feed(rig.written())
+    assert [p.packet_id for p in decoded if isinstance(p, Publish)] == list(range(1, 21))
+    assert len(rig.sock.writes) == 1  # the window's worth in one write
+    assert len(rig.conn.held) == 30
+    rig.sock.writes.clear()
+    rig.feed(pubacks(1, 2, 3))  # three acknowledged: three more leave, in one write
+    decoded = Decoder().feed(rig.written())
+    assert [(p.topic, p.packet_id) for p in decoded if isinstance(p, Publish)] == [
+        (b"c/20", 21),
+        (b"c/21", 22),
+        (b"c/22", 23),
+    ]
+    assert len(rig.sock.writes) == 1
+    unlimited = ConnRig(window=0)
+    unlimited.conn.send_qos1(batch, False, None)
+    assert len(Decoder().feed(unlimited.written())) == 50
+    assert not unlimited.conn.held
 
 
-def test_reader_reports_the_peer_closing(rig: ReaderRig) -> None:
-    rig.peer.shutdown(socket.SHUT_WR)
-    assert rig.paho.loop_read() == paho_mqtt.MQTT_ERR_CONN_LOST
-    assert rig.paho._sock is None
+async def test_packet_ids_wrap_and_skip_those_in_use() -> None:
+    rig = ConnRig()
+    rig.conn._last_id = 65533
+    rig.conn.unacked[65535] = None
+    rig.conn.unacked[1] = None
+    assert [rig.conn.next_id() for _ in range(3)] == [65534, 2, 3]
+
+
+async def test_mqtt_drops_bad_topics_and_the_oldest_of_a_full_queue() -> None:
+    t = MqttTransport(MqttConfig("127.0.0.1", max_queued_messages=3))
+    conn = _Connection(t._deliver, 0, 1 << 20, [])
+    sock = FakeSocket()
+    conn.connection_made(sock)
+    with capture_logs() as logs:
+        conn.data_received(
+            publish_packet(b"bad/\xff", b"x", qos=1, mid=1)
+            + b"".join(publish_packet(f"n/{i}".encode(), b"%d" % i) for i in range(5))
+        )
+    assert [e["event"] for e in logs] == ["mqtt_bad_topic"]
+    assert sock.writes == [pubacks(1)]  # acknowledged all the same
+    # One bad topic, and the two oldest of five when the queue holds three.
+    assert t.dropped_messages == 3
+    assert [t._queue.get_nowait() for _ in range(3)] == [
+        Message(f"n/{i}", b"%d" % i) for i in (2, 3, 4)
+    ]
+
+
+async def test_connection_refuses_what_no_packet_id_is_left_for() -> None:
+    rig = ConnRig()
+    rig.conn.unacked.update(dict.fromkeys(range(1, 65535)))  # 65,534 ids in use
+    assert rig.conn.send_qos1([(b"a", b"1"), (b"b", b"2"), (b"c", b"3")], False, None) == 2
+    assert Decoder().feed(rig.written()) == [Publish(b"a", b"1", 1, False, False, 65535)]
 
 
 @given(
@@ -404,59 +495,217 @@ def test_reader_reports_the_peer_closing(rig: ReaderRig) -> None:
     cuts=st.lists(st.integers(min_value=0, max_value=40_000), max_size=8),
 )
 @settings(max_examples=60, deadline=None)
-def test_reader_gives_the_same_messages_however_the_stream_is_cut(
+def test_connection_gives_the_same_messages_however_the_stream_is_cut(
     messages: list[tuple[bytes, bytes, int, bool]], cuts: list[int]
 ) -> None:
     stream = b"".join(
         publish_packet(t, p, qos=q, mid=i + 1, retain=r) for i, (t, p, q, r) in enumerate(messages)
     )
-    rig = ReaderRig()
-    try:
+
+    async def run() -> None:
+        rig = ConnRig()
         bounds = sorted({0, len(stream), *(c for c in cuts if c < len(stream))})
         for lo, hi in itertools.pairwise(bounds):
-            assert rig.feed(stream[lo:hi]) == paho_mqtt.MQTT_ERR_SUCCESS
+            rig.feed(stream[lo:hi])
         assert rig.got == [(t, p, r) for t, p, _, r in messages]
-        mids = [(i + 1).to_bytes(2, "big") for i, (_, _, q, _) in enumerate(messages) if q]
-        assert rig.pubacks() == b"".join(b"\x40\x02" + m for m in mids)
-        assert rig.reader.buffered == 0
+        assert rig.written() == pubacks(*(i + 1 for i, m in enumerate(messages) if m[2]))
+        assert rig.conn._decoder.buffered == 0
+        assert not rig.sock.aborted
+
+    asyncio.run(run())
+
+
+# -- a fake broker: what Mosquitto would never send --------------------------------------------
+
+
+class FakeBroker:
+    """A TCP server that plays a broker badly: `answer(conn_index, reader, writer)` decides."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.received: list[bytes] = []
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._handlers: set[asyncio.Task[None]] = set()
+
+    async def start(self, answer: Any) -> None:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.connections += 1
+            try:
+                await answer(self.connections, reader, writer)
+                while data := await reader.read(65536):
+                    self.received.append(data)
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            finally:
+                writer.close()
+
+        self._server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1)
+
+    def client(self, **options: Any) -> MqttTransport:
+        return MqttTransport(
+            MqttConfig.from_url(
+                f"mqtt://127.0.0.1:{self.port}",
+                reconnect_min_s=0.05,
+                reconnect_max_s=0.1,
+                **options,
+            )
+        )
+
+
+CONNACK = b"\x20\x02\x00\x00"
+
+
+async def read_connect(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readexactly(2)
+    assert head[0] == 0x10
+    return head + await reader.readexactly(head[1])
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"\x30\xff\xff\xff\xff\x01", b"\x30\x80\x80\x80\x01" + b"x" * 100],
+    ids=["length-of-five-bytes", "oversized"],
+)
+async def test_mqtt_drops_a_broken_connection_and_reconnects(
+    garbage: bytes, eventually: Any
+) -> None:
+    broker = FakeBroker()
+
+    async def answer(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_connect(reader)
+        writer.write(CONNACK)
+        if n == 1:
+            writer.write(garbage)
+
+    await broker.start(answer)
+    t = broker.client()
+    try:
+        await t.connect()
+        await eventually(lambda: broker.connections >= 2, what="a second connection")
+        await asyncio.wait_for(t.wait_connected(), 5)
+        await t.publish("after/reconnect", b"ok")
     finally:
-        rig.close()
+        await t.disconnect()
+        await broker.stop()
 
 
-async def stream_through_the_reader(
+async def test_mqtt_keepalive_gives_up_on_a_silent_broker(eventually: Any) -> None:
+    broker = FakeBroker()
+
+    async def answer(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_connect(reader)
+        writer.write(CONNACK)  # and never another byte: not even PINGRESP
+
+    await broker.start(answer)
+    t = broker.client(keepalive_s=1)
+    try:
+        await t.connect()
+        await asyncio.wait_for(t.wait_connected(), 5)
+        t0 = asyncio.get_running_loop().time()
+        await eventually(lambda: t.state is not ConnectionState.CONNECTED, what="a dead link")
+        waited = asyncio.get_running_loop().time() - t0
+        assert 1.0 <= waited <= 4.0
+        assert b"\xc0\x00" in b"".join(broker.received)  # it asked: PINGREQ
+    finally:
+        await t.disconnect()
+        await broker.stop()
+
+
+async def test_mqtt_keepalive_keeps_a_quiet_connection_up(eventually: Any) -> None:
+    broker = FakeBroker()
+
+    async def answer(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_connect(reader)
+        writer.write(CONNACK)
+        while (await reader.readexactly(2)) == b"\xc0\x00":
+            broker.received.append(b"\xc0\x00")
+            writer.write(b"\xd0\x00")  # PINGRESP
+
+    await broker.start(answer)
+    t = broker.client(keepalive_s=1)
+    try:
+        await t.connect()
+        await asyncio.wait_for(t.wait_connected(), 5)
+        await asyncio.sleep(3.5)
+        assert t.state is ConnectionState.CONNECTED
+        assert broker.connections == 1
+        assert broker.received.count(b"\xc0\x00") >= 2
+    finally:
+        await t.disconnect()
+        await broker.stop()
+
+
+@pytest.mark.parametrize("connack", [None, b"\x20\x02\x00\x05"], ids=["silent", "refused"])
+async def test_mqtt_retries_a_broker_that_does_not_accept(
+    connack: bytes | None, eventually: Any
+) -> None:
+    broker = FakeBroker()
+
+    async def answer(n: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_connect(reader)
+        if connack is not None:
+            writer.write(connack)
+            await writer.drain()
+            await asyncio.sleep(5)
+
+    await broker.start(answer)
+    t = broker.client(timeout_s=0.3)
+    try:
+        await t.connect()
+        await eventually(lambda: broker.connections >= 3, what="retries")
+        assert t.state is not ConnectionState.CONNECTED
+        with pytest.raises(TransportError):
+            await t.publish("a/b", b"x")
+    finally:
+        await t.disconnect()
+        await broker.stop()
+    assert t.state is ConnectionState.CLOSED
+
+
+async def stream_at_qos1(
     sender: MqttTransport, receiver: MqttTransport, batch: list[tuple[str, bytes]]
 ) -> None:
-    """`batch` (topics under powerd/v1/nodes/+/ack) from sender to receiver at QoS 1, read
-    by the receiver's PacketReader: all of it arrives, whole and in order."""
+    """`batch` (topics under powerd/v1/nodes/+/ack) from sender to receiver at QoS 1: all of
+    it arrives, whole and in order."""
     await receiver.subscribe("powerd/v1/nodes/+/ack", qos=1)
-    assert receiver._client is not None
-    assert isinstance(receiver._client._client.loop_read.__self__, PacketReader)
     assert await sender.publish_many(batch, qos=1) == 0
     got = [await next_message(receiver) for _ in batch]
     assert [(m.topic, m.payload) for m in got] == batch
 
 
-async def test_mqtt_takes_a_stream_of_qos1_messages_through_the_reader(
+async def test_mqtt_takes_a_stream_of_qos1_messages(
     mosquitto: LocalMosquitto,
 ) -> None:
     # The broker sends at most 20 QoS 1 messages ahead of our PUBACKs: the 600 only all
-    # arrive if the reader's batched acknowledgements reach it.
+    # arrive if our batched acknowledgements reach it.
     batch = [(f"powerd/v1/nodes/n{i}/ack", bytes([i % 251]) * (i * 7 % 5000)) for i in range(600)]
     async with (
         await connected(mqtt(mosquitto, max_inflight_messages=0)) as sender,
         await connected(mqtt(mosquitto)) as receiver,
     ):
-        await stream_through_the_reader(sender, receiver, batch)
+        await stream_at_qos1(sender, receiver, batch)
         await receiver.publish("powerd/v1/nodes/n1/status", b"still talking", qos=1)
+
+
+def raw_socket(t: MqttTransport) -> Any:
+    assert t._conn is not None
+    assert t._conn._transport is not None
+    return t._conn._transport.get_extra_info("socket")
 
 
 async def test_mqtt_sockets_are_set_up_before_the_handshake(mosquitto: LocalMosquitto) -> None:
     # Loopback's ~64 KiB segments against a broker window sized from small packets stalled
     # the controller's connection; no Nagle delay on small commands and acks.
     async with await connected(mqtt(mosquitto)) as t:
-        assert t._client is not None
-        sock = t._client._client.socket()
-        assert sock is not None
+        sock = raw_socket(t)
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
         assert 0 < sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG) <= MAX_SEGMENT_BYTES
 
@@ -473,20 +722,58 @@ async def test_publish_many_writes_the_batch_before_it_returns(mosquitto: LocalM
         await connected(mqtt(mosquitto)) as receiver,
     ):
         await receiver.subscribe("powerd/v1/nodes/+/caps", qos=1)
-        assert sender._client is not None
-        paho = sender._client._client
+        written: list[int] = []
+        sender.on_written.append(lambda: written.append(sender.unwritten))
         assert await sender.publish_many(batch, qos=1) == 0
         # Nothing left for the event loop to write: the tick's commands are on the wire.
-        assert not paho.want_write()
+        assert sender.unwritten == 0
+        assert written == [0]
         got = [await next_message(receiver) for _ in batch]
         assert [m.topic for m in got] == [topic for topic, _ in batch]
-        # Once paho has nothing to write, no writer callback stays registered: a stale one
-        # makes the event loop spin on a writable socket.
-        await asyncio.sleep(0.1)
-        sock = paho.socket()
-        assert sock is not None
-        assert not paho.want_write()
-        assert asyncio.get_running_loop().remove_writer(sock.fileno()) is False
+        # Nothing to write, and the event loop idles: a writer callback left registered on
+        # a writable socket (seen with aiomqtt) would spin it at a whole core.
+        cpu = time.process_time()
+        await asyncio.sleep(0.5)
+        assert sender.unwritten == 0
+        assert time.process_time() - cpu < 0.25
+
+
+@pytest.mark.parametrize("window", [20, 0])
+async def test_publish_many_keeps_to_the_window(mosquitto: LocalMosquitto, window: int) -> None:
+    batch = [(f"powerd/v1/nodes/n{i}/caps", b"x" * 100) for i in range(300)]
+    async with (
+        await connected(mqtt(mosquitto, max_inflight_messages=window)) as sender,
+        await connected(mqtt(mosquitto)) as receiver,
+    ):
+        await receiver.subscribe("powerd/v1/nodes/+/caps", qos=1)
+        drained = asyncio.Event()
+        sender.on_written.append(drained.set)
+        assert await sender.publish_many(batch, qos=1) == 0
+        assert sender._conn is not None
+        if window:
+            # 20 sent, the rest held back until the broker's PUBACKs come.
+            assert len(sender._conn.unacked) == window
+            assert len(sender._conn.held) == len(batch) - window
+            assert not drained.is_set()
+        else:
+            assert not sender._conn.held
+            assert drained.is_set()
+        got = [await next_message(receiver) for _ in batch]
+        assert [m.topic for m in got] == [topic for topic, _ in batch]
+        await asyncio.wait_for(drained.wait(), 5)
+        assert sender.unwritten == 0
+        await asyncio.sleep(0.1)  # the last PUBACKs
+        assert not sender._conn.unacked
+
+
+async def test_mqtt_publish_waits_for_the_puback(mosquitto: LocalMosquitto) -> None:
+    async with await connected(mqtt(mosquitto, max_inflight_messages=1)) as t:
+        await asyncio.gather(*(t.publish(f"a/{i}", b"x", qos=1) for i in range(10)))
+        assert t._conn is not None
+        assert not t._conn.unacked
+        assert not t._conn.held
+        with pytest.raises(ValueError, match="QoS"):
+            await t.publish("a/b", b"x", qos=2)
 
 
 @pytest.fixture
@@ -520,7 +807,7 @@ def tls_mosquitto() -> Iterator[tuple[LocalMosquitto, Path]]:
             broker.kill()
 
 
-async def test_mqtt_over_tls_reads_every_message_through_the_reader(
+async def test_mqtt_over_tls_reads_every_message(
     tls_mosquitto: tuple[LocalMosquitto, Path],
 ) -> None:
     # A TLS socket hands over at most one record (16 KiB) a recv and reports the rest as
@@ -540,4 +827,4 @@ async def test_mqtt_over_tls_reads_every_message_through_the_reader(
         assert await next_message(receiver) == Message(
             "powerd/v1/nodes/n0/status", b"steered", True
         )
-        await stream_through_the_reader(sender, receiver, batch)
+        await stream_at_qos1(sender, receiver, batch)

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import aiomqtt
 import httpx
 import yaml
 from sqlalchemy.engine import make_url
@@ -29,6 +28,7 @@ from powerd.chaos.agent import write_offset
 from powerd.chaos.proxy import LOOPBACK, TcpProxy
 from powerd.chaos.watcher import Watcher
 from powerd.policy import Policy, load_policy
+from powerd.transport import MqttConfig, MqttTransport
 from powerd.transport.mosquitto import LocalMosquitto, free_port
 from powerd.wire import Topics
 
@@ -358,11 +358,17 @@ class Site:
         r.raise_for_status()
 
     async def publish_raw(self, topic: str, payload: dict[str, Any], retain: bool = False) -> None:
-        """Publish as an adversary would: a raw MQTT client, no powerd code, no validation."""
-        async with aiomqtt.Client(
-            LOOPBACK, self.broker.port, identifier=f"chaos-raw-{time.monotonic_ns()}"
-        ) as client:
-            await client.publish(topic, json.dumps(payload), qos=1, retain=retain)
+        """Publish as an adversary would: a bare MQTT client, none of powerd's validation
+        (the transport sends whatever bytes it is given)."""
+        client = MqttTransport(
+            MqttConfig(LOOPBACK, self.broker.port, client_id=f"chaos-raw-{time.monotonic_ns()}")
+        )
+        await client.connect()
+        try:
+            await asyncio.wait_for(client.wait_connected(), 10)
+            await client.publish(topic, json.dumps(payload).encode(), qos=1, retain=retain)
+        finally:
+            await client.disconnect()
 
     def gpu_json(self, uuid: str, index: int, cap_w: float, **over: float) -> dict[str, Any]:
         g: dict[str, Any] = {

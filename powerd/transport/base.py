@@ -83,7 +83,7 @@ def check_topic(topic: str) -> None:
 async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]]) -> None:
     """Cancel tasks and wait until every one has ended.
 
-    Python 3.11's asyncio.wait_for (which aiomqtt awaits every publish with) swallows a
+    Python 3.11's asyncio.wait_for (which MqttTransport awaits acknowledgements with) swallows a
     cancellation that arrives just as its operation completes; the task then carries on.
     So cancel again until each has really ended.
     """

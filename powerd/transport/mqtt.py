@@ -1,4 +1,18 @@
-"""MQTT transport over aiomqtt: one connection kept up with capped, jittered backoff."""
+"""MQTT transport: powerd speaks MQTT 3.1.1 itself (codec.py) over an asyncio connection.
+
+One connection kept up with capped, jittered backoff; a clean session each time, so the
+broker keeps nothing for us across a drop: QoS 1 messages in flight or held back by the
+window when a connection drops are not sent again (the controller sends every command again
+each tick, an agent its telemetry each period). Subscriptions are made again on every
+connection.
+
+Why our own client and not a library: powerd needs its socket options set before the
+handshake (TCP_MAXSEG, see MAX_SEGMENT_BYTES), QoS 1 batches written without waiting for
+each acknowledgement, and incoming messages handed over without a task or an object graph
+each. paho's and aiomqtt's public APIs give none of these, and reaching into their private
+parts broke on upgrades; the protocol part a client needs is small (docs/performance.md,
+"MQTT transport: own codec").
+"""
 
 from __future__ import annotations
 
@@ -7,14 +21,12 @@ import random
 import socket
 import ssl
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 from urllib.parse import unquote, urlsplit
 
-import aiomqtt
-import paho.mqtt.client as mqtt
 import structlog
 
 from powerd.transport.base import (
@@ -28,11 +40,28 @@ from powerd.transport.base import (
     check_filter,
     check_topic,
 )
-from powerd.transport.reader import PacketReader
+from powerd.transport.codec import (
+    DEFAULT_MAX_PACKET_BYTES,
+    DISCONNECT,
+    PINGREQ,
+    SUBACK_FAILURE,
+    Connack,
+    Decoder,
+    Packet,
+    ProtocolError,
+    Puback,
+    Publish,
+    Pubrel,
+    Suback,
+    encode_connect,
+    encode_publish,
+    encode_subscribe,
+)
 
 log = structlog.get_logger(__name__)
 
 DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
+
 
 # The largest TCP segment a connection sends or takes (TCP_MAXSEG, set before connecting).
 # Over loopback the MSS is ~64 KiB, and Linux sizes a receive window from the packets that
@@ -61,8 +90,10 @@ class MqttConfig:
     reconnect_min_s: float = 0.5
     reconnect_max_s: float = 30.0
     max_queued_messages: int = 10_000
-    # QoS 1 messages sent ahead of the broker's acknowledgements (paho's default; 0: no limit).
+    # QoS 1 messages sent ahead of the broker's acknowledgements (0: no limit); the rest wait
+    # for PUBACKs. 20 is what MQTT clients commonly default to.
     max_inflight_messages: int = 20
+    max_packet_bytes: int = DEFAULT_MAX_PACKET_BYTES  # larger incoming packets: disconnect
 
     @classmethod
     def from_url(
@@ -118,18 +149,29 @@ def backoff_delay(attempt: int, min_s: float, max_s: float, rng: random.Random) 
     return rng.uniform(ceiling / 2, ceiling)
 
 
+def _tcp_socket(family: int, kind: int, proto: int) -> socket.socket:
+    """A TCP socket set up for the handshake: no Nagle delay (commands and acks are small
+    and urgent: ~40 ms with delayed ACKs) and segments of at most MAX_SEGMENT_BYTES."""
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, MAX_SEGMENT_BYTES)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def connect_tcp(
     host: str, port: int, timeout_s: float, source: tuple[str, int] | None = None
 ) -> socket.socket:
     """A connected TCP socket (each address of `host` in turn, as socket.create_connection),
-    set up before the handshake: no Nagle delay (commands and acks are small and urgent:
-    ~40 ms with delayed ACKs) and segments of at most MAX_SEGMENT_BYTES."""
+    blocking, with our options set before the handshake (see `open_tcp`, which the transport
+    uses: the same without blocking the event loop)."""
     error: OSError | None = None
     for family, kind, proto, _, address in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
-        sock = socket.socket(family, kind, proto)
+        sock = _tcp_socket(family, kind, proto)
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, MAX_SEGMENT_BYTES)
             sock.settimeout(timeout_s)
             if source is not None and (source[0] or source[1]):
                 sock.bind(source)
@@ -142,25 +184,270 @@ def connect_tcp(
     raise error or OSError(f"no address for {host}")
 
 
+async def open_tcp(host: str, port: int, timeout_s: float) -> socket.socket:
+    """`connect_tcp` on the event loop: a connected, non-blocking TCP socket."""
+    loop = asyncio.get_running_loop()
+    error: OSError | None = None
+    for family, kind, proto, _, address in await loop.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM
+    ):
+        sock = _tcp_socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            await asyncio.wait_for(loop.sock_connect(sock, address), timeout_s)
+        except OSError as exc:  # TimeoutError included
+            sock.close()
+            error = exc
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+    raise error or OSError(f"no address for {host}")
+
+
+_PUBACK = b"\x40\x02"  # PUBACK, remaining length 2; the packet id follows
+_PUBREC = b"\x50\x02"
+_PUBCOMP = b"\x70\x02"
+
+Deliver = Callable[[bytes, bytes, bool], None]  # (topic, payload, retain)
+
+
+class _Connection(asyncio.Protocol):
+    """One connection to the broker (TCP or TLS): the session's state and the hot path.
+
+    `data_received` decodes every complete packet of a read, hands each PUBLISH straight to
+    `deliver`, and writes what answers them (PUBACKs, and for QoS 2 PUBREC/PUBCOMP) as one
+    write, in the order their messages came (MQTT 3.1.1, 4.6), together with the QoS 1
+    messages the returned PUBACKs let out of the window.
+    """
+
+    def __init__(
+        self,
+        deliver: Deliver,
+        window: int,
+        max_packet_bytes: int,
+        on_written: list[Callable[[], None]],
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._deliver = deliver
+        self._decoder = Decoder(max_packet_bytes)
+        self._window = window  # 0: no limit
+        self._on_written = on_written
+        self._transport: asyncio.Transport | None = None
+        self.connack: asyncio.Future[Connack] = loop.create_future()
+        self.closed: asyncio.Future[None] = loop.create_future()
+        self.error = "connection closed"
+        self.last_received = self.last_sent = self.last_ping = loop.time()
+        # Packet ids in use: QoS 1 messages sent and not yet acknowledged (with the future
+        # of a publish() that waits for it, or None), SUBSCRIBEs waiting for their SUBACK.
+        self.unacked: dict[int, asyncio.Future[None] | None] = {}
+        self.subscribing: dict[int, asyncio.Future[tuple[int, ...]]] = {}
+        # QoS 1 messages held back by the window: (topic, payload, retain, waiter).
+        self.held: deque[tuple[bytes, bytes, bool, asyncio.Future[None] | None]] = deque()
+        self.qos2_in: set[int] = set()  # incoming QoS 2 delivered, PUBREL not yet come
+        self._last_id = 0
+
+    # -- asyncio's side ----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        # Told when the write buffer has run empty (resume_writing): see on_written.
+        transport.set_write_buffer_limits(high=0)
+
+    def data_received(self, data: bytes) -> None:
+        self.last_received = self._loop.time()
+        try:
+            packets = self._decoder.feed(data)
+        except ProtocolError as exc:
+            self.fail(f"protocol error: {exc}")
+            return
+        deliver = self._deliver
+        out: list[bytes] = []
+        released = False
+        for p in packets:
+            if p.__class__ is Publish:
+                assert isinstance(p, Publish)
+                qos = p.qos
+                if qos == 1:
+                    out.append(_PUBACK + p.packet_id.to_bytes(2, "big"))
+                elif qos == 2:
+                    out.append(_PUBREC + p.packet_id.to_bytes(2, "big"))
+                    if p.packet_id in self.qos2_in:
+                        continue  # sent again before our PUBREC arrived: delivered once
+                    self.qos2_in.add(p.packet_id)
+                deliver(p.topic, p.payload, p.retain)
+            elif p.__class__ is Puback:
+                assert isinstance(p, Puback)
+                self._acknowledged(p.packet_id)
+                released = True
+            else:
+                self._control(p, out)
+        if released and self.held:
+            self._release(out)
+        if out:
+            self.write(b"".join(out))
+
+    def _acknowledged(self, packet_id: int) -> None:
+        if packet_id not in self.unacked:
+            log.debug("mqtt_unknown_puback", packet_id=packet_id)
+            return
+        waiter = self.unacked.pop(packet_id)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _control(self, p: Packet, out: list[bytes]) -> None:
+        if isinstance(p, Pubrel):
+            self.qos2_in.discard(p.packet_id)
+            out.append(_PUBCOMP + p.packet_id.to_bytes(2, "big"))
+        elif isinstance(p, Suback):
+            waiter = self.subscribing.pop(p.packet_id, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(p.granted)
+        elif isinstance(p, Connack):
+            if self.connack.done():
+                self.fail("protocol error: a second CONNACK")
+            else:
+                self.connack.set_result(p)
+        # PINGRESP: its arrival (last_received) is all it says. PUBREC, PUBCOMP, UNSUBACK
+        # answer what we never send (QoS 2 publishes, UNSUBSCRIBE): nothing to do.
+
+    def resume_writing(self) -> None:
+        if not self.held:
+            for callback in self._on_written:
+                callback()
+
+    def pause_writing(self) -> None:
+        pass  # nothing here writes without end: see publish_many's window
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if exc is not None and self.error == "connection closed":
+            self.error = str(exc) or type(exc).__name__
+        lost = TransportError(self.error)
+        for waiter in [*self.unacked.values(), *(h[3] for h in self.held)]:
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(lost)
+        for sub in self.subscribing.values():
+            if not sub.done():
+                sub.set_exception(lost)
+        if not self.connack.done():
+            self.connack.set_exception(lost)
+        self.unacked.clear()
+        self.held.clear()  # not sent again: see the module's docstring
+        self.subscribing.clear()
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    # -- our side ----------------------------------------------------------------------
+
+    @property
+    def closing(self) -> bool:
+        return self._transport is None or self._transport.is_closing()
+
+    @property
+    def unwritten(self) -> int:
+        """QoS 1 messages held back by the window plus bytes not yet given to the socket."""
+        t = self._transport
+        return len(self.held) + (t.get_write_buffer_size() if t is not None else 0)
+
+    def write(self, data: bytes) -> None:
+        t = self._transport
+        if t is None or t.is_closing():
+            return
+        t.write(data)
+        self.last_sent = self._loop.time()
+        if self._on_written and not self.held and t.get_write_buffer_size() == 0:
+            for callback in self._on_written:
+                callback()
+
+    def fail(self, reason: str) -> None:
+        """Drop the connection at once (no DISCONNECT: the broker publishes our will)."""
+        log.warning("mqtt_connection_failed", error=reason)
+        self.error = reason
+        if self._transport is not None:
+            self._transport.abort()
+
+    def disconnect(self) -> None:
+        """DISCONNECT, then close once it is written: the broker drops our will."""
+        if not self.closing:
+            self.write(DISCONNECT)
+        if self._transport is not None:
+            self._transport.close()
+
+    def next_id(self) -> int:
+        """The next free packet id: 1..65535, wrapping, skipping those still in use."""
+        for _ in range(0xFFFF):
+            self._last_id = self._last_id % 0xFFFF + 1
+            if self._last_id not in self.unacked and self._last_id not in self.subscribing:
+                return self._last_id
+        raise TransportError("all 65,535 packet ids are in use")
+
+    def send_qos1(
+        self, messages: list[tuple[bytes, bytes]], retain: bool, waiter: asyncio.Future[None] | None
+    ) -> int:
+        """Send QoS 1 messages as far as the window lets, in one write, and hold back the rest;
+        returns how many could not be taken (every packet id in use: the broker stopped
+        acknowledging)."""
+        out: list[bytes] = []
+        window, unacked, held = self._window, self.unacked, self.held
+        refused = 0
+        for i, (topic, payload) in enumerate(messages):
+            if held or (window and len(unacked) >= window):
+                held.append((topic, payload, retain, waiter))
+                continue
+            try:
+                packet_id = self.next_id()
+            except TransportError:
+                refused = len(messages) - i
+                break
+            unacked[packet_id] = waiter
+            out.append(encode_publish(topic, payload, 1, retain, packet_id))
+        if out:
+            self.write(b"".join(out))
+        return refused
+
+    def _release(self, out: list[bytes]) -> None:
+        window, unacked, held = self._window, self.unacked, self.held
+        while held and not (window and len(unacked) >= window):
+            topic, payload, retain, waiter = held.popleft()
+            packet_id = self.next_id()
+            unacked[packet_id] = waiter
+            out.append(encode_publish(topic, payload, 1, retain, packet_id))
+
+
 class MqttTransport(Transport):
+    """`Transport` over MQTT 3.1.1 (see the module's docstring).
+
+    Beyond `Transport`: `dropped_messages` (incoming messages dropped: nobody read them in
+    time, or a topic that is not UTF-8), `unwritten` and `on_written` (callbacks run each
+    time everything published so far has been given to the socket; bench/loop.py times its
+    ticks with them).
+    """
+
     def __init__(self, config: MqttConfig, rng: random.Random | None = None) -> None:
         self.config = config
         self.client_id = config.client_id or f"powerd-{uuid.uuid4().hex[:12]}"
-        self.dropped_messages = 0  # incoming messages dropped: nobody read them, or a bad topic
+        self.dropped_messages = 0
+        self.on_written: list[Callable[[], None]] = []
         self._rng = rng or random.Random()
         self._ssl = config.ssl_context()
         self._state = ConnectionState.CLOSED
         self._connected = asyncio.Event()
-        self._client: aiomqtt.Client | None = None
-        self._write: Callable[[], None] = lambda: None  # this connection's writer
+        self._conn: _Connection | None = None  # while connected
         self._subscriptions: dict[str, int] = {}
         self._queue: asyncio.Queue[Message | None] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
-        self._warned_reader = False  # paho without the parts PacketReader uses: said once
 
     @property
     def state(self) -> ConnectionState:
         return self._state
+
+    @property
+    def unwritten(self) -> int:
+        """QoS 1 messages held back by the window plus bytes not yet given to the socket."""
+        return self._conn.unwritten if self._conn is not None else 0
 
     def _set_state(self, state: ConnectionState) -> None:
         self._state = state
@@ -190,54 +477,44 @@ class MqttTransport(Transport):
     async def wait_connected(self) -> None:
         await self._connected.wait()
 
-    def _new_client(self, will: LastWill | None) -> aiomqtt.Client:
-        c = self.config
-        return aiomqtt.Client(
-            c.host,
-            c.port,
-            username=c.username,
-            password=c.password,
-            identifier=self.client_id,
-            will=None
-            if will is None
-            else aiomqtt.Will(will.topic, will.payload, will.qos, will.retain),
-            keepalive=c.keepalive_s,
-            timeout=c.timeout_s,
-            tls_context=self._ssl,
-            max_inflight_messages=c.max_inflight_messages,
-        )
-
     async def _keep_connected(self, will: LastWill | None, on_connect: OnConnect | None) -> None:
         attempt = 0
+        broker = f"{self.config.host}:{self.config.port}"
         while True:
             self._set_state(ConnectionState.CONNECTING)
             error = "connection closed"
-            client = self._new_client(will)
-            self._open_socket(client)
+            conn: _Connection | None = None
             try:
-                async with client:
-                    self._take_messages(client)
-                    self._write = self._write_in_step(client)
-                    for topic_filter, qos in list(self._subscriptions.items()):
-                        await client.subscribe(topic_filter, qos)
-                    self._client = client
-                    self._set_state(ConnectionState.CONNECTED)
-                    log.info("mqtt_connected", broker=f"{self.config.host}:{self.config.port}")
-                    attempt = 0
-                    if on_connect is not None:
-                        await self._run_on_connect(on_connect)
-                    await self._receive_until_disconnected(client)
-            except aiomqtt.MqttError as exc:
+                conn = await self._open(will)
+                for topic_filter, qos in list(self._subscriptions.items()):
+                    await self._subscribe_on(conn, topic_filter, qos)
+                self._conn = conn
+                self._set_state(ConnectionState.CONNECTED)
+                log.info("mqtt_connected", broker=broker)
+                attempt = 0
+                if on_connect is not None:
+                    await self._run_on_connect(on_connect)
+                await self._keep_alive(conn)
+                error = conn.error
+            except asyncio.CancelledError:
+                if conn is not None:
+                    conn.disconnect()
+                raise
+            except OSError as exc:  # TimeoutError and ssl.SSLError included
+                error = str(exc) or type(exc).__name__
+            except TransportError as exc:
                 error = str(exc)
             finally:
-                self._client = None
+                self._conn = None
+                if conn is not None and not conn.closing:
+                    conn.fail(error)
                 self._set_state(ConnectionState.DISCONNECTED)
             delay = backoff_delay(
                 attempt, self.config.reconnect_min_s, self.config.reconnect_max_s, self._rng
             )
             log.warning(
                 "mqtt_disconnected",
-                broker=f"{self.config.host}:{self.config.port}",
+                broker=broker,
                 error=error,
                 attempt=attempt,
                 retry_in_s=round(delay, 2),
@@ -245,97 +522,86 @@ class MqttTransport(Transport):
             attempt += 1
             await asyncio.sleep(delay)
 
-    async def _receive_until_disconnected(self, client: aiomqtt.Client) -> None:
-        """Wait until the connection ends, then raise MqttError as aiomqtt's iterator does."""
-        # Shielded: cancelling this task must not cancel aiomqtt's own future.
-        await asyncio.shield(client._disconnected)
-        raise aiomqtt.MqttError("Disconnected")
-
-    def _take_messages(self, client: aiomqtt.Client) -> None:
-        """Have every incoming message go straight to our queue.
-
-        aiomqtt's own message iterator starts a task and an `asyncio.wait` per message and
-        builds a validated Topic for each: at 10k GPUs (~3,750 messages a second) that was
-        the controller's largest cost. A `PacketReader` reads for paho (see reader.py) and
-        hands PUBLISH packets to `_deliver`; paho's callback takes those it still parses
-        itself. Set once connected, before subscribing, so retained messages are not left
-        in aiomqtt's queue.
-        """
-        paho = client._client
-
-        def on_message(_client: object, _userdata: object, m: mqtt.MQTTMessage) -> None:
-            self._deliver(m._topic, bytes(m.payload), bool(m.retain))
-
-        paho.on_message = on_message  # aiomqtt has no per-message callback
-        if paho._transport != "tcp":  # websockets: paho's own reader
-            return
-        if PacketReader.fits(paho):
-            PacketReader(paho, self._deliver).install()
-        elif not self._warned_reader:
-            self._warned_reader = True
-            log.warning("mqtt_reader_unsupported", paho=getattr(mqtt, "__version__", "?"))
-
-    def _deliver(self, topic: bytes, payload: bytes, retain: bool) -> None:
-        try:
-            name = topic.decode()
-        except UnicodeDecodeError:  # an exception here would end the connection
-            self.dropped_messages += 1
-            log.warning("mqtt_bad_topic", topic=repr(topic[:200]))
-            return
-        self._enqueue(Message(name, payload, retain))
-
-    @staticmethod
-    def _open_socket(client: aiomqtt.Client) -> None:
-        """Have paho open its TCP connection with our options set before connecting (those
-        aiomqtt sets come after the handshake, too late for the segment size)."""
-        paho = client._client
-        plain = paho._create_socket_connection
-
-        def create_socket_connection() -> socket.socket:
-            if paho._get_proxy():
-                return plain()
-            return connect_tcp(
-                paho._host,
-                paho._port,
-                paho._connect_timeout,
-                (paho._bind_address, paho._bind_port),
-            )
-
-        paho._create_socket_connection = create_socket_connection  # type: ignore[method-assign]
-
-    @staticmethod
-    def _write_in_step(client: aiomqtt.Client) -> Callable[[], None]:
-        """Register and remove paho's writer callback at once, from here on; returns the
-        writer, which publish_many also calls to write a batch without waiting.
-
-        aiomqtt adds the writer through call_soon_threadsafe (paho may ask from the thread
-        that connects) but removes it at once. A batch written before the loop's next turn
-        (publish_many) is removed before it is added: the writer then stays registered while
-        paho believes it gone, and the loop spins on a writable socket (a whole core, seen at
-        10k GPUs). Once connected, paho asks only from the loop's own thread.
-        """
-        paho = client._client
+    async def _open(self, will: LastWill | None) -> _Connection:
+        """A connection on which the broker has accepted our CONNECT."""
+        c = self.config
         loop = asyncio.get_running_loop()
-
-        def write() -> None:
+        sock = await open_tcp(c.host, c.port, c.timeout_s)
+        try:
+            _, conn = await loop.create_connection(
+                lambda: _Connection(
+                    self._deliver, c.max_inflight_messages, c.max_packet_bytes, self.on_written
+                ),
+                sock=sock,
+                ssl=self._ssl,
+                server_hostname=c.host if self._ssl is not None else None,
+                ssl_handshake_timeout=c.timeout_s if self._ssl is not None else None,
+            )
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            conn.write(
+                encode_connect(
+                    self.client_id,
+                    c.keepalive_s,
+                    username=c.username,
+                    password=c.password,
+                    will_topic=None if will is None else will.topic,
+                    will_payload=b"" if will is None else will.payload,
+                    will_qos=0 if will is None else will.qos,
+                    will_retain=False if will is None else will.retain,
+                )
+            )
             try:
-                paho.loop_write()
-            except Exception as exc:  # as aiomqtt's own writer: the connection is broken
-                if not client._disconnected.done():
-                    client._disconnected.set_exception(exc)
+                connack = await asyncio.wait_for(conn.connack, c.timeout_s)
+            except TimeoutError:
+                raise TransportError(f"no CONNACK within {c.timeout_s} s") from None
+            if connack.return_code != 0:
+                raise TransportError(f"connection refused: {connack.reason}")
+        except BaseException:
+            conn.fail("connection not accepted")
+            raise
+        return conn
 
-        def register(_client: object, _userdata: object, sock: Any) -> None:
-            loop.add_writer(sock, write)
+    async def _keep_alive(self, conn: _Connection) -> None:
+        """Return once the connection has ended. Meanwhile: a PINGREQ whenever we have sent
+        nothing, or heard nothing, for `keepalive_s`; give up on a broker silent for 1.5
+        times that (MQTT's own limit for the broker's side)."""
+        keepalive = self.config.keepalive_s
+        if keepalive <= 0:
+            await asyncio.shield(conn.closed)
+            return
+        loop = asyncio.get_running_loop()
+        while True:
+            done, _ = await asyncio.wait([conn.closed], timeout=keepalive / 4)
+            if done:
+                return
+            now = loop.time()
+            silent_s = now - conn.last_received
+            if silent_s >= 1.5 * keepalive:
+                conn.fail(f"no packet from the broker for {silent_s:.1f} s")
+                return
+            if now - conn.last_sent >= keepalive or (
+                silent_s >= keepalive and now - conn.last_ping >= keepalive / 2
+            ):
+                conn.last_ping = now
+                conn.write(PINGREQ)
 
-        def unregister(_client: object, _userdata: object, sock: Any) -> None:
-            loop.remove_writer(sock)
-
-        paho.on_socket_register_write = register
-        paho.on_socket_unregister_write = unregister
-        sock = paho.socket()
-        if sock is not None and paho.want_write():
-            loop.add_writer(sock, write)
-        return write
+    async def _subscribe_on(self, conn: _Connection, topic_filter: str, qos: int) -> None:
+        packet_id = conn.next_id()
+        suback = asyncio.get_running_loop().create_future()
+        conn.subscribing[packet_id] = suback
+        conn.write(encode_subscribe(packet_id, [(topic_filter, qos)]))
+        try:
+            granted = await asyncio.wait_for(suback, self.config.timeout_s)
+        except TimeoutError:
+            conn.subscribing.pop(packet_id, None)
+            raise TransportError(
+                f"no SUBACK for {topic_filter} within {self.config.timeout_s} s"
+            ) from None
+        if granted[0] == SUBACK_FAILURE:
+            log.warning("mqtt_subscribe_refused", topic=topic_filter)
 
     async def _run_on_connect(self, on_connect: OnConnect) -> None:
         try:
@@ -343,6 +609,15 @@ class MqttTransport(Transport):
         except TransportError as exc:
             # The connection dropped again; the next connection runs the callback again.
             log.warning("mqtt_on_connect_failed", error=str(exc))
+
+    def _deliver(self, topic: bytes, payload: bytes, retain: bool) -> None:
+        try:
+            name = topic.decode()
+        except UnicodeDecodeError:
+            self.dropped_messages += 1
+            log.warning("mqtt_bad_topic", topic=repr(topic[:200]))
+            return
+        self._enqueue(Message(name, payload, retain))
 
     def _enqueue(self, message: Message) -> None:
         if self._queue.qsize() >= self.config.max_queued_messages:
@@ -352,47 +627,68 @@ class MqttTransport(Transport):
         self._queue.put_nowait(message)
 
     async def publish(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False) -> None:
+        """QoS 0: written at once. QoS 1: returns once the broker's PUBACK is in (TransportError
+        after `timeout_s`). QoS 2 is not offered (nothing in powerd needs it)."""
         check_topic(topic)
-        client = self._client
-        if client is None:
+        if qos not in (0, 1):
+            raise ValueError(f"QoS {qos}: this transport publishes at QoS 0 or 1")
+        conn = self._conn
+        if conn is None:
             raise TransportError(f"not connected ({self._state}); dropped message to {topic}")
+        if qos == 0:
+            conn.write(encode_publish(topic, payload, 0, retain))
+            return
+        acked = asyncio.get_running_loop().create_future()
+        if conn.send_qos1([(topic.encode(), payload)], retain, acked):
+            raise TransportError(f"publish to {topic}: all 65,535 packet ids are in use")
         try:
-            await client.publish(
-                topic, payload, qos=qos, retain=retain, timeout=self.config.timeout_s
-            )
-        except aiomqtt.MqttError as exc:
+            await asyncio.wait_for(acked, self.config.timeout_s)
+        except TimeoutError:
+            raise TransportError(
+                f"publish to {topic}: no PUBACK within {self.config.timeout_s} s"
+            ) from None
+        except TransportError as exc:
             raise TransportError(f"publish to {topic} failed: {exc}") from exc
 
     async def publish_many(
         self, messages: Sequence[tuple[str, bytes]], qos: int = 1, retain: bool = False
     ) -> int:
-        # aiomqtt's publish waits for each PUBACK in turn: 1,250 commands a tick would take
-        # 1,250 broker round trips. paho queues and sends them (QoS 1, retried) on its own;
-        # a command's real confirmation is the agent's ack.
-        client = self._client
-        if client is None:
+        """Write the batch now, without yielding to the event loop: given to the loop, it would
+        wait behind every message read and handled first (at 10k GPUs, the ~600 that arrived
+        while the tick ran: tens of milliseconds). At QoS 1, up to `max_inflight_messages`
+        unacknowledged (0: no limit); the rest leave as PUBACKs come back. A command's real
+        confirmation is the agent's ack, so nothing here waits for the broker."""
+        if qos not in (0, 1):
+            raise ValueError(f"QoS {qos}: this transport publishes at QoS 0 or 1")
+        conn = self._conn
+        if conn is None:
             raise TransportError(f"not connected ({self._state}); dropped {len(messages)} messages")
-        paho = client._client  # aiomqtt has no publish that does not wait
         failed = 0
+        batch: list[tuple[bytes, bytes]] = []
         for topic, payload in messages:
             check_topic(topic)
-            if paho.publish(topic, payload, qos, retain).rc != mqtt.MQTT_ERR_SUCCESS:
+            name = topic.encode()
+            if len(name) > 0xFFFF:
                 failed += 1
-        # Write now, as far as the socket takes it, without yielding: given to the event
-        # loop, the batch would wait behind every message read and handled first (at 10k
-        # GPUs, the ~600 that arrived while the tick ran: tens of milliseconds).
-        self._write()
-        return failed
+                continue
+            batch.append((name, payload))
+        if qos == 0:
+            conn.write(b"".join(encode_publish(t, p, 0, retain) for t, p in batch))
+            return failed
+        refused = conn.send_qos1(batch, retain, None)
+        if refused:
+            log.warning("mqtt_publish_failed", error="all packet ids in use", messages=refused)
+        return failed + refused
 
     async def subscribe(self, topic_filter: str, qos: int = 1) -> None:
         check_filter(topic_filter)
         self._subscriptions[topic_filter] = qos
-        client = self._client
-        if client is None:
+        conn = self._conn
+        if conn is None:
             return  # subscribed on (re)connection
         try:
-            await client.subscribe(topic_filter, qos, timeout=self.config.timeout_s)
-        except aiomqtt.MqttError as exc:
+            await self._subscribe_on(conn, topic_filter, qos)
+        except TransportError as exc:
             log.warning("mqtt_subscribe_deferred", topic=topic_filter, error=str(exc))
 
     async def messages(self) -> AsyncIterator[Message]:
@@ -401,8 +697,12 @@ class MqttTransport(Transport):
 
     async def disconnect(self) -> None:
         task, self._task = self._task, None
+        conn = self._conn
         if task is not None:
-            # Leaving the client's context sends DISCONNECT, so the broker drops the will.
+            # The task sends DISCONNECT as it ends, so the broker drops the will.
             await cancel_and_wait([task])
+        if conn is not None:
+            # Until the DISCONNECT has left: the caller may exit the process next.
+            await asyncio.wait([conn.closed], timeout=self.config.timeout_s)
         self._set_state(ConnectionState.CLOSED)
         self._queue.put_nowait(None)
