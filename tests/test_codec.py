@@ -225,7 +225,7 @@ def test_publish_round_trip_however_the_stream_is_cut(
         for p in packets
     ]
     stream = b"".join(
-        encode_publish(p.topic, p.payload, p.qos, p.retain, p.packet_id, p.dup) for p in packets
+        encode_publish(p.topic, p.payload, p.qos, p.retain, p.packet_id, dup=p.dup) for p in packets
     )
     decoder = Decoder()
     got: list[Packet] = []

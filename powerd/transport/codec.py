@@ -162,6 +162,7 @@ def encode_publish(
     qos: int = 0,
     retain: bool = False,
     packet_id: int = 0,
+    *,
     dup: bool = False,
 ) -> bytes:
     """A PUBLISH at QoS 0 or 1 (the packet id only at 1)."""
@@ -305,32 +306,7 @@ class Decoder:
                 self._keep(buf, pos, end)
                 break
             if first >> 4 == 3:
-                qos = (first >> 1) & 3
-                if length < 2:
-                    raise ProtocolError("PUBLISH too short for its topic length")
-                topic_end = i + 2 + (buf[i] << 8 | buf[i + 1])
-                if qos:
-                    payload_at = topic_end + 2
-                    if payload_at > end or qos == 3:
-                        raise ProtocolError(
-                            "PUBLISH with QoS 3" if qos == 3 else "PUBLISH shorter than its topic"
-                        )
-                    packet_id = buf[topic_end] << 8 | buf[topic_end + 1]
-                else:
-                    payload_at = topic_end
-                    if payload_at > end:
-                        raise ProtocolError("PUBLISH shorter than its topic")
-                    packet_id = 0
-                append(
-                    Publish(
-                        buf[i + 2 : topic_end],
-                        buf[payload_at:end],
-                        qos,
-                        first & 1 != 0,
-                        first & 8 != 0,
-                        packet_id,
-                    )
-                )
+                append(_publish(buf, first, i, end))
             else:
                 append(_control(first, buf[i:end]))
             pos = end
@@ -339,6 +315,28 @@ class Decoder:
     def _keep(self, buf: bytes, pos: int, need: int) -> None:
         self._rest = bytearray(buf[pos:])
         self._need = need - pos
+
+
+def _publish(buf: bytes, first: int, start: int, end: int) -> Publish:
+    """The PUBLISH whose body is `buf[start:end]` (its first byte: `first`)."""
+    qos = (first >> 1) & 3
+    if qos == 3:
+        raise ProtocolError("PUBLISH with QoS 3")
+    if end - start < 2:
+        raise ProtocolError("PUBLISH too short for its topic length")
+    topic_end = start + 2 + (buf[start] << 8 | buf[start + 1])
+    payload_at = topic_end + 2 if qos else topic_end
+    if payload_at > end:
+        raise ProtocolError("PUBLISH shorter than its topic")
+    packet_id = buf[topic_end] << 8 | buf[topic_end + 1] if qos else 0
+    return Publish(
+        buf[start + 2 : topic_end],
+        buf[payload_at:end],
+        qos,
+        first & 1 != 0,
+        first & 8 != 0,
+        packet_id,
+    )
 
 
 def _long_length(buf: bytes, at: int) -> tuple[int, int] | None:
