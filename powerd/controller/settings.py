@@ -35,10 +35,8 @@ class ControllerSettings(BrokerSettings):
     learn_s: float | None = Field(default=None, ge=0, le=3600)
 
     # QoS 1 commands sent ahead of the broker's acknowledgements; 0: no limit. A tick sends
-    # one command per node, and they should leave in one burst: with paho's default of 20,
-    # 10k GPUs' 1,250 commands waited for some 60 broker round trips (p99 ~0.5 s). A large
-    # limit costs more than none: paho then walks every unacknowledged message on each
-    # acknowledgement (quadratic in the burst).
+    # one command per node, and they should leave in one burst: with a window, the rest of
+    # a large fleet's commands wait for broker round trips (docs/controller.md has figures).
     command_window: int = Field(default=0, ge=0, le=65535)
 
     # What the store keeps (docs/storage.md); the defaults are the store's own.
