@@ -23,8 +23,8 @@ from pathlib import Path
 from powerd.agent import Agent, AgentSettings, build_backend, build_transport
 from powerd.clock import SystemClock
 from powerd.logs import configure_logging
+from powerd.testing.mosquitto import LocalMosquitto
 from powerd.transport import MqttConfig, MqttTransport
-from powerd.transport.mosquitto import LocalMosquitto
 from powerd.wire import CapAck, CapCommand, NodeStatus, Topics, decode, encode
 
 NODE = "bench-node"

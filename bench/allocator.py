@@ -3,7 +3,7 @@
     .venv/bin/python bench/allocator.py                 # 1k, 10k, 100k GPUs
     .venv/bin/python bench/allocator.py --sizes 1000 --runs 5
 
-Fleets: 8 GPUs/node, 8 nodes/rack, 16 racks/row (powerd.synthetic, budgets binding at every
+Fleets: 8 GPUs/node, 8 nodes/rack, 16 racks/row (powerd.testing.synthetic, budgets binding at every
 level). Steady state: one untimed first call, then successive ticks whose draws drift and
 whose caps in force are the previous tick's. Each (size, solver) runs in its own process so
 its peak RSS is its own. Results go in docs/performance.md.
@@ -26,7 +26,7 @@ GPUS_PER_ROW = 8 * 8 * 16
 
 def worker(size: int, solver: str, runs: int, warm: bool) -> dict[str, object]:
     from powerd.allocator import ClassTable, Tree, allocate_arrays
-    from powerd.synthetic import Drift, make_policy, random_fleet
+    from powerd.testing.synthetic import Drift, make_policy, random_fleet
 
     rows = max(1, round(size / GPUS_PER_ROW))
     policy = make_policy(rows, 16, 8, 8)

@@ -48,9 +48,9 @@ from powerd.logs import configure_logging
 from powerd.policy import load_policy
 from powerd.safety import SafePlan
 from powerd.store import Store, StoreWriter, upgrade
-from powerd.synthetic import policy_dict
+from powerd.testing.mosquitto import LocalMosquitto
+from powerd.testing.synthetic import policy_dict
 from powerd.transport import MqttConfig, MqttTransport
-from powerd.transport.mosquitto import LocalMosquitto
 
 BENCH = Path(__file__).resolve().parent
 GPUS_PER_NODE = 8

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from powerd.transport.mosquitto import MOSQUITTO, LocalMosquitto
+from powerd.testing.mosquitto import MOSQUITTO, LocalMosquitto
 
 
 class SteppedClock:

@@ -7,7 +7,7 @@ import contextlib
 import socket
 import threading
 
-from powerd.transport.mosquitto import free_port
+from powerd.testing.mosquitto import free_port
 
 
 class TcpProxy:

@@ -25,9 +25,9 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
+from powerd.testing.mosquitto import MOSQUITTO, free_port
 from powerd.transport import LastWill, Message, MqttConfig, MqttTransport
 from powerd.transport.codec import Connack, Decoder, encode_connect
-from powerd.transport.mosquitto import MOSQUITTO, free_port
 from powerd.wire import Topics
 
 REPO = Path(__file__).resolve().parent.parent

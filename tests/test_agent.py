@@ -13,8 +13,8 @@ import pytest
 from powerd.agent import Agent, AgentSettings, SettingsError, build_backend
 from powerd.backends.base import NoPermission
 from powerd.backends.mock import GpuFleetModel, MockBackend, Pattern, Workload
+from powerd.testing.mosquitto import LocalMosquitto
 from powerd.transport import ConnectionState, MqttConfig, MqttTransport
-from powerd.transport.mosquitto import LocalMosquitto
 from powerd.wire import (
     MAX_PAYLOAD_BYTES,
     AckError,

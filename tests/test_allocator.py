@@ -20,7 +20,7 @@ from powerd.allocator import (
     build_problem,
 )
 from powerd.policy import Policy
-from powerd.synthetic import make_policy, random_fleet
+from powerd.testing.synthetic import make_policy, random_fleet
 from powerd.topology import Topology
 
 TOL_W = 1e-6

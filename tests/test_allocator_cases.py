@@ -21,7 +21,7 @@ from powerd.allocator import (
 )
 from powerd.policy import Policy, load_policy, parse_policy
 from powerd.snapshot import Snapshot, parse_snapshot
-from powerd.synthetic import make_policy, policy_dict, random_fleet, to_snapshot
+from powerd.testing.synthetic import make_policy, policy_dict, random_fleet, to_snapshot
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "policies" / "example.yaml"
 NODE = "row-1-rack-1-node-01"

@@ -21,7 +21,7 @@ from powerd.chaos.schedule import FaultKind, short_schedule, soak_schedule
 from powerd.chaos.site import Site, SiteConfig
 from powerd.chaos.watcher import BudgetCheck, JournalTail
 from powerd.policy import parse_policy
-from powerd.transport.mosquitto import MOSQUITTO
+from powerd.testing.mosquitto import MOSQUITTO
 
 CONFIG = SiteConfig()
 

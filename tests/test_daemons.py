@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from powerd.transport.mosquitto import LocalMosquitto, free_port
+from powerd.testing.mosquitto import LocalMosquitto, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

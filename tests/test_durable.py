@@ -30,7 +30,7 @@ from powerd.controller.opstate import (
     restore,
 )
 from powerd.policy import load_policy_text
-from powerd.transport.mosquitto import LocalMosquitto, free_port
+from powerd.testing.mosquitto import LocalMosquitto, free_port
 
 NODE = "rack-1-n1"
 

@@ -30,8 +30,8 @@ from pg import pg_database
 
 from powerd.policy import GroupDef, Policy, load_policy, subtree_totals
 from powerd.store import Store
+from powerd.testing.mosquitto import LocalMosquitto
 from powerd.transport import Message, MqttConfig, MqttTransport
-from powerd.transport.mosquitto import LocalMosquitto
 from powerd.wire import CapAck, CapCommand, NodeState, NodeStatus, NodeTelemetry, Topics, decode
 
 TICK_S = 0.5

@@ -60,7 +60,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "powerd.sim",
             "powerd.chaos",
             "powerd.testing",
-            "powerd.synthetic",
         ),
     ),
 ]

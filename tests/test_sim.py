@@ -25,7 +25,7 @@ from powerd.sim.scenario import (
 )
 from powerd.sim.site import Site, assign_nodes, build_mix, build_site, site_for
 from powerd.sim.study import Runner, budget_sweep, compare, oversubscribe
-from powerd.synthetic import policy_dict
+from powerd.testing.synthetic import policy_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = ROOT / "policies" / "scenarios"

@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
+from powerd.testing.mosquitto import MOSQUITTO, LocalMosquitto, free_port
 from powerd.transport import (
     ConnectionState,
     LastWill,
@@ -35,7 +36,6 @@ from powerd.transport import (
 )
 from powerd.transport.base import check_filter
 from powerd.transport.codec import Decoder, Publish, encode_publish
-from powerd.transport.mosquitto import MOSQUITTO, LocalMosquitto, free_port
 from powerd.transport.mqtt import (
     MAX_SEGMENT_BYTES,
     _Connection,

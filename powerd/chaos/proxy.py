@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from powerd.transport.mosquitto import free_port
+from powerd.testing.mosquitto import free_port
 
 LOOPBACK = "127.0.0.1"
 

@@ -28,8 +28,8 @@ from powerd.chaos.agent import write_offset
 from powerd.chaos.proxy import LOOPBACK, TcpProxy
 from powerd.chaos.watcher import Watcher
 from powerd.policy import Policy, load_policy
+from powerd.testing.mosquitto import LocalMosquitto, free_port
 from powerd.transport import MqttConfig, MqttTransport
-from powerd.transport.mosquitto import LocalMosquitto, free_port
 from powerd.wire import Topics
 
 HUGE_TICK = 100000000000000000000000000000

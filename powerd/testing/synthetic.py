@@ -1,4 +1,4 @@
-"""Synthetic power domains and fleets for tests, benchmarks and the simulator.
+"""Synthetic power domains and fleets for tests and benchmarks.
 
 `policy_dict` writes a policy for R rows × K racks × N nodes × G GPUs whose budgets are
 fractions of what the level below could draw, so every level binds; `random_fleet` draws a
