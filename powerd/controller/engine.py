@@ -64,7 +64,7 @@ class TickReport:
     # where a list would be walked at every collection.
     classes: tuple[str, ...]
     power_w: FloatArray
-    enforced_w: FloatArray  # the limit each GPU reported in force (telemetry read-back)
+    cap_w: FloatArray  # the limit each GPU reported in force (telemetry read-back)
     energy_j: FloatArray
     temp_c: FloatArray
     targets_w: FloatArray
@@ -403,7 +403,7 @@ class TickEngine:
             nodes=list(fleet.nodes),
             classes=tuple(self.policy.defaults.class_ for _ in range(n)),
             power_w=nan,
-            enforced_w=nan,
+            cap_w=nan,
             energy_j=nan,
             temp_c=nan,
             targets_w=fleet.failsafe_w.copy(),
@@ -522,7 +522,7 @@ class TickEngine:
             nodes=arrays.nodes,
             classes=tuple([self.classes.names[i] for i in cls_idx.tolist()]),
             power_w=arrays.power_w,
-            enforced_w=arrays.cap_w,
+            cap_w=arrays.cap_w,
             energy_j=arrays.energy_j,
             temp_c=arrays.temp_c,
             targets_w=targets,
