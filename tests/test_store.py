@@ -287,7 +287,7 @@ def test_only_cap_changes_are_stored(store: Store) -> None:
 
 def test_minute_aggregates_of_a_known_series() -> None:
     agg = MinuteAggregator(grace_s=10.0)
-    # One GPU, a sample every 10 s from T0: power, cap, energy counter (J).
+    # One GPU, a sample every 10 s from T0: power, committed cap, energy counter (J).
     series = [
         (T0 + 0, 100.0, 500.0, 1_000.0),  # first sample ever: no energy yet
         (T0 + 10, 300.0, 500.0, 3_000.0),  # +2000 J
@@ -297,8 +297,8 @@ def test_minute_aggregates_of_a_known_series() -> None:
         (T0 + 59, 0.0, 700.0, 150.0),  # +50 J
         (T0 + 60, 100.0, 700.0, 250.0),  # next minute: +100 J there
     ]
-    for ts, p, cap, e in series:
-        agg.add(["GPU-a"], ts, [p], [cap], [e])
+    for ts, p, committed, e in series:
+        agg.add(["GPU-a"], ts, [p], [committed], [e])
     assert agg.close() == []  # the first minute is still within its grace period
 
     agg.add(["GPU-a"], T0 + 70, [100.0], [700.0], [1_250.0])  # +1000 J in the second minute

@@ -49,7 +49,7 @@ class _Samples:
     uuids: Sequence[str]
     ts: Floats | float
     power_w: Floats
-    cap_w: Floats
+    committed_w: Floats  # stored as gpu_minutes.mean_cap_w
     energy_j: Floats
 
 
@@ -164,11 +164,12 @@ class StoreWriter:
         uuids: Sequence[str],
         ts: Floats | float,
         power_w: Floats,
-        cap_w: Floats,
+        committed_w: Floats,
         energy_j: Floats,
     ) -> None:
-        """This tick's latest sample per GPU, as parallel arrays (`ts` per GPU or one value)."""
-        self._put(_Samples(uuids, ts, power_w, cap_w, energy_j))
+        """This tick's latest sample per GPU, as parallel arrays (`ts` per GPU or one value),
+        with each GPU's committed cap (its per-minute mean is stored as `mean_cap_w`)."""
+        self._put(_Samples(uuids, ts, power_w, committed_w, energy_j))
 
     def submit_event(self, rec: EventRecord) -> None:
         self._put(rec)
@@ -273,7 +274,7 @@ class StoreWriter:
                 case _Samples():
                     try:
                         self._minutes.add(
-                            item.uuids, item.ts, item.power_w, item.cap_w, item.energy_j
+                            item.uuids, item.ts, item.power_w, item.committed_w, item.energy_j
                         )
                     except ValueError as exc:
                         log.warning("store_samples_rejected", error=str(exc))
