@@ -131,7 +131,7 @@ class SafePlan:
     group_caps_w: FloatArray  # per group: Σ committed caps
     group_committed_w: FloatArray  # per group: Σ committed caps + overhead + reserve
     group_budget_w: FloatArray
-    group_over: BoolArray  # load above budget: a cut not yet obeyed, or knowledge missing
+    group_over: BoolArray  # committed above budget: a cut not yet obeyed, or knowledge missing
     # over only because GPUs count at their maximum until a first ack of ours (after a start)
     group_settling: BoolArray
     waiting_nodes: tuple[str, ...]  # live nodes not sent to: a GPU's cap in force is unknown
@@ -553,8 +553,8 @@ class SafetyPlanner:
 
         committed = self.committed_w()  # absorbs the queued messages first
         low = self._low_w()
-        load = topo.group_sums(committed)
-        over_g = load > capacity + TOL_W
+        group_caps_before = topo.group_sums(committed)  # Σ committed caps, no overhead
+        over_g = group_caps_before > capacity + TOL_W
         in_over = over_g[topo.gpu_groups].any(axis=1)
 
         node_live = np.ones(len(self._node_names), dtype=bool)
@@ -601,7 +601,12 @@ class SafetyPlanner:
 
         raise_mask = send & ~in_over & ~stale & (wanted > committed + TOL_W)
         admitted = self._admit(
-            np.flatnonzero(raise_mask), wanted, committed, load, capacity, priority=priority
+            np.flatnonzero(raise_mask),
+            wanted,
+            committed,
+            group_caps_before,
+            capacity,
+            priority=priority,
         )
         caps = np.where(raise_mask, committed + admitted, caps)
         raised = raise_mask & (admitted > TOL_W)
@@ -609,19 +614,19 @@ class SafetyPlanner:
         sent = np.where(send, caps, np.nan)
         self._record_sent(tick, np.flatnonzero(send), caps)
         committed_after = np.where(send, np.maximum(committed, caps), committed)
-        group_committed = topo.group_sums(committed_after)
-        group_load = group_committed + topo.overhead_w + reserve
+        group_caps = topo.group_sums(committed_after)
+        group_committed = group_caps + topo.overhead_w + reserve
 
         commands = self._commands(tick, control.lease_s, node_send, caps)
-        group_over = group_load > budget + TOL_W
+        group_over = group_committed > budget + TOL_W
         settling = np.zeros_like(group_over)
         if group_over.any() and self._prior_hi.any():
             # Over only for what a predecessor may still send: expected after a start, and
             # gone with the first acks; no breach known.
             base = np.where(np.isnan(self._hi), fleet.max_cap_w, self._hi)
             known_after = np.maximum(base, self._pend_hi.max(axis=1))  # this tick's included
-            known_load = topo.group_sums(known_after) + topo.overhead_w + reserve
-            settling = group_over & (known_load <= budget + TOL_W)
+            known_committed = topo.group_sums(known_after) + topo.overhead_w + reserve
+            settling = group_over & (known_committed <= budget + TOL_W)
         events = tuple(self._events)
         self._events = []
         return SafePlan(
@@ -632,8 +637,8 @@ class SafetyPlanner:
             raised=raised,
             withheld=wanted > np.where(send, caps, committed) + ALARM_TOL_W,
             stale=stale,
-            group_caps_w=group_committed,
-            group_committed_w=group_load,
+            group_caps_w=group_caps,
+            group_committed_w=group_committed,
             group_budget_w=budget,
             group_over=group_over,
             group_settling=settling,
@@ -671,7 +676,7 @@ class SafetyPlanner:
         cand: IntArray,
         wanted: FloatArray,
         committed: FloatArray,
-        load: FloatArray,
+        group_caps: FloatArray,
         capacity: FloatArray,
         *,
         priority: FloatArray | None,
@@ -685,11 +690,11 @@ class SafetyPlanner:
             return admitted
         delta = np.zeros(fleet.n_gpus)
         delta[cand] = wanted[cand] - committed[cand]
-        overflow = load + topo.group_sums(delta) > capacity + TOL_W
+        overflow = group_caps + topo.group_sums(delta) > capacity + TOL_W
         crowded = overflow[topo.gpu_groups[cand]].any(axis=1)
         free = cand[~crowded]
         admitted[free] = delta[free]
-        slack_g = np.where(overflow, np.maximum(capacity - load, 0.0), np.inf)
+        slack_g = np.where(overflow, np.maximum(capacity - group_caps, 0.0), np.inf)
         # Under a crowded group with no slack at all (the usual state of a busy site) nothing
         # can be admitted; dropping those first keeps the loop to where there is a choice.
         shut = slack_g[topo.gpu_groups[cand]].min(axis=1) <= TOL_W

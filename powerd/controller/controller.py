@@ -275,7 +275,7 @@ class Controller(AdminWrites):
                     rows={
                         name: {
                             "budget_w": b if math.isfinite(b) else None,
-                            "load_w": committed,  # the stored key since the first schema
+                            "load_w": committed,  # the stored key (docs/storage.md)
                             "draw_w": d if math.isfinite(d) else None,
                         }
                         for name, b, committed, d in report.level_totals(1)

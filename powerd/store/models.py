@@ -96,7 +96,7 @@ class Tick(Base):
     solver: Mapped[str] = mapped_column(String(32))
     n_gpus: Mapped[int]
     n_stale: Mapped[int]
-    # per row: {"budget_w", "load_w" (committed caps + overhead), "draw_w"}; None: not finite
+    # per row: {"budget_w", "load_w" (committed: Σ caps + overhead), "draw_w"}; None: not finite
     rows: Mapped[dict[str, Any]]
 
 
