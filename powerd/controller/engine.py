@@ -254,10 +254,10 @@ class TickEngine:
         if self.shape is not None and self.shape.version == version:
             return self.shape
         topology = Topology.build(self.policy, arrays.nodes)
-        safety = FleetLayout.build(
+        layout = FleetLayout.build(
             self.policy, arrays.uuids, arrays.nodes, arrays.min_cap_w, arrays.max_cap_w
         )
-        self.planner.set_fleet(safety)
+        self.planner.set_layout(layout)
         # What was heard before the planner knew these GPUs (retained statuses arrive first
         # after a start, telemetry of new GPUs) teaches it their caps now, in arrival order.
         by_node: dict[str, dict[str, float]] = {}
@@ -291,7 +291,7 @@ class TickEngine:
                 node_max[k] = node_rec.gone_max_cap_w
         reserve_node = missing * node_max
         reserve = _push_up(topology, reserve_node)
-        self.shape = Shape(version, topology, Tree(topology), safety, reserve, reserve_node)
+        self.shape = Shape(version, topology, Tree(topology), layout, reserve, reserve_node)
         self._warm = None
         return self.shape
 
@@ -363,10 +363,10 @@ class TickEngine:
     ) -> tuple[TickReport, SafePlan]:
         """The tick's plan when its decision failed: the plan if it was made, else the
         failsafe caps through the planner, under the budgets in force."""
-        fleet = self.planner.fleet
-        if fleet is None:
+        layout = self.planner.layout
+        if layout is None:
             raise RuntimeError("no fleet to steer yet")  # nothing was ever sent: nothing to hold
-        topo = fleet.topology
+        topo = layout.topology
         if planned:
             plan = planned[0]
         else:
@@ -378,11 +378,11 @@ class TickEngine:
             plan = self.planner.plan(
                 tick,
                 now,
-                fleet.failsafe_w.copy(),
+                layout.failsafe_w.copy(),
                 budget_w=budget_w,
                 offline=self.fleet.offline_nodes(),
             )
-        n = fleet.n_gpus
+        n = layout.n_gpus
         nan = np.full(n, np.nan)
         report = TickReport(
             tick=tick,
@@ -399,14 +399,14 @@ class TickEngine:
             group_committed_w=plan.group_committed_w,
             group_draw_w=np.full(topo.n_groups, np.nan),
             group_over=plan.group_over,
-            uuids=list(fleet.uuids),
-            nodes=list(fleet.nodes),
+            uuids=list(layout.uuids),
+            nodes=list(layout.nodes),
             classes=tuple(self.policy.defaults.class_ for _ in range(n)),
             power_w=nan,
             cap_w=nan,
             energy_j=nan,
             temp_c=nan,
-            targets_w=fleet.failsafe_w.copy(),
+            targets_w=layout.failsafe_w.copy(),
             sent_w=plan.sent_w,
             committed_w=plan.committed_w,
             throughput=np.zeros(n),
