@@ -139,7 +139,7 @@ def summary(stats: DemoStats, policy: Policy, n_gpus: int, db_url: str) -> dict[
     return {
         "ticks": stats.ticks,
         "gpus": n_gpus,
-        "facility_budget_w": budget if math.isfinite(budget) else None,
+        "facility_budget_w": finite_or_none(budget),
         "gpu_tdp_installed_w": installed,
         "gpus_static_provisioning": static_gpus,
         "ticks_committed_over_budget": stats.over_budget_ticks,

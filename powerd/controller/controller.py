@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from powerd.controller.admin import AdminWrites, Ledger
 from powerd.controller.engine import TickEngine, TickReport, TickSummary
 from powerd.controller.fleet import FleetState
 from powerd.controller.overrides import Overrides
+from powerd.numeric import finite_or_none
 from powerd.policy import Policy
 from powerd.safety import SafePlan, SafetyPlanner
 from powerd.store import (
@@ -274,9 +274,9 @@ class Controller(AdminWrites):
                     n_stale=summary.gpus_stale,
                     rows={
                         name: {
-                            "budget_w": b if math.isfinite(b) else None,
+                            "budget_w": finite_or_none(b),
                             "load_w": committed,  # the stored key (docs/storage.md)
-                            "draw_w": d if math.isfinite(d) else None,
+                            "draw_w": finite_or_none(d),
                         }
                         for name, b, committed, d in report.level_totals(1)
                     },
