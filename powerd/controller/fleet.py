@@ -263,6 +263,20 @@ class FleetState:
             rec = self.nodes[name] = FleetNode(name)
         return rec
 
+    def node_state(self, name: str) -> str:
+        """A node's state as the API and metrics show it: "unseen" until its first telemetry,
+        then what its agent last reported (`starting`, `steered`, `failsafe`, `offline`)."""
+        rec = self.nodes.get(name)
+        return "unseen" if rec is None or rec.seen_at is None else str(rec.state)
+
+    def state_counts(self) -> dict[str, int]:
+        """How many of the policy's nodes are in each state (`node_state`)."""
+        counts: dict[str, int] = {}
+        for name in self.node_order:
+            state = self.node_state(name)
+            counts[state] = counts.get(state, 0) + 1
+        return counts
+
     def ingest_telemetry(self, msg: NodeTelemetry, now: float) -> bool:
         """Record one node's sample. False (and nothing recorded) for nodes not in the policy."""
         node_id = msg.node_id

@@ -96,12 +96,9 @@ def metrics_hook(controller: Controller, metrics: ControllerMetrics) -> TickHook
             acks=c.received.get("ack", 0),
         )
         stale = int(r.stale.sum())
-        states: dict[str, float] = {}
-        for name in controller.fleet.node_order:
-            rec = controller.fleet.nodes.get(name)
-            state = "unseen" if rec is None or rec.seen_at is None else str(rec.state)
-            states[state] = states.get(state, 0) + 1
-        metrics.update_fleet(gpus={"fresh": n - stale, "stale": stale}, nodes=states)
+        metrics.update_fleet(
+            gpus={"fresh": n - stale, "stale": stale}, nodes=controller.fleet.state_counts()
+        )
         for kind in set(r.alarms) - set(metrics.active_alarms):
             metrics.alarm_raised(kind)
         metrics.set_active_alarms(dict.fromkeys(r.alarms, 1))
