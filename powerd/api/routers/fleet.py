@@ -24,6 +24,7 @@ from powerd.api.models import (
     Page,
 )
 from powerd.controller.engine import TickReport
+from powerd.controller.fleet import is_stale
 from powerd.numeric import finite_or_none
 from powerd.policy import LEVELS
 
@@ -196,7 +197,7 @@ async def gpus(
         if class_ is not None and cls != class_:
             continue
         age = max(0.0, now - rec.seen_at)
-        stale = age > stale_after or rec.error is not None
+        stale = is_stale(age, rec.error is not None, stale_after)
         if (
             state is not None
             and not {
