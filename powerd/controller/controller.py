@@ -260,18 +260,8 @@ class Controller(AdminWrites):
         self.counters.ticks += 1
         if self.writer is not None:
             self.writer.submit_tick(
-                TickRecord(
-                    tick=summary.tick,
-                    ts=summary.ts,
-                    budget_w=summary.budget_w,
-                    committed_w=summary.committed_w,
-                    draw_w=summary.draw_w,
-                    throughput=summary.throughput,
-                    solve_ms=summary.solve_ms,
-                    status=summary.status,
-                    solver=summary.solver,
-                    n_gpus=summary.gpus,
-                    n_stale=summary.gpus_stale,
+                TickRecord.from_summary(
+                    summary,
                     rows={
                         name: {
                             "budget_w": finite_or_none(b),

@@ -103,7 +103,8 @@ class TickReport:
 class TickSummary:
     """A past tick as the controller remembers it (the API's /ticks without a store): a few
     numbers, not a TickReport's per-GPU arrays, which would make the memory of the last
-    ticks grow with the fleet (docs/performance.md, "Steering loop")."""
+    ticks grow with the fleet (docs/performance.md, "Steering loop"). The one list of a
+    tick's summary fields: the store's TickRecord extends it, the API's TickOut uses its names."""
 
     tick: int
     ts: float

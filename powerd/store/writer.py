@@ -19,6 +19,7 @@ from itertools import islice
 from typing import Any
 
 import structlog
+from sqlalchemy import inspect as sa_inspect
 
 from powerd.clock import Clock, SystemClock
 from powerd.store.aggregate import (
@@ -28,6 +29,7 @@ from powerd.store.aggregate import (
     Floats,
     MinuteAggregator,
 )
+from powerd.store.models import Tick
 from powerd.store.records import EventRecord, GpuRecord, NodeRecord, StoreHealth, TickRecord
 from powerd.store.store import Batch, Store, event_row
 
@@ -411,22 +413,16 @@ class StoreWriter:
             self._dropped_logged = dropped
 
 
+# (field, column) of a TickRecord: its fields are the Tick model's attributes, some stored
+# under other column names (`draw_w` in `measured_w`...: docs/storage.md).
+_TICK_COLUMNS = tuple(
+    (a.key, a.columns[0].key) for a in sa_inspect(Tick).column_attrs if a.key != "id"
+)
+
+
 def _tick_row(rec: TickRecord) -> dict[str, Any]:
-    # Keyed by column name (a Core insert): `draw_w` is stored in the column `measured_w`.
-    return {
-        "tick": rec.tick,
-        "ts": rec.ts,
-        "budget_w": rec.budget_w,
-        "committed_w": rec.committed_w,
-        "measured_w": rec.draw_w,
-        "throughput": rec.throughput,
-        "solve_ms": rec.solve_ms,
-        "status": rec.status,
-        "solver": rec.solver,
-        "n_gpus": rec.n_gpus,
-        "n_stale": rec.n_stale,
-        "rows": rec.rows,
-    }
+    # Keyed by column (a Core insert).
+    return {column: getattr(rec, name) for name, column in _TICK_COLUMNS}
 
 
 def _describe(exc: BaseException) -> str:
