@@ -162,30 +162,10 @@ def _tcp_socket(family: int, kind: int, proto: int) -> socket.socket:
     return sock
 
 
-def connect_tcp(
-    host: str, port: int, timeout_s: float, source: tuple[str, int] | None = None
-) -> socket.socket:
-    """A connected TCP socket (each address of `host` in turn, as socket.create_connection),
-    blocking, with our options set before the handshake (see `open_tcp`, which the transport
-    uses: the same without blocking the event loop)."""
-    error: OSError | None = None
-    for family, kind, proto, _, address in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
-        sock = _tcp_socket(family, kind, proto)
-        try:
-            sock.settimeout(timeout_s)
-            if source is not None and (source[0] or source[1]):
-                sock.bind(source)
-            sock.connect(address)
-        except OSError as exc:
-            sock.close()
-            error = exc
-            continue
-        return sock
-    raise error or OSError(f"no address for {host}")
-
-
 async def open_tcp(host: str, port: int, timeout_s: float) -> socket.socket:
-    """`connect_tcp` on the event loop: a connected, non-blocking TCP socket."""
+    """A connected, non-blocking TCP socket, trying each address of `host` in turn (as
+    socket.create_connection does) without blocking the event loop; our options
+    (`_tcp_socket`) are set before the handshake."""
     loop = asyncio.get_running_loop()
     error: OSError | None = None
     for family, kind, proto, _, address in await loop.getaddrinfo(
