@@ -5,9 +5,10 @@ metric names, same `gpu`/`UUID`/`device`/`modelName`/`Hostname` labels), so exis
 dashboards work on powerd's numbers; what only powerd knows is `powerd_*`.
 
 Cost model: the controller calls `update_*` once per tick with the arrays it already holds.
-An update only stores them (numeric arrays copied, a few µs for 10k GPUs); samples are built
-when Prometheus scrapes, every 15-60 s, not every tick. Serve `/metrics` from a thread (the
-API does) so a scrape of a large fleet never stalls the event loop.
+An update only stores them (numeric arrays copied: cheap next to the tick; bench/scrape.py
+times it, docs/performance.md); samples are built when Prometheus scrapes, every 15-60 s,
+not every tick. Serve `/metrics` from a thread (the API does) so a scrape of a large fleet
+never stalls the event loop.
 """
 
 from __future__ import annotations
