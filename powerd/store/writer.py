@@ -113,19 +113,11 @@ class StoreWriter:
         self.store = store
         self.retention = retention or Retention()
         self.limits = limits
-        self.max_backlog_rows = limits.max_backlog_rows
-        self.batch_rows = limits.batch_rows
-        self.flush_interval_s = limits.flush_interval_s
-        self.probe_interval_s = limits.probe_interval_s
-        self.backoff_initial_s = limits.backoff_initial_s
-        self.backoff_max_s = limits.backoff_max_s
         self._clock: Clock = clock or SystemClock()
-        max_queue = limits.max_queue
 
         # Shared with the submitting thread(s); guarded by _lock, held only for O(1) work.
         self._lock = threading.Lock()
-        self._max_queue = max_queue
-        self._queue: deque[_Item] = deque(maxlen=max_queue)
+        self._queue: deque[_Item] = deque(maxlen=limits.max_queue)
         self._dropped_queued = 0
 
         # Owned by the writer thread (or the caller of flush() when not started).
@@ -205,7 +197,7 @@ class StoreWriter:
 
     def _put(self, item: _Item) -> None:
         with self._lock:
-            if len(self._queue) == self._max_queue:
+            if len(self._queue) == self.limits.max_queue:
                 self._dropped_queued += 1  # the deque drops its oldest item on append
             self._queue.append(item)
 
@@ -231,7 +223,7 @@ class StoreWriter:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(self.flush_interval_s)
+            self._wake.wait(self.limits.flush_interval_s)
             self._wake.clear()
             self._cycle_logged(final=False)
         self._cycle_logged(final=True)
@@ -270,7 +262,7 @@ class StoreWriter:
 
     def _drain(self) -> None:
         with self._lock:
-            items, self._queue = self._queue, deque(maxlen=self._max_queue)
+            items, self._queue = self._queue, deque(maxlen=self.limits.max_queue)
         for item in items:
             match item:
                 case _Samples():
@@ -309,7 +301,7 @@ class StoreWriter:
                     }
 
     def _add_row(self, kind: str, row: Any) -> None:
-        if len(self._rows) >= self.max_backlog_rows:
+        if len(self._rows) >= self.limits.max_backlog_rows:
             old_kind, old_row = self._rows.popleft()
             self._dropped_rows += 1
             if old_kind == "cap":
@@ -319,7 +311,7 @@ class StoreWriter:
 
     def _write_backlog(self) -> bool:
         while self._rows or self._nodes or self._gpus:
-            n = min(self.batch_rows, len(self._rows))
+            n = min(self.limits.batch_rows, len(self._rows))
             batch = Batch(nodes=list(self._nodes.values()), gpus=list(self._gpus.values()))
             for kind, row in islice(self._rows, n):
                 match kind:
@@ -348,7 +340,7 @@ class StoreWriter:
 
     def _maybe_probe(self, now: float) -> None:
         # With nothing to write, readiness still needs to know whether the database is there.
-        if now - self._last_contact < self.probe_interval_s:
+        if now - self._last_contact < self.limits.probe_interval_s:
             return
         try:
             self.store.ping()
@@ -391,7 +383,8 @@ class StoreWriter:
 
     def _failed(self, exc: Exception, *, backlog: int) -> None:
         self._failures += 1
-        delay = min(self.backoff_max_s, self.backoff_initial_s * 2 ** (self._failures - 1))
+        limits = self.limits
+        delay = min(limits.backoff_max_s, limits.backoff_initial_s * 2 ** (self._failures - 1))
         delay *= random.uniform(0.5, 1.0)  # jitter: controllers restarted together spread out
         self._next_attempt = self._clock.monotonic() + delay
         self._connected = False
