@@ -69,7 +69,7 @@ async def main(args: argparse.Namespace) -> int:
         print(
             f"[{elapsed_s:6.1f} s] {rec.fault.describe():<40} recovered: {rec_s:<8} "
             f"live breaches so far: {len(live.breaches)}; "
-            f"facility {live.group_load_w('dc'):.0f} W",
+            f"facility {live.group_committed_w('dc'):.0f} W",
             flush=True,
         )
 

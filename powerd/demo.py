@@ -74,7 +74,7 @@ class DemoStats:
     ticks: int = 0
     over_budget_ticks: int = 0  # committed caps above a budget (must stay 0)
     draw_over_ticks: int = 0  # measured draw above a budget
-    max_load_frac: float = 0.0
+    max_committed_frac: float = 0.0
     max_draw_frac: float = 0.0
     solve_ms: list[float] = field(default_factory=list)
     tick_ms: list[float] = field(default_factory=list)
@@ -91,8 +91,8 @@ class DemoStats:
         if np.any(r.group_draw_w[finite] > budget[finite] + 1e-6):
             self.draw_over_ticks += 1
         if finite.any():
-            self.max_load_frac = max(
-                self.max_load_frac, float(np.max(r.group_committed_w[finite] / budget[finite]))
+            self.max_committed_frac = max(
+                self.max_committed_frac, float(np.max(r.group_committed_w[finite] / budget[finite]))
             )
             self.max_draw_frac = max(
                 self.max_draw_frac, float(np.max(r.group_draw_w[finite] / budget[finite]))
@@ -110,8 +110,8 @@ def _kw(w: float) -> str:
 
 def live_line(r: TickReport) -> str:
     rows = " ".join(
-        f"{name}:{load / budget:4.0%}" if math.isfinite(budget) else f"{name}:-"
-        for name, budget, load, _ in r.level_totals(1)
+        f"{name}:{committed / budget:4.0%}" if math.isfinite(budget) else f"{name}:-"
+        for name, budget, committed, _ in r.level_totals(1)
     )
     by_class = " ".join(f"{c[:5]}={v:6.1f}" for c, v in sorted(r.throughput_by_class().items()))
     flag = " OVER" if r.group_over.any() else ""
@@ -139,12 +139,12 @@ def summary(stats: DemoStats, policy: Policy, n_gpus: int, db_url: str) -> dict[
     return {
         "ticks": stats.ticks,
         "gpus": n_gpus,
-        "facility_budget_w": budget if math.isfinite(budget) else None,
+        "facility_budget_w": finite_or_none(budget),
         "gpu_tdp_installed_w": installed,
         "gpus_static_provisioning": static_gpus,
         "ticks_committed_over_budget": stats.over_budget_ticks,
         "ticks_draw_over_budget": stats.draw_over_ticks,
-        "max_committed_over_budget_ratio": stats.max_load_frac,
+        "max_committed_over_budget_ratio": stats.max_committed_frac,
         "max_draw_over_budget_ratio": stats.max_draw_frac,
         "mean_draw_w": statistics.fmean(stats.draw_w) if stats.draw_w else math.nan,
         "mean_throughput": statistics.fmean(stats.throughput) if stats.throughput else math.nan,

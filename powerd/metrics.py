@@ -5,9 +5,10 @@ metric names, same `gpu`/`UUID`/`device`/`modelName`/`Hostname` labels), so exis
 dashboards work on powerd's numbers; what only powerd knows is `powerd_*`.
 
 Cost model: the controller calls `update_*` once per tick with the arrays it already holds.
-An update only stores them (numeric arrays copied, a few µs for 10k GPUs); samples are built
-when Prometheus scrapes, every 15-60 s, not every tick. Serve `/metrics` from a thread (the
-API does) so a scrape of a large fleet never stalls the event loop.
+An update only stores them (numeric arrays copied: cheap next to the tick; bench/scrape.py
+times it, docs/performance.md); samples are built when Prometheus scrapes, every 15-60 s,
+not every tick. Serve `/metrics` from a thread (the API does) so a scrape of a large fleet
+never stalls the event loop.
 """
 
 from __future__ import annotations
@@ -156,12 +157,12 @@ class GpuSnapshot:
     nodes: Sequence[str]
     index: NDArray[np.int64]
     power_w: FloatArray
-    enforced_w: FloatArray  # read back from the device
+    cap_w: FloatArray  # the limit the GPU reports in force (read back from the device)
     energy_j: FloatArray
     temp_c: FloatArray
     models: Sequence[str] | None = None
     throttle: Sequence[Sequence[str]] | None = None
-    cap_w: FloatArray | None = None  # controller: the cap in force as it last sent it
+    committed_w: FloatArray | None = None  # controller: the committed cap (docs/safety.md)
     target_w: FloatArray | None = None  # controller: this tick's allocation
     _rows: list[Rows] = field(default_factory=list, repr=False)  # built on first scrape
 
@@ -173,7 +174,7 @@ class GpuSnapshot:
             raise ValueError("throttle must have one entry per GPU")
         set_ = object.__setattr__
         set_(self, "index", np.array(self.index, dtype=np.int64))
-        for name in ("power_w", "enforced_w", "energy_j", "temp_c", "cap_w", "target_w"):
+        for name in ("power_w", "cap_w", "energy_j", "temp_c", "committed_w", "target_w"):
             value = getattr(self, name)
             if value is not None:
                 set_(self, name, _array(value, n, name))
@@ -243,7 +244,7 @@ class GpuCollector(Collector):
             "DCGM_FI_DEV_ENFORCED_POWER_LIMIT",
             "Enforced power limit, read back from the device (in W).",
             labels,
-            s.enforced_w,
+            s.cap_w,
         )
         yield RowFamily(
             "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
@@ -261,9 +262,13 @@ class GpuCollector(Collector):
                 labels,
                 np.array([throttle_mask(t) for t in s.throttle], dtype=np.float64),
             )
-        if s.cap_w is not None:
+        if s.committed_w is not None:
             yield _gauge_rows(
-                "powerd_gpu_cap_watts", "Cap powerd last sent to the GPU (in W).", labels, s.cap_w
+                "powerd_gpu_cap_watts",
+                "Committed cap: the highest cap that may be in force, counting commands not yet"
+                " acknowledged (in W).",
+                labels,
+                s.committed_w,
             )
         if s.target_w is not None:
             yield _gauge_rows(

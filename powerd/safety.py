@@ -131,7 +131,7 @@ class SafePlan:
     group_caps_w: FloatArray  # per group: Σ committed caps
     group_committed_w: FloatArray  # per group: Σ committed caps + overhead + reserve
     group_budget_w: FloatArray
-    group_over: BoolArray  # load above budget: a cut not yet obeyed, or knowledge missing
+    group_over: BoolArray  # committed above budget: a cut not yet obeyed, or knowledge missing
     # over only because GPUs count at their maximum until a first ack of ours (after a start)
     group_settling: BoolArray
     waiting_nodes: tuple[str, ...]  # live nodes not sent to: a GPU's cap in force is unknown
@@ -141,22 +141,22 @@ class SafePlan:
 class SafetyPlanner:
     """Per-GPU knowledge of the caps in force, and the per-tick plan that respects it.
 
-    Call `set_fleet` when the GPU set changes, feed every ack, telemetry message and retained
+    Call `set_layout` when the GPU set changes, feed every ack, telemetry message and retained
     status as it arrives, and call `plan` once per tick with strictly increasing ticks.
     """
 
-    def __init__(self, policy: Policy, fleet: FleetLayout | None = None) -> None:
+    def __init__(self, policy: Policy, layout: FleetLayout | None = None) -> None:
         self.policy = policy
         self._events: list[SafetyEvent] = []
         self._last_tick = -1
         self._set_empty()
-        if fleet is not None:
-            self.set_fleet(fleet)
+        if layout is not None:
+            self.set_layout(layout)
 
-    # ---- fleet --------------------------------------------------------------------------
+    # ---- layout -------------------------------------------------------------------------
 
     def _set_empty(self) -> None:
-        self.fleet: FleetLayout | None = None
+        self.layout: FleetLayout | None = None
         self._index: dict[str, int] = {}
         self._node_names: list[str] = []
         self._node_index: dict[str, int] = {}
@@ -172,38 +172,38 @@ class SafetyPlanner:
         self._node_bounds: list[int] = [0]
         self._clear_queue()
 
-    def set_fleet(self, fleet: FleetLayout) -> None:
+    def set_layout(self, layout: FleetLayout) -> None:
         """Adopt a new GPU set; what is known about GPUs that stay (same uuid, same node) stays."""
-        old = self.fleet
+        old = self.layout
         if old is not None:
-            self._absorb()  # queued rows hold indices into the old fleet
+            self._absorb()  # queued rows hold indices into the old layout
         old_index = self._index
         old_state = self._per_gpu()
         old_last_ack = self._last_ack
-        n = fleet.n_gpus
-        self.fleet = fleet
-        self._index = {u: i for i, u in enumerate(fleet.uuids)}
-        self._node_names = list(dict.fromkeys(fleet.nodes))
+        n = layout.n_gpus
+        self.layout = layout
+        self._index = {u: i for i, u in enumerate(layout.uuids)}
+        self._node_names = list(dict.fromkeys(layout.nodes))
         self._node_index = {name: k for k, name in enumerate(self._node_names)}
         self._node_of_gpu = np.fromiter(
-            (self._node_index[name] for name in fleet.nodes), dtype=np.int64, count=n
+            (self._node_index[name] for name in layout.nodes), dtype=np.int64, count=n
         )
         order = np.argsort(self._node_of_gpu, kind="stable")
         bounds = np.searchsorted(self._node_of_gpu[order], np.arange(len(self._node_names) + 1))
         self._node_gpus = [order[bounds[k] : bounds[k + 1]] for k in range(len(self._node_names))]
         self._node_gpu_list = [idx.tolist() for idx in self._node_gpus]
-        self._node_uuids = [[fleet.uuids[i] for i in idx] for idx in self._node_gpu_list]
+        self._node_uuids = [[layout.uuids[i] for i in idx] for idx in self._node_gpu_list]
         self._node_order = order
         self._node_bounds = bounds.tolist()
-        # Failsafe caps change only with the fleet: one dict per node, shared by every command.
+        # Failsafe caps change only with the layout: one dict per node, shared by every command.
         self._node_failsafe = [
-            dict(zip(uuids, fleet.failsafe_w[idx].tolist(), strict=True))
+            dict(zip(uuids, layout.failsafe_w[idx].tolist(), strict=True))
             for uuids, idx in zip(self._node_uuids, self._node_gpus, strict=True)
         ]
         rank = np.empty(n, dtype=np.int64)
-        rank[np.argsort(np.array(fleet.uuids, dtype=object), kind="stable")] = np.arange(n)
+        rank[np.argsort(np.array(layout.uuids, dtype=object), kind="stable")] = np.arange(n)
         self._uuid_rank = rank
-        self._new_gpus(fleet.max_cap_w)
+        self._new_gpus(layout.max_cap_w)
         self._last_ack = {
             name: old_last_ack[name] for name in self._node_names if name in old_last_ack
         }
@@ -211,7 +211,7 @@ class SafetyPlanner:
             return
         # A GPU that moved to another node is a new GPU: its old commands went elsewhere.
         keep_new, keep_old = [], []
-        for i, (u, node) in enumerate(zip(fleet.uuids, fleet.nodes, strict=True)):
+        for i, (u, node) in enumerate(zip(layout.uuids, layout.nodes, strict=True)):
             j = old_index.get(u)
             if j is not None and old.nodes[j] == node:
                 keep_new.append(i)
@@ -254,10 +254,10 @@ class SafetyPlanner:
             self._pend_lo,
         )
 
-    def _require_fleet(self) -> FleetLayout:
-        if self.fleet is None:
-            raise RuntimeError("SafetyPlanner.set_fleet must be called before planning")
-        return self.fleet
+    def _require_layout(self) -> FleetLayout:
+        if self.layout is None:
+            raise RuntimeError("SafetyPlanner.set_layout must be called before planning")
+        return self.layout
 
     # ---- knowledge ----------------------------------------------------------------------
     #
@@ -267,9 +267,9 @@ class SafetyPlanner:
 
     def committed_w(self) -> FloatArray:
         """Per GPU: the highest cap that may be in force now or later from anything sent."""
-        fleet = self._require_fleet()
+        layout = self._require_layout()
         self._absorb()
-        base = np.where(np.isnan(self._hi), fleet.max_cap_w, self._hi)
+        base = np.where(np.isnan(self._hi), layout.max_cap_w, self._hi)
         out: FloatArray = np.maximum(np.maximum(base, self._pend_hi.max(axis=1)), self._prior_hi)
         return out
 
@@ -281,13 +281,13 @@ class SafetyPlanner:
 
     def defiant(self) -> BoolArray:
         """Per GPU: its last ack refused our cap (or left it out); counted at what it reports."""
-        self._require_fleet()
+        self._require_layout()
         self._absorb()
         return self._defiant.copy()
 
     def settling(self) -> BoolArray:
         """Per GPU: still counted at its maximum for what a predecessor may have sent it."""
-        self._require_fleet()
+        self._require_layout()
         self._absorb()
         out: BoolArray = self._prior_hi > 0.0
         return out
@@ -296,7 +296,7 @@ class SafetyPlanner:
         """Declare that no earlier controller has commands on their way to these GPUs (a
         simulation, or a test, that starts the fleet itself): they count at their readings
         at once instead of at their maximum until their first ack."""
-        self._require_fleet()
+        self._require_layout()
         self._prior_hi[:] = 0.0
 
     def _queue_readings(
@@ -386,14 +386,14 @@ class SafetyPlanner:
         """The node's last will: its agent is gone, and with it any knowledge of its caps (a
         rebooted GPU comes back at its default limit). Its GPUs count at their maximum until
         it reports again with a reading at least as new (by tick) as the last one we had."""
-        fleet = self._require_fleet()
+        layout = self._require_layout()
         k = self._node_index.get(node)
         if k is None:
             return
         self._absorb()
         idx = self._node_gpus[k]
-        self._hi[idx] = fleet.max_cap_w[idx]
-        self._lo[idx] = fleet.min_cap_w[idx]
+        self._hi[idx] = layout.max_cap_w[idx]
+        self._lo[idx] = layout.min_cap_w[idx]
         self._events.append(SafetyEvent("node_offline", node=node))
 
     def _clear_queue(self) -> None:
@@ -421,7 +421,7 @@ class SafetyPlanner:
         if not self._q_gpu:
             self._clear_queue()
             return
-        fleet = self._require_fleet()
+        layout = self._require_layout()
         gpu = np.array(self._q_gpu, dtype=np.int64)
         hi = np.array(self._q_hi)
         lo = np.array(self._q_lo)
@@ -436,7 +436,7 @@ class SafetyPlanner:
         known = ~np.isnan(self._hi[touched])
 
         # The bound before these messages, including the commands they acknowledge.
-        base = np.where(known, self._hi[touched], fleet.max_cap_w[touched])
+        base = np.where(known, self._hi[touched], layout.max_cap_w[touched])
         before = np.maximum(base, self._pend_hi[touched].max(axis=1))
         acks = np.flatnonzero(tick >= 0)
         if len(acks):
@@ -445,8 +445,8 @@ class SafetyPlanner:
             res = (pend_tick >= 0) & (pend_tick <= at[:, None])
             res_hi = self._pend_hi[ag].max(axis=1, where=res, initial=0.0)
             res_lo = self._pend_lo[ag].min(axis=1, where=res, initial=np.inf)
-            prev_hi = np.where(np.isnan(self._hi[ag]), fleet.max_cap_w[ag], self._hi[ag])
-            prev_lo = np.where(np.isnan(self._lo[ag]), fleet.min_cap_w[ag], self._lo[ag])
+            prev_hi = np.where(np.isnan(self._hi[ag]), layout.max_cap_w[ag], self._hi[ag])
+            prev_lo = np.where(np.isnan(self._lo[ag]), layout.min_cap_w[ag], self._lo[ag])
             g = guess[acks]
             hi[acks] = np.where(g, np.maximum.reduce([hi[acks], prev_hi, res_hi]), hi[acks])
             lo[acks] = np.where(g, np.minimum.reduce([lo[acks], prev_lo, res_lo]), lo[acks])
@@ -487,7 +487,7 @@ class SafetyPlanner:
         # device clamped a request up). The bound follows the reading; the controller alarms.
         above = kept & known[local] & (hi > before[local] + ALARM_TOL_W)
         self._alarm_above(
-            fleet, np.flatnonzero(above), gpu=gpu, hi=hi, src=src, before=before[local]
+            layout, np.flatnonzero(above), gpu=gpu, hi=hi, src=src, before=before[local]
         )
 
     def _absorb_seen(self) -> None:
@@ -497,7 +497,7 @@ class SafetyPlanner:
 
     def _alarm_above(
         self,
-        fleet: FleetLayout,
+        layout: FleetLayout,
         rows: NDArray[np.int64],
         *,
         gpu: NDArray[np.int64],
@@ -511,8 +511,8 @@ class SafetyPlanner:
             self._events.append(
                 SafetyEvent(
                     f"{_SOURCES[int(src[r])]}_above_committed",
-                    node=fleet.nodes[i],
-                    uuid=fleet.uuids[i],
+                    node=layout.nodes[i],
+                    uuid=layout.uuids[i],
                     value_w=float(hi[r]),
                     committed_w=float(before[r]),
                 )
@@ -537,12 +537,12 @@ class SafetyPlanner:
         (per group) is power held back on top of overhead; `priority` orders raises that do
         not all fit (higher first, then uuid). Nodes in `offline` get no command and no raise.
         """
-        fleet = self._require_fleet()
+        layout = self._require_layout()
         if tick <= self._last_tick:
             raise ValueError(f"tick {tick} is not after the last planned tick {self._last_tick}")
         self._last_tick = tick
-        topo = fleet.topology
-        n = fleet.n_gpus
+        topo = layout.topology
+        n = layout.n_gpus
         targets = np.asarray(targets_w, dtype=np.float64)
         if targets.shape != (n,):
             raise ValueError(f"targets_w has shape {targets.shape}, expected ({n},)")
@@ -553,8 +553,8 @@ class SafetyPlanner:
 
         committed = self.committed_w()  # absorbs the queued messages first
         low = self._low_w()
-        load = topo.group_sums(committed)
-        over_g = load > capacity + TOL_W
+        group_caps_before = topo.group_sums(committed)  # Σ committed caps, no overhead
+        over_g = group_caps_before > capacity + TOL_W
         in_over = over_g[topo.gpu_groups].any(axis=1)
 
         node_live = np.ones(len(self._node_names), dtype=bool)
@@ -573,7 +573,7 @@ class SafetyPlanner:
         stale = (now - self._seen) > control.stale_after_s
 
         wanted = np.clip(
-            np.where(np.isnan(targets), committed, targets), fleet.min_cap_w, fleet.max_cap_w
+            np.where(np.isnan(targets), committed, targets), layout.min_cap_w, layout.max_cap_w
         )
         caps = np.minimum(wanted, committed)
         # A GPU that will not move keeps the cap it may have, and the others make room for it:
@@ -589,8 +589,8 @@ class SafetyPlanner:
             self._events.append(
                 SafetyEvent(
                     "cap_refused",
-                    node=fleet.nodes[i],
-                    uuid=fleet.uuids[i],
+                    node=layout.nodes[i],
+                    uuid=layout.uuids[i],
                     value_w=float(caps[i]),
                     committed_w=float(committed[i]),
                 )
@@ -601,7 +601,12 @@ class SafetyPlanner:
 
         raise_mask = send & ~in_over & ~stale & (wanted > committed + TOL_W)
         admitted = self._admit(
-            np.flatnonzero(raise_mask), wanted, committed, load, capacity, priority=priority
+            np.flatnonzero(raise_mask),
+            wanted,
+            committed,
+            group_caps_before,
+            capacity,
+            priority=priority,
         )
         caps = np.where(raise_mask, committed + admitted, caps)
         raised = raise_mask & (admitted > TOL_W)
@@ -609,19 +614,19 @@ class SafetyPlanner:
         sent = np.where(send, caps, np.nan)
         self._record_sent(tick, np.flatnonzero(send), caps)
         committed_after = np.where(send, np.maximum(committed, caps), committed)
-        group_committed = topo.group_sums(committed_after)
-        group_load = group_committed + topo.overhead_w + reserve
+        group_caps = topo.group_sums(committed_after)
+        group_committed = group_caps + topo.overhead_w + reserve
 
         commands = self._commands(tick, control.lease_s, node_send, caps)
-        group_over = group_load > budget + TOL_W
+        group_over = group_committed > budget + TOL_W
         settling = np.zeros_like(group_over)
         if group_over.any() and self._prior_hi.any():
             # Over only for what a predecessor may still send: expected after a start, and
             # gone with the first acks; no breach known.
-            base = np.where(np.isnan(self._hi), fleet.max_cap_w, self._hi)
+            base = np.where(np.isnan(self._hi), layout.max_cap_w, self._hi)
             known_after = np.maximum(base, self._pend_hi.max(axis=1))  # this tick's included
-            known_load = topo.group_sums(known_after) + topo.overhead_w + reserve
-            settling = group_over & (known_load <= budget + TOL_W)
+            known_committed = topo.group_sums(known_after) + topo.overhead_w + reserve
+            settling = group_over & (known_committed <= budget + TOL_W)
         events = tuple(self._events)
         self._events = []
         return SafePlan(
@@ -632,8 +637,8 @@ class SafetyPlanner:
             raised=raised,
             withheld=wanted > np.where(send, caps, committed) + ALARM_TOL_W,
             stale=stale,
-            group_caps_w=group_committed,
-            group_committed_w=group_load,
+            group_caps_w=group_caps,
+            group_committed_w=group_committed,
             group_budget_w=budget,
             group_over=group_over,
             group_settling=settling,
@@ -649,13 +654,13 @@ class SafetyPlanner:
         the fixed value) by one factor; each GPU takes the smallest factor of its groups, so
         every group then fits (the tree is laminar and the scaling only lowers).
         """
-        fleet = self._require_fleet()
-        topo = fleet.topology
+        layout = self._require_layout()
+        topo = layout.topology
         sums = topo.group_sums(caps)
         short = sums > capacity + TOL_W
         if not short.any():
             return caps
-        lowest = np.where(fixed, caps, fleet.min_cap_w)
+        lowest = np.where(fixed, caps, layout.min_cap_w)
         floor = topo.group_sums(lowest)
         span = np.maximum(sums - floor, TOL_W)
         factor = np.where(short, np.clip((capacity - floor) / span, 0.0, 1.0), 1.0)
@@ -671,32 +676,32 @@ class SafetyPlanner:
         cand: IntArray,
         wanted: FloatArray,
         committed: FloatArray,
-        load: FloatArray,
+        group_caps: FloatArray,
         capacity: FloatArray,
         *,
         priority: FloatArray | None,
     ) -> FloatArray:
         """Watts of raise admitted per GPU: all of it where every group fits all raises at once;
         elsewhere greedily, highest priority first, as far as the tightest group's slack goes."""
-        fleet = self._require_fleet()
-        topo = fleet.topology
-        admitted = np.zeros(fleet.n_gpus)
+        layout = self._require_layout()
+        topo = layout.topology
+        admitted = np.zeros(layout.n_gpus)
         if not len(cand):
             return admitted
-        delta = np.zeros(fleet.n_gpus)
+        delta = np.zeros(layout.n_gpus)
         delta[cand] = wanted[cand] - committed[cand]
-        overflow = load + topo.group_sums(delta) > capacity + TOL_W
+        overflow = group_caps + topo.group_sums(delta) > capacity + TOL_W
         crowded = overflow[topo.gpu_groups[cand]].any(axis=1)
         free = cand[~crowded]
         admitted[free] = delta[free]
-        slack_g = np.where(overflow, np.maximum(capacity - load, 0.0), np.inf)
+        slack_g = np.where(overflow, np.maximum(capacity - group_caps, 0.0), np.inf)
         # Under a crowded group with no slack at all (the usual state of a busy site) nothing
         # can be admitted; dropping those first keeps the loop to where there is a choice.
         shut = slack_g[topo.gpu_groups[cand]].min(axis=1) <= TOL_W
         queue = cand[crowded & ~shut]
         if not len(queue):
             return admitted
-        prio = np.zeros(fleet.n_gpus) if priority is None else np.asarray(priority, np.float64)
+        prio = np.zeros(layout.n_gpus) if priority is None else np.asarray(priority, np.float64)
         queue = queue[np.lexsort((self._uuid_rank[queue], -prio[queue]))]
         # Only crowded groups limit; others fit whatever subset is admitted.
         slack = slack_g.tolist()

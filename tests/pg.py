@@ -1,9 +1,9 @@
 """A throwaway PostgreSQL database per test, on the server CI starts.
 
 The server comes from $POWERD_TEST_PG_URL, as README and .ci/run set it (default:
-127.0.0.1:5432, user postgres, trust auth; the older name $POWERD_TEST_PG still works).
-When it cannot be reached, tests that need it fail with a message that says so: a silent
-skip would let CI pass without ever testing PostgreSQL.
+127.0.0.1:5432, user postgres, trust auth). When it cannot be reached, tests that need it
+fail with a message that says so: a silent skip would let CI pass without ever testing
+PostgreSQL.
 """
 
 from __future__ import annotations
@@ -18,11 +18,7 @@ import pytest
 from psycopg import sql
 from sqlalchemy.engine import make_url
 
-ADMIN_URL = (
-    os.environ.get("POWERD_TEST_PG_URL")
-    or os.environ.get("POWERD_TEST_PG")
-    or "postgresql://postgres@127.0.0.1:5432/postgres"
-)
+ADMIN_URL = os.environ.get("POWERD_TEST_PG_URL") or "postgresql://postgres@127.0.0.1:5432/postgres"
 
 
 def _admin() -> psycopg.Connection[tuple[object, ...]]:

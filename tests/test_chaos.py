@@ -39,7 +39,7 @@ def test_budget_check_finds_a_breach_with_its_worst_overshoot_and_duration() -> 
             check.cap(0.0, node, f"{node}-{i}", 450.0)
     check.arm(1.0)
     assert check.breaches == []
-    assert check.group_load_w("dc") == pytest.approx(7600.0)
+    assert check.group_committed_w("dc") == pytest.approx(7600.0)
     check.cap(2.0, nodes[0], f"{nodes[0]}-0", 700.0)  # 7,850 W: still fits
     check.cap(3.0, nodes[1], f"{nodes[1]}-0", 700.0)  # 8,100 W: over by 100 W
     check.cap(3.5, nodes[1], f"{nodes[1]}-1", 550.0)  # over by 200 W
@@ -48,7 +48,7 @@ def test_budget_check_finds_a_breach_with_its_worst_overshoot_and_duration() -> 
     b = check.breaches[0]
     assert (b.group, b.start_s, b.end_s) == ("dc", 3.0, 4.0)
     assert b.worst_w == pytest.approx(200.0)
-    assert b.load_w == pytest.approx(8200.0)
+    assert b.committed_w == pytest.approx(8200.0)
 
     # A cut binds from the moment given; clearing it gives the policy's budget back.
     check.budget(5.0, "rack-1", 3000.0)  # rack-1: 8 GPUs ≈ 3,800 W + 200 W overhead
@@ -59,7 +59,7 @@ def test_budget_check_finds_a_breach_with_its_worst_overshoot_and_duration() -> 
     assert check.breaches[1].end_s == 6.0  # closed when it ended, not at the finish
     # From arming (1 s) to the end (7 s): 7,600 W for 1 s, 7,850 W for 1 s, 8,100 W for
     # 0.5 s, 8,200 W for 0.5 s, 8,000 W for 3 s.
-    assert check.mean_load_w("dc") == pytest.approx(
+    assert check.mean_committed_w("dc") == pytest.approx(
         (7600 + 7850 + 0.5 * 8100 + 0.5 * 8200 + 3 * 8000) / 6
     )
 
@@ -68,7 +68,7 @@ def test_budget_check_counts_a_gpu_never_heard_of_at_its_maximum() -> None:
     check = BudgetCheck(parse_policy(CONFIG.policy()).groups)
     node = CONFIG.nodes[0]
     check.cap(0.0, node, "only-one", 200.0)
-    assert check.group_load_w(node) == pytest.approx(200.0 + 3 * 700.0 + 100.0)
+    assert check.group_committed_w(node) == pytest.approx(200.0 + 3 * 700.0 + 100.0)
 
 
 def test_journal_tail_reads_whole_lines_once(tmp_path: Path) -> None:

@@ -134,7 +134,7 @@ class Monitor:
         self.checks = 0
         self.breaches: list[str] = []
         self.bad: list[str] = []  # messages that did not decode
-        self.load_w: list[float] = [0.0] * len(self.groups)  # at the last check
+        self.committed_w: list[float] = [0.0] * len(self.groups)  # at the last check
         self._cut: tuple[list[float], int] | None = None  # (budgets, strict from tick)
         self._task: asyncio.Task[None] | None = None
 
@@ -222,23 +222,23 @@ class Monitor:
                 caps = self.nodes[g.name].committed()
                 # GPUs not heard of yet: an agent lowers them to failsafe before it connects.
                 per_node[i] = sum(caps.values()) + max(0, g.gpus - len(caps)) * g.failsafe_w
-        load = subtree_totals(self.groups, per_node)
+        group_caps = subtree_totals(self.groups, per_node)
         budgets = self.budget_w
         if self._cut is not None:
             budgets = [max(a, b) for a, b in zip(budgets, self._cut[0], strict=True)]
         self.checks += 1
         for g, caps_w, overhead, budget in zip(
-            self.groups, load, self.overhead_w, budgets, strict=True
+            self.groups, group_caps, self.overhead_w, budgets, strict=True
         ):
             if caps_w + overhead > budget + TOL_W:
                 self.breaches.append(
                     f"{where}, last tick {self.last_tick}: {g.name} committed "
                     f"{caps_w:.2f} W + overhead {overhead:g} W > budget {budget:g} W"
                 )
-        self.load_w = [c + o for c, o in zip(load, self.overhead_w, strict=True)]
+        self.committed_w = [c + o for c, o in zip(group_caps, self.overhead_w, strict=True)]
 
-    def group_load(self, name: str) -> float:
-        return self.load_w[next(i for i, g in enumerate(self.groups) if g.name == name)]
+    def group_committed(self, name: str) -> float:
+        return self.committed_w[next(i for i, g in enumerate(self.groups) if g.name == name)]
 
 
 # -- processes -----------------------------------------------------------------------------
@@ -409,9 +409,9 @@ async def test_controller_and_agents_keep_every_budget_through_cuts_and_deaths(
     await site.ticks(6)
     assert mon.breaches == []
     # The power left after demand is handed out, so budgets bind: the check is not idle.
-    assert mon.group_load("dc") > 0.95 * 8000
-    assert mon.group_load("rack-1") > 3000 + 100
-    assert mon.group_load("rack-2-n1") > 1500 + 100
+    assert mon.group_committed("dc") > 0.95 * 8000
+    assert mon.group_committed("rack-1") > 3000 + 100
+    assert mon.group_committed("rack-2-n1") > 1500 + 100
 
     # -- a budget cut by SIGHUP is obeyed within two ticks ---------------------------------
     # The first tick to start after the reload is at most two past the last one seen (one
@@ -422,8 +422,8 @@ async def test_controller_and_agents_keep_every_budget_through_cuts_and_deaths(
     procs.signal("controller", signal.SIGHUP)
     await site.ticks(8)
     assert mon.budget_w == [g.budget_w for g in cut.groups]  # the strict check is in force
-    assert mon.group_load("rack-1") <= 3000 + TOL_W
-    assert mon.group_load("rack-2-n1") <= 1500 + TOL_W
+    assert mon.group_committed("rack-1") <= 3000 + TOL_W
+    assert mon.group_committed("rack-2-n1") <= 1500 + TOL_W
     assert mon.breaches == []
 
     # -- an agent killed and restarted is re-admitted --------------------------------------
@@ -471,7 +471,7 @@ async def test_controller_and_agents_keep_every_budget_through_cuts_and_deaths(
     await site.until(lambda: site.all_steered_since(dead_tick, "ctl-b"), "ctl-b steers all")
     await site.ticks(6)
     # Raised again off failsafe, up to what the cut leaves: rack-1 3000 + 1500 + 2500 W.
-    assert mon.group_load("dc") > 0.95 * 7000
+    assert mon.group_committed("dc") > 0.95 * 7000
     assert mon.breaches == []
     assert mon.bad == []
     assert mon.checks > 200

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 import numpy as np
+from test_layers import IO_LIBRARIES
 
 from powerd.controller.engine import TickEngine
 from powerd.policy import parse_policy
@@ -18,18 +19,6 @@ GPUS = 4
 NODES = ["r1-n1", "r1-n2", "r2-n1", "r2-n2"]
 TOL = 1e-6
 
-# Transport, store, API and metrics libraries: whichever MQTT client the transport uses.
-IO_MODULES = (
-    "sqlalchemy",
-    "alembic",
-    "aiomqtt",
-    "paho",
-    "fastapi",
-    "starlette",
-    "uvicorn",
-    "httpx",
-    "prometheus_client",
-)
 PURE_CORE = (
     "powerd.controller.engine",
     "powerd.safety",
@@ -44,7 +33,7 @@ def test_the_pure_core_imports_no_io_library() -> None:
         code = (
             "import sys\n"
             f"import {module}\n"
-            f"print(','.join(m for m in {IO_MODULES!r} if m in sys.modules))\n"
+            f"print(','.join(m for m in {IO_LIBRARIES!r} if m in sys.modules))\n"
         )
         out = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, check=True

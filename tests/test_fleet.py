@@ -67,6 +67,18 @@ def test_gpu_set_changes_bump_the_version_and_status_caps_are_kept() -> None:
     assert fleet.nodes[node].status_caps_w == {"a": 300}
 
 
+def test_a_node_is_unseen_until_its_telemetry_and_counts_by_state() -> None:
+    policy = load_policy(EXAMPLE)
+    fleet = FleetState(policy)
+    n1, n2 = "row-1-rack-1-node-01", "row-1-rack-1-node-02"
+    fleet.ingest_status(NodeStatus(node_id=n2, state=NodeState.OFFLINE))  # no telemetry yet
+    fleet.ingest_telemetry(telemetry(n1, ["a"]), now=1.0)
+    assert (fleet.node_state(n1), fleet.node_state(n2)) == ("steered", "unseen")
+    fleet.ingest_status(NodeStatus(node_id=n1, state=NodeState.FAILSAFE))
+    assert fleet.node_state(n1) == "failsafe"
+    assert fleet.state_counts() == {"failsafe": 1, "unseen": len(policy.node_names()) - 1}
+
+
 def test_a_policy_without_a_node_forgets_its_gpus_and_keeps_the_others_samples() -> None:
     policy = load_policy(EXAMPLE)
     fleet = FleetState(policy)

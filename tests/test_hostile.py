@@ -207,11 +207,11 @@ def hostile_message(draw: st.DrawFn) -> tuple[str, bytes]:
 
 def belief_check(c: Controller, honest: dict[str, HonestNode]) -> None:
     """The controller's committed cap bounds every honest GPU's cap in force."""
-    fleet = c.planner.fleet
-    if fleet is None:
+    layout = c.planner.layout
+    if layout is None:
         return
     committed = c.planner.committed_w()
-    for i, (u, node) in enumerate(zip(fleet.uuids, fleet.nodes, strict=True)):
+    for i, (u, node) in enumerate(zip(layout.uuids, layout.nodes, strict=True)):
         if node in honest:
             assert committed[i] >= honest[node].caps[u] - TOL, (u, committed[i])
 
@@ -220,15 +220,15 @@ def budget_check(c: Controller, honest: dict[str, HonestNode]) -> None:
     """Honest GPUs' true caps, with the hostile node at what the controller counts for it,
     fit every group, or every honest GPU under it is already at its minimum (a node that
     reports more than its budget costs its neighbours what it reports: see docs/safety.md)."""
-    fleet = c.planner.fleet
-    assert fleet is not None
-    topo = fleet.topology
+    layout = c.planner.layout
+    assert layout is not None
+    topo = layout.topology
     committed = c.planner.committed_w()
-    is_honest = np.array([node in honest for node in fleet.nodes])
+    is_honest = np.array([node in honest for node in layout.nodes])
     true = np.array(
         [
             honest[node].caps[u] if node in honest else committed[i]
-            for i, (u, node) in enumerate(zip(fleet.uuids, fleet.nodes, strict=True))
+            for i, (u, node) in enumerate(zip(layout.uuids, layout.nodes, strict=True))
         ]
     )
     load = topo.group_sums(true) + topo.overhead_w

@@ -63,7 +63,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
 ]
-# Libraries that do I/O (network, database, HTTP, GPU driver): never in the core.
+# Libraries that do I/O (network, database, HTTP, GPU driver): never in the core, checked
+# here by its imports and in tests/test_engine.py by what importing it loads.
 IO_LIBRARIES = (
     "sqlalchemy",
     "alembic",

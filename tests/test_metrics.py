@@ -63,10 +63,10 @@ def update(m: ControllerMetrics, power: list[float], uuids: list[str] = UUIDS) -
             nodes=NODES,
             index=[0, 1, 0],
             power_w=power,
-            enforced_w=[500.0, 400.0, 700.0],
+            cap_w=[500.0, 400.0, 700.0],
             energy_j=[1.5, 2.0, 3.0],
             temp_c=[60.0, 61.0, math.nan],
-            cap_w=[500.0, 400.0, 700.0],
+            committed_w=[550.0, 400.0, 700.0],
             target_w=[520.0, 380.0, 700.0],
             throttle=[["sw_power_cap"], [], ["sw_thermal", "hw_slowdown"]],
             models=["H100", "H100", "H200"],
@@ -83,13 +83,14 @@ def test_controller_gpu_series_in_dcgm_style() -> None:
     b0 = gpu_key(0, "GPU-b0", "b", "H200")
     assert got["DCGM_FI_DEV_POWER_USAGE"][a0] == 450.0
     assert got["DCGM_FI_DEV_POWER_USAGE"][gpu_key(1, "GPU-a1", "a", "H100")] == 390.5
+    assert got["DCGM_FI_DEV_ENFORCED_POWER_LIMIT"][a0] == 500.0  # cap_w: reported in force
     assert got["DCGM_FI_DEV_ENFORCED_POWER_LIMIT"][b0] == 700.0
     assert got["DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION_total"][a0] == 1500.0  # mJ, as DCGM
     assert got["DCGM_FI_DEV_GPU_TEMP"][a0] == 60.0
     assert b0 not in got["DCGM_FI_DEV_GPU_TEMP"]  # NaN: no reading, no sample
     assert got["DCGM_FI_DEV_CLOCKS_EVENT_REASONS"][a0] == 0x4
     assert got["DCGM_FI_DEV_CLOCKS_EVENT_REASONS"][b0] == 0x20 | 0x8
-    assert got["powerd_gpu_cap_watts"][a0] == 500.0
+    assert got["powerd_gpu_cap_watts"][a0] == 550.0  # committed_w
     assert got["powerd_gpu_target_watts"][a0] == 520.0
 
 
@@ -173,7 +174,7 @@ def test_fast_exposition_matches_prometheus_client() -> None:
             nodes=['odd "node"\\name'],  # quotes and backslashes must be escaped alike
             index=[0],
             power_w=[1e-3],
-            enforced_w=[math.inf],
+            cap_w=[math.inf],
             energy_j=[1e12],
             temp_c=[-5.0],
             models=["model\nwith newline"],
@@ -219,7 +220,7 @@ def test_agent_serves_its_registry_over_http() -> None:
             nodes=["n01"],
             index=[3],
             power_w=[321.0],
-            enforced_w=[400.0],
+            cap_w=[400.0],
             energy_j=[10.0],
             temp_c=[55.0],
             throttle=[["sw_power_cap"]],

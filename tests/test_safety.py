@@ -89,14 +89,14 @@ def simple_fleet(
     return policy, FleetLayout.build(policy, uuids, names, np.full(n, 100.0), np.full(n, 400.0))
 
 
-def node_caps(fleet: FleetLayout, node: str, values: np.ndarray) -> dict[str, float]:
-    return {u: float(values[i]) for i, u in enumerate(fleet.uuids) if fleet.nodes[i] == node}
+def node_caps(layout: FleetLayout, node: str, values: np.ndarray) -> dict[str, float]:
+    return {u: float(values[i]) for i, u in enumerate(layout.uuids) if layout.nodes[i] == node}
 
 
-def teach(planner: SafetyPlanner, fleet: FleetLayout, caps: np.ndarray, at: float) -> None:
+def teach(planner: SafetyPlanner, layout: FleetLayout, caps: np.ndarray, at: float) -> None:
     """Telemetry from every node reporting `caps`, fresh at `at`."""
-    for node in dict.fromkeys(fleet.nodes):
-        planner.on_telemetry(node, node_caps(fleet, node, caps), received_at=at)
+    for node in dict.fromkeys(layout.nodes):
+        planner.on_telemetry(node, node_caps(layout, node, caps), received_at=at)
     planner.assume_settled()  # these tests start the fleet: no predecessor's commands
 
 
@@ -110,9 +110,9 @@ def ack_all(planner: SafetyPlanner, plan: SafePlan, at: float) -> None:
 
 
 def test_fresh_planner_sends_nothing_until_it_learns_the_caps_in_force() -> None:
-    policy, fleet = simple_fleet([2, 2], facility=1000.0)
-    planner = SafetyPlanner(policy, fleet)
-    assert np.array_equal(planner.committed_w(), fleet.max_cap_w)
+    policy, layout = simple_fleet([2, 2], facility=1000.0)
+    planner = SafetyPlanner(policy, layout)
+    assert np.array_equal(planner.committed_w(), layout.max_cap_w)
     plan = planner.plan(1, 0.0, np.full(4, 250.0))
     assert plan.commands == []
     assert plan.waiting_nodes == ("n0", "n1")
@@ -130,8 +130,8 @@ def test_fresh_planner_sends_nothing_until_it_learns_the_caps_in_force() -> None
 def test_a_new_planner_counts_gpus_at_max_until_a_command_of_its_own_is_acknowledged() -> None:
     """A predecessor's last command may still land after we learned a cap: no raise on a
     reading until the GPU acknowledges one of our ticks (older acks prove nothing)."""
-    policy, fleet = simple_fleet([1, 1], facility=700.0)
-    planner = SafetyPlanner(policy, fleet)
+    policy, layout = simple_fleet([1, 1], facility=700.0)
+    planner = SafetyPlanner(policy, layout)
     planner.learn_status("n0", {"g0-0": 200.0}, as_of_tick=500)
     planner.on_telemetry("n1", {"g1-0": 200.0}, received_at=0.0, as_of_tick=500)
     assert planner.settling().all()
@@ -153,9 +153,9 @@ def test_a_new_planner_counts_gpus_at_max_until_a_command_of_its_own_is_acknowle
 
 
 def test_readings_are_ordered_by_the_tick_they_reflect_never_by_a_clock() -> None:
-    policy, fleet = simple_fleet([1])
-    planner = SafetyPlanner(policy, fleet)
-    teach(planner, fleet, np.array([200.0]), at=0.0)
+    policy, layout = simple_fleet([1])
+    planner = SafetyPlanner(policy, layout)
+    teach(planner, layout, np.array([200.0]), at=0.0)
     planner.plan(5, 0.0, np.array([300.0]))
     planner.on_ack("n0", 5, {"g0-0": GpuAck(requested_w=300, enforced_w=300)})
     assert planner.committed_w().tolist() == [300.0]
@@ -173,9 +173,9 @@ def test_readings_are_ordered_by_the_tick_they_reflect_never_by_a_clock() -> Non
 
 
 def test_a_node_gone_offline_counts_at_its_maximum_until_it_reports_again() -> None:
-    policy, fleet = simple_fleet([1, 1], facility=700.0)
-    planner = SafetyPlanner(policy, fleet)
-    teach(planner, fleet, np.array([200.0, 200.0]), at=0.0)
+    policy, layout = simple_fleet([1, 1], facility=700.0)
+    planner = SafetyPlanner(policy, layout)
+    teach(planner, layout, np.array([200.0, 200.0]), at=0.0)
     plan = planner.plan(1, 0.0, np.array([200.0, 200.0]))
     ack_all(planner, plan, at=0.1)
     planner.node_offline("n1")
@@ -189,10 +189,10 @@ def test_a_node_gone_offline_counts_at_its_maximum_until_it_reports_again() -> N
 
 
 def test_a_gpu_that_refuses_its_cut_is_made_up_for_by_cutting_the_others() -> None:
-    policy, fleet = simple_fleet([2, 1])
-    planner = SafetyPlanner(policy, fleet)
-    teach(planner, fleet, np.full(3, 300.0), at=0.0)
-    budget = fleet.topology.budget_w.copy()
+    policy, layout = simple_fleet([2, 1])
+    planner = SafetyPlanner(policy, layout)
+    teach(planner, layout, np.full(3, 300.0), at=0.0)
+    budget = layout.topology.budget_w.copy()
     budget[0] = 750.0  # a demand-response cut under 900 W of caps
     targets = np.full(3, 250.0)
     plan = planner.plan(1, 0.0, targets, budget_w=budget)
@@ -215,9 +215,9 @@ def test_a_gpu_that_refuses_its_cut_is_made_up_for_by_cutting_the_others() -> No
 
 
 def test_decreases_go_at_once_and_the_raises_they_pay_for_wait_for_the_ack() -> None:
-    policy, fleet = simple_fleet([1, 1], facility=600.0)
-    planner = SafetyPlanner(policy, fleet)
-    teach(planner, fleet, np.array([400.0, 200.0]), at=0.0)
+    policy, layout = simple_fleet([1, 1], facility=600.0)
+    planner = SafetyPlanner(policy, layout)
+    teach(planner, layout, np.array([400.0, 200.0]), at=0.0)
     targets = np.array([200.0, 400.0])
 
     plan = planner.plan(1, 0.0, targets)
@@ -235,9 +235,9 @@ def test_decreases_go_at_once_and_the_raises_they_pay_for_wait_for_the_ack() -> 
 
 
 def test_partial_raises_follow_priority_then_uuid() -> None:
-    policy, fleet = simple_fleet([1, 1, 1], facility=3 * 200.0 + 150.0)
-    planner = SafetyPlanner(policy, fleet)
-    teach(planner, fleet, np.full(3, 200.0), at=0.0)
+    policy, layout = simple_fleet([1, 1, 1], facility=3 * 200.0 + 150.0)
+    planner = SafetyPlanner(policy, layout)
+    teach(planner, layout, np.full(3, 200.0), at=0.0)
     plan = planner.plan(1, 0.0, np.full(3, 300.0), priority=np.array([0.0, 1.0, 0.0]))
     # 150 W of slack: g1 (highest priority) takes 100, then g0 (uuid order) the last 50.
     assert plan.sent_w.tolist() == [250.0, 300.0, 200.0]
@@ -245,9 +245,9 @@ def test_partial_raises_follow_priority_then_uuid() -> None:
 
 
 def test_all_raises_that_fit_go_together() -> None:
-    policy, fleet = simple_fleet([2, 2], facility=4 * 400.0)
-    planner = SafetyPlanner(policy, fleet)
-    teach(planner, fleet, np.full(4, 150.0), at=0.0)
+    policy, layout = simple_fleet([2, 2], facility=4 * 400.0)
+    planner = SafetyPlanner(policy, layout)
+    teach(planner, layout, np.full(4, 150.0), at=0.0)
     targets = np.array([400.0, 300.0, 200.0, 350.0])
     plan = planner.plan(1, 0.0, targets)
     assert plan.sent_w.tolist() == targets.tolist()
@@ -255,9 +255,9 @@ def test_all_raises_that_fit_go_together() -> None:
 
 
 def test_stale_gpus_are_not_raised() -> None:
-    policy, fleet = simple_fleet([1, 1])
-    planner = SafetyPlanner(policy, fleet)
-    teach(planner, fleet, np.full(2, 200.0), at=0.0)
+    policy, layout = simple_fleet([1, 1])
+    planner = SafetyPlanner(policy, layout)
+    teach(planner, layout, np.full(2, 200.0), at=0.0)
     planner.on_telemetry("n1", {"g1-0": 200.0}, received_at=9.0)
     plan = planner.plan(1, 10.0, np.array([300.0, 300.0]))  # stale_after_s = 2.5
     assert plan.stale.tolist() == [True, False]
@@ -267,9 +267,9 @@ def test_stale_gpus_are_not_raised() -> None:
 
 
 def test_ack_resolves_every_command_up_to_its_tick_and_older_acks_are_ignored() -> None:
-    policy, fleet = simple_fleet([1])
-    planner = SafetyPlanner(policy, fleet)
-    teach(planner, fleet, np.array([300.0]), at=0.0)
+    policy, layout = simple_fleet([1])
+    planner = SafetyPlanner(policy, layout)
+    teach(planner, layout, np.array([300.0]), at=0.0)
     for tick, target in ((1, 350.0), (2, 200.0), (3, 250.0)):
         planner.plan(tick, 0.0, np.array([target]))
     assert planner.committed_w().tolist() == [350.0]
@@ -288,9 +288,9 @@ def test_ack_resolves_every_command_up_to_its_tick_and_older_acks_are_ignored() 
 
 
 def test_failed_set_keeps_the_highest_cap_that_may_be_in_force() -> None:
-    policy, fleet = simple_fleet([2])
-    planner = SafetyPlanner(policy, fleet)
-    teach(planner, fleet, np.array([300.0, 300.0]), at=0.0)
+    policy, layout = simple_fleet([2])
+    planner = SafetyPlanner(policy, layout)
+    teach(planner, layout, np.array([300.0, 300.0]), at=0.0)
     planner.plan(1, 0.0, np.array([350.0, 200.0]))  # raise g0-0, lower g0-1
     planner.plan(2, 0.0, np.array([250.0, 250.0]))
     acks = {
@@ -311,9 +311,9 @@ def test_failed_set_keeps_the_highest_cap_that_may_be_in_force() -> None:
 
 
 def test_out_of_band_raise_is_reported_and_counted() -> None:
-    policy, fleet = simple_fleet([1])
-    planner = SafetyPlanner(policy, fleet)
-    teach(planner, fleet, np.array([200.0]), at=0.0)
+    policy, layout = simple_fleet([1])
+    planner = SafetyPlanner(policy, layout)
+    teach(planner, layout, np.array([200.0]), at=0.0)
     assert planner.committed_w().tolist() == [200.0]
     planner.on_telemetry("n0", {"g0-0": 380.0}, received_at=1.0)
     assert planner.committed_w().tolist() == [380.0]
@@ -328,10 +328,10 @@ def test_out_of_band_raise_is_reported_and_counted() -> None:
 
 
 def test_budget_cut_reports_over_lowers_at_once_and_blocks_raises() -> None:
-    policy, fleet = simple_fleet([2, 2])
-    planner = SafetyPlanner(policy, fleet)
-    teach(planner, fleet, np.full(4, 300.0), at=0.0)
-    budget = fleet.topology.budget_w.copy()
+    policy, layout = simple_fleet([2, 2])
+    planner = SafetyPlanner(policy, layout)
+    teach(planner, layout, np.full(4, 300.0), at=0.0)
+    budget = layout.topology.budget_w.copy()
     budget[0] = 1000.0  # facility cut from unlimited to 1000 W under 1200 W of caps
     targets = np.array([200.0, 150.0, 250.0, 400.0])  # fits 1000 W, but g1-1 wants up
     plan = planner.plan(1, 0.0, targets, budget_w=budget)
@@ -344,10 +344,10 @@ def test_budget_cut_reports_over_lowers_at_once_and_blocks_raises() -> None:
 
 
 def test_targets_that_do_not_fit_are_shed_until_they_do() -> None:
-    policy, fleet = simple_fleet([2, 2])
-    planner = SafetyPlanner(policy, fleet)
-    teach(planner, fleet, np.full(4, 300.0), at=0.0)
-    budget = fleet.topology.budget_w.copy()
+    policy, layout = simple_fleet([2, 2])
+    planner = SafetyPlanner(policy, layout)
+    teach(planner, layout, np.full(4, 300.0), at=0.0)
+    budget = layout.topology.budget_w.copy()
     budget[0] = 800.0
     plan = planner.plan(1, 0.0, np.full(4, 300.0), budget_w=budget)
     assert math.isclose(float(np.sum(plan.sent_w)), 800.0)
@@ -359,9 +359,9 @@ def test_targets_that_do_not_fit_are_shed_until_they_do() -> None:
 
 
 def test_every_live_node_gets_its_full_map_and_failsafe_each_tick() -> None:
-    policy, fleet = simple_fleet([2, 1, 1])
-    planner = SafetyPlanner(policy, fleet)
-    teach(planner, fleet, np.full(4, 200.0), at=0.0)
+    policy, layout = simple_fleet([2, 1, 1])
+    planner = SafetyPlanner(policy, layout)
+    teach(planner, layout, np.full(4, 200.0), at=0.0)
     plan = planner.plan(7, 0.0, np.full(4, 200.0), offline={"n2"})
     by_node = {c.node: c for c in plan.commands}
     assert set(by_node) == {"n0", "n1"}
@@ -372,14 +372,14 @@ def test_every_live_node_gets_its_full_map_and_failsafe_each_tick() -> None:
 
 
 def test_fleet_change_keeps_what_is_known_about_gpus_that_stay() -> None:
-    policy, fleet = simple_fleet([1, 1])
-    planner = SafetyPlanner(policy, fleet)
-    teach(planner, fleet, np.array([200.0, 250.0]), at=0.0)
+    policy, layout = simple_fleet([1, 1])
+    planner = SafetyPlanner(policy, layout)
+    teach(planner, layout, np.array([200.0, 250.0]), at=0.0)
     planner.plan(1, 0.0, np.array([180.0, 250.0]))
     uuids = ("g1-0", "new", "g0-0")
     nodes = ("n1", "n1", "n0")
     grown = FleetLayout.build(policy, uuids, nodes, np.full(3, 100.0), np.full(3, 400.0))
-    planner.set_fleet(grown)
+    planner.set_layout(grown)
     assert planner.committed_w().tolist() == [250.0, 400.0, 200.0]
     plan = planner.plan(2, 0.0, np.array([250.0, 200.0, 180.0]))
     assert plan.waiting_nodes == ("n1",)  # "new" has no known cap yet
@@ -387,8 +387,8 @@ def test_fleet_change_keeps_what_is_known_about_gpus_that_stay() -> None:
 
 
 def test_ticks_must_increase() -> None:
-    policy, fleet = simple_fleet([1])
-    planner = SafetyPlanner(policy, fleet)
+    policy, layout = simple_fleet([1])
+    planner = SafetyPlanner(policy, layout)
     planner.plan(3, 0.0, np.array([200.0]))
     try:
         planner.plan(3, 0.0, np.array([200.0]))
@@ -464,16 +464,16 @@ def random_policy(rng: random.Random) -> dict:
     return policy_dict(nodes, budgets=budgets)
 
 
-def fitting(targets: np.ndarray, fleet: FleetLayout, budget: np.ndarray) -> np.ndarray:
+def fitting(targets: np.ndarray, layout: FleetLayout, budget: np.ndarray) -> np.ndarray:
     """Targets scaled down (above minimum) until every group fits, as an allocator's would."""
-    topo = fleet.topology
+    topo = layout.topology
     out = targets.copy()
     for g in range(topo.n_groups):
         gpus = topo.subtree_gpus(g)
-        room = budget[g] - topo.overhead_w[g] - fleet.min_cap_w[gpus].sum()
-        above = out[gpus] - fleet.min_cap_w[gpus]
+        room = budget[g] - topo.overhead_w[g] - layout.min_cap_w[gpus].sum()
+        above = out[gpus] - layout.min_cap_w[gpus]
         if above.sum() > room:
-            out[gpus] = fleet.min_cap_w[gpus] + above * max(room, 0.0) / above.sum()
+            out[gpus] = layout.min_cap_w[gpus] + above * max(room, 0.0) / above.sum()
     return out
 
 
@@ -489,10 +489,10 @@ class World:
         uuids = [f"{node}-g{i}" for i, node in enumerate(nodes)]
         lo = np.array([self.rng.choice([100.0, 120.0]) for _ in nodes])
         hi = np.array([self.rng.choice([300.0, 400.0]) for _ in nodes])
-        self.fleet = FleetLayout.build(self.policy, uuids, nodes, lo, hi)
-        self.topo = self.fleet.topology
+        self.layout = FleetLayout.build(self.policy, uuids, nodes, lo, hi)
+        self.topo = self.layout.topology
         self.budget = self.topo.budget_w.copy()
-        self.true = self.fleet.failsafe_w.copy()  # the caps in force on the devices
+        self.true = self.layout.failsafe_w.copy()  # the caps in force on the devices
         self.agents = {
             name: Agent(name, [i for i, n in enumerate(nodes) if n == name])
             for name in dict.fromkeys(nodes)
@@ -509,7 +509,7 @@ class World:
         self.over_sends = 0
         self.applied = 0  # commands applied by agents
         self.priority = np.array([self.rng.choice([0.0, 1.0]) for _ in nodes])
-        self.targets = self.fleet.failsafe_w.copy()
+        self.targets = self.layout.failsafe_w.copy()
         self.checks = 0
         self.raises = 0
         self.planner: SafetyPlanner | None = None
@@ -563,7 +563,7 @@ class World:
             return  # lost with the old process, or an old tick: rejected
         acks = {}
         for i in agent.gpus:
-            uuid = self.fleet.uuids[i]
+            uuid = self.layout.uuids[i]
             if self.now < self.stuck_until[i]:
                 acks[uuid] = GpuAck(
                     requested_w=cmd.caps_w[uuid],
@@ -578,7 +578,7 @@ class World:
                     error=AckError.SET_FAILED,
                 )
                 continue
-            limit = min(max(cmd.caps_w[uuid], self.fleet.min_cap_w[i]), self.fleet.max_cap_w[i])
+            limit = min(max(cmd.caps_w[uuid], self.layout.min_cap_w[i]), self.layout.max_cap_w[i])
             self.true[i] = limit
             acks[uuid] = GpuAck(requested_w=cmd.caps_w[uuid], enforced_w=limit)
         agent.last_tick = cmd.tick
@@ -595,11 +595,11 @@ class World:
 
     def fall_to_failsafe(self, agent: Agent) -> None:
         idx = np.array(agent.gpus)
-        self.true[idx] = np.minimum(self.true[idx], self.fleet.failsafe_w[idx])
+        self.true[idx] = np.minimum(self.true[idx], self.layout.failsafe_w[idx])
 
     def telemetry(self, agent: Agent) -> None:
         if agent.alive:
-            caps = {self.fleet.uuids[i]: float(self.true[i]) for i in agent.gpus}
+            caps = {self.layout.uuids[i]: float(self.true[i]) for i in agent.gpus}
             as_of = agent.last_tick if agent.last_tick >= 0 else None
             self.send(lambda: self.deliver_telemetry(agent.node, caps, as_of))
         if self.now < self.ticks:
@@ -623,11 +623,11 @@ class World:
     def start_controller(self) -> None:
         # The previous controller's last commands may still be on their way, and agents'
         # clocks play no part: the planner counts GPUs at their maximum until it has an ack.
-        self.planner = SafetyPlanner(self.policy, self.fleet)
+        self.planner = SafetyPlanner(self.policy, self.layout)
         self.offline = set()
         for agent in self.agents.values():  # retained statuses: the caps in force now
             if agent.alive and self.rng.random() >= self.faults.status_lost_p:
-                caps = {self.fleet.uuids[i]: float(self.true[i]) for i in agent.gpus}
+                caps = {self.layout.uuids[i]: float(self.true[i]) for i in agent.gpus}
                 as_of = agent.last_tick if agent.last_tick >= 0 else None
                 self.planner.learn_status(agent.node, caps, as_of_tick=as_of)
 
@@ -652,14 +652,16 @@ class World:
     def new_targets(self) -> np.ndarray:
         if self.rng.random() < 0.5:
             return self.targets  # allocators often keep caps for a while
-        lo, hi = self.fleet.min_cap_w, self.fleet.max_cap_w
+        lo, hi = self.layout.min_cap_w, self.layout.max_cap_w
         targets = np.array([self.rng.uniform(a, b) for a, b in zip(lo, hi, strict=True)])
-        return fitting(targets, self.fleet, self.budget) if self.faults.fitting_targets else targets
+        return (
+            fitting(targets, self.layout, self.budget) if self.faults.fitting_targets else targets
+        )
 
     def cut_budget(self) -> None:
         g = self.rng.randrange(self.topo.n_groups)
         gpus = self.topo.subtree_gpus(g)
-        floor = self.fleet.min_cap_w[gpus].sum() + self.topo.overhead_w[g]
+        floor = self.layout.min_cap_w[gpus].sum() + self.topo.overhead_w[g]
         ceiling = min(self.budget[g], self.topo.group_sums(self.true)[g] + self.topo.overhead_w[g])
         self.budget[g] = self.rng.uniform(floor, max(floor, ceiling))
         self.grace[g] = True
@@ -680,7 +682,7 @@ class World:
         for agent in self.agents.values():
             if agent.alive and self.rng.random() < self.faults.agent_kill_p:
                 self.kill_and_restart(agent, self.rng.uniform(0.5, 6.0))
-        for i in range(self.fleet.n_gpus):
+        for i in range(self.layout.n_gpus):
             if self.rng.random() < self.faults.stuck_p:
                 self.stuck_until[i] = self.now + self.rng.uniform(1.0, 5.0)
         self.targets = self.new_targets()
@@ -729,7 +731,7 @@ class World:
         load = self.topo.group_sums(before) + self.topo.overhead_w
         over = (load > self.budget + TOL)[self.topo.gpu_groups].any(axis=1)
         for i in np.flatnonzero(over & ~np.isnan(plan.sent_w)):
-            node, uuid = self.fleet.nodes[i], self.fleet.uuids[i]
+            node, uuid = self.layout.nodes[i], self.layout.uuids[i]
             bound = min([self.true[i], *(c.caps_w[uuid] for c in self.in_flight[node])])
             assert plan.sent_w[i] <= bound + TOL, (uuid, plan.sent_w[i], bound)
             self.over_sends += 1
@@ -781,9 +783,9 @@ def test_cuts_are_obeyed_within_two_ticks_when_acks_flow(seed: int, fitting_targ
 @given(seed=st.integers(0, 2**32 - 1))
 def test_fitting_targets_are_reached_when_messages_flow(seed: int) -> None:
     world = World(seed, Faults(max_delay=0.4), ticks=6)
-    lo, hi = world.fleet.min_cap_w, world.fleet.max_cap_w
+    lo, hi = world.layout.min_cap_w, world.layout.max_cap_w
     raw = np.array([world.rng.uniform(a, b) for a, b in zip(lo, hi, strict=True)])
-    goal = fitting(raw, world.fleet, world.budget)
+    goal = fitting(raw, world.layout, world.budget)
     world.new_targets = lambda: goal  # type: ignore[method-assign]
     world.run()
     # Cuts land in tick 1, the raises they pay for by tick 3 at the latest.

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import socket
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from sqlalchemy.exc import IntegrityError
 from structlog.testing import capture_logs
 
 from powerd.clock import ManualClock
+from powerd.controller.engine import TickSummary
 from powerd.store import (
     EventRecord,
     GpuRecord,
@@ -125,8 +128,8 @@ def test_round_trip_of_every_table(store: Store) -> None:
             solve_ms=3.25,
             status="optimal",
             solver="fast",
-            n_gpus=2,
-            n_stale=1,
+            gpus=2,
+            gpus_stale=1,
             rows={"row-a": {"budget_w": 5000.0, "committed_w": 4500.0}},
         )
     )
@@ -159,7 +162,7 @@ def test_round_trip_of_every_table(store: Store) -> None:
         "optimal",
         "fast",
     )
-    assert (tick.n_gpus, tick.n_stale) == (2, 1)
+    assert (tick.gpus, tick.gpus_stale) == (2, 1)
     assert tick.rows == {"row-a": {"budget_w": 5000.0, "committed_w": 4500.0}}
     [cap] = store.cap_changes("GPU-b")
     assert (cap.ts, cap.tick, cap.gpu_uuid, cap.node, cap.old_w, cap.new_w) == (
@@ -287,7 +290,7 @@ def test_only_cap_changes_are_stored(store: Store) -> None:
 
 def test_minute_aggregates_of_a_known_series() -> None:
     agg = MinuteAggregator(grace_s=10.0)
-    # One GPU, a sample every 10 s from T0: power, cap, energy counter (J).
+    # One GPU, a sample every 10 s from T0: power, committed cap, energy counter (J).
     series = [
         (T0 + 0, 100.0, 500.0, 1_000.0),  # first sample ever: no energy yet
         (T0 + 10, 300.0, 500.0, 3_000.0),  # +2000 J
@@ -297,8 +300,8 @@ def test_minute_aggregates_of_a_known_series() -> None:
         (T0 + 59, 0.0, 700.0, 150.0),  # +50 J
         (T0 + 60, 100.0, 700.0, 250.0),  # next minute: +100 J there
     ]
-    for ts, p, cap, e in series:
-        agg.add(["GPU-a"], ts, [p], [cap], [e])
+    for ts, p, committed, e in series:
+        agg.add(["GPU-a"], ts, [p], [committed], [e])
     assert agg.close() == []  # the first minute is still within its grace period
 
     agg.add(["GPU-a"], T0 + 70, [100.0], [700.0], [1_250.0])  # +1000 J in the second minute
@@ -520,11 +523,29 @@ def test_the_database_allows_one_active_policy(store: Store) -> None:
         )
 
 
+def test_a_tick_record_is_the_tick_summary_and_its_rows() -> None:
+    s = TickSummary(3, T0, "optimal", "fast", 2.0, math.inf, 9e3, 8e3, 1.5, 4, 1)
+    rows = {"row-a": {"budget_w": None, "load_w": 4500.0, "draw_w": 4000.0}}
+    assert asdict(TickRecord.from_summary(s, rows)) == asdict(s) | {"rows": rows}
+
+
 # ---- the writer never blocks the tick ----
 
 
 def _tick(n: int, ts: float = T0) -> TickRecord:
-    return TickRecord(n, ts, 1e4, 9e3, 8e3, 1.0, 1.0, "optimal", "fast", 1, 0)
+    return TickRecord(
+        tick=n,
+        ts=ts,
+        status="optimal",
+        solver="fast",
+        solve_ms=1.0,
+        budget_w=1e4,
+        committed_w=9e3,
+        draw_w=8e3,
+        throughput=1.0,
+        gpus=1,
+        gpus_stale=0,
+    )
 
 
 def _closed_port() -> int:

@@ -40,7 +40,7 @@ from powerd.transport.mqtt import (
     MAX_SEGMENT_BYTES,
     _Connection,
     backoff_delay,
-    connect_tcp,
+    open_tcp,
 )
 
 
@@ -710,9 +710,19 @@ async def test_mqtt_sockets_are_set_up_before_the_handshake(mosquitto: LocalMosq
         assert 0 < sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG) <= MAX_SEGMENT_BYTES
 
 
-def test_connect_tcp_tries_every_address_and_says_why_none_answered() -> None:
+async def test_open_tcp_sets_its_options_before_connecting() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        sock = await open_tcp("127.0.0.1", server.getsockname()[1], timeout_s=1.0)
+        with sock:
+            assert not sock.getblocking()
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+            # Set after the handshake, it would not lower the MSS already agreed on.
+            assert 0 < sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG) <= MAX_SEGMENT_BYTES
+
+
+async def test_open_tcp_tries_every_address_and_says_why_none_answered() -> None:
     with pytest.raises(OSError):
-        connect_tcp("127.0.0.1", free_port(), timeout_s=1.0)
+        await open_tcp("127.0.0.1", free_port(), timeout_s=1.0)
 
 
 async def test_publish_many_writes_the_batch_before_it_returns(mosquitto: LocalMosquitto) -> None:

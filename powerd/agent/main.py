@@ -71,7 +71,7 @@ def _serve_metrics(agent: Agent, settings: AgentSettings) -> MetricsServer:
                 nodes=[agent.node_id] * len(gpus),
                 index=np.array([g.index for g in gpus], dtype=np.int64),
                 power_w=np.array([g.power_w for g in gpus]),
-                enforced_w=np.array([g.cap_w for g in gpus]),
+                cap_w=np.array([g.cap_w for g in gpus]),
                 energy_j=np.array([g.energy_j for g in gpus]),
                 temp_c=np.array([g.temp_c for g in gpus]),
                 throttle=[g.throttle for g in gpus],

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import sys
@@ -20,6 +19,7 @@ from typing import Any, TextIO
 import httpx
 
 from powerd.auth import Role, new_token_entry
+from powerd.numeric import kw_text
 
 # The same meanings as powerd.cli's (imported lazily there, so not imported from there).
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -107,10 +107,6 @@ class Client:
 # ---- rendering ----
 
 
-def kw(w: float | None) -> str:
-    return "unlimited" if w is None or not math.isfinite(w) else f"{w / 1000:,.1f} kW"
-
-
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], out: TextIO) -> None:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     line = "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
@@ -124,10 +120,10 @@ def _use(g: dict[str, Any]) -> list[str]:
     share = f"{g['committed_w'] / budget:.0%}" if budget else "-"
     return [
         g["name"],
-        kw(budget),
-        kw(g["committed_w"]),
+        kw_text(budget),
+        kw_text(g["committed_w"]),
         share,
-        kw(g["draw_w"]),
+        kw_text(g["draw_w"]),
         "OVER" if g["over"] else "",
     ]
 
@@ -163,8 +159,8 @@ def print_status(
             [
                 [
                     b["group"],
-                    kw(b["budget_w"]),
-                    kw(b["policy_budget_w"]),
+                    kw_text(b["budget_w"]),
+                    kw_text(b["policy_budget_w"]),
                     "cleared"
                     if b["expires_at"] is None
                     else datetime.fromtimestamp(b["expires_at"], tz=UTC).strftime("%H:%M:%S UTC"),

@@ -121,7 +121,7 @@ class ChaosReport:
         worst = self.worst()
         if worst is not None:
             lines.append(
-                f"worst breach: {worst.group} {worst.load_w:.1f} W > {worst.budget_w:.0f} W "
+                f"worst breach: {worst.group} {worst.committed_w:.1f} W > {worst.budget_w:.0f} W "
                 f"(+{worst.worst_w:.1f} W) for {worst.duration_s:.3f} s"
             )
         for r in self.records:
@@ -394,5 +394,5 @@ async def run_schedule(
         checks=check.checks,
         undecodable=dict(site.watcher.undecodable),
         facility_budget_w=site.policy.groups[0].budget_w,
-        facility_mean_w=check.mean_load_w(site.policy.groups[0].name),
+        facility_mean_w=check.mean_committed_w(site.policy.groups[0].name),
     )

@@ -48,7 +48,7 @@ class Breach:
     end_s: float
     worst_w: float  # the largest overshoot: Σ caps + overhead − budget
     budget_w: float  # the budget at the worst moment
-    load_w: float  # Σ caps + overhead at the worst moment
+    committed_w: float  # Σ caps + overhead at the worst moment
 
     @property
     def duration_s(self) -> float:
@@ -85,10 +85,10 @@ class BudgetCheck:
         self.checks = 0
         self.breaches: list[Breach] = []
         self._open: dict[int, Breach] = {}
-        self.load_w = [0.0] * len(groups)
+        self.committed_w = [0.0] * len(groups)
         self.t_s = -math.inf
-        # ∫ load dt per group since arming: a site held safe but starved shows here.
-        self._load_ws = [0.0] * len(groups)
+        # ∫ committed dt per group since arming: a site held safe but starved shows here.
+        self._committed_ws = [0.0] * len(groups)
         self._armed_s = math.nan
 
     def arm(self, t_s: float) -> None:
@@ -96,11 +96,11 @@ class BudgetCheck:
         self._armed_s = t_s
         self._evaluate(t_s)
 
-    def mean_load_w(self, name: str) -> float:
+    def mean_committed_w(self, name: str) -> float:
         """Σ caps + overhead of a group, averaged over time from arming to the last event."""
         span = self.t_s - self._armed_s
         i = self.index[name]
-        return self._load_ws[i] / span if span > 0 else self.load_w[i]
+        return self._committed_ws[i] / span if span > 0 else self.committed_w[i]
 
     def cap(self, t_s: float, node: str, uuid: str, watts: float) -> None:
         self.caps[node][uuid] = watts
@@ -121,8 +121,8 @@ class BudgetCheck:
 
     def _evaluate(self, t_s: float) -> None:
         if self.armed and t_s > self.t_s:
-            for i, load in enumerate(self.load_w):
-                self._load_ws[i] += load * (t_s - max(self.t_s, self._armed_s))
+            for i, committed in enumerate(self.committed_w):
+                self._committed_ws[i] += committed * (t_s - max(self.t_s, self._armed_s))
         self.t_s = max(self.t_s, t_s)
         per_node = [0.0] * len(self.groups)
         for i, g in enumerate(self.groups):
@@ -130,26 +130,27 @@ class BudgetCheck:
                 caps = self.caps[g.name]
                 per_node[i] = sum(caps.values()) + max(0, g.gpus - len(caps)) * self.unknown_w
         sums = subtree_totals(self.groups, per_node)
-        self.load_w = [s + o for s, o in zip(sums, self.overhead_w, strict=True)]
+        self.committed_w = [s + o for s, o in zip(sums, self.overhead_w, strict=True)]
         if not self.armed:
             return
         self.checks += 1
         for i, g in enumerate(self.groups):
-            over = self.load_w[i] - self.budget_w[i]
+            over = self.committed_w[i] - self.budget_w[i]
             b = self._open.get(i)
             if over > TOL_W:
                 if b is None:
                     b = self._open[i] = Breach(g.name, t_s, t_s, 0.0, 0.0, 0.0)
                     self.breaches.append(b)
                 if over > b.worst_w:
-                    b.worst_w, b.budget_w, b.load_w = over, self.budget_w[i], self.load_w[i]
+                    b.worst_w, b.budget_w = over, self.budget_w[i]
+                    b.committed_w = self.committed_w[i]
                 b.end_s = t_s
             elif b is not None:
                 b.end_s = t_s
                 del self._open[i]
 
-    def group_load_w(self, name: str) -> float:
-        return self.load_w[self.index[name]]
+    def group_committed_w(self, name: str) -> float:
+        return self.committed_w[self.index[name]]
 
 
 class JournalTail:

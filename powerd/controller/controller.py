@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from powerd.controller.admin import AdminWrites, Ledger
 from powerd.controller.engine import TickEngine, TickReport, TickSummary
 from powerd.controller.fleet import FleetState
 from powerd.controller.overrides import Overrides
+from powerd.numeric import finite_or_none
 from powerd.policy import Policy
 from powerd.safety import SafePlan, SafetyPlanner
 from powerd.store import (
@@ -260,23 +260,13 @@ class Controller(AdminWrites):
         self.counters.ticks += 1
         if self.writer is not None:
             self.writer.submit_tick(
-                TickRecord(
-                    tick=summary.tick,
-                    ts=summary.ts,
-                    budget_w=summary.budget_w,
-                    committed_w=summary.committed_w,
-                    draw_w=summary.draw_w,
-                    throughput=summary.throughput,
-                    solve_ms=summary.solve_ms,
-                    status=summary.status,
-                    solver=summary.solver,
-                    n_gpus=summary.gpus,
-                    n_stale=summary.gpus_stale,
+                TickRecord.from_summary(
+                    summary,
                     rows={
                         name: {
-                            "budget_w": b if math.isfinite(b) else None,
-                            "load_w": committed,  # the stored key since the first schema
-                            "draw_w": d if math.isfinite(d) else None,
+                            "budget_w": finite_or_none(b),
+                            "load_w": committed,  # the stored key (docs/storage.md)
+                            "draw_w": finite_or_none(d),
                         }
                         for name, b, committed, d in report.level_totals(1)
                     },

@@ -64,7 +64,7 @@ class TickReport:
     # where a list would be walked at every collection.
     classes: tuple[str, ...]
     power_w: FloatArray
-    enforced_w: FloatArray  # the limit each GPU reported in force (telemetry read-back)
+    cap_w: FloatArray  # the limit each GPU reported in force (telemetry read-back)
     energy_j: FloatArray
     temp_c: FloatArray
     targets_w: FloatArray
@@ -103,7 +103,8 @@ class TickReport:
 class TickSummary:
     """A past tick as the controller remembers it (the API's /ticks without a store): a few
     numbers, not a TickReport's per-GPU arrays, which would make the memory of the last
-    ticks grow with the fleet (docs/performance.md, "Steering loop")."""
+    ticks grow with the fleet (docs/performance.md, "Steering loop"). The one list of a
+    tick's summary fields: the store's TickRecord extends it, the API's TickOut uses its names."""
 
     tick: int
     ts: float
@@ -254,10 +255,10 @@ class TickEngine:
         if self.shape is not None and self.shape.version == version:
             return self.shape
         topology = Topology.build(self.policy, arrays.nodes)
-        safety = FleetLayout.build(
+        layout = FleetLayout.build(
             self.policy, arrays.uuids, arrays.nodes, arrays.min_cap_w, arrays.max_cap_w
         )
-        self.planner.set_fleet(safety)
+        self.planner.set_layout(layout)
         # What was heard before the planner knew these GPUs (retained statuses arrive first
         # after a start, telemetry of new GPUs) teaches it their caps now, in arrival order.
         by_node: dict[str, dict[str, float]] = {}
@@ -291,7 +292,7 @@ class TickEngine:
                 node_max[k] = node_rec.gone_max_cap_w
         reserve_node = missing * node_max
         reserve = _push_up(topology, reserve_node)
-        self.shape = Shape(version, topology, Tree(topology), safety, reserve, reserve_node)
+        self.shape = Shape(version, topology, Tree(topology), layout, reserve, reserve_node)
         self._warm = None
         return self.shape
 
@@ -363,10 +364,10 @@ class TickEngine:
     ) -> tuple[TickReport, SafePlan]:
         """The tick's plan when its decision failed: the plan if it was made, else the
         failsafe caps through the planner, under the budgets in force."""
-        fleet = self.planner.fleet
-        if fleet is None:
+        layout = self.planner.layout
+        if layout is None:
             raise RuntimeError("no fleet to steer yet")  # nothing was ever sent: nothing to hold
-        topo = fleet.topology
+        topo = layout.topology
         if planned:
             plan = planned[0]
         else:
@@ -378,11 +379,11 @@ class TickEngine:
             plan = self.planner.plan(
                 tick,
                 now,
-                fleet.failsafe_w.copy(),
+                layout.failsafe_w.copy(),
                 budget_w=budget_w,
                 offline=self.fleet.offline_nodes(),
             )
-        n = fleet.n_gpus
+        n = layout.n_gpus
         nan = np.full(n, np.nan)
         report = TickReport(
             tick=tick,
@@ -399,14 +400,14 @@ class TickEngine:
             group_committed_w=plan.group_committed_w,
             group_draw_w=np.full(topo.n_groups, np.nan),
             group_over=plan.group_over,
-            uuids=list(fleet.uuids),
-            nodes=list(fleet.nodes),
+            uuids=list(layout.uuids),
+            nodes=list(layout.nodes),
             classes=tuple(self.policy.defaults.class_ for _ in range(n)),
             power_w=nan,
-            enforced_w=nan,
+            cap_w=nan,
             energy_j=nan,
             temp_c=nan,
-            targets_w=fleet.failsafe_w.copy(),
+            targets_w=layout.failsafe_w.copy(),
             sent_w=plan.sent_w,
             committed_w=plan.committed_w,
             throughput=np.zeros(n),
@@ -522,7 +523,7 @@ class TickEngine:
             nodes=arrays.nodes,
             classes=tuple([self.classes.names[i] for i in cls_idx.tolist()]),
             power_w=arrays.power_w,
-            enforced_w=arrays.cap_w,
+            cap_w=arrays.cap_w,
             energy_j=arrays.energy_j,
             temp_c=arrays.temp_c,
             targets_w=targets,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 import numpy as np
 import structlog
@@ -27,6 +27,17 @@ FloatArray = NDArray[np.float64]
 BoolArray = NDArray[np.bool_]
 IntArray = NDArray[np.int64]
 T = TypeVar("T")
+
+
+@overload
+def is_stale(age_s: float, lost: bool, stale_after_s: float) -> bool: ...
+@overload
+def is_stale(age_s: FloatArray, lost: BoolArray, stale_after_s: float) -> BoolArray: ...
+def is_stale(age_s: Any, lost: Any, stale_after_s: float) -> Any:
+    """The stale rule, for one GPU or for arrays of them: its last sample is older than
+    `stale_after_s`, or it reported an error instead of a reading (`lost`). The allocator
+    does not raise a stale GPU (docs/controller.md)."""
+    return (age_s > stale_after_s) | lost
 
 
 @dataclass
@@ -263,6 +274,20 @@ class FleetState:
             rec = self.nodes[name] = FleetNode(name)
         return rec
 
+    def node_state(self, name: str) -> str:
+        """A node's state as the API and metrics show it: "unseen" until its first telemetry,
+        then what its agent last reported (`starting`, `steered`, `failsafe`, `offline`)."""
+        rec = self.nodes.get(name)
+        return "unseen" if rec is None or rec.seen_at is None else str(rec.state)
+
+    def state_counts(self) -> dict[str, int]:
+        """How many of the policy's nodes are in each state (`node_state`)."""
+        counts: dict[str, int] = {}
+        for name in self.node_order:
+            state = self.node_state(name)
+            counts[state] = counts.get(state, 0) + 1
+        return counts
+
     def ingest_telemetry(self, msg: NodeTelemetry, now: float) -> bool:
         """Record one node's sample. False (and nothing recorded) for nodes not in the policy."""
         node_id = msg.node_id
@@ -377,7 +402,7 @@ class FleetState:
             energy_j=col(cols.energy_j),
             temp_c=col(cols.temp_c),
             age_s=age,
-            stale=(age > stale_after_s) | lost,
+            stale=is_stale(age, lost, stale_after_s),
             workloads=[workload[i] for i in perm.tolist()],
             perf=col(cols.perf),
         )

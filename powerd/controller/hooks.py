@@ -65,10 +65,10 @@ def metrics_hook(controller: Controller, metrics: ControllerMetrics) -> TickHook
                 nodes=r.nodes,
                 index=shape["index"],
                 power_w=r.power_w,
-                enforced_w=r.enforced_w,
+                cap_w=r.cap_w,
                 energy_j=r.energy_j,
                 temp_c=r.temp_c,
-                cap_w=r.committed_w,
+                committed_w=r.committed_w,
                 target_w=r.targets_w,
                 throttle=shape["throttle"],
                 models=shape["models"],
@@ -96,12 +96,9 @@ def metrics_hook(controller: Controller, metrics: ControllerMetrics) -> TickHook
             acks=c.received.get("ack", 0),
         )
         stale = int(r.stale.sum())
-        states: dict[str, float] = {}
-        for name in controller.fleet.node_order:
-            rec = controller.fleet.nodes.get(name)
-            state = "unseen" if rec is None or rec.seen_at is None else str(rec.state)
-            states[state] = states.get(state, 0) + 1
-        metrics.update_fleet(gpus={"fresh": n - stale, "stale": stale}, nodes=states)
+        metrics.update_fleet(
+            gpus={"fresh": n - stale, "stale": stale}, nodes=controller.fleet.state_counts()
+        )
         for kind in set(r.alarms) - set(metrics.active_alarms):
             metrics.alarm_raised(kind)
         metrics.set_active_alarms(dict.fromkeys(r.alarms, 1))

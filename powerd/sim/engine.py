@@ -329,8 +329,8 @@ def _start_cap_w(site: Site) -> float:
     failsafe = min(max(site.policy.defaults.failsafe_w, site.min_cap_w), site.tdp_w)
     topo = site.topology
     finite = np.isfinite(topo.budget_w)
-    load = topo.group_sums(np.full(site.n_gpus, failsafe)) + topo.overhead_w
-    return failsafe if bool(np.all(load[finite] <= topo.budget_w[finite])) else site.min_cap_w
+    committed = topo.group_sums(np.full(site.n_gpus, failsafe)) + topo.overhead_w
+    return failsafe if bool(np.all(committed[finite] <= topo.budget_w[finite])) else site.min_cap_w
 
 
 def _planner_policy(policy: Policy, duration_s: float) -> Policy:

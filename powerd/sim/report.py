@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from powerd.numeric import finite_or_none
+from powerd.numeric import finite_or_none, kw_text
 from powerd.policy import LEVELS
 from powerd.sim.engine import STATIC, RunResult
 from powerd.sim.scenario import Scenario
@@ -121,10 +121,6 @@ def to_json(report: Report) -> dict[str, Any]:
 # -- terminal ------------------------------------------------------------------------------
 
 
-def _kw(w: float) -> str:
-    return "unlimited" if not math.isfinite(w) else f"{w / 1000:,.1f} kW"
-
-
 def _duration(s: float) -> str:
     if s == 0:
         return "0"
@@ -153,10 +149,10 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 def header(report: Report) -> list[str]:
     sc, site = report.scenario, report.site
     frac = site.feed_w / site.nameplate_w
-    feed = _kw(site.feed_w) + (f" ({frac:.0%} of nameplate)" if math.isfinite(frac) else "")
+    feed = kw_text(site.feed_w) + (f" ({frac:.0%} of nameplate)" if math.isfinite(frac) else "")
     return [
         f"scenario {sc.spec.name} ({sc.source}): {site.n_gpus:,} GPUs on {site.n_nodes} nodes, "
-        f"feed {feed}, nameplate {_kw(site.nameplate_w)}",
+        f"feed {feed}, nameplate {kw_text(site.nameplate_w)}",
         f"  {sc.ticks * sc.spec.tick_s / 3600:g} h in {sc.spec.tick_s:g} s ticks, seed "
         f"{sc.spec.seed}; policy {site.policy.source}",
     ]
@@ -226,7 +222,7 @@ def sweep_lines(points: list[SweepPoint]) -> list[str]:
 
 def oversub_lines(o: Oversubscription) -> list[str]:
     lines = [
-        f"oversubscription under a {_kw(o.feed_w)} feed, loss threshold {o.threshold:.1%} "
+        f"oversubscription under a {kw_text(o.feed_w)} feed, loss threshold {o.threshold:.1%} "
         f"({o.metric} throughput against the same GPUs unconstrained):",
         f"  static TDP provisioning: {o.static_tdp_gpus:,} GPUs "
         f"({o.static_tdp_nodes} nodes of {o.node_nameplate_w / 1000:.1f} kW nameplate); device "

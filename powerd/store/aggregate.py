@@ -30,7 +30,7 @@ class _Bucket:
         self.n = np.zeros(size, dtype=np.int64)
         self.sum_power = np.zeros(size)
         self.max_power = np.full(size, -math.inf)
-        self.sum_cap = np.zeros(size)
+        self.sum_committed = np.zeros(size)
         self.energy = np.zeros(size)
 
     def grow(self, size: int) -> None:
@@ -40,12 +40,12 @@ class _Bucket:
         self.n = np.concatenate([self.n, np.zeros(extra, dtype=np.int64)])
         self.sum_power = np.concatenate([self.sum_power, np.zeros(extra)])
         self.max_power = np.concatenate([self.max_power, np.full(extra, -math.inf)])
-        self.sum_cap = np.concatenate([self.sum_cap, np.zeros(extra)])
+        self.sum_committed = np.concatenate([self.sum_committed, np.zeros(extra)])
         self.energy = np.concatenate([self.energy, np.zeros(extra)])
 
 
 class MinuteAggregator:
-    """Per-GPU per-minute mean/max draw, energy and mean cap.
+    """Per-GPU per-minute mean/max draw, energy and mean committed cap (`mean_cap_w`).
 
     A sample belongs to the minute its own `ts` falls in. A minute closes once a sample at
     least `grace_s` past its end has been seen (samples from different nodes arrive with
@@ -77,23 +77,24 @@ class MinuteAggregator:
         uuids: Sequence[str],
         ts: Floats | float,
         power_w: Floats,
-        cap_w: Floats,
+        committed_w: Floats,
         energy_j: Floats,
     ) -> None:
         slots = self._slots_for(uuids)
         n = slots.size
         ts_a = np.broadcast_to(np.asarray(ts, dtype=np.float64), (n,))
         power = np.asarray(power_w, dtype=np.float64)
-        cap = np.asarray(cap_w, dtype=np.float64)
+        committed = np.asarray(committed_w, dtype=np.float64)
         energy = np.asarray(energy_j, dtype=np.float64)
-        if not (power.shape == cap.shape == energy.shape == (n,)):
-            raise ValueError("uuids, power_w, cap_w and energy_j must have the same length")
+        if not (power.shape == committed.shape == energy.shape == (n,)):
+            raise ValueError("uuids, power_w, committed_w and energy_j must have the same length")
 
         seen = self._seen[slots]
         fresh = ~seen | (ts_a > self._last_ts[slots])
         if not fresh.all():
             slots, seen = slots[fresh], seen[fresh]
-            ts_a, power, cap, energy = ts_a[fresh], power[fresh], cap[fresh], energy[fresh]
+            ts_a, power, energy = ts_a[fresh], power[fresh], energy[fresh]
+            committed = committed[fresh]
         if slots.size == 0:
             return
 
@@ -114,7 +115,7 @@ class MinuteAggregator:
             bucket.n[s] += 1
             bucket.sum_power[s] += power[sel]
             bucket.max_power[s] = np.maximum(bucket.max_power[s], power[sel])
-            bucket.sum_cap[s] += cap[sel]
+            bucket.sum_committed[s] += committed[sel]
             bucket.energy[s] += delta[sel]
 
     def close(self, *, final: bool = False) -> list[dict[str, Any]]:
@@ -133,7 +134,7 @@ class MinuteAggregator:
                         "mean_power_w": float(bucket.sum_power[i]) / count,
                         "max_power_w": float(bucket.max_power[i]),
                         "energy_j": float(bucket.energy[i]),
-                        "mean_cap_w": float(bucket.sum_cap[i]) / count,
+                        "mean_cap_w": float(bucket.sum_committed[i]) / count,
                         "samples": count,
                     }
                 )

@@ -79,7 +79,8 @@ class Gpu(Base):
 
 
 class Tick(Base):
-    """Facility aggregates of one controller tick."""
+    """Facility aggregates of one controller tick. The attributes are TickRecord's fields;
+    some are stored under other column names (docs/storage.md)."""
 
     __tablename__ = "ticks"
 
@@ -94,9 +95,9 @@ class Tick(Base):
     solve_ms: Mapped[float]
     status: Mapped[str] = mapped_column(String(32))
     solver: Mapped[str] = mapped_column(String(32))
-    n_gpus: Mapped[int]
-    n_stale: Mapped[int]
-    # per row: {"budget_w", "load_w" (committed caps + overhead), "draw_w"}; None: not finite
+    gpus: Mapped[int] = mapped_column("n_gpus")
+    gpus_stale: Mapped[int] = mapped_column("n_stale")
+    # per row: {"budget_w", "load_w" (committed: Σ caps + overhead), "draw_w"}; None: not finite
     rows: Mapped[dict[str, Any]]
 
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Generic, TypeVar
 
 from powerd.alarms import Severity
+from powerd.controller.engine import TickSummary
 
 T = TypeVar("T")
 
@@ -31,19 +32,15 @@ class GpuRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class TickRecord:
-    tick: int
-    ts: float
-    budget_w: float
-    committed_w: float
-    draw_w: float  # measured GPU draw + overhead (column measured_w)
-    throughput: float
-    solve_ms: float
-    status: str
-    solver: str
-    n_gpus: int
-    n_stale: int
+class TickRecord(TickSummary):
+    """A tick as stored (`ticks`): its summary, and each row's use. The fields are the
+    `Tick` model's attributes; docs/storage.md lists those stored under other column names."""
+
     rows: dict[str, Any] = field(default_factory=dict)  # per row id: its use this tick
+
+    @classmethod
+    def from_summary(cls, summary: TickSummary, rows: dict[str, Any]) -> TickRecord:
+        return cls(**{f.name: getattr(summary, f.name) for f in fields(TickSummary)}, rows=rows)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from itertools import islice
 from typing import Any
 
 import structlog
+from sqlalchemy import inspect as sa_inspect
 
 from powerd.clock import Clock, SystemClock
 from powerd.store.aggregate import (
@@ -28,6 +29,7 @@ from powerd.store.aggregate import (
     Floats,
     MinuteAggregator,
 )
+from powerd.store.models import Tick
 from powerd.store.records import EventRecord, GpuRecord, NodeRecord, StoreHealth, TickRecord
 from powerd.store.store import Batch, Store, event_row
 
@@ -49,7 +51,7 @@ class _Samples:
     uuids: Sequence[str]
     ts: Floats | float
     power_w: Floats
-    cap_w: Floats
+    committed_w: Floats  # stored as gpu_minutes.mean_cap_w
     energy_j: Floats
 
 
@@ -111,19 +113,11 @@ class StoreWriter:
         self.store = store
         self.retention = retention or Retention()
         self.limits = limits
-        self.max_backlog_rows = limits.max_backlog_rows
-        self.batch_rows = limits.batch_rows
-        self.flush_interval_s = limits.flush_interval_s
-        self.probe_interval_s = limits.probe_interval_s
-        self.backoff_initial_s = limits.backoff_initial_s
-        self.backoff_max_s = limits.backoff_max_s
         self._clock: Clock = clock or SystemClock()
-        max_queue = limits.max_queue
 
         # Shared with the submitting thread(s); guarded by _lock, held only for O(1) work.
         self._lock = threading.Lock()
-        self._max_queue = max_queue
-        self._queue: deque[_Item] = deque(maxlen=max_queue)
+        self._queue: deque[_Item] = deque(maxlen=limits.max_queue)
         self._dropped_queued = 0
 
         # Owned by the writer thread (or the caller of flush() when not started).
@@ -164,11 +158,12 @@ class StoreWriter:
         uuids: Sequence[str],
         ts: Floats | float,
         power_w: Floats,
-        cap_w: Floats,
+        committed_w: Floats,
         energy_j: Floats,
     ) -> None:
-        """This tick's latest sample per GPU, as parallel arrays (`ts` per GPU or one value)."""
-        self._put(_Samples(uuids, ts, power_w, cap_w, energy_j))
+        """This tick's latest sample per GPU, as parallel arrays (`ts` per GPU or one value),
+        with each GPU's committed cap (its per-minute mean is stored as `mean_cap_w`)."""
+        self._put(_Samples(uuids, ts, power_w, committed_w, energy_j))
 
     def submit_event(self, rec: EventRecord) -> None:
         self._put(rec)
@@ -202,7 +197,7 @@ class StoreWriter:
 
     def _put(self, item: _Item) -> None:
         with self._lock:
-            if len(self._queue) == self._max_queue:
+            if len(self._queue) == self.limits.max_queue:
                 self._dropped_queued += 1  # the deque drops its oldest item on append
             self._queue.append(item)
 
@@ -228,7 +223,7 @@ class StoreWriter:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(self.flush_interval_s)
+            self._wake.wait(self.limits.flush_interval_s)
             self._wake.clear()
             self._cycle_logged(final=False)
         self._cycle_logged(final=True)
@@ -267,13 +262,13 @@ class StoreWriter:
 
     def _drain(self) -> None:
         with self._lock:
-            items, self._queue = self._queue, deque(maxlen=self._max_queue)
+            items, self._queue = self._queue, deque(maxlen=self.limits.max_queue)
         for item in items:
             match item:
                 case _Samples():
                     try:
                         self._minutes.add(
-                            item.uuids, item.ts, item.power_w, item.cap_w, item.energy_j
+                            item.uuids, item.ts, item.power_w, item.committed_w, item.energy_j
                         )
                     except ValueError as exc:
                         log.warning("store_samples_rejected", error=str(exc))
@@ -306,7 +301,7 @@ class StoreWriter:
                     }
 
     def _add_row(self, kind: str, row: Any) -> None:
-        if len(self._rows) >= self.max_backlog_rows:
+        if len(self._rows) >= self.limits.max_backlog_rows:
             old_kind, old_row = self._rows.popleft()
             self._dropped_rows += 1
             if old_kind == "cap":
@@ -316,7 +311,7 @@ class StoreWriter:
 
     def _write_backlog(self) -> bool:
         while self._rows or self._nodes or self._gpus:
-            n = min(self.batch_rows, len(self._rows))
+            n = min(self.limits.batch_rows, len(self._rows))
             batch = Batch(nodes=list(self._nodes.values()), gpus=list(self._gpus.values()))
             for kind, row in islice(self._rows, n):
                 match kind:
@@ -345,7 +340,7 @@ class StoreWriter:
 
     def _maybe_probe(self, now: float) -> None:
         # With nothing to write, readiness still needs to know whether the database is there.
-        if now - self._last_contact < self.probe_interval_s:
+        if now - self._last_contact < self.limits.probe_interval_s:
             return
         try:
             self.store.ping()
@@ -388,7 +383,8 @@ class StoreWriter:
 
     def _failed(self, exc: Exception, *, backlog: int) -> None:
         self._failures += 1
-        delay = min(self.backoff_max_s, self.backoff_initial_s * 2 ** (self._failures - 1))
+        limits = self.limits
+        delay = min(limits.backoff_max_s, limits.backoff_initial_s * 2 ** (self._failures - 1))
         delay *= random.uniform(0.5, 1.0)  # jitter: controllers restarted together spread out
         self._next_attempt = self._clock.monotonic() + delay
         self._connected = False
@@ -410,22 +406,16 @@ class StoreWriter:
             self._dropped_logged = dropped
 
 
+# (field, column) of a TickRecord: its fields are the Tick model's attributes, some stored
+# under other column names (`draw_w` in `measured_w`...: docs/storage.md).
+_TICK_COLUMNS = tuple(
+    (a.key, a.columns[0].key) for a in sa_inspect(Tick).column_attrs if a.key != "id"
+)
+
+
 def _tick_row(rec: TickRecord) -> dict[str, Any]:
-    # Keyed by column name (a Core insert): `draw_w` is stored in the column `measured_w`.
-    return {
-        "tick": rec.tick,
-        "ts": rec.ts,
-        "budget_w": rec.budget_w,
-        "committed_w": rec.committed_w,
-        "measured_w": rec.draw_w,
-        "throughput": rec.throughput,
-        "solve_ms": rec.solve_ms,
-        "status": rec.status,
-        "solver": rec.solver,
-        "n_gpus": rec.n_gpus,
-        "n_stale": rec.n_stale,
-        "rows": rec.rows,
-    }
+    # Keyed by column (a Core insert).
+    return {column: getattr(rec, name) for name, column in _TICK_COLUMNS}
 
 
 def _describe(exc: BaseException) -> str:

@@ -64,11 +64,12 @@ DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
 
 
 # The largest TCP segment a connection sends or takes (TCP_MAXSEG, set before connecting).
-# Over loopback the MSS is ~64 KiB, and Linux sizes a receive window from the packets that
-# arrive: a broker that has only had small packets from us advertises less than that
-# (58 KiB seen). Once a burst leaves a backlog, the kernel queues it in full-size segments
-# that never fit that window, and the connection crawls on zero-window probes (seen: the
-# controller's 4 MB of commands stuck for tens of seconds, Mosquitto on the same host).
+# Over loopback the MSS is much larger, and Linux sizes a receive window from the packets
+# that arrive: a broker that has only had small packets from us advertises less than one
+# such segment. Once a burst leaves a backlog, the kernel queues it in full-size segments
+# that never fit that window, and the connection crawls on zero-window probes (the
+# controller's commands stalled for seconds, Mosquitto on the same host; the figures:
+# docs/performance.md, "Steering loop", earlier rounds).
 # Real networks' MSS (1,448 bytes; 8,948 with jumbo frames) is about this or below.
 MAX_SEGMENT_BYTES = 8192
 
@@ -162,30 +163,10 @@ def _tcp_socket(family: int, kind: int, proto: int) -> socket.socket:
     return sock
 
 
-def connect_tcp(
-    host: str, port: int, timeout_s: float, source: tuple[str, int] | None = None
-) -> socket.socket:
-    """A connected TCP socket (each address of `host` in turn, as socket.create_connection),
-    blocking, with our options set before the handshake (see `open_tcp`, which the transport
-    uses: the same without blocking the event loop)."""
-    error: OSError | None = None
-    for family, kind, proto, _, address in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
-        sock = _tcp_socket(family, kind, proto)
-        try:
-            sock.settimeout(timeout_s)
-            if source is not None and (source[0] or source[1]):
-                sock.bind(source)
-            sock.connect(address)
-        except OSError as exc:
-            sock.close()
-            error = exc
-            continue
-        return sock
-    raise error or OSError(f"no address for {host}")
-
-
 async def open_tcp(host: str, port: int, timeout_s: float) -> socket.socket:
-    """`connect_tcp` on the event loop: a connected, non-blocking TCP socket."""
+    """A connected, non-blocking TCP socket, trying each address of `host` in turn (as
+    socket.create_connection does) without blocking the event loop; our options
+    (`_tcp_socket`) are set before the handshake."""
     loop = asyncio.get_running_loop()
     error: OSError | None = None
     for family, kind, proto, _, address in await loop.getaddrinfo(
@@ -654,10 +635,11 @@ class MqttTransport(Transport):
         self, messages: Sequence[tuple[str, bytes]], qos: int = 1, retain: bool = False
     ) -> int:
         """Write the batch now, without yielding to the event loop: given to the loop, it would
-        wait behind every message read and handled first (at 10k GPUs, the ~600 that arrived
-        while the tick ran: tens of milliseconds). At QoS 1, up to `max_inflight_messages`
-        unacknowledged (0: no limit); the rest leave as PUBACKs come back. A command's real
-        confirmation is the agent's ack, so nothing here waits for the broker."""
+        wait until every message that arrived while the tick ran had been read and handled
+        (telemetry, acks and statuses of the whole fleet: docs/performance.md, "Steering
+        loop"). At QoS 1, up to `max_inflight_messages` unacknowledged (0: no limit); the rest
+        leave as PUBACKs come back. A command's real confirmation is the agent's ack, so
+        nothing here waits for the broker."""
         if qos not in (0, 1):
             raise ValueError(f"QoS {qos}: this transport publishes at QoS 0 or 1")
         conn = self._conn

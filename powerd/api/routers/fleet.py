@@ -17,11 +17,14 @@ from powerd.api.models import (
     FleetSummary,
     GpuCap,
     GpuOut,
+    GpuStateName,
     GroupUse,
     NodeOut,
+    NodeStateName,
     Page,
 )
 from powerd.controller.engine import TickReport
+from powerd.controller.fleet import is_stale
 from powerd.numeric import finite_or_none
 from powerd.policy import LEVELS
 
@@ -53,11 +56,6 @@ async def fleet(_: Viewer, controller: ControllerDep) -> FleetSummary:
     """Budgets, committed caps, draw and throughput, facility and per row."""
     r = controller.last_tick
     nodes = controller.policy.node_names()
-    states: dict[str, int] = {}
-    for name in nodes:
-        rec = controller.fleet.nodes.get(name)
-        state = "unseen" if rec is None or rec.seen_at is None else str(rec.state)
-        states[state] = states.get(state, 0) + 1
     return FleetSummary(
         tick=None if r is None else r.tick,
         ts=None if r is None else r.ts,
@@ -72,7 +70,7 @@ async def fleet(_: Viewer, controller: ControllerDep) -> FleetSummary:
         if r is None
         else [_group_use(r, int(g)) for g in np.flatnonzero(r.group_levels == 1)],
         nodes=len(nodes),
-        nodes_by_state=states,
+        nodes_by_state=controller.fleet.state_counts(),
         gpus=len(controller.fleet.gpus) if r is None else len(r.uuids),
         gpus_stale=0 if r is None else int(r.stale.sum()),
         throughput=None if r is None else finite_or_none(r.throughput_total),
@@ -113,7 +111,7 @@ async def nodes(
     row: NameQuery = None,
     rack: NameQuery = None,
     class_: Annotated[str | None, Query(alias="class", max_length=128)] = None,
-    state: Literal["unseen", "starting", "steered", "failsafe", "offline", "drained"] | None = None,
+    state: Literal[NodeStateName, "drained"] | None = None,
     limit: Limit = 100,
     offset: Offset = 0,
 ) -> dict[str, Any]:
@@ -133,7 +131,7 @@ async def nodes(
         if rack is not None and places.rack.get(name) != rack:
             continue
         rec = controller.fleet.nodes.get(name)
-        node_state = "unseen" if rec is None or rec.seen_at is None else str(rec.state)
+        node_state = controller.fleet.node_state(name)
         drained = name in controller.overrides.drained
         if state is not None and (not drained if state == "drained" else node_state != state):
             continue
@@ -173,7 +171,7 @@ async def gpus(
     row: NameQuery = None,
     rack: NameQuery = None,
     class_: Annotated[str | None, Query(alias="class", max_length=128)] = None,
-    state: Literal["ok", "stale", "pinned", "drained"] | None = None,
+    state: Literal[GpuStateName, "pinned", "drained"] | None = None,
     limit: Limit = 100,
     offset: Offset = 0,
 ) -> dict[str, Any]:
@@ -199,7 +197,7 @@ async def gpus(
         if class_ is not None and cls != class_:
             continue
         age = max(0.0, now - rec.seen_at)
-        stale = age > stale_after or rec.error is not None
+        stale = is_stale(age, rec.error is not None, stale_after)
         if (
             state is not None
             and not {

@@ -4,7 +4,6 @@ where a slow database delays nobody else."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
@@ -12,7 +11,9 @@ from fastapi import APIRouter, Query
 from powerd.api.deps import V1, ControllerDep, Limit, NameQuery, Offset, Viewer, store_or_503
 from powerd.api.errors import AUTH_ERRORS, STORE_ERRORS
 from powerd.api.models import AlarmOut, AuditOut, EventOut, Page, TickOut
+from powerd.controller.engine import TickSummary
 from powerd.numeric import finite_or_none
+from powerd.store.models import Tick
 
 router = APIRouter(prefix=V1)
 
@@ -21,6 +22,13 @@ router = APIRouter(prefix=V1)
 async def alarms(_: Viewer, controller: ControllerDep) -> list[AlarmOut]:
     """Alarms active now (raised and not cleared)."""
     return [AlarmOut(kind=k, message=m) for k, m in sorted(controller.alarms.items())]
+
+
+def _tick_out(t: TickSummary | Tick) -> TickOut:
+    # A stored tick has the attributes of the TickSummary it was made from (powerd.store
+    # TickRecord), and TickOut the same names: one copy for both sources.
+    values = {name: getattr(t, name) for name in TickOut.model_fields}
+    return TickOut(**(values | {"budget_w": finite_or_none(t.budget_w)}))
 
 
 @router.get("/ticks", response_model=list[TickOut], tags=["history"], responses=AUTH_ERRORS)
@@ -33,28 +41,9 @@ def ticks(
     """Recent ticks, newest first: from the store when there is one (it outlives
     restarts; writes lag a second or so), else from memory."""
     if controller.store is not None:
-        return [
-            TickOut(
-                tick=t.tick,
-                ts=t.ts,
-                status=t.status,
-                solver=t.solver,
-                solve_ms=t.solve_ms,
-                budget_w=finite_or_none(t.budget_w),
-                committed_w=t.committed_w,
-                draw_w=t.draw_w,
-                throughput=t.throughput,
-                gpus=t.n_gpus,
-                gpus_stale=t.n_stale,
-            )
-            for t in controller.store.recent_ticks(limit=limit, since=since)
-        ]
+        return [_tick_out(t) for t in controller.store.recent_ticks(limit=limit, since=since)]
     history = list(controller.history)  # a copy: the loop appends meanwhile
-    return [
-        TickOut(**(asdict(r) | {"budget_w": finite_or_none(r.budget_w)}))  # the same fields
-        for r in reversed(history)
-        if since is None or r.ts >= since
-    ][:limit]
+    return [_tick_out(r) for r in reversed(history) if since is None or r.ts >= since][:limit]
 
 
 @router.get("/events", response_model=Page[EventOut], tags=["events"], responses=STORE_ERRORS)
