@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 import numpy as np
+from honest import GPUS, NODES, HonestNode, policy_dict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,90 +25,15 @@ from powerd.controller.overrides import BudgetOverride
 from powerd.policy import parse_policy
 from powerd.transport import MemoryBroker, Message
 from powerd.wire import (
-    CapAck,
-    CapCommand,
-    GpuAck,
-    GpuTelemetry,
     NodeState,
     NodeStatus,
-    NodeTelemetry,
     Topics,
     encode,
 )
 
-GPUS = 4
-NODES = ["r1-n1", "r1-n2", "r2-n1", "r2-n2"]
 HOSTILE = "r1-n1"
 TOPICS = Topics()
 TOL = 1e-6
-
-
-def policy_dict() -> dict[str, Any]:
-    return {
-        "facility": {
-            "name": "dc",
-            "budget_w": 7000,
-            "rows": [
-                {
-                    "name": "row",
-                    "racks": [
-                        {
-                            "name": "r{1..2}",
-                            "budget_w": 3800,
-                            "nodes": [{"name": "{rack}-n{1..2}", "budget_w": 2400, "gpus": GPUS}],
-                        }
-                    ],
-                }
-            ],
-        },
-        "profiles": {"p": {"points": [[200, 0.4], [700, 1.0]]}},
-        "classes": {"c": {"weight": 1, "profile": "p"}},
-        "defaults": {"class": "c", "failsafe_w": 200},
-        "control": {"tick_s": 1.0, "lease_s": 4.0, "stale_after_s": 3.0, "forget_after_s": 20},
-    }
-
-
-class HonestNode:
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.uuids = [f"GPU-{name}-{i}" for i in range(GPUS)]
-        self.caps = dict.fromkeys(self.uuids, 200.0)  # failsafe, as an agent starts
-        self.last_tick: int | None = None
-        self.seq = 0
-
-    def telemetry(self, wall: float) -> bytes:
-        self.seq += 1
-        gpus = [
-            GpuTelemetry(
-                uuid=u,
-                index=i,
-                power_w=min(cap, 650.0),
-                energy_j=1.0,
-                cap_w=cap,
-                min_cap_w=200.0,
-                max_cap_w=700.0,
-                default_cap_w=700.0,
-                temp_c=50.0,
-                util_pct=90.0,
-                sm_clock_mhz=1500.0,
-            )
-            for i, (u, cap) in enumerate(self.caps.items())
-        ]
-        msg = NodeTelemetry(
-            node_id=self.name, ts=wall, seq=self.seq, period_s=1.0, gpus=gpus, tick=self.last_tick
-        )
-        return encode(msg)
-
-    def apply(self, cmd: CapCommand) -> bytes | None:
-        if self.last_tick is not None and cmd.tick <= self.last_tick:
-            return None
-        self.last_tick = cmd.tick
-        acks = {}
-        for u, w in cmd.caps.items():
-            if u in self.caps:
-                self.caps[u] = min(max(w, 200.0), 700.0)
-                acks[u] = GpuAck(requested_w=w, enforced_w=self.caps[u])
-        return encode(CapAck(node_id=self.name, tick=cmd.tick, gpus=acks))
 
 
 def gpu_dict(uuid: str, index: int, **over: Any) -> dict[str, Any]:
@@ -191,9 +117,9 @@ def hostile_message(draw: st.DrawFn) -> tuple[str, bytes]:
         payload = draw(
             st.recursive(
                 st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=5)),
-                lambda inner: (
-                    st.lists(inner, max_size=3)
-                    | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+                lambda inner: st.one_of(
+                    st.lists(inner, max_size=3),
+                    st.dictionaries(st.text(max_size=5), inner, max_size=3),
                 ),
                 max_leaves=8,
             )
