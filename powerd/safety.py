@@ -105,10 +105,11 @@ class NodeCommand(NamedTuple):
     caps_w: dict[str, float]
     failsafe_w: dict[str, float]
 
-    def to_wire(self, ts: float = 0.0, controller_id: str = "") -> CapCommand:
+    def to_wire(self, ts: float = 0.0, controller_id: str = "", epoch: int = 0) -> CapCommand:
         return CapCommand(
             node_id=self.node,
             tick=self.tick,
+            epoch=epoch,
             lease_s=self.lease_s,
             caps=self.caps_w,
             failsafe_w=self.failsafe_w,

@@ -33,6 +33,9 @@ MAX_SANE_WATTS = 10_000.0
 # unbounded integer once overflowed the controller's int64 arrays and killed it.
 MAX_TICK = 2**53 - 1
 Tick = Annotated[int, Field(ge=0, le=MAX_TICK)]
+# A leader's fencing token: taken anew at each election, only ever larger. A command from a
+# lower epoch than one an agent has seen is refused, however late it arrives.
+Epoch = Annotated[int, Field(ge=0, le=MAX_TICK)]
 ShortText = Annotated[str, StringConstraints(max_length=64)]
 
 NodeId = Annotated[str, Field(pattern=NODE_ID_PATTERN)]
@@ -104,6 +107,7 @@ class NodeTelemetry(_Msg):
 
 class CapCommand(_Msg):
     tick: Tick
+    epoch: Epoch = 0  # the leader's; absent (an older controller): 0
     lease_s: float = Field(gt=0, le=86_400, allow_inf_nan=False)
     caps: dict[GpuUuid, PosWatts] = Field(max_length=MAX_GPUS_PER_NODE)
     failsafe_w: dict[GpuUuid, PosWatts] = Field(max_length=MAX_GPUS_PER_NODE)
@@ -130,6 +134,7 @@ class GpuAck(BaseModel):
 
 class CapAck(_Msg):
     tick: Tick
+    epoch: Epoch = 0  # the command's
     gpus: dict[GpuUuid, GpuAck] = Field(max_length=MAX_GPUS_PER_NODE)
     ts: float = Field(default=0.0, allow_inf_nan=False)
 
@@ -145,6 +150,8 @@ class NodeStatus(_Msg):
     state: NodeState
     ts: float = Field(default=0.0, allow_inf_nan=False)
     last_tick: Tick | None = None
+    epoch: Epoch = 0  # the highest epoch the agent has seen (of the command it applied last)
+    fenced: int = Field(default=0, ge=0, le=MAX_TICK)  # commands refused for a lower epoch
     gpus: int = Field(default=0, ge=0, le=MAX_GPUS_PER_NODE)
     agent_version: str = Field(default="", max_length=64)
     # Caps in force, so a restarted controller learns them from the retained status.

@@ -78,11 +78,17 @@ class Harness:
         return await asyncio.wait_for(self.acks.get(), 10)
 
     def command(
-        self, tick: int, caps: list[float], failsafe: float = 300.0, lease_s: float = LEASE_S
+        self,
+        tick: int,
+        caps: list[float],
+        failsafe: float = 300.0,
+        lease_s: float = LEASE_S,
+        epoch: int = 0,
     ) -> CapCommand:
         return CapCommand(
             node_id=NODE,
             tick=tick,
+            epoch=epoch,
             lease_s=lease_s,
             caps=dict(zip(self.uuids, caps, strict=False)),
             failsafe_w=dict.fromkeys(self.uuids, failsafe),
@@ -345,6 +351,8 @@ BAD_INPUT: list[tuple[str, Callable[[Harness], bytes | CapCommand], str]] = [
     ("negative_watts", lambda h: _raw(caps={h.uuids[0]: -250.0}), "invalid"),
     ("nan_watts", lambda h: _raw().replace(b"250.0", b"NaN"), "invalid"),
     ("huge_watts", lambda h: _raw(caps={h.uuids[0]: 1e9}), "invalid"),
+    ("negative_epoch", lambda h: _raw(epoch=-1), "invalid"),
+    ("huge_epoch", lambda h: _raw(epoch=2**53), "invalid"),
     ("wrong_node", lambda h: _raw(node_id="node-2"), "node_mismatch"),
     ("wrong_version", lambda h: _raw(v=2), "bad_version"),
     ("oversized", lambda h: _raw(pad="x" * MAX_PAYLOAD_BYTES), "oversized"),
@@ -372,6 +380,34 @@ async def test_bad_input_is_counted_and_changes_nothing(
     # No ack for the bad message: the next ack is the next valid command's.
     assert (await h.apply(6, [460.0])).gpus[h.uuids[0]].enforced_w == 460.0
     assert sum(h.agent.rejected.values()) == 1
+
+
+async def test_a_lower_epoch_is_fenced_a_higher_one_wins_over_ticks(
+    start_agent: StartAgent, eventually: Any
+) -> None:
+    h = await start_agent()
+    # A command without an epoch (a controller of an earlier release) is epoch 0.
+    await h.send(_raw(tick=3, caps={h.uuids[0]: 420.0}))
+    assert (await h.next_ack()).epoch == 0
+    # A new leader (epoch 2) numbers its ticks as it likes: a lower tick still applies.
+    ack = await h.apply(1, [450.0, 450.0, 450.0, 450.0], epoch=2)
+    assert ack.epoch == 2 and h.agent.epoch == 2
+    before = h.caps()
+    # The deposed leader's commands, however late and however high their tick, move nothing.
+    await h.send(h.command(10**6, [700.0, 700.0, 700.0, 700.0], epoch=1))
+    await h.send(h.command(10**6 + 1, [200.0, 200.0, 200.0, 200.0], epoch=0))
+    await eventually(lambda: h.agent.rejected["stale_epoch"] == 2, what="two fenced commands")
+    assert h.agent.fenced == 2
+    assert h.caps() == before
+    # Within the leader's epoch ticks still order commands; its next one applies and the
+    # status reports the epoch and the fenced count.
+    await h.send(h.command(1, [460.0], epoch=2))
+    await eventually(lambda: h.agent.rejected["stale_tick"] == 1, what="a replay of tick 1")
+    assert (await h.apply(2, [460.0], epoch=2)).gpus[h.uuids[0]].enforced_w == 460.0
+    await eventually(
+        lambda: bool(h.statuses) and h.statuses[-1].last_tick == 2, what="the status of tick 2"
+    )
+    assert (h.statuses[-1].epoch, h.statuses[-1].fenced) == (2, 2)
 
 
 async def test_retained_command_is_ignored(

@@ -110,24 +110,23 @@ class Site:
         self.stops[node] = asyncio.Event()
         self.tasks[node] = asyncio.create_task(agent.run(self.stops[node]), name=node)
 
-    def start_controller(self, solver: str = "fast") -> Controller:
+    def start_controller(self, solver: str = "fast", name: str = "controller") -> Controller:
         if self.writer is not None and not self.writer_started:
             self.writer.start()
             self.writer_started = True
         ctl = Controller(
             self.policy,
-            self.broker.client("controller"),
+            self.broker.client(name),
             self.clock,
             store=self.store,
             writer=self.writer,
             solver=solver,
+            controller_id=name,
         )
         ctl.on_tick.append(self.reports.append)
         self.controller = ctl
-        self.stops["controller"] = asyncio.Event()
-        self.tasks["controller"] = asyncio.create_task(
-            ctl.run(self.stops["controller"], learn_s=TICK), name="controller"
-        )
+        self.stops[name] = asyncio.Event()
+        self.tasks[name] = asyncio.create_task(ctl.run(self.stops[name], learn_s=TICK), name=name)
         return ctl
 
     def true_caps(self) -> dict[str, float]:
@@ -278,6 +277,27 @@ async def test_dead_controller_sends_nodes_to_failsafe_and_a_new_one_resumes(sit
     assert all(a.state is NodeState.STEERED for a in site.agents.values())
     await site.step(5 * TICK)
     assert max(site.true_caps().values()) > 300
+    assert new.last_tick is not None and not new.last_tick.group_over.any()
+    assert site.breaches == []
+
+
+async def test_a_deposed_leader_moves_no_cap(site: Site) -> None:
+    # Two controllers command the same nodes: the old leader (epoch 1) does not know it
+    # was deposed and keeps sending. Agents follow the higher epoch and fence the other.
+    old = site.start_controller(name="old")
+    old.epoch = 1
+    await site.step(6 * TICK)
+    assert all(a.epoch == 1 for a in site.agents.values())
+    new = site.start_controller(name="new")
+    new.epoch = 2
+    await site.step(8 * TICK)
+    assert all(a.epoch == 2 and a.state is NodeState.STEERED for a in site.agents.values())
+    # The old leader went on ticking, and every command it sent since was refused.
+    assert old.counters.caps_sent > 6 * 4
+    assert all(a.fenced >= 4 for a in site.agents.values())
+    assert sum(a.rejected["stale_epoch"] for a in site.agents.values()) == sum(
+        a.fenced for a in site.agents.values()
+    )
     assert new.last_tick is not None and not new.last_tick.group_over.any()
     assert site.breaches == []
 

@@ -64,7 +64,9 @@ class Agent:
     """One node's agent. `run` until a stop event; counters are attributes for metrics.
 
     `rejected` counts dropped input by reason: the wire's (oversized, not_json, bad_version,
-    invalid, node_mismatch) and the agent's (bad_topic, retained, stale_tick, unknown_gpu).
+    invalid, node_mismatch) and the agent's (bad_topic, retained, stale_epoch, stale_tick,
+    unknown_gpu). Commands are ordered by (epoch, tick): a command from a lower epoch than
+    the highest seen is fenced (a deposed or paused leader), counted in `fenced` too.
     `unsent` counts messages that could not be published (disconnected), by kind.
     """
 
@@ -80,6 +82,8 @@ class Agent:
         self.gpus: dict[str, GpuInfo] = {g.uuid: g for g in backend.gpus()}
         self.state = NodeState.STARTING
         self.last_tick: int | None = None
+        self.epoch = 0  # the highest leader epoch seen in a command applied
+        self.fenced = 0  # commands refused for a lower epoch
         self.lease_until = 0.0  # monotonic time at which the last command's caps lapse
         self.caps_w: dict[str, float] = {}  # enforced caps, as last read back
         self.failsafe_w: dict[str, float] = {}  # from the latest command
@@ -172,7 +176,12 @@ class Agent:
         except WireError as exc:
             self._reject(exc.reason, exc.detail)
             return
-        if self.last_tick is not None and cmd.tick <= self.last_tick:
+        if cmd.epoch < self.epoch:
+            self.fenced += 1
+            self._reject("stale_epoch", f"epoch {cmd.epoch} < {self.epoch} (tick {cmd.tick})")
+            return
+        newer_leader = cmd.epoch > self.epoch
+        if not newer_leader and self.last_tick is not None and cmd.tick <= self.last_tick:
             self._reject("stale_tick", f"tick {cmd.tick} <= last applied {self.last_tick}")
             return
         ack = self._apply(cmd)
@@ -203,12 +212,15 @@ class Agent:
             if uuid in self.gpus:
                 self.failsafe_w[uuid] = watts
         self.last_tick = cmd.tick
+        self.epoch = cmd.epoch
         self.lease_until = self.clock.monotonic() + cmd.lease_s
         if self.state is not NodeState.STEERED:
             self.log.info("steering_resumed", tick=cmd.tick, previous=self.state)
         self.state = NodeState.STEERED
         self.log.debug("caps_applied", tick=cmd.tick, caps_w=self.caps_w)
-        return CapAck(node_id=self.node_id, tick=cmd.tick, gpus=acks, ts=self.clock.wall())
+        return CapAck(
+            node_id=self.node_id, tick=cmd.tick, epoch=cmd.epoch, gpus=acks, ts=self.clock.wall()
+        )
 
     def _set_cap(self, uuid: str, requested: float, target: float) -> GpuAck:
         try:
@@ -326,6 +338,8 @@ class Agent:
             state=self.state,
             ts=self.clock.wall(),
             last_tick=self.last_tick,
+            epoch=self.epoch,
+            fenced=self.fenced,
             gpus=len(self.gpus),
             agent_version=__version__,
             caps_w=self.caps_w,

@@ -97,6 +97,9 @@ class Controller(AdminWrites):
         self.store = store
         self.writer = writer
         self.controller_id = controller_id
+        # The leader epoch every command carries: agents refuse commands of a lower epoch
+        # than one they have seen. 0 for a controller that steers alone.
+        self.epoch = 0
         self.topics = topics or Topics()
         self.policy_path = policy_path
         self.counters = Counters()
@@ -239,7 +242,7 @@ class Controller(AdminWrites):
     async def publish_plan(self, plan: SafePlan) -> None:
         ts = self.clock.wall()
         batch = [
-            (self.topics.caps(cmd.node), encode(cmd.to_wire(ts, self.controller_id)))
+            (self.topics.caps(cmd.node), encode(cmd.to_wire(ts, self.controller_id, self.epoch)))
             for cmd in plan.commands
         ]
         try:
