@@ -188,6 +188,19 @@ class OperatorState(Base):
     state: Mapped[dict[str, Any]]
 
 
+class LeaderLease(Base):
+    """Who leads a scope, under which epoch, until when (seconds on the database's clock):
+    powerd/store/leases.py takes, renews and gives it up."""
+
+    __tablename__ = "leader_lease"
+
+    scope: Mapped[str] = mapped_column(String(128), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(128))
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    expires_at: Mapped[float]
+    acquired_at: Mapped[float]
+
+
 class GpuMinute(Base):
     """One GPU over one minute: raw samples are aggregated in memory and never stored."""
 
