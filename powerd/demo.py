@@ -90,10 +90,17 @@ class DemoStats:
             self.over_budget_ticks += 1
         if np.any(r.group_draw_w[finite] > budget[finite] + 1e-6):
             self.draw_over_ticks += 1
-        if finite.any():
+        # After a start every GPU counts at its maximum until it acknowledges a command of
+        # ours (docs/safety.md, "Restart"): a group over budget on that count alone is not
+        # over (`group_over` is false) and nothing rises there. Its ratio is not a use.
+        settling = (r.group_committed_w > budget + 1e-6) & ~r.group_over
+        counted = finite & ~settling
+        if counted.any():
             self.max_committed_frac = max(
-                self.max_committed_frac, float(np.max(r.group_committed_w[finite] / budget[finite]))
+                self.max_committed_frac,
+                float(np.max(r.group_committed_w[counted] / budget[counted])),
             )
+        if finite.any():
             self.max_draw_frac = max(
                 self.max_draw_frac, float(np.max(r.group_draw_w[finite] / budget[finite]))
             )

@@ -101,3 +101,4 @@ def test_demo_steers_within_budgets_and_reports_json() -> None:
     assert summary["ticks"] == len(ticks)
     assert summary["gpus"] == 128
     assert summary["ticks_committed_over_budget"] == 0
+    assert summary["max_committed_over_budget_ratio"] <= 1.0 + 1e-6
