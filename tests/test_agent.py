@@ -410,6 +410,27 @@ async def test_a_lower_epoch_is_fenced_a_higher_one_wins_over_ticks(
     assert (h.statuses[-1].epoch, h.statuses[-1].fenced) == (2, 2)
 
 
+async def test_the_epoch_survives_a_restart_of_the_agent(
+    start_agent: StartAgent, eventually: Any, tmp_path: Path
+) -> None:
+    h = await start_agent(state_dir=tmp_path)
+    await h.apply(1, [450.0, 450.0, 450.0, 450.0], epoch=3)
+    # Written before the command of the new epoch was applied.
+    assert (tmp_path / "epoch").read_text() == "3\n"
+    await h.apply(2, [460.0], epoch=3)  # the same epoch: not written again
+    assert (tmp_path / "epoch").read_text() == "3\n"
+    # A new agent process on the node: it refuses the deposed leader's late command.
+    again = await start_agent(state_dir=tmp_path)
+    assert again.agent.epoch == 3
+    await again.send(again.command(10**6, [700.0, 700.0, 700.0, 700.0], epoch=2))
+    await eventually(lambda: again.agent.rejected["stale_epoch"] == 1, what="a fenced command")
+    assert again.agent.fenced == 1
+    # A file that holds no epoch is logged and ignored, as if none were kept.
+    (tmp_path / "epoch").write_text("garbage")
+    third = await start_agent(state_dir=tmp_path)
+    assert third.agent.epoch == 0
+
+
 async def test_retained_command_is_ignored(
     start_agent: StartAgent, mosquitto: LocalMosquitto, eventually: Any
 ) -> None:

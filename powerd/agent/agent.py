@@ -12,8 +12,10 @@ Safety rules, which everything else here serves:
 from __future__ import annotations
 
 import asyncio
+import os
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Literal
 
 import structlog
@@ -32,6 +34,7 @@ from powerd.transport.base import (
 )
 from powerd.transport.mqtt import MqttTransport
 from powerd.wire import (
+    MAX_TICK,
     AckError,
     CapAck,
     CapCommand,
@@ -84,6 +87,8 @@ class Agent:
         self.last_tick: int | None = None
         self.epoch = 0  # the highest leader epoch seen in a command applied
         self.fenced = 0  # commands refused for a lower epoch
+        # The epoch survives a restart here (written before a higher epoch is applied).
+        self.epoch_file = None if settings.state_dir is None else settings.state_dir / "epoch"
         self.lease_until = 0.0  # monotonic time at which the last command's caps lapse
         self.caps_w: dict[str, float] = {}  # enforced caps, as last read back
         self.failsafe_w: dict[str, float] = {}  # from the latest command
@@ -98,6 +103,8 @@ class Agent:
     # -- lifecycle -----------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
+        if self.epoch_file is not None:
+            self.epoch = await asyncio.to_thread(self._load_epoch, self.epoch_file)
         self._sample()
         self._enforce_failsafe()
         self.log.info("agent_started", gpus=len(self.gpus), state=self.state)
@@ -184,10 +191,34 @@ class Agent:
         if not newer_leader and self.last_tick is not None and cmd.tick <= self.last_tick:
             self._reject("stale_tick", f"tick {cmd.tick} <= last applied {self.last_tick}")
             return
+        if newer_leader and self.epoch_file is not None:
+            await self._save_epoch(self.epoch_file, cmd.epoch)
         ack = self._apply(cmd)
         self.commands += 1
         await self._send("ack", self.topics.ack(self.node_id), ack, qos=1)
         await self._publish_status()
+
+    def _load_epoch(self, path: Path) -> int:
+        """(worker thread) The epoch kept by a previous run; 0 if none or unreadable."""
+        try:
+            text = path.read_text(encoding="ascii").strip()
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            self.log.warning("epoch_not_loaded", path=str(path), error=str(exc))
+            return 0
+        if not text.isdigit() or int(text) > MAX_TICK:
+            self.log.warning("epoch_not_loaded", path=str(path), error=f"not an epoch: {text!r}")
+            return 0
+        return int(text)
+
+    async def _save_epoch(self, path: Path, epoch: int) -> None:
+        """Keep `epoch` before a command of it is applied. A failure is logged, not fatal:
+        the command is safe to apply; only a later restart would forget the epoch."""
+        try:
+            await asyncio.to_thread(_write_atomically, path, f"{epoch}\n")
+        except OSError as exc:
+            self.log.warning("epoch_not_saved", path=str(path), epoch=epoch, error=str(exc))
 
     def _reject(self, reason: str, detail: str) -> None:
         self.rejected[reason] += 1
@@ -359,6 +390,16 @@ class Agent:
         except TransportError as exc:
             self.unsent[kind] += 1
             self.log.debug("publish_failed", kind=kind, error=str(exc))
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Replace `path` with `text`, durably: a crash leaves the old file or the new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="ascii") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
 
 
 async def run_agent(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -12,6 +13,12 @@ from powerd.settings import BrokerSettings, SettingsError
 from powerd.wire import MAX_GPUS_PER_NODE, MAX_SANE_WATTS, NodeId
 
 __all__ = ["AgentSettings", "SettingsError"]
+
+
+def _systemd_state_directory() -> Path | None:
+    """The first directory systemd's StateDirectory= made for this service, if any."""
+    value = os.environ.get("STATE_DIRECTORY", "")
+    return Path(value.split(":")[0]) if value else None
 
 
 class AgentSettings(BrokerSettings):
@@ -35,6 +42,11 @@ class AgentSettings(BrokerSettings):
     # Journal every change of a mock GPU's cap in force here, and start from the caps last
     # journalled (a chaos harness's ground truth, docs/safety.md); None: no journal.
     mock_journal: Path | None = None
+
+    # What must survive a restart (the highest leader epoch applied, so a deposed leader's
+    # late command is still refused after one). Default: systemd's $STATE_DIRECTORY
+    # (StateDirectory= in the unit), else nothing is kept.
+    state_dir: Path | None = Field(default_factory=_systemd_state_directory)
 
     def client_name(self) -> str:
         return f"powerd-agent-{self.node_id}"
