@@ -122,7 +122,7 @@ class AdminWrites:
         sha = self.ledger.policy_replaced(
             text, source=source, actor=actor, reason=reason, file_sha256=file_sha256
         )
-        self._audit(
+        self.ledger.journal(
             "policy.replace", source, {"sha256": sha}, actor=actor, role=role, reason=reason
         )
         log.info("policy_replaced", source=source, sha256=sha[:12], actor=actor)
@@ -141,7 +141,7 @@ class AdminWrites:
         override = BudgetOverride(group, budget_w, expires_at, reason, actor, self.clock.wall())
         self.engine.overrides.set_budget(self.engine.policy, override)
         payload = {"budget_w": budget_w, "expires_at": expires_at}
-        self._audit("budget.set", group, payload, actor=actor, role=role, reason=reason)
+        self.ledger.journal("budget.set", group, payload, actor=actor, role=role, reason=reason)
 
     def budget_in_force_w(self, group: str) -> float:
         """A group's budget now: the policy's, or a lower temporary one (inf: unknown)."""
@@ -153,7 +153,7 @@ class AdminWrites:
 
     def clear_budget(self, group: str, *, actor: str, reason: str, role: str = "operator") -> None:
         self.engine.overrides.clear_budget(group)
-        self._audit("budget.clear", group, {}, actor=actor, role=role, reason=reason)
+        self.ledger.journal("budget.clear", group, {}, actor=actor, role=role, reason=reason)
 
     def assign_class(
         self,
@@ -167,7 +167,7 @@ class AdminWrites:
     ) -> None:
         self.engine.overrides.assign_class(self.engine.policy, cls, uuids=uuids, nodes=nodes)
         payload = {"class": cls, "uuids": uuids, "nodes": nodes}
-        self._audit(
+        self.ledger.journal(
             "class.assign", ",".join(uuids + nodes), payload, actor=actor, role=role, reason=reason
         )
 
@@ -176,7 +176,7 @@ class AdminWrites:
     ) -> None:
         self.engine.overrides.clear_class(uuids=uuids, nodes=nodes)
         payload = {"uuids": uuids, "nodes": nodes}
-        self._audit(
+        self.ledger.journal(
             "class.clear", ",".join(uuids + nodes), payload, actor=actor, role=role, reason=reason
         )
 
@@ -191,36 +191,26 @@ class AdminWrites:
                 f"{watts:g} W is outside the GPU's limits [{rec.min_cap_w:g}, {rec.max_cap_w:g}] W"
             )
         self.engine.overrides.pins[uuid] = watts
-        self._audit("gpu.pin", uuid, {"watts": watts}, actor=actor, role=role, reason=reason)
+        self.ledger.journal(
+            "gpu.pin", uuid, {"watts": watts}, actor=actor, role=role, reason=reason
+        )
 
     def unpin(self, uuid: str, *, actor: str, reason: str, role: str = "operator") -> None:
         if self.engine.overrides.pins.pop(uuid, None) is None:
             raise NotFound(f"GPU '{uuid}' is not pinned")
-        self._audit("gpu.unpin", uuid, {}, actor=actor, role=role, reason=reason)
+        self.ledger.journal("gpu.unpin", uuid, {}, actor=actor, role=role, reason=reason)
 
     def drain(self, node: str, *, actor: str, reason: str, role: str = "operator") -> None:
         if node not in self.engine.fleet.node_order:
             raise NotFound(f"unknown node '{node}'")
         self.engine.overrides.drained.add(node)
-        self._audit("node.drain", node, {}, actor=actor, role=role, reason=reason)
+        self.ledger.journal("node.drain", node, {}, actor=actor, role=role, reason=reason)
 
     def undrain(self, node: str, *, actor: str, reason: str, role: str = "operator") -> None:
         if node not in self.engine.overrides.drained:
             raise NotFound(f"node '{node}' is not drained")
         self.engine.overrides.drained.discard(node)
-        self._audit("node.undrain", node, {}, actor=actor, role=role, reason=reason)
-
-    def _audit(
-        self,
-        action: str,
-        target: str,
-        payload: Mapping[str, object],
-        *,
-        actor: str,
-        role: str,
-        reason: str,
-    ) -> None:
-        self.ledger.journal(action, target, payload, actor=actor, role=role, reason=reason)
+        self.ledger.journal("node.undrain", node, {}, actor=actor, role=role, reason=reason)
 
 
 class Ledger:

@@ -372,30 +372,39 @@ class _Connection(asyncio.Protocol):
         returns how many could not be taken (every packet id in use: the broker stopped
         acknowledging)."""
         out: list[bytes] = []
-        window, unacked, held = self._window, self.unacked, self.held
         refused = 0
         for i, (topic, payload) in enumerate(messages):
-            if held or (window and len(unacked) >= window):
-                held.append((topic, payload, retain, waiter))
+            if self.held or self._window_full():
+                self.held.append((topic, payload, retain, waiter))
                 continue
             try:
-                packet_id = self.next_id()
+                self._publish_one(topic, payload, retain, waiter, out)
             except TransportError:
                 refused = len(messages) - i
                 break
-            unacked[packet_id] = waiter
-            out.append(encode_publish(topic, payload, 1, retain, packet_id))
         if out:
             self.write(b"".join(out))
         return refused
 
     def _release(self, out: list[bytes]) -> None:
-        window, unacked, held = self._window, self.unacked, self.held
-        while held and not (window and len(unacked) >= window):
-            topic, payload, retain, waiter = held.popleft()
-            packet_id = self.next_id()
-            unacked[packet_id] = waiter
-            out.append(encode_publish(topic, payload, 1, retain, packet_id))
+        while self.held and not self._window_full():
+            self._publish_one(*self.held.popleft(), out)
+
+    def _window_full(self) -> bool:
+        return bool(self._window) and len(self.unacked) >= self._window
+
+    def _publish_one(
+        self,
+        topic: bytes,
+        payload: bytes,
+        retain: bool,
+        waiter: asyncio.Future[None] | None,
+        out: list[bytes],
+    ) -> None:
+        """One QoS 1 PUBLISH under a fresh packet id, appended to `out`."""
+        packet_id = self.next_id()
+        self.unacked[packet_id] = waiter
+        out.append(encode_publish(topic, payload, 1, retain, packet_id))
 
 
 class MqttTransport(Transport):
