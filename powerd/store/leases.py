@@ -15,10 +15,12 @@ in a worker thread, never on an event loop.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 
 from powerd.store.models import LeaderLease
@@ -40,6 +42,12 @@ class Lease:
     @property
     def lapsed(self) -> bool:
         return self.expires_at <= self.db_now
+
+
+def _floats(row: Sequence[Any]) -> tuple[int, float, float, float]:
+    """(epoch, expires_at, acquired_at, db_now) as read: the engines return Decimal or int."""
+    epoch, expires_at, acquired_at, now = row
+    return int(epoch), float(expires_at), float(acquired_at), float(now)
 
 
 def _db_now(engine: Engine) -> sa.ColumnElement[float]:
@@ -76,12 +84,12 @@ class Leases:
                 expires_at=self._now + lease_s,
                 acquired_at=sa.case((mine, _T.c.acquired_at), else_=self._now),
             )
-            .returning(_T.c.epoch, _T.c.expires_at, _T.c.acquired_at)
+            .returning(_T.c.epoch, _T.c.expires_at, _T.c.acquired_at, self._now)
         )
         with self.engine.begin() as conn:
             row = conn.execute(take).first()
-            if row is not None:
-                return self._lease(conn, scope, holder, row)
+        if row is not None:
+            return Lease(scope, holder, *_floats(row))
         return self._first(scope, holder, lease_s)
 
     def _first(self, scope: str, holder: str, lease_s: float) -> Lease | None:
@@ -95,22 +103,14 @@ class Leases:
                 expires_at=self._now + lease_s,
                 acquired_at=self._now,
             )
-            .returning(_T.c.epoch, _T.c.expires_at, _T.c.acquired_at)
+            .returning(_T.c.epoch, _T.c.expires_at, _T.c.acquired_at, self._now)
         )
         try:
             with self.engine.begin() as conn:
                 row = conn.execute(first).one()
-                return self._lease(conn, scope, holder, row)
         except IntegrityError:
             return None  # the scope has a leader whose lease runs (or won the race)
-
-    def _lease(
-        self, conn: Connection, scope: str, holder: str, row: sa.Row[int, float, float]
-    ) -> Lease:
-        """The lease from a statement's (epoch, expires_at, acquired_at)."""
-        epoch, expires_at, acquired_at = row
-        now = conn.execute(sa.select(self._now)).scalar_one()
-        return Lease(scope, holder, int(epoch), float(expires_at), float(acquired_at), float(now))
+        return Lease(scope, holder, *_floats(row))
 
     def release(self, scope: str, holder: str) -> bool:
         """Give the lease up now, so a standby need not wait for it to lapse (a clean stop).
@@ -133,5 +133,4 @@ class Leases:
             ).first()
         if row is None:
             return None
-        holder, epoch, expires_at, acquired_at, now = row
-        return Lease(scope, holder, int(epoch), float(expires_at), float(acquired_at), float(now))
+        return Lease(scope, row[0], *_floats(row[1:]))
