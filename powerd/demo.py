@@ -90,11 +90,9 @@ class DemoStats:
             self.over_budget_ticks += 1
         if np.any(r.group_draw_w[finite] > budget[finite] + 1e-6):
             self.draw_over_ticks += 1
-        # After a start every GPU counts at its maximum until it acknowledges a command of
-        # ours (docs/safety.md, "Restart"): a group over budget on that count alone is not
-        # over (`group_over` is false) and nothing rises there. Its ratio is not a use.
-        settling = (r.group_committed_w > budget + 1e-6) & ~r.group_over
-        counted = finite & ~settling
+        # A settling group's committed watts count GPUs at their maximum until their first
+        # ack after a start: not a use of the budget.
+        counted = finite & ~r.group_settling
         if counted.any():
             self.max_committed_frac = max(
                 self.max_committed_frac,

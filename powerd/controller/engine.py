@@ -58,6 +58,9 @@ class TickReport:
     group_committed_w: FloatArray  # committed caps + overhead + reserve for unknown GPUs
     group_draw_w: FloatArray  # measured GPU draw + overhead
     group_over: BoolArray  # committed above budget (a cut not yet obeyed)
+    # Above budget only while GPUs count at their maximum until their first ack after a
+    # start (docs/safety.md, "Restart"): no breach known, nothing rises there.
+    group_settling: BoolArray
     uuids: list[str]
     nodes: list[str]
     # Per GPU, as steered. A tuple: a tuple of strings leaves the garbage collector's view
@@ -400,6 +403,7 @@ class TickEngine:
             group_committed_w=plan.group_committed_w,
             group_draw_w=np.full(topo.n_groups, np.nan),
             group_over=plan.group_over,
+            group_settling=plan.group_settling,
             uuids=list(layout.uuids),
             nodes=list(layout.nodes),
             classes=tuple(self.policy.defaults.class_ for _ in range(n)),
@@ -519,6 +523,7 @@ class TickEngine:
             group_committed_w=plan.group_committed_w,
             group_draw_w=draw,
             group_over=over,
+            group_settling=plan.group_settling,
             uuids=arrays.uuids,
             nodes=arrays.nodes,
             classes=tuple([self.classes.names[i] for i in cls_idx.tolist()]),
