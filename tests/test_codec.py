@@ -176,6 +176,9 @@ def test_decoder_keeps_a_partial_packet_for_the_next_feed() -> None:
         (b"\x30\x03\x00\x05a", "shorter than its topic"),
         (b"\x32\x03\x00\x01a", "shorter than its topic"),  # QoS 1 without its packet id
         (b"\x36\x05\x00\x01a\x00\x01", "QoS 3"),
+        (b"\x32\x05\x00\x01a\x00\x00", "packet id 0"),  # QoS 1 needs a non-zero id
+        (b"\x40\x02\x00\x00", "PUBACK with packet id 0"),
+        (b"\x62\x02\x00\x00", "PUBREL with packet id 0"),
         (b"\x00\x00", "unexpected packet type 0"),
         (b"\x10\x00", "unexpected packet type 1"),
         (b"\x80\x00", "unexpected packet type 8"),

@@ -329,6 +329,8 @@ def _publish(buf: bytes, first: int, start: int, end: int) -> Publish:
     if payload_at > end:
         raise ProtocolError("PUBLISH shorter than its topic")
     packet_id = buf[topic_end] << 8 | buf[topic_end + 1] if qos else 0
+    if qos and not packet_id:
+        raise ProtocolError("PUBLISH at QoS 1 or 2 with packet id 0")
     return Publish(
         buf[start + 2 : topic_end],
         buf[payload_at:end],
@@ -378,4 +380,7 @@ def _control(first: int, body: bytes) -> Packet:
         if body[0] & 0xFE:
             raise ProtocolError(f"CONNACK with flags {body[0]:#x}")
         return Connack(bool(body[0] & 1), body[1])
-    return _ACK_TYPES[kind](body[0] << 8 | body[1])
+    packet_id = body[0] << 8 | body[1]
+    if not packet_id:
+        raise ProtocolError(f"{name} with packet id 0")
+    return _ACK_TYPES[kind](packet_id)

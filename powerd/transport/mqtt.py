@@ -54,7 +54,10 @@ from powerd.transport.codec import (
     Pubrel,
     Suback,
     encode_connect,
+    encode_puback,
+    encode_pubcomp,
     encode_publish,
+    encode_pubrec,
     encode_subscribe,
 )
 
@@ -187,10 +190,6 @@ async def open_tcp(host: str, port: int, timeout_s: float) -> socket.socket:
     raise error or OSError(f"no address for {host}")
 
 
-_PUBACK = b"\x40\x02"  # PUBACK, remaining length 2; the packet id follows
-_PUBREC = b"\x50\x02"
-_PUBCOMP = b"\x70\x02"
-
 Deliver = Callable[[bytes, bytes, bool], None]  # (topic, payload, retain)
 
 
@@ -253,9 +252,9 @@ class _Connection(asyncio.Protocol):
                 assert isinstance(p, Publish)
                 qos = p.qos
                 if qos == 1:
-                    out.append(_PUBACK + p.packet_id.to_bytes(2, "big"))
+                    out.append(encode_puback(p.packet_id))
                 elif qos == 2:
-                    out.append(_PUBREC + p.packet_id.to_bytes(2, "big"))
+                    out.append(encode_pubrec(p.packet_id))
                     if p.packet_id in self.qos2_in:
                         continue  # sent again before our PUBREC arrived: delivered once
                     self.qos2_in.add(p.packet_id)
@@ -282,7 +281,7 @@ class _Connection(asyncio.Protocol):
     def _control(self, p: Packet, out: list[bytes]) -> None:
         if isinstance(p, Pubrel):
             self.qos2_in.discard(p.packet_id)
-            out.append(_PUBCOMP + p.packet_id.to_bytes(2, "big"))
+            out.append(encode_pubcomp(p.packet_id))
         elif isinstance(p, Suback):
             waiter = self.subscribing.pop(p.packet_id, None)
             if waiter is not None and not waiter.done():
