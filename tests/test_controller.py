@@ -26,6 +26,7 @@ from powerd.controller.settings import ControllerSettings
 from powerd.policy import Policy, PolicyError, parse_policy
 from powerd.settings import SettingsError
 from powerd.store import Retention, Store, StoreWriter, upgrade
+from powerd.testing.synthetic import TRAIN_AND_INFER
 from powerd.transport import MemoryBroker
 from powerd.wire import NodeState, Topics
 
@@ -59,14 +60,7 @@ def site_policy() -> dict[str, Any]:
                 }
             ],
         },
-        "profiles": {
-            "train": {"points": [[200, 0.35], [400, 0.76], [600, 0.97], [700, 1.0]]},
-            "infer": {"points": [[200, 0.55], [400, 0.92], [600, 1.0]]},
-        },
-        "classes": {
-            "training": {"weight": 1, "profile": "train"},
-            "inference": {"weight": 4, "floor_w": 350, "profile": "infer"},
-        },
+        **TRAIN_AND_INFER,
         "defaults": {"class": "training", "failsafe_w": 250},
         "control": {"tick_s": TICK, "lease_s": LEASE, "stale_after_s": 3.0},
     }

@@ -31,6 +31,7 @@ from pg import pg_database
 from powerd.policy import GroupDef, Policy, load_policy, subtree_totals
 from powerd.store import Store
 from powerd.testing.mosquitto import LocalMosquitto
+from powerd.testing.synthetic import TRAIN_AND_INFER
 from powerd.transport import Message, MqttConfig, MqttTransport
 from powerd.wire import CapAck, CapCommand, NodeState, NodeStatus, NodeTelemetry, Topics, decode
 
@@ -81,14 +82,7 @@ def site_policy(rack_1_w: float = 4400, node_w: float = 2500) -> dict[str, Any]:
                 }
             ],
         },
-        "profiles": {
-            "train": {"points": [[200, 0.35], [400, 0.76], [600, 0.97], [700, 1.0]]},
-            "infer": {"points": [[200, 0.55], [400, 0.92], [600, 1.0]]},
-        },
-        "classes": {
-            "training": {"weight": 1, "profile": "train"},
-            "inference": {"weight": 4, "floor_w": 350, "profile": "infer"},
-        },
+        **TRAIN_AND_INFER,
         "defaults": {"class": "training", "failsafe_w": FAILSAFE_W, "gpus_per_node": GPUS},
         "control": {"tick_s": TICK_S, "lease_s": LEASE_S, "stale_after_s": 3 * TICK_S},
     }

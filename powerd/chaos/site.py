@@ -29,6 +29,7 @@ from powerd.chaos.proxy import LOOPBACK, TcpProxy
 from powerd.chaos.watcher import Watcher
 from powerd.policy import Policy, load_policy
 from powerd.testing.mosquitto import LocalMosquitto, free_port
+from powerd.testing.synthetic import TRAIN_AND_INFER
 from powerd.transport import MqttConfig, MqttTransport
 from powerd.wire import Topics
 
@@ -87,14 +88,7 @@ class SiteConfig:
                     }
                 ],
             },
-            "profiles": {
-                "train": {"points": [[200, 0.35], [400, 0.76], [600, 0.97], [700, 1.0]]},
-                "infer": {"points": [[200, 0.55], [400, 0.92], [600, 1.0]]},
-            },
-            "classes": {
-                "training": {"weight": 1, "profile": "train"},
-                "inference": {"weight": 4, "floor_w": 350, "profile": "infer"},
-            },
+            **TRAIN_AND_INFER,
             "defaults": {
                 "class": "training",
                 "failsafe_w": self.failsafe_w,

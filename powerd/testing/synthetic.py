@@ -29,6 +29,18 @@ CLASSES: dict[str, dict[str, Any]] = {
     "training": {"weight": 1.0, "profile": "llm-training"},
     "batch": {"weight": 0.5, "ceiling_w": 600.0, "profile": "batch"},
 }
+# Two classes for small hand-made sites (the controller, end-to-end and chaos tests):
+# training, and inference at four times its weight with a 350 W floor.
+TRAIN_AND_INFER: dict[str, Any] = {
+    "profiles": {
+        "train": {"points": [[200, 0.35], [400, 0.76], [600, 0.97], [700, 1.0]]},
+        "infer": {"points": [[200, 0.55], [400, 0.92], [600, 1.0]]},
+    },
+    "classes": {
+        "training": {"weight": 1, "profile": "train"},
+        "inference": {"weight": 4, "floor_w": 350, "profile": "infer"},
+    },
+}
 # Share of each class in a random fleet, in CLASSES order.
 CLASS_MIX = (0.25, 0.55, 0.20)
 
