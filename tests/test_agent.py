@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from powerd.agent import Agent, AgentSettings, SettingsError, build_backend
 from powerd.backends.base import NoPermission
@@ -429,6 +430,13 @@ async def test_the_epoch_survives_a_restart_of_the_agent(
     (tmp_path / "epoch").write_text("garbage")
     third = await start_agent(state_dir=tmp_path)
     assert third.agent.epoch == 0
+    # A state directory that cannot be written: logged, and the command applied all the
+    # same (it is safe now; only a later restart would forget the epoch).
+    lost = await start_agent(state_dir=tmp_path / "missing")
+    with capture_logs() as logs:
+        await lost.apply(10**6 + 5, [430.0], epoch=4)
+    assert lost.agent.epoch == 4 and lost.caps()[0] == 430.0
+    assert any(e["event"] == "epoch_not_saved" for e in logs)
 
 
 async def test_retained_command_is_ignored(
