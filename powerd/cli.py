@@ -225,6 +225,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
 
+    from powerd.controller.leadership import StartRefused
     from powerd.controller.main import run_controller
     from powerd.controller.settings import ControllerSettings
 
@@ -236,6 +237,8 @@ def cmd_controller(args: argparse.Namespace) -> int:
         state_file=args.state_file,
         solver=args.solver,
         controller_id=args.controller_id,
+        leadership=args.leadership,
+        leader_lease_s=args.leader_lease_s,
         learn_s=args.learn_s,
         api_port=args.api_port,
         api_host=args.api_host,
@@ -244,7 +247,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
     )
     try:
         asyncio.run(run_controller(settings))
-    except OSError as exc:  # the API port is taken, the policy file unreadable, ...
+    except (OSError, StartRefused) as exc:  # the API port is taken, the store is held, ...
         print(f"powerd controller: {exc}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
@@ -355,28 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--config", help="settings file (.toml or .yaml); flags win over it")
     agent.set_defaults(handler=cmd_agent)
 
-    ctl = sub.add_parser("controller", help="run the central controller (the steering loop)")
-    ctl.add_argument("--policy", help="policy YAML file ($POWERD_POLICY)")
-    ctl.add_argument("--broker", help="mqtt://HOST:PORT or mqtts://... ($POWERD_BROKER)")
-    ctl.add_argument("--db", help="SQLAlchemy URL ($POWERD_DB, default sqlite:///powerd.db)")
-    ctl.add_argument(
-        "--state-file",
-        help="operators' changes in force ($POWERD_STATE_FILE; default powerd-state.json "
-        "next to a SQLite database, else in the working directory)",
-    )
-    ctl.add_argument("--solver", choices=("fast", "cvxpy", "uniform", "priority-bands"))
-    ctl.add_argument("--controller-id", help="name in the controller status and commands")
-    ctl.add_argument(
-        "--learn-s",
-        type=float,
-        help="seconds to listen before the first tick (default: stale_after_s)",
-    )
-    ctl.add_argument("--api-host", help="admin API address (default 127.0.0.1)")
-    ctl.add_argument("--api-port", type=int, help="admin API port (default: no API)")
-    ctl.add_argument("--tokens-file", help="admin API tokens (hashed), see docs/api.md")
-    ctl.add_argument("--dev", action="store_true", help="development mode: allow weak tokens")
-    ctl.add_argument("--config", help="settings file (.toml or .yaml); flags win over it")
-    ctl.set_defaults(handler=cmd_controller)
+    _add_controller_parser(sub)
 
     add_api_commands(sub)
     add_sim_parser(sub)
@@ -392,6 +374,47 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.set_defaults(handler=cmd_db_upgrade)
     return parser
+
+
+def _add_controller_parser(sub: Any) -> None:
+    ctl = sub.add_parser("controller", help="run the central controller (the steering loop)")
+    ctl.add_argument("--policy", help="policy YAML file ($POWERD_POLICY)")
+    ctl.add_argument("--broker", help="mqtt://HOST:PORT or mqtts://... ($POWERD_BROKER)")
+    ctl.add_argument("--db", help="SQLAlchemy URL ($POWERD_DB, default sqlite:///powerd.db)")
+    ctl.add_argument(
+        "--state-file",
+        help="operators' changes in force ($POWERD_STATE_FILE; default powerd-state.json "
+        "next to a SQLite database, else in the working directory)",
+    )
+    ctl.add_argument("--solver", choices=("fast", "cvxpy", "uniform", "priority-bands"))
+    ctl.add_argument(
+        "--controller-id",
+        help="name in the controller status, commands and lease: distinct for each "
+        "controller of a standby pair, stable across restarts",
+    )
+    ctl.add_argument(
+        "--leadership",
+        choices=("auto", "lease", "alone"),
+        help="lease: command only under the database's lease (standbys take over); alone: "
+        "the only controller, steering through database outages; auto (default): alone "
+        "on SQLite, lease otherwise",
+    )
+    ctl.add_argument(
+        "--leader-lease-s",
+        type=positive_float,
+        help="the leader's lease in seconds (default 0.4 x the policy's lease_s)",
+    )
+    ctl.add_argument(
+        "--learn-s",
+        type=float,
+        help="seconds to listen before the first tick (default: stale_after_s)",
+    )
+    ctl.add_argument("--api-host", help="admin API address (default 127.0.0.1)")
+    ctl.add_argument("--api-port", type=int, help="admin API port (default: no API)")
+    ctl.add_argument("--tokens-file", help="admin API tokens (hashed), see docs/api.md")
+    ctl.add_argument("--dev", action="store_true", help="development mode: allow weak tokens")
+    ctl.add_argument("--config", help="settings file (.toml or .yaml); flags win over it")
+    ctl.set_defaults(handler=cmd_controller)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -297,8 +297,11 @@ class _Families(Collector):
         self.nodes: Mapping[str, float] = {}
         self.alarms_active: Mapping[str, float] = {}
         self.alarms_raised: dict[str, float] = {}
+        self.leadership: Leadership | None = None
 
     def collect(self) -> Iterator[Metric]:
+        if self.leadership is not None:
+            yield from self.leadership.families()
         if self.groups is not None:
             labels, budget, committed, draw = self.groups
             yield _gauge_rows(
@@ -359,6 +362,65 @@ class _Families(Collector):
             self.alarms_active,
         )
         yield _counter("powerd_alarms", "Alarms raised, by kind.", "kind", self.alarms_raised)
+
+
+@dataclass(frozen=True)
+class Leadership:
+    """A scope's leadership as one controller sees it (docs/operations.md, "A standby pair")."""
+
+    scope: str
+    controller_id: str
+    leading: bool
+    epoch: int
+    leader: str | None
+    standbys: int
+    takeovers: int
+    stepped_down: int
+    fenced: int  # commands the agents refused for a lower epoch (their statuses' sum)
+    withheld: int  # commands this controller did not send: its lease ran out first
+
+    def families(self) -> Iterator[Metric]:
+        scope = {"scope": self.scope}
+        yield _family(
+            "powerd_leader",
+            "1 while this controller leads its scope (commands), 0 while it stands by.",
+            "gauge",
+            "powerd_leader",
+            [(scope | {"controller": self.controller_id}, float(self.leading))],
+        )
+        yield _family(
+            "powerd_leader_epoch",
+            "The epoch of the scope's leader (a fencing token: agents refuse lower ones).",
+            "gauge",
+            "powerd_leader_epoch",
+            [(scope | {"leader": self.leader or ""}, float(self.epoch))],
+        )
+        rows: list[tuple[str, str, float, str]] = [
+            ("powerd_standbys", "Controllers standing by for the scope.", self.standbys, "gauge"),
+            ("powerd_takeovers", "Times this controller began to lead.", self.takeovers, "counter"),
+            (
+                "powerd_leadership_lost",
+                "Times this controller stopped leading (lease lost or not renewed in time).",
+                self.stepped_down,
+                "counter",
+            ),
+            (
+                "powerd_fenced_commands",
+                "Commands the scope's agents refused for a lower epoch (their statuses' sum).",
+                self.fenced,
+                "gauge",
+            ),
+            (
+                "powerd_commands_withheld",
+                "Commands planned but not sent: the lease ran out before they were.",
+                self.withheld,
+                "counter",
+            ),
+        ]
+        for name, doc, value, typ in rows:
+            yield _family(
+                name, doc, typ, name + "_total" if typ == "counter" else name, [(scope, value)]
+            )
 
 
 def _counter(name: str, doc: str, label: str, values: Mapping[str, float]) -> Metric:
@@ -484,6 +546,10 @@ class ControllerMetrics:
     @property
     def active_alarms(self) -> Mapping[str, float]:
         return self._f.alarms_active
+
+    def update_leadership(self, leadership: Leadership) -> None:
+        """Who leads the scope, its epoch, the standbys, takeovers and fenced commands."""
+        self._f.leadership = leadership
 
 
 class AgentMetrics:

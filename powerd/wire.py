@@ -35,7 +35,8 @@ MAX_TICK = 2**53 - 1
 Tick = Annotated[int, Field(ge=0, le=MAX_TICK)]
 # A leader's fencing token: taken anew at each election, only ever larger. A command from a
 # lower epoch than one an agent has seen is refused, however late it arrives.
-Epoch = Annotated[int, Field(ge=0, le=MAX_TICK)]
+MAX_EPOCH = MAX_TICK
+Epoch = Annotated[int, Field(ge=0, le=MAX_EPOCH)]
 ShortText = Annotated[str, StringConstraints(max_length=64)]
 
 NodeId = Annotated[str, Field(pattern=NODE_ID_PATTERN)]
@@ -159,7 +160,8 @@ class NodeStatus(_Msg):
 
 
 class ControllerState(StrEnum):
-    ACTIVE = "active"
+    ACTIVE = "active"  # leads: commands its scope
+    STANDBY = "standby"  # runs with a warm view, ready to take over
     STARTING = "starting"
     OFFLINE = "offline"
 
@@ -172,6 +174,8 @@ class ControllerStatus(BaseModel):
     state: ControllerState
     ts: float = Field(default=0.0, allow_inf_nan=False)
     tick: Tick | None = None
+    scope: str | None = Field(default=None, max_length=128)
+    epoch: Epoch | None = None  # the leader's epoch (a standby: the last it read)
 
     @field_validator("controller_id")
     @classmethod
@@ -199,8 +203,12 @@ class Topics:
     def status(self, node: str) -> str:
         return f"{self.prefix}/nodes/{node}/status"
 
-    def controller_status(self) -> str:
-        return f"{self.prefix}/controller/status"
+    def controller_status(self, controller_id: str) -> str:
+        """Each controller's own retained status (leader or standby) and last will."""
+        return f"{self.prefix}/controller/{controller_id}/status"
+
+    def all_controllers(self) -> str:
+        return f"{self.prefix}/controller/+/status"
 
     def all_nodes(self, kind: str) -> str:
         return f"{self.prefix}/nodes/+/{kind}"

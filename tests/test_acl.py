@@ -141,11 +141,11 @@ async def clients(
     controller = await connected(
         broker.client("powerd-controller"),
         (T.all_nodes("telemetry"), T.all_nodes("ack"), T.all_nodes("status")),
-        LastWill(T.controller_status(), b"offline"),
+        LastWill(T.controller_status("ctl-a"), b"offline"),
     )
     node_a = await connected(
         broker.client("node-a"),
-        (T.caps("node-a"), T.caps("node-b"), T.all_nodes("telemetry"), T.controller_status()),
+        (T.caps("node-a"), T.caps("node-b"), T.all_nodes("telemetry"), T.all_controllers()),
         LastWill(T.status("node-a"), b"offline"),
     )
     node_b = await connected(broker.client("node-b"), (), LastWill(T.status("node-b"), b"off"))
@@ -166,7 +166,7 @@ async def test_node_publishes_only_its_own_topics(
     await node_a.publish(T.status("node-b"), b"a-as-b", qos=1)
     await node_a.publish(T.caps("node-a"), b"a-caps", qos=1)  # caps come from the controller
     await node_a.publish(T.caps("node-b"), b"a-caps", qos=1)
-    await node_a.publish(T.controller_status(), b"a-as-controller", qos=1)
+    await node_a.publish(T.controller_status("ctl-a"), b"a-as-controller", qos=1)
     await node_a.publish(T.ack("node-a"), b"a-ack", qos=1)
     await node_a.publish(T.status("node-a"), b"end", qos=1)
 
@@ -184,12 +184,12 @@ async def test_node_reads_only_its_own_caps_and_no_telemetry(
     controller, node_a, node_b = clients
     await node_b.publish(T.telemetry("node-b"), b"b-telemetry", qos=1)
     await controller.publish(T.caps("node-b"), b"b-caps", qos=1)
-    await controller.publish(T.controller_status(), b"online", qos=1)
+    await controller.publish(T.controller_status("ctl-a"), b"online", qos=1)
     await controller.publish(T.caps("node-a"), b"end", qos=1)
 
     got = await received_until(node_a, T.caps("node-a"))
     assert [(m.topic, m.payload) for m in got] == [
-        (T.controller_status(), b"online"),
+        (T.controller_status("ctl-a"), b"online"),
         (T.caps("node-a"), b"end"),
     ]
 

@@ -33,6 +33,7 @@ STORE_READ = READ | {"503": "ErrorOut"}
 WRITE = READ | {
     "400": "ErrorOut",
     "404": "WriteRefused",
+    "409": "ErrorOut",
     "422": "WriteRefused",
     "503": "WriteRefused",
 }
@@ -56,6 +57,14 @@ OPERATIONS = [
     Op("GET", "/readyz", "readyz_readyz_get", "health", None, {"503": "Readiness"}),
     Op("GET", "/metrics", "metrics_route_metrics_get", "metrics", "viewer", READ),
     Op("GET", f"{V1}/fleet", "fleet_api_v1_fleet_get", "fleet", "viewer", READ),
+    Op(
+        "GET",
+        f"{V1}/leadership",
+        "leadership_api_v1_leadership_get",
+        "fleet",
+        "viewer",
+        READ | {"404": "ErrorOut"},
+    ),
     Op(
         "GET",
         f"{V1}/groups",

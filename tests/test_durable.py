@@ -89,7 +89,7 @@ class Site:
             "agent",
         )
 
-    def start(self) -> httpx.Client:
+    def start(self, *extra: str) -> httpx.Client:
         self.controller = popen(
             [
                 "controller",
@@ -107,6 +107,7 @@ class Site:
                 str(self.port),
                 "--tokens-file",
                 str(self.workdir / "tokens.toml"),
+                *extra,
             ],
             self.workdir,
             "controller",
@@ -287,7 +288,9 @@ def test_postgres_down_at_start_steers_alarms_and_catches_up(
     pg_site: tuple[Site, TcpProxy],
 ) -> None:
     site, proxy = pg_site  # the proxy is closed: the database refuses connections
-    with site.start() as c:
+    # A lone controller on PostgreSQL says so: it then steers through the outage (with
+    # standbys, the default, it would stand by until it holds the lease: tests/test_ha.py).
+    with site.start("--leadership", "alone") as c:
         alarms = wait_until(
             lambda: (
                 {a["kind"] for a in c.get("/api/v1/alarms").json()} >= {"store_unreachable"}
@@ -319,7 +322,7 @@ def test_postgres_down_at_start_steers_alarms_and_catches_up(
         assert site.events("policy_reloaded") and not site.events("policy_reload_failed")
     # A restart during the outage: the queued audit rows live in the state file.
     site.stop()
-    with site.start() as c:
+    with site.start("--leadership", "alone") as c:
         assert overrides(c)["budgets"][0]["budget_w"] == 3000
         proxy.open()
         wait_until(lambda: c.get("/api/v1/policy").json()["version"], "a stored version")

@@ -94,7 +94,9 @@ def site_policy(rack_1_w: float = 4400, node_w: float = 2500) -> dict[str, Any]:
 @dataclass
 class NodeView:
     applied: int = -1  # last tick the agent applied, from acks and statuses
-    pending: dict[int, dict[str, float]] = field(default_factory=dict)  # tick → caps sent
+    epoch: int = 0  # the highest epoch it applied: it refuses commands of lower ones
+    # (epoch, tick) → caps sent; agents order commands by both (docs/protocol.md)
+    pending: dict[tuple[int, int], dict[str, float]] = field(default_factory=dict)
     readings: dict[str, tuple[float, float]] = field(default_factory=dict)  # uuid → (ts, W)
     status: NodeStatus | None = None
     statuses: list[NodeStatus] = field(default_factory=list)
@@ -171,19 +173,24 @@ class Monitor:
                 cmd = decode(message.payload, CapCommand, topic_node=node)
                 view.commands.append(cmd)
                 self.ticks.append(cmd.tick)
-                if cmd.tick > view.applied:  # the agent drops ticks it has passed
-                    view.pending[cmd.tick] = dict(cmd.caps)
+                # The agent drops what it has passed: older epochs, and older ticks.
+                if (cmd.epoch, cmd.tick) > (view.epoch, view.applied):
+                    view.pending[(cmd.epoch, cmd.tick)] = dict(cmd.caps)
                 if self._cut is not None and cmd.tick >= self._cut[1]:
                     self.budget_w = self._cut[0]
                     self._cut = None
             elif kind == "ack":
                 ack = decode(message.payload, CapAck, topic_node=node)
                 view.acks.append(ack)
+                if ack.epoch > view.epoch:
+                    view.epoch, view.applied = ack.epoch, ack.tick
                 view.applied = max(view.applied, ack.tick)
-                # Agents apply ticks in order, so every command up to this one is settled.
-                for tick in [t for t in view.pending if t <= ack.tick]:
-                    requested = view.pending.pop(tick)
-                    if tick == ack.tick:
+                # Agents apply commands in (epoch, tick) order: every command up to this one
+                # is settled, and one of a lower epoch can never land any more.
+                done = (ack.epoch, ack.tick)
+                for key in [k for k in view.pending if k <= done or k[0] < ack.epoch]:
+                    requested = view.pending.pop(key)
+                    if key == done:
                         for u, g in ack.gpus.items():
                             enforced = g.enforced_w if g.error is None else None
                             # A failed set leaves the cap unknown: keep the request as a bound.
@@ -198,9 +205,16 @@ class Monitor:
                 view.status = status
                 view.statuses.append(status)
                 if status.state is NodeState.STARTING:
-                    view.applied = -1  # a new agent process applies any tick
-                elif status.last_tick is not None:
+                    # A new agent process applies any tick of the epoch it kept (its state
+                    # directory; none: 0).
+                    view.applied, view.epoch = -1, status.epoch
+                elif status.epoch > view.epoch:
+                    view.epoch = status.epoch
+                    view.applied = -1 if status.last_tick is None else status.last_tick
+                elif status.last_tick is not None and status.epoch == view.epoch:
                     view.applied = max(view.applied, status.last_tick)
+                for key in [k for k in view.pending if k[0] < view.epoch]:
+                    del view.pending[key]  # refused if it ever arrives
                 # The last will knows no caps: the GPUs keep the ones last read.
                 for u, w in status.caps_w.items():
                     view.read(u, status.ts, w)

@@ -86,3 +86,49 @@ def test_alarms_are_data_the_owner_takes() -> None:
     raised = {c.kind: c.message for c in changes}
     assert raised["nodes_offline"] == engine.alarms.active["nodes_offline"]
     assert engine.alarms.take() == []
+
+
+def test_a_standby_that_heard_the_leader_commands_every_node_on_its_first_tick() -> None:
+    """Two engines hear the same messages; only the leader steps. The standby keeps its
+    view with `observe`, and its first tick after taking over sends every node a command
+    (the caps in force are known: nobody waits) that holds or lowers every cap (what the
+    leader may still send counts until an ack of the standby's own), and every budget
+    holds throughout."""
+    policy = parse_policy(policy_dict())
+    leader, standby = TickEngine(policy), TickEngine(policy)
+    nodes = {n: HonestNode(n) for n in NODES}
+    wall0 = 1_700_000_000.0
+    for t in range(6):
+        now, wall = float(t), wall0 + t
+        for node in nodes.values():
+            msg = node.sample(wall)
+            assert leader.on_telemetry(msg, now) and standby.on_telemetry(msg, now)
+        standby.observe(now)
+        _, plan = leader.step(now, wall)
+        for cmd in plan.commands:
+            ack = nodes[cmd.node].apply_caps(cmd.tick, cmd.caps_w)
+            if ack is not None:
+                assert leader.on_ack(cmd.node, ack) and standby.on_ack(cmd.node, ack)
+    assert standby.tick_no == 0  # it decided nothing
+    before = {u: w for n in nodes.values() for u, w in n.caps.items()}
+    report, plan = standby.step(6.0, wall0 + 6)
+    assert plan.waiting_nodes == ()
+    assert {cmd.node for cmd in plan.commands} == set(NODES)
+    assert report.tick > leader.tick_no  # above every tick the leader sent
+    for cmd in plan.commands:
+        for u, w in cmd.caps_w.items():
+            assert w <= before[u] + TOL
+    assert not (plan.group_over & ~plan.group_settling).any()
+
+
+def test_the_agents_epoch_is_the_median_over_every_node() -> None:
+    engine = TickEngine(parse_policy(policy_dict()))
+    assert engine.agents_epoch() == 0
+    # One node claiming a huge epoch cannot lift it: the median of all nodes counts.
+    engine.on_status(NODES[0], NodeStatus(node_id=NODES[0], state=NodeState.STEERED, epoch=10**9))
+    assert engine.agents_epoch() == 0
+    for n in NODES:
+        engine.on_status(n, NodeStatus(node_id=n, state=NodeState.STEERED, epoch=7, fenced=2))
+    # The first node keeps its higher claim (epochs only grow); the others carry the median.
+    assert engine.agents_epoch() == 7
+    assert engine.fenced_total() == 2 * len(NODES)

@@ -108,3 +108,44 @@ def test_of_many_racing_controllers_exactly_one_wins(leases: Leases, led_before:
 def test_a_lease_must_have_a_length(leases: Leases) -> None:
     with pytest.raises(ValueError, match="lease_s"):
         leases.acquire("hall-1", "ctl-a", lease_s=0.0)
+
+
+def test_an_epoch_the_agents_have_seen_lifts_the_next_one(leases: Leases) -> None:
+    # A database recreated (or restored from a backup) forgets epochs the agents remember:
+    # the next leader's epoch must overtake what they report, or they refuse it.
+    first = leases.acquire("hall-1", "ctl-a", lease_s=60.0, above=41)
+    assert first is not None and first.epoch == 42
+    # Renewing with nothing newer reported keeps the epoch...
+    again = leases.acquire("hall-1", "ctl-a", lease_s=60.0)
+    assert again is not None and again.epoch == 42
+    # ...and a takeover still adds one, or more if the agents say so.
+    assert leases.release("hall-1", "ctl-a")
+    taken = leases.acquire("hall-1", "ctl-b", lease_s=60.0, above=10)
+    assert taken is not None and taken.epoch == 43
+    assert leases.release("hall-1", "ctl-b")
+    lifted = leases.acquire("hall-1", "ctl-c", lease_s=60.0, above=99)
+    assert lifted is not None and lifted.epoch == 100
+    with pytest.raises(ValueError, match="above"):
+        leases.acquire("hall-1", "ctl-c", lease_s=60.0, above=-1)
+
+
+def test_members_list_who_runs_for_a_scope(leases: Leases) -> None:
+    leases.heartbeat("hall-1", "ctl-b", "standby", 0)
+    leases.heartbeat("hall-1", "ctl-a", "leader", 3)
+    leases.heartbeat("hall-1", "ctl-c", "standby", 0)
+    leases.heartbeat("hall-2", "ctl-x", "leader", 1)
+    got = leases.members("hall-1", within_s=30.0)
+    assert [(m.holder, m.role, m.epoch) for m in got] == [
+        ("ctl-a", "leader", 3),
+        ("ctl-b", "standby", 0),
+        ("ctl-c", "standby", 0),
+    ]
+    assert all(0.0 <= m.age_s < 5.0 for m in got)
+    # A heartbeat replaces the member's row; a clean stop removes it; old ones drop out.
+    leases.heartbeat("hall-1", "ctl-b", "leader", 4)
+    leases.heartbeat("hall-1", "ctl-a", "standby", 3)
+    leases.forget("hall-1", "ctl-c")
+    got = leases.members("hall-1", within_s=30.0)
+    assert [(m.holder, m.role) for m in got] == [("ctl-b", "leader"), ("ctl-a", "standby")]
+    time.sleep(0.3)
+    assert leases.members("hall-1", within_s=0.1) == []

@@ -131,6 +131,9 @@ def _use(g: dict[str, Any]) -> list[str]:
 def print_status(
     fleet: dict[str, Any], overrides: dict[str, Any], alarms: list[dict[str, Any]], out: TextIO
 ) -> None:
+    lead = fleet.get("leadership")
+    if lead:
+        print_leadership(lead, out)
     if fleet["tick"] is None:
         print(f"policy {fleet['policy_source']}: no tick yet", file=out)
         return
@@ -179,6 +182,21 @@ def print_status(
     print("\nalarms: " + ("none" if not alarms else ""), file=out)
     for a in alarms:
         print(f"  {a['kind']}: {a['message']}", file=out)
+
+
+def print_leadership(lead: dict[str, Any], out: TextIO) -> None:
+    """`scope hall-1: leader ctl-a (epoch 7); standbys ctl-b; ...` (and who answered)."""
+    standbys = ", ".join(lead["standbys"]) or "none"
+    leader = lead["leader"] or "none (the lease lapsed)"
+    line = (
+        f"scope {lead['scope']}: leader {leader} (epoch {lead['epoch']}); standbys {standbys}; "
+        f"takeovers {lead['takeovers']}, fenced commands {lead['fenced']}"
+    )
+    if lead["role"] != "leader":
+        line += f" [answered by standby {lead['controller']}]"
+    if lead["last_error"]:
+        line += f"; lease store failing ({lead['db_failures']}x): {lead['last_error']}"
+    print(line, file=out)
 
 
 # ---- command handlers ----

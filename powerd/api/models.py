@@ -80,7 +80,40 @@ class GroupUse(_Out):
     over: bool = Field(description="Committed above budget: a cut not yet acknowledged.")
 
 
+class MemberOut(_Out):
+    controller: str
+    role: Literal["leader", "standby"]
+    epoch: int
+    age_s: float = Field(description="Since it last renewed or tried to take the lease.")
+
+
+class LeadershipOut(_Out):
+    scope: str = Field(description="What the lease covers: the policy's root, or --scope.")
+    mode: Literal["lease", "alone"] = Field(
+        description="lease: commands only while holding the lease (PostgreSQL); alone: the "
+        "only controller of an SQLite store, which commands through database outages."
+    )
+    controller: str = Field(description="The controller that answers.")
+    role: Literal["leader", "standby"]
+    leader: str | None = Field(description="Who holds the lease, as last read.")
+    epoch: int = Field(description="The leader's epoch: agents refuse commands of lower ones.")
+    lease_left_s: float | None = Field(
+        description="Leading: seconds before this controller stops commanding unless renewed."
+    )
+    standbys: list[str]
+    members: list[MemberOut]
+    takeovers: int = Field(description="Times this controller began to lead.")
+    stepped_down: int = Field(description="Times it stopped leading.")
+    fenced: int = Field(description="Commands the agents refused for a lower epoch.")
+    withheld: int = Field(description="Commands not sent: the lease ran out first.")
+    db_failures: int = Field(description="Lease attempts failed in a row.")
+    last_error: str | None
+
+
 class FleetSummary(_Out):
+    leadership: LeadershipOut | None = Field(
+        default=None, description="Which controller leads this scope (none in tests)."
+    )
     tick: int | None
     ts: float | None
     status: str | None

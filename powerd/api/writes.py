@@ -12,6 +12,7 @@ from typing import NoReturn
 import structlog
 from fastapi import HTTPException
 
+from powerd.api.errors import rejected
 from powerd.api.models import Problem, WriteOut, WriteRefused
 from powerd.auth import Principal
 from powerd.controller.admin import WriteFailed, WriteOutcome
@@ -50,6 +51,22 @@ async def refuse(
     raise HTTPException(status, body.model_dump())
 
 
+def leader_only(controller: Controller) -> None:
+    """A 409 on a standby: only the leader's writes are in force and stored (a standby
+    follows them from the database). Not audited: the standby stores nothing."""
+    if controller.leading():
+        return
+    lead = controller.leadership
+    leader = lead.leader if lead is not None else None
+    rejected(
+        409,
+        f"controller {controller.controller_id!r} stands by; send writes to the leader ({leader!r})"
+        if leader
+        else f"controller {controller.controller_id!r} stands by and no controller leads "
+        "now; try again in a few seconds",
+    )
+
+
 def failed(exc: WriteFailed) -> NoReturn:
     """A 503: the state file could not be written, so the change was rolled back."""
     detail = f"not applied: {exc.outcome.detail}"
@@ -79,6 +96,7 @@ async def write(
     """Apply one change through the controller, which validates it: what it does not know
     is a 404, what it refuses a 422 (naming `field`), and either is audited. Then the
     ledger makes it durable; the answer says what happened (`WriteOut`)."""
+    leader_only(attempt.controller)
     try:
         outcome = await attempt.controller.ledger.commit(change, lowers_power=lowers_power)
     except NotFound as exc:

@@ -454,6 +454,46 @@ class Ledger:
             queued_audit=len(self.pending),
         )
 
+    # ---- a standby follows the leader's state ----
+
+    async def follow(self) -> bool:
+        """Standby (and at a takeover, before the first command): adopt the operators'
+        state the database holds when it is newer than ours, or differs at the same
+        revision (the leader's, written while we could not see it): temporary budgets,
+        pins, drains, classes and a policy replaced through the API. True if adopted.
+        Raises when the database cannot be read: a new leader must not command from a
+        state it could not check."""
+        store = self.store
+        if store is None:
+            return False
+        row = await asyncio.to_thread(store.latest_operator_state)
+        if row is None or row.revision < self.revision:
+            return False
+        state = OperatorState.model_validate(row.state | {"revision": row.revision})
+        mine = self.state(row.revision)
+        if row.revision == self.revision and state.for_db() | {"ts": 0} == mine.for_db() | {
+            "ts": 0
+        }:
+            return False
+        ctl = self._ctl
+        api = state.api_policy
+        if api is not None and (self.api_policy is None or api.sha256 != self.api_policy.sha256):
+            ctl._adopt(load_policy_text(api.text, "api"))
+        elif api is None and self.api_policy is not None and ctl.file_policy is not None:
+            ctl._adopt(ctl.file_policy)
+        self.api_policy = api
+        ctl.overrides = restore(state, ctl.policy, ctl.clock.wall())
+        self.revision = self.db_revision = row.revision
+        log.info(
+            "operator_state_followed",
+            revision=row.revision,
+            budgets=sorted(ctl.overrides.budgets),
+            api_policy=api is not None,
+        )
+        await self._save()
+        self.file_revision = row.revision
+        return True
+
     # ---- the database (background) ----
 
     async def run(self, stop: asyncio.Event) -> None:

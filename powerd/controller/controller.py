@@ -24,6 +24,7 @@ from powerd.clock import Clock
 from powerd.controller.admin import AdminWrites, Ledger
 from powerd.controller.engine import TickEngine, TickReport, TickSummary
 from powerd.controller.fleet import FleetState
+from powerd.controller.leadership import Leadership
 from powerd.controller.overrides import Overrides
 from powerd.numeric import finite_or_none
 from powerd.policy import Policy
@@ -63,6 +64,7 @@ class Counters:
     dropped: Counter[str] = field(default_factory=Counter)  # by reason
     caps_sent: int = 0  # commands published
     publish_failed: int = 0
+    withheld: int = 0  # commands planned but not sent: the lease ran out first
     ticks: int = 0
 
 
@@ -98,8 +100,17 @@ class Controller(AdminWrites):
         self.writer = writer
         self.controller_id = controller_id
         # The leader epoch every command carries: agents refuse commands of a lower epoch
-        # than one they have seen. 0 for a controller that steers alone.
+        # than one they have seen. Set each tick from `leadership` (none: stays as set).
         self.epoch = 0
+        # Whether this controller may command (a lease in the database); None: it always
+        # may (tests, the simulator's loop). main.py gives every daemon one.
+        self.leadership: Leadership | None = None
+        # Called once per round of the loop with whether this controller led in it: a
+        # standby never ticks, but systemd's watchdog and the metrics still hear from it.
+        self.on_round: list[Callable[[bool], None]] = []
+        # The policy from the file (a standby that follows the leader back from an API
+        # policy to the file's); main.py sets it.
+        self.file_policy: Policy | None = None
         self.topics = topics or Topics()
         self.policy_path = policy_path
         self.counters = Counters()
@@ -239,7 +250,37 @@ class Controller(AdminWrites):
         )
         self._stored_gpus.update(new)
 
+    def leading(self) -> bool:
+        """Whether this controller may command now."""
+        return self.leadership is None or self.leadership.may_command()
+
+    def _sync_epoch(self) -> None:
+        """The epoch this tick's commands carry: the lease's; alone, at least the one the
+        agents have seen (nobody else commands, and a lease the database could not give at
+        start must not leave every agent refusing us)."""
+        lead = self.leadership
+        if lead is None:
+            return
+        if lead.mode == "lease":
+            self.epoch = lead.epoch
+        else:
+            self.epoch = max(lead.epoch, self.engine.agents_epoch())
+
+    def epoch_to_overtake(self) -> int:
+        """For the lease: an epoch the agents report above ours (0 if none), which the
+        next lease's epoch must exceed (a database recreated, or restored from a backup)."""
+        seen = self.engine.agents_epoch()
+        lead = self.leadership
+        ours = lead.epoch if lead is not None and lead.leading else 0
+        return seen if seen > ours else 0
+
     async def publish_plan(self, plan: SafePlan) -> None:
+        if not self.leading():
+            # The lease ran out while the tick was decided: not one command leaves. The
+            # planner counts them as sent (pending), which only holds raises back.
+            self.counters.withheld += len(plan.commands)
+            log.warning("commands_withheld", tick=plan.tick, commands=len(plan.commands))
+            return
         ts = self.clock.wall()
         batch = [
             (self.topics.caps(cmd.node), encode(cmd.to_wire(ts, self.controller_id, self.epoch)))
@@ -328,24 +369,43 @@ class Controller(AdminWrites):
         return ControllerHealth(connected, store, age, ready)
 
     def _status(self, state: ControllerState) -> bytes:
+        lead = self.leadership
         return encode(
             ControllerStatus(
                 controller_id=self.controller_id,
                 state=state,
                 ts=self.clock.wall(),
                 tick=self.tick_no or None,
+                scope=None if lead is None else lead.scope,
+                epoch=self.epoch
+                if lead is None or state is ControllerState.ACTIVE
+                else lead.leader_epoch,
             )
         )
+
+    async def _announce(self, leading: bool) -> None:
+        """Our retained status says whether we lead or stand by."""
+        state = ControllerState.ACTIVE if leading else ControllerState.STANDBY
+        try:
+            await self.transport.publish(
+                self.topics.controller_status(self.controller_id),
+                self._status(state),
+                qos=1,
+                retain=True,
+            )
+        except TransportError as exc:
+            log.warning("controller_status_not_published", error=str(exc))
 
     async def run(self, stop: asyncio.Event, *, learn_s: float | None = None) -> None:
         """Steer until `stop` is set. Listens for `learn_s` (default: one stale period)
         before the first tick, so retained status and telemetry teach the caps in force."""
-        will = LastWill(self.topics.controller_status(), self._status(ControllerState.OFFLINE))
+        status_topic = self.topics.controller_status(self.controller_id)
+        will = LastWill(status_topic, self._status(ControllerState.OFFLINE))
 
         async def on_connect() -> None:
             await self.transport.publish(
-                self.topics.controller_status(),
-                self._status(ControllerState.ACTIVE),
+                status_topic,
+                self._status(ControllerState.ACTIVE if self.leading() else ControllerState.STANDBY),
                 qos=1,
                 retain=True,
             )
@@ -361,6 +421,8 @@ class Controller(AdminWrites):
             solver=self.solver,
             nodes=len(self.fleet.node_order),
             tick_s=self.policy.control.tick_s,
+            scope=None if self.leadership is None else self.leadership.scope,
+            leadership=None if self.leadership is None else self.leadership.mode,
         )
         try:
             async with asyncio.TaskGroup() as tg:
@@ -373,7 +435,7 @@ class Controller(AdminWrites):
         finally:
             with contextlib.suppress(TransportError):
                 await self.transport.publish(
-                    self.topics.controller_status(),
+                    status_topic,
                     self._status(ControllerState.OFFLINE),
                     qos=1,
                     retain=True,
@@ -391,13 +453,27 @@ class Controller(AdminWrites):
         await self.clock.sleep(control.stale_after_s if learn_s is None else learn_s)
         next_at = self.clock.monotonic()
         frozen: tuple[int, int] | None = None
+        announced: bool | None = None
         while not stop.is_set():
-            try:
-                await self.tick_once()
-            except Exception:
-                # Only when not even the fallback could plan (no fleet yet): agents keep
-                # their leases' failsafe; the next tick tries again.
-                log.exception("tick_lost", tick=self.tick_no)
+            lead = self.leadership
+            if lead is not None:
+                lead.changed.clear()  # a change from here on wakes the sleep below
+                lead.check_deadline()
+            leading = self.leading()
+            if leading != announced:
+                announced = leading
+                await self._announce(leading)
+            if leading:
+                self._sync_epoch()
+                try:
+                    await self.tick_once()
+                except Exception:
+                    # Only when not even the fallback could plan (no fleet yet): agents
+                    # keep their leases' failsafe; the next tick tries again.
+                    log.exception("tick_lost", tick=self.tick_no)
+            else:
+                self._observe()
+            self._round_hooks(leading)
             shape = self.engine.shape
             if shape is not None and shape.version != frozen:
                 frozen = shape.version
@@ -408,7 +484,36 @@ class Controller(AdminWrites):
             if now > next_at:  # overran: skip the missed ticks rather than bunching them
                 log.warning("tick_overrun", late_s=round(now - next_at, 3))
                 next_at = now
-            await self.clock.sleep(next_at - now)
+            if await self._sleep_or_change(next_at - now):
+                next_at = self.clock.monotonic()  # took over (or stepped down): at once
+
+    def _observe(self) -> None:
+        """A standby's round: the view kept warm, nothing decided or sent."""
+        try:
+            self.engine.observe(self.clock.monotonic())
+        except Exception:
+            log.exception("observe_failed")
+
+    def _round_hooks(self, leading: bool) -> None:
+        for hook in self.on_round:
+            try:
+                hook(leading)
+            except Exception:
+                log.exception("round_hook_failed")
+
+    async def _sleep_or_change(self, delay: float) -> bool:
+        """Sleep `delay`; True if the leadership changed meanwhile (the sleep ends then)."""
+        lead = self.leadership
+        if lead is None:
+            await self.clock.sleep(delay)
+            return False
+        sleeping = asyncio.ensure_future(self.clock.sleep(delay))
+        changed = asyncio.ensure_future(lead.changed.wait())
+        try:
+            await asyncio.wait((sleeping, changed), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await cancel_and_wait([sleeping, changed])
+        return lead.changed.is_set()
 
 
 def _freeze_heap() -> None:

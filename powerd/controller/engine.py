@@ -168,6 +168,10 @@ class TickEngine:
         # The newest tick each node says it applied (statuses, acks): ours must stay above
         # them, or its agent refuses our commands.
         self._node_ticks: dict[str, int] = {}
+        # The epoch each node reports (acks, statuses) and the commands it refused for a
+        # lower one (statuses): a new leader's epoch must overtake what the agents have seen.
+        self._node_epochs: dict[str, int] = {}
+        self._node_fenced: dict[str, int] = {}
         self._outliers: tuple[str, ...] = ()
         self._message_error: str | None = None
         self._wall = 0.0  # the wall time of the tick in progress (alarm timestamps)
@@ -205,6 +209,7 @@ class TickEngine:
         # Even an ack of a tick we did not send resolves our commands up to it: the agent
         # applies only newer ticks, so none of them can still land.
         self._tick_seen(node, ack.tick)
+        self._epoch_seen(node, ack.epoch)
         self.planner.on_ack(node, ack.tick, ack.gpus)
         return True
 
@@ -215,6 +220,8 @@ class TickEngine:
             self._node_ticks.pop(node, None)  # a new agent process applies any tick
         elif status.last_tick is not None:
             self._tick_seen(node, status.last_tick)
+        self._epoch_seen(node, status.epoch)
+        self._node_fenced[node] = status.fenced
         self.fleet.ingest_status(status)
         if status.state is NodeState.OFFLINE:
             self.planner.node_offline(node)
@@ -228,6 +235,20 @@ class TickEngine:
 
     def _tick_seen(self, node: str, tick: int) -> None:
         self._node_ticks[node] = max(self._node_ticks.get(node, 0), tick)
+
+    def _epoch_seen(self, node: str, epoch: int) -> None:
+        self._node_epochs[node] = max(self._node_epochs.get(node, 0), epoch)
+
+    def agents_epoch(self) -> int:
+        """The epoch the agents have seen: the median over *every* node of the policy (one
+        that reported none counts as 0), so no minority of nodes can push a leader's epoch
+        where it likes (as with ticks, `_next_tick`)."""
+        epochs = sorted(self._node_epochs.get(n, 0) for n in self.fleet.node_order)
+        return epochs[len(epochs) // 2] if epochs else 0
+
+    def fenced_total(self) -> int:
+        """Commands the agents say they refused for a lower epoch, summed over the nodes."""
+        return sum(self._node_fenced.values())
 
     def _next_tick(self) -> int:
         """Our next tick: above every tick the nodes say they applied, with room for any a
@@ -298,6 +319,20 @@ class TickEngine:
         self.shape = Shape(version, topology, Tree(topology), layout, reserve, reserve_node)
         self._warm = None
         return self.shape
+
+    def observe(self, now: float) -> None:
+        """A standby's tick: keep the view warm without deciding or sending anything. The
+        fleet's shape is built and the planner folds in what it heard (caps in force from
+        telemetry, statuses and the leader's acks), so a takeover's first tick commands at
+        once from the caps in force."""
+        control = self.policy.control
+        if self.fleet.forget(now, control.forget_after_s, dispute_s=control.stale_after_s):
+            self.shape = None
+        arrays = self.fleet.arrays(now, control.stale_after_s)
+        if not arrays.uuids:
+            return
+        self._shape_for(arrays, now)
+        self.planner.committed_w()  # folds the queued messages in
 
     def step(self, now: float, wall: float) -> tuple[TickReport, SafePlan]:
         """One tick's decisions at monotonic time `now` and wall time `wall`.

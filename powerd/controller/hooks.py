@@ -1,7 +1,8 @@
-"""Per-tick hooks that connect the controller to metrics and to systemd's watchdog.
+"""Hooks that connect the controller to metrics and to systemd's watchdog.
 
-The controller calls every function in `controller.on_tick` with each TickReport; these
-build such functions.
+The controller calls every function in `controller.on_tick` with each TickReport, and every
+function in `controller.on_round` once per round of its loop (a tick, or a standby's round)
+with whether it led; these build such functions.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import numpy as np
 from powerd.controller.controller import Controller
 from powerd.controller.engine import TickReport
 from powerd.controller.fleet import FleetGpu
-from powerd.metrics import ControllerMetrics, GpuSnapshot
+from powerd.metrics import ControllerMetrics, GpuSnapshot, Leadership
 from powerd.policy import LEVELS
 from powerd.sdnotify import Notifier
 
 TickHook = Callable[[TickReport], None]
+RoundHook = Callable[[bool], None]  # every round of the loop: whether this controller led
 
 
 class _LiveThrottle(Sequence[tuple[str, ...]]):
@@ -116,6 +118,49 @@ def watchdog_hook(notifier: Notifier) -> TickHook:
             f"committed {r.group_committed_w[0] / 1000:.1f} kW "
             f"of {r.group_budget_w[0] / 1000:.1f} kW"
         )
+        if notifier.watchdog_s is not None:
+            notifier.notify("WATCHDOG=1", status)
+        else:
+            notifier.notify(status)
+
+    return ping
+
+
+def leadership_hook(controller: Controller, metrics: ControllerMetrics) -> RoundHook:
+    """Who leads, the epoch, standbys, takeovers and fenced commands, every round."""
+
+    def update(leading: bool) -> None:
+        lead = controller.leadership
+        if lead is None:
+            return
+        v = lead.view()
+        metrics.update_leadership(
+            Leadership(
+                scope=v.scope,
+                controller_id=v.controller_id,
+                leading=leading,
+                epoch=v.epoch,
+                leader=v.leader,
+                standbys=sum(m.role != "leader" for m in v.members),
+                takeovers=v.takeovers,
+                stepped_down=v.stepped_down,
+                fenced=controller.engine.fenced_total(),
+                withheld=controller.counters.withheld,
+            )
+        )
+
+    return update
+
+
+def standby_watchdog_hook(notifier: Notifier, controller: Controller) -> RoundHook:
+    """A standby never ticks: it pings systemd's watchdog from its rounds instead."""
+
+    def ping(leading: bool) -> None:
+        if leading:
+            return  # the tick's own hook pings
+        lead = controller.leadership
+        leader = lead.leader if lead is not None else None
+        status = f"STATUS=standing by; leader {leader or 'none'}"
         if notifier.watchdog_s is not None:
             notifier.notify("WATCHDOG=1", status)
         else:

@@ -18,8 +18,14 @@ from powerd.auth import TokenStore, check_secret
 from powerd.clock import SystemClock
 from powerd.controller.admin import Ledger, PolicyVersionToStore, WriteFailed
 from powerd.controller.controller import Controller
-from powerd.controller.engine import TickReport
-from powerd.controller.hooks import TickHook, metrics_hook, watchdog_hook
+from powerd.controller.hooks import (
+    RoundHook,
+    leadership_hook,
+    metrics_hook,
+    standby_watchdog_hook,
+    watchdog_hook,
+)
+from powerd.controller.leadership import Leadership
 from powerd.controller.opstate import (
     ApiPolicy,
     OperatorState,
@@ -33,6 +39,8 @@ from powerd.policy import Policy, PolicyError, load_policy, load_policy_text
 from powerd.sdnotify import Notifier
 from powerd.settings import SettingsError
 from powerd.store import Store, StoreWriter, WriterLimits, upgrade
+from powerd.store.db import make_engine
+from powerd.store.leases import Leases
 from powerd.transport import MqttTransport
 from powerd.wire import Topics
 
@@ -89,6 +97,8 @@ async def run_controller(settings: ControllerSettings) -> None:
         controller, store=store, state_file=state_file, schema_ready=db.ok
     )
     ledger.api_policy = api_policy
+    controller.file_policy = file_policy
+    controller.leadership = leadership = _leadership(settings, store, policy, ledger)
     ledger.start_from(
         state,
         db_revision=db.revision,
@@ -97,12 +107,16 @@ async def run_controller(settings: ControllerSettings) -> None:
     controller.policy_version = await _start_version(
         ledger, store, file_text, policy, api_policy, db_ok=db.ok
     )
+    if leadership.mode == "alone":
+        await leadership.claim_alone()  # StartRefused: another controller holds the store
     notifier = Notifier()
     registry = CollectorRegistry()
-    controller.on_tick += [
-        metrics_hook(controller, ControllerMetrics(registry)),
-        watchdog_hook(notifier),
-        _ready_once(notifier),
+    metrics = ControllerMetrics(registry)
+    controller.on_tick += [metrics_hook(controller, metrics), watchdog_hook(notifier)]
+    controller.on_round += [
+        leadership_hook(controller, metrics),
+        standby_watchdog_hook(notifier, controller),
+        _ready_once(notifier, controller),
     ]
     api = None
     if tokens is not None:
@@ -121,6 +135,7 @@ async def run_controller(settings: ControllerSettings) -> None:
     try:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(ledger.run(stop), name="ledger")
+            tg.create_task(leadership.run(stop, controller.epoch_to_overtake), name="leadership")
             if api is not None:
                 tg.create_task(api.serve(stop), name="api")
             tg.create_task(controller.run(stop, learn_s=settings.learn_s), name="controller")
@@ -145,17 +160,54 @@ def _no_tokens(dev: bool) -> TokenStore:
     return TokenStore([])
 
 
-def _ready_once(notifier: Notifier) -> TickHook:
-    """READY=1 after the first tick: start-up (migrations, broker, learning) is done."""
+def _leadership(
+    settings: ControllerSettings, store: Store, policy: Policy, ledger: Ledger
+) -> Leadership:
+    """The lease this controller leads under: its scope is the policy's root."""
+    control = policy.control
+    lease_s = settings.leader_lease_s or 0.4 * control.lease_s
+    renew_s = min(lease_s / 4, control.tick_s)
+    takeover_s = lease_s + renew_s + control.tick_s
+    mode = settings.leadership_mode()
+    if mode == "lease" and takeover_s >= control.lease_s:
+        raise SettingsError(
+            "controller settings",
+            [
+                (
+                    "leader_lease_s",
+                    f"a takeover may take lease + renewal + one tick = {takeover_s:g} s, "
+                    f"which must be shorter than the agents' lease_s ({control.lease_s:g} s) "
+                    "or GPUs fall to failsafe during a failover",
+                )
+            ],
+        )
+    leadership = Leadership(
+        # Its own engine: a lease answer that comes late is worthless, and the store's
+        # writer may hold the store's connections through a long outage.
+        Leases(make_engine(settings.db, timeout_s=max(renew_s, lease_s / 2))),
+        scope=policy.groups[0].name,
+        holder=settings.controller_id,
+        lease_s=lease_s,
+        renew_s=renew_s,
+        mode=mode,
+        margin_s=min(0.25, lease_s / 10),
+    )
+    leadership.follow = ledger.follow
+    return leadership
+
+
+def _ready_once(notifier: Notifier, controller: Controller) -> RoundHook:
+    """READY=1 after the first round (a tick, or a standby's round): start-up
+    (migrations, broker, learning) is done."""
     done = False
 
-    def hook(report: TickReport) -> None:
+    def hook(leading: bool) -> None:
         nonlocal done
         if not done:
             done = True
-            notifier.ready(f"steering {len(report.uuids)} GPUs")
-        else:
-            notifier.status(f"tick {report.tick}: {len(report.uuids)} GPUs, status {report.status}")
+            notifier.ready(
+                f"steering {len(controller.fleet.gpus)} GPUs" if leading else "standing by"
+            )
 
     return hook
 

@@ -29,7 +29,20 @@ class ControllerSettings(BrokerSettings):
     # working directory (systemd: /var/lib/powerd).
     state_file: Path | None = None
     solver: Literal["fast", "cvxpy", "uniform", "priority-bands"] = "fast"
-    controller_id: str = Field(default_factory=lambda: f"powerd-{socket.gethostname()}")
+    # Names this controller in its status topic, commands and the lease: distinct for
+    # every controller of a standby pair, and stable across restarts.
+    controller_id: str = Field(
+        default_factory=lambda: f"powerd-{socket.gethostname()}",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+    )
+    # Who commands (docs/operations.md, "A standby pair"). auto: "alone" on SQLite (one
+    # controller, which steers through database outages; a second one refuses to start),
+    # "lease" on any other database (any number of controllers; the lease holder leads).
+    leadership: Literal["auto", "lease", "alone"] = "auto"
+    # The leader's lease in seconds; None: 0.4 × the policy's lease_s (4 s by default),
+    # renewed every min(lease / 4, tick_s). A takeover completes within about lease +
+    # renewal + one tick, which must fit the agents' lease_s (checked at start).
+    leader_lease_s: float | None = Field(default=None, gt=0, le=3600)
     # Listen this long before the first tick so retained status and telemetry teach the caps
     # in force; None: the policy's stale_after_s.
     learn_s: float | None = Field(default=None, ge=0, le=3600)
@@ -59,6 +72,12 @@ class ControllerSettings(BrokerSettings):
 
     def mqtt_config(self) -> MqttConfig:
         return replace(super().mqtt_config(), max_inflight_messages=self.command_window)
+
+    def leadership_mode(self) -> Literal["lease", "alone"]:
+        if self.leadership != "auto":
+            return self.leadership
+        url = make_url(self.db) if "://" in self.db else None
+        return "alone" if url is None or url.get_backend_name() == "sqlite" else "lease"
 
     def state_path(self) -> Path:
         if self.state_file is not None:

@@ -20,12 +20,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 
-from powerd.store.models import LeaderLease
+from powerd.store.models import ControllerMember, LeaderLease
+from powerd.wire import MAX_EPOCH
 
 _T: sa.Table = LeaderLease.__table__  # type: ignore[assignment]
+_M: sa.Table = ControllerMember.__table__  # type: ignore[assignment]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,22 +69,28 @@ class Leases:
         self.engine = engine
         self._now = _db_now(engine)
 
-    def acquire(self, scope: str, holder: str, lease_s: float) -> Lease | None:
+    def acquire(self, scope: str, holder: str, lease_s: float, *, above: int = 0) -> Lease | None:
         """Take or renew `scope` for `holder` until the database's now + `lease_s`.
 
         The holder renews its own lease (same epoch), or takes one that has lapsed (epoch
         + 1; the same holder taking back its own lapsed lease keeps its epoch: nobody led in
         between). None: another holder's lease is still running.
+
+        `above`: an epoch the agents have seen that the database may not know (it was
+        recreated, or restored from a backup): the lease's epoch becomes at least one more.
         """
         if not lease_s > 0:
             raise ValueError("lease_s must be positive")
+        if not 0 <= above < MAX_EPOCH:
+            raise ValueError(f"above must be in [0, {MAX_EPOCH})")
         mine = _T.c.holder == holder
+        epoch = sa.case((mine, _T.c.epoch), else_=_T.c.epoch + 1)
         take = (
             sa.update(_T)
             .where(_T.c.scope == scope, sa.or_(mine, _T.c.expires_at <= self._now))
             .values(
                 holder=holder,
-                epoch=sa.case((mine, _T.c.epoch), else_=_T.c.epoch + 1),
+                epoch=sa.case((epoch > above, epoch), else_=above + 1),
                 expires_at=self._now + lease_s,
                 acquired_at=sa.case((mine, _T.c.acquired_at), else_=self._now),
             )
@@ -90,16 +100,16 @@ class Leases:
             row = conn.execute(take).first()
         if row is not None:
             return Lease(scope, holder, *_floats(row))
-        return self._first(scope, holder, lease_s)
+        return self._first(scope, holder, lease_s, above + 1)
 
-    def _first(self, scope: str, holder: str, lease_s: float) -> Lease | None:
-        """The first lease of a scope never led (epoch 1); None if someone holds it."""
+    def _first(self, scope: str, holder: str, lease_s: float, epoch: int) -> Lease | None:
+        """The first lease of a scope never led; None if someone holds it."""
         first = (
             sa.insert(_T)
             .values(
                 scope=scope,
                 holder=holder,
-                epoch=1,
+                epoch=epoch,
                 expires_at=self._now + lease_s,
                 acquired_at=self._now,
             )
@@ -134,3 +144,51 @@ class Leases:
         if row is None:
             return None
         return Lease(scope, row[0], *_floats(row[1:]))
+
+    # -- who is there: every controller of a scope says so at each attempt ----------------
+
+    def heartbeat(self, scope: str, holder: str, role: str, epoch: int) -> None:
+        """Note that `holder` runs for `scope` now, as `role` ("leader" or "standby")."""
+        values = {
+            "scope": scope,
+            "holder": holder,
+            "role": role,
+            "epoch": epoch,
+            "seen_at": self._now,
+        }
+        insert = (
+            sqlite_insert(_M) if self.engine.dialect.name == "sqlite" else pg_insert(_M)
+        ).values(**values)
+        upsert = insert.on_conflict_do_update(
+            index_elements=[_M.c.scope, _M.c.holder],
+            set_={"role": role, "epoch": epoch, "seen_at": self._now},
+        )
+        with self.engine.begin() as conn:
+            conn.execute(upsert)
+
+    def members(self, scope: str, within_s: float) -> list[Member]:
+        """The controllers of `scope` heard from in the last `within_s` seconds (by the
+        database's clock), leader first, then by name."""
+        with self.engine.begin() as conn:
+            rows = conn.execute(
+                sa.select(_M.c.holder, _M.c.role, _M.c.epoch, self._now - _M.c.seen_at).where(
+                    _M.c.scope == scope, _M.c.seen_at >= self._now - within_s
+                )
+            ).all()
+        out = [Member(str(h), str(r), int(e), max(0.0, float(age))) for h, r, e, age in rows]
+        return sorted(out, key=lambda m: (m.role != "leader", m.holder))
+
+    def forget(self, scope: str, holder: str) -> None:
+        """A controller that stops cleanly leaves the list at once."""
+        with self.engine.begin() as conn:
+            conn.execute(sa.delete(_M).where(_M.c.scope == scope, _M.c.holder == holder))
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """A controller of a scope as it last said: its role, epoch, and how long ago (s)."""
+
+    holder: str
+    role: str
+    epoch: int
+    age_s: float

@@ -201,6 +201,19 @@ class LeaderLease(Base):
     acquired_at: Mapped[float]
 
 
+class ControllerMember(Base):
+    """Every controller of a scope, leader or standby, as it last said (seen_at: seconds on
+    the database's clock): who stands by, for status and the API."""
+
+    __tablename__ = "controller_member"
+
+    scope: Mapped[str] = mapped_column(String(128), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(128), primary_key=True)
+    role: Mapped[str] = mapped_column(String(16))
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    seen_at: Mapped[float]
+
+
 class GpuMinute(Base):
     """One GPU over one minute: raw samples are aggregated in memory and never stored."""
 

@@ -19,10 +19,13 @@ from powerd.api.models import (
     GpuOut,
     GpuStateName,
     GroupUse,
+    LeadershipOut,
+    MemberOut,
     NodeOut,
     NodeStateName,
     Page,
 )
+from powerd.controller.controller import Controller
 from powerd.controller.engine import TickReport
 from powerd.controller.fleet import is_stale
 from powerd.numeric import finite_or_none
@@ -42,6 +45,47 @@ def _group_use(r: TickReport, g: int) -> GroupUse:
     )
 
 
+def leadership_out(controller: Controller) -> LeadershipOut | None:
+    lead = controller.leadership
+    if lead is None:
+        return None
+    v = lead.view()
+    members = [
+        MemberOut(controller=m.holder, role=m.role, epoch=m.epoch, age_s=m.age_s) for m in v.members
+    ]
+    return LeadershipOut(
+        scope=v.scope,
+        mode=v.mode,
+        controller=v.controller_id,
+        role=v.role,
+        leader=v.leader,
+        epoch=v.epoch,
+        lease_left_s=v.lease_left_s,
+        standbys=[m.holder for m in v.members if m.role != "leader"],
+        members=members,
+        takeovers=v.takeovers,
+        stepped_down=v.stepped_down,
+        fenced=controller.engine.fenced_total(),
+        withheld=controller.counters.withheld,
+        db_failures=v.db_failures,
+        last_error=v.last_error,
+    )
+
+
+@router.get(
+    "/leadership",
+    response_model=LeadershipOut,
+    responses={**AUTH_ERRORS, 404: error_doc("No leadership: an embedded controller loop")},
+)
+async def leadership(_: Viewer, controller: ControllerDep) -> LeadershipOut:
+    """Which controller leads this scope, its epoch, the standbys, takeovers and fenced
+    commands (docs/operations.md, "A standby pair")."""
+    out = leadership_out(controller)
+    if out is None:
+        rejected(404, "this controller runs without leadership (an embedded loop)")
+    return out
+
+
 def _page(items: Sequence[Any], limit: int, offset: int) -> dict[str, Any]:
     return {
         "items": list(items[offset : offset + limit]),
@@ -57,6 +101,7 @@ async def fleet(_: Viewer, controller: ControllerDep) -> FleetSummary:
     r = controller.last_tick
     nodes = controller.policy.node_names()
     return FleetSummary(
+        leadership=leadership_out(controller),
         tick=None if r is None else r.tick,
         ts=None if r is None else r.ts,
         status=None if r is None else r.status,

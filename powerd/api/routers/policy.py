@@ -9,7 +9,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from powerd.api.deps import V1, Admin, ControllerDep, ReasonQuery, Viewer
 from powerd.api.errors import AUTH_ERRORS, WRITE_ERRORS, error_doc, rejected
 from powerd.api.models import PolicyOut, PolicyReplaced
-from powerd.api.writes import Attempt, done, failed, refuse
+from powerd.api.writes import Attempt, done, failed, leader_only, refuse
 from powerd.controller.admin import WriteFailed
 from powerd.errors import InputError
 
@@ -66,6 +66,7 @@ async def replace_policy(
     """Replace the policy. It is validated first: a bad one is refused with the same
     problems as `powerd policy check`, and the running policy stays."""
     attempt = Attempt(controller, p, "policy.replace", "api", reason)
+    leader_only(controller)
     raw = await request.body()
     if len(raw) > MAX_POLICY_BYTES:
         rejected(413, f"policy text over {MAX_POLICY_BYTES} bytes")

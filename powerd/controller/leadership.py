@@ -1,0 +1,326 @@
+"""Which controller of a scope commands: a lease in the database, renewed by the leader.
+
+Two modes (docs/operations.md, "A standby pair"):
+
+- **lease** (PostgreSQL, the default there): any number of controllers run for a scope; the
+  one holding the lease commands, the others stand by with a warm view. A leader that cannot
+  renew stops commanding at a deadline of its own, before the lease could lapse on the
+  database's clock (docs/safety.md has the timing argument); a standby takes the lease only
+  once it has lapsed, under a higher epoch that agents use to refuse the old leader.
+- **alone** (SQLite, the embedded default): one controller, which commands whether or not the
+  database answers (a lone controller keeps steering from its policy file through an outage).
+  It still holds the lease, so that a second controller on the same store refuses to start.
+
+The database calls block: they run in a worker thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import structlog
+
+from powerd.store.leases import Lease, Leases, Member
+
+log = structlog.get_logger(__name__)
+
+Mode = Literal["lease", "alone"]
+LEADER = "leader"
+STANDBY = "standby"
+
+# How much slower than the database's the leader's clock may run (docs/safety.md).
+CLOCK_RHO = 1e-3
+
+
+def boot_clock() -> float:
+    """Seconds on a clock that also runs while the host is suspended (CLOCK_BOOTTIME): a
+    leader's deadline must pass during a suspend, as the lease does on the database."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+class StartRefused(Exception):
+    """This controller may not run here (another controller holds an SQLite store)."""
+
+
+@dataclass(frozen=True)
+class LeadershipView:
+    """A scope's leadership as this controller sees it, for status, the API and metrics."""
+
+    scope: str
+    controller_id: str
+    mode: Mode
+    role: str  # "leader" or "standby"
+    epoch: int  # the epoch of the leader's lease (ours while we lead)
+    leader: str | None  # the lease's holder, as last read (None: never led, or unknown)
+    lease_left_s: float | None  # leading: time left before we stop commanding
+    members: tuple[Member, ...]  # every controller of the scope heard from recently
+    takeovers: int  # times this controller began to lead
+    stepped_down: int  # times it stopped leading (lease lost or not renewed in time)
+    db_failures: int  # lease attempts that failed in a row
+    last_error: str | None
+
+
+@dataclass(frozen=True)
+class _Round:
+    lease: Lease | None
+    current: Lease | None
+    members: tuple[Member, ...]
+
+
+class Leadership:
+    """Takes and renews the scope's lease every `renew_s`; says whether we may command."""
+
+    def __init__(
+        self,
+        leases: Leases,
+        *,
+        scope: str,
+        holder: str,
+        lease_s: float,
+        renew_s: float,
+        mode: Mode = "lease",
+        clock: Callable[[], float] = boot_clock,
+        margin_s: float = 0.25,
+    ) -> None:
+        if not 0 < renew_s < lease_s:
+            raise ValueError("renew_s must be positive and shorter than lease_s")
+        if not lease_s * (1 - CLOCK_RHO) - margin_s > renew_s:
+            raise ValueError("lease_s is too short for its renewal interval and margin")
+        self.leases = leases
+        self.scope = scope
+        self.holder = holder
+        self.lease_s = lease_s
+        self.renew_s = renew_s
+        self.mode: Mode = mode
+        self.clock = clock
+        self.margin_s = margin_s
+        self.leading = mode == "alone"
+        self.epoch = 0  # of the lease we hold or last held; 0 before the first
+        self.leader: str | None = None
+        self.leader_epoch = 0
+        self.members: tuple[Member, ...] = ()
+        self.takeovers = 0
+        self.stepped_down = 0
+        self.failures = 0
+        self.last_error: str | None = None
+        self._deadline = -math.inf  # on `clock`: we stop commanding then
+        # Set whenever the role changes: the tick loop wakes at once, not at its next tick.
+        self.changed = asyncio.Event()
+        # The operators' state as the database holds it: awaited after the lease is taken
+        # and before the first command (a failure keeps us from commanding this round), and
+        # at every round a standby makes (failures logged).
+        self.follow: Callable[[], Awaitable[object]] | None = None
+        self._ready = mode == "alone"
+
+    # -- what the controller asks --------------------------------------------------------
+
+    def may_command(self) -> bool:
+        """True while this controller may send commands: alone, always; under a lease,
+        only while leading, ready, and before the local deadline."""
+        if self.mode == "alone":
+            return True
+        return self.leading and self._ready and self.clock() < self._deadline
+
+    def view(self) -> LeadershipView:
+        leading = self.may_command()
+        return LeadershipView(
+            scope=self.scope,
+            controller_id=self.holder,
+            mode=self.mode,
+            role=LEADER if leading else STANDBY,
+            epoch=self.epoch if leading else self.leader_epoch,
+            leader=self.holder if leading and self.mode == "alone" else self.leader,
+            lease_left_s=max(0.0, self._deadline - self.clock())
+            if leading and self.mode == "lease"
+            else None,
+            members=self.members,
+            takeovers=self.takeovers,
+            stepped_down=self.stepped_down,
+            db_failures=self.failures,
+            last_error=self.last_error,
+        )
+
+    # -- start (alone) -------------------------------------------------------------------
+
+    async def claim_alone(self, *, wait_s: float | None = None) -> None:
+        """Alone: take the store's lease before the first tick. Another controller's lease
+        that lapses within `wait_s` (default: one lease; a predecessor that died) is taken;
+        one that is renewed meanwhile refuses the start (StartRefused). A database that does
+        not answer lets the controller steer anyway (it is alone)."""
+        give_up = self.clock() + (self.lease_s + self.renew_s if wait_s is None else wait_s)
+        while True:
+            try:
+                got = await asyncio.to_thread(self._round, 0)
+            except Exception as exc:
+                self._failed(exc)
+                return
+            if got.lease is not None:
+                self._won(got.lease, self.clock())
+                self._heard(got)
+                return
+            if self.clock() >= give_up:
+                held = got.current
+                who = "another controller" if held is None else f"controller {held.holder!r}"
+                raise StartRefused(
+                    f"{who} holds scope {self.scope!r} of this SQLite store and keeps "
+                    "renewing its lease. SQLite is the embedded store for one controller; "
+                    "run controllers that stand by for each other on PostgreSQL "
+                    "(docs/operations.md, 'A standby pair'), or stop the other one."
+                )
+            log.info(
+                "lease_held_by_another",
+                scope=self.scope,
+                holder=None if got.current is None else got.current.holder,
+                why="waiting for it to lapse (a predecessor that stopped) before starting",
+            )
+            await asyncio.sleep(self.renew_s)
+
+    # -- the loop ------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event, above: Callable[[], int]) -> None:
+        """Until `stop`: one attempt every `renew_s`. `above()`: the highest epoch agents
+        report that is not ours (0 if none): a new lease's epoch goes above it."""
+        while not stop.is_set():
+            await self.attempt(above())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.renew_s)
+        await self._step_down_cleanly()
+
+    async def attempt(self, above: int = 0) -> None:
+        """One round: take or renew the lease, say we are here, read who else is."""
+        t0 = self.clock()  # before the statement is sent: the lease runs from later
+        was = self.may_command()
+        try:
+            got = await asyncio.to_thread(self._round, above)
+        except Exception as exc:
+            self._failed(exc)
+        else:
+            self._heard(got)
+            if got.lease is not None:
+                self._won(got.lease, t0)
+                if not self._ready:
+                    await self._prepare()
+            else:
+                if self.leading and self.mode == "lease":
+                    self._lost("another controller holds the lease")
+                await self._follow_quietly()
+        if self.may_command() != was:
+            self.changed.set()
+
+    def _round(self, above: int) -> _Round:
+        """(worker thread) Take or renew, then note ourselves and read the members."""
+        lease = self.leases.acquire(self.scope, self.holder, self.lease_s, above=above)
+        role = LEADER if lease is not None else STANDBY
+        epoch = lease.epoch if lease is not None else 0
+        current = lease
+        members: tuple[Member, ...] = self.members
+        try:
+            self.leases.heartbeat(self.scope, self.holder, role, epoch)
+            members = tuple(self.leases.members(self.scope, within_s=3 * self.lease_s))
+            if lease is None:
+                current = self.leases.current(self.scope)
+        except Exception as exc:  # the lease itself is decided; the rest is for status
+            log.warning("lease_members_unread", error=f"{type(exc).__name__}: {exc}"[:200])
+        return _Round(lease, current, members)
+
+    def _heard(self, got: _Round) -> None:
+        if self.failures:
+            log.info("lease_store_back", scope=self.scope, failures=self.failures)
+        self.failures = 0
+        self.last_error = None
+        self.members = got.members
+        if got.current is not None and not got.current.lapsed:
+            self.leader, self.leader_epoch = got.current.holder, got.current.epoch
+        elif got.current is not None:
+            self.leader, self.leader_epoch = None, got.current.epoch
+
+    def _won(self, lease: Lease, t0: float) -> None:
+        self._deadline = t0 + self.lease_s * (1 - CLOCK_RHO) - self.margin_s
+        if not self.leading or lease.epoch != self.epoch:
+            self.takeovers += self.mode == "lease"
+            self._ready = self.mode == "alone"
+            log.warning(
+                "leadership_taken",
+                scope=self.scope,
+                controller=self.holder,
+                epoch=lease.epoch,
+                mode=self.mode,
+            )
+        self.leading = True
+        self.epoch = lease.epoch
+        self.leader, self.leader_epoch = self.holder, lease.epoch
+
+    async def _follow_quietly(self) -> None:
+        if self.follow is None:
+            return
+        try:
+            await self.follow()
+        except Exception as exc:
+            log.warning("standby_not_following", error=f"{type(exc).__name__}: {exc}"[:300])
+
+    async def _prepare(self) -> None:
+        if self.follow is None:
+            self._ready = True
+            return
+        try:
+            await self.follow()
+        except Exception as exc:
+            log.error(
+                "leadership_not_ready",
+                scope=self.scope,
+                why="could not read the operators' state; not commanding this round",
+                error=f"{type(exc).__name__}: {exc}"[:300],
+            )
+            return
+        self._ready = True
+
+    def _lost(self, why: str, *, leader_unknown: bool = False) -> None:
+        self.leading = False
+        if leader_unknown:
+            self.leader = None  # until the database answers again
+        self._ready = self.mode == "alone"
+        self.stepped_down += 1
+        log.warning("leadership_lost", scope=self.scope, controller=self.holder, why=why)
+
+    def _failed(self, exc: Exception) -> None:
+        self.failures += 1
+        self.members = ()  # unknown while the database does not answer
+        self.last_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        log.warning(
+            "lease_attempt_failed",
+            scope=self.scope,
+            failures=self.failures,
+            error=self.last_error,
+            commanding_for_s=round(max(0.0, self._deadline - self.clock()), 3)
+            if self.mode == "lease" and self.leading
+            else None,
+        )
+        if self.mode == "lease" and self.leading and self.clock() >= self._deadline:
+            self._lost("the lease could not be renewed in time", leader_unknown=True)
+
+    def check_deadline(self) -> None:
+        """Step down once the deadline has passed without a renewal (called each tick)."""
+        if self.mode == "lease" and self.leading and self.clock() >= self._deadline:
+            self._lost("the lease could not be renewed in time", leader_unknown=True)
+            self.changed.set()
+
+    async def _step_down_cleanly(self) -> None:
+        """A clean stop gives the lease up, so a standby need not wait for it to lapse."""
+        leading = self.leading and self.mode == "lease"
+        self.leading = False
+        self._ready = False
+        try:
+            await asyncio.to_thread(self._leave, leading)
+        except Exception as exc:
+            log.warning("lease_not_released", error=f"{type(exc).__name__}: {exc}"[:200])
+
+    def _leave(self, leading: bool) -> None:
+        if leading or self.mode == "alone":
+            self.leases.release(self.scope, self.holder)
+        self.leases.forget(self.scope, self.holder)

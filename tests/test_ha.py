@@ -1,0 +1,375 @@
+"""A standby pair of real controller processes on real PostgreSQL and Mosquitto, four mock
+agents, and the end-to-end monitor (tests/test_e2e.py), which rebuilds every GPU's
+committed cap from the messages alone and checks every budget after every message.
+
+Through one run: the leader killed with SIGKILL (the standby leads, commands within two
+ticks of the lease lapsing, no node reaches failsafe), the new leader paused with SIGSTOP
+past its lease and resumed (nothing of its lands: agents refuse its epoch), and PostgreSQL
+cut off under the leader (it stops commanding before its lease could lapse; the standby
+takes over). Also: a standby refuses writes and names the leader; a controller with the
+database down at start stands by until it holds the lease; a second controller on an
+SQLite store refuses to start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from pg import pg_database
+from sqlalchemy.engine import make_url
+from tcpproxy import TcpProxy
+from test_e2e import (
+    NODES,
+    TICK_S,
+    WAIT_S,
+    Monitor,
+    Procs,
+    site_policy,
+)
+
+from powerd.auth import new_token_entry
+from powerd.policy import load_policy
+from powerd.store.db import make_engine
+from powerd.store.leases import Lease, Leases
+from powerd.testing.mosquitto import LocalMosquitto, free_port
+from powerd.wire import CapCommand, NodeState
+
+pytestmark = pytest.mark.slow
+
+SCOPE = "dc"  # the policy's root: a controller's lease covers what it steers
+
+
+@dataclass
+class Ctl:
+    name: str
+    port: int
+    proxy: TcpProxy  # between this controller and PostgreSQL: cut it to lose the database
+
+
+class Pair:
+    """Controllers, agents, the monitor, and a way to ask each controller who leads."""
+
+    def __init__(
+        self, procs: Procs, monitor: Monitor, policy: Path, pg_url: str, workdir: Path
+    ) -> None:
+        self.procs = procs
+        self.monitor = monitor
+        self.policy = policy
+        self.pg = make_url(pg_url)
+        self.workdir = workdir
+        token, entry = new_token_entry("watcher", "admin")
+        self.token = token
+        (workdir / "tokens.toml").write_text(entry)
+        self.ctls: dict[str, Ctl] = {}
+        self.leases = Leases(make_engine(pg_url))
+
+    def start(self, name: str, *extra: str) -> Ctl:
+        ctl = self.ctls.get(name)
+        if ctl is None:
+            proxy = TcpProxy(self.pg.port or 5432, self.pg.host or "127.0.0.1")
+            proxy.open()
+            ctl = self.ctls[name] = Ctl(name, free_port(), proxy)
+        db = self.pg.set(port=ctl.proxy.port).render_as_string(hide_password=False)
+        self.procs.start(
+            name,
+            "controller",
+            f"--policy={self.policy}",
+            f"--broker={self.procs.broker_url}",
+            f"--db={db}",
+            f"--state-file={self.workdir / f'{name}-state.json'}",
+            f"--controller-id={name}",
+            f"--learn-s={TICK_S * 2}",
+            f"--api-port={ctl.port}",
+            f"--tokens-file={self.workdir / 'tokens.toml'}",
+            *extra,
+        )
+        return ctl
+
+    def api(self, name: str) -> httpx.Client:
+        return httpx.Client(
+            base_url=f"http://127.0.0.1:{self.ctls[name].port}",
+            headers={"Authorization": f"Bearer {self.token}"},
+            timeout=10,
+        )
+
+    def leadership(self, name: str) -> dict[str, Any] | None:
+        try:
+            with self.api(name) as c:
+                r = c.get("/api/v1/leadership")
+        except httpx.HTTPError:
+            return None
+        return r.json() if r.status_code == 200 else None
+
+    def lease(self) -> Lease | None:
+        return self.leases.current(SCOPE)
+
+    async def until(self, cond: Any, what: str) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while not cond():
+            self.procs.check_alive()
+            if time.monotonic() > deadline:
+                views = {n: self.leadership(n) for n in self.ctls if n in self.procs.running}
+                pytest.fail(
+                    f"timed out waiting until {what}; breaches: {self.monitor.breaches}; "
+                    f"controllers: {views}"
+                )
+            await asyncio.sleep(0.02)
+
+    def commands_of(self, name: str) -> list[tuple[float, CapCommand]]:
+        return [(at, c) for at, c in self.monitor.arrivals if c.controller_id == name]
+
+    def failsafe_nodes(self) -> list[str]:
+        return [
+            n
+            for n in NODES
+            if any(s.state is NodeState.FAILSAFE for s in self.monitor.nodes[n].statuses)
+        ]
+
+    def close(self) -> None:
+        self.leases.engine.dispose()
+        for ctl in self.ctls.values():
+            ctl.proxy.close()
+
+
+class ArrivalMonitor(Monitor):
+    """The e2e monitor, also noting when each command arrived (this machine's wall clock,
+    the one PostgreSQL's lease times are on)."""
+
+    def __init__(self, broker_url: str, policy: Any) -> None:
+        super().__init__(broker_url, policy)
+        self.arrivals: list[tuple[float, CapCommand]] = []
+
+    def handle(self, message: Any) -> None:
+        parts = message.topic.split("/")
+        if len(parts) == 5 and parts[4] == "caps":
+            try:
+                cmd = CapCommand.model_validate_json(message.payload)
+            except ValueError:
+                pass
+            else:
+                self.arrivals.append((time.time(), cmd))
+        super().handle(message)
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    with pg_database() as url:
+        yield url
+
+
+@pytest.fixture
+async def pair(mosquitto: LocalMosquitto, pg_url: str, tmp_path: Path) -> AsyncIterator[Pair]:
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text(yaml.safe_dump(site_policy()))
+    monitor = ArrivalMonitor(mosquitto.url, load_policy(policy_file))
+    await monitor.start()
+    procs = Procs(tmp_path, mosquitto.url)
+    p = Pair(procs, monitor, policy_file, pg_url, tmp_path)
+    try:
+        yield p
+    finally:
+        procs.close()
+        p.close()
+        await monitor.stop()
+
+
+async def _steady(p: Pair, leader: str, *, ask: tuple[str, ...] | None = None) -> None:
+    """Every node acknowledges a command of `leader`, and the controllers running (or those
+    in `ask`) name it as leader."""
+    since = len(p.monitor.arrivals)
+
+    def steered() -> bool:
+        recent = {c.node_id for _, c in p.monitor.arrivals[since:] if c.controller_id == leader}
+        return recent >= set(NODES)
+
+    await p.until(steered, f"{leader} commands every node")
+    await p.until(
+        lambda: all(
+            (p.leadership(n) or {}).get("leader") == leader
+            for n in (ask if ask is not None else tuple(p.ctls))
+            if n in p.procs.running
+        ),
+        f"every controller names {leader} as leader",
+    )
+
+
+async def _takeover(p: Pair, old: str, new: str, lease: Lease) -> float:
+    """Wait for `new` to command; the seconds from the old lease's lapse to its first
+    command (negative: before the lapse, which must not happen)."""
+
+    def firsts() -> list[float]:
+        return [at for at, c in p.commands_of(new) if c.epoch > lease.epoch]
+
+    await p.until(lambda: bool(firsts()), f"{new} commands under a new epoch")
+    first_at = min(firsts())
+    return first_at - lease.expires_at
+
+
+async def test_a_standby_pair_keeps_every_budget_through_kill_pause_and_db_loss(
+    pair: Pair,
+) -> None:
+    p, mon = pair, pair.monitor
+    for node in NODES:
+        p.procs.agent(node)
+    p.start("ctl-a")
+    await p.until(lambda: bool(p.commands_of("ctl-a")), "ctl-a leads")
+    p.start("ctl-b")
+    await _steady(p, "ctl-a")
+    assert p.leadership("ctl-b")["role"] == "standby"
+    await p.until(
+        lambda: (p.leadership("ctl-a") or {}).get("standbys") == ["ctl-b"],
+        "the leader lists its standby",
+    )
+
+    # -- a standby refuses writes and names the leader -----------------------------------
+    with p.api("ctl-b") as c:
+        r = c.put("/api/v1/budgets/dc", json={"budget_w": 7000, "reason": "to the standby"})
+    assert r.status_code == 409 and "ctl-a" in r.json()["detail"]
+
+    # -- the leader killed: the standby leads within two ticks of the lapse ---------------
+    held = p.lease()
+    assert held is not None and held.holder == "ctl-a"
+    p.procs.kill("ctl-a")
+    lapse = p.lease()  # its last renewal: nothing renews it any more
+    assert lapse is not None and lapse.holder == "ctl-a"
+    late_s = await _takeover(p, "ctl-a", "ctl-b", lapse)
+    assert 0.0 <= late_s <= 2 * TICK_S, f"ctl-b's first command {late_s:.3f} s after the lapse"
+    await _steady(p, "ctl-b")
+    assert p.failsafe_nodes() == [], "no GPU reaches failsafe during a failover"
+    b = p.leadership("ctl-b")
+    assert b["role"] == "leader" and b["takeovers"] == 1 and b["epoch"] == lapse.epoch + 1
+    assert mon.breaches == []
+
+    # -- the new leader paused past its lease, then resumed: its epoch is refused ---------
+    p.start("ctl-a")  # back as a standby
+    await _steady(p, "ctl-b")
+    p.procs.signal("ctl-b", signal.SIGSTOP)
+    paused = p.lease()
+    assert paused is not None and paused.holder == "ctl-b"
+    late_s = await _takeover(p, "ctl-b", "ctl-a", paused)
+    assert 0.0 <= late_s <= 2 * TICK_S
+    await p.until(
+        lambda: all(mon.nodes[n].epoch > paused.epoch for n in NODES),
+        "every node applied the new epoch",
+    )
+    resumed_at = time.time()
+    p.procs.signal("ctl-b", signal.SIGCONT)
+    await p.until(lambda: (p.leadership("ctl-b") or {}).get("role") == "standby", "ctl-b stands by")
+    await _steady(p, "ctl-a")
+    # Whatever ctl-b sent after it resumed, no agent applied it: every ack since is of the
+    # new epoch (late commands of the old one are refused and counted as fenced).
+    for n in NODES:
+        assert all(a.epoch > paused.epoch for a in mon.nodes[n].acks if a.ts >= resumed_at)
+    assert p.failsafe_nodes() == []
+    assert mon.breaches == []
+
+    # -- PostgreSQL cut off under the leader: it stops before the lease could lapse -------
+    renewed = p.lease()
+    assert renewed is not None and renewed.holder == "ctl-a"
+    p.ctls["ctl-a"].proxy.close()
+    cut_at = time.time()
+    late_s = await _takeover(p, "ctl-a", "ctl-b", renewed)
+    last = p.lease()
+    assert last is not None and last.holder == "ctl-b"
+    # ctl-a's last renewal may have landed between our read and the cut: its lease then
+    # ran until at most one lease after the cut. Its last command came before that, and
+    # before ctl-b's first.
+    a_last = max(at for at, c in p.commands_of("ctl-a"))
+    b_first = min(at for at, c in p.commands_of("ctl-b") if c.epoch == last.epoch)
+    assert a_last < b_first
+    assert a_last <= cut_at + 1.2 + 0.1  # the default lease: 0.4 × the agents' 3 s
+    assert late_s <= 1.2 + 2 * TICK_S
+    await _steady(p, "ctl-b", ask=("ctl-b",))
+    cut_off = p.leadership("ctl-a") or {}
+    assert (cut_off.get("role"), cut_off.get("leader")) == ("standby", None)
+    assert cut_off["db_failures"] > 0 and cut_off["last_error"]
+    assert p.failsafe_nodes() == []
+    assert mon.breaches == []
+    assert mon.bad == []
+    # The database back: ctl-a stands by again and hears the leader.
+    p.ctls["ctl-a"].proxy.open()
+    await p.until(
+        lambda: (p.leadership("ctl-a") or {}).get("leader") == "ctl-b", "ctl-a sees ctl-b lead"
+    )
+
+
+async def test_with_the_database_down_at_start_a_controller_stands_by(pair: Pair) -> None:
+    p, mon = pair, pair.monitor
+    for node in NODES:
+        p.procs.agent(node)
+    ctl = p.start("ctl-a")
+    ctl.proxy.close()
+    p.procs.kill("ctl-a")  # restarted with the database cut off
+    p.start("ctl-a")
+    await p.until(lambda: (p.leadership("ctl-a") or {}).get("role") == "standby", "ctl-a answers")
+    await asyncio.sleep(6 * TICK_S)
+    assert p.commands_of("ctl-a") == [], "no lease, no command"
+    with p.api("ctl-a") as c:
+        r = c.put("/api/v1/nodes/rack-1-n1/drain", json={"reason": "while standing by"})
+    assert r.status_code == 409
+    ctl.proxy.open()
+    await p.until(lambda: bool(p.commands_of("ctl-a")), "ctl-a leads once it holds the lease")
+    await _steady(p, "ctl-a")
+    assert mon.breaches == []
+
+
+def test_a_second_controller_on_sqlite_refuses_to_start(
+    tmp_path: Path, mosquitto: LocalMosquitto
+) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(yaml.safe_dump(site_policy()))
+    db = f"sqlite:///{tmp_path / 'powerd.db'}"
+
+    def controller(name: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "powerd.cli",
+                "controller",
+                f"--policy={policy}",
+                f"--broker={mosquitto.url}",
+                f"--db={db}",
+                f"--state-file={tmp_path / f'{name}.json'}",
+                f"--controller-id={name}",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+
+    first = controller("ctl-a")
+    try:
+        engine = make_engine(db)
+        leases = Leases(engine)
+        deadline = time.monotonic() + WAIT_S
+        while (held := _safe_current(leases)) is None or held.holder != "ctl-a":
+            assert first.poll() is None, first.stdout.read() if first.stdout else ""
+            assert time.monotonic() < deadline, "ctl-a never took the store's lease"
+            time.sleep(0.1)
+        second = controller("ctl-b")
+        out, _ = second.communicate(timeout=WAIT_S)
+        engine.dispose()
+    finally:
+        first.kill()
+        first.wait()
+    assert second.returncode == 1
+    text = out.decode()
+    assert "ctl-a" in text and "SQLite" in text and "PostgreSQL" in text, text
+
+
+def _safe_current(leases: Leases) -> Lease | None:
+    try:
+        return leases.current(SCOPE)
+    except Exception:  # the table is not there until the first controller migrated
+        return None

@@ -1,0 +1,132 @@
+"""The leadership rules on a real SQLite store, with the leader's clock in the test's hand:
+when a leader stops commanding, when a standby may start, and who may start alone."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from powerd.controller.leadership import CLOCK_RHO, Leadership, StartRefused
+from powerd.store import upgrade
+from powerd.store.db import make_engine
+from powerd.store.leases import Leases
+
+LEASE_S = 4.0
+RENEW_S = 1.0
+MARGIN_S = 0.25
+
+
+class Hand:
+    """A clock that moves only when told."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Iterator[str]:
+    url = f"sqlite:///{tmp_path / 'powerd.db'}"
+    upgrade(url)
+    yield url
+
+
+def leadership(url: str, holder: str, clock: Hand, mode: str = "lease") -> Leadership:
+    return Leadership(
+        Leases(make_engine(url, timeout_s=0.2)),
+        scope="dc",
+        holder=holder,
+        lease_s=LEASE_S,
+        renew_s=RENEW_S,
+        mode=mode,  # type: ignore[arg-type]
+        clock=clock,
+        margin_s=MARGIN_S,
+    )
+
+
+async def test_a_leader_that_cannot_renew_stops_before_its_lease_could_lapse(
+    db: str, tmp_path: Path
+) -> None:
+    clock = Hand()
+    a = leadership(db, "ctl-a", clock)
+    assert not a.may_command()  # a standby until it holds the lease
+    await a.attempt()
+    assert a.may_command() and a.epoch == 1 and a.view().role == "leader"
+    t0 = clock.t
+    # The database locked by someone else: every renewal fails from now on.
+    lock = sqlite3.connect(tmp_path / "powerd.db", isolation_level=None)
+    lock.execute("BEGIN EXCLUSIVE")
+    deadline = t0 + LEASE_S * (1 - CLOCK_RHO) - MARGIN_S
+    clock.t = deadline - 0.01
+    await a.attempt()
+    assert a.failures == 1 and a.last_error
+    assert a.may_command(), "still inside the lease it measured before its last renewal"
+    clock.t = deadline
+    assert not a.may_command(), "stopped before the lease can lapse on the database"
+    a.check_deadline()
+    assert not a.leading and a.stepped_down == 1 and a.view().leader is None
+    lock.execute("ROLLBACK")
+    lock.close()
+
+
+async def test_a_standby_leads_only_after_the_lapse_under_a_higher_epoch(db: str) -> None:
+    clock = Hand()
+    a, b = leadership(db, "ctl-a", clock), leadership(db, "ctl-b", clock)
+    await a.attempt()
+    await b.attempt()
+    assert a.may_command() and not b.may_command()
+    assert (b.view().leader, b.view().epoch) == ("ctl-a", 1)
+    assert [m.holder for m in b.members] == ["ctl-a", "ctl-b"]
+    # ctl-a stops renewing (paused, killed); the database's clock runs its lease out.
+    await _until_lapsed(a.leases)
+    await b.attempt()
+    assert b.may_command() and b.epoch == 2 and b.takeovers == 1
+    # The old leader comes back: it cannot renew, it stands by.
+    clock.t += 0.5
+    await a.attempt()
+    assert not a.may_command() and a.view().leader == "ctl-b"
+
+
+async def test_an_epoch_the_agents_report_is_overtaken(db: str) -> None:
+    clock = Hand()
+    a = leadership(db, "ctl-a", clock)
+    await a.attempt(above=9)
+    assert a.epoch == 10
+
+
+async def test_a_second_controller_alone_on_the_store_is_refused(db: str) -> None:
+    clock = Hand()
+    a = leadership(db, "ctl-a", clock, mode="alone")
+    await a.claim_alone()
+    assert a.may_command() and a.epoch == 1
+    b = leadership(db, "ctl-b", clock, mode="alone")
+    with pytest.raises(StartRefused, match=r"SQLite.*PostgreSQL"):
+        await b.claim_alone(wait_s=0.0)
+    # Alone, a controller commands whatever the database says.
+    clock.t += 3600
+    assert a.may_command()
+
+
+async def test_a_lone_controller_takes_over_a_dead_predecessors_lapsed_lease(db: str) -> None:
+    clock = Hand()
+    dead = Leases(make_engine(db))
+    assert dead.acquire("dc", "ctl-old", lease_s=0.3) is not None
+    b = leadership(db, "ctl-b", clock, mode="alone")
+    await _until_lapsed(dead)
+    await b.claim_alone(wait_s=0.0)
+    assert b.epoch == 2
+
+
+async def _until_lapsed(leases: Leases) -> None:
+    for _ in range(200):
+        lease = leases.current("dc")
+        if lease is None or lease.lapsed:
+            return
+        await asyncio.sleep(0.05)
+    pytest.fail("the lease never lapsed")
