@@ -219,12 +219,41 @@ class Policy:
             if keep[i] and g.parent >= 0:
                 keep[g.parent] = True
         keep[0] = True
+        return self._keep(keep, unbudgeted=())
+
+    def scope(self, name: str) -> Policy:
+        """The policy of one scope: the subtree under group `name` and the groups above it,
+        those at an unconstrained budget, because a coordinator hands the scope its share of
+        their budgets (powerd.allocator.scopes). The scope's own budget stays."""
+        found = [i for i, g in enumerate(self.groups) if g.name == name]
+        if len(found) != 1:
+            why = "is not in the policy's tree" if not found else "names groups at two levels"
+            raise ValueError(f"group '{name}' {why}")
+        top = found[0]
+        keep = [False] * len(self.groups)
+        keep[top] = True
+        # Parents come before children: one forward pass marks the subtree.
+        for i in range(top + 1, len(self.groups)):
+            parent = self.groups[i].parent
+            keep[i] = parent >= 0 and keep[parent]
+        above = []
+        parent = self.groups[top].parent
+        while parent >= 0:
+            keep[parent] = True
+            above.append(parent)
+            parent = self.groups[parent].parent
+        return self._keep(keep, unbudgeted=above)
+
+    def _keep(self, keep: Sequence[bool], unbudgeted: Sequence[int]) -> Policy:
+        """The kept groups, re-indexed; those in `unbudgeted` lose their budget."""
+        free = set(unbudgeted)
         new_index: dict[int, int] = {}
         groups: list[GroupDef] = []
         for i, g in enumerate(self.groups):
             if keep[i]:
                 new_index[i] = len(groups)
-                groups.append(replace(g, parent=new_index.get(g.parent, -1)))
+                budget = math.inf if i in free else g.budget_w
+                groups.append(replace(g, parent=new_index.get(g.parent, -1), budget_w=budget))
         return Policy(
             spec=self.spec, source=self.source, groups=tuple(groups), profiles=self.profiles
         )
