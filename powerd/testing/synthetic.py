@@ -3,7 +3,8 @@
 `policy_dict` writes a policy for R rows × K racks × N nodes × G GPUs whose budgets are
 fractions of what the level below could draw, so every level binds; `random_fleet` draws a
 mixed fleet (classes, draws, caps in force) from a seed; `Drift` moves draws tick by tick
-for steady-state loops. Deterministic for a given seed; no I/O.
+for steady-state loops; `scope_fleet` cuts one scope out of a fleet. Deterministic for a
+given seed; no I/O.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from powerd.allocator.model import Fleet, FloatArray, class_names
+from powerd.allocator.model import Fleet, FloatArray, IntArray, class_names
 from powerd.policy import Policy, parse_policy
 from powerd.snapshot import GpuState, Snapshot
 from powerd.topology import Topology
@@ -211,3 +212,25 @@ class Drift:
         power = np.minimum(self.want_w, caps_w) * self.rng.uniform(0.97, 1.0, n)
         self.fleet = replace(self.fleet, cap_w=np.asarray(caps_w, dtype=np.float64), power_w=power)
         return self.fleet
+
+
+def scope_fleet(fleet: Fleet, policy: Policy, name: str) -> tuple[Policy, Fleet, IntArray]:
+    """One scope of a fleet: its policy (Policy.scope), its GPUs placed in that policy's
+    tree, and their indices in `fleet` (to put the scope's caps back in place)."""
+    topo = fleet.topology
+    group = topo.names.index(name)
+    gpus = topo.subtree_gpus(group)
+    scope_policy = policy.scope(name)
+    nodes = [topo.names[int(g)] for g in topo.gpu_groups[gpus, -1]]
+    part = Fleet(
+        uuids=tuple(fleet.uuids[int(i)] for i in gpus),
+        topology=Topology.build(scope_policy, nodes),
+        min_cap_w=fleet.min_cap_w[gpus],
+        max_cap_w=fleet.max_cap_w[gpus],
+        power_w=fleet.power_w[gpus],
+        cap_w=fleet.cap_w[gpus],
+        class_index=fleet.class_index[gpus],
+        stale=fleet.stale[gpus],
+        pinned_w=fleet.pinned_w[gpus],
+    )
+    return scope_policy, part, gpus
