@@ -238,6 +238,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
         solver=args.solver,
         controller_id=args.controller_id,
         leadership=args.leadership,
+        scope=args.scope,
         leader_lease_s=args.leader_lease_s,
         learn_s=args.learn_s,
         api_port=args.api_port,
@@ -359,6 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     agent.set_defaults(handler=cmd_agent)
 
     _add_controller_parser(sub)
+    _add_coordinator_parser(sub)
 
     add_api_commands(sub)
     add_sim_parser(sub)
@@ -376,6 +378,55 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    import asyncio
+    from pathlib import Path
+
+    from powerd.controller.leadership import StartRefused
+    from powerd.coordinator.main import CoordinatorSettings, run_coordinator
+
+    settings = CoordinatorSettings.load(
+        Path(args.config) if args.config else None,
+        policy=args.policy,
+        broker=args.broker,
+        db=args.db,
+        coordinator_id=args.coordinator_id,
+        scope_level=args.scope_level,
+        leadership=args.leadership,
+        state_file=args.state_file,
+        api_port=args.api_port,
+        api_host=args.api_host,
+        tokens_file=args.tokens_file,
+        dev=args.dev or None,
+    )
+    try:
+        asyncio.run(run_coordinator(settings))
+    except (OSError, StartRefused) as exc:
+        print(f"powerd coordinator: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _add_coordinator_parser(sub: Any) -> None:
+    co = sub.add_parser(
+        "coordinator",
+        help="split the site's budget between scope controllers (controller --scope)",
+    )
+    co.add_argument("--policy", help="policy YAML file ($POWERD_POLICY)")
+    co.add_argument("--broker", help="mqtt://HOST:PORT or mqtts://... ($POWERD_BROKER)")
+    co.add_argument("--db", help="SQLAlchemy URL for its lease ($POWERD_DB)")
+    co.add_argument("--coordinator-id", help="distinct for each coordinator of a pair")
+    co.add_argument("--scope-level", choices=("row", "rack"), help="the scopes' level (row)")
+    co.add_argument("--leadership", choices=("auto", "lease", "alone"))
+    co.add_argument("--state-file", help="temporary budgets set through its API")
+    co.add_argument("--api-host", help="admin API address (default 127.0.0.1)")
+    co.add_argument("--api-port", type=int, help="admin API port (default: no API)")
+    co.add_argument("--tokens-file", help="admin API tokens (hashed), see docs/api.md")
+    co.add_argument("--dev", action="store_true", help="development mode: allow weak tokens")
+    co.add_argument("--config", help="settings file (.toml or .yaml); flags win over it")
+    co.set_defaults(handler=cmd_coordinator)
+
+
 def _add_controller_parser(sub: Any) -> None:
     ctl = sub.add_parser("controller", help="run the central controller (the steering loop)")
     ctl.add_argument("--policy", help="policy YAML file ($POWERD_POLICY)")
@@ -391,6 +442,11 @@ def _add_controller_parser(sub: Any) -> None:
         "--controller-id",
         help="name in the controller status, commands and lease: distinct for each "
         "controller of a standby pair, stable across restarts",
+    )
+    ctl.add_argument(
+        "--scope",
+        help="steer only the subtree under this row or rack of the policy, under the "
+        "budget a `powerd coordinator` gives it",
     )
     ctl.add_argument(
         "--leadership",

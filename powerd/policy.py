@@ -447,6 +447,39 @@ def subtree_totals(groups: Sequence[GroupDef], per_node: Sequence[float]) -> lis
     return totals
 
 
+class ScopeError(ValueError):
+    """A scope name the policy does not have, or at a level that cannot be a scope."""
+
+
+def scoped(policy: Policy, name: str) -> Policy:
+    """The policy a scope's controller steers (`Policy.scope`), checked: `name` must be a
+    row or a rack of the policy, with nodes (ScopeError otherwise)."""
+    k = next((i for i, g in enumerate(policy.groups) if g.name == name), None)
+    if k is None:
+        raise ScopeError(f"scope {name!r} is not a group of the policy")
+    level = policy.groups[k].level
+    if level in (0, len(LEVELS) - 1):
+        raise ScopeError(
+            f"scope {name!r} is the {LEVELS[level]}: a scope is a row or a rack of the policy"
+        )
+    try:
+        sub = policy.scope(name)
+    except ValueError as exc:
+        raise ScopeError(str(exc)) from None
+    if not sub.node_names():
+        raise ScopeError(f"scope {name!r} has no nodes")
+    return sub
+
+
+def failsafe_budget_w(policy: Policy, name: str) -> float:
+    """What the failsafe caps of the scope's GPUs and its overhead take: its budget when
+    the coordinator is silent (capped by the last budget it gave)."""
+    groups = policy.groups
+    per = [g.gpus * g.failsafe_w + g.overhead_w if g.level == 3 else g.overhead_w for g in groups]
+    totals = subtree_totals(groups, per)
+    return totals[next(i for i, g in enumerate(groups) if g.name == name)]
+
+
 def parse_policy(data: Any, source: str = "<policy>") -> Policy:
     if not isinstance(data, dict):
         raise PolicyError(

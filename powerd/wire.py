@@ -8,6 +8,7 @@ receiver counts and logs (see docs/protocol.md).
 from __future__ import annotations
 
 from enum import StrEnum
+from itertools import pairwise
 from typing import Annotated, Literal, TypeVar
 
 from pydantic import (
@@ -210,6 +211,25 @@ class Topics:
     def all_controllers(self) -> str:
         return f"{self.prefix}/controller/+/status"
 
+    def scope_budget(self, scope: str) -> str:
+        return f"{self.prefix}/scopes/{scope}/budget"
+
+    def scope_report(self, scope: str) -> str:
+        return f"{self.prefix}/scopes/{scope}/report"
+
+    def all_scope_reports(self) -> str:
+        return f"{self.prefix}/scopes/+/report"
+
+    def parse_scope_topic(self, topic: str) -> tuple[str, str] | None:
+        """`prefix/scopes/{scope}/{kind}` → (scope, kind); None if it is not one."""
+        head = self.prefix + "/scopes/"
+        if not topic.startswith(head):
+            return None
+        rest = topic[len(head) :].split("/")
+        if len(rest) != 2 or not rest[0]:
+            raise WireError("bad_topic", topic[:200])
+        return rest[0], rest[1]
+
     def all_nodes(self, kind: str) -> str:
         return f"{self.prefix}/nodes/+/{kind}"
 
@@ -222,6 +242,78 @@ class Topics:
         if len(rest) != 2 or not rest[0]:
             raise WireError("bad_topic", topic[:200])
         return rest[0], rest[1]
+
+
+# -- scopes: a coordinator splits the site's budget between scope controllers ----------------
+
+# A whole scope's power: far above any hall (a 1 GW site is 1e9 W), below float trouble.
+MAX_SCOPE_WATTS = 1e11
+ScopeWatts = Annotated[float, Field(ge=0, le=MAX_SCOPE_WATTS, allow_inf_nan=False)]
+MAX_CURVE_POINTS = 1024
+
+
+class ScopeBudget(BaseModel):
+    """Coordinator → a scope's controllers: the budget at the scope's root group, in force
+    for `lease_s` from its arrival (then the scope falls back to min(this budget, its
+    failsafe budget)). Ordered by (epoch, tick) as commands are."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    v: Literal[1] = 1
+    scope: NodeId
+    budget_w: ScopeWatts
+    tick: Tick
+    epoch: Epoch = 0
+    lease_s: float = Field(gt=0, le=86_400, allow_inf_nan=False)
+    ts: float = Field(default=0.0, allow_inf_nan=False)
+    coordinator_id: str = Field(default="", max_length=128)
+
+
+class ScopeReport(BaseModel):
+    """A scope's leader → the coordinator, every tick: the budget it enforces, what its
+    caps commit, and its demand curve (at budget `curve_budget_w[j]` one more kW is worth
+    `curve_price[j]`; docs/allocator.md, "Scopes")."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    v: Literal[1] = 1
+    scope: NodeId
+    controller_id: str = Field(default="", max_length=128)
+    epoch: Epoch = 0  # the scope leader's
+    tick: Tick
+    ts: float = Field(default=0.0, allow_inf_nan=False)
+    # The coordinator budget the scope enforces (None: none heard, or lapsed to failsafe).
+    budget_epoch: Epoch | None = None
+    budget_tick: Tick | None = None
+    budget_w: ScopeWatts  # in force at the scope's root (assigned, failsafe, or policy)
+    committed_w: ScopeWatts  # committed caps + overhead + reserve at the root
+    draw_w: ScopeWatts | None = None
+    failsafe_w: ScopeWatts  # the scope's failsafe budget (its failsafe caps + overhead)
+    lo_w: ScopeWatts  # the least its GPUs can take (+ overhead)
+    hi_w: ScopeWatts  # the most they would take (+ overhead)
+    # What the root's budget holds besides GPU caps: overhead, and power reserved for GPUs
+    # not reported yet (counted at their maximum).
+    offset_w: ScopeWatts = 0.0
+    # Where the curve is exact between its points (elsewhere exact at them only).
+    curve_exact_lo_w: ScopeWatts | None = None
+    curve_exact_hi_w: ScopeWatts | None = None
+    curve_budget_w: list[ScopeWatts] = Field(default_factory=list, max_length=MAX_CURVE_POINTS)
+    curve_price: list[Annotated[float, Field(allow_inf_nan=False)]] = Field(
+        default_factory=list, max_length=MAX_CURVE_POINTS
+    )
+
+    @model_validator(mode="after")
+    def _curve(self) -> ScopeReport:
+        b = self.curve_budget_w
+        if len(b) != len(self.curve_price):
+            raise ValueError("curve_budget_w and curve_price differ in length")
+        if any(x > y for x, y in pairwise(b)):
+            raise ValueError("curve_budget_w must not decrease")
+        if any(x < y for x, y in pairwise(self.curve_price)):
+            raise ValueError("curve_price must not increase")
+        if self.lo_w > self.hi_w:
+            raise ValueError("lo_w above hi_w")
+        return self
 
 
 M = TypeVar("M", bound=BaseModel)

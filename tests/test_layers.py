@@ -51,7 +51,16 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "powerd.controller.opstate",
         ),
     ),
-    ("daemons", ("powerd.settings", "powerd.agent", "powerd.controller", "powerd.api")),
+    (
+        "daemons",
+        (
+            "powerd.settings",
+            "powerd.agent",
+            "powerd.controller",
+            "powerd.api",
+            "powerd.coordinator",
+        ),
+    ),
     (
         "tools",
         (

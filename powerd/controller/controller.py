@@ -26,6 +26,7 @@ from powerd.controller.engine import TickEngine, TickReport, TickSummary
 from powerd.controller.fleet import FleetState
 from powerd.controller.leadership import Leadership
 from powerd.controller.overrides import Overrides
+from powerd.controller.scope import ScopeLink
 from powerd.numeric import finite_or_none
 from powerd.policy import Policy
 from powerd.safety import SafePlan, SafetyPlanner
@@ -46,6 +47,8 @@ from powerd.wire import (
     ControllerStatus,
     NodeStatus,
     NodeTelemetry,
+    ScopeBudget,
+    ScopeReport,
     Topics,
     WireError,
     decode,
@@ -111,6 +114,9 @@ class Controller(AdminWrites):
         # The policy from the file (a standby that follows the leader back from an API
         # policy to the file's); main.py sets it.
         self.file_policy: Policy | None = None
+        # Steering one scope under a coordinator (controller/scope.py); None: the whole
+        # policy, on its own budgets.
+        self.scope: ScopeLink | None = None
         self.topics = topics or Topics()
         self.policy_path = policy_path
         self.counters = Counters()
@@ -206,6 +212,10 @@ class Controller(AdminWrites):
             log.exception("message_failed", topic=message.topic[:200])
 
     def _route(self, message: Message, now: float) -> None:
+        scoped = self.topics.parse_scope_topic(message.topic)
+        if scoped is not None:
+            self._route_scope(*scoped, message, now)
+            return
         node, kind = self.topics.parse_node_topic(message.topic)
         self.counters.received[kind] += 1
         if kind == "telemetry":
@@ -224,6 +234,60 @@ class Controller(AdminWrites):
             raise WireError("bad_topic", message.topic[:200])
         if not known:
             self.counters.dropped["unknown_node"] += 1
+
+    def _route_scope(self, scope: str, kind: str, message: Message, now: float) -> None:
+        link = self.scope
+        if link is None or scope != link.name or kind != "budget":
+            raise WireError("bad_topic", message.topic[:200])
+        self.counters.received["scope_budget"] += 1
+        if not link.on_budget(decode(message.payload, ScopeBudget), now):
+            self.counters.dropped["stale_budget"] += 1
+
+    def _scope_budget(self) -> bool:
+        """Hand the coordinator's budget in force to the engine; False while a scope that
+        has heard no budget yet waits (docs in controller/scope.py)."""
+        link = self.scope
+        if link is None:
+            return True
+        now = self.clock.monotonic()
+        force = link.in_force(now)
+        self.engine.scope_budget_w = force.budget_w
+        return force.budget_w is not None
+
+    async def publish_scope_report(self, report: TickReport) -> None:
+        """The scope's report to the coordinator: what it enforces, commits and wants."""
+        link = self.scope
+        curve = self.engine.last_curve
+        if link is None or curve is None:
+            return
+        force = link.in_force(self.clock.monotonic())
+        g = self.engine.scope_group
+        off = self.engine.curve_offset_w
+        msg = ScopeReport(
+            scope=link.name,
+            controller_id=self.controller_id,
+            epoch=self.epoch,
+            tick=report.tick,
+            ts=report.ts,
+            budget_epoch=force.epoch,
+            budget_tick=force.tick,
+            budget_w=finite_or_none(float(report.group_budget_w[g])) or 0.0,
+            committed_w=float(report.group_committed_w[g]),
+            draw_w=finite_or_none(float(report.group_draw_w[g])),
+            failsafe_w=link.failsafe_w,
+            # The curve is of the GPUs' caps; the budget at the root also holds overhead.
+            lo_w=curve.lo_w + off,
+            hi_w=curve.hi_w + off,
+            offset_w=off,
+            curve_budget_w=(curve.budget_w + off).tolist(),
+            curve_price=curve.price.tolist(),
+            curve_exact_lo_w=curve.exact_lo_w + off,
+            curve_exact_hi_w=curve.exact_hi_w + off,
+        )
+        try:
+            await self.transport.publish(self.topics.scope_report(link.name), encode(msg), qos=1)
+        except TransportError as exc:
+            log.warning("scope_report_not_published", error=str(exc))
 
     # -- the tick ------------------------------------------------------------------------
 
@@ -349,11 +413,21 @@ class Controller(AdminWrites):
         report, plan = self.step()
         try:
             await self.publish_plan(plan)
+            if self.scope is not None and self.leading():
+                await self.publish_scope_report(report)
         finally:
             # A stop that cancels the publishing still records the tick: some of its
             # commands are out, and the store must know the caps that may be in force.
             report = replace(report, duration_ms=(time.perf_counter() - t0) * 1000.0)
             self._record(report, plan)
+            # One line per tick at debug level (bench/scopes_loop.py reads it).
+            log.debug(
+                "tick_done",
+                tick=report.tick,
+                duration_ms=round(report.duration_ms, 3),
+                solve_ms=round(report.solve_ms, 3),
+                gpus=len(report.uuids),
+            )
         return report
 
     # -- running -------------------------------------------------------------------------
@@ -411,10 +485,7 @@ class Controller(AdminWrites):
             )
 
         await self.transport.connect(will=will, on_connect=on_connect)
-        for kind in ("telemetry", "ack", "status"):
-            await self.transport.subscribe(
-                self.topics.all_nodes(kind), qos=1 if kind != "telemetry" else 0
-            )
+        await self._subscribe()
         log.info(
             "controller_started",
             controller=self.controller_id,
@@ -443,6 +514,20 @@ class Controller(AdminWrites):
             await self.transport.disconnect()
             log.info("controller_stopped", ticks=self.counters.ticks)
 
+    async def _subscribe(self) -> None:
+        """Every node's messages; a scope's controller only its own nodes' (and the
+        coordinator's budgets for it)."""
+        kinds = (("telemetry", 0), ("ack", 1), ("status", 1))
+        if self.scope is None:
+            for kind, qos in kinds:
+                await self.transport.subscribe(self.topics.all_nodes(kind), qos=qos)
+            return
+        await self.transport.subscribe(self.topics.scope_budget(self.scope.name), qos=1)
+        for node in self.fleet.node_order:
+            for kind, qos in kinds:
+                topic = getattr(self.topics, kind)(node)
+                await self.transport.subscribe(topic, qos=qos)
+
     async def _listen(self) -> None:
         async for message in self.transport.messages():
             self.handle(message, self.clock.monotonic())
@@ -459,7 +544,7 @@ class Controller(AdminWrites):
             if lead is not None:
                 lead.changed.clear()  # a change from here on wakes the sleep below
                 lead.check_deadline()
-            leading = self.leading()
+            leading = self.leading() and self._scope_budget()
             if leading != announced:
                 announced = leading
                 await self._announce(leading)

@@ -22,9 +22,11 @@ from numpy.typing import NDArray
 from powerd.alarms import Alarms
 from powerd.allocator import Allocation, ClassTable, Fleet, Tree, allocate_arrays, class_names
 from powerd.allocator.api import group_values
+from powerd.allocator.model import build_problem
+from powerd.allocator.scopes import DemandCurve, demand_curve
 from powerd.controller.fleet import FleetArrays, FleetState
 from powerd.controller.overrides import Overrides
-from powerd.policy import LEVELS, Policy
+from powerd.policy import LEVELS, Policy, scoped
 from powerd.safety import FleetLayout, SafePlan, SafetyPlanner
 from powerd.topology import Topology
 from powerd.wire import MAX_TICK, CapAck, NodeState, NodeStatus, NodeTelemetry
@@ -35,6 +37,8 @@ log = structlog.get_logger(__name__)
 # predecessor may have sent ticks nobody reported yet, and agents apply only newer ticks, so
 # ours must overtake all of them (ticks are plain numbers: 1,000 is minutes of a run at 1 s).
 TAKEOVER_TICK_GAP = 1000
+# Points of a scope's demand curve on the wire (exact there, linear in between).
+CURVE_POINTS = 256
 
 FloatArray = NDArray[np.float64]
 BoolArray = NDArray[np.bool_]
@@ -176,14 +180,32 @@ class TickEngine:
         self._message_error: str | None = None
         self._wall = 0.0  # the wall time of the tick in progress (alarm timestamps)
         self.fleet = FleetState(policy)
+        # Steering one scope (controller/scope.py): its root group, the coordinator's budget
+        # there (None: none), and each tick's demand curve for the coordinator.
+        self.scope_name: str | None = None
+        self.scope_group = 0
+        self.scope_budget_w: float | None = None
+        self.last_curve: DemandCurve | None = None
+        # What the root's budget holds besides its GPUs' caps: overhead, unknown GPUs' reserve.
+        self.curve_offset_w = 0.0
         # A controller may be taking over from one that just died, whose last commands may
         # still land: the planner counts every GPU at its maximum until it acknowledges a
         # command of ours, and our ticks start well above any the old one can have sent.
         self.planner = SafetyPlanner(policy)
         self.adopt(policy)
 
+    def set_scope(self, name: str) -> None:
+        """Steer only the policy's subtree under `name` (`policy.scoped`), under the
+        coordinator's budget there, and compute the scope's demand curve each tick. Every
+        policy adopted later is cut to the same scope (ScopeError if it lacks it)."""
+        self.scope_name = name
+        self.adopt(self.policy)
+
     def adopt(self, policy: Policy) -> None:
         """Steer by this policy from the next tick."""
+        if self.scope_name is not None:
+            policy = scoped(policy, self.scope_name)
+            self.scope_group = [g.name for g in policy.groups].index(self.scope_name)
         self.policy = policy
         self.classes = ClassTable.from_policy(policy)
         self._class_index = {name: i for i, name in enumerate(class_names(policy))}
@@ -457,9 +479,16 @@ class TickEngine:
         return report, plan
 
     def _budgets_in_force(self, topo: Topology, wall: float) -> FloatArray:
-        """Per group: the policy's budget, or a lower temporary one (expired ones end here)."""
+        """Per group: the policy's budget, or a lower temporary one (expired ones end here),
+        or at a scope's root the coordinator's if lower."""
         budgets = self.overrides.active_budgets(self.policy, wall)
-        return group_values(topo, budgets, topo.budget_w) if budgets else topo.budget_w
+        out = group_values(topo, budgets, topo.budget_w) if budgets else topo.budget_w
+        if self.scope_name is not None and self.scope_budget_w is not None:
+            g = self.scope_group
+            if self.scope_budget_w < out[g]:
+                out = out.copy()
+                out[g] = self.scope_budget_w
+        return out
 
     def _decide(
         self, tick: int, now: float, wall: float, t0: float, planned: list[SafePlan]
@@ -495,6 +524,8 @@ class TickEngine:
             pinned_w=pinned,
         )
         targets, status, objective, solve_ms = self._allocate(tick, fleet, budget_w, shape)
+        if self.scope_name is not None:
+            self.last_curve = self._curve(fleet, budget_w, shape)
         if held.any():
             targets = np.where(held, np.nan, targets)  # NaN: hold the committed cap
         solver = self.solver
@@ -633,6 +664,32 @@ class TickEngine:
         self._warm = alloc
         self._alarm("solver_failed", None)
         return alloc.caps_w, alloc.status, alloc.objective, alloc.solve_ms
+
+    def _curve(self, fleet: Fleet, budget_w: FloatArray, shape: Shape) -> DemandCurve | None:
+        """The scope's demand curve: the allocation's problem with the root's own budget
+        lifted (the coordinator decides it), seen from the root. None if it fails (the
+        coordinator then holds this scope's budget)."""
+        try:
+            lifted = budget_w.copy()
+            lifted[self.scope_group] = math.inf
+            problem = build_problem(
+                fleet,
+                self.policy,
+                classes=self.classes,
+                tree=shape.tree,
+                budget_w=lifted,
+                reserved_w=shape.reserve_own_w,
+            )
+            g = self.scope_group
+            off = float(shape.topology.overhead_w[g] + shape.reserve_w[g])
+            self.curve_offset_w = off
+            # Exact around the budget the coordinator gave last (where the split will land).
+            given = self.scope_budget_w
+            around = None if given is None or not math.isfinite(given) else given - off
+            return demand_curve(problem, g, points=CURVE_POINTS, around_w=around)
+        except Exception:
+            log.exception("demand_curve_failed")
+            return None
 
     def _log_safety_events(self, plan: SafePlan) -> None:
         """One line per kind of safety event, and only when what is affected changes: a

@@ -33,9 +33,17 @@ from powerd.controller.opstate import (
     StateFileError,
     file_sha256,
 )
+from powerd.controller.scope import ScopeLink
 from powerd.controller.settings import ControllerSettings
 from powerd.metrics import ControllerMetrics
-from powerd.policy import Policy, PolicyError, load_policy, load_policy_text
+from powerd.policy import (
+    Policy,
+    PolicyError,
+    ScopeError,
+    failsafe_budget_w,
+    load_policy,
+    load_policy_text,
+)
 from powerd.sdnotify import Notifier
 from powerd.settings import SettingsError
 from powerd.store import Store, StoreWriter, WriterLimits, upgrade
@@ -98,6 +106,8 @@ async def run_controller(settings: ControllerSettings) -> None:
     )
     ledger.api_policy = api_policy
     controller.file_policy = file_policy
+    if settings.scope is not None:
+        _scope(controller, settings.scope)
     controller.leadership = leadership = _leadership(settings, store, policy, ledger)
     ledger.start_from(
         state,
@@ -185,7 +195,7 @@ def _leadership(
         # Its own engine: a lease answer that comes late is worthless, and the store's
         # writer may hold the store's connections through a long outage.
         Leases(make_engine(settings.db, timeout_s=max(renew_s, lease_s / 2))),
-        scope=policy.groups[0].name,
+        scope=settings.scope or policy.groups[0].name,
         holder=settings.controller_id,
         lease_s=lease_s,
         renew_s=renew_s,
@@ -194,6 +204,21 @@ def _leadership(
     )
     leadership.follow = ledger.follow
     return leadership
+
+
+def _scope(controller: Controller, name: str) -> None:
+    """Steer one scope: its subtree, under the coordinator's budget (controller/scope.py)."""
+    policy = controller.policy
+    try:
+        controller.engine.set_scope(name)
+    except ScopeError as exc:
+        raise SettingsError("controller settings", [("scope", str(exc))]) from exc
+    controller.scope = ScopeLink(
+        name,
+        failsafe_budget_w(policy, name),
+        lease_s=policy.control.lease_s,
+        started_at=controller.clock.monotonic(),
+    )
 
 
 def _ready_once(notifier: Notifier, controller: Controller) -> RoundHook:

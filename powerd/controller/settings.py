@@ -39,6 +39,9 @@ class ControllerSettings(BrokerSettings):
     # controller, which steers through database outages; a second one refuses to start),
     # "lease" on any other database (any number of controllers; the lease holder leads).
     leadership: Literal["auto", "lease", "alone"] = "auto"
+    # Steer only the subtree under this row or rack of the policy, under the budget a
+    # `powerd coordinator` gives it (docs/operations.md, "Scopes"); None: the whole policy.
+    scope: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
     # The leader's lease in seconds; None: 0.4 × the policy's lease_s (4 s by default),
     # renewed every min(lease / 4, tick_s). A takeover completes within about lease +
     # renewal + one tick, which must fit the agents' lease_s (checked at start).

@@ -1,0 +1,493 @@
+"""`powerd coordinator`: the site service that splits the budgets above the scopes.
+
+Each scope (a row or rack of the policy) is steered by its own `powerd controller --scope`
+(with its standbys); the coordinator hears their reports, splits the facility's budget
+(and the rows', when the scopes are racks) from their demand curves every tick, and sends
+each scope its budget (CoordinatorEngine: coordinator/engine.py). It leads under the same
+kind of lease as a controller (scope `<facility>/coordinator` in its database): run two
+for a pair. Its admin API sets temporary budgets on the groups above the scopes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import signal
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, ClassVar, Literal
+
+import structlog
+from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+from pydantic import BaseModel, Field
+
+from powerd.api.server import ApiServer
+from powerd.auth import Principal, Role, TokenStore
+from powerd.clock import SystemClock
+from powerd.controller.leadership import Leadership
+from powerd.controller.overrides import BudgetOverride, NotFound, OverrideError
+from powerd.coordinator.engine import CoordinatorEngine, CoordinatorReport, ScopeBudgetPlan
+from powerd.policy import load_policy
+from powerd.sdnotify import Notifier
+from powerd.settings import BrokerSettings, SettingsError
+from powerd.store import upgrade
+from powerd.store.db import make_engine
+from powerd.store.leases import Leases
+from powerd.transport import MqttTransport, TransportError
+from powerd.wire import ScopeBudget, ScopeReport, Topics, WireError, decode, encode
+
+log = structlog.get_logger(__name__)
+
+
+class CoordinatorSettings(BrokerSettings):
+    kind: ClassVar[str] = "coordinator settings"
+
+    policy: Path = Path("/etc/powerd/policy.yaml")
+    db: str = "postgresql://powerd@localhost/powerd_coordinator"
+    coordinator_id: str = Field(
+        default="powerd-coordinator", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+    )
+    # The level whose groups are the scopes (each steered by `powerd controller --scope`).
+    scope_level: Literal["row", "rack"] = "row"
+    leadership: Literal["auto", "lease", "alone"] = "auto"
+    leader_lease_s: float | None = Field(default=None, gt=0, le=3600)
+    # Temporary budgets set through the API, kept across restarts.
+    state_file: Path = Path("powerd-coordinator-state.json")
+    api_host: str = "127.0.0.1"
+    api_port: int | None = Field(default=None, ge=0, le=65535)
+    tokens_file: Path | None = None
+    dev: bool = False
+
+    def client_name(self) -> str:
+        return self.coordinator_id
+
+
+class Coordinator:
+    """The daemon around CoordinatorEngine: reports in, budgets out, under a lease."""
+
+    def __init__(
+        self,
+        engine: CoordinatorEngine,
+        transport: MqttTransport,
+        leadership: Leadership,
+        *,
+        coordinator_id: str,
+        topics: Topics,
+        state_file: Path,
+    ) -> None:
+        self.engine = engine
+        self.transport = transport
+        self.leadership = leadership
+        self.coordinator_id = coordinator_id
+        self.topics = topics
+        self.state_file = state_file
+        self.clock = SystemClock()
+        self.last: CoordinatorReport | None = None
+        self.last_at = -math.inf
+        self.epoch = 0
+        self.sent = 0
+        self.dropped: dict[str, int] = {}
+
+    def handle(self, topic: str, payload: bytes) -> None:
+        try:
+            parsed = self.topics.parse_scope_topic(topic)
+            if parsed is None or parsed[1] != "report":
+                raise WireError("bad_topic", topic[:200])
+            msg = decode(payload, ScopeReport)
+            if msg.scope != parsed[0]:
+                raise WireError("scope_mismatch", f"{msg.scope!r} on {topic[:200]!r}")
+            if not self.engine.on_report(msg, self.clock.monotonic(), self.epoch):
+                raise WireError("unknown_scope", msg.scope)
+        except WireError as exc:
+            self.dropped[exc.reason] = self.dropped.get(exc.reason, 0) + 1
+            log.warning("report_dropped", topic=topic[:200], reason=exc.reason)
+        except Exception:
+            self.dropped["internal_error"] = self.dropped.get("internal_error", 0) + 1
+            log.exception("report_failed", topic=topic[:200])
+
+    async def run(self, stop: asyncio.Event, learn_s: float) -> None:
+        await self.transport.connect()
+        await self.transport.subscribe(self.topics.all_scope_reports(), qos=1)
+        log.info(
+            "coordinator_started",
+            coordinator=self.coordinator_id,
+            scopes=sorted(self.engine.scopes),
+            scope_level=self.engine.scope_level,
+        )
+        async with asyncio.TaskGroup() as tg:
+            listen = tg.create_task(self._listen())
+            ticks = tg.create_task(self._ticks(stop, learn_s))
+            await stop.wait()
+            listen.cancel()
+            ticks.cancel()
+        await self.transport.disconnect()
+
+    async def _listen(self) -> None:
+        async for m in self.transport.messages():
+            self.handle(m.topic, m.payload)
+
+    async def _ticks(self, stop: asyncio.Event, learn_s: float) -> None:
+        await self.transport.wait_connected()
+        await asyncio.sleep(learn_s)
+        tick_s = self.engine.policy.control.tick_s
+        next_at = time.monotonic()
+        while not stop.is_set():
+            lead = self.leadership
+            lead.changed.clear()
+            lead.check_deadline()
+            if lead.may_command():
+                if lead.epoch != self.epoch:
+                    self.epoch = lead.epoch  # a new epoch: earlier confirmations are void
+                    self.engine.forget_confirmations()
+                await self.tick_once()
+            next_at += tick_s
+            now = time.monotonic()
+            next_at = max(next_at, now)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(lead.changed.wait(), next_at - now)
+
+    async def tick_once(self) -> CoordinatorReport:
+        report = self.engine.step(self.clock.monotonic(), self.clock.wall(), self._tick_s())
+        self.last, self.last_at = report, self.clock.monotonic()
+        if not self.leadership.may_command():
+            log.warning("budgets_withheld", tick=report.tick)
+            return report
+        batch = [
+            (
+                self.topics.scope_budget(p.scope),
+                encode(
+                    ScopeBudget(
+                        scope=p.scope,
+                        budget_w=p.budget_w,
+                        tick=report.tick,
+                        epoch=self.epoch,
+                        lease_s=self.engine.policy.control.lease_s,
+                        ts=self.clock.wall(),
+                        coordinator_id=self.coordinator_id,
+                    )
+                ),
+            )
+            for p in report.budgets
+            if p.budget_w is not None
+        ]
+        try:
+            failed = await self.transport.publish_many(batch, qos=1)
+        except TransportError as exc:
+            failed = len(batch)
+            log.warning("budgets_publish_failed", error=str(exc))
+        self.sent += len(batch) - failed
+        return report
+
+    def epoch_to_overtake(self) -> int:
+        """The highest coordinator epoch a scope reports enforcing, if above ours: a new
+        lease's epoch goes above it (a recreated database must not leave every scope
+        refusing us)."""
+        seen = max(
+            (s.report.budget_epoch or 0 for s in self.engine.scopes.values() if s.report),
+            default=0,
+        )
+        ours = self.leadership.epoch if self.leadership.leading else 0
+        return seen if seen > ours else 0
+
+    def _tick_s(self) -> float:
+        return self.engine.policy.control.tick_s
+
+    # -- operators' budgets (kept in a state file before the API answers) -----------------
+
+    async def set_budget(
+        self, group: str, budget_w: float, ttl_s: float | None, who: str, reason: str
+    ) -> None:
+        now = self.clock.wall()
+        self.engine.overrides.set_budget(
+            self.engine.policy,
+            BudgetOverride(
+                group=group,
+                budget_w=budget_w,
+                expires_at=None if ttl_s is None else now + ttl_s,
+                reason=reason,
+                actor=who,
+                created_at=now,
+            ),
+        )
+        await self._save()
+
+    async def clear_budget(self, group: str) -> None:
+        self.engine.overrides.clear_budget(group)
+        await self._save()
+
+    async def _save(self) -> None:
+        body = json.dumps([asdict(b) for b in self.engine.overrides.budgets.values()])
+        await asyncio.to_thread(_write_atomically, self.state_file, body)
+
+    def load(self) -> None:
+        try:
+            items = json.loads(self.state_file.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return
+        now = self.clock.wall()
+        for item in items:
+            b = BudgetOverride(**item)
+            if b.expires_at is not None and b.expires_at <= now:
+                continue
+            with contextlib.suppress(OverrideError):
+                self.engine.overrides.set_budget(self.engine.policy, b)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+# -- the admin API -------------------------------------------------------------------------
+
+
+class BudgetIn(BaseModel):
+    budget_w: float = Field(gt=0, allow_inf_nan=False)
+    ttl_s: float | None = Field(default=None, gt=0, le=30 * 86400)
+    reason: str = Field(min_length=1, max_length=500)
+
+
+_bearer = HTTPBearer(auto_error=False)
+
+
+def _role(role: Role):  # type: ignore[no-untyped-def]
+    async def check(
+        request: Request,
+        cred: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    ) -> Principal:
+        tokens: TokenStore = request.app.state.tokens
+        p = None if cred is None else tokens.authenticate(cred.credentials)
+        if p is None:
+            raise HTTPException(401, "missing or unknown bearer token")
+        if p.role < role:
+            raise HTTPException(403, f"the {role.label} role is required")
+        return p
+
+    return check
+
+
+# At module level: the endpoints' annotations are resolved from the module's names.
+Viewer = Annotated[Principal, Depends(_role(Role.VIEWER))]
+Operator = Annotated[Principal, Depends(_role(Role.OPERATOR))]
+
+
+def _scope_row(coord: Coordinator, plan: ScopeBudgetPlan) -> dict[str, object]:
+    """A scope's budget this tick, and who leads it (from its latest report)."""
+    state = coord.engine.scopes[plan.scope]
+    r = state.report
+    return asdict(plan) | {
+        "leader": None if r is None else r.controller_id,
+        "leader_epoch": None if r is None else r.epoch,
+        "enforced_w": None if r is None else r.budget_w,
+        "reported_committed_w": None if r is None else r.committed_w,
+        "failsafe_w": state.failsafe_w,
+    }
+
+
+class _Metrics(Collector):
+    """The coordinator's series, built at scrape time from its last tick."""
+
+    def __init__(self, coord: Coordinator) -> None:
+        self.coord = coord
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.coord
+        v = c.leadership.view()
+        lead = GaugeMetricFamily(
+            "powerd_coordinator_leader", "1 while this coordinator leads.", labels=["coordinator"]
+        )
+        lead.add_metric([c.coordinator_id], float(v.role == "leader"))
+        yield lead
+        epoch = GaugeMetricFamily(
+            "powerd_coordinator_epoch", "The leading coordinator's epoch.", labels=["leader"]
+        )
+        epoch.add_metric([v.leader or ""], float(v.epoch))
+        yield epoch
+        r = c.last
+        if r is None:
+            return
+        budget = GaugeMetricFamily(
+            "powerd_scope_budget_watts", "Budget sent to each scope (W).", labels=["scope"]
+        )
+        committed = GaugeMetricFamily(
+            "powerd_scope_committed_watts",
+            "The most each scope may draw under the budgets sent (W).",
+            labels=["scope"],
+        )
+        epochs = GaugeMetricFamily(
+            "powerd_scope_leader_epoch",
+            "Each scope's leader and epoch, from its latest report.",
+            labels=["scope", "leader"],
+        )
+        for p in r.budgets:
+            if p.budget_w is not None:
+                budget.add_metric([p.scope], p.budget_w)
+            committed.add_metric([p.scope], p.committed_w)
+            rep = c.engine.scopes[p.scope].report
+            if rep is not None:
+                epochs.add_metric([p.scope, rep.controller_id], float(rep.epoch))
+        yield budget
+        yield committed
+        yield epochs
+        yield GaugeMetricFamily(
+            "powerd_coordinator_solve_seconds", "The last split's time.", value=r.solve_ms / 1e3
+        )
+
+
+def _scopes_view(coord: Coordinator) -> dict[str, object]:
+    r = coord.last
+    v = coord.leadership.view()
+    return {
+        "leadership": {
+            "role": v.role,
+            "leader": v.leader,
+            "epoch": v.epoch,
+            "members": [m.holder for m in v.members],
+        },
+        "tick": None if r is None else r.tick,
+        "solve_ms": None if r is None else r.solve_ms,
+        "groups": []
+        if r is None
+        else [
+            {"name": n, "budget_w": b if math.isfinite(b) else None, "committed_w": c}
+            for n, b, c in zip(r.group_names, r.group_budget_w, r.group_committed_w, strict=True)
+        ],
+        "scopes": [] if r is None else [_scope_row(coord, p) for p in r.budgets],
+        "waiting": [] if r is None else list(r.waiting),
+    }
+
+
+async def _write(
+    coord: Coordinator,
+    change: Callable[[], Awaitable[None]],
+    *,
+    actor: str,
+    action: str,
+    target: str,
+    reason: str,
+) -> dict[str, object]:
+    """A write on the leader only (409 on a standby), in its state file before the answer."""
+    if not coord.leadership.may_command():
+        raise HTTPException(409, f"standing by; the leader is {coord.leadership.leader!r}")
+    try:
+        await change()
+    except NotFound as exc:
+        raise HTTPException(404, str(exc)) from None
+    except OverrideError as exc:
+        raise HTTPException(422, str(exc)) from None
+    log.info("admin_action", actor=actor, action=action, target=target, reason=reason)
+    return {"applied": True, "durable": True, "after_tick": coord.engine.tick_no}
+
+
+def create_app(coord: Coordinator, tokens: TokenStore) -> FastAPI:
+    app = FastAPI(title="powerd coordinator", version="1")
+    app.state.tokens = tokens
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    registry = CollectorRegistry()
+    registry.register(_Metrics(coord))
+
+    @app.get("/metrics")
+    async def metrics(_: Viewer) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/readyz")
+    async def readyz(response: Response) -> dict[str, bool]:
+        ready = coord.leadership.may_command() and coord.last is not None
+        if not ready:
+            response.status_code = 503
+        return {"ready": ready}
+
+    @app.get("/api/v1/scopes")
+    async def scopes(_: Viewer) -> dict[str, object]:
+        """The split: each scope's budget, target, what it may draw, who leads it."""
+        return _scopes_view(coord)
+
+    @app.put("/api/v1/budgets/{group}")
+    async def put_budget(group: str, body: BudgetIn, p: Operator) -> dict[str, object]:
+        """A temporary budget on a group above the scopes (only lowers; `ttl_s`: expiry)."""
+        return await _write(
+            coord,
+            lambda: coord.set_budget(group, body.budget_w, body.ttl_s, p.name, body.reason),
+            actor=p.name,
+            action="budget.set",
+            target=group,
+            reason=body.reason,
+        )
+
+    @app.delete("/api/v1/budgets/{group}")
+    async def delete_budget(group: str, reason: str, p: Operator) -> dict[str, object]:
+        """End a temporary budget."""
+        return await _write(
+            coord,
+            lambda: coord.clear_budget(group),
+            actor=p.name,
+            action="budget.clear",
+            target=group,
+            reason=reason,
+        )
+
+    return app
+
+
+async def run_coordinator(settings: CoordinatorSettings) -> None:
+    policy = load_policy(settings.policy)
+    engine = CoordinatorEngine(policy, settings.scope_level)
+    control = policy.control
+    lease_s = settings.leader_lease_s or 0.4 * control.lease_s
+    renew_s = min(lease_s / 4, control.tick_s)
+    url = settings.db
+    mode = settings.leadership
+    if mode == "auto":
+        mode = "alone" if url.startswith("sqlite") else "lease"
+    await asyncio.to_thread(upgrade, url)
+    leadership = Leadership(
+        Leases(make_engine(url, timeout_s=max(renew_s, lease_s / 2))),
+        scope=f"{policy.groups[0].name}/coordinator",
+        holder=settings.coordinator_id,
+        lease_s=lease_s,
+        renew_s=renew_s,
+        mode=mode,
+        margin_s=min(0.25, lease_s / 10),
+    )
+    if mode == "alone":
+        await leadership.claim_alone()
+    coord = Coordinator(
+        engine,
+        MqttTransport(settings.mqtt_config()),
+        leadership,
+        coordinator_id=settings.coordinator_id,
+        topics=Topics(settings.topic_prefix),
+        state_file=settings.state_file,
+    )
+    await asyncio.to_thread(coord.load)
+    api = None
+    if settings.api_port is not None:
+        if settings.tokens_file is None:
+            raise SettingsError(settings.kind, [("tokens_file", "the admin API needs one")])
+        tokens = TokenStore.from_file(settings.tokens_file, dev=settings.dev)
+        api = ApiServer(create_app(coord, tokens), settings.api_host, settings.api_port)
+    notifier = Notifier()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    notifier.ready("coordinating")
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(leadership.run(stop, coord.epoch_to_overtake), name="leadership")
+        if api is not None:
+            tg.create_task(api.serve(stop), name="api")
+        tg.create_task(coord.run(stop, learn_s=2 * control.tick_s), name="coordinator")
