@@ -150,7 +150,7 @@ def _vertices(problem: Problem, root: int) -> tuple[FloatArray, FloatArray]:
     seg, col = np.nonzero(lengths > 0.0)
     top = upper[seg, col]
     x = np.concatenate([top, top - lengths[seg, col]])
-    order = np.argsort(-x, kind="stable")
+    order = np.argsort(-x)  # ties in any order: they make one vertex
     x = x[order]
     w = np.where(order < top.size, 1, -1).astype(np.int64)
     group = np.tile(tree.node_of_gpu[gpus[col]], 2)[order]
@@ -209,9 +209,11 @@ def _clamp(
     np.multiply(after[:-1], xs[:-1] - xs[1:], out=inc[1:])
     inc[first] = 0.0
     cs = np.cumsum(inc)
-    s = lo_sums[gs] + (cs - cs[starts][run])
-    cap = np.maximum(capacity[gs], lo_sums[gs])
-    over = s > cap  # a suffix of each group's run: s only grows along it
+    # Per run (group), then spread once: the sum above lo, and the room above lo.
+    lo_run = lo_sums[gs[starts]]
+    room_run = np.maximum(capacity[gs[starts]] - lo_run, 0.0)
+    above = cs - cs[starts][run]
+    over = above > room_run[run]  # a suffix of each group's run: the sum only grows
     cross = np.flatnonzero(over & np.r_[True, ~over[:-1] | first[1:]])
     keep = np.ones(x.size, dtype=np.bool_)
     keep[idx[over]] = False
@@ -219,8 +221,9 @@ def _clamp(
         return x, w, group
     before = cross - 1
     m = after[before]
+    room = room_run[run[cross]] - above[before]
     with np.errstate(divide="ignore", invalid="ignore"):
-        new_x = np.where(m > 0, xs[before] - (cap[cross] - s[before]) / m, xs[before])
+        new_x = np.where(m > 0, xs[before] - room / m, xs[before])
     new_x = np.where(first[cross], xs[cross], new_x)  # cannot happen (lo fits), kept safe
     new_w = -np.where(first[cross], 0, m)
     new_g = gs[cross]
