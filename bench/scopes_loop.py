@@ -31,6 +31,7 @@ import httpx
 import yaml
 
 from powerd.auth import new_token_entry
+from powerd.policy import load_policy
 from powerd.testing.mosquitto import LocalMosquitto, free_port
 from powerd.testing.synthetic import policy_dict
 
@@ -81,7 +82,7 @@ def main() -> None:
     policy_file.write_text(yaml.safe_dump(policy))
     token, entry = new_token_entry("bench", "viewer")
     (work / "tokens.toml").write_text(entry)
-    rows = [r["name"] for r in policy["facility"]["rows"]]
+    rows = [g.name for g in load_policy(policy_file).groups if g.level == 1]
     procs: dict[str, subprocess.Popen[bytes]] = {}
     logs: dict[str, Path] = {}
     with LocalMosquitto(work / "mosquitto", extra_config=BROKER_LIMITS) as broker:
@@ -144,6 +145,7 @@ def main() -> None:
             cpu0 = {n: proc_cpu_s(pid) for n, pid in pids.items()}
             t0 = time.time()
             splits: list[float] = []
+            exact: list[bool] = []
             with httpx.Client(
                 base_url=f"http://127.0.0.1:{coord_port}",
                 headers={"Authorization": f"Bearer {token}"},
@@ -154,6 +156,7 @@ def main() -> None:
                     view = c.get("/api/v1/scopes").json()
                     if view["tick"] != last_tick and view["solve_ms"] is not None:
                         splits.append(view["solve_ms"])
+                        exact.append(bool(view["exact"]))
                         last_tick = view["tick"]
                     time.sleep(t / 2)
                 final = view
@@ -191,6 +194,7 @@ def main() -> None:
     result["coordinator"] = {
         "split_p50_ms": statistics.median(splits) if splits else None,
         "split_max_ms": max(splits) if splits else None,
+        "split_exact_share": round(sum(exact) / len(exact), 3) if exact else None,
         "cpu_pct": round(cpu["coordinator"], 1),
         "peak_rss_mb": round(rss["coordinator"], 1),
         "held_or_waiting": [p["scope"] for p in final["scopes"] if p["held"]] + final["waiting"],

@@ -80,6 +80,9 @@ class CoordinatorReport:
     group_committed_w: tuple[float, ...]  # Σ what its scopes may draw + own overhead
     solve_ms: float
     waiting: tuple[str, ...]  # scopes without a curve (silent, or not heard yet)
+    # Every budget lies where its scope's curve is exact: the split is the site's optimum
+    # (otherwise it moves toward it from tick to tick: docs/allocator.md, "Scopes").
+    exact: bool = False
 
 
 class CoordinatorEngine:
@@ -209,6 +212,7 @@ class CoordinatorEngine:
             ),
             solve_ms=solve_ms,
             waiting=tuple(s.name for s, c in zip(scopes, curves, strict=True) if c is None),
+            exact=bool(split.exact),
         )
 
     def _upper_sums(self, per_scope: list[float]) -> list[float]:

@@ -356,6 +356,7 @@ def _scopes_view(coord: Coordinator) -> dict[str, object]:
         },
         "tick": None if r is None else r.tick,
         "solve_ms": None if r is None else r.solve_ms,
+        "exact": None if r is None else r.exact,
         "groups": []
         if r is None
         else [
