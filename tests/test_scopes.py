@@ -42,7 +42,8 @@ class Site:
         self.policy_file = policy_file
         self.policy: Policy = load_policy(policy_file)
         self.dbs = dbs
-        self.port = free_port()
+        self.ports: dict[str, int] = {}  # each coordinator's API
+        self.leader = ""  # the coordinator `api()` asks
         self.scope_ports = {name: free_port() for name in SCOPES}
         token, entry = new_token_entry("grid", "operator")
         self.token = token
@@ -65,22 +66,23 @@ class Site:
         )
 
     def coordinator(self, name: str) -> None:
+        self.ports.setdefault(name, free_port())
         self.procs.start(
-            "coordinator",
+            name,
             "coordinator",
             f"--policy={self.policy_file}",
             f"--broker={self.procs.broker_url}",
             f"--db={self.dbs['coordinator']}",
             f"--coordinator-id={name}",
             "--scope-level=rack",
-            f"--state-file={self.procs.workdir / 'coordinator-state.json'}",
-            f"--api-port={self.port}",
+            f"--state-file={self.procs.workdir / f'{name}-state.json'}",
+            f"--api-port={self.ports[name]}",
             f"--tokens-file={self.tokens}",
         )
 
     def api(self) -> httpx.Client:
         return httpx.Client(
-            base_url=f"http://127.0.0.1:{self.port}",
+            base_url=f"http://127.0.0.1:{self.ports[self.leader]}",
             headers={"Authorization": f"Bearer {self.token}"},
             timeout=10,
         )
@@ -160,6 +162,7 @@ async def test_scopes_keep_every_budget_through_a_cut_and_the_coordinators_death
     for s in SCOPES:
         site.scope(s)
     site.coordinator("coord-a")
+    site.leader = "coord-a"
 
     # -- both scopes steered under the coordinator's budgets -----------------------------
     await site.until(site.steered, "every node is steered by its scope")
@@ -177,12 +180,14 @@ async def test_scopes_keep_every_budget_through_a_cut_and_the_coordinators_death
     # The budget is used: the facility's 8000 W bind, not the scopes' failsafe budgets.
     await site.until(lambda: site.committed("dc") > 0.9 * 8000, "the facility budget in use")
     assert any(site.committed(s) > failsafe[s] + 100 for s in SCOPES)
+    site.coordinator("coord-b")  # a standby
     assert mon.breaches == []
 
     # -- a facility budget cut through the API: obeyed within two coordinator ticks -------
     with site.api() as c:
         r = c.put("/api/v1/budgets/dc", json={"budget_w": 6000, "reason": "grid event"})
     assert r.status_code == 200, r.text
+    assert r.json()["shared"] is True  # in the database, where the standby reads it
     cut = [g.budget_w for g in site.policy.groups]
     cut[0] = 6000.0
     mon.budget_w = [max(a, b) for a, b in zip(mon.budget_w, cut, strict=True)]
@@ -193,8 +198,21 @@ async def test_scopes_keep_every_budget_through_a_cut_and_the_coordinators_death
     mon.budget_w = cut  # from here on the strict check
     assert mon.breaches == []
 
-    # -- the coordinator killed: every scope falls to its failsafe budget ----------------
-    site.procs.kill("coordinator")
+    # -- the leading coordinator killed: its standby leads before any scope's lease ends --
+    site.procs.kill("coord-a")
+    site.leader = "coord-b"
+    await site.until(
+        lambda: (site.scopes_view() or {}).get("leadership", {}).get("role") == "leader",
+        "coord-b leads",
+    )
+    await asyncio.sleep(LEASE_S + 2 * TICK_S)
+    # No scope fell to its failsafe budget, and the cut holds under the new leader.
+    assert all(site.committed(s) > failsafe[s] + 100 for s in SCOPES)
+    assert site.committed("dc") <= 6000 + TOL_W
+    assert mon.breaches == []
+
+    # -- every coordinator killed: every scope falls to its failsafe budget --------------
+    site.procs.kill("coord-b")
     killed = time.monotonic()
     await site.until(
         lambda: all(site.committed(s) <= failsafe[s] + TOL_W for s in SCOPES),
@@ -205,8 +223,9 @@ async def test_scopes_keep_every_budget_through_a_cut_and_the_coordinators_death
     assert all(site.committed(s) <= failsafe[s] + TOL_W for s in SCOPES)
     assert mon.breaches == []
 
-    # -- a new coordinator: the scopes resume, the cut still in force (its state file) ----
-    site.coordinator("coord-b")
+    # -- a new coordinator: the scopes resume, the cut still in force (the database) ------
+    site.coordinator("coord-c")
+    site.leader = "coord-c"
     await site.until(
         lambda: any(site.committed(s) > failsafe[s] + 100 for s in SCOPES),
         "the scopes resume above their failsafe budgets",

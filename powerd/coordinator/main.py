@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 import signal
 import time
@@ -34,12 +33,19 @@ from powerd.api.server import ApiServer
 from powerd.auth import Principal, Role, TokenStore
 from powerd.clock import SystemClock
 from powerd.controller.leadership import Leadership
+from powerd.controller.opstate import (
+    BudgetState,
+    OperatorState,
+    StateFile,
+    StateFileError,
+    restore,
+)
 from powerd.controller.overrides import BudgetOverride, NotFound, OverrideError
 from powerd.coordinator.engine import CoordinatorEngine, CoordinatorReport, ScopeBudgetPlan
 from powerd.policy import load_policy
 from powerd.sdnotify import Notifier
 from powerd.settings import BrokerSettings, SettingsError
-from powerd.store import upgrade
+from powerd.store import Store, upgrade
 from powerd.store.db import make_engine
 from powerd.store.leases import Leases
 from powerd.transport import MqttTransport, TransportError
@@ -83,6 +89,7 @@ class Coordinator:
         coordinator_id: str,
         topics: Topics,
         state_file: Path,
+        store: Store,
     ) -> None:
         self.engine = engine
         self.transport = transport
@@ -90,6 +97,8 @@ class Coordinator:
         self.coordinator_id = coordinator_id
         self.topics = topics
         self.state_file = state_file
+        self.store = store
+        self.revision = 0  # of the temporary budgets, as stored
         self.clock = SystemClock()
         self.last: CoordinatorReport | None = None
         self.last_at = -math.inf
@@ -201,11 +210,12 @@ class Coordinator:
     def _tick_s(self) -> float:
         return self.engine.policy.control.tick_s
 
-    # -- operators' budgets (kept in a state file before the API answers) -----------------
+    # -- operators' budgets: in the database (both coordinators of a pair read it) and a
+    # state file (the database may be down), before the API answers --------------------
 
     async def set_budget(
         self, group: str, budget_w: float, ttl_s: float | None, who: str, reason: str
-    ) -> None:
+    ) -> bool:
         now = self.clock.wall()
         self.engine.overrides.set_budget(
             self.engine.policy,
@@ -218,34 +228,86 @@ class Coordinator:
                 created_at=now,
             ),
         )
-        await self._save()
+        return await self._save()
 
-    async def clear_budget(self, group: str) -> None:
+    async def clear_budget(self, group: str) -> bool:
         self.engine.overrides.clear_budget(group)
-        await self._save()
+        return await self._save()
 
-    async def _save(self) -> None:
-        body = json.dumps([asdict(b) for b in self.engine.overrides.budgets.values()])
-        await asyncio.to_thread(_write_atomically, self.state_file, body)
+    def _state(self) -> OperatorState:
+        return OperatorState(
+            revision=self.revision,
+            ts=self.clock.wall(),
+            budgets=[BudgetState(**asdict(b)) for b in self.engine.overrides.budgets.values()],
+        )
+
+    async def _save(self) -> bool:
+        """The state file, then the database; True if the database has it (a standby that
+        takes over reads it there)."""
+        self.revision += 1
+        state = self._state()
+        await asyncio.to_thread(StateFile(self.state_file).save, state)
+        try:
+            self.revision = await asyncio.to_thread(_store_state, self.store, state)
+        except Exception as exc:
+            log.error("budgets_not_in_database", error=f"{type(exc).__name__}: {exc}"[:300])
+            return False
+        return True
+
+    async def follow(self) -> None:
+        """Adopt the budgets the database holds when newer than ours (a takeover, or a
+        standby keeping up). Raises if the database cannot be read: a new leader must not
+        split from budgets it could not check."""
+        row = await asyncio.to_thread(self.store.latest_operator_state)
+        if row is None or row.revision <= self.revision:
+            return
+        state = OperatorState.model_validate(row.state | {"revision": row.revision})
+        self._adopt(state)
+
+    def _adopt(self, state: OperatorState) -> None:
+        self.engine.overrides = restore(state, self.engine.policy, self.clock.wall())
+        self.revision = state.revision
+        log.info(
+            "budgets_restored",
+            revision=state.revision,
+            groups=sorted(self.engine.overrides.budgets),
+        )
 
     def load(self) -> None:
+        """(worker thread, at start) The state file or the database, the newer."""
         try:
-            items = json.loads(self.state_file.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            return
-        now = self.clock.wall()
-        for item in items:
-            b = BudgetOverride(**item)
-            if b.expires_at is not None and b.expires_at <= now:
-                continue
-            with contextlib.suppress(OverrideError):
-                self.engine.overrides.set_budget(self.engine.policy, b)
+            from_file = StateFile(self.state_file).load()
+        except StateFileError as exc:
+            log.error("coordinator_state_unreadable", error=str(exc)[:300])
+            from_file = None
+        from_db = None
+        try:
+            row = self.store.latest_operator_state()
+            if row is not None:
+                from_db = OperatorState.model_validate(row.state | {"revision": row.revision})
+        except Exception as exc:
+            log.error("store_unreachable_at_start", error=f"{type(exc).__name__}: {exc}"[:300])
+        newest = max(
+            (s for s in (from_file, from_db) if s is not None),
+            key=lambda s: s.revision,
+            default=None,
+        )
+        if newest is not None:
+            self._adopt(newest)
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+def _store_state(store: Store, state: OperatorState) -> int:
+    """Store as the next revision above the database's; the revision used."""
+    body = state.for_db()
+    revision = state.revision
+    for _ in range(5):
+        latest = store.latest_operator_state()
+        if latest is not None and latest.revision >= revision:
+            revision = latest.revision + 1
+        if store.save_operator_state(revision, state.ts, body):
+            return revision
+        revision += 1
+    raise RuntimeError("operator state revision conflict persisted")
 
 
 # -- the admin API -------------------------------------------------------------------------
@@ -370,7 +432,7 @@ def _scopes_view(coord: Coordinator) -> dict[str, object]:
 
 async def _write(
     coord: Coordinator,
-    change: Callable[[], Awaitable[None]],
+    change: Callable[[], Awaitable[bool]],
     *,
     actor: str,
     action: str,
@@ -381,13 +443,19 @@ async def _write(
     if not coord.leadership.may_command():
         raise HTTPException(409, f"standing by; the leader is {coord.leadership.leader!r}")
     try:
-        await change()
+        stored = await change()
     except NotFound as exc:
         raise HTTPException(404, str(exc)) from None
     except OverrideError as exc:
         raise HTTPException(422, str(exc)) from None
     log.info("admin_action", actor=actor, action=action, target=target, reason=reason)
-    return {"applied": True, "durable": True, "after_tick": coord.engine.tick_no}
+    # durable: in the state file; shared: in the database, where a standby finds it.
+    return {
+        "applied": True,
+        "durable": True,
+        "shared": stored,
+        "after_tick": coord.engine.tick_no,
+    }
 
 
 def create_app(coord: Coordinator, tokens: TokenStore) -> FastAPI:
@@ -473,8 +541,10 @@ async def run_coordinator(settings: CoordinatorSettings) -> None:
         coordinator_id=settings.coordinator_id,
         topics=Topics(settings.topic_prefix),
         state_file=settings.state_file,
+        store=Store(url),
     )
     await asyncio.to_thread(coord.load)
+    leadership.follow = coord.follow
     api = None
     if settings.api_port is not None:
         if settings.tokens_file is None:
