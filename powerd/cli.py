@@ -9,7 +9,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from powerd import __version__
@@ -221,11 +221,23 @@ def cmd_agent(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_controller(args: argparse.Namespace) -> int:
+def _run_daemon(name: str, main: Coroutine[Any, Any, None]) -> int:
+    """Run a daemon until it stops; what keeps it from starting is printed, exit 1."""
     import asyncio
-    from pathlib import Path
 
     from powerd.controller.leadership import StartRefused
+
+    try:
+        asyncio.run(main)
+    except (OSError, StartRefused) as exc:  # the API port is taken, the store is held, ...
+        print(f"powerd {name}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def cmd_controller(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from powerd.controller.main import run_controller
     from powerd.controller.settings import ControllerSettings
 
@@ -246,12 +258,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
         tokens_file=args.tokens_file,
         dev=args.dev or None,
     )
-    try:
-        asyncio.run(run_controller(settings))
-    except (OSError, StartRefused) as exc:  # the API port is taken, the store is held, ...
-        print(f"powerd controller: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    return EXIT_OK
+    return _run_daemon("controller", run_controller(settings))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -379,10 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
-    import asyncio
     from pathlib import Path
 
-    from powerd.controller.leadership import StartRefused
     from powerd.coordinator.main import CoordinatorSettings, run_coordinator
 
     settings = CoordinatorSettings.load(
@@ -399,12 +404,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         tokens_file=args.tokens_file,
         dev=args.dev or None,
     )
-    try:
-        asyncio.run(run_coordinator(settings))
-    except (OSError, StartRefused) as exc:
-        print(f"powerd coordinator: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    return EXIT_OK
+    return _run_daemon("coordinator", run_coordinator(settings))
 
 
 def _add_coordinator_parser(sub: Any) -> None:

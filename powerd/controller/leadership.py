@@ -25,7 +25,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 import structlog
+from sqlalchemy.engine import make_url
 
+from powerd.policy import Control
+from powerd.settings import SettingsError
+from powerd.store.db import make_engine
 from powerd.store.leases import Lease, Leases, Member
 
 log = structlog.get_logger(__name__)
@@ -42,6 +46,59 @@ def boot_clock() -> float:
     """Seconds on a clock that also runs while the host is suspended (CLOCK_BOOTTIME): a
     leader's deadline must pass during a suspend, as the lease does on the database."""
     return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def mode_for(leadership: str, db_url: str) -> Mode:
+    """`auto`: alone on SQLite (the embedded store of one process), a lease otherwise."""
+    if leadership == "lease":
+        return "lease"
+    if leadership == "alone":
+        return "alone"
+    url = make_url(db_url) if "://" in db_url else None
+    return "alone" if url is None or url.get_backend_name() == "sqlite" else "lease"
+
+
+def for_daemon(
+    db_url: str,
+    *,
+    scope: str,
+    holder: str,
+    control: Control,
+    lease_s: float | None,
+    mode: Mode,
+    setting: str = "leader_lease_s",
+) -> Leadership:
+    """The leadership of a daemon (controller or coordinator) with the default timings:
+    a lease of `lease_s` (default 0.4 × the policy's lease_s) renewed every min(lease / 4,
+    tick_s), on its own engine whose statements give up after max(renewal, lease / 2): a
+    lease answer that comes late is worthless, and the daemon's store may hold its own
+    connections through a long outage. Under a lease, a takeover (lease + renewal + one
+    tick) must end before the leases it hands out (agents' caps, scopes' budgets: the
+    policy's lease_s) run out; SettingsError otherwise."""
+    lease = lease_s or 0.4 * control.lease_s
+    renew_s = min(lease / 4, control.tick_s)
+    takeover_s = lease + renew_s + control.tick_s
+    if mode == "lease" and takeover_s >= control.lease_s:
+        raise SettingsError(
+            "settings",
+            [
+                (
+                    setting,
+                    f"a takeover may take lease + renewal + one tick = {takeover_s:g} s, "
+                    f"which must be shorter than the policy's lease_s ({control.lease_s:g} s) "
+                    "or what it steers falls to failsafe during a failover",
+                )
+            ],
+        )
+    return Leadership(
+        Leases(make_engine(db_url, timeout_s=max(renew_s, lease / 2))),
+        scope=scope,
+        holder=holder,
+        lease_s=lease,
+        renew_s=renew_s,
+        mode=mode,
+        margin_s=min(0.25, lease / 10),
+    )
 
 
 class StartRefused(Exception):

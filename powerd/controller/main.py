@@ -25,7 +25,7 @@ from powerd.controller.hooks import (
     standby_watchdog_hook,
     watchdog_hook,
 )
-from powerd.controller.leadership import Leadership
+from powerd.controller.leadership import Leadership, for_daemon
 from powerd.controller.opstate import (
     ApiPolicy,
     OperatorState,
@@ -47,8 +47,6 @@ from powerd.policy import (
 from powerd.sdnotify import Notifier
 from powerd.settings import SettingsError
 from powerd.store import Store, StoreWriter, WriterLimits, upgrade
-from powerd.store.db import make_engine
-from powerd.store.leases import Leases
 from powerd.transport import MqttTransport
 from powerd.wire import Topics
 
@@ -108,7 +106,7 @@ async def run_controller(settings: ControllerSettings) -> None:
     controller.file_policy = file_policy
     if settings.scope is not None:
         _scope(controller, settings.scope)
-    controller.leadership = leadership = _leadership(settings, store, policy, ledger)
+    controller.leadership = leadership = _leadership(settings, policy, ledger)
     ledger.start_from(
         state,
         db_revision=db.revision,
@@ -170,37 +168,15 @@ def _no_tokens(dev: bool) -> TokenStore:
     return TokenStore([])
 
 
-def _leadership(
-    settings: ControllerSettings, store: Store, policy: Policy, ledger: Ledger
-) -> Leadership:
-    """The lease this controller leads under: its scope is the policy's root."""
-    control = policy.control
-    lease_s = settings.leader_lease_s or 0.4 * control.lease_s
-    renew_s = min(lease_s / 4, control.tick_s)
-    takeover_s = lease_s + renew_s + control.tick_s
-    mode = settings.leadership_mode()
-    if mode == "lease" and takeover_s >= control.lease_s:
-        raise SettingsError(
-            "controller settings",
-            [
-                (
-                    "leader_lease_s",
-                    f"a takeover may take lease + renewal + one tick = {takeover_s:g} s, "
-                    f"which must be shorter than the agents' lease_s ({control.lease_s:g} s) "
-                    "or GPUs fall to failsafe during a failover",
-                )
-            ],
-        )
-    leadership = Leadership(
-        # Its own engine: a lease answer that comes late is worthless, and the store's
-        # writer may hold the store's connections through a long outage.
-        Leases(make_engine(settings.db, timeout_s=max(renew_s, lease_s / 2))),
+def _leadership(settings: ControllerSettings, policy: Policy, ledger: Ledger) -> Leadership:
+    """The lease this controller leads under: its scope's, or the policy root's."""
+    leadership = for_daemon(
+        settings.db,
         scope=settings.scope or policy.groups[0].name,
         holder=settings.controller_id,
-        lease_s=lease_s,
-        renew_s=renew_s,
-        mode=mode,
-        margin_s=min(0.25, lease_s / 10),
+        control=policy.control,
+        lease_s=settings.leader_lease_s,
+        mode=settings.leadership_mode(),
     )
     leadership.follow = ledger.follow
     return leadership

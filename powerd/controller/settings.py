@@ -10,6 +10,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 from sqlalchemy.engine import make_url
 
+from powerd.controller.leadership import mode_for
 from powerd.settings import BrokerSettings
 from powerd.store import Retention
 from powerd.store.aggregate import CAP_EPSILON_W, CAP_INTERVAL_S
@@ -77,10 +78,7 @@ class ControllerSettings(BrokerSettings):
         return replace(super().mqtt_config(), max_inflight_messages=self.command_window)
 
     def leadership_mode(self) -> Literal["lease", "alone"]:
-        if self.leadership != "auto":
-            return self.leadership
-        url = make_url(self.db) if "://" in self.db else None
-        return "alone" if url is None or url.get_backend_name() == "sqlite" else "lease"
+        return mode_for(self.leadership, self.db)
 
     def state_path(self) -> Path:
         if self.state_file is not None:

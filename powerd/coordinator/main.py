@@ -32,7 +32,7 @@ from pydantic import BaseModel, Field
 from powerd.api.server import ApiServer
 from powerd.auth import Principal, Role, TokenStore
 from powerd.clock import SystemClock
-from powerd.controller.leadership import Leadership
+from powerd.controller.leadership import Leadership, for_daemon, mode_for
 from powerd.controller.opstate import (
     BudgetState,
     OperatorState,
@@ -46,8 +46,6 @@ from powerd.policy import load_policy
 from powerd.sdnotify import Notifier
 from powerd.settings import BrokerSettings, SettingsError
 from powerd.store import Store, upgrade
-from powerd.store.db import make_engine
-from powerd.store.leases import Leases
 from powerd.transport import MqttTransport, TransportError
 from powerd.wire import ScopeBudget, ScopeReport, Topics, WireError, decode, encode
 
@@ -515,22 +513,16 @@ def create_app(coord: Coordinator, tokens: TokenStore) -> FastAPI:
 async def run_coordinator(settings: CoordinatorSettings) -> None:
     policy = load_policy(settings.policy)
     engine = CoordinatorEngine(policy, settings.scope_level)
-    control = policy.control
-    lease_s = settings.leader_lease_s or 0.4 * control.lease_s
-    renew_s = min(lease_s / 4, control.tick_s)
     url = settings.db
-    mode = settings.leadership
-    if mode == "auto":
-        mode = "alone" if url.startswith("sqlite") else "lease"
     await asyncio.to_thread(upgrade, url)
-    leadership = Leadership(
-        Leases(make_engine(url, timeout_s=max(renew_s, lease_s / 2))),
+    mode = mode_for(settings.leadership, url)
+    leadership = for_daemon(
+        url,
         scope=f"{policy.groups[0].name}/coordinator",
         holder=settings.coordinator_id,
-        lease_s=lease_s,
-        renew_s=renew_s,
+        control=policy.control,
+        lease_s=settings.leader_lease_s,
         mode=mode,
-        margin_s=min(0.25, lease_s / 10),
     )
     if mode == "alone":
         await leadership.claim_alone()
@@ -561,4 +553,4 @@ async def run_coordinator(settings: CoordinatorSettings) -> None:
         tg.create_task(leadership.run(stop, coord.epoch_to_overtake), name="leadership")
         if api is not None:
             tg.create_task(api.serve(stop), name="api")
-        tg.create_task(coord.run(stop, learn_s=2 * control.tick_s), name="coordinator")
+        tg.create_task(coord.run(stop, learn_s=2 * policy.control.tick_s), name="coordinator")
