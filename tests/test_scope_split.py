@@ -6,11 +6,11 @@ reaches the global optimum within 1e-6 and keeps every budget."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from test_allocator import policy_for
 
 from powerd.allocator import Fleet, allocate_arrays, build_problem
 from powerd.allocator.model import Problem, objective
@@ -26,16 +26,6 @@ from powerd.testing.synthetic import make_policy, random_fleet, scope_fleet
 TOL_W = 1e-6
 REL_GAP = 1e-6
 EXAMPLES = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-@lru_cache(maxsize=64)
-def policy_for(
-    shape: tuple[int, int, int, int],
-    fractions: tuple[float, float, float, float],
-    damping: float,
-    slew_w: float | None,
-) -> Policy:
-    return make_policy(*shape, fractions=fractions, damping=damping, slew_w=slew_w)
 
 
 @dataclass(frozen=True)
