@@ -79,6 +79,17 @@ def report(
     )
 
 
+def settled() -> CoordinatorEngine:
+    """Both racks at 5000 W, confirmed under our epoch (tick 1)."""
+    eng = CoordinatorEngine(site(), "rack")
+    for s in ("rack-1", "rack-2"):
+        eng.on_report(report(s, budget_w=5000, committed_w=5000), 0.0, EPOCH)
+    eng.step(0.0, 0.0, TICK_S)
+    for s in ("rack-1", "rack-2"):
+        eng.on_report(report(s, budget_w=5000, committed_w=5000, tick=1), 0.5, EPOCH)
+    return eng
+
+
 def sent(plan: object) -> dict[str, float | None]:
     return {p.scope: p.budget_w for p in plan.budgets}  # type: ignore[attr-defined]
 
@@ -99,13 +110,7 @@ def test_unheard_scopes_get_nothing_and_unconfirmed_ones_only_holds_or_cuts() ->
 
 
 def test_a_raise_waits_until_the_cut_that_pays_for_it_is_confirmed() -> None:
-    eng = CoordinatorEngine(site(), "rack")
-    # Settled under our epoch at 5000 W each.
-    for s in ("rack-1", "rack-2"):
-        eng.on_report(report(s, budget_w=5000, committed_w=5000), 0.0, EPOCH)
-    eng.step(0.0, 0.0, TICK_S)  # tick 1: holds
-    for s in ("rack-1", "rack-2"):
-        eng.on_report(report(s, budget_w=5000, committed_w=5000, tick=1), 0.5, EPOCH)
+    eng = settled()
     # rack-2's work is worth twice as much now: the split moves power to it.
     eng.on_report(report("rack-1", budget_w=5000, committed_w=5000, tick=1, price=1.0), 1.0, EPOCH)
     eng.on_report(report("rack-2", budget_w=5000, committed_w=5000, tick=1, price=2.0), 1.0, EPOCH)
@@ -130,12 +135,7 @@ def test_a_raise_waits_until_the_cut_that_pays_for_it_is_confirmed() -> None:
 
 
 def test_a_silent_scope_keeps_its_reservation_and_gets_nothing() -> None:
-    eng = CoordinatorEngine(site(), "rack")
-    for s in ("rack-1", "rack-2"):
-        eng.on_report(report(s, budget_w=5000, committed_w=5000), 0.0, EPOCH)
-    eng.step(0.0, 0.0, TICK_S)
-    for s in ("rack-1", "rack-2"):
-        eng.on_report(report(s, budget_w=5000, committed_w=5000, tick=1), 0.5, EPOCH)
+    eng = settled()
     # rack-2 goes quiet; rack-1 keeps reporting and would like everything.
     for t in range(2, 8):
         eng.on_report(
@@ -153,12 +153,7 @@ def test_a_silent_scope_keeps_its_reservation_and_gets_nothing() -> None:
 def test_a_temporary_facility_cut_is_split_and_sent_at_once() -> None:
     from powerd.controller.overrides import BudgetOverride
 
-    eng = CoordinatorEngine(site(), "rack")
-    for s in ("rack-1", "rack-2"):
-        eng.on_report(report(s, budget_w=5000, committed_w=5000), 0.0, EPOCH)
-    eng.step(0.0, 0.0, TICK_S)
-    for s in ("rack-1", "rack-2"):
-        eng.on_report(report(s, budget_w=5000, committed_w=5000, tick=1), 0.5, EPOCH)
+    eng = settled()
     eng.overrides.set_budget(
         eng.policy, BudgetOverride("dc", 6000.0, None, "grid", "alice", created_at=0.0)
     )
