@@ -35,6 +35,7 @@ import yaml
 from psycopg import sql
 from sqlalchemy.engine import make_url
 
+from powerd.controller.leadership import process_name
 from powerd.store.db import make_engine
 from powerd.store.leases import Leases
 from powerd.testing.mosquitto import LocalMosquitto
@@ -161,7 +162,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             await asyncio.sleep(args.settle_s)  # the standby has renewed and heard it all
             held = await asyncio.to_thread(leases.current, "dc")
-            assert held is not None and held.holder == leader, held
+            assert held is not None and process_name(held.holder) == leader, held
             killed_at = time.time()
             procs[leader].kill()
             procs[leader].wait()

@@ -250,6 +250,10 @@ class Topics:
 MAX_SCOPE_WATTS = 1e11
 ScopeWatts = Annotated[float, Field(ge=0, le=MAX_SCOPE_WATTS, allow_inf_nan=False)]
 MAX_CURVE_POINTS = 1024
+# A marginal value per kW far beyond any profile's slope (priority-weighted throughput per
+# kW is of order 1); larger ones are corrupt and would overflow the split's arithmetic.
+MAX_PRICE = 1e9
+Price = Annotated[float, Field(ge=-MAX_PRICE, le=MAX_PRICE, allow_inf_nan=False)]
 
 
 class ScopeBudget(BaseModel):
@@ -298,9 +302,7 @@ class ScopeReport(BaseModel):
     curve_exact_lo_w: ScopeWatts | None = None
     curve_exact_hi_w: ScopeWatts | None = None
     curve_budget_w: list[ScopeWatts] = Field(default_factory=list, max_length=MAX_CURVE_POINTS)
-    curve_price: list[Annotated[float, Field(allow_inf_nan=False)]] = Field(
-        default_factory=list, max_length=MAX_CURVE_POINTS
-    )
+    curve_price: list[Price] = Field(default_factory=list, max_length=MAX_CURVE_POINTS)
 
     @model_validator(mode="after")
     def _curve(self) -> ScopeReport:

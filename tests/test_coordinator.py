@@ -198,3 +198,22 @@ def test_a_scope_policy_lifts_the_budgets_above_it() -> None:
         scoped(policy, "dc")
     with pytest.raises(ValueError, match="not a group"):
         scoped(policy, "rack-9")
+
+
+def test_a_scope_under_its_own_lower_cut_still_counts_at_the_budget_it_was_sent() -> None:
+    """A scope enforcing a temporary cut of its own (below our budget) may rise to our
+    budget when that cut ends: it is counted at what we sent, not at what it reports."""
+    eng = settled()
+    plan = eng.step(1.0, 1.0, TICK_S)
+    sent_w = {p.scope: p.budget_w for p in plan.budgets}
+    assert sent_w["rack-1"] is not None
+    eng.on_report(report("rack-1", budget_w=3000, committed_w=2900, tick=plan.tick), 1.5, EPOCH)
+    assert eng.scopes["rack-1"].committed_w() >= sent_w["rack-1"] - 1e-6
+
+
+def test_absurd_prices_are_refused_on_the_wire() -> None:
+    from pydantic import ValidationError
+
+    body = report("rack-1", budget_w=5000, committed_w=5000).model_dump()
+    with pytest.raises(ValidationError, match="curve_price"):
+        ScopeReport.model_validate(body | {"curve_price": [1e308, -1e308]})

@@ -82,7 +82,7 @@ async def test_a_standby_leads_only_after_the_lapse_under_a_higher_epoch(db: str
     await b.attempt()
     assert a.may_command() and not b.may_command()
     assert (b.view().leader, b.view().epoch) == ("ctl-a", 1)
-    assert [m.holder for m in b.members] == ["ctl-a", "ctl-b"]
+    assert [m.holder for m in b.view().members] == ["ctl-a", "ctl-b"]
     # ctl-a stops renewing (paused, killed); the database's clock runs its lease out.
     await _until_lapsed(a.leases)
     await b.attempt()

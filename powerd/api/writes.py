@@ -57,7 +57,7 @@ def leader_only(controller: Controller) -> None:
     if controller.leading():
         return
     lead = controller.leadership
-    leader = lead.leader if lead is not None else None
+    leader = lead.view().leader if lead is not None else None
     rejected(
         409,
         f"controller {controller.controller_id!r} stands by; send writes to the leader ({leader!r})"

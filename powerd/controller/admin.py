@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
+from pydantic import ValidationError
 
 from powerd.clock import Clock
 from powerd.controller.opstate import (
@@ -41,7 +42,7 @@ from powerd.controller.opstate import (
     sha256_text,
 )
 from powerd.controller.overrides import BudgetOverride, NotFound, OverrideError, Overrides
-from powerd.policy import Policy, load_policy_text
+from powerd.policy import Policy, PolicyError, load_policy_text
 from powerd.store import Store, upgrade
 
 if TYPE_CHECKING:
@@ -469,7 +470,23 @@ class Ledger:
         row = await asyncio.to_thread(store.latest_operator_state)
         if row is None or row.revision < self.revision:
             return False
-        state = OperatorState.model_validate(row.state | {"revision": row.revision})
+        try:
+            state = OperatorState.model_validate(row.state | {"revision": row.revision})
+            api_policy = (
+                None if state.api_policy is None else load_policy_text(state.api_policy.text, "api")
+            )
+        except (ValidationError, PolicyError) as exc:
+            # Read, but not a state this release understands (a newer powerd's, a hand
+            # edit): waiting would leave the lease held and nothing commanding. Keep ours,
+            # say so, and steer.
+            self._ctl._alarm(
+                "operator_state_unreadable",
+                f"operator state revision {row.revision} in the database is not valid "
+                f"here ({str(exc).splitlines()[0][:200]}); steering from the state "
+                f"followed last (revision {self.revision})",
+            )
+            return False
+        self._ctl._alarm("operator_state_unreadable", None)
         mine = self.state(row.revision)
         if row.revision == self.revision and state.for_db() | {"ts": 0} == mine.for_db() | {
             "ts": 0
@@ -477,8 +494,10 @@ class Ledger:
             return False
         ctl = self._ctl
         api = state.api_policy
-        if api is not None and (self.api_policy is None or api.sha256 != self.api_policy.sha256):
-            ctl._adopt(load_policy_text(api.text, "api"))
+        if api_policy is not None and (
+            self.api_policy is None or api is None or api.sha256 != self.api_policy.sha256
+        ):
+            ctl._adopt(api_policy)
         elif api is None and self.api_policy is not None and ctl.file_policy is not None:
             ctl._adopt(ctl.file_policy)
         self.api_policy = api

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 
 import structlog
+from pydantic import ValidationError
 
 from powerd.allocator import ClassTable
 from powerd.clock import Clock
@@ -263,27 +264,31 @@ class Controller(AdminWrites):
         force = link.in_force(self.clock.monotonic())
         g = self.engine.scope_group
         off = self.engine.curve_offset_w
-        msg = ScopeReport(
-            scope=link.name,
-            controller_id=self.controller_id,
-            epoch=self.epoch,
-            tick=report.tick,
-            ts=report.ts,
-            budget_epoch=force.epoch,
-            budget_tick=force.tick,
-            budget_w=finite_or_none(float(report.group_budget_w[g])) or 0.0,
-            committed_w=float(report.group_committed_w[g]),
-            draw_w=finite_or_none(float(report.group_draw_w[g])),
-            failsafe_w=link.failsafe_w,
-            # The curve is of the GPUs' caps; the budget at the root also holds overhead.
-            lo_w=curve.lo_w + off,
-            hi_w=curve.hi_w + off,
-            offset_w=off,
-            curve_budget_w=(curve.budget_w + off).tolist(),
-            curve_price=curve.price.tolist(),
-            curve_exact_lo_w=curve.exact_lo_w + off,
-            curve_exact_hi_w=curve.exact_hi_w + off,
-        )
+        try:
+            msg = ScopeReport(
+                scope=link.name,
+                controller_id=self.controller_id,
+                epoch=self.epoch,
+                tick=report.tick,
+                ts=report.ts,
+                budget_epoch=force.epoch,
+                budget_tick=force.tick,
+                budget_w=finite_or_none(float(report.group_budget_w[g])) or 0.0,
+                committed_w=float(report.group_committed_w[g]),
+                draw_w=finite_or_none(float(report.group_draw_w[g])),
+                failsafe_w=link.failsafe_w,
+                # The curve is of the GPUs' caps; the budget at the root also holds overhead.
+                lo_w=curve.lo_w + off,
+                hi_w=curve.hi_w + off,
+                offset_w=off,
+                curve_budget_w=(curve.budget_w + off).tolist(),
+                curve_price=curve.price.tolist(),
+                curve_exact_lo_w=curve.exact_lo_w + off,
+                curve_exact_hi_w=curve.exact_hi_w + off,
+            )
+        except ValidationError as exc:  # a curve out of the wire's bounds: say so, skip
+            log.error("scope_report_invalid", error=str(exc).splitlines()[0][:200])
+            return
         try:
             await self.transport.publish(self.topics.scope_report(link.name), encode(msg), qos=1)
         except TransportError as exc:

@@ -159,7 +159,7 @@ def standby_watchdog_hook(notifier: Notifier, controller: Controller) -> RoundHo
         if leading:
             return  # the tick's own hook pings
         lead = controller.leadership
-        leader = lead.leader if lead is not None else None
+        leader = lead.view().leader if lead is not None else None
         status = f"STATUS=standing by; leader {leader or 'none'}"
         if notifier.watchdog_s is not None:
             notifier.notify("WATCHDOG=1", status)

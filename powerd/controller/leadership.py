@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -101,6 +102,11 @@ def for_daemon(
     )
 
 
+def process_name(holder: str) -> str:
+    """The controller's name in a lease holder (`name/nonce`: one process of it)."""
+    return holder.rsplit("/", 1)[0]
+
+
 class StartRefused(Exception):
     """This controller may not run here (another controller holds an SQLite store)."""
 
@@ -151,7 +157,11 @@ class Leadership:
             raise ValueError("lease_s is too short for its renewal interval and margin")
         self.leases = leases
         self.scope = scope
-        self.holder = holder
+        self.name = holder
+        # The lease is held by this process, not by its name: a second process started
+        # with the same id (a copied config) cannot renew a lease it did not take, and a
+        # restarted one takes it anew (epoch + 1) once its predecessor's has lapsed.
+        self.holder = f"{holder}/{secrets.token_hex(4)}"
         self.lease_s = lease_s
         self.renew_s = renew_s
         self.mode: Mode = mode
@@ -186,17 +196,20 @@ class Leadership:
 
     def view(self) -> LeadershipView:
         leading = self.may_command()
+        leader = self.holder if leading and self.mode == "alone" else self.leader
         return LeadershipView(
             scope=self.scope,
-            controller_id=self.holder,
+            controller_id=self.name,
             mode=self.mode,
             role=LEADER if leading else STANDBY,
             epoch=self.epoch if leading else self.leader_epoch,
-            leader=self.holder if leading and self.mode == "alone" else self.leader,
+            leader=None if leader is None else process_name(leader),
             lease_left_s=max(0.0, self._deadline - self.clock())
             if leading and self.mode == "lease"
             else None,
-            members=self.members,
+            members=tuple(
+                Member(process_name(m.holder), m.role, m.epoch, m.age_s) for m in self.members
+            ),
             takeovers=self.takeovers,
             stepped_down=self.stepped_down,
             db_failures=self.failures,
@@ -223,7 +236,11 @@ class Leadership:
                 return
             if self.clock() >= give_up:
                 held = got.current
-                who = "another controller" if held is None else f"controller {held.holder!r}"
+                who = (
+                    "another controller"
+                    if held is None
+                    else f"controller {process_name(held.holder)!r}"
+                )
                 raise StartRefused(
                     f"{who} holds scope {self.scope!r} of this SQLite store and keeps "
                     "renewing its lease. SQLite is the embedded store for one controller; "
@@ -328,6 +345,10 @@ class Leadership:
         try:
             await self.follow()
         except Exception as exc:
+            self.last_error = (
+                "holding the lease but not commanding: the operators' state could not be "
+                f"read ({type(exc).__name__}: {exc})"
+            )[:300]
             log.error(
                 "leadership_not_ready",
                 scope=self.scope,

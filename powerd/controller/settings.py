@@ -34,7 +34,7 @@ class ControllerSettings(BrokerSettings):
     # every controller of a standby pair, and stable across restarts.
     controller_id: str = Field(
         default_factory=lambda: f"powerd-{socket.gethostname()}",
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,118}$",
     )
     # Who commands (docs/operations.md, "A standby pair"). auto: "alone" on SQLite (one
     # controller, which steers through database outages; a second one refuses to start),

@@ -26,12 +26,15 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import structlog
 
 from powerd.allocator.scopes import DemandCurve, UpperTree, split_budgets
 from powerd.controller.overrides import Overrides
 from powerd.numeric import finite_or_none
 from powerd.policy import LEVELS, Policy, failsafe_budget_w, subtree_totals
 from powerd.wire import ScopeReport
+
+log = structlog.get_logger(__name__)
 
 TOL_W = 1e-6
 # A scope that has not reported for this many coordinator ticks is silent.
@@ -145,9 +148,11 @@ class CoordinatorEngine:
             and msg.budget_tick > state.confirmed_tick
             and msg.committed_w <= msg.budget_w + TOL_W
         ):
-            # Its caps fit a budget of ours: every earlier budget is superseded.
+            # Its caps fit a budget of ours: every earlier budget is superseded. It may rise
+            # to what we sent then (its own temporary cuts may lift), not only to what it
+            # reports enforcing now.
             state.confirmed_tick = msg.budget_tick
-            state.confirmed_w = msg.budget_w
+            state.confirmed_w = max(msg.budget_w, state.pending.get(msg.budget_tick, 0.0))
             state.pending = {t: w for t, w in state.pending.items() if t > msg.budget_tick}
         return True
 
@@ -198,6 +203,13 @@ class CoordinatorEngine:
         )
         split = split_budgets(upper, curves, fixed_w=fixed)
         targets = split.budget_w + off
+        if not np.isfinite(targets).all():
+            # Curves the split could not use (absurd prices): every scope at its failsafe
+            # budget, which fits every group above, until the curves make sense again.
+            bad = np.flatnonzero(~np.isfinite(targets)).tolist()
+            log.error("split_failed", scopes=[scopes[k].name for k in bad])
+            split = split_budgets(upper, [None] * len(scopes), fixed_w=fixed)
+            targets = split.budget_w + off
         solve_ms = (time.perf_counter() - t0) * 1000.0
         upper_cap = {i: budgets[groups[i].name] - self.upper_overhead_w[i] for i in self.upper}
         plans = self._plan(tick, scopes, targets, upper_cap, silent)

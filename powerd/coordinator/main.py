@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import math
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict
@@ -27,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 from powerd.api.server import ApiServer
 from powerd.auth import Principal, Role, TokenStore
@@ -57,8 +58,10 @@ class CoordinatorSettings(BrokerSettings):
 
     policy: Path = Path("/etc/powerd/policy.yaml")
     db: str = "postgresql://powerd@localhost/powerd_coordinator"
+    # Distinct for each coordinator of a pair (the default is per host).
     coordinator_id: str = Field(
-        default="powerd-coordinator", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+        default_factory=lambda: f"powerd-coordinator-{socket.gethostname()}"[:119],
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,118}$",
     )
     # The level whose groups are the scopes (each steered by `powerd controller --scope`).
     scope_level: Literal["row", "rack"] = "row"
@@ -155,7 +158,12 @@ class Coordinator:
                 if lead.epoch != self.epoch:
                     self.epoch = lead.epoch  # a new epoch: earlier confirmations are void
                     self.engine.forget_confirmations()
-                await self.tick_once()
+                try:
+                    await self.tick_once()
+                except Exception:
+                    # Nothing of this tick is sent; the scopes hold their budgets until
+                    # their leases lapse to min(budget, failsafe). The next tick tries again.
+                    log.exception("tick_lost", tick=self.engine.tick_no)
             next_at += tick_s
             now = time.monotonic()
             next_at = max(next_at, now)
@@ -184,7 +192,7 @@ class Coordinator:
                 ),
             )
             for p in report.budgets
-            if p.budget_w is not None
+            if p.budget_w is not None and math.isfinite(p.budget_w)
         ]
         try:
             failed = await self.transport.publish_many(batch, qos=1)
@@ -259,7 +267,18 @@ class Coordinator:
         row = await asyncio.to_thread(self.store.latest_operator_state)
         if row is None or row.revision <= self.revision:
             return
-        state = OperatorState.model_validate(row.state | {"revision": row.revision})
+        try:
+            state = OperatorState.model_validate(row.state | {"revision": row.revision})
+        except ValidationError as exc:
+            # Not a state this release understands: keep ours and coordinate (waiting
+            # would hold the lease with nothing sent); the log says why.
+            log.error(
+                "coordinator_state_unreadable",
+                revision=row.revision,
+                error=str(exc).splitlines()[0][:200],
+            )
+            self.revision = row.revision  # do not trip on it every round
+            return
         self._adopt(state)
 
     def _adopt(self, state: OperatorState) -> None:
@@ -439,7 +458,7 @@ async def _write(
 ) -> dict[str, object]:
     """A write on the leader only (409 on a standby), in its state file before the answer."""
     if not coord.leadership.may_command():
-        raise HTTPException(409, f"standing by; the leader is {coord.leadership.leader!r}")
+        raise HTTPException(409, f"standing by; the leader is {coord.leadership.view().leader!r}")
     try:
         stored = await change()
     except NotFound as exc:
