@@ -233,6 +233,19 @@ async def test_a_standby_pair_keeps_every_budget_through_kill_pause_and_db_loss(
         "the leader lists its standby",
     )
 
+    # -- `powerd status` on the standby names the leader and the standbys ----------------
+    proc = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "powerd.cli", "status"),
+        *("--url", f"http://127.0.0.1:{p.ctls['ctl-b'].port}", "--token", p.token),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    first_line = out.decode().splitlines()[0]
+    assert first_line.startswith("scope dc: leader ctl-a (epoch 1); standbys ctl-b;"), first_line
+    assert "[answered by standby ctl-b]" in first_line
+
     # -- a standby refuses writes and names the leader -----------------------------------
     with p.api("ctl-b") as c:
         r = c.put("/api/v1/budgets/dc", json={"budget_w": 7000, "reason": "to the standby"})
