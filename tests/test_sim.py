@@ -134,7 +134,7 @@ def test_unknown_keys_types_and_ranges_name_the_path() -> None:
     assert "tick_s" in p
     assert "workloads[1].duty" in p
     assert "unknown key" in p["workloads[2].hihg_w"]
-    assert "'inference', 'training', 'steady' or 'idle'" in p["workloads[0].pattern"]
+    assert "'inference', 'training', 'steady', 'idle' or 'trace'" in p["workloads[0].pattern"]
 
 
 def test_swings_shorter_than_two_ticks_are_rejected() -> None:

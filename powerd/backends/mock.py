@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -65,6 +65,13 @@ class Pattern(StrEnum):
     TRAINING = "training"
     INFERENCE = "inference"
     IDLE = "idle"
+    TRACE = "trace"
+
+
+class DemandTrace(Protocol):
+    """Recorded draw to replay as demand (powerd.sim.traces.GpuTrace)."""
+
+    def draw_at(self, t_s: FloatArray | float) -> FloatArray: ...
 
 
 _PATTERN_CODES = {p: i for i, p in enumerate(Pattern)}
@@ -80,6 +87,7 @@ class Workload:
     - inference: a daily curve from low_w to high_w over `period_s`, plus bursts of burst_w
       in slots of burst_slot_s, each slot bursting with probability burst_prob (per GPU).
     - idle: demand = IDLE_W, throughput 0.
+    - trace: demand = a recorded GPU's draw at t + phase_s (looping); high_w is its peak.
     """
 
     pattern: Pattern
@@ -93,6 +101,7 @@ class Workload:
     burst_w: float = 0.0
     burst_prob: float = 0.0
     burst_slot_s: float = 2.0
+    trace: DemandTrace | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def steady(cls, level_w: float = 600.0, name: str = "batch") -> Workload:
@@ -163,6 +172,8 @@ class Workload:
                 return cls.inference()
             case Pattern.IDLE:
                 return cls.idle()
+            case Pattern.TRACE:
+                raise ValueError("a trace workload replays a recording: give it one")
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -270,6 +281,7 @@ class GpuFleetModel:
         self._profiles: list[Profile] = []
         self._workloads: list[Workload] = []
         self._workload_idx = np.zeros(n, dtype=np.int32)
+        self._traced: list[tuple[NDArray[np.int64], DemandTrace | None]] = []
         given = Workload.of(Pattern.TRAINING) if workloads is None else workloads
         if isinstance(given, Workload):
             self.set_workload(np.arange(n), given)
@@ -305,6 +317,15 @@ class GpuFleetModel:
         self._burst_prob[idx] = workload.burst_prob
         self._burst_slot[idx] = workload.burst_slot_s
         self._training_idx = np.flatnonzero(self._pattern == _PATTERN_CODES[Pattern.TRAINING])
+        # Traces: the GPUs that replay each recorded one (each with its own phase).
+        traced = np.flatnonzero(self._pattern == _PATTERN_CODES[Pattern.TRACE])
+        by_trace: dict[int, list[int]] = {}
+        for i in traced.tolist():
+            by_trace.setdefault(int(self._workload_idx[i]), []).append(i)
+        self._traced = [
+            (np.array(gpus, dtype=np.int64), self._workloads[w].trace)
+            for w, gpus in by_trace.items()
+        ]
         self._inference_idx = np.flatnonzero(self._pattern == _PATTERN_CODES[Pattern.INFERENCE])
         self.demand_w = self.demand_at(self.t)
 
@@ -329,6 +350,9 @@ class GpuFleetModel:
             slot = np.floor(shifted / self._burst_slot[inf]).astype(np.uint64)
             burst = _uniform(self._seeds[inf] + slot * _GOLDEN) < self._burst_prob[inf]
             demand[inf] = daily + np.where(burst, self._burst_w[inf], 0.0)
+        for gpus, trace in self._traced:
+            if trace is not None:
+                demand[gpus] = trace.draw_at(t + self._phase[gpus])
         return demand
 
     # -- time ----------------------------------------------------------------------------

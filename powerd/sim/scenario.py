@@ -59,7 +59,7 @@ class Bursts(_Strict):
     slot_s: Watts = 60.0
 
 
-Pattern = Literal["inference", "training", "steady", "idle"]
+Pattern = Literal["inference", "training", "steady", "idle", "trace"]
 
 
 class WorkloadSpec(_Strict):
@@ -68,7 +68,13 @@ class WorkloadSpec(_Strict):
     name: str = Field(min_length=1)
     class_: str = Field(alias="class")
     share: Share
-    pattern: Pattern
+    # Given `traces`, the pattern is "trace" (and may be left out).
+    pattern: Pattern | None = None
+    # Recorded GPUs to replay (nvidia-smi CSV files or globs, relative to the scenario file;
+    # docs/simulator.md, "Recorded traces"): each GPU replays one, round robin.
+    traces: list[str] = Field(default_factory=list, max_length=1000)
+    # Replay every node from the same moment of its trace (default: a seeded offset each).
+    lockstep: bool = False
     # The GPUs' true throughput curve: a profile of the policy by name, or points of its own.
     # Default: the class's profile (the allocator steers by the class's profile either way).
     profile: str | ProfileSpec | None = None
@@ -90,7 +96,17 @@ class WorkloadSpec(_Strict):
     def _levels(self) -> WorkloadSpec:
         if self.low_w > self.high_w:
             raise ValueError(f"low_w ({self.low_w:g}) must not exceed high_w ({self.high_w:g})")
+        if self.traces and self.pattern not in (None, "trace"):
+            raise ValueError(f"a workload with traces replays them: pattern {self.pattern!r}")
+        if self.traces and self.idle:
+            raise ValueError("idle windows apply to patterns; a trace has its idle times")
+        if not self.traces and self.pattern in (None, "trace"):
+            raise ValueError("give a pattern (inference, training, steady, idle) or traces")
         return self
+
+    @property
+    def kind(self) -> Pattern:
+        return "trace" if self.traces else (self.pattern or "steady")
 
 
 class SiteSpec(_Strict):
@@ -127,6 +143,7 @@ class Scenario:
     spec: ScenarioSpec
     source: str
     policy_path: Path | None  # resolved against the scenario file
+    base_dir: Path = Path()  # where the scenario file is: traces are found from here
 
     @property
     def duration_s(self) -> float:
@@ -226,7 +243,9 @@ def parse_scenario(
     policy_path = None
     if spec.policy is not None:
         policy_path = (base_dir or Path.cwd()) / spec.policy
-    return Scenario(spec=spec, source=source, policy_path=policy_path)
+    return Scenario(
+        spec=spec, source=source, policy_path=policy_path, base_dir=base_dir or Path.cwd()
+    )
 
 
 def load_scenario(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Scenario:

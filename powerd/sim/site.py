@@ -19,6 +19,7 @@ from powerd.backends.mock import Workload
 from powerd.policy import GroupDef, Policy
 from powerd.profile import Profile
 from powerd.sim.scenario import HOUR_S, Scenario, WorkloadSpec
+from powerd.sim.traces import load_traces
 from powerd.topology import Topology
 
 IntArray = NDArray[np.int64]
@@ -220,7 +221,7 @@ def _mock_workloads(spec: WorkloadSpec, policy: Policy, rng: np.random.Generator
     """One mock Workload per job (training), or one for the whole workload."""
     profile = _profile(spec, policy)
     name = spec.class_
-    match spec.pattern:
+    match spec.kind:
         case "training":
             # Jobs start at unrelated times: a seeded random phase each.
             phases = rng.uniform(0.0, spec.period_s, spec.jobs)
@@ -261,7 +262,53 @@ def _mock_workloads(spec: WorkloadSpec, policy: Policy, rng: np.random.Generator
             ]
         case "idle":
             return [Workload.idle(name=name)]
-    raise AssertionError(spec.pattern)
+        case "trace":
+            raise AssertionError("trace workloads are built per GPU (_trace_workloads)")
+    raise AssertionError(spec.kind)
+
+
+def _trace_workloads(
+    spec: WorkloadSpec,
+    *,
+    scenario: Scenario,
+    policy: Policy,
+    nodes: IntArray,
+    gpus_of_node: IntArray,
+    rng: np.random.Generator,
+) -> list[Workload]:
+    """One Workload per GPU of these nodes: GPU k replays recorded GPU k mod the number
+    recorded, from an offset drawn once per node (`lockstep`: none), so a fleet of one
+    recording is not in step unless the scenario asks."""
+    traces = load_traces(spec.traces, scenario.base_dir)
+    profile = _profile(spec, policy)
+    out: list[Workload] = []
+    k = 0
+    for node in nodes.tolist():
+        offset = 0.0
+        for _ in range(int(gpus_of_node[node])):
+            trace = traces[k % len(traces)]
+            if not spec.lockstep and offset == 0.0:
+                offset = float(rng.uniform(0.0, trace.duration_s + trace.interval_s))
+            out.append(
+                Workload(
+                    MockPattern.TRACE,
+                    spec.class_,
+                    profile,
+                    high_w=float(trace.draw_w.max()),
+                    low_w=float(trace.draw_w.min()),
+                    phase_s=offset,
+                    trace=trace,
+                )
+            )
+            k += 1
+    return out
+
+
+def _gpus_of(nodes: IntArray, starts: IntArray) -> IntArray:
+    return np.concatenate(
+        [np.arange(starts[k], starts[k + 1]) for k in nodes.tolist()]
+        or [np.zeros(0, dtype=np.int64)]
+    ).astype(np.int64)
 
 
 def build_mix(scenario: Scenario, site: Site) -> Mix:
@@ -281,14 +328,24 @@ def build_mix(scenario: Scenario, site: Site) -> Mix:
     )
     events: list[tuple[float, IntArray, Workload]] = []
     for w, spec in enumerate(specs):
-        jobs = _mock_workloads(spec, policy, rng)
         nodes = np.flatnonzero(node_of == w)
+        if spec.kind == "trace":
+            replays = _trace_workloads(
+                spec,
+                scenario=scenario,
+                policy=policy,
+                nodes=nodes,
+                gpus_of_node=gpus_of_node,
+                rng=rng,
+            )
+            gpus = _gpus_of(nodes, starts)
+            for i, workload in zip(gpus.tolist(), replays, strict=True):
+                per_gpu[i] = workload
+            continue
+        jobs = _mock_workloads(spec, policy, rng)
         # Whole nodes per job, in site order: a job's ranks sit together.
         for j, job_nodes in enumerate(np.array_split(nodes, len(jobs))):
-            gpus = np.concatenate(
-                [np.arange(starts[k], starts[k + 1]) for k in job_nodes.tolist()]
-                or [np.zeros(0, dtype=np.int64)]
-            ).astype(np.int64)
+            gpus = _gpus_of(job_nodes, starts)
             for i in gpus.tolist():
                 per_gpu[i] = jobs[j]
             idle = Workload.idle(name=spec.class_)

@@ -1,0 +1,91 @@
+"""The simulator replaying recorded GPU power (nvidia-smi CSV traces written here): every
+GPU replays one recorded GPU, nodes out of step unless asked, and powerd keeps every
+budget on the replayed demand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from test_sim import small_policy
+
+from powerd.backends.mock import GpuFleetModel
+from powerd.policy import parse_policy
+from powerd.sim.engine import STATIC, simulate
+from powerd.sim.scenario import ScenarioError, parse_scenario
+from powerd.sim.site import build_mix, build_site
+from powerd.sim.traces import TraceError, read_nvidia_smi_csv
+from powerd.testing.traces import write_trace
+
+
+def scenario(tmp_path: Path, **workload: Any) -> dict[str, Any]:
+    write_trace(tmp_path / "traces" / "train.csv", kind="training", seed=1, duration_s=300)
+    write_trace(tmp_path / "traces" / "serve.csv", kind="inference", seed=2, duration_s=300)
+    return {
+        "name": "replay",
+        "duration_h": 0.25,
+        "tick_s": 5,
+        "seed": 4,
+        "workloads": [
+            {"name": "serving", "class": "inference", "share": 0.5, "traces": ["traces/serve.csv"]}
+            | workload,
+            {"name": "training", "class": "training", "share": 0.5, "traces": ["traces/t*.csv"]},
+        ],
+    }
+
+
+def test_each_gpu_replays_a_recorded_one_and_nodes_are_out_of_step(tmp_path: Path) -> None:
+    policy = parse_policy(small_policy())
+    sc = parse_scenario(scenario(tmp_path), "s.yaml", base_dir=tmp_path)
+    site = build_site(policy)
+    mix = build_mix(sc, site)
+    # Every GPU's demand is a recorded draw: the fleet's mean over the run is the traces'.
+    recorded = {
+        Path(t.source).name: float(t.draw_w.mean())
+        for f in ("serve.csv", "train.csv")
+        for t in read_nvidia_smi_csv(tmp_path / "traces" / f)[:1]
+    }
+    serving = np.flatnonzero(mix.workload_index == 0)
+    assert {w.pattern.value for w in mix.workloads} == {"trace"}
+    model = GpuFleetModel(len(mix.workloads), list(mix.workloads))
+    times = np.arange(0.0, 900.0, 2.0)
+    demand = np.array([model.demand_at(t) for t in times])
+    assert demand[:, serving].mean() == pytest.approx(recorded["serve.csv"], rel=0.05)
+    # Out of step: two serving nodes' first GPUs do not see the same draw at the same time.
+    first_of_node = serving[:: policy.groups[-1].gpus]
+    assert len(first_of_node) >= 2
+    a, b = demand[:, first_of_node[0]], demand[:, first_of_node[1]]
+    assert not np.allclose(a, b)
+
+
+def test_lockstep_replays_every_node_from_the_same_moment(tmp_path: Path) -> None:
+    policy = parse_policy(small_policy())
+    sc = parse_scenario(scenario(tmp_path, lockstep=True), "s.yaml", base_dir=tmp_path)
+    mix = build_mix(sc, build_site(policy))
+    serving = [w for w, k in zip(mix.workloads, mix.workload_index.tolist(), strict=True) if k == 0]
+    assert {w.phase_s for w in serving} == {0.0}
+
+
+def test_powerd_keeps_every_budget_on_replayed_demand(tmp_path: Path) -> None:
+    policy = parse_policy(small_policy())
+    sc = parse_scenario(scenario(tmp_path), "s.yaml", base_dir=tmp_path)
+    site = build_site(policy)
+    mix = build_mix(sc, site)
+    fast = simulate(sc, site, mix, "fast")
+    static = simulate(sc, site, mix, STATIC)
+    assert fast.over_budget_s == 0 and fast.committed_over_ticks == 0
+    assert fast.max_excess_ratio <= 1.0 + 1e-9
+    assert static.over_budget_s > 0  # the recorded demand is more than the feed
+    assert 0 < fast.work_gpu_s < static.work_gpu_s
+
+
+def test_bad_trace_references_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(ScenarioError, match="pattern"):
+        parse_scenario(scenario(tmp_path, pattern="training"), "s.yaml", base_dir=tmp_path)
+    sc = parse_scenario(
+        scenario(tmp_path, traces=["traces/none-*.csv"]), "s.yaml", base_dir=tmp_path
+    )
+    with pytest.raises(TraceError, match="no file matches"):
+        build_mix(sc, build_site(parse_policy(small_policy())))
