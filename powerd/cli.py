@@ -209,6 +209,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         mock_workload=args.mock_workload,
         mock_seed=args.mock_seed,
         mock_journal=args.mock_journal,
+        record=args.record,
         period_s=args.period,
         failsafe_w=args.failsafe_w,
         metrics_port=args.metrics_port,
@@ -348,6 +349,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="demand pattern of the mock GPUs",
     )
     agent.add_argument("--mock-seed", type=int, help="seed of the mock GPUs")
+    agent.add_argument(
+        "--record",
+        help="append every telemetry sample to this file as nvidia-smi CSV (a trace for "
+        "powerd sim: docs/simulator.md)",
+    )
     agent.add_argument(
         "--mock-journal",
         help="append every change of a mock GPU's cap to this file ($POWERD_MOCK_JOURNAL)",

@@ -4,6 +4,10 @@ budget on the replayed demand."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +21,7 @@ from powerd.sim.engine import STATIC, simulate
 from powerd.sim.scenario import ScenarioError, parse_scenario
 from powerd.sim.site import build_mix, build_site
 from powerd.sim.traces import TraceError, read_nvidia_smi_csv
+from powerd.testing.mosquitto import LocalMosquitto
 from powerd.testing.traces import write_trace
 
 
@@ -89,3 +94,36 @@ def test_bad_trace_references_are_clear(tmp_path: Path) -> None:
     )
     with pytest.raises(TraceError, match="no file matches"):
         build_mix(sc, build_site(parse_policy(small_policy())))
+
+
+def test_an_agents_recording_is_a_trace_the_simulator_reads(
+    tmp_path: Path, mosquitto: LocalMosquitto
+) -> None:
+    """`powerd agent --record FILE` (a real agent process, mock GPUs) writes nvidia-smi's
+    CSV, which the trace reader takes as it takes nvidia-smi's own."""
+    record = tmp_path / "node-1.csv"
+    agent = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "powerd.cli", "agent", "--node-id", "node-1"),
+            *("--broker", mosquitto.url, "--backend", "mock", "--mock-gpus", "2"),
+            *("--period", "0.2", "--record", str(record)),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if record.exists() and record.read_text().count("\n") >= 1 + 2 * 10:
+                break
+            time.sleep(0.1)
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=30)
+    assert record.read_text().splitlines()[0].startswith("timestamp, index, uuid, power.draw [W]")
+    traces = read_nvidia_smi_csv(record)
+    assert len(traces) == 2
+    for t in traces:
+        assert t.interval_s == pytest.approx(0.2, abs=0.05)
+        assert t.limit_w is not None and (t.limit_w > 0).all()
+        assert (t.draw_w > 0).all()

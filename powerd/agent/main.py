@@ -9,6 +9,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from powerd.agent.agent import Agent, build_backend, build_transport
+from powerd.agent.record import TraceRecorder
 from powerd.agent.settings import AgentSettings
 from powerd.clock import Clock, SystemClock
 from powerd.metrics import AgentMetrics, GpuSnapshot, MetricsServer, start_metrics_server
@@ -31,6 +32,10 @@ async def run_agent_process(settings: AgentSettings, clock: Clock | None = None)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         server = _serve_metrics(agent, settings) if settings.metrics_port is not None else None
+        recorder = None
+        if settings.record is not None:
+            recorder = TraceRecorder(settings.record)
+            agent.on_telemetry.append(recorder)
         notifier = Notifier()
         systemd = asyncio.create_task(_tell_systemd(notifier, transport, clock, settings))
         try:
@@ -40,6 +45,8 @@ async def run_agent_process(settings: AgentSettings, clock: Clock | None = None)
             notifier.stopping()
             if server is not None:
                 server.close()
+            if recorder is not None:
+                await asyncio.to_thread(recorder.close)
     finally:
         backend.close()
 

@@ -8,7 +8,6 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from powerd.backends.mock import Pattern
 from powerd.settings import BrokerSettings, SettingsError
 from powerd.wire import MAX_GPUS_PER_NODE, MAX_SANE_WATTS, NodeId
 
@@ -37,7 +36,7 @@ class AgentSettings(BrokerSettings):
 
     backend: Literal["nvml", "mock"] = "nvml"
     mock_gpus: int = Field(default=8, ge=0, le=MAX_GPUS_PER_NODE)
-    mock_workload: Pattern = Pattern.TRAINING
+    mock_workload: Literal["steady", "training", "inference", "idle"] = "training"
     mock_seed: int = 0
     # Journal every change of a mock GPU's cap in force here, and start from the caps last
     # journalled (a chaos harness's ground truth, docs/safety.md); None: no journal.
@@ -47,6 +46,10 @@ class AgentSettings(BrokerSettings):
     # late command is still refused after one). Default: systemd's $STATE_DIRECTORY
     # (StateDirectory= in the unit), else nothing is kept.
     state_dir: Path | None = Field(default_factory=_systemd_state_directory)
+
+    # Append every telemetry sample to this file in nvidia-smi's CSV format (a recording
+    # for `powerd sim`, docs/simulator.md, "Recorded traces"); None: no recording.
+    record: Path | None = None
 
     def client_name(self) -> str:
         return f"powerd-agent-{self.node_id}"
