@@ -252,6 +252,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
         controller_id=args.controller_id,
         leadership=args.leadership,
         scope=args.scope,
+        shadow=args.shadow or None,
         leader_lease_s=args.leader_lease_s,
         learn_s=args.learn_s,
         api_port=args.api_port,
@@ -448,6 +449,12 @@ def _add_controller_parser(sub: Any) -> None:
         "--controller-id",
         help="name in the controller status, commands and lease: distinct for each "
         "controller of a standby pair, stable across restarts",
+    )
+    ctl.add_argument(
+        "--shadow",
+        action="store_true",
+        help="decide every tick as if steering, store what would be commanded, send nothing "
+        "(use its own --db)",
     )
     ctl.add_argument(
         "--scope",

@@ -531,8 +531,12 @@ class SafetyPlanner:
         reserve_w: FloatArray | None = None,
         priority: FloatArray | None = None,
         offline: Collection[str] = (),
+        record: bool = True,
     ) -> SafePlan:
         """The commands to send at `tick` (controller time `now`) toward `targets_w`.
+
+        `record=False`: the commands will not be sent (shadow mode): they are planned from
+        the caps in force as they are, and nothing is remembered of them.
 
         `budget_w` (per group) overrides the topology's budgets, e.g. after a cut; `reserve_w`
         (per group) is power held back on top of overhead; `priority` orders raises that do
@@ -613,7 +617,8 @@ class SafetyPlanner:
         raised = raise_mask & (admitted > TOL_W)
 
         sent = np.where(send, caps, np.nan)
-        self._record_sent(tick, np.flatnonzero(send), caps)
+        if record:
+            self._record_sent(tick, np.flatnonzero(send), caps)
         committed_after = np.where(send, np.maximum(committed, caps), committed)
         group_caps = topo.group_sums(committed_after)
         group_committed = group_caps + topo.overhead_w + reserve

@@ -163,6 +163,7 @@ class NodeStatus(_Msg):
 class ControllerState(StrEnum):
     ACTIVE = "active"  # leads: commands its scope
     STANDBY = "standby"  # runs with a warm view, ready to take over
+    SHADOW = "shadow"  # decides as if it steered and sends nothing (controller --shadow)
     STARTING = "starting"
     OFFLINE = "offline"
 

@@ -69,6 +69,7 @@ class Counters:
     caps_sent: int = 0  # commands published
     publish_failed: int = 0
     withheld: int = 0  # commands planned but not sent: the lease ran out first
+    shadowed: int = 0  # commands a shadow controller would have sent
     ticks: int = 0
 
 
@@ -344,6 +345,10 @@ class Controller(AdminWrites):
         return seen if seen > ours else 0
 
     async def publish_plan(self, plan: SafePlan) -> None:
+        if self.engine.shadow:
+            # Stored and shown as what would have been sent (the tick's record); never sent.
+            self.counters.shadowed += len(plan.commands)
+            return
         if not self.leading():
             # The lease ran out while the tick was decided: not one command leaves. The
             # planner counts them as sent (pending), which only holds raises back.
@@ -462,9 +467,14 @@ class Controller(AdminWrites):
             )
         )
 
+    def _state(self, leading: bool) -> ControllerState:
+        if self.engine.shadow:
+            return ControllerState.SHADOW
+        return ControllerState.ACTIVE if leading else ControllerState.STANDBY
+
     async def _announce(self, leading: bool) -> None:
-        """Our retained status says whether we lead or stand by."""
-        state = ControllerState.ACTIVE if leading else ControllerState.STANDBY
+        """Our retained status says whether we lead, stand by, or only shadow."""
+        state = self._state(leading)
         try:
             await self.transport.publish(
                 self.topics.controller_status(self.controller_id),
@@ -484,7 +494,7 @@ class Controller(AdminWrites):
         async def on_connect() -> None:
             await self.transport.publish(
                 status_topic,
-                self._status(ControllerState.ACTIVE if self.leading() else ControllerState.STANDBY),
+                self._status(self._state(self.leading())),
                 qos=1,
                 retain=True,
             )

@@ -160,8 +160,11 @@ class TickEngine:
     """The tick's state and decisions: the fleet as heard, the operators' overrides, the
     safety planner's knowledge, alarms, and one `step` per tick."""
 
-    def __init__(self, policy: Policy, *, solver: str = "fast") -> None:
+    def __init__(self, policy: Policy, *, solver: str = "fast", shadow: bool = False) -> None:
         self.solver = solver
+        # Shadow mode: decide every tick as if commanding, from the caps in force as the
+        # agents report them (another controller's, or none), and send nothing.
+        self.shadow = shadow
         self.overrides = Overrides()
         self.alarms = Alarms()
         self.tick_no = 0
@@ -541,6 +544,10 @@ class TickEngine:
         t_plan = time.perf_counter()
         offline = self.fleet.offline_nodes()
         weights = self.classes.weight[cls_idx]
+        if self.shadow:
+            # Nothing is sent, so nothing of ours or a predecessor's is on its way: the caps
+            # in force are what the agents report.
+            self.planner.assume_settled()
         plan = self.planner.plan(
             tick,
             now,
@@ -549,6 +556,7 @@ class TickEngine:
             reserve_w=shape.reserve_w,
             priority=weights,
             offline=offline,
+            record=not self.shadow,
         )
         planned.append(plan)
         plan_ms = (time.perf_counter() - t_plan) * 1000.0

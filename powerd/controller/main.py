@@ -99,6 +99,7 @@ async def run_controller(settings: ControllerSettings) -> None:
         topics=Topics(settings.topic_prefix),
         policy_path=str(settings.policy),
     )
+    controller.engine.shadow = settings.shadow
     ledger = controller.ledger = Ledger(
         controller, store=store, state_file=state_file, schema_ready=db.ok
     )
@@ -106,7 +107,10 @@ async def run_controller(settings: ControllerSettings) -> None:
     controller.file_policy = file_policy
     if settings.scope is not None:
         _scope(controller, settings.scope)
-    controller.leadership = leadership = _leadership(settings, policy, ledger)
+    # A shadow commands nothing: it takes no lease (it must not keep a real controller
+    # from leading) and steers under none.
+    leadership = None if settings.shadow else _leadership(settings, policy, ledger)
+    controller.leadership = leadership
     ledger.start_from(
         state,
         db_revision=db.revision,
@@ -115,7 +119,7 @@ async def run_controller(settings: ControllerSettings) -> None:
     controller.policy_version = await _start_version(
         ledger, store, file_text, policy, api_policy, db_ok=db.ok
     )
-    if leadership.mode == "alone":
+    if leadership is not None and leadership.mode == "alone":
         await leadership.claim_alone()  # StartRefused: another controller holds the store
     notifier = Notifier()
     registry = CollectorRegistry()
@@ -143,7 +147,10 @@ async def run_controller(settings: ControllerSettings) -> None:
     try:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(ledger.run(stop), name="ledger")
-            tg.create_task(leadership.run(stop, controller.epoch_to_overtake), name="leadership")
+            if leadership is not None:
+                tg.create_task(
+                    leadership.run(stop, controller.epoch_to_overtake), name="leadership"
+                )
             if api is not None:
                 tg.create_task(api.serve(stop), name="api")
             tg.create_task(controller.run(stop, learn_s=settings.learn_s), name="controller")

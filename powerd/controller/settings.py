@@ -40,6 +40,9 @@ class ControllerSettings(BrokerSettings):
     # controller, which steers through database outages; a second one refuses to start),
     # "lease" on any other database (any number of controllers; the lease holder leads).
     leadership: Literal["auto", "lease", "alone"] = "auto"
+    # Decide every tick as if steering, store what would have been commanded, and send
+    # nothing: how a site tries powerd beside what it runs today (docs/operations.md).
+    shadow: bool = False
     # Steer only the subtree under this row or rack of the policy, under the budget a
     # `powerd coordinator` gives it (docs/operations.md, "Scopes"); None: the whole policy.
     scope: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
