@@ -22,7 +22,7 @@ import numpy as np
 
 from powerd.agent.agent import Agent
 from powerd.agent.settings import AgentSettings
-from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
+from powerd.backends.mock import GpuFleetModel, MockBackend, Pattern, Workload
 from powerd.clock import Clock, SystemClock
 from powerd.controller.controller import Controller
 from powerd.controller.engine import TickReport
@@ -79,6 +79,9 @@ class DemoStats:
     solve_ms: list[float] = field(default_factory=list)
     tick_ms: list[float] = field(default_factory=list)
     throughput: list[float] = field(default_factory=list)
+    # What the same GPUs would have delivered uncapped (each at its demand): per GPU, the
+    # measure of what static provisioning's GPUs deliver.
+    uncapped_per_gpu: list[float] = field(default_factory=list)
     draw_w: list[float] = field(default_factory=list)
     statuses: dict[str, int] = field(default_factory=dict)
 
@@ -107,6 +110,19 @@ class DemoStats:
         self.throughput.append(r.throughput_total)
         self.draw_w.append(float(r.group_draw_w[0]))
         self.statuses[r.status] = self.statuses.get(r.status, 0) + 1
+
+
+def _uncapped_per_gpu(model: GpuFleetModel) -> float:
+    """Mean throughput a GPU of this mix delivers at its demand, never capped (what a GPU
+    provisioned at full TDP delivers)."""
+    if model.n == 0:
+        return 0.0
+    total = 0.0
+    for i, demand in enumerate(model.demand_w.tolist()):
+        w = model.workload(i)
+        if w.pattern is not Pattern.IDLE:
+            total += float(w.profile.value(np.array([demand]))[0])
+    return total / model.n
 
 
 def _kw(w: float) -> str:
@@ -153,6 +169,10 @@ def summary(stats: DemoStats, policy: Policy, n_gpus: int, db_url: str) -> dict[
         "max_draw_over_budget_ratio": stats.max_draw_frac,
         "mean_draw_w": statistics.fmean(stats.draw_w) if stats.draw_w else math.nan,
         "mean_throughput": statistics.fmean(stats.throughput) if stats.throughput else math.nan,
+        # The same mix on the GPUs static provisioning powers, each at full speed.
+        "static_throughput": static_gpus * statistics.fmean(stats.uncapped_per_gpu)
+        if stats.uncapped_per_gpu
+        else math.nan,
         "solve_ms_p50": pct(stats.solve_ms, 50),
         "solve_ms_p99": pct(stats.solve_ms, 99),
         "tick_ms_p50": pct(stats.tick_ms, 50),
@@ -171,10 +191,14 @@ def print_summary(s: dict[str, Any], out: TextIO) -> None:
         file=out,
     )
     static = s["gpus_static_provisioning"]
-    if static < s["gpus"]:
+    if static < s["gpus"] and math.isfinite(s["static_throughput"]):
+        # The gain as operators judge it: work under the same feed, not GPUs alone.
+        gain = s["mean_throughput"] / max(s["static_throughput"], 1e-9) - 1.0
         print(
-            f"  provisioned at full TDP, this feed would power {static} GPUs; powerd steered "
-            f"{s['gpus']} (+{s['gpus'] / max(static, 1) - 1:.0%}) within every budget",
+            f"  provisioned at full TDP, this feed would power {static} GPUs, delivering "
+            f"{s['static_throughput']:.1f} GPU-equivalents of this mix; powerd steered "
+            f"{s['gpus']} within every budget, delivering {s['mean_throughput']:.1f} "
+            f"({gain:+.0%} throughput under the same feed)",
             file=out,
         )
     print(
@@ -296,6 +320,7 @@ async def run_demo(
 
     def show(r: TickReport) -> None:
         stats.add(r)
+        stats.uncapped_per_gpu.append(_uncapped_per_gpu(model))
         if as_json:
             print(json.dumps(tick_json(r)), file=out, flush=True)
         else:

@@ -102,3 +102,8 @@ def test_demo_steers_within_budgets_and_reports_json() -> None:
     assert summary["gpus"] == 128
     assert summary["ticks_committed_over_budget"] == 0
     assert summary["max_committed_over_budget_ratio"] <= 1.0 + 1e-6
+    # The headline compares work under the same feed: static provisioning's GPUs at full
+    # speed for this mix (fewer GPUs, none capped) against the steered fleet.
+    static = summary["gpus_static_provisioning"]
+    assert 0 < static <= summary["gpus"]
+    assert 0 < summary["static_throughput"] <= static  # GPU-equivalents: at most 1 each
