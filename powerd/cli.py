@@ -421,10 +421,14 @@ def _add_coordinator_parser(sub: Any) -> None:
     )
     co.add_argument("--policy", help="policy YAML file ($POWERD_POLICY)")
     co.add_argument("--broker", help="mqtt://HOST:PORT or mqtts://... ($POWERD_BROKER)")
-    co.add_argument("--db", help="SQLAlchemy URL for its lease ($POWERD_DB)")
+    co.add_argument("--db", help="SQLAlchemy URL for its lease and temporary budgets ($POWERD_DB)")
     co.add_argument("--coordinator-id", help="distinct for each coordinator of a pair")
     co.add_argument("--scope-level", choices=("row", "rack"), help="the scopes' level (row)")
-    co.add_argument("--leadership", choices=("auto", "lease", "alone"))
+    co.add_argument(
+        "--leadership",
+        choices=("auto", "lease", "alone"),
+        help="as the controller's: auto (default) is alone on SQLite, a lease otherwise",
+    )
     co.add_argument("--state-file", help="temporary budgets set through its API")
     co.add_argument("--api-host", help="admin API address (default 127.0.0.1)")
     co.add_argument("--api-port", type=int, help="admin API port (default: no API)")
