@@ -12,15 +12,18 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
 import structlog
 
+from powerd.api.client import parse_time
 from powerd.argtypes import positive_float
 from powerd.errors import InputError
 from powerd.policy import Policy, load_policy
 from powerd.sim.engine import POLICIES, STATIC
+from powerd.sim.recorded import read_recording
 from powerd.sim.report import Report, text, to_json, write_outputs
 from powerd.sim.scenario import Scenario, ScenarioError, check_against_policy, load_scenario
 from powerd.sim.site import site_for
@@ -132,6 +135,15 @@ def add_sim_parser(subparsers: Any) -> None:
         default=DEFAULT_POINTS,
         help="site sizes on the oversubscription grid (default %(default)s)",
     )
+    sim.add_argument(
+        "--from-db",
+        help="replay the per-minute draw a controller recorded in this database (SQLAlchemy "
+        "URL) as the GPUs' demand; the scenario's workloads still give their classes",
+    )
+    sim.add_argument(
+        "--since", type=parse_time, help="start of the recording (epoch s or ISO time with zone)"
+    )
+    sim.add_argument("--until", type=parse_time, help="end of the recording")
     sim.add_argument("--json", action="store_true", help="print the results as JSON")
     sim.add_argument("--out", help="directory for PNG plots, report.html and results.json")
     sim.add_argument(
@@ -197,6 +209,15 @@ def _scenario_and_policy(args: argparse.Namespace) -> tuple[Scenario, Policy]:
         )
     policy = load_policy(path)
     check_against_policy(scenario, policy)
+    if args.from_db is not None:
+        recording = read_recording(args.from_db, args.since, args.until)
+        if recording.skipped:
+            print(
+                f"powerd sim: {len(recording.skipped)} recorded GPU(s) with fewer than two "
+                "minutes in the window are left out",
+                file=sys.stderr,
+            )
+        scenario = replace(scenario, recording=recording)
     return scenario, policy
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -26,6 +26,10 @@ HOUR_S = 3600.0
 # A swing shorter than two ticks is sampled at random points of its cycle (aliasing).
 MIN_TICKS_PER_SWING = 2
 MAX_TICKS = 10_000_000
+
+
+if TYPE_CHECKING:
+    from powerd.sim.recorded import Recording
 
 
 class ScenarioError(InputError):
@@ -144,6 +148,8 @@ class Scenario:
     source: str
     policy_path: Path | None  # resolved against the scenario file
     base_dir: Path = Path()  # where the scenario file is: traces are found from here
+    # A controller's recording to replay instead of the workloads' demand (--from-db).
+    recording: Recording | None = None
 
     @property
     def duration_s(self) -> float:

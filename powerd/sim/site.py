@@ -18,6 +18,7 @@ from powerd.backends.mock import Pattern as MockPattern
 from powerd.backends.mock import Workload
 from powerd.policy import GroupDef, Policy
 from powerd.profile import Profile
+from powerd.sim.recorded import replay
 from powerd.sim.scenario import HOUR_S, Scenario, WorkloadSpec
 from powerd.sim.traces import load_traces
 from powerd.topology import Topology
@@ -355,4 +356,9 @@ def build_mix(scenario: Scenario, site: Site) -> Mix:
     events.sort(key=lambda e: e[0])  # stable: a window's end and the next start keep order
     workloads = tuple(w for w in per_gpu if w is not None)
     assert len(workloads) == site.n_gpus
+    if scenario.recording is not None:
+        # The recording replaces the patterns (and their idle windows): it has its own.
+        places = [(g.name, k) for g in node_groups for k in range(g.gpus)]
+        workloads = replay(workloads, places, scenario.recording)
+        events = []
     return Mix(workloads, class_index, workload_index, tuple(events))
