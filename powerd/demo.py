@@ -22,7 +22,7 @@ import numpy as np
 
 from powerd.agent.agent import Agent
 from powerd.agent.settings import AgentSettings
-from powerd.backends.mock import GpuFleetModel, MockBackend, Pattern, Workload
+from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
 from powerd.clock import Clock, SystemClock
 from powerd.controller.controller import Controller
 from powerd.controller.engine import TickReport
@@ -110,19 +110,6 @@ class DemoStats:
         self.throughput.append(r.throughput_total)
         self.draw_w.append(float(r.group_draw_w[0]))
         self.statuses[r.status] = self.statuses.get(r.status, 0) + 1
-
-
-def _uncapped_per_gpu(model: GpuFleetModel) -> float:
-    """Mean throughput a GPU of this mix delivers at its demand, never capped (what a GPU
-    provisioned at full TDP delivers)."""
-    if model.n == 0:
-        return 0.0
-    total = 0.0
-    for i, demand in enumerate(model.demand_w.tolist()):
-        w = model.workload(i)
-        if w.pattern is not Pattern.IDLE:
-            total += float(w.profile.value(np.array([demand]))[0])
-    return total / model.n
 
 
 def _kw(w: float) -> str:
@@ -320,7 +307,9 @@ async def run_demo(
 
     def show(r: TickReport) -> None:
         stats.add(r)
-        stats.uncapped_per_gpu.append(_uncapped_per_gpu(model))
+        # What the same GPUs would deliver uncapped: per GPU, what a statically provisioned
+        # GPU of this mix delivers.
+        stats.uncapped_per_gpu.append(float(model.uncapped_throughput().mean()) if model.n else 0.0)
         if as_json:
             print(json.dumps(tick_json(r)), file=out, flush=True)
         else:

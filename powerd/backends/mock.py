@@ -397,7 +397,15 @@ class GpuFleetModel:
 
     def throughput(self, sel: Selector = ALL) -> FloatArray:
         """Application throughput relative to the workload's best, from each GPU's draw."""
-        power = np.atleast_1d(self._lagged_w[sel])
+        return self._throughput_at(self._lagged_w, sel)
+
+    def uncapped_throughput(self, sel: Selector = ALL) -> FloatArray:
+        """The throughput each GPU would deliver at its demand, never capped (what a GPU
+        provisioned at full TDP delivers)."""
+        return self._throughput_at(self.demand_w, sel)
+
+    def _throughput_at(self, power_w: FloatArray, sel: Selector) -> FloatArray:
+        power = np.atleast_1d(power_w[sel])
         profile_idx = np.atleast_1d(self._profile_idx[sel])
         out = np.zeros(power.shape)
         for k in np.unique(profile_idx):

@@ -650,31 +650,8 @@ class Ledger:
         store.record_audit_rows([r.model_dump() for r in rows])
         revision = 0
         if state is not None:
-            revision = self._store_state(store, state)
+            revision = store_operator_state(store, state)
         return version, revision
-
-    @staticmethod
-    def _store_state(store: Store, state: OperatorState) -> int:
-        """Store the state as the database's newest revision; the revision used. Ours is
-        the operators' latest intent: where the database holds the same or a higher
-        revision with another state (written while we could not see it: a start without
-        state file and database, another process), ours goes above it, never under."""
-        body = state.for_db()
-        revision = state.revision
-        for _ in range(5):
-            latest = store.latest_operator_state()
-            if latest is not None and latest.revision >= revision:
-                if latest.revision == revision and dict(latest.state) == body:
-                    return revision  # a re-send of what is stored
-                revision = latest.revision + 1
-            if store.save_operator_state(revision, state.ts, body):
-                if revision != state.revision:
-                    log.warning(
-                        "operator_state_renumbered", revision=state.revision, stored=revision
-                    )
-                return revision
-            revision += 1  # another writer took it between the two statements
-        raise RuntimeError("operator state revision conflict persisted")
 
     def _alarm(self) -> None:
         message = None
@@ -752,3 +729,24 @@ class Ledger:
 def _log_failure(task: asyncio.Task[bool]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("operator_state_sync_crashed", error=repr(task.exception()))
+
+
+def store_operator_state(store: Store, state: OperatorState) -> int:
+    """Store the state as the database's newest revision; the revision used. Ours is
+    the operators' latest intent: where the database holds the same or a higher
+    revision with another state (written while we could not see it: a start without
+    state file and database, another process), ours goes above it, never under."""
+    body = state.for_db()
+    revision = state.revision
+    for _ in range(5):
+        latest = store.latest_operator_state()
+        if latest is not None and latest.revision >= revision:
+            if latest.revision == revision and dict(latest.state) == body:
+                return revision  # a re-send of what is stored
+            revision = latest.revision + 1
+        if store.save_operator_state(revision, state.ts, body):
+            if revision != state.revision:
+                log.warning("operator_state_renumbered", revision=state.revision, stored=revision)
+            return revision
+        revision += 1  # another writer took it between the two statements
+    raise RuntimeError("operator state revision conflict persisted")

@@ -55,7 +55,6 @@ class ScopeState:
     confirmed_w: float | None = None  # a budget of ours it confirmed (committed fits)
     confirmed_tick: int = -1
     pending: dict[int, float] = field(default_factory=dict)  # tick → budget sent since
-    sent_w: float | None = None  # the last budget sent
 
     def committed_w(self) -> float:
         """The most this scope may draw now or later from any budget sent to it."""
@@ -292,7 +291,6 @@ class CoordinatorEngine:
             budget = send[k]
             if budget is not None:
                 s.pending[tick] = budget
-                s.sent_w = budget
             plans.append(
                 ScopeBudgetPlan(
                     scope=s.name,

@@ -33,6 +33,7 @@ from pydantic import BaseModel, Field, ValidationError
 from powerd.api.server import ApiServer
 from powerd.auth import Principal, Role, TokenStore
 from powerd.clock import SystemClock
+from powerd.controller.admin import store_operator_state
 from powerd.controller.leadership import Leadership, for_daemon, mode_for
 from powerd.controller.opstate import (
     BudgetState,
@@ -254,7 +255,7 @@ class Coordinator:
         state = self._state()
         await asyncio.to_thread(StateFile(self.state_file).save, state)
         try:
-            self.revision = await asyncio.to_thread(_store_state, self.store, state)
+            self.revision = await asyncio.to_thread(store_operator_state, self.store, state)
         except Exception as exc:
             log.error("budgets_not_in_database", error=f"{type(exc).__name__}: {exc}"[:300])
             return False
@@ -311,20 +312,6 @@ class Coordinator:
         )
         if newest is not None:
             self._adopt(newest)
-
-
-def _store_state(store: Store, state: OperatorState) -> int:
-    """Store as the next revision above the database's; the revision used."""
-    body = state.for_db()
-    revision = state.revision
-    for _ in range(5):
-        latest = store.latest_operator_state()
-        if latest is not None and latest.revision >= revision:
-            revision = latest.revision + 1
-        if store.save_operator_state(revision, state.ts, body):
-            return revision
-        revision += 1
-    raise RuntimeError("operator state revision conflict persisted")
 
 
 # -- the admin API -------------------------------------------------------------------------
