@@ -5,9 +5,13 @@ raise waits for the cut that pays for it, and how a scope's controller takes bud
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from powerd.controller.overrides import BudgetOverride
 from powerd.controller.scope import ScopeLink
 from powerd.coordinator.engine import CoordinatorEngine
 from powerd.policy import Policy, failsafe_budget_w, parse_policy, scoped
@@ -151,8 +155,6 @@ def test_a_silent_scope_keeps_its_reservation_and_gets_nothing() -> None:
 
 
 def test_a_temporary_facility_cut_is_split_and_sent_at_once() -> None:
-    from powerd.controller.overrides import BudgetOverride
-
     eng = settled()
     eng.overrides.set_budget(
         eng.policy, BudgetOverride("dc", 6000.0, None, "grid", "alice", created_at=0.0)
@@ -217,3 +219,108 @@ def test_absurd_prices_are_refused_on_the_wire() -> None:
     body = report("rack-1", budget_w=5000, committed_w=5000).model_dump()
     with pytest.raises(ValidationError, match="curve_price"):
         ScopeReport.model_validate(body | {"curve_price": [1e308, -1e308]})
+
+
+# -- a property: scopes that take budgets late, obey them late and report late ------------
+
+
+@dataclass
+class LateScope:
+    """A scope's controller as the coordinator sees it through the broker: budgets arrive
+    in order but late, its caps follow a cut only once acknowledged (until then it may
+    still draw the higher budget), and its reports arrive in order but late."""
+
+    name: str
+    applied_w: float  # the budget in force
+    applied_tick: int | None = None
+    draw_w: float = 0.0  # the most its caps may draw now
+    inbox: list[tuple[int, float]] = field(default_factory=list)  # budgets in flight
+    outbox: list[ScopeReport] = field(default_factory=list)  # reports in flight
+    price: float = 1.0
+
+    def receive(self) -> None:
+        if self.inbox:
+            tick, budget = self.inbox.pop(0)
+            if self.applied_tick is None or tick > self.applied_tick:
+                self.applied_w, self.applied_tick = budget, tick
+                self.draw_w = max(self.draw_w, budget)  # a raise: at once; a cut: later
+
+    def may_draw_w(self) -> float:
+        """What its caps may draw now or once the budgets in flight arrive."""
+        late = [b for t, b in self.inbox if self.applied_tick is None or t > self.applied_tick]
+        return max([self.draw_w, *late])
+
+    def settle(self) -> None:
+        self.draw_w = self.applied_w  # the cuts acknowledged
+
+    def report(self) -> None:
+        self.outbox.append(
+            report(
+                self.name,
+                budget_w=self.applied_w,
+                committed_w=self.draw_w,
+                tick=self.applied_tick,
+                price=self.price,
+            )
+        )
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    events=st.lists(
+        st.tuples(
+            st.sampled_from(["tick", "receive", "settle", "report", "deliver", "price", "cap"]),
+            st.integers(0, 1),
+            st.floats(0.2, 5.0),
+        ),
+        min_size=20,
+        max_size=150,
+    )
+)
+def test_budgets_above_the_scopes_hold_through_late_budgets_acks_and_reports(
+    events: list[tuple[str, int, float]],
+) -> None:
+    """Whatever the order in which budgets arrive, cuts are acknowledged and reports come
+    back, what the scopes may draw (their caps, and the budgets in flight to them) never
+    exceeds the facility's budget once it has fit under it (a cut, once obeyed, stays
+    obeyed), and never rises above what it was when the budget last changed."""
+    eng = CoordinatorEngine(site(), "rack")
+    scopes = [LateScope(f"rack-{k}", 5000.0, draw_w=5000.0) for k in (1, 2)]
+    cap = 10_000.0
+    fitted = True  # Σ draw has fit the current budget since it last changed
+    peak = 10_000.0  # Σ draw when the budget last changed
+    now = 0.0
+    for kind, k, x in events:
+        s = scopes[k]
+        if kind == "tick":
+            now += 1.0
+            for sc in scopes:
+                while sc.outbox:
+                    eng.on_report(sc.outbox.pop(0), now, EPOCH)
+            plan = eng.step(now, now, TICK_S)
+            for p, sc in zip(plan.budgets, scopes, strict=True):
+                if p.budget_w is not None:
+                    sc.inbox.append((plan.tick, p.budget_w))
+        elif kind == "receive":
+            s.receive()
+        elif kind == "settle":
+            s.settle()
+        elif kind == "report":
+            s.report()
+        elif kind == "deliver":
+            while s.outbox:
+                eng.on_report(s.outbox.pop(0), now, EPOCH)
+        elif kind == "price":
+            s.price = x
+        else:  # the facility's budget set anywhere between 4 and 10 kW
+            cap = 4000.0 + 6000.0 * (x - 0.2) / 4.8
+            eng.overrides.set_budget(
+                eng.policy, BudgetOverride("dc", cap, None, "grid", "test", created_at=now)
+            )
+            peak = sum(sc.may_draw_w() for sc in scopes)
+            fitted = peak <= cap + 1e-6
+        total = sum(sc.may_draw_w() for sc in scopes)
+        assert total <= max(cap, peak) + 1e-6, (kind, total, cap, peak)
+        if fitted:
+            assert total <= cap + 1e-6, (kind, total, cap)
+        fitted = fitted or total <= cap + 1e-6

@@ -62,6 +62,15 @@ class ScopeState:
             return self.max_w  # what an earlier coordinator may have given it
         return max([self.confirmed_w, *self.pending.values()])
 
+    def last_sent_w(self) -> float | None:
+        """The budget this scope holds once everything sent has arrived (budgets are taken
+        in tick order): our latest, else the one it confirmed, else the one it reports."""
+        if self.pending:
+            return self.pending[max(self.pending)]
+        if self.confirmed_w is not None:
+            return self.confirmed_w
+        return None if self.report is None else self.report.budget_w
+
 
 @dataclass(frozen=True)
 class ScopeBudgetPlan:
@@ -247,19 +256,18 @@ class CoordinatorEngine:
     ) -> list[ScopeBudgetPlan]:
         """The budgets to send: none to a scope not heard (its budget in force is unknown:
         anything could be a raise; its lease brings it to at most its failsafe budget);
-        a hold or a cut to one that has not confirmed a budget of ours; raises only to
-        scopes that have, in order of the price they fetch, each only as far as every
-        group above still fits with what every scope may draw."""
+        to every other scope at most the budget it was last sent (a hold or a cut), and a
+        raise above that only to a scope that has confirmed a budget of ours, in order of
+        the price it fetches, and only while every group above, with what every scope may
+        draw (`committed_w`), still fits afterwards. While a cut is still in flight (what
+        the scopes may draw does not fit yet) nothing rises, not even back up to what a
+        scope may still draw: the cut is obeyed first, and once obeyed it stays obeyed."""
         groups = self.policy.groups
         committed = [s.committed_w() for s in scopes]
+        last = [s.last_sent_w() for s in scopes]
         send: list[float | None] = []
-        for s, t, c, quiet in zip(scopes, targets.tolist(), committed, silent, strict=True):
-            if quiet or s.report is None:
-                send.append(None)
-            elif s.confirmed_w is None:
-                send.append(min(t, s.report.budget_w))
-            else:
-                send.append(min(t, c))
+        for t, was, quiet in zip(targets.tolist(), last, silent, strict=True):
+            send.append(None if quiet or was is None else min(t, was))
         used = dict(zip(self.upper, self._upper_sums(committed), strict=True))
         order = sorted(
             range(len(scopes)),
@@ -267,10 +275,11 @@ class CoordinatorEngine:
         )
         held = [False] * len(scopes)
         for k in order:
-            want = float(targets[k]) - committed[k]
+            base = send[k]
+            want = float(targets[k]) - (committed[k] if base is None else base)
             if want <= TOL_W:
                 continue
-            if scopes[k].confirmed_w is None or send[k] is None:
+            if scopes[k].confirmed_w is None or base is None:
                 held[k] = True
                 continue
             room = math.inf
@@ -280,12 +289,18 @@ class CoordinatorEngine:
                 room = min(room, upper_cap[i] - used[i])
                 path.append(i)
                 i = groups[i].parent
-            up = max(0.0, min(want, room))
+            if room < -TOL_W:
+                held[k] = True  # a cut above is still in flight
+                continue
+            # Up to what it may draw already costs nothing more; past that, the room.
+            up = max(0.0, min(want, committed[k] + max(0.0, room) - base))
             held[k] = up < want - TOL_W
             if up > TOL_W:
-                send[k] = committed[k] + up
+                send[k] = base + up
+                grew = max(0.0, base + up - committed[k])
+                committed[k] = max(committed[k], base + up)
                 for i in path:
-                    used[i] += up
+                    used[i] += grew
         plans = []
         for k, s in enumerate(scopes):
             budget = send[k]
