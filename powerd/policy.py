@@ -45,11 +45,23 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class Overload(_Strict):
+    """The short-time rating of what a budget protects (a breaker, a contract): draw may
+    exceed the budget by `pct` % for less than `for_s` seconds at a time. Committed caps may
+    then exceed the budget by up to `pct` %, while measured draw is steered to `target_pct`
+    % below the budget (docs/policy.md, "Overload")."""
+
+    pct: float = Field(gt=0, le=100, allow_inf_nan=False)
+    for_s: float = Field(gt=0, le=86400, allow_inf_nan=False)
+    target_pct: float = Field(default=3.0, ge=0, le=50, allow_inf_nan=False)
+
+
 class NodeSpec(_Strict):
     """One node, or many identical ones when `name` holds a range like `n{01..08}`."""
 
     name: str
     budget_w: Watts | None = None
+    overload: Overload | None = None
     overhead_w: NonNegWatts = 0.0
     gpus: int | None = Field(default=None, ge=0, le=64)
     failsafe_w: Watts | None = None
@@ -58,18 +70,21 @@ class NodeSpec(_Strict):
 class RackSpec(_Strict):
     name: str
     budget_w: Watts | None = None
+    overload: Overload | None = None
     nodes: list[NodeSpec] = Field(default_factory=list)
 
 
 class RowSpec(_Strict):
     name: str
     budget_w: Watts | None = None
+    overload: Overload | None = None
     racks: list[RackSpec] = Field(default_factory=list)
 
 
 class FacilitySpec(_Strict):
     name: str
     budget_w: Watts | None = None
+    overload: Overload | None = None
     rows: list[RowSpec] = Field(min_length=1)
 
 
@@ -178,6 +193,14 @@ class GroupDef:
     gpus: int  # nodes: expected GPU count; others: 0
     failsafe_w: float  # nodes: failsafe cap per GPU; others: 0
     path: str
+    overload: Overload | None = None  # its short-time rating, if declared
+
+    @property
+    def rating_w(self) -> float:
+        """The most its committed caps may reach: the budget, plus the overload allowance."""
+        if self.overload is None:
+            return self.budget_w
+        return self.budget_w * (1.0 + self.overload.pct / 100.0)
 
 
 @dataclass(frozen=True)
@@ -295,6 +318,7 @@ class _Expander:
         overhead: float = 0.0,
         gpus: int = 0,
         failsafe: float = 0.0,
+        overload: Overload | None = None,
     ) -> int:
         if not NAME_RE.match(name):
             self.problems.append(
@@ -315,6 +339,11 @@ class _Expander:
             )
         else:
             self.seen[key] = path
+        if overload is not None and budget is None:
+            self.problems.append(
+                (path + ".overload", "an overload rating needs the group's budget_w")
+            )
+            overload = None
         self.groups.append(
             GroupDef(
                 name,
@@ -325,6 +354,7 @@ class _Expander:
                 gpus,
                 failsafe,
                 path,
+                overload,
             )
         )
         return len(self.groups) - 1
@@ -352,15 +382,17 @@ class _Expander:
     def run(self) -> None:
         f = self.spec.facility
         d = self.spec.defaults
-        root = self.add(f.name, 0, -1, f.budget_w, "facility")
+        root = self.add(f.name, 0, -1, f.budget_w, "facility", overload=f.overload)
         for ri, row in enumerate(f.rows):
             rpath = f"facility.rows[{ri}]"
             for row_name in self.names(row.name, rpath, {}):
-                row_idx = self.add(row_name, 1, root, row.budget_w, rpath)
+                row_idx = self.add(row_name, 1, root, row.budget_w, rpath, overload=row.overload)
                 for ki, rack in enumerate(row.racks):
                     kpath = f"{rpath}.racks[{ki}]"
                     for rack_name in self.names(rack.name, kpath, {"row": row_name}):
-                        rack_idx = self.add(rack_name, 2, row_idx, rack.budget_w, kpath)
+                        rack_idx = self.add(
+                            rack_name, 2, row_idx, rack.budget_w, kpath, overload=rack.overload
+                        )
                         for ni, node in enumerate(rack.nodes):
                             npath = f"{kpath}.nodes[{ni}]"
                             ctx = {"row": row_name, "rack": rack_name}
@@ -376,6 +408,7 @@ class _Expander:
                                     failsafe=d.failsafe_w
                                     if node.failsafe_w is None
                                     else node.failsafe_w,
+                                    overload=node.overload,
                                 )
             if len(self.groups) > MAX_EXPANSION:
                 self.problems.append(
@@ -437,6 +470,50 @@ def check_failsafe(groups: Sequence[GroupDef]) -> list[tuple[str, str]]:
                 )
             )
     return problems
+
+
+def overload_reaction_s(control: Control) -> float:
+    """The longest measured draw can stay above a budget with an overload rating: the
+    oldest telemetry the controller still steers on (`stale_after_s`), a tick to notice
+    and a tick for the cut to reach the GPUs; and if the controller dies at the worst
+    moment, the caps in force last one lease before the agents fall to their failsafe
+    caps, which fit the budget (docs/safety.md, "Overload")."""
+    return control.lease_s + control.stale_after_s + 2.0 * control.tick_s
+
+
+def check_overload(groups: Sequence[GroupDef], control: Control) -> list[tuple[str, str]]:
+    """A rating whose time is shorter than powerd can react in protects nothing."""
+    need = overload_reaction_s(control)
+    problems = []
+    reported: set[str] = set()
+    for g in groups:
+        o = g.overload
+        if o is None or g.path in reported or o.for_s >= need:
+            continue
+        reported.add(g.path)
+        problems.append(
+            (
+                g.path + ".overload.for_s",
+                f"{LEVELS[g.level]} '{g.name}': the rating's {o.for_s:g} s is shorter than "
+                f"powerd's worst-case reaction, {need:g} s (control.lease_s "
+                f"{control.lease_s:g} + stale_after_s {control.stale_after_s:g} + 2 × tick_s "
+                f"{control.tick_s:g}); shorten those or drop the overload",
+            )
+        )
+    return problems
+
+
+def with_overload(policy: Policy, overload: Overload | None) -> Policy:
+    """The policy with this overload rating on every budgeted group (None: on none), checked
+    like one written in the file (PolicyError if its time is shorter than powerd's
+    reaction): `powerd sim --overload` asks what a rating would buy."""
+    groups = tuple(
+        replace(g, overload=overload if math.isfinite(g.budget_w) else None) for g in policy.groups
+    )
+    problems = check_overload(groups, policy.control)
+    if problems:
+        raise PolicyError(policy.source, problems)
+    return replace(policy, groups=groups)
 
 
 def subtree_totals(groups: Sequence[GroupDef], per_node: Sequence[float]) -> list[float]:
@@ -502,6 +579,7 @@ def parse_policy(data: Any, source: str = "<policy>") -> Policy:
     problems += expander.problems
     if not problems:
         problems += check_failsafe(expander.groups)
+        problems += check_overload(expander.groups, spec.control)
     if problems:
         raise PolicyError(source, problems)
     profiles = {name: Profile.from_points(name, p.points) for name, p in spec.profiles.items()}

@@ -754,3 +754,49 @@ class SafetyPlanner:
             )
             for k in np.flatnonzero(node_send).tolist()
         ]
+
+
+# -- overload: committed caps above a budget, measured draw within it -----------------------
+
+
+@dataclass(frozen=True)
+class OverloadRule:
+    """Per group (topology order): the rating's allowance and the draw target, as shares
+    of the budget (0 where a group declares no overload)."""
+
+    pct: FloatArray  # committed caps may reach budget × (1 + pct/100)
+    target_pct: FloatArray  # measured draw is steered to budget × (1 − target_pct/100)
+
+    @classmethod
+    def from_policy(cls, policy: Policy) -> OverloadRule | None:
+        """Over the policy's groups (a Topology built from it has the same order); None
+        when no group declares an overload rating."""
+        rated = [g.overload for g in policy.groups]
+        if all(o is None for o in rated):
+            return None
+        return cls(
+            pct=np.array([0.0 if o is None else o.pct for o in rated]),
+            target_pct=np.array([0.0 if o is None else o.target_pct for o in rated]),
+        )
+
+    def limits_w(
+        self, budget_w: FloatArray, committed_w: FloatArray, draw_w: FloatArray
+    ) -> FloatArray:
+        """What each group's committed caps may reach this tick (docs/safety.md, "Overload").
+
+        `committed_w` and `draw_w` are per group and count the same things (overhead, and
+        GPUs without fresh telemetry at their committed caps), so their difference is the
+        reservation the GPUs do not draw. Where a group is rated, the limit is its
+        committed caps plus the room between its draw and the target, within
+        [budget, budget × (1 + pct)]; draw above the budget drops it to the budget at once,
+        where no GPU can draw past it once the cut applies. Elsewhere, the budget."""
+        budget = np.asarray(budget_w, dtype=np.float64)
+        rated = (self.pct > 0) & np.isfinite(budget)
+        if not rated.any():
+            return budget
+        rating = budget * (1.0 + self.pct / 100.0)
+        target = budget * (1.0 - self.target_pct / 100.0)
+        draw = np.where(np.isfinite(draw_w), draw_w, rating)  # unknown: as if at the rating
+        follow = np.clip(committed_w + (target - draw), budget, rating)
+        limit = np.where(draw > budget + TOL_W, budget, follow)
+        return np.where(rated, limit, budget)

@@ -78,6 +78,11 @@ class GroupUse(_Out):
     committed_w: float = Field(description="Committed caps + overhead: the most it may draw.")
     draw_w: float
     over: bool = Field(description="Committed above budget: a cut not yet acknowledged.")
+    limit_w: float | None = Field(
+        default=None,
+        description="What committed caps may reach this tick: the budget, or up to its "
+        "overload rating where the policy declares one and the GPUs do not draw their caps.",
+    )
 
 
 class MemberOut(_Out):

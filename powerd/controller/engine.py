@@ -27,7 +27,7 @@ from powerd.allocator.scopes import DemandCurve, demand_curve
 from powerd.controller.fleet import FleetArrays, FleetState
 from powerd.controller.overrides import Overrides
 from powerd.policy import LEVELS, Policy, scoped
-from powerd.safety import FleetLayout, SafePlan, SafetyPlanner
+from powerd.safety import FleetLayout, OverloadRule, SafePlan, SafetyPlanner
 from powerd.topology import Topology
 from powerd.wire import MAX_TICK, CapAck, NodeState, NodeStatus, NodeTelemetry
 
@@ -81,6 +81,9 @@ class TickReport:
     stale: BoolArray
     waiting_nodes: tuple[str, ...]
     alarms: tuple[str, ...]
+    # What committed caps may reach: the budget, or above it where a group is rated for an
+    # overload (OverloadRule); None: the budgets (a tick that fell back).
+    group_limit_w: FloatArray | None = None
 
     @property
     def throughput_total(self) -> float:
@@ -210,6 +213,7 @@ class TickEngine:
             policy = scoped(policy, self.scope_name)
             self.scope_group = [g.name for g in policy.groups].index(self.scope_name)
         self.policy = policy
+        self.overload = OverloadRule.from_policy(policy)
         self.classes = ClassTable.from_policy(policy)
         self._class_index = {name: i for i, name in enumerate(class_names(policy))}
         self.planner.policy = policy
@@ -481,6 +485,27 @@ class TickEngine:
         )
         return report, plan
 
+    def _commit_limits(
+        self,
+        topo: Topology,
+        budget_w: FloatArray,
+        committed: FloatArray,
+        arrays: FleetArrays,
+        shape: Shape,
+    ) -> FloatArray:
+        """Per group, what committed caps may reach (OverloadRule): the budget, unless the
+        group is rated. Draw and committed count alike: overhead, the reserve for GPUs not
+        heard, and GPUs without fresh telemetry at their committed caps."""
+        rule = self.overload
+        if rule is None:
+            return budget_w
+        fresh = ~arrays.stale & np.isfinite(arrays.power_w)
+        power = np.where(fresh, arrays.power_w, committed)
+        base = topo.overhead_w + shape.reserve_w
+        return rule.limits_w(
+            budget_w, topo.group_sums(committed) + base, topo.group_sums(power) + base
+        )
+
     def _budgets_in_force(self, topo: Topology, wall: float) -> FloatArray:
         """Per group: the policy's budget, or a lower temporary one (expired ones end here),
         or at a scope's root the coordinator's if lower."""
@@ -509,6 +534,9 @@ class TickEngine:
         cls_idx = self._class_indices(arrays)
         pinned = self._pinned(arrays)
         committed_before = self.planner.committed_w()
+        # What the caps may commit: the budgets, or above them where a group is rated for
+        # an overload and its GPUs do not draw their reservation (docs/safety.md).
+        limit_w = self._commit_limits(topo, budget_w, committed_before, arrays, shape)
         # GPUs we cannot steer keep the power they may have, and the allocator shares out
         # the rest: one that refused its last cap.
         held = self.planner.defiant()
@@ -526,7 +554,7 @@ class TickEngine:
             stale=arrays.stale,
             pinned_w=pinned,
         )
-        targets, status, objective, solve_ms = self._allocate(tick, fleet, budget_w, shape)
+        targets, status, objective, solve_ms = self._allocate(tick, fleet, limit_w, shape)
         if self.scope_name is not None:
             self.last_curve = self._curve(fleet, budget_w, shape)
         if held.any():
@@ -552,7 +580,7 @@ class TickEngine:
             tick,
             now,
             targets,
-            budget_w=budget_w,
+            budget_w=limit_w,
             reserve_w=shape.reserve_w,
             priority=weights,
             offline=offline,
@@ -562,8 +590,12 @@ class TickEngine:
         plan_ms = (time.perf_counter() - t_plan) * 1000.0
         self._log_safety_events(plan)
         # Over only while GPUs count at their maximum until a first ack (after a start) is
-        # no breach known: nothing rises there meanwhile.
+        # no breach known: nothing rises there meanwhile. A rated group whose limit fell
+        # (its draw neared the budget) is cutting, not over, while within its rating.
         over = plan.group_over & ~plan.group_settling
+        if self.overload is not None:
+            rating = budget_w * (1.0 + self.overload.pct / 100.0)
+            over &= ~((self.overload.pct > 0) & (plan.group_committed_w <= rating + 1e-6))
         refusing = np.flatnonzero(held)
         self._alarm(
             "caps_refused",
@@ -596,6 +628,7 @@ class TickEngine:
             group_budget_w=np.asarray(budget_w, dtype=np.float64),
             group_committed_w=plan.group_committed_w,
             group_draw_w=draw,
+            group_limit_w=np.asarray(limit_w, dtype=np.float64),
             group_over=over,
             group_settling=plan.group_settling,
             uuids=arrays.uuids,

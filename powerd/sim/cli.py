@@ -21,7 +21,7 @@ import structlog
 from powerd.api.client import parse_time
 from powerd.argtypes import positive_float
 from powerd.errors import InputError
-from powerd.policy import Policy, load_policy
+from powerd.policy import Overload, Policy, load_policy, with_overload
 from powerd.sim.engine import POLICIES, STATIC
 from powerd.sim.recorded import read_recording
 from powerd.sim.report import Report, text, to_json, write_outputs
@@ -144,6 +144,13 @@ def add_sim_parser(subparsers: Any) -> None:
         "--since", type=parse_time, help="start of the recording (epoch s or ISO time with zone)"
     )
     sim.add_argument("--until", type=parse_time, help="end of the recording")
+    sim.add_argument(
+        "--overload",
+        type=_overload,
+        metavar="PCT:SECONDS",
+        help="rate every budgeted group for PCT %% above its budget for SECONDS (policy key "
+        "`overload`): caps commit above the budgets, draw is steered below them",
+    )
     sim.add_argument("--json", action="store_true", help="print the results as JSON")
     sim.add_argument("--out", help="directory for PNG plots, report.html and results.json")
     sim.add_argument(
@@ -190,6 +197,20 @@ class ProgressBar:
         self.out.flush()
 
 
+def _overload(text: str) -> Overload:
+    """PCT:SECONDS, as `overload: {pct, for_s}` in a policy."""
+    pct, sep, secs = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError("no ':'")
+        return Overload(pct=float(pct), for_s=float(secs))
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        first = str(exc).splitlines()[0]
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: want PCT:SECONDS, e.g. 5:30 (5 % above the budget for 30 s): {first}"
+        ) from None
+
+
 def cmd_sim(args: argparse.Namespace) -> int:
     try:
         return _run(args)
@@ -208,6 +229,8 @@ def _scenario_and_policy(args: argparse.Namespace) -> tuple[Scenario, Policy]:
             scenario.source, [("policy", "no policy: add `policy: FILE` or give --policy")]
         )
     policy = load_policy(path)
+    if args.overload is not None:
+        policy = with_overload(policy, args.overload)
     check_against_policy(scenario, policy)
     if args.from_db is not None:
         recording = read_recording(args.from_db, args.since, args.until)

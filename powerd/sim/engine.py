@@ -29,7 +29,7 @@ from numpy.typing import NDArray
 from powerd.allocator import Allocation, ClassTable, Fleet, Tree, allocate_arrays
 from powerd.backends.mock import GpuFleetModel, MockGpuSpec
 from powerd.policy import LEVELS, Policy
-from powerd.safety import FleetLayout, NodeCommand, SafetyPlanner
+from powerd.safety import FleetLayout, NodeCommand, OverloadRule, SafetyPlanner
 from powerd.sim.scenario import Scenario
 from powerd.sim.site import Mix, Site
 from powerd.wire import GpuAck
@@ -74,6 +74,7 @@ class RunResult:
     gpu_energy_j: float
     facility_energy_j: float  # GPUs plus node overhead
     over_budget_s: float  # time any budget was exceeded by measured draw
+    longest_over_s: float  # the longest time one group's draw stayed above its budget
     over_budget_s_by_level: dict[str, float]
     max_excess_w: float
     max_excess_ratio: float  # highest measured draw / budget of any group (1 = at budget)
@@ -110,6 +111,7 @@ class RunResult:
             else None,
             "work_per_joule": self.work_per_joule,
             "over_budget_s": self.over_budget_s,
+            "longest_over_budget_s": self.longest_over_s,
             "over_budget_s_by_level": self.over_budget_s_by_level,
             "max_excess_w": self.max_excess_w,
             "max_draw_over_budget": self.max_excess_ratio,
@@ -165,6 +167,9 @@ class _Run:
         self.classes = classes = ClassTable.from_policy(policy)
         self.tree = Tree(topo)
         self.budget = topo.budget_w.copy()
+        # Groups rated for an overload: their caps may commit above the budget while their
+        # draw is steered below it (OverloadRule, as the controller applies it).
+        self.overload = OverloadRule.from_policy(policy) if policy_name != STATIC else None
         self.finite = np.isfinite(self.budget)
         self.ratio_budget = np.where(self.finite & (self.budget > 0), self.budget, np.inf)
         cls = mix.class_index
@@ -212,6 +217,8 @@ class _Run:
         # Accounting.
         self.over_s = 0.0
         self.over_by_level = np.zeros(n_levels)
+        self.over_run_s = np.zeros(topo.n_groups)  # per group: how long it has been over
+        self.longest_over_s = 0.0
         self.max_excess = 0.0
         self.max_ratio = 0.0
         self.committed_over = 0
@@ -240,11 +247,19 @@ class _Run:
             stale=self.not_stale,
             pinned_w=self.no_pin,
         )
+        limit = self.budget
+        if self.overload is not None:
+            topo = self.site.topology
+            limit = self.overload.limits_w(
+                self.budget,
+                topo.group_sums(committed) + topo.overhead_w,
+                topo.group_sums(model.power_w) + topo.overhead_w,
+            )
         alloc = allocate_arrays(
             fleet,
             self.site.policy,
             self.policy_name,
-            budget_w=self.budget,
+            budget_w=limit,
             warm=self.warm,
             classes=self.classes,
             tree=self.tree,
@@ -255,13 +270,16 @@ class _Run:
         for round_no in range(ROUNDS):
             self.plan_tick += 1
             plan = planner.plan(
-                self.plan_tick, now, alloc.caps_w, budget_w=self.budget, priority=self.weight
+                self.plan_tick, now, alloc.caps_w, budget_w=limit, priority=self.weight
             )
             self._apply(plan.commands, plan.sent_w, now)
             if round_no == ROUNDS - 1 or not plan.withheld.any():
-                # Committed caps after the last round: above a budget would be a planner bug.
-                self.committed_over += int(plan.group_over.any())
                 break
+        # Committed caps once the tick's commands are acknowledged: above a budget (or a
+        # rated group's limit) would be a planner bug.
+        topo = self.site.topology
+        after = topo.group_sums(planner.committed_w()) + topo.overhead_w
+        self.committed_over += int((after > limit + 1e-6).any())
 
     def _apply(self, commands: list[NodeCommand], sent_w: FloatArray, now: float) -> None:
         """The agents' part: clamp each command's caps to the device, apply, acknowledge.
@@ -305,7 +323,9 @@ class _Run:
         draw = np.maximum(self.tree.sums(mean_w), self.tree.sums(model.power_w)) + topo.overhead_w
         excess = np.where(self.finite, draw - self.budget, -np.inf)
         over = excess > EXCESS_TOL_W
+        self.over_run_s = np.where(over, self.over_run_s + dt, 0.0)
         if over.any():
+            self.longest_over_s = max(self.longest_over_s, float(self.over_run_s.max()))
             self.over_s += dt
             self.over_by_level[np.unique(topo.level[over])] += dt
             self.max_excess = max(self.max_excess, float(excess[over].max()))
@@ -411,6 +431,7 @@ def simulate(
         gpu_energy_j=gpu_energy,
         facility_energy_j=gpu_energy + float(site.topology.overhead_w[0]) * duration,
         over_budget_s=run.over_s,
+        longest_over_s=run.longest_over_s,
         over_budget_s_by_level={LEVELS[lv]: float(run.over_by_level[lv]) for lv in range(n_levels)},
         max_excess_w=run.max_excess,
         max_excess_ratio=run.max_ratio,
@@ -439,5 +460,6 @@ def simulate(
         ticks=n_ticks,
         wall_s=round(wall, 3),
         over_budget_s=run.over_s,
+        longest_over_s=run.longest_over_s,
     )
     return result

@@ -42,6 +42,7 @@ def _group_use(r: TickReport, g: int) -> GroupUse:
         committed_w=float(r.group_committed_w[g]),
         draw_w=float(r.group_draw_w[g]),
         over=bool(r.group_over[g]),
+        limit_w=None if r.group_limit_w is None else finite_or_none(float(r.group_limit_w[g])),
     )
 
 

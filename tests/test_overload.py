@@ -1,0 +1,285 @@
+"""Budgets with a short-time rating (`overload: {pct, for_s}`): committed caps may exceed the
+budget by at most pct %, measured draw is steered below the budget, cut at once when it
+passes it, and the policy refuses a rating shorter than powerd can react in.
+
+The property tests measure both promises where they are made: the tick engine with agents
+whose GPUs draw what their work wants (any jump, all at once), and the simulator."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import pytest
+from honest import GPUS, NODES, HonestNode, policy_dict
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from powerd.controller.engine import TickEngine
+from powerd.policy import Overload, PolicyError, overload_reaction_s, parse_policy, with_overload
+from powerd.safety import OverloadRule
+from powerd.sim.engine import simulate
+from powerd.sim.scenario import parse_scenario
+from powerd.sim.site import build_mix, build_site
+from powerd.testing.synthetic import policy_dict as synthetic_policy
+from powerd.wire import GpuTelemetry, NodeTelemetry
+
+TOL = 1e-6
+PCT = 10.0
+FACILITY_W = 7000.0
+
+
+def rated_policy(pct: float = PCT, for_s: float = 30.0) -> dict[str, Any]:
+    """The honest site (16 GPUs, 7 kW facility) with the facility rated for pct %."""
+    data = policy_dict()
+    data["facility"]["overload"] = {"pct": pct, "for_s": for_s}
+    return data
+
+
+# -- the policy ----------------------------------------------------------------------------
+
+
+def test_a_rating_is_read_and_checked_against_powerds_reaction() -> None:
+    policy = parse_policy(rated_policy())
+    dc = policy.groups[0]
+    assert dc.overload is not None and dc.overload.pct == PCT
+    assert dc.rating_w == pytest.approx(FACILITY_W * 1.1)
+    assert policy.groups[1].rating_w == policy.groups[1].budget_w  # the row: no rating
+    # lease 4 + stale 3 + 2 ticks of 1 s: 9 s is the shortest rating powerd can honour.
+    assert overload_reaction_s(policy.control) == 9.0
+    with pytest.raises(PolicyError, match=r"overload.for_s.*shorter than powerd's worst-case"):
+        parse_policy(rated_policy(for_s=8.0))
+    # A rating protects a budget: a group without one cannot have it.
+    unbudgeted = policy_dict()
+    unbudgeted["facility"]["rows"][0]["overload"] = {"pct": 5, "for_s": 60}
+    with pytest.raises(PolicyError, match="needs the group's budget_w"):
+        parse_policy(unbudgeted)
+    bad = rated_policy()
+    bad["facility"]["overload"]["pct"] = 0
+    with pytest.raises(PolicyError, match="pct"):
+        parse_policy(bad)
+    # `powerd sim --overload` rates every budgeted group, and checks the time the same way.
+    every = with_overload(parse_policy(policy_dict()), Overload(pct=5, for_s=60))
+    assert all((g.overload is not None) == (g.budget_w < float("inf")) for g in every.groups)
+    with pytest.raises(PolicyError, match="shorter than"):
+        with_overload(parse_policy(policy_dict()), Overload(pct=5, for_s=2))
+
+
+# -- the rule ------------------------------------------------------------------------------
+
+
+@given(
+    budget=st.floats(1000, 10_000),
+    pct=st.floats(0.5, 30),
+    target=st.floats(0, 10),
+    committed=st.floats(0, 15_000),
+    draw=st.floats(0, 15_000),
+)
+def test_the_limit_lies_between_budget_and_rating_and_falls_to_the_budget_past_it(
+    budget: float, pct: float, target: float, committed: float, draw: float
+) -> None:
+    rule = OverloadRule(pct=np.array([pct, 0.0]), target_pct=np.array([target, 0.0]))
+    limit = rule.limits_w(
+        np.array([budget, budget]), np.array([committed] * 2), np.array([draw] * 2)
+    )
+    assert budget - TOL <= limit[0] <= budget * (1 + pct / 100) + TOL
+    assert limit[1] == budget  # no rating: the budget
+    if draw > budget + TOL:
+        assert limit[0] == budget  # cut at once: no GPU can draw past the budget then
+    elif committed - draw + budget * (1 - target / 100) >= budget * (1 + pct / 100):
+        assert limit[0] == pytest.approx(budget * (1 + pct / 100))  # what is not drawn: lent
+
+
+# -- the engine: both promises, with GPUs whose work jumps at any moment --------------------
+
+
+class HungryNode(HonestNode):
+    """An agent whose GPUs draw what their work wants, up to the cap in force."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.demand = dict.fromkeys(self.uuids, 300.0)
+
+    def draw(self) -> dict[str, float]:
+        return {u: min(self.caps[u], self.demand[u]) for u in self.uuids}
+
+    def sample(self, wall: float) -> NodeTelemetry:
+        self.seq += 1
+        draw = self.draw()
+        gpus = [
+            GpuTelemetry(
+                uuid=u,
+                index=i,
+                power_w=draw[u],
+                energy_j=1.0,
+                cap_w=cap,
+                min_cap_w=200.0,
+                max_cap_w=700.0,
+                default_cap_w=700.0,
+                temp_c=50.0,
+                util_pct=90.0,
+                sm_clock_mhz=1500.0,
+            )
+            for i, (u, cap) in enumerate(self.caps.items())
+        ]
+        return NodeTelemetry(
+            node_id=self.name, ts=wall, seq=self.seq, period_s=1.0, gpus=gpus, tick=self.last_tick
+        )
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    steps=st.lists(
+        st.tuples(st.sampled_from(["calm", "all_max", "half", "random"]), st.integers(0, 2**31)),
+        min_size=8,
+        max_size=30,
+    )
+)
+def test_draw_stays_within_the_rating_and_above_the_budget_for_at_most_a_tick(
+    steps: list[tuple[str, int]],
+) -> None:
+    policy = parse_policy(rated_policy())
+    engine = TickEngine(policy)
+    nodes = {n: HungryNode(n) for n in NODES}
+    dc = policy.groups[0]
+    over_run = longest = 0
+    wall0 = 1_700_000_000.0
+    for t, (kind, seed) in enumerate(steps):
+        rng = np.random.default_rng(seed)
+        for node in nodes.values():
+            for u in node.uuids:
+                if kind == "all_max":
+                    node.demand[u] = 700.0
+                elif kind == "half":
+                    node.demand[u] = 350.0
+                elif kind == "random":
+                    node.demand[u] = float(rng.uniform(150, 700))
+        # Draw before the tick: the work moved under the caps in force.
+        check_draw(nodes, dc.budget_w, dc.rating_w)
+        over = sum(sum(n.draw().values()) for n in nodes.values()) > dc.budget_w + TOL
+        over_run = over_run + 1 if over else 0
+        longest = max(longest, over_run)
+        now, wall = float(t), wall0 + t
+        for node in nodes.values():
+            assert engine.on_telemetry(node.sample(wall), now)
+        report, plan = engine.step(now, wall)
+        # The committed bound never passes the rating, not even while caps move (after a
+        # start it counts GPUs at their maximum until their first acks: nothing rises then).
+        assert plan.group_settling[0] or plan.group_committed_w[0] <= dc.rating_w + TOL
+        assert report.group_limit_w is not None
+        assert report.group_budget_w[0] == dc.budget_w
+        for cmd in plan.commands:  # cuts land first: the agent applies one command at once
+            ack = nodes[cmd.node].apply_caps(cmd.tick, cmd.caps_w)
+            if ack is not None:
+                engine.on_ack(cmd.node, ack)
+            check_draw(nodes, dc.budget_w, dc.rating_w)
+        caps = sum(sum(n.caps.values()) for n in nodes.values())
+        assert caps <= dc.rating_w + TOL
+    # Over the budget only between a jump of work and the tick that sees it.
+    assert longest <= 1
+
+
+def test_caps_lent_while_draw_is_low_come_back_at_once_when_it_is_not() -> None:
+    policy = parse_policy(rated_policy())
+    engine = TickEngine(policy)
+    nodes = {n: HungryNode(n) for n in NODES}
+    dc = policy.groups[0]
+
+    def tick(t: int) -> tuple[float, float]:
+        for node in nodes.values():
+            engine.on_telemetry(node.sample(1e9 + t), float(t))
+        report, plan = engine.step(float(t), 1e9 + t)
+        for cmd in plan.commands:
+            ack = nodes[cmd.node].apply_caps(cmd.tick, cmd.caps_w)
+            if ack is not None:
+                engine.on_ack(cmd.node, ack)
+        assert report.group_limit_w is not None
+        caps = sum(sum(n.caps.values()) for n in nodes.values())
+        draw = sum(sum(n.draw().values()) for n in nodes.values())
+        return caps, draw
+
+    # Half the GPUs want 300 W, half 700 W (8 kW under 7 kW): without a rating the caps
+    # would stay at 7000 W and the GPUs below theirs would strand their headroom.
+    for k, node in enumerate(nodes.values()):
+        node.demand = dict.fromkeys(node.uuids, 300.0 if k % 2 else 700.0)
+    for t in range(12):
+        caps, draw = tick(t)
+    assert dc.budget_w < caps <= dc.rating_w + TOL  # lent: committed above the budget
+    assert draw <= dc.budget_w + TOL  # while the draw stays within it
+    # Every GPU wants its maximum at once: one tick over the budget (never the rating),
+    # then the caps are back within the budget.
+    for node in nodes.values():
+        node.demand = dict.fromkeys(node.uuids, 700.0)
+    assert sum(sum(n.draw().values()) for n in nodes.values()) <= dc.rating_w + TOL
+    caps, draw = tick(12)
+    assert caps <= dc.budget_w + TOL and draw <= dc.budget_w + TOL
+
+
+def check_draw(nodes: dict[str, HungryNode], budget_w: float, rating_w: float) -> None:
+    draw = sum(sum(n.draw().values()) for n in nodes.values())
+    assert draw <= rating_w + TOL, f"draw {draw:.1f} W above the rating {rating_w:.1f} W"
+
+
+def test_without_a_rating_committed_caps_never_pass_the_budget() -> None:
+    policy = parse_policy(policy_dict())
+    engine = TickEngine(policy)
+    nodes = {n: HungryNode(n) for n in NODES}
+    for t in range(10):
+        for node in nodes.values():
+            engine.on_telemetry(node.sample(1e9 + t), float(t))
+        report, plan = engine.step(float(t), 1e9 + t)
+        assert report.group_limit_w is not None
+        assert (report.group_limit_w == report.group_budget_w).all()
+        assert plan.group_settling[0] or plan.group_committed_w[0] <= 7000.0 + TOL
+        for cmd in plan.commands:
+            ack = nodes[cmd.node].apply_caps(cmd.tick, cmd.caps_w)
+            if ack is not None:
+                engine.on_ack(cmd.node, ack)
+    assert len(report.uuids) == GPUS * len(NODES)
+
+
+# -- the simulator measures both promises ---------------------------------------------------
+
+
+def test_the_simulator_measures_overshoot_and_time_over_and_the_rating_buys_work() -> None:
+    data = synthetic_policy(2, 2, 2, 4, overhead_w=400.0)
+    scenario = parse_scenario(
+        {
+            "name": "jumpy",
+            "duration_h": 0.5,
+            "tick_s": 5,
+            "seed": 11,
+            "workloads": [
+                {
+                    "name": "serving",
+                    "class": "inference",
+                    "share": 0.75,
+                    "pattern": "inference",
+                    "low_w": 250,
+                    "high_w": 600,
+                    "day_h": 0.5,
+                    "peak_hour": 0.25,
+                    "bursts": {"extra_w": 150, "probability": 0.3, "slot_s": 10},
+                },
+                {"name": "batch", "class": "batch", "share": 0.25, "pattern": "steady"},
+            ],
+        },
+        "<jumpy>",
+    )
+    results = {}
+    for pct in (0.0, 10.0):
+        d = copy.deepcopy(data)
+        policy = parse_policy(d)
+        if pct:
+            policy = with_overload(policy, Overload(pct=pct, for_s=60))
+        site = build_site(policy)
+        results[pct] = simulate(scenario, site, build_mix(scenario, site), "fast")
+    plain, rated = results[0.0], results[10.0]
+    assert plain.over_budget_s == 0 and plain.longest_over_s == 0
+    assert plain.committed_over_ticks == 0 and rated.committed_over_ticks == 0
+    # Never above the rating; above the budget only until the next control tick.
+    assert rated.max_excess_ratio <= 1.10 + 1e-9
+    assert rated.longest_over_s <= scenario.spec.tick_s + 1e-9
+    # What GPUs did not draw went to those that could: more work under the same feed.
+    assert rated.work_gpu_s > plain.work_gpu_s
