@@ -15,7 +15,7 @@ import yaml
 from powerd.cli import main as powerd_main
 from powerd.policy import Policy, parse_policy
 from powerd.sim.engine import STATIC, simulate
-from powerd.sim.report import Report, to_json, write_outputs
+from powerd.sim.report import Report, text, to_json, write_outputs
 from powerd.sim.scenario import (
     Scenario,
     ScenarioError,
@@ -24,7 +24,7 @@ from powerd.sim.scenario import (
     parse_scenario,
 )
 from powerd.sim.site import Site, assign_nodes, build_mix, build_site, site_for
-from powerd.sim.study import Runner, budget_sweep, compare, oversubscribe
+from powerd.sim.study import Runner, budget_sweep, compare, oversubscribe, static_provisioning
 from powerd.testing.synthetic import policy_dict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -290,7 +290,17 @@ def test_cli_json_plots_and_html(tmp_path: Path, capsys: pytest.CaptureFixture[s
     argv += ["--oversubscribe", "--points", "2", "--policies", "fast,static", "--progress", "never"]
     assert powerd_main(["sim", *argv]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert set(doc) == {"scenario", "site", "compare", "budget_sweep", "oversubscribe", "runtime"}
+    assert set(doc) == {
+        "scenario",
+        "site",
+        "compare",
+        "provisioned",
+        "budget_sweep",
+        "oversubscribe",
+        "runtime",
+    }
+    # The headline's baseline is the oversubscription search's static TDP provisioning.
+    assert doc["provisioned"]["gpus"] == doc["oversubscribe"]["static_tdp_gpus"]
     assert set(doc["compare"]) == {"fast", "static"}
     fast = doc["compare"]["fast"]
     for key in ("mean_throughput", "work_gpu_h_by_class", "gpu_energy_kwh", "work_per_joule"):
@@ -321,3 +331,25 @@ def test_write_outputs_without_studies(
 ) -> None:
     written = write_outputs(Report(scenario, site, compare=copy.copy(runs)), tmp_path)
     assert sorted(p.name for p in written) == ["power.png", "report.html", "throughput.png"]
+
+
+def test_the_headline_judges_steering_against_the_gpus_the_feed_holds_at_tdp(
+    scenario: Scenario, site: Site, runs: dict[str, Any]
+) -> None:
+    base = static_provisioning(scenario, site, Runner())
+    assert base is not None
+    node = next(g for g in site.policy.groups if g.level == 3)
+    nodes = int(site.feed_w // (node.gpus * site.tdp_w + node.overhead_w))
+    assert base.n_gpus == nodes * node.gpus < site.n_gpus
+    assert base.over_budget_s == 0  # at TDP, within the feed: how sites provision today
+    report = Report(scenario=scenario, site=site, compare=runs, provisioned=base)
+    doc = to_json(report)
+    assert doc["provisioned"]["gpus"] == base.n_gpus
+    gain = doc["compare"]["fast"]["vs_provisioned"]
+    assert gain["work"] == pytest.approx(runs["fast"].work_gpu_s / base.work_gpu_s)
+    assert gain["facility_energy"] == pytest.approx(
+        runs["fast"].facility_energy_j / base.facility_energy_j
+    )
+    out = text(report)
+    assert f"provisioned at TDP (static), {base.n_gpus:,} GPUs" in out
+    assert f"{runs['fast'].work_gpu_s / base.work_gpu_s - 1:+.0%} work" in out

@@ -36,6 +36,7 @@ from powerd.sim.study import (
     budget_sweep,
     compare,
     oversubscribe,
+    static_provisioning,
 )
 
 log = structlog.get_logger(__name__)
@@ -257,6 +258,7 @@ def _run(args: argparse.Namespace) -> int:
     policies: list[str] = args.policies
     try:
         report.compare = compare(scenario, site, policies, runner)
+        report.provisioned = static_provisioning(scenario, site, runner)
         if args.budget_sweep:
             report.sweep = budget_sweep(scenario, site, args.budget_sweep, policies, runner)
         if args.oversubscribe:

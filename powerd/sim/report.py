@@ -34,6 +34,8 @@ class Report:
     scenario: Scenario
     site: Site
     compare: dict[str, RunResult] = field(default_factory=dict)
+    # `static` on the GPUs the feed holds at TDP: the baseline of the headline.
+    provisioned: RunResult | None = None
     sweep: list[SweepPoint] = field(default_factory=list)
     oversub: Oversubscription | None = None
     wall_s: float = 0.0
@@ -70,6 +72,19 @@ def to_json(report: Report) -> dict[str, Any]:
             }
             for p, r in report.compare.items()
         }
+    base = report.provisioned
+    if base is not None:
+        out["provisioned"] = base.summary()
+        for p, r in report.compare.items():
+            out["compare"][p]["vs_provisioned"] = {
+                "work": r.work_gpu_s / base.work_gpu_s if base.work_gpu_s else None,
+                "facility_energy": r.facility_energy_j / base.facility_energy_j
+                if base.facility_energy_j
+                else None,
+                "work_per_joule": r.work_per_joule / base.work_per_joule
+                if base.work_per_joule
+                else None,
+            }
     if report.sweep:
         out["budget_sweep"] = [
             {
@@ -158,11 +173,43 @@ def header(report: Report) -> list[str]:
     ]
 
 
+def _gain(a: float, b: float) -> str:
+    return f"{a / b - 1:+.0%}" if b > 0 else "-"
+
+
+def _energy(j: float) -> str:
+    kwh = j / 3.6e6
+    return f"{kwh / 1000:,.2f} MWh" if kwh >= 1000 else f"{kwh:,.1f} kWh"
+
+
+def headline_lines(results: dict[str, RunResult], base: RunResult) -> list[str]:
+    """What steering buys under the same feed, against the GPUs that feed holds at TDP."""
+    lines = [
+        f"under the same {kw_text(base.feed_w)} feed: provisioned at TDP (static), "
+        f"{base.n_gpus:,} GPUs deliver {base.mean_throughput:,.1f} GPU-equivalents "
+        f"({base.weighted_work_gpu_s / base.duration_s:,.1f} weighted) for "
+        f"{_energy(base.facility_energy_j)}",
+    ]
+    for p, r in results.items():
+        if p == STATIC:
+            continue
+        energy = _gain(r.facility_energy_j, base.facility_energy_j)
+        lines.append(
+            f"  {p} on {r.n_gpus:,} GPUs: {r.mean_throughput:,.1f} "
+            f"({_gain(r.work_gpu_s, base.work_gpu_s)} work, "
+            f"{_gain(r.weighted_work_gpu_s, base.weighted_work_gpu_s)} weighted) for "
+            f"{_energy(r.facility_energy_j)} ({energy} energy, "
+            f"{_gain(r.work_per_joule, base.work_per_joule)} work per joule)"
+        )
+    lines.append("  (how many GPUs the feed runs within a loss threshold: --oversubscribe)")
+    return lines
+
+
 def compare_lines(results: dict[str, RunResult]) -> list[str]:
     static = results.get(STATIC)
     classes = sorted({c for r in results.values() for c in r.work_by_class})
     floored = sorted({c for r in results.values() for c in r.below_floor_share})
-    head = ["policy", "throughput", "weighted", "vs static"]
+    head = ["policy", "throughput", "weighted", "vs unconstrained"]
     head += [f"{c} GPU-h" for c in classes]
     head += ["energy MWh", "GPU-h/MWh", "over budget", "max draw/budget"]
     head += [f"{c}<floor" for c in floored]
@@ -195,8 +242,9 @@ def compare_lines(results: dict[str, RunResult]) -> list[str]:
     lines = _table(head, rows)
     lines.append(
         "throughput: mean GPU-equivalents at full speed; weighted: by class weight (what powerd "
-        "maximises); GPU-h/MWh: per MWh of GPU energy; over budget: time any budget was exceeded "
-        "by measured draw"
+        "maximises); vs unconstrained: against the same GPUs free to draw their TDP (static, "
+        "ignoring the budgets); GPU-h/MWh: per MWh of GPU energy; over budget: time any budget "
+        "was exceeded by measured draw"
     )
     return lines
 
@@ -249,6 +297,8 @@ def oversub_lines(o: Oversubscription) -> list[str]:
 
 def text(report: Report) -> str:
     lines = header(report)
+    if report.compare and report.provisioned is not None:
+        lines += ["", *headline_lines(report.compare, report.provisioned)]
     if report.compare:
         lines += ["", *compare_lines(report.compare)]
     if report.sweep:

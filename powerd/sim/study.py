@@ -124,6 +124,22 @@ def compare(
     return {p: results[(p,)] for p in policies}
 
 
+def static_provisioning(scenario: Scenario, site: Site, runner: Runner) -> RunResult | None:
+    """`static` on as many nodes as the site's feed holds at nameplate (every GPU at its
+    TDP): what the same feed buys provisioned as sites are today, the baseline an operator
+    judges steering against. None without a finite feed, or room for one node."""
+    feed = site.feed_w
+    if not math.isfinite(feed):
+        return None
+    node = next(g for g in site.policy.groups if g.level == 3)
+    nodes = int(feed // (node.gpus * site.tdp_w + node.overhead_w))
+    if nodes < 1:
+        return None
+    s = build_site(site.policy, nodes=nodes, facility_budget_w=feed).inner_at_nameplate()
+    key = ("provisioned",)
+    return runner.run([Task(key, scenario, s, build_mix(scenario, s), STATIC)])[key]
+
+
 # -- budget sweep --------------------------------------------------------------------------
 
 
