@@ -265,18 +265,32 @@ class Policy:
             keep[parent] = True
             above.append(parent)
             parent = self.groups[parent].parent
-        return self._keep(keep, unbudgeted=above)
+        # A scope reports its committed caps within its budget for the coordinator to split
+        # the budgets above (docs/safety.md, "Scopes"): an overload rating at its root would
+        # break that, so the root keeps the strict rule (ratings below it stay).
+        return self._keep(keep, unbudgeted=above, unrated=(top,))
 
-    def _keep(self, keep: Sequence[bool], unbudgeted: Sequence[int]) -> Policy:
-        """The kept groups, re-indexed; those in `unbudgeted` lose their budget."""
+    def _keep(
+        self, keep: Sequence[bool], unbudgeted: Sequence[int], unrated: Sequence[int] = ()
+    ) -> Policy:
+        """The kept groups, re-indexed; those in `unbudgeted` lose their budget and those in
+        `unrated` their overload rating."""
         free = set(unbudgeted)
+        strict = free | set(unrated)
         new_index: dict[int, int] = {}
         groups: list[GroupDef] = []
         for i, g in enumerate(self.groups):
             if keep[i]:
                 new_index[i] = len(groups)
                 budget = math.inf if i in free else g.budget_w
-                groups.append(replace(g, parent=new_index.get(g.parent, -1), budget_w=budget))
+                groups.append(
+                    replace(
+                        g,
+                        parent=new_index.get(g.parent, -1),
+                        budget_w=budget,
+                        overload=None if i in strict else g.overload,
+                    )
+                )
         return Policy(
             spec=self.spec, source=self.source, groups=tuple(groups), profiles=self.profiles
         )

@@ -283,3 +283,18 @@ def test_the_simulator_measures_overshoot_and_time_over_and_the_rating_buys_work
     assert rated.longest_over_s <= scenario.spec.tick_s + 1e-9
     # What GPUs did not draw went to those that could: more work under the same feed.
     assert rated.work_gpu_s > plain.work_gpu_s
+
+
+def test_a_scope_root_keeps_the_strict_rule_under_its_coordinator() -> None:
+    """The coordinator splits the budgets above a scope from what its caps commit within its
+    budget: a rating at the scope's root would let them commit above it, so it is dropped
+    there (and above); ratings inside the scope stay."""
+    data = rated_policy()
+    rack = data["facility"]["rows"][0]["racks"][0]
+    rack["overload"] = {"pct": 5, "for_s": 30}
+    rack["nodes"][0]["overload"] = {"pct": 5, "for_s": 30}
+    policy = parse_policy(data)
+    scope = policy.scope("r1")
+    by_name = {g.name: g for g in scope.groups}
+    assert by_name["dc"].overload is None and by_name["r1"].overload is None
+    assert by_name["r1-n1"].overload is not None
