@@ -82,6 +82,8 @@ class DemoStats:
     # What the same GPUs would have delivered uncapped (each at its demand): per GPU, the
     # measure of what static provisioning's GPUs deliver.
     uncapped_per_gpu: list[float] = field(default_factory=list)
+    # Per tick, the mean draw of a GPU of this mix provisioned at TDP (its demand).
+    uncapped_draw_w: list[float] = field(default_factory=list)
     draw_w: list[float] = field(default_factory=list)
     statuses: dict[str, int] = field(default_factory=dict)
 
@@ -160,6 +162,11 @@ def summary(stats: DemoStats, policy: Policy, n_gpus: int, db_url: str) -> dict[
         "static_throughput": static_gpus * statistics.fmean(stats.uncapped_per_gpu)
         if stats.uncapped_per_gpu
         else math.nan,
+        # ...and what they draw there, with their nodes' overhead (the energy it costs).
+        "static_mean_draw_w": static_gpus * statistics.fmean(stats.uncapped_draw_w)
+        + overhead * static_gpus / max(n_gpus, 1)
+        if stats.uncapped_draw_w
+        else math.nan,
         "solve_ms_p50": pct(stats.solve_ms, 50),
         "solve_ms_p99": pct(stats.solve_ms, 99),
         "tick_ms_p50": pct(stats.tick_ms, 50),
@@ -181,11 +188,15 @@ def print_summary(s: dict[str, Any], out: TextIO) -> None:
     if static < s["gpus"] and math.isfinite(s["static_throughput"]):
         # The gain as operators judge it: work under the same feed, not GPUs alone.
         gain = s["mean_throughput"] / max(s["static_throughput"], 1e-9) - 1.0
+        energy = s["mean_draw_w"] / max(s["static_mean_draw_w"], 1e-9) - 1.0
+        per_j = (1.0 + gain) / (1.0 + energy) - 1.0
         print(
             f"  provisioned at full TDP, this feed would power {static} GPUs, delivering "
-            f"{s['static_throughput']:.1f} GPU-equivalents of this mix; powerd steered "
-            f"{s['gpus']} within every budget, delivering {s['mean_throughput']:.1f} "
-            f"({gain:+.0%} throughput under the same feed)",
+            f"{s['static_throughput']:.1f} GPU-equivalents of this mix at "
+            f"{s['static_mean_draw_w'] / 1000:.1f} kW; powerd steered {s['gpus']} within every "
+            f"budget, delivering {s['mean_throughput']:.1f} at {s['mean_draw_w'] / 1000:.1f} kW "
+            f"({gain:+.0%} throughput and {energy:+.0%} energy under the same feed, "
+            f"{per_j:+.0%} work per joule)",
             file=out,
         )
     print(
@@ -310,6 +321,7 @@ async def run_demo(
         # What the same GPUs would deliver uncapped: per GPU, what a statically provisioned
         # GPU of this mix delivers.
         stats.uncapped_per_gpu.append(float(model.uncapped_throughput().mean()) if model.n else 0.0)
+        stats.uncapped_draw_w.append(float(model.demand_w.mean()) if model.n else 0.0)
         if as_json:
             print(json.dumps(tick_json(r)), file=out, flush=True)
         else:

@@ -107,3 +107,6 @@ def test_demo_steers_within_budgets_and_reports_json() -> None:
     static = summary["gpus_static_provisioning"]
     assert 0 < static <= summary["gpus"]
     assert 0 < summary["static_throughput"] <= static  # GPU-equivalents: at most 1 each
+    # ...and the energy: the static GPUs' draw at their demand fits the feed they were sized
+    # for (TDP and overhead each within it).
+    assert 0 < summary["static_mean_draw_w"] <= summary["facility_budget_w"] + 1e-6
