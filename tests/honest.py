@@ -49,13 +49,18 @@ class HonestNode:
         self.last_tick: int | None = None
         self.seq = 0
 
+    def draw(self) -> dict[str, float]:
+        """What each GPU draws under the cap in force."""
+        return {u: min(cap, 650.0) for u, cap in self.caps.items()}
+
     def sample(self, wall: float) -> NodeTelemetry:
         self.seq += 1
+        draw = self.draw()
         gpus = [
             GpuTelemetry(
                 uuid=u,
                 index=i,
-                power_w=min(cap, 650.0),
+                power_w=draw[u],
                 energy_j=1.0,
                 cap_w=cap,
                 min_cap_w=200.0,

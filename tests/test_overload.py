@@ -23,7 +23,6 @@ from powerd.sim.engine import simulate
 from powerd.sim.scenario import parse_scenario
 from powerd.sim.site import build_mix, build_site
 from powerd.testing.synthetic import policy_dict as synthetic_policy
-from powerd.wire import GpuTelemetry, NodeTelemetry
 
 TOL = 1e-6
 PCT = 10.0
@@ -103,29 +102,6 @@ class HungryNode(HonestNode):
 
     def draw(self) -> dict[str, float]:
         return {u: min(self.caps[u], self.demand[u]) for u in self.uuids}
-
-    def sample(self, wall: float) -> NodeTelemetry:
-        self.seq += 1
-        draw = self.draw()
-        gpus = [
-            GpuTelemetry(
-                uuid=u,
-                index=i,
-                power_w=draw[u],
-                energy_j=1.0,
-                cap_w=cap,
-                min_cap_w=200.0,
-                max_cap_w=700.0,
-                default_cap_w=700.0,
-                temp_c=50.0,
-                util_pct=90.0,
-                sm_clock_mhz=1500.0,
-            )
-            for i, (u, cap) in enumerate(self.caps.items())
-        ]
-        return NodeTelemetry(
-            node_id=self.name, ts=wall, seq=self.seq, period_s=1.0, gpus=gpus, tick=self.last_tick
-        )
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
