@@ -779,6 +779,10 @@ class OverloadRule:
             target_pct=np.array([0.0 if o is None else o.target_pct for o in rated]),
         )
 
+    def ratings_w(self, budget_w: FloatArray) -> FloatArray:
+        """Per group, the most its committed caps may ever reach (the budget if unrated)."""
+        return np.asarray(budget_w, dtype=np.float64) * (1.0 + self.pct / 100.0)
+
     def limits_w(
         self, budget_w: FloatArray, committed_w: FloatArray, draw_w: FloatArray
     ) -> FloatArray:
@@ -794,7 +798,7 @@ class OverloadRule:
         rated = (self.pct > 0) & np.isfinite(budget)
         if not rated.any():
             return budget
-        rating = budget * (1.0 + self.pct / 100.0)
+        rating = self.ratings_w(budget)
         target = budget * (1.0 - self.target_pct / 100.0)
         draw = np.where(np.isfinite(draw_w), draw_w, rating)  # unknown: as if at the rating
         follow = np.clip(committed_w + (target - draw), budget, rating)

@@ -594,7 +594,7 @@ class TickEngine:
         # (its draw neared the budget) is cutting, not over, while within its rating.
         over = plan.group_over & ~plan.group_settling
         if self.overload is not None:
-            rating = budget_w * (1.0 + self.overload.pct / 100.0)
+            rating = self.overload.ratings_w(budget_w)
             over &= ~((self.overload.pct > 0) & (plan.group_committed_w <= rating + 1e-6))
         refusing = np.flatnonzero(held)
         self._alarm(
