@@ -46,7 +46,8 @@ class Fleet:
     """Per-GPU arrays for one allocation: the hot-loop input (no pydantic objects).
 
     `class_index` indexes `class_names(policy)`; `pinned_w` is NaN where a GPU is not pinned.
-    GPU i sits at `topology.gpu_groups[i]`.
+    GPU i sits at `topology.gpu_groups[i]`. `job_index` indexes `job_names` (-1: no job); all
+    GPUs of one job get one cap (None: no GPU is in a job).
     """
 
     uuids: tuple[str, ...]
@@ -58,6 +59,8 @@ class Fleet:
     class_index: IntArray
     stale: BoolArray
     pinned_w: FloatArray
+    job_index: IntArray | None = None
+    job_names: tuple[str, ...] = ()
 
     @property
     def n(self) -> int:
