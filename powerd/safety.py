@@ -532,6 +532,7 @@ class SafetyPlanner:
         priority: FloatArray | None = None,
         offline: Collection[str] = (),
         record: bool = True,
+        jobs: IntArray | None = None,
     ) -> SafePlan:
         """The commands to send at `tick` (controller time `now`) toward `targets_w`.
 
@@ -541,6 +542,9 @@ class SafetyPlanner:
         `budget_w` (per group) overrides the topology's budgets, e.g. after a cut; `reserve_w`
         (per group) is power held back on top of overhead; `priority` orders raises that do
         not all fit (higher first, then uuid). Nodes in `offline` get no command and no raise.
+        `jobs` (per GPU, -1: none) names GPUs that are raised together or not at all: a job
+        with a member that cannot be raised now (stale, offline, under a group over its
+        budget, or short of room) waits whole. Cuts still go at once, member by member.
         """
         layout = self._require_layout()
         if tick <= self._last_tick:
@@ -604,7 +608,7 @@ class SafetyPlanner:
         # above the lowest cap that may be in force, so no GPU there rises even briefly.
         caps = np.where(in_over, np.minimum(caps, low), caps)
 
-        raise_mask = send & ~in_over & ~stale & (wanted > committed + TOL_W)
+        raise_mask, job = _raisable(send & ~in_over & ~stale, wanted > committed + TOL_W, jobs)
         admitted = self._admit(
             np.flatnonzero(raise_mask),
             wanted,
@@ -612,6 +616,7 @@ class SafetyPlanner:
             group_caps_before,
             capacity,
             priority=priority,
+            jobs=job,
         )
         caps = np.where(raise_mask, committed + admitted, caps)
         raised = raise_mask & (admitted > TOL_W)
@@ -686,9 +691,11 @@ class SafetyPlanner:
         capacity: FloatArray,
         *,
         priority: FloatArray | None,
+        jobs: IntArray | None = None,
     ) -> FloatArray:
         """Watts of raise admitted per GPU: all of it where every group fits all raises at once;
-        elsewhere greedily, highest priority first, as far as the tightest group's slack goes."""
+        elsewhere greedily, highest priority first, as far as the tightest group's slack goes.
+        The GPUs of one job are one item, admitted whole or not at all."""
         layout = self._require_layout()
         topo = layout.topology
         admitted = np.zeros(layout.n_gpus)
@@ -698,27 +705,52 @@ class SafetyPlanner:
         delta[cand] = wanted[cand] - committed[cand]
         overflow = group_caps + topo.group_sums(delta) > capacity + TOL_W
         crowded = overflow[topo.gpu_groups[cand]].any(axis=1)
+        in_job = np.zeros(cand.size, dtype=np.bool_) if jobs is None else jobs[cand] >= 0
+        if jobs is not None and in_job.any():
+            # A job with any member under a crowded group is crowded as a whole.
+            crowded_job = np.zeros(int(jobs.max()) + 1, dtype=np.bool_)
+            crowded_job[jobs[cand[crowded & in_job]]] = True
+            crowded = crowded | (in_job & crowded_job[np.maximum(jobs[cand], 0)])
         free = cand[~crowded]
         admitted[free] = delta[free]
         slack_g = np.where(overflow, np.maximum(capacity - group_caps, 0.0), np.inf)
         # Under a crowded group with no slack at all (the usual state of a busy site) nothing
         # can be admitted; dropping those first keeps the loop to where there is a choice.
         shut = slack_g[topo.gpu_groups[cand]].min(axis=1) <= TOL_W
-        queue = cand[crowded & ~shut]
-        if not len(queue):
+        queue = cand[crowded & ~shut & ~in_job]
+        job_items: list[IntArray] = []
+        if jobs is not None:
+            crowded_members = cand[crowded & in_job]
+            for j in np.unique(jobs[crowded_members]).tolist():
+                job_items.append(crowded_members[jobs[crowded_members] == j])
+        if not len(queue) and not job_items:
             return admitted
         prio = np.zeros(layout.n_gpus) if priority is None else np.asarray(priority, np.float64)
-        queue = queue[np.lexsort((self._uuid_rank[queue], -prio[queue]))]
-        # Only crowded groups limit; others fit whatever subset is admitted.
+        rank = self._uuid_rank
+        # Items in order: a GPU (admitted in part if need be), or a job (whole or not at all),
+        # by priority (a job's best), then uuid (a job's first).
+        items: list[tuple[float, int, IntArray, bool]] = [
+            (-float(prio[i]), int(rank[i]), np.array([i]), False) for i in queue.tolist()
+        ]
+        items += [(-float(prio[m].max()), int(rank[m].min()), m, True) for m in job_items]
+        items.sort(key=lambda item: (item[0], item[1]))
         slack = slack_g.tolist()
-        for i, groups, d in zip(
-            queue.tolist(), topo.gpu_groups[queue].tolist(), delta[queue].tolist(), strict=True
-        ):
-            a = min(d, *(slack[g] for g in groups))
-            if a > TOL_W:
-                for g in groups:
-                    slack[g] -= a
-                admitted[i] = a
+        for _, _, members, whole in items:
+            groups = topo.gpu_groups[members]
+            need: dict[int, float] = {}
+            for g, d in zip(
+                groups.ravel().tolist(),
+                np.repeat(delta[members], groups.shape[1]).tolist(),
+                strict=True,
+            ):
+                need[g] = need.get(g, 0.0) + d
+            share = min(1.0, *(slack[g] / d for g, d in need.items() if d > 0.0))
+            if whole and share < 1.0 - 1e-12:
+                continue  # the job waits: raising part of it would split it
+            if share * float(delta[members].sum()) > TOL_W:
+                for g, d in need.items():
+                    slack[g] -= share * d
+                admitted[members] = share * delta[members]
         return admitted
 
     def _record_sent(self, tick: int, idx: IntArray, caps: FloatArray) -> None:
@@ -754,6 +786,23 @@ class SafetyPlanner:
             )
             for k in np.flatnonzero(node_send).tolist()
         ]
+
+
+def _raisable(
+    may: BoolArray, wants: BoolArray, jobs: IntArray | None
+) -> tuple[BoolArray, IntArray | None]:
+    """GPUs to consider for a raise: those that want one and may have one now, less every
+    member of a job with a member that wants one and may not (they all wait)."""
+    mask = may & wants
+    if jobs is None:
+        return mask, None
+    job = np.asarray(jobs, dtype=np.int64)
+    if job.shape != mask.shape:
+        raise ValueError(f"jobs has shape {job.shape}, expected {mask.shape}")
+    member = job >= 0
+    held = np.zeros(int(job.max(initial=-1)) + 1, dtype=np.bool_)
+    held[job[member & wants & ~may]] = True
+    return mask & ~(member & held[np.maximum(job, 0)]), job
 
 
 # -- overload: committed caps above a budget, measured draw within it -----------------------

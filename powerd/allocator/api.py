@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from powerd.allocator import baselines, fast
+from powerd.allocator import baselines, fast, jobs
 from powerd.allocator.model import (
     TOL_KW,
     Allocation,
@@ -145,6 +145,9 @@ def allocate_arrays(
     raw, prices = _SOLVERS[solver](problem, prices_in)
     p = repair(problem, raw)
     _verify(problem, p)
+    gap = 0.0
+    if problem.jobs is not None and solver == "fast" and prices is not None:
+        gap = jobs.gap(problem, p, prices)
     elapsed_ms = (time.perf_counter() - t0) * 1000.0
     uuids = fleet.uuids
     names = fleet.topology.names
@@ -159,6 +162,8 @@ def allocate_arrays(
         infeasible_groups=tuple(names[g] for g in problem.infeasible_groups),
         repair_w=float(np.max(np.abs(p - raw), initial=0.0)) * 1000.0,
         prices=prices,
+        split_jobs=problem.split_jobs,
+        gap=gap,
     )
 
 
@@ -170,6 +175,8 @@ def _verify(problem: Problem, p: FloatArray) -> None:
         raise SolverFailed("caps are not finite numbers")
     if np.any(p < problem.lo - TOL_KW) or np.any(p > problem.hi + TOL_KW):
         raise SolverFailed("caps outside their bounds after repair")
+    if problem.jobs is not None and np.any(problem.jobs.max(p) != p):
+        raise SolverFailed("the GPUs of a job got different caps after repair")
     excess = problem.tree.sums(p) - problem.capacity
     if np.any(excess > TOL_KW):
         g = int(np.argmax(excess))

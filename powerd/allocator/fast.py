@@ -17,10 +17,11 @@ level suffice; each pass is a handful of numpy operations on (K, n) arrays.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from powerd.allocator import jobs as _jobs
 from powerd.allocator.model import TOL_KW, BoolArray, FloatArray, IntArray, Problem
 from powerd.topology import N_LEVELS
 
@@ -114,7 +115,12 @@ class _Response:
 
 
 def solve(problem: Problem, warm: FloatArray | None = None) -> tuple[FloatArray, FloatArray]:
-    """Optimal caps (kW) and each group's multiplier λ per kW (`warm`: last tick's)."""
+    """Optimal caps (kW) and each group's multiplier λ per kW (`warm`: last tick's).
+
+    With jobs the tree's levels are coupled, and jobs.solve (semismooth Newton) answers."""
+    if problem.jobs is not None:
+        start = None if warm is not None else solve(replace(problem, jobs=None))[1]
+        return _jobs.solve(problem, warm, start)
     n_groups = problem.tree.n_groups
     mu = np.zeros(n_groups)
     if problem.n == 0:

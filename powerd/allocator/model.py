@@ -170,6 +170,84 @@ class Tree:
         return np.asarray(groups[self.gpu_groups].any(axis=1), dtype=np.bool_)
 
 
+class JobMap:
+    """The GPUs of each job, for per-job reductions broadcast back to the members.
+
+    `job[i]` is GPU i's job in 0..n_jobs-1 (compact: only jobs with GPUs here), -1 for none.
+    """
+
+    def __init__(self, job: IntArray, names: tuple[str, ...]) -> None:
+        self.job = job
+        self.names = names
+        self.member = job >= 0
+        idx = np.flatnonzero(self.member)
+        order = np.argsort(job[idx], kind="stable")
+        self._sorted = idx[order]  # member GPUs, grouped by job
+        js = job[self._sorted]
+        self._starts = np.flatnonzero(np.r_[True, js[1:] != js[:-1]]) if js.size else js
+        # For each sorted member, the index of its run (its job's position in _starts).
+        self._run = np.cumsum(np.r_[True, js[1:] != js[:-1]]) - 1 if js.size else js
+        self.size = np.bincount(job[idx], minlength=len(names)).astype(np.float64)
+
+    @classmethod
+    def of(cls, fleet: Fleet) -> JobMap | None:
+        """The fleet's jobs (None when no GPU is in one); names outside job_names are none."""
+        if fleet.job_index is None:
+            return None
+        raw = np.asarray(fleet.job_index, dtype=np.int64)
+        valid = (raw >= 0) & (raw < len(fleet.job_names))
+        if not valid.any():
+            return None
+        used, compact = np.unique(raw[valid], return_inverse=True)
+        job = np.full(raw.size, -1, dtype=np.int64)
+        job[valid] = compact
+        return cls(job, tuple(fleet.job_names[int(j)] for j in used))
+
+    @property
+    def n_jobs(self) -> int:
+        return len(self.names)
+
+    def _reduce(self, op: np.ufunc, x: NDArray[Any]) -> NDArray[Any]:
+        out = x.copy()
+        if self._sorted.size:
+            per_job = op.reduceat(x[self._sorted], self._starts)
+            out[self._sorted] = per_job[self._run]
+        return out
+
+    def max(self, x: FloatArray) -> FloatArray:
+        """Each member gets its job's maximum of x; other GPUs keep their own."""
+        return self._reduce(np.maximum, x)
+
+    def min(self, x: FloatArray) -> FloatArray:
+        return self._reduce(np.minimum, x)
+
+    def any(self, x: BoolArray) -> BoolArray:
+        """True for every member of a job where any member is true."""
+        return np.asarray(self._reduce(np.logical_or, x), dtype=np.bool_)
+
+    def mean(self, x: FloatArray) -> FloatArray:
+        if not self._sorted.size:
+            return x.copy()
+        per_job = np.bincount(self.job[self.member], weights=x[self.member], minlength=self.n_jobs)
+        out = x.copy()
+        out[self.member] = per_job[self.job[self.member]] / self.size[self.job[self.member]]
+        return out
+
+    def without(self, drop: BoolArray) -> JobMap | None:
+        """The map with the jobs of the marked GPUs dissolved (their GPUs free)."""
+        gone = self.any(drop) & self.member
+        if not gone.any():
+            return self
+        job = np.where(gone, -1, self.job)
+        keep = np.unique(job[job >= 0])
+        if keep.size == 0:
+            return None
+        remap = np.full(self.n_jobs, -1, dtype=np.int64)
+        remap[keep] = np.arange(keep.size)
+        job = np.where(job >= 0, remap[np.maximum(job, 0)], -1)
+        return JobMap(job, tuple(self.names[int(j)] for j in keep))
+
+
 @dataclass(frozen=True, eq=False)
 class Problem:
     """The instance every solver gets, in kW. Segments are (K, n), one row per segment.
@@ -177,6 +255,11 @@ class Problem:
     On [lo, hi] GPU i's weighted utility rises with slope `slopes[k, i]` (weight included)
     over [starts[k, i], starts[k, i] + lengths[k, i]]; the segments tile [lo, hi] in order,
     slopes non-increasing, empty (length 0) segments allowed anywhere.
+
+    `jobs` (None: no jobs) groups GPUs that must get one cap: the members of a job have the
+    same bounds, class and segments (build_problem sees to it), only `prev` differs.
+    `split_jobs` are jobs that could not be held to one cap (mixed classes, or members whose
+    device bounds do not overlap); their GPUs are allocated as free GPUs.
     """
 
     fleet: Fleet
@@ -195,6 +278,8 @@ class Problem:
     delta: float
     dropped_floor: BoolArray
     infeasible_groups: IntArray
+    jobs: JobMap | None = None
+    split_jobs: tuple[str, ...] = ()
 
     @property
     def n(self) -> int:
@@ -235,6 +320,53 @@ def _over(tree: Tree, lo: FloatArray, capacity: FloatArray) -> BoolArray:
     return np.asarray(tree.sums(lo) > capacity + TOL_KW, dtype=np.bool_)
 
 
+def _single_job_room(tree: Tree, jobs: JobMap, capacity: FloatArray) -> FloatArray:
+    """Per GPU, the tightest capacity / GPU count over its groups that hold only its job's
+    GPUs (+inf where there is none)."""
+    n_groups = tree.n_groups
+    job = jobs.job
+    shifted = job + 1  # 0: no job
+    lo = np.full(n_groups, np.iinfo(np.int64).max)
+    hi = np.full(n_groups, -1)
+    for level in range(N_LEVELS):
+        idx = tree.gpu_groups[:, level]
+        np.minimum.at(lo, idx, shifted)
+        np.maximum.at(hi, idx, shifted)
+    single = (lo == hi) & (lo > 0)
+    per_gpu = np.where(single, capacity / np.maximum(tree.counts, 1), np.inf)
+    return np.asarray(per_gpu[tree.gpu_groups].min(axis=1), dtype=np.float64)
+
+
+def _job_bounds(
+    fleet: Fleet, tree: Tree, capacity: FloatArray, lo: FloatArray, hi: FloatArray
+) -> tuple[JobMap | None, list[str], FloatArray, FloatArray]:
+    """Jobs and each GPU's device bounds with its job's applied.
+
+    A job's one cap must suit every member: the highest lower bound, the lowest upper one,
+    so a pinned or stale member holds its whole job. A job whose members' ranges do not
+    meet, or that mixes classes, is split: its GPUs are allocated as free GPUs, and it is
+    reported. A group whose GPUs all belong to one job becomes a bound on that job's cap
+    (room / count): the same feasible set, and the solver no longer has to price a group
+    that only one job answers to (jobs.py).
+    """
+    jobs = JobMap.of(fleet)
+    if jobs is None:
+        return None, [], lo, hi
+    cls = fleet.class_index.astype(np.float64)
+    job_lo, job_hi = jobs.max(lo), jobs.min(hi)
+    bad = jobs.member & ((job_lo > job_hi) | (jobs.max(cls) != jobs.min(cls)))
+    split: list[str] = []
+    if bad.any():
+        split = sorted({jobs.names[int(j)] for j in np.unique(jobs.job[bad])})
+        jobs = jobs.without(bad)
+        if jobs is None:
+            return None, split, lo, hi
+    lo, hi = jobs.max(lo), jobs.min(hi)
+    room = jobs.min(_single_job_room(tree, jobs, capacity))
+    hi = np.where(jobs.member, np.maximum(np.minimum(hi, room), lo), hi)
+    return jobs, split, lo, hi
+
+
 def build_problem(
     fleet: Fleet,
     policy: Policy,
@@ -264,9 +396,13 @@ def build_problem(
     hi_w = np.where(fleet.stale, np.minimum(hi_w, fleet.cap_w), hi_w)  # stale: never raised
     hi_base = np.where(pinned, lo_dev, np.maximum(hi_w / 1000.0, lo_dev))
 
+    jobs, split, lo_dev, hi_base = _job_bounds(fleet, tree, capacity, lo_dev, hi_base)
+
     bad = _over(tree, lo_dev, capacity)
     if bad.any():
         fixed = tree.under(bad)
+        if jobs is not None:
+            fixed = jobs.any(fixed)
         hi_base = np.where(fixed, lo_dev, hi_base)
         capacity = np.where(bad, np.inf, capacity)
 
@@ -277,6 +413,8 @@ def build_problem(
         if not over.any():
             break
         drop = tree.under(over) & (weight == w) & (lo_floor > lo_dev)
+        if jobs is not None:
+            drop = jobs.any(drop) & (lo_floor > lo_dev)
         lo_floor = np.where(drop, lo_dev, lo_floor)
         dropped |= drop
 
@@ -285,13 +423,25 @@ def build_problem(
         slew = ctl.slew_w / 1000.0
         lo = np.clip(prev - slew, lo_floor, hi_base)
         hi = np.clip(prev + slew, lo_floor, hi_base)
+        if jobs is not None:
+            # Members that start apart move together: where their slew windows do not
+            # meet, the job moves without slew (as a safety cut does).
+            lo, hi = jobs.max(lo), jobs.min(hi)
+            apart = lo > hi
+            lo = np.where(apart, lo_floor, lo)
+            hi = np.where(apart, hi_base, hi)
         over = _over(tree, lo, capacity)
         if over.any():
-            lo = np.where(tree.under(over), lo_floor, lo)
+            under = tree.under(over)
+            if jobs is not None:
+                under = jobs.any(under)
+            lo = np.where(under, lo_floor, lo)
     else:
         lo, hi = lo_floor, hi_base
 
     demand = demand_w(fleet, policy.defaults.headroom_w)
+    if jobs is not None:
+        demand = jobs.max(demand)  # one synchronous job: it wants what its hungriest GPU does
     starts, lengths, slopes = _segments(
         classes, cls=cls, weight=weight, lo=lo, hi=hi, demand=demand / 1000.0
     )
@@ -314,6 +464,8 @@ def build_problem(
         delta=2.0 * eps * (max(gap, 0.0) + DELTA_MARGIN_KW),
         dropped_floor=dropped,
         infeasible_groups=np.flatnonzero(bad).astype(np.int64),
+        jobs=jobs,
+        split_jobs=tuple(split),
     )
 
 
@@ -388,6 +540,10 @@ def repair(problem: Problem, p_kw: FloatArray) -> FloatArray:
             keep = np.where(excess > 0.0, 1.0 - excess / room, 1.0)
         keep = np.clip(np.nan_to_num(keep, nan=0.0), 0.0, 1.0)
         p = lo + (p - lo) * keep[idx]
+    if problem.jobs is not None:
+        # Cuts differ between groups; a job takes its lowest member's cap, which fits every
+        # budget the cut caps fit (members share lo, so it stays within bounds).
+        p = problem.jobs.min(p)
     return p
 
 
@@ -398,6 +554,8 @@ class Allocation:
     `objective` is the same formula for every solver (see `objective`). `repair_w` is the
     largest change the final verification had to make to the solver's caps (0 for the exact
     solvers up to rounding); `prices` are the group multipliers per kW (warm start).
+    `gap` bounds how far from the optimum the caps can be, relative (with jobs, from the
+    dual bound: jobs.gap; 0 without jobs, where `fast` is exact).
     """
 
     status: str
@@ -410,6 +568,8 @@ class Allocation:
     infeasible_groups: tuple[str, ...] = ()
     repair_w: float = 0.0
     prices: FloatArray | None = None
+    split_jobs: tuple[str, ...] = ()
+    gap: float = 0.0
 
     def caps(self) -> dict[str, float]:
         return dict(zip(self.uuids, self.caps_w.tolist(), strict=True))
@@ -424,4 +584,6 @@ class Allocation:
             "dropped_floors": list(self.dropped_floors),
             "infeasible_groups": list(self.infeasible_groups),
             "repair_w": self.repair_w,
+            "split_jobs": list(self.split_jobs),
+            "gap": self.gap,
         }

@@ -57,6 +57,19 @@ def build(problem: Problem) -> tuple[Any, Any, IntArray]:
     )
     gain = cp.sum(t) + problem.delta * cp.sum(p) - problem.eps * cp.sum_squares(p - prev)
     constraints: list[Any] = [p >= lo, p <= hi, hypograph]
+    if problem.jobs is not None:
+        # One cap per job: every member equals the job's first member (members share lo and
+        # hi, so a job's GPUs are all free or all fixed).
+        pos = np.full(problem.n, -1, dtype=np.int64)
+        pos[free] = np.arange(m)
+        job = problem.jobs.job
+        members = np.flatnonzero((job >= 0) & (pos >= 0))
+        if members.size:
+            first = np.full(problem.jobs.n_jobs, -1, dtype=np.int64)
+            first[job[members[::-1]]] = members[::-1]
+            rest = members[first[job[members]] != members]
+            if rest.size:
+                constraints.append(p[pos[rest]] == p[pos[first[job[rest]]]])
     tree = problem.tree
     fixed_sums = tree.sums(fixed_p)
     hi_sums = tree.sums(np.where(problem.hi - problem.lo > 0.0, problem.hi, fixed_p))

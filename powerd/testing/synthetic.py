@@ -164,6 +164,57 @@ def random_fleet(
     )
 
 
+JOB_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def with_jobs(
+    fleet: Fleet,
+    seed: int,
+    *,
+    share: float = 0.7,
+    sizes: tuple[int, ...] = JOB_SIZES,
+    scattered: float = 0.2,
+) -> Fleet:
+    """The fleet with about `share` of its GPUs in jobs of the given sizes, as a scheduler
+    places them: most jobs on consecutive nodes (so large ones span racks and rows), a
+    `scattered` share on GPUs picked anywhere. Members take their job's class."""
+    rng = np.random.default_rng(seed)
+    n = fleet.n
+    free = np.ones(n, dtype=np.bool_)
+    job = np.full(n, -1, dtype=np.int64)
+    cls = fleet.class_index.copy()
+    n_classes = int(cls.max(initial=0)) + 1
+    target = int(share * n)
+    taken, j, cursor = 0, 0, 0
+    order = np.arange(n)
+    while taken < target:
+        size = int(rng.choice([s for s in sizes if s <= max(target - taken, sizes[0])]))
+        if rng.random() < scattered:
+            pool = np.flatnonzero(free)
+            if pool.size < size:
+                break
+            members = rng.choice(pool, size=size, replace=False)
+        else:
+            while cursor < n and not free[order[cursor]]:
+                cursor += 1
+            members = order[cursor : cursor + size]
+            members = members[free[members]]
+            cursor += size
+            if members.size == 0:
+                break
+        free[members] = False
+        job[members] = j
+        cls[members] = rng.integers(0, n_classes)
+        taken += members.size
+        j += 1
+    return replace(
+        fleet,
+        job_index=job,
+        job_names=tuple(f"job-{k}" for k in range(j)),
+        class_index=cls,
+    )
+
+
 def to_snapshot(fleet: Fleet, policy: Policy) -> Snapshot:
     """The fleet as the Snapshot the controller would freeze (for the Snapshot API)."""
     names = class_names(policy)

@@ -1,0 +1,283 @@
+"""The exact solver when GPUs are grouped into jobs: semismooth Newton on the multipliers.
+
+A job's m GPUs share one cap q. Its utility is m times one member's, its damping
+Σ ε(q − prev_i)² is m·ε(q − mean prev)² plus a constant, and a price μ_g on group g charges
+it n_jg·q, n_jg being its members under g. So at prices μ a job answers like one GPU whose
+price is the mean of its members' path prices, with the closed-form response of the tree
+solver (fast.py): q(λ) = lo + Σ_k clip(a_k − λ/2ε, 0, len_k). A job that spans groups
+couples them, so the tree solver's level-by-level root finding no longer applies.
+
+The dual D(μ) = max_p L(p, μ) is convex and piecewise quadratic, with gradient C − S(μ)
+(capacity minus the group sums of the response) and generalised Hessian
+H = Σ_units d_u c_u c_uᵀ, where c_u counts a unit's GPUs per group and d_u = 1/(2ε·m_u)
+while the unit is inside a segment. Each iteration is a projected Newton step (Bertsekas):
+Newton on the groups not held at μ = 0, with an Armijo search along the projected arc that
+also stretches the step across flat stretches of D. It starts from the tree solver's
+prices for the same problem with the jobs relaxed (members free), which are close: a
+handful of iterations. Groups made of one job's GPUs alone become a bound on that job's
+cap in build_problem, which removes the dual's worst degeneracy (a job alone on several
+nodes leaves a price direction free). The caller repairs and verifies the caps as for
+every solver (api.allocate_arrays).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.linalg
+import scipy.sparse as sp
+import scipy.sparse.linalg
+
+from powerd.allocator.model import TOL_KW, BoolArray, FloatArray, IntArray, JobMap, Problem
+from powerd.topology import N_LEVELS
+
+MAX_ITERATIONS = 100
+MAX_SEARCH = 60
+# A group is solved when its sum is this close to its capacity (relative), as in fast.py.
+REL_TOL = 1e-12
+# Working sets up to this size are factorised dense (faster than sparse for small sets).
+DENSE_MAX = 1500
+# Diagonal shift of the Newton system: relative to each diagonal entry (a job alone under
+# several groups leaves directions almost free) and to the largest one.
+REGULARISE_REL = 1e-4
+REGULARISE = 1e-12
+# Sufficient decrease for the search along the projected arc.
+ARMIJO = 1e-4
+
+
+@dataclass
+class _Eval:
+    """The response at one price vector: caps per GPU, group sums, units inside a segment,
+    and the dual function's value."""
+
+    p: FloatArray
+    sums: FloatArray
+    partial: BoolArray
+    value: float
+
+
+class _Dual:
+    def __init__(self, problem: Problem, jobs: JobMap) -> None:
+        tree = problem.tree
+        self.tree = tree
+        self.finite = np.isfinite(problem.capacity)
+        self.cap_f = np.where(self.finite, problem.capacity, 0.0)
+        self.tol = np.maximum(TOL_KW, REL_TOL * np.abs(self.cap_f))
+        self.inv = 1.0 / (2.0 * problem.eps)
+        n = problem.n
+        member = jobs.member
+        n_free = int(np.count_nonzero(~member))
+        unit = np.empty(n, dtype=np.int64)
+        unit[~member] = np.arange(n_free)
+        unit[member] = n_free + jobs.job[member]
+        self.unit = unit
+        self.n_units = n_free + jobs.n_jobs
+        self.size = np.bincount(unit, minlength=self.n_units).astype(np.float64)
+        self.job_gpu = member
+        rep = np.empty(self.n_units, dtype=np.int64)
+        rep[unit[::-1]] = np.arange(n)[::-1]  # first GPU of each unit
+        prev = np.bincount(unit, weights=problem.prev, minlength=self.n_units) / self.size
+        a = np.add(problem.slopes[:, rep], problem.delta)
+        a *= self.inv
+        a -= problem.starts[:, rep]
+        a += prev
+        self.a = a
+        self.lengths = np.ascontiguousarray(problem.lengths[:, rep])
+        self.slopes = np.ascontiguousarray(problem.slopes[:, rep])
+        self.lo = problem.lo[rep]
+        self.prev = prev
+        self.delta = problem.delta
+        self.eps = problem.eps
+        self.gpu_groups = tree.gpu_groups
+        self.node_path = np.zeros((tree.n_groups, N_LEVELS), dtype=np.int64)
+        self.node_path[tree.node_of_gpu] = tree.gpu_groups
+        self.job_members = np.flatnonzero(member)
+        self.count = tree.counts.astype(np.float64)
+
+    def at(self, mu: FloatArray) -> _Eval:
+        lam = mu[self.gpu_groups].sum(axis=1)
+        lam_u = np.bincount(self.unit, weights=lam, minlength=self.n_units) / self.size
+        t = self.a - lam_u * self.inv
+        np.maximum(t, 0.0, out=t)
+        np.minimum(t, self.lengths, out=t)
+        x_u = self.lo + t.sum(axis=0)
+        partial = np.logical_or.reduce((t > 0.0) & (t < self.lengths), axis=0)
+        p = x_u[self.unit]
+        # D(μ) = max_p L(p, μ): every unit's gain at its response, less what it pays.
+        gain = np.einsum("ku,ku->u", self.slopes, t)
+        gain += self.delta * x_u - self.eps * (x_u - self.prev) ** 2 - lam_u * x_u
+        value = float(np.dot(self.size, gain) + np.dot(mu, self.cap_f))
+        return _Eval(p, self.tree.sums(p), partial, value)
+
+    def primal_value(self, p: FloatArray) -> float:
+        """The units' gain at caps p (one per unit: a job's members share theirs)."""
+        x_u = np.zeros(self.n_units)
+        x_u[self.unit] = p
+        t = np.clip(
+            x_u - (self.lo + np.cumsum(self.lengths, axis=0) - self.lengths), 0.0, self.lengths
+        )
+        gain = np.einsum("ku,ku->u", self.slopes, t)
+        gain += self.delta * x_u - self.eps * (x_u - self.prev) ** 2
+        return float(np.dot(self.size, gain))
+
+    def gradient(self, ev: _Eval) -> FloatArray:
+        """∇D = C − S on groups with a budget (0 elsewhere)."""
+        return np.where(self.finite, self.cap_f - ev.sums, 0.0)
+
+    def hessian(self, ev: _Eval, work: IntArray) -> sp.csr_matrix:
+        """H restricted to the working set, as RᵀR with one row per node or job."""
+        tree = self.tree
+        col = np.full(tree.n_groups, -1, dtype=np.int64)
+        col[work] = np.arange(work.size)
+        rows: list[IntArray] = []
+        cols: list[IntArray] = []
+        vals: list[FloatArray] = []
+        # Free GPUs inside a segment: those of one node share a path, so one row per node.
+        free_partial = ev.partial[self.unit] & ~self.job_gpu
+        per_node = np.bincount(tree.node_of_gpu[free_partial], minlength=tree.n_groups)
+        nodes = np.flatnonzero(per_node)
+        if nodes.size:
+            c = col[self.node_path[nodes]]
+            r = np.broadcast_to(np.arange(nodes.size)[:, None], c.shape)
+            w = np.broadcast_to(np.sqrt(per_node[nodes] * self.inv)[:, None], c.shape)
+            ok = c >= 0
+            rows.append(r[ok])
+            cols.append(c[ok])
+            vals.append(w[ok])
+        n_rows = nodes.size
+        # Jobs inside a segment: one row each, its members counted per group.
+        members = self.job_members[ev.partial[self.unit[self.job_members]]]
+        if members.size:
+            u = self.unit[members]
+            c = col[self.gpu_groups[members]]
+            scale = np.sqrt(self.inv / self.size[u])
+            r = np.broadcast_to((n_rows + u - u.min())[:, None], c.shape)
+            w = np.broadcast_to(scale[:, None], c.shape)
+            ok = c >= 0
+            rows.append(r[ok])
+            cols.append(c[ok])
+            vals.append(w[ok])
+            n_rows += int(u.max() - u.min()) + 1
+        if not rows:
+            return sp.csr_matrix((work.size, work.size))
+        r_mat = sp.csr_matrix(
+            (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+            shape=(max(n_rows, 1), work.size),
+        )
+        return (r_mat.T @ r_mat).tocsr()
+
+    def step(self, ev: _Eval, mu: FloatArray, grad: FloatArray) -> FloatArray:
+        """The projected Newton direction (Bertsekas 1982): Newton on the groups that are
+        not held at μ = 0, a scaled gradient step on those about to be."""
+        scale = self.count * self.inv  # the Hessian's diagonal if every GPU below answered
+        scaled = np.where(self.finite, grad / np.maximum(scale, 1e-300), 0.0)
+        width = float(np.max(np.abs(mu - np.maximum(mu - scaled, 0.0)), initial=0.0))
+        held = self.finite & (mu <= min(1e-9, width)) & (grad >= 0.0)
+        work = np.flatnonzero(self.finite & ~held & ((mu > 0.0) | (grad < 0.0)))
+        direction = np.where(held, -scaled, 0.0)
+        if work.size == 0:
+            return direction
+        h = self.hessian(ev, work)
+        diag = h.diagonal()
+        flat = diag <= 0.0
+        if flat.any():
+            # No unit under these groups answers to their price here (all at a knot or a
+            # bound): D is linear along them. Move them alone, by the scaled gradient, and
+            # let the search stretch the step to where a unit starts to answer; mixing them
+            # into a Newton step would tie their stretch to the other groups' overshoot.
+            direction[work[flat]] = -scaled[work[flat]]
+            return direction
+        reg = REGULARISE_REL * scale[work] + REGULARISE * float(diag.max(initial=0.0))
+        rhs = -grad[work]
+        if work.size <= DENSE_MAX:
+            dense = h.toarray()
+            dense[np.diag_indices_from(dense)] += reg
+            try:
+                d = scipy.linalg.solve(dense, rhs, assume_a="pos", check_finite=False)
+            except (np.linalg.LinAlgError, ValueError):
+                d = np.linalg.lstsq(dense, rhs, rcond=None)[0]
+        else:
+            d = scipy.sparse.linalg.spsolve((h + sp.diags(reg)).tocsc(), rhs)
+        direction[work] = np.where(np.isfinite(d), d, 0.0)
+        return direction
+
+    def converged(self, ev: _Eval, mu: FloatArray) -> bool:
+        excess = np.where(self.finite, ev.sums - self.cap_f, 0.0)
+        if np.any(excess > self.tol):
+            return False
+        slack = mu > 0.0
+        return not np.any(np.abs(excess[slack]) > self.tol[slack])
+
+
+def _search(dual: _Dual, mu: FloatArray, d: FloatArray, ev0: _Eval) -> tuple[FloatArray, _Eval]:
+    """Armijo search along the projected arc max(μ + αd, 0): from α = 1 it stretches while D
+    keeps falling (flat stretches of D) and halves while it does not fall enough."""
+    grad0 = dual.gradient(ev0)
+
+    def point(alpha: float) -> FloatArray:
+        return np.maximum(mu + alpha * d, 0.0)
+
+    def enough(alpha: float, ev: _Eval) -> bool:
+        return ev.value <= ev0.value + ARMIJO * float(np.dot(grad0, point(alpha) - mu))
+
+    alpha = 1.0
+    ev = dual.at(point(alpha))
+    if enough(alpha, ev):
+        for _ in range(MAX_SEARCH):
+            nxt = dual.at(point(2.0 * alpha))
+            if not (nxt.value < ev.value and enough(2.0 * alpha, nxt)):
+                break
+            alpha, ev = 2.0 * alpha, nxt
+        return point(alpha), ev
+    for _ in range(MAX_SEARCH):
+        alpha *= 0.5
+        ev = dual.at(point(alpha))
+        if enough(alpha, ev):
+            return point(alpha), ev
+    return mu, ev0
+
+
+def gap(problem: Problem, p: FloatArray, prices: FloatArray) -> float:
+    """How far caps p can be from the optimum: (dual bound − value of p) / |value|, ≥ 0.
+
+    The dual function at any μ ≥ 0 bounds the optimum from above (weak duality), so this
+    is a certificate: 0 up to rounding when the solver converged."""
+    if problem.jobs is None or problem.n == 0:
+        return 0.0
+    dual = _Dual(problem, problem.jobs)
+    mu = np.where(dual.finite, np.maximum(prices, 0.0), 0.0)
+    bound = dual.at(mu).value
+    value = dual.primal_value(p)
+    return max(0.0, (bound - value) / max(abs(value), 1.0))
+
+
+def solve(
+    problem: Problem, warm: FloatArray | None = None, start: FloatArray | None = None
+) -> tuple[FloatArray, FloatArray]:
+    """Optimal caps (kW), one per job, and each group's multiplier λ per kW.
+
+    `warm`: last tick's multipliers; `start`: the relaxed problem's (used when no warm)."""
+    n_groups = problem.tree.n_groups
+    jobs = problem.jobs
+    if problem.n == 0 or jobs is None:
+        return np.zeros(problem.n), np.zeros(n_groups)
+    dual = _Dual(problem, jobs)
+    mu = np.zeros(n_groups)
+    for guess in (warm, start):
+        if guess is not None and guess.size == n_groups and np.all(np.isfinite(guess)):
+            mu = np.where(dual.finite, np.maximum(guess, 0.0), 0.0)
+            break
+    ev = dual.at(mu)
+    for _ in range(MAX_ITERATIONS):
+        if dual.converged(ev, mu):
+            break
+        grad = dual.gradient(ev)
+        d = dual.step(ev, mu, grad)
+        if not np.any(d):
+            break
+        nxt_mu, nxt = _search(dual, mu, d, ev)
+        if nxt is ev:
+            break  # no decrease left to find: as exact as floating point allows
+        mu, ev = nxt_mu, nxt
+    return ev.p, mu
