@@ -222,7 +222,9 @@ def test_the_engine_fills_job_index_and_steers_members_as_the_jobs_class(
     report = run_ticks(engine, nodes, range(2, 4))
     f = spy.fleets[-1]
     assert f.job_index is not None and f.job_names == ("train-7", "infer-1")
-    members = {u: f.job_names[j] for u, j in zip(f.uuids, f.job_index.tolist()) if j >= 0}
+    members = {
+        u: f.job_names[j] for u, j in zip(f.uuids, f.job_index.tolist(), strict=True) if j >= 0
+    }
     assert members == {
         "GPU-r1-n1-0": "train-7",
         "GPU-r1-n1-1": "train-7",
