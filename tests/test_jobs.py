@@ -16,7 +16,7 @@ import powerd.controller.engine as engine_module
 from powerd.allocator import Fleet, allocate
 from powerd.allocator.api import fleet_from_snapshot
 from powerd.controller.engine import TickEngine
-from powerd.controller.jobs import JobView
+from powerd.controller.jobs import GpuPlaces, JobView
 from powerd.controller.opstate import OperatorState, StateFile, capture, restore
 from powerd.controller.overrides import (
     MAX_PROFILE_POINTS,
@@ -29,6 +29,7 @@ from powerd.controller.overrides import (
 )
 from powerd.policy import Policy, parse_policy
 from powerd.snapshot import SnapshotError, load_snapshot, parse_snapshot
+from powerd.topology import Topology
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -219,9 +220,18 @@ def test_the_engine_fills_job_index_and_steers_members_as_the_jobs_class(
         fleet.gpus_of,
     )
     o.put_job(policy, job("infer-1", uuids=("GPU-r1-n2-3",)), node_of, fleet.gpus_of)
+    # The same class and curve as train-7: the two share the class made for that curve.
+    o.put_job(
+        policy,
+        job(
+            "train-8", uuids=("GPU-r2-n1-2",), class_="batch", profile=((200.0, 0.3), (500.0, 1.0))
+        ),
+        node_of,
+        fleet.gpus_of,
+    )
     report = run_ticks(engine, nodes, range(2, 4))
     f = spy.fleets[-1]
-    assert f.job_index is not None and f.job_names == ("train-7", "infer-1")
+    assert f.job_index is not None and f.job_names == ("train-7", "infer-1", "train-8")
     members = {
         u: f.job_names[j] for u, j in zip(f.uuids, f.job_index.tolist(), strict=True) if j >= 0
     }
@@ -230,17 +240,19 @@ def test_the_engine_fills_job_index_and_steers_members_as_the_jobs_class(
         "GPU-r1-n1-1": "train-7",
         **{f"GPU-r2-n2-{i}": "train-7" for i in range(4)},
         "GPU-r1-n2-3": "infer-1",
+        "GPU-r2-n1-2": "train-8",
     }
     # The allocator's policy has a class made for the job with its own profile: the
     # class's weight and floor, the job's curve; the report shows the job's class.
     allocator_policy = spy.policies[-1]
-    made = allocator_policy.classes["job:train-7"]
+    [own] = [c for c in allocator_policy.classes if c.startswith("job:")]  # infer-1: none
+    assert own.startswith("job:batch:")
+    made = allocator_policy.classes[own]
     assert (made.weight, made.floor_w) == (0.5, 250)
-    assert allocator_policy.class_profile("job:train-7").peak_w == 500.0
-    assert "job:infer-1" not in allocator_policy.classes  # no profile: its class as is
+    assert allocator_policy.class_profile(own).peak_w == 500.0
     names = engine.classes.names
-    in_train = [i for i, u in enumerate(f.uuids) if members.get(u) == "train-7"]
-    assert {names[c] for c in f.class_index[in_train].tolist()} == {"job:train-7"}
+    in_train = [i for i, u in enumerate(f.uuids) if members.get(u) in ("train-7", "train-8")]
+    assert {names[c] for c in f.class_index[in_train].tolist()} == {own}
     assert {report.classes[i] for i in in_train} == {"batch"}
     assert report.classes[f.uuids.index("GPU-r1-n2-3")] == "c"
     assert policy.classes.keys() == {"c", "batch"}  # the operators' policy is untouched
@@ -251,18 +263,45 @@ def test_the_engine_fills_job_index_and_steers_members_as_the_jobs_class(
     assert engine._jobs is view and engine._job_index is index
     # A job deleted: the next tick has one job left, the GPUs back to their own class.
     o.delete_job("train-7")
+    o.delete_job("train-8")
     run_ticks(engine, nodes, range(5, 6))
     f = spy.fleets[-1]
     assert f.job_names == ("infer-1",) and f.job_index is not None
     assert int((f.job_index >= 0).sum()) == 1
-    assert "job:train-7" not in spy.policies[-1].classes
+    assert own not in spy.policies[-1].classes
 
 
 def test_job_view_without_jobs_is_the_policy() -> None:
     policy = two_class_policy()
     view = JobView.compile(policy, Jobs())
     assert view.policy is policy and view.names == ()
-    assert view.index(["a"], ["r1-n1"]) is None
+    places = GpuPlaces.build(["a"], Topology.build(policy, ["r1-n1"]))
+    assert view.index(places) is None
+
+
+def test_the_job_index_is_each_gpus_job_of() -> None:
+    """The vectorised index agrees with Jobs.job_of GPU by GPU: by uuid first, else by
+    node; a uuid the fleet lacks changes nothing."""
+    policy = two_class_policy()
+    nodes = [n for n in NODES for _ in range(4)]
+    uuids = [f"GPU-{n}-{i}" for n in NODES for i in range(4)]
+    jobs, dropped = Jobs.build(
+        [
+            job("by-node", nodes=("r1-n1", "r2-n2")),
+            job("by-uuid", uuids=("GPU-r1-n1-2", "GPU-r2-n1-0", "GPU-gone")),
+            job("node-curve", nodes=("r1-n2",), profile=((200.0, 0.5), (600.0, 1.0))),
+        ]
+    )
+    assert not dropped
+    view = JobView.compile(policy, jobs)
+    # r2-n1 reports only its GPU 0: positions shift, as a fleet's do.
+    uuids2, nodes2 = uuids[:9] + uuids[12:], nodes[:9] + nodes[12:]
+    index = view.index(GpuPlaces.build(uuids2, Topology.build(policy, nodes2)))
+    assert index is not None
+    got = [view.names[j] if j >= 0 else None for j in index.tolist()]
+    assert got == [jobs.job_of(u, n) for u, n in zip(uuids2, nodes2, strict=True)]
+    assert got[2] == "by-uuid" and got[0] == "by-node" and got[8] == "by-uuid"
+    assert got.count("node-curve") == 4 and got.count(None) == 0
 
 
 # ---- snapshots ----

@@ -5,11 +5,13 @@ as systemd runs it); `powerd job ...`; and the Slurm prolog/epilog scripts with 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +20,20 @@ import pytest
 import schemathesis
 from pg import pg_database
 from schemathesis import GenerationMode
-from test_api import LiveApi, wait_until
+from test_api import POLICY, LiveApi, wait_until
 from test_api_client import run
 from test_api_schema import CHECKS, fuzz
 from test_durable import Site
 
 from powerd.api.client import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
+from powerd.clock import SystemClock
+from powerd.controller.admin import Ledger
+from powerd.controller.controller import Controller
+from powerd.controller.opstate import StateFile
+from powerd.policy import load_policy_text
+from powerd.store import Store, upgrade
 from powerd.testing.mosquitto import LocalMosquitto, free_port
+from powerd.transport import MemoryBroker
 
 ROOT = Path(__file__).resolve().parent.parent
 SLURM = ROOT / "contrib" / "slurm"
@@ -445,3 +454,56 @@ def test_job_endpoints_conform_to_the_schema(live: LiveApi, mode: GenerationMode
     auth = {"Authorization": f"Bearer {live.tokens['operator']}"}
     for op in jobs.values():  # no 5xx, every answer on the schema
         fuzz(op, mode, live.url, auth, CHECKS)
+
+
+# ---- a standby follows the leader's jobs ----
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'powerd.db'}"
+        return
+    with pg_database() as url:
+        yield url
+
+
+def test_a_standby_follows_the_leaders_jobs(db_url: str, tmp_path: Path) -> None:
+    policy = load_policy_text(POLICY, "policy.yaml")
+    upgrade(db_url)
+    store = Store(db_url)
+    broker = MemoryBroker()
+    clock = SystemClock()
+
+    def controller(name: str) -> Controller:
+        c = Controller(policy, broker.client(name), clock, store=store, controller_id=name)
+        c.ledger = Ledger(c, store=store, state_file=StateFile(tmp_path / f"{name}.json"))
+        return c
+
+    leader, standby = controller("a"), controller("b")
+
+    async def main() -> None:
+        put = partial(
+            leader.put_job,
+            "j1",
+            "inference",
+            uuids=["GPU-x"],
+            nodes=["rack-1-n1"],
+            profile=[(200.0, 0.5), (500.0, 1.0)],
+            actor="alice",
+            reason="prolog",
+        )
+        outcome = await leader.ledger.commit(put, lowers_power=False)
+        assert (outcome.applied, outcome.durable, outcome.audited) == (True, True, True)
+        assert await standby.ledger.follow()
+        assert dict(standby.overrides.jobs.by_name) == dict(leader.overrides.jobs.by_name)
+        assert standby.overrides.jobs.job_of("GPU-y", "rack-1-n1") == "j1"
+        gone = partial(leader.delete_job, "j1", actor="alice", reason="epilog")
+        await leader.ledger.commit(gone, lowers_power=False)
+        assert await standby.ledger.follow()
+        assert len(standby.overrides.jobs) == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        store.close()

@@ -35,9 +35,7 @@ WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
     404: error_doc("Unknown group, node or GPU; not applied, audited", WriteRefused),
     409: error_doc(
         "This controller stands by (another leads its scope): not applied; send writes "
-        "to the leader named in the detail. Or (jobs) another job holds a GPU or node "
-        "named: not applied, audited, the detail names it",
-        WriteRefused,
+        "to the leader named in the detail"
     ),
     422: error_doc("Invalid request; nothing changed (a refused change is audited)", WriteRefused),
     503: error_doc(

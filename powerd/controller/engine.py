@@ -25,7 +25,7 @@ from powerd.allocator.api import group_values
 from powerd.allocator.model import build_problem
 from powerd.allocator.scopes import DemandCurve, demand_curve
 from powerd.controller.fleet import FleetArrays, FleetState
-from powerd.controller.jobs import JobView
+from powerd.controller.jobs import GpuPlaces, JobView
 from powerd.controller.overrides import Overrides
 from powerd.policy import LEVELS, Policy, scoped
 from powerd.safety import FleetLayout, OverloadRule, SafePlan, SafetyPlanner
@@ -218,8 +218,9 @@ class TickEngine:
         self.classes = ClassTable.from_policy(policy)
         self._class_index = {name: i for i, name in enumerate(class_names(policy))}
         self._jobs: JobView | None = None  # compiled at the next tick
-        self._job_index_key: tuple[JobView, int] | None = None
+        self._job_index_key: tuple[JobView, Shape] | None = None
         self._job_index: NDArray[np.int64] | None = None
+        self._places: tuple[Shape, GpuPlaces] | None = None
         self.planner.policy = policy
         self.fleet.set_policy(policy)
         self.overrides.forget_policy_gaps(policy)
@@ -536,7 +537,7 @@ class TickEngine:
 
         budget_w = self._budgets_in_force(topo, wall)
         jobs = self._job_view()
-        job_idx = self._job_indices(jobs, arrays)
+        job_idx = self._job_indices(jobs, arrays, shape)
         cls_idx = self._class_indices(arrays)
         if job_idx is not None:  # a job's GPUs steer as its class (or its own)
             cls_idx = np.where(job_idx >= 0, jobs.job_class[job_idx], cls_idx)
@@ -674,12 +675,19 @@ class TickEngine:
         """The policy with the classes made for jobs with their own profile."""
         return self.policy if self._jobs is None else self._jobs.policy
 
-    def _job_indices(self, view: JobView, arrays: FleetArrays) -> NDArray[np.int64] | None:
+    def _job_indices(
+        self, view: JobView, arrays: FleetArrays, shape: Shape
+    ) -> NDArray[np.int64] | None:
         """Per GPU its job (-1: none), rebuilt only when the jobs or the GPU set change."""
-        key = (view, self.fleet.version)
-        if self._job_index_key != key:
-            self._job_index = view.index(arrays.uuids, arrays.nodes)
-            self._job_index_key = key
+        key = self._job_index_key
+        if key is None or key[0] is not view or key[1] is not shape:
+            if not view.names:
+                self._job_index = None
+            else:
+                if self._places is None or self._places[0] is not shape:
+                    self._places = (shape, GpuPlaces.build(arrays.uuids, shape.topology))
+                self._job_index = view.index(self._places[1])
+            self._job_index_key = (view, shape)
         return self._job_index
 
     def _class_indices(self, arrays: FleetArrays) -> NDArray[np.int64]:

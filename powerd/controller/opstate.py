@@ -128,6 +128,25 @@ class OperatorState(_Model):
         return self.model_dump(mode="json", exclude={"pending_audit"})
 
 
+# Each job as stored, by the Job (immutable) it stores: a write stores every job, and most
+# of them are those of the write before. Keyed by id, holding the Job so the id stays its.
+_JOB_STATES: dict[int, tuple[Job, JobState]] = {}
+
+
+def _job_states(jobs: Jobs) -> list[JobState]:
+    out = []
+    for job in jobs.by_name.values():
+        held = _JOB_STATES.get(id(job))
+        if held is None or held[0] is not job:
+            held = _JOB_STATES[id(job)] = (job, JobState.of(job))
+        out.append(held[1])
+    if len(_JOB_STATES) > 2 * len(out) + 64:  # forget jobs gone
+        live = {id(j) for j in jobs.by_name.values()}
+        for key in [k for k in _JOB_STATES if k not in live]:
+            del _JOB_STATES[key]
+    return out
+
+
 def capture(overrides: Overrides) -> dict[str, Any]:
     """The overrides' fields as plain data (a copy: cheap, on the loop)."""
     return {
@@ -136,7 +155,7 @@ def capture(overrides: Overrides) -> dict[str, Any]:
         "drained": sorted(overrides.drained),
         "gpu_classes": dict(overrides.gpu_classes),
         "node_classes": dict(overrides.node_classes),
-        "jobs": [JobState.of(j) for j in overrides.jobs.by_name.values()],
+        "jobs": _job_states(overrides.jobs),
     }
 
 

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Path
 
 from powerd.api.deps import V1, ControllerDep, Limit, Offset, Operator, ReasonQuery, Viewer
 from powerd.api.errors import AUTH_ERRORS, WRITE_ERRORS, error_doc, rejected
-from powerd.api.models import JobDeleted, JobIn, JobOut, JobWriteOut, Page
+from powerd.api.models import JobDeleted, JobIn, JobOut, JobWriteOut, Page, WriteRefused
 from powerd.api.writes import Attempt, write
 from powerd.controller.admin import JobPut
 from powerd.controller.controller import Controller
@@ -31,6 +31,13 @@ JobName = Annotated[
     ),
 ]
 UNSEEN_SHOWN = 100
+JOB_WRITE_ERRORS = WRITE_ERRORS | {
+    409: error_doc(
+        "Another job holds a GPU or node named: not applied, audited, the detail names "
+        "it. Or this controller stands by: send writes to the leader named in the detail",
+        WriteRefused,
+    )
+}
 
 
 def job_out(controller: Controller, job: Job) -> JobOut:
@@ -80,7 +87,7 @@ async def get_job(job: JobName, _: Viewer, controller: ControllerDep) -> JobOut:
     return job_out(controller, found)
 
 
-@router.put("/jobs/{job}", response_model=JobWriteOut, responses=WRITE_ERRORS)
+@router.put("/jobs/{job}", response_model=JobWriteOut, responses=JOB_WRITE_ERRORS)
 async def put_job(job: JobName, body: JobIn, p: Operator, controller: ControllerDep) -> JobWriteOut:
     """Add a job, or replace the job of this name: every GPU it names (by uuid, or all of a
     node's) gets one cap, steered as its class (or by its own profile with the class's
@@ -111,7 +118,7 @@ async def put_job(job: JobName, body: JobIn, p: Operator, controller: Controller
     )
 
 
-@router.delete("/jobs/{job}", response_model=JobDeleted, responses=WRITE_ERRORS)
+@router.delete("/jobs/{job}", response_model=JobDeleted, responses=JOB_WRITE_ERRORS)
 async def delete_job(
     job: JobName, reason: ReasonQuery, p: Operator, controller: ControllerDep
 ) -> JobDeleted:
