@@ -60,12 +60,13 @@ def jobs_of_gpus(c: httpx.Client) -> dict[str, str | None]:
 
 def test_put_get_delete_a_job_across_racks(live: LiveApi) -> None:
     with live.client("operator") as c:
-        n1 = uuids_of(c, "rack-1-n1")
+        n1, n22 = uuids_of(c, "rack-1-n1"), uuids_of(c, "rack-2-n2")
         r = c.put(
             "/api/v1/jobs/4242",
             json={
                 "class": "inference",
-                "uuids": [n1[0], "GPU-not-yet-1"],
+                # A GPU of a node it also holds: named twice, counted once.
+                "uuids": [n1[0], "GPU-not-yet-1", n22[0], n1[0]],
                 "nodes": ["rack-2-n2"],
                 "profile": PROFILE,
                 "reason": "slurm job 4242",
@@ -77,7 +78,7 @@ def test_put_get_delete_a_job_across_racks(live: LiveApi) -> None:
         assert (body["applied"], body["durable"], body["audited"]) == (True, True, True)
         job = body["job"]
         assert job["class"] == "inference" and job["nodes"] == ["rack-2-n2"]
-        assert job["uuids"] == [n1[0], "GPU-not-yet-1"]
+        assert job["uuids"] == [n1[0], "GPU-not-yet-1", n22[0]]  # once each
         assert job["profile"] == PROFILE and job["actor"] == "operator-user"
         # Accepted though not heard yet: the answer says which; 1 + 2 (the node's) heard.
         assert job["unseen_uuids"] == ["GPU-not-yet-1"] and job["gpus_seen"] == 3

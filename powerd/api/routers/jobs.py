@@ -43,11 +43,14 @@ JOB_WRITE_ERRORS = WRITE_ERRORS | {
 def job_out(controller: Controller, job: Job) -> JobOut:
     gpus = controller.fleet.gpus
     unseen = [u for u in job.uuids if u not in gpus]
+    named = set(job.uuids)
+    jobs = controller.overrides.jobs
+    # GPUs heard on its nodes that are its (not named by uuid, here or by another job).
     on_nodes = sum(
         1
         for n in job.nodes
         for u in controller.fleet.gpus_of(n)
-        if controller.overrides.jobs.job_of(u, n) == job.name
+        if u not in named and jobs.job_of(u, n) == job.name
     )
     return JobOut(
         name=job.name,
