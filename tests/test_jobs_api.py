@@ -508,3 +508,24 @@ def test_a_standby_follows_the_leaders_jobs(db_url: str, tmp_path: Path) -> None
         asyncio.run(main())
     finally:
         store.close()
+
+
+def test_a_job_not_made_durable_is_rolled_back(tmp_path: Path) -> None:
+    """A job write is not a cut: if the state file cannot be written it is not applied
+    (503), and the job in force before it stays."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the state directory should be")
+    live = LiveApi(tmp_path, state_file=blocker / "powerd-state.json").start()
+    try:
+        with live.client("operator") as c:
+            put = c.put(
+                "/api/v1/jobs/j", json={"class": "training", "nodes": ["rack-1-n1"], "reason": "x"}
+            )
+            assert put.status_code == 503, put.text
+            assert put.json()["applied"] is False and "state file" in put.json()["detail"]
+            assert c.get("/api/v1/jobs").json()["total"] == 0
+            assert all(g["job"] is None for g in c.get("/api/v1/gpus").json()["items"])
+            [row] = c.get("/api/v1/audit", params={"action": "job.put"}).json()["items"]
+            assert row["result"].startswith("rolled back: state file not written")
+    finally:
+        live.close()
