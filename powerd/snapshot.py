@@ -38,6 +38,8 @@ class GpuState(BaseModel):
     # A stale GPU is never raised; a pinned GPU gets exactly this cap.
     stale: bool = False
     pinned_w: Watts | None = None
+    # GPUs naming one job get one cap (they share its class); None: in no job.
+    job: str | None = Field(default=None, min_length=1, max_length=128)
 
     @model_validator(mode="after")
     def _ordered(self) -> GpuState:
@@ -61,6 +63,7 @@ def check_snapshot(snapshot: Snapshot, policy: Policy, source: str = "<snapshot>
     classes = policy.classes
     problems: list[tuple[str, str]] = []
     seen: dict[str, int] = {}
+    job_class: dict[str, tuple[str, int]] = {}  # job → (its class, the GPU that set it)
     for i, g in enumerate(snapshot.gpus):
         if g.uuid in seen:
             problems.append(
@@ -77,6 +80,17 @@ def check_snapshot(snapshot: Snapshot, policy: Policy, source: str = "<snapshot>
             )
         if g.pinned_w is not None and not g.min_cap_w <= g.pinned_w <= g.max_cap_w:
             problems.append((f"gpus[{i}].pinned_w", "must lie within [min_cap_w, max_cap_w]"))
+        if g.job is not None:
+            cls = g.workload or policy.defaults.class_
+            first = job_class.setdefault(g.job, (cls, i))
+            if first[0] != cls:
+                problems.append(
+                    (
+                        f"gpus[{i}].workload",
+                        f"job '{g.job}' steers as one class: gpus[{first[1]}] is '{first[0]}', "
+                        f"this GPU '{cls}'",
+                    )
+                )
         if len(problems) >= 50:
             problems.append(("", "... more problems not shown"))
             break

@@ -61,6 +61,14 @@ def fleet_from_snapshot(
     def column(get: Callable[[int], float]) -> FloatArray:
         return np.fromiter((get(i) for i in range(n)), dtype=np.float64, count=n)
 
+    # Jobs in the order they first appear; -1: no job (None when no GPU names one).
+    jobs: dict[str, int] = {}
+    job_index = np.fromiter(
+        (-1 if g.job is None else jobs.setdefault(g.job, len(jobs)) for g in gpus),
+        dtype=np.int64,
+        count=n,
+    )
+
     return Fleet(
         uuids=tuple(g.uuid for g in gpus),
         topology=topology,
@@ -75,6 +83,8 @@ def fleet_from_snapshot(
         pinned_w=np.array(
             [np.nan if g.pinned_w is None else g.pinned_w for g in gpus], dtype=np.float64
         ),
+        job_index=job_index if jobs else None,
+        job_names=tuple(jobs),
     )
 
 

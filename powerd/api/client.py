@@ -1,4 +1,5 @@
-"""`powerd status`, `powerd budget ...`, `powerd pin ...`: a small client of the admin API.
+"""`powerd status`, `powerd budget ...`, `powerd pin ...`, `powerd job ...`: a small client
+of the admin API.
 
 `add_commands(subparsers)` registers the subcommands on the `powerd` parser; each handler
 returns the CLI's exit status (0 done, 1 failed or refused access, 2 rejected input).
@@ -102,6 +103,36 @@ class Client:
     ) -> dict[str, Any]:
         body = {"uuids": list(uuids), "nodes": list(nodes), "reason": reason}
         return dict(self.call("POST", f"{V1}/classes/clear", json=body))
+
+    def jobs(self) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = []
+        while True:
+            page = self.call("GET", f"{V1}/jobs", params={"limit": 1000, "offset": len(items)})
+            items += page["items"]
+            if not page["items"] or len(items) >= page["total"]:
+                return items
+
+    def put_job(
+        self,
+        name: str,
+        cls: str,
+        reason: str,
+        *,
+        uuids: Sequence[str] = (),
+        nodes: Sequence[str] = (),
+        profile: list[list[float]] | None = None,
+    ) -> dict[str, Any]:
+        body = {
+            "class": cls,
+            "uuids": list(uuids),
+            "nodes": list(nodes),
+            "profile": profile,
+            "reason": reason,
+        }
+        return dict(self.call("PUT", f"{V1}/jobs/{name}", json=body))
+
+    def delete_job(self, name: str, reason: str) -> dict[str, Any]:
+        return dict(self.call("DELETE", f"{V1}/jobs/{name}", params={"reason": reason}))
 
 
 # ---- rendering ----
@@ -304,6 +335,102 @@ def cmd_class_clear(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     return _run(args, lambda c: c.clear_class(args.reason, uuids=args.gpu, nodes=args.node), out)
 
 
+def split_list(text: str) -> list[str]:
+    """`a,b, c` → [a, b, c] (empty parts dropped)."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def load_profile_points(path: str) -> list[list[float]]:
+    """A profile file: a list of [power_w, throughput] points, or a mapping with `points`
+    (a policy profile's entry), in YAML or JSON."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read profile {path}: {exc}") from None
+    if isinstance(data, dict):
+        data = data.get("points")
+    if not isinstance(data, list) or not all(
+        isinstance(p, list) and len(p) == 2 and all(isinstance(v, int | float) for v in p)
+        for p in data
+    ):
+        raise argparse.ArgumentTypeError(
+            f"{path}: a profile is a list of [power_w, throughput] points "
+            "(or `points:` holding one)"
+        )
+    return [[float(p), float(t)] for p, t in data]
+
+
+def cmd_job_put(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    uuids, nodes = split_list(args.gpus or ""), split_list(args.nodes or "")
+    if not uuids and not nodes:
+        print("powerd job put: give --gpus or --nodes (or both)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        profile = None if args.profile is None else load_profile_points(args.profile)
+    except argparse.ArgumentTypeError as exc:
+        print(f"powerd job put: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    reason = args.reason or f"job {args.name}"
+
+    def put(c: Client) -> dict[str, Any]:
+        result = c.put_job(args.name, args.cls, reason, uuids=uuids, nodes=nodes, profile=profile)
+        job = result["job"]
+        if result["replaced"]:
+            print(f"job {args.name}: replaced the job of that name", file=out)
+        print(
+            f"job {args.name}: {len(job['uuids'])} GPUs by uuid, {len(job['nodes'])} nodes, "
+            f"class {job['class']}{', own profile' if job['profile'] else ''}; "
+            f"{job['gpus_seen']} GPUs heard now",
+            file=out,
+        )
+        if job["unseen_uuids"]:
+            print(
+                "  not heard yet (they join when they report): " + ", ".join(job["unseen_uuids"]),
+                file=out,
+            )
+        return result
+
+    return _run(args, put, out)
+
+
+def cmd_job_list(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    def show(c: Client) -> None:
+        jobs = c.jobs()
+        if args.json:
+            print(json.dumps(jobs), file=out)
+            return
+        if not jobs:
+            print("no jobs", file=out)
+            return
+        table(
+            ["job", "class", "profile", "uuids", "nodes", "heard", "by", "since", "reason"],
+            [
+                [
+                    j["name"],
+                    j["class"],
+                    "own" if j["profile"] else "class",
+                    str(len(j["uuids"])),
+                    str(len(j["nodes"])),
+                    str(j["gpus_seen"]),
+                    j["actor"],
+                    datetime.fromtimestamp(j["created_at"], tz=UTC).strftime("%Y-%m-%d %H:%M"),
+                    j["reason"],
+                ]
+                for j in jobs
+            ],
+            out,
+        )
+
+    return _run(args, show, out)
+
+
+def cmd_job_delete(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    return _run(args, lambda c: c.delete_job(args.name, args.reason or f"job {args.name}"), out)
+
+
 def cmd_token_new(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     token, entry = new_token_entry(args.name, args.role)
     print(
@@ -377,9 +504,35 @@ def add_commands(sub: Any) -> None:
     clear.add_argument("--node", action="append", default=[], help="node (repeatable)")
     clear.set_defaults(handler=cmd_class_clear)
 
+    _add_job_commands(sub, common)
+
     token = sub.add_parser("token", help="admin API tokens")
     token_sub = token.add_subparsers(dest="token_command", metavar="ACTION", required=True)
     new = token_sub.add_parser("new", help="make a token and the hashed entry for tokens.toml")
     new.add_argument("--name", required=True, help="who (the actor in the audit log)")
     new.add_argument("--role", required=True, choices=[r.label for r in Role])
     new.set_defaults(handler=cmd_token_new)
+
+
+def _add_job_commands(sub: Any, common: argparse.ArgumentParser) -> None:
+    job = sub.add_parser("job", help="jobs: GPUs that share one cap (scheduler prolog/epilog)")
+    job_sub = job.add_subparsers(dest="job_command", metavar="ACTION", required=True)
+    reason = argparse.ArgumentParser(add_help=False)
+    reason.add_argument("--reason", help="why (the audit log; default: 'job NAME')")
+    jput = job_sub.add_parser(
+        "put", parents=[common, reason], help="add a job, or replace the job of that name"
+    )
+    jput.add_argument("name", metavar="NAME", help="the scheduler's job id")
+    jput.add_argument("--gpus", help="GPU uuids, comma-separated")
+    jput.add_argument("--nodes", help="nodes (all their GPUs), comma-separated")
+    jput.add_argument("--class", dest="cls", required=True, metavar="CLASS", help="policy class")
+    jput.add_argument(
+        "--profile", metavar="FILE", help="the job's own profile: [[power_w, throughput], ...]"
+    )
+    jput.set_defaults(handler=cmd_job_put)
+    jlist = job_sub.add_parser("list", parents=[common], help="the jobs in force")
+    jlist.add_argument("--json", action="store_true", help="print the raw JSON")
+    jlist.set_defaults(handler=cmd_job_list)
+    jdel = job_sub.add_parser("delete", parents=[common, reason], help="end a job")
+    jdel.add_argument("name", metavar="NAME")
+    jdel.set_defaults(handler=cmd_job_delete)

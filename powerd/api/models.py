@@ -10,6 +10,11 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from powerd.controller.overrides import (
+    MAX_JOB_GPUS,
+    MAX_JOB_NODES,
+    MAX_PROFILE_POINTS,
+)
 from powerd.wire import MAX_SANE_WATTS, NODE_ID_PATTERN, UUID_PATTERN
 
 T = TypeVar("T")
@@ -164,6 +169,9 @@ class GpuOut(_Out):
     state: GpuStateName
     pinned_w: float | None
     drained: bool
+    job: str | None = Field(
+        default=None, description="The job it belongs to now (by uuid, else by its node)."
+    )
     power_w: float
     cap_w: float = Field(description="Enforced limit, read back by the agent.")
     target_w: float | None = Field(description="Last tick's allocation.")
@@ -361,3 +369,62 @@ class ReasonIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     reason: Reason
+
+
+# ---- jobs ----
+
+ProfileWatts = Annotated[float, Field(ge=0, le=MAX_SANE_WATTS, allow_inf_nan=False)]
+Throughput = Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)]
+
+
+class JobIn(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    class_: str = Field(alias="class", min_length=1, max_length=128)
+    uuids: list[GpuUuid] = Field(
+        default_factory=list,
+        max_length=MAX_JOB_GPUS,
+        description="GPUs by uuid; ones not heard from yet are accepted (named in the answer).",
+    )
+    nodes: list[NodeName] = Field(
+        default_factory=list, max_length=MAX_JOB_NODES, description="Every GPU of these nodes."
+    )
+    profile: list[tuple[ProfileWatts, Throughput]] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_PROFILE_POINTS,
+        description="[power_w, throughput] points, as a policy profile's; the job then steers "
+        "by this curve with its class's weight, floor and ceiling.",
+    )
+    reason: Reason
+
+    @model_validator(mode="after")
+    def _something(self) -> JobIn:
+        if not self.uuids and not self.nodes:
+            raise ValueError("name at least one GPU (uuids) or node (nodes)")
+        return self
+
+
+class JobOut(_Out):
+    name: str
+    class_: str = Field(alias="class")
+    uuids: list[str]
+    nodes: list[str]
+    profile: list[tuple[float, float]] | None
+    gpus_seen: int = Field(description="Its GPUs heard from now (by uuid or on its nodes).")
+    unseen_uuids: list[str] = Field(
+        description="GPUs it names by uuid that no telemetry names now (at most 100)."
+    )
+    reason: str
+    actor: str
+    created_at: float
+
+
+class JobWriteOut(WriteOut):
+    job: JobOut
+    replaced: bool = Field(description="It replaced a job of the same name.")
+
+
+class JobDeleted(WriteOut):
+    gpus: int = Field(description="GPUs it named by uuid.")
+    nodes: int = Field(description="Nodes it named.")

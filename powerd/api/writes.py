@@ -17,7 +17,7 @@ from powerd.api.models import Problem, WriteOut, WriteRefused
 from powerd.auth import Principal
 from powerd.controller.admin import WriteFailed, WriteOutcome
 from powerd.controller.controller import Controller
-from powerd.controller.overrides import NotFound, OverrideError
+from powerd.controller.overrides import Conflict, NotFound, OverrideError
 
 log = structlog.get_logger(__name__)
 
@@ -94,13 +94,16 @@ async def write(
     lowers_power: bool = False,
 ) -> WriteOut:
     """Apply one change through the controller, which validates it: what it does not know
-    is a 404, what it refuses a 422 (naming `field`), and either is audited. Then the
+    is a 404, what another override holds a 409, what it refuses a 422 (naming `field`),
+    and each is audited. Then the
     ledger makes it durable; the answer says what happened (`WriteOut`)."""
     leader_only(attempt.controller)
     try:
         outcome = await attempt.controller.ledger.commit(change, lowers_power=lowers_power)
     except NotFound as exc:
         await refuse(attempt, 404, str(exc))
+    except Conflict as exc:
+        await refuse(attempt, 409, str(exc))
     except OverrideError as exc:
         problems = [(field, str(exc))] if field else []
         await refuse(attempt, 422, str(exc), problems)

@@ -41,7 +41,13 @@ from powerd.controller.opstate import (
     restore,
     sha256_text,
 )
-from powerd.controller.overrides import BudgetOverride, NotFound, OverrideError, Overrides
+from powerd.controller.overrides import (
+    BudgetOverride,
+    Job,
+    NotFound,
+    OverrideError,
+    Overrides,
+)
 from powerd.policy import Policy, PolicyError, load_policy_text
 from powerd.store import Store, upgrade
 
@@ -65,6 +71,16 @@ class WriteOutcome:
     audited: bool  # its audit row is in the database (else queued, or no store)
     detail: str | None = None  # why not durable / not audited, for a person
     policy_version: int | None = None  # a policy write: its stored version, when stored
+
+
+@dataclass(frozen=True)
+class JobPut:
+    """What a job write did: the job in force, whether it replaced one of its name, and
+    the uuids it names that no telemetry has named yet."""
+
+    job: Job
+    replaced: bool
+    unseen: list[str]
 
 
 class WriteFailed(Exception):
@@ -180,6 +196,56 @@ class AdminWrites:
         self.ledger.journal(
             "class.clear", ",".join(uuids + nodes), payload, actor=actor, role=role, reason=reason
         )
+
+    def put_job(
+        self,
+        name: str,
+        cls: str,
+        *,
+        uuids: list[str],
+        nodes: list[str],
+        profile: list[tuple[float, float]] | None,
+        actor: str,
+        reason: str,
+        role: str = "operator",
+    ) -> JobPut:
+        """Add a job, or replace the job of that name (Conflict: another job holds one of
+        its GPUs). GPUs not heard from yet are accepted: a scheduler may be ahead of the
+        telemetry; they join the job when they report."""
+        job = Job(
+            name=name,
+            class_=cls,
+            uuids=tuple(dict.fromkeys(uuids)),
+            nodes=tuple(dict.fromkeys(nodes)),
+            profile=None if profile is None else tuple((float(p), float(t)) for p, t in profile),
+            reason=reason,
+            actor=actor,
+            created_at=self.clock.wall(),
+        )
+        fleet = self.engine.fleet
+
+        def node_of(uuid: str) -> str | None:
+            rec = fleet.gpus.get(uuid)
+            return None if rec is None else rec.node
+
+        replaced = self.engine.overrides.put_job(self.engine.policy, job, node_of, fleet.gpus_of)
+        unseen = [u for u in job.uuids if u not in fleet.gpus]
+        payload = {
+            "class": cls,
+            "uuids": list(job.uuids),
+            "nodes": list(job.nodes),
+            "profile": None if profile is None else [list(p) for p in job.profile or ()],
+            "replaced": replaced,
+            "unseen_gpus": len(unseen),
+        }
+        self.ledger.journal("job.put", name, payload, actor=actor, role=role, reason=reason)
+        return JobPut(job, replaced, unseen)
+
+    def delete_job(self, name: str, *, actor: str, reason: str, role: str = "operator") -> Job:
+        job = self.engine.overrides.delete_job(name)
+        payload = {"gpus": len(job.uuids), "nodes": len(job.nodes)}
+        self.ledger.journal("job.delete", name, payload, actor=actor, role=role, reason=reason)
+        return job
 
     def pin(
         self, uuid: str, watts: float, *, actor: str, reason: str, role: str = "operator"
@@ -451,6 +517,7 @@ class Ledger:
             drained=sorted(o.drained),
             gpu_classes=len(o.gpu_classes),
             node_classes=len(o.node_classes),
+            jobs=len(o.jobs),
             api_policy=self.api_policy is not None,
             queued_audit=len(self.pending),
         )
@@ -461,7 +528,7 @@ class Ledger:
         """Standby (and at a takeover, before the first command): adopt the operators'
         state the database holds when it is newer than ours, or differs at the same
         revision (the leader's, written while we could not see it): temporary budgets,
-        pins, drains, classes and a policy replaced through the API. True if adopted.
+        pins, drains, classes, jobs and a policy replaced through the API. True if adopted.
         Raises when the database cannot be read: a new leader must not command from a
         state it could not check."""
         store = self.store
@@ -693,6 +760,7 @@ class Ledger:
             node_classes=dict(o.node_classes),
             pins=dict(o.pins),
             drained=set(o.drained),
+            jobs=o.jobs,  # never changed in place: shared
         )
         return _Before(copy, self._ctl.policy, self.api_policy, list(self.versions))
 

@@ -25,6 +25,7 @@ from powerd.allocator.api import group_values
 from powerd.allocator.model import build_problem
 from powerd.allocator.scopes import DemandCurve, demand_curve
 from powerd.controller.fleet import FleetArrays, FleetState
+from powerd.controller.jobs import GpuPlaces, JobView
 from powerd.controller.overrides import Overrides
 from powerd.policy import LEVELS, Policy, scoped
 from powerd.safety import FleetLayout, OverloadRule, SafePlan, SafetyPlanner
@@ -216,6 +217,10 @@ class TickEngine:
         self.overload = OverloadRule.from_policy(policy)
         self.classes = ClassTable.from_policy(policy)
         self._class_index = {name: i for i, name in enumerate(class_names(policy))}
+        self._jobs: JobView | None = None  # compiled at the next tick
+        self._job_index_key: tuple[JobView, Shape] | None = None
+        self._job_index: NDArray[np.int64] | None = None
+        self._places: tuple[Shape, GpuPlaces] | None = None
         self.planner.policy = policy
         self.fleet.set_policy(policy)
         self.overrides.forget_policy_gaps(policy)
@@ -531,7 +536,11 @@ class TickEngine:
         topo = shape.topology
 
         budget_w = self._budgets_in_force(topo, wall)
+        jobs = self._job_view()
+        job_idx = self._job_indices(jobs, arrays, shape)
         cls_idx = self._class_indices(arrays)
+        if job_idx is not None:  # a job's GPUs steer as its class (or its own)
+            cls_idx = np.where(job_idx >= 0, jobs.job_class[job_idx], cls_idx)
         pinned = self._pinned(arrays)
         committed_before = self.planner.committed_w()
         # What the caps may commit: the budgets, or above them where a group is rated for
@@ -553,6 +562,8 @@ class TickEngine:
             class_index=cls_idx,
             stale=arrays.stale,
             pinned_w=pinned,
+            job_index=job_idx,
+            job_names=jobs.names,
         )
         targets, status, objective, solve_ms = self._allocate(tick, fleet, limit_w, shape)
         if self.scope_name is not None:
@@ -633,7 +644,7 @@ class TickEngine:
             group_settling=plan.group_settling,
             uuids=arrays.uuids,
             nodes=arrays.nodes,
-            classes=tuple([self.classes.names[i] for i in cls_idx.tolist()]),
+            classes=tuple([jobs.labels[i] for i in cls_idx.tolist()]),
             power_w=arrays.power_w,
             cap_w=arrays.cap_w,
             energy_j=arrays.energy_j,
@@ -647,6 +658,37 @@ class TickEngine:
             alarms=tuple(sorted(self.alarms.active)),
         )
         return report, plan
+
+    def _job_view(self) -> JobView:
+        """The jobs compiled against the policy; recompiled when either changed (jobs are
+        replaced, never changed in place, so identity says). The allocator's classes are
+        the view's: the policy's and those made for jobs with their own profile."""
+        jobs = self.overrides.jobs
+        view = self._jobs
+        if view is None or view.jobs is not jobs:
+            view = self._jobs = JobView.compile(self.policy, jobs)
+            self.classes = view.classes
+            self._job_index_key = None
+        return view
+
+    def _allocator_policy(self) -> Policy:
+        """The policy with the classes made for jobs with their own profile."""
+        return self.policy if self._jobs is None else self._jobs.policy
+
+    def _job_indices(
+        self, view: JobView, arrays: FleetArrays, shape: Shape
+    ) -> NDArray[np.int64] | None:
+        """Per GPU its job (-1: none), rebuilt only when the jobs or the GPU set change."""
+        key = self._job_index_key
+        if key is None or key[0] is not view or key[1] is not shape:
+            if not view.names:
+                self._job_index = None
+            else:
+                if self._places is None or self._places[0] is not shape:
+                    self._places = (shape, GpuPlaces.build(arrays.uuids, shape.topology))
+                self._job_index = view.index(self._places[1])
+            self._job_index_key = (view, shape)
+        return self._job_index
 
     def _class_indices(self, arrays: FleetArrays) -> NDArray[np.int64]:
         """Each GPU's class: the operator's assignment, else its workload's, else the default
@@ -686,7 +728,7 @@ class TickEngine:
         try:
             alloc = allocate_arrays(
                 fleet,
-                self.policy,
+                self._allocator_policy(),
                 self.solver,
                 budget_w=budget_w,
                 # Its own, not the sums: the allocator adds them up the tree (given the
@@ -715,7 +757,7 @@ class TickEngine:
             lifted[self.scope_group] = math.inf
             problem = build_problem(
                 fleet,
-                self.policy,
+                self._allocator_policy(),
                 classes=self.classes,
                 tree=shape.tree,
                 budget_w=lifted,

@@ -268,6 +268,10 @@ class FleetState:
         for slot, rec in enumerate(recs):
             rec.slot, rec.columns = slot, self._cols
 
+    def gpus_of(self, node: str) -> list[str]:
+        """The uuids heard from a node (unordered)."""
+        return list(self._node_gpus.get(node, ()))
+
     def node(self, name: str) -> FleetNode:
         rec = self.nodes.get(name)
         if rec is None:

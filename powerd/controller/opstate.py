@@ -1,5 +1,5 @@
 """Operators' state on disk: what they changed (temporary budgets, pins, drains, class
-assignments, a policy replaced through the API) and the audit rows not yet in the database.
+assignments, jobs, a policy replaced through the API) and the audit rows not yet in the database.
 
 The state file is the durability point of an admin write: it is written (temp file, fsync,
 rename, fsync of the directory) before the API answers, and it works while the database is
@@ -21,7 +21,7 @@ from typing import Any, Literal
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from powerd.controller.overrides import BudgetOverride, Overrides
+from powerd.controller.overrides import BudgetOverride, Job, Jobs, Overrides
 from powerd.policy import Policy
 
 log = structlog.get_logger(__name__)
@@ -40,6 +40,46 @@ class BudgetState(_Model):
     reason: str
     actor: str
     created_at: float
+
+
+class JobState(_Model):
+    """A Job as stored (the same fields; `class` for `class_`)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str
+    class_: str = Field(alias="class")
+    uuids: list[str] = Field(default_factory=list)
+    nodes: list[str] = Field(default_factory=list)
+    profile: list[tuple[float, float]] | None = None
+    reason: str
+    actor: str
+    created_at: float
+
+    @classmethod
+    def of(cls, job: Job) -> JobState:
+        return cls(
+            name=job.name,
+            class_=job.class_,
+            uuids=list(job.uuids),
+            nodes=list(job.nodes),
+            profile=None if job.profile is None else [tuple(p) for p in job.profile],
+            reason=job.reason,
+            actor=job.actor,
+            created_at=job.created_at,
+        )
+
+    def job(self) -> Job:
+        return Job(
+            name=self.name,
+            class_=self.class_,
+            uuids=tuple(self.uuids),
+            nodes=tuple(self.nodes),
+            profile=None if self.profile is None else tuple(self.profile),
+            reason=self.reason,
+            actor=self.actor,
+            created_at=self.created_at,
+        )
 
 
 class ApiPolicy(_Model):
@@ -78,6 +118,7 @@ class OperatorState(_Model):
     drained: list[str] = Field(default_factory=list)
     gpu_classes: dict[str, str] = Field(default_factory=dict)
     node_classes: dict[str, str] = Field(default_factory=dict)
+    jobs: list[JobState] = Field(default_factory=list)
     api_policy: ApiPolicy | None = None
     # Only in the file: what the database has not acknowledged yet.
     pending_audit: list[AuditRow] = Field(default_factory=list)
@@ -85,6 +126,25 @@ class OperatorState(_Model):
     def for_db(self) -> dict[str, Any]:
         """The document the database keeps (the queue of audit rows is the file's alone)."""
         return self.model_dump(mode="json", exclude={"pending_audit"})
+
+
+# Each job as stored, by the Job (immutable) it stores: a write stores every job, and most
+# of them are those of the write before. Keyed by id, holding the Job so the id stays its.
+_JOB_STATES: dict[int, tuple[Job, JobState]] = {}
+
+
+def _job_states(jobs: Jobs) -> list[JobState]:
+    out = []
+    for job in jobs.by_name.values():
+        held = _JOB_STATES.get(id(job))
+        if held is None or held[0] is not job:
+            held = _JOB_STATES[id(job)] = (job, JobState.of(job))
+        out.append(held[1])
+    if len(_JOB_STATES) > 2 * len(out) + 64:  # forget jobs gone
+        live = {id(j) for j in jobs.by_name.values()}
+        for key in [k for k in _JOB_STATES if k not in live]:
+            del _JOB_STATES[key]
+    return out
 
 
 def capture(overrides: Overrides) -> dict[str, Any]:
@@ -95,6 +155,7 @@ def capture(overrides: Overrides) -> dict[str, Any]:
         "drained": sorted(overrides.drained),
         "gpu_classes": dict(overrides.gpu_classes),
         "node_classes": dict(overrides.node_classes),
+        "jobs": _job_states(overrides.jobs),
     }
 
 
@@ -108,6 +169,7 @@ def restore(state: OperatorState, policy: Policy, now_wall: float) -> Overrides:
         drained=set(state.drained),
         gpu_classes=dict(state.gpu_classes),
         node_classes=dict(state.node_classes),
+        jobs=restore_jobs(state.jobs),
     )
     groups = {g.name for g in policy.groups}
     for b in state.budgets:
@@ -120,6 +182,15 @@ def restore(state: OperatorState, policy: Policy, now_wall: float) -> Overrides:
         out.budgets[b.group] = BudgetOverride(**b.model_dump())
     out.forget_policy_gaps(policy)
     return out
+
+
+def restore_jobs(stored: list[JobState]) -> Jobs:
+    """Jobs as stored. They were checked when set; a job that names a GPU or node of one
+    stored before it (a hand edit) is dropped and logged, so none is in two jobs."""
+    jobs, dropped = Jobs.build(s.job() for s in stored)
+    if dropped:
+        log.warning("operator_state_jobs_dropped", jobs=dropped[:20], count=len(dropped))
+    return jobs
 
 
 def sha256_text(text: str) -> str:

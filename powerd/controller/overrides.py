@@ -1,18 +1,22 @@
 """Operators' changes to the power picture that live beside the policy file.
 
 Temporary budgets (grid demand-response events), class assignments (a scheduler's prolog),
-pinned caps and drained nodes. All of them take effect on the next tick. A temporary budget
+jobs (GPUs that share one cap), pinned caps and drained nodes. All of them take effect on
+the next tick. A temporary budget
 can only lower a group's budget: the policy's budget is the breaker or contract rating, and
 no API call may lift the tree above it.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import structlog
 
 from powerd.policy import Policy
+from powerd.profile import Profile, ProfileError
 
 log = structlog.get_logger(__name__)
 
@@ -25,6 +29,20 @@ class NotFound(OverrideError):
     """The override names a group, node or GPU that does not exist, or nothing to undo."""
 
 
+class Conflict(OverrideError):
+    """The override would take what another one holds (a GPU of another job)."""
+
+
+# Jobs (docs/operations.md, "Jobs"). A name is a Slurm job id or the like: no ':', which
+# marks the classes the engine makes for jobs with their own profile (`job:<name>`).
+JOB_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+MAX_JOBS = 20_000
+MAX_JOB_GPUS = 16_384  # GPUs named by uuid
+MAX_JOB_NODES = 2_048
+MAX_PROFILE_POINTS = 64
+_JOB_NAME_RE = re.compile(JOB_NAME_PATTERN)
+
+
 @dataclass(frozen=True)
 class BudgetOverride:
     group: str
@@ -35,6 +53,139 @@ class BudgetOverride:
     created_at: float
 
 
+@dataclass(frozen=True)
+class Job:
+    """GPUs that must share one cap (a synchronous training job), steered as `class_`, or
+    by its own profile (points as a policy profile's) with that class's weight and bounds."""
+
+    name: str
+    class_: str
+    uuids: tuple[str, ...]
+    nodes: tuple[str, ...]  # every GPU of these nodes
+    profile: tuple[tuple[float, float], ...] | None
+    reason: str
+    actor: str
+    created_at: float
+
+
+@dataclass(frozen=True)
+class Jobs:
+    """Every job and who holds which GPU and node. Never changed in place: a change makes a
+    new Jobs (the engine recompiles its per-GPU view when it sees a new one), and copies of
+    the overrides share it."""
+
+    by_name: Mapping[str, Job] = field(default_factory=dict)
+    uuid_job: Mapping[str, str] = field(default_factory=dict)
+    node_job: Mapping[str, str] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.by_name)
+
+    @classmethod
+    def build(cls, jobs: Iterable[Job]) -> tuple[Jobs, list[str]]:
+        """Jobs from a list in one pass, and the names of those dropped: a job naming a GPU
+        or node of one before it, or a name twice (only a hand-edited state has them)."""
+        by_name: dict[str, Job] = {}
+        uuid_job: dict[str, str] = {}
+        node_job: dict[str, str] = {}
+        dropped = []
+        for job in jobs:
+            if (
+                job.name in by_name
+                or any(u in uuid_job for u in job.uuids)
+                or any(n in node_job for n in job.nodes)
+            ):
+                dropped.append(job.name)
+                continue
+            by_name[job.name] = job
+            uuid_job.update(dict.fromkeys(job.uuids, job.name))
+            node_job.update(dict.fromkeys(job.nodes, job.name))
+        return cls(by_name, uuid_job, node_job), dropped
+
+    def job_of(self, uuid: str, node: str) -> str | None:
+        """The job a GPU belongs to: one naming its uuid, else one holding its node."""
+        return self.uuid_job.get(uuid) or self.node_job.get(node)
+
+    def with_job(self, job: Job) -> Jobs:
+        """These jobs with `job` added, or replacing the job of its name."""
+        base = self.without(job.name) if job.name in self.by_name else self
+        uuid_job = dict(base.uuid_job)
+        uuid_job.update(dict.fromkeys(job.uuids, job.name))
+        node_job = dict(base.node_job)
+        node_job.update(dict.fromkeys(job.nodes, job.name))
+        return Jobs({**base.by_name, job.name: job}, uuid_job, node_job)
+
+    def without(self, name: str) -> Jobs:
+        job = self.by_name[name]
+        by_name = {n: j for n, j in self.by_name.items() if n != name}
+        uuid_job = dict(self.uuid_job)
+        for u in job.uuids:
+            uuid_job.pop(u, None)
+        node_job = dict(self.node_job)
+        for n in job.nodes:
+            node_job.pop(n, None)
+        return Jobs(by_name, uuid_job, node_job)
+
+    def conflicts(
+        self, job: Job, node_of: Callable[[str], str | None], gpus_of: Callable[[str], list[str]]
+    ) -> list[str]:
+        """What another job holds of `job`'s GPUs, one line each (at most 10): a uuid or a
+        node it names, a GPU it names on a node `job` names, or the node of a GPU `job`
+        names. `node_of`/`gpus_of`: the fleet as heard (a GPU not heard has no node yet)."""
+        out: list[str] = []
+
+        def other(owner: str | None) -> bool:
+            return owner is not None and owner != job.name
+
+        for u in job.uuids:
+            node = node_of(u)
+            owner = self.uuid_job.get(u)
+            if other(owner):
+                out.append(f"GPU {u} is in job '{owner}'")
+            elif node is not None and other(self.node_job.get(node)) and owner is None:
+                out.append(f"GPU {u} is on node {node} of job '{self.node_job[node]}'")
+            if len(out) >= 10:
+                return out
+        for n in job.nodes:
+            owner = self.node_job.get(n)
+            if other(owner):
+                out.append(f"node {n} is in job '{owner}'")
+            for u in gpus_of(n):
+                owner = self.uuid_job.get(u)
+                if other(owner):
+                    out.append(f"GPU {u} on node {n} is in job '{owner}'")
+            if len(out) >= 10:
+                return out
+        return out
+
+
+def check_job(policy: Policy, job: Job) -> None:
+    """Raise OverrideError (NotFound for nodes the policy lacks) if the job cannot be."""
+    if not _JOB_NAME_RE.match(job.name):
+        raise OverrideError(
+            f"job name '{job.name[:80]}' must be 1-64 letters, digits, '_', '.' or '-', "
+            "starting with a letter or digit"
+        )
+    if job.class_ not in policy.classes:
+        valid = ", ".join(sorted(policy.classes))
+        raise OverrideError(f"unknown class '{job.class_}'; valid: {valid}")
+    if not job.uuids and not job.nodes:
+        raise OverrideError("a job names at least one GPU (uuids) or node (nodes)")
+    if len(job.uuids) > MAX_JOB_GPUS or len(job.nodes) > MAX_JOB_NODES:
+        raise OverrideError(f"a job names at most {MAX_JOB_GPUS} GPUs and {MAX_JOB_NODES} nodes")
+    known = set(policy.node_names())
+    bad = [n for n in job.nodes if n not in known]
+    if bad:
+        raise NotFound(f"unknown node(s): {', '.join(bad[:5])}")
+    if job.profile is not None:
+        if len(job.profile) > MAX_PROFILE_POINTS:
+            raise OverrideError(f"a profile has at most {MAX_PROFILE_POINTS} points")
+        try:
+            Profile.from_points(f"job {job.name}", job.profile)
+        except ProfileError as exc:
+            raise OverrideError(f"profile: {exc}") from None
+
+
 @dataclass
 class Overrides:
     budgets: dict[str, BudgetOverride] = field(default_factory=dict)
@@ -42,6 +193,33 @@ class Overrides:
     node_classes: dict[str, str] = field(default_factory=dict)  # node → class
     pins: dict[str, float] = field(default_factory=dict)  # uuid → W
     drained: set[str] = field(default_factory=set)  # nodes held at their GPUs' minimum
+    jobs: Jobs = field(default_factory=Jobs)  # replaced on change, never changed in place
+
+    def put_job(
+        self,
+        policy: Policy,
+        job: Job,
+        node_of: Callable[[str], str | None],
+        gpus_of: Callable[[str], list[str]],
+    ) -> bool:
+        """Add a job or replace the job of its name; True if it replaced one. Conflict if
+        another job holds any of its GPUs (nothing changes)."""
+        check_job(policy, job)
+        replaced = job.name in self.jobs.by_name
+        if not replaced and len(self.jobs) >= MAX_JOBS:
+            raise OverrideError(f"at most {MAX_JOBS} jobs; delete jobs that ended")
+        taken = self.jobs.conflicts(job, node_of, gpus_of)
+        if taken:
+            raise Conflict(f"job '{job.name}' not set: " + "; ".join(taken))
+        self.jobs = self.jobs.with_job(job)
+        return replaced
+
+    def delete_job(self, name: str) -> Job:
+        job = self.jobs.by_name.get(name)
+        if job is None:
+            raise NotFound(f"no job '{name}'")
+        self.jobs = self.jobs.without(name)
+        return job
 
     def set_budget(self, policy: Policy, override: BudgetOverride) -> None:
         groups = {g.name: g for g in policy.groups}

@@ -218,6 +218,7 @@ async def gpus(
     rack: NameQuery = None,
     class_: Annotated[str | None, Query(alias="class", max_length=128)] = None,
     state: Literal[GpuStateName, "pinned", "drained"] | None = None,
+    job: NameQuery = None,
     limit: Limit = 100,
     offset: Offset = 0,
 ) -> dict[str, Any]:
@@ -227,6 +228,7 @@ async def gpus(
     gpu_at, _groups = views.tick_index()
     fleet = controller.fleet
     over = controller.overrides
+    jobs = over.jobs
     stale_after = controller.policy.control.stale_after_s
     now = controller.clock.monotonic()
     selected = []
@@ -242,6 +244,9 @@ async def gpus(
         cls = r.classes[i] if r is not None and i is not None else None
         if class_ is not None and cls != class_:
             continue
+        job_of = jobs.job_of(uuid, rec.node) if jobs.by_name else None
+        if job is not None and job_of != job:
+            continue
         age = max(0.0, now - rec.seen_at)
         stale = is_stale(age, rec.error is not None, stale_after)
         if (
@@ -254,9 +259,9 @@ async def gpus(
             }[state]
         ):
             continue
-        selected.append((rec, i, cls, stale, age))
+        selected.append((rec, i, cls, stale, age, job_of))
     out = []
-    for rec, i, cls, stale, age in selected[offset : offset + limit]:
+    for rec, i, cls, stale, age, job_of in selected[offset : offset + limit]:
         tick = r if r is not None and i is not None else None
         out.append(
             GpuOut(
@@ -270,6 +275,7 @@ async def gpus(
                 state="stale" if stale else "ok",
                 pinned_w=over.pins.get(rec.uuid),
                 drained=rec.node in over.drained,
+                job=job_of,
                 power_w=rec.power_w,
                 cap_w=rec.cap_w,
                 target_w=None if tick is None else finite_or_none(float(tick.targets_w[i])),
