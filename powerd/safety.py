@@ -800,7 +800,7 @@ def _raisable(
     if job.shape != mask.shape:
         raise ValueError(f"jobs has shape {job.shape}, expected {mask.shape}")
     member = job >= 0
-    held = np.zeros(int(job.max(initial=-1)) + 1, dtype=np.bool_)
+    held = np.zeros(max(int(job.max(initial=0)), 0) + 1, dtype=np.bool_)
     held[job[member & wants & ~may]] = True
     return mask & ~(member & held[np.maximum(job, 0)]), job
 

@@ -41,6 +41,9 @@ TAKEOVER_TICK_GAP = 1000
 # Points of a scope's demand curve on the wire (exact there, linear in between).
 CURVE_POINTS = 256
 
+# Above this relative duality gap an allocation is reported as not optimal.
+INEXACT_GAP = 1e-4
+
 FloatArray = NDArray[np.float64]
 BoolArray = NDArray[np.bool_]
 
@@ -596,6 +599,7 @@ class TickEngine:
             priority=weights,
             offline=offline,
             record=not self.shadow,
+            jobs=job_idx,  # a job's GPUs rise together or wait
         )
         planned.append(plan)
         plan_ms = (time.perf_counter() - t_plan) * 1000.0
@@ -746,6 +750,14 @@ class TickEngine:
             return shape.layout.failsafe_w.copy(), "fallback", math.nan, 0.0
         self._warm = alloc
         self._alarm("solver_failed", None)
+        # With jobs the solver certifies how close it came (Allocation.gap); say so when it
+        # stopped short, so nobody reads the caps as optimal.
+        self._alarm(
+            "allocation_inexact",
+            f"caps within {alloc.gap:.2%} of the optimum (jobs: solver stopped short)"
+            if alloc.gap > INEXACT_GAP
+            else None,
+        )
         return alloc.caps_w, alloc.status, alloc.objective, alloc.solve_ms
 
     def _curve(self, fleet: Fleet, budget_w: FloatArray, shape: Shape) -> DemandCurve | None:
