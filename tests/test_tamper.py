@@ -164,6 +164,7 @@ def test_limits_powerd_did_not_set_are_alarmed_and_cleared(site: LiveApi) -> Non
             "the stored alarm naming both GPUs",
         )
         assert {g["uuid"] for g in stored[0]["data"]["gpus"]} == {uuids[k], uuids[j]}
+        assert len(events(c, "cap_overridden", active=True)) == 1  # the first one closed
         assert metric(c, "powerd_gpu_cap_overridden", UUID=uuids[j]) == 1
 
         site.call(lambda: model.override(k, None))
