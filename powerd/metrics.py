@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
 from powerd.backends.base import throttle_mask
+from powerd.wire import CAP_TOLERANCE_W
 
 FloatArray = NDArray[np.float64]
 
@@ -164,6 +165,11 @@ class GpuSnapshot:
     throttle: Sequence[Sequence[str]] | None = None
     committed_w: FloatArray | None = None  # controller: the committed cap (docs/safety.md)
     target_w: FloatArray | None = None  # controller: this tick's allocation
+    # The limit the GPU's agent last set (NaN: none known): `powerd_gpu_cap_overridden`.
+    set_w: FloatArray | None = None
+    # Per GPU: limits found above set_w and set back by its agent (the agent's count, which
+    # starts again when it restarts). Read when Prometheus scrapes (a live view of records).
+    restores: Sequence[float] | None = None
     _rows: list[Rows] = field(default_factory=list, repr=False)  # built on first scrape
 
     def __post_init__(self) -> None:
@@ -174,7 +180,10 @@ class GpuSnapshot:
             raise ValueError("throttle must have one entry per GPU")
         set_ = object.__setattr__
         set_(self, "index", np.array(self.index, dtype=np.int64))
-        for name in ("power_w", "cap_w", "energy_j", "temp_c", "committed_w", "target_w"):
+        if self.restores is not None and len(self.restores) != n:
+            raise ValueError("restores must have one entry per GPU")
+        names = ("power_w", "cap_w", "energy_j", "temp_c", "committed_w", "target_w", "set_w")
+        for name in names:
             value = getattr(self, name)
             if value is not None:
                 set_(self, name, _array(value, n, name))
@@ -276,6 +285,26 @@ class GpuCollector(Collector):
                 "This tick's allocation for the GPU, before the safety planner (in W).",
                 labels,
                 s.target_w,
+            )
+        if s.set_w is not None:
+            with np.errstate(invalid="ignore"):
+                differs = np.abs(s.cap_w - s.set_w) > CAP_TOLERANCE_W
+            yield _gauge_rows(
+                "powerd_gpu_cap_overridden",
+                "1 while the GPU's enforced limit differs from the one powerd set (another"
+                " tool, an out-of-band limit), 0 while it matches.",
+                labels,
+                np.where(np.isnan(s.set_w), np.nan, differs.astype(np.float64)),
+            )
+        if s.restores is not None:
+            yield RowFamily(
+                "powerd_gpu_cap_restores",
+                "Limits found above the one powerd set (a GPU reset, a driver reload, another"
+                " tool) and set back by the agent, since it started.",
+                "counter",
+                labels,
+                np.array(list(s.restores), dtype=np.float64),
+                sample="powerd_gpu_cap_restores_total",
             )
 
 

@@ -29,6 +29,9 @@ UUID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
 MAX_GPUS_PER_NODE = 64
 # A cap no real GPU accepts; anything above is a corrupt or hostile message.
 MAX_SANE_WATTS = 10_000.0
+# NVML works in milliwatts and some drivers round the enforced limit: an enforced limit this
+# close to the one set is that limit (agent and controller compare with the same tolerance).
+CAP_TOLERANCE_W = 1.0
 # Ticks and sequence numbers: exact in a JSON number read as a double, and far beyond any
 # run (a tick a second for 285 million years). Larger is a corrupt or hostile message: an
 # unbounded integer once overflowed the controller's int64 arrays and killed it.
@@ -81,6 +84,15 @@ class GpuTelemetry(BaseModel):
     workload: str | None = Field(default=None, max_length=128)
     perf: float | None = Field(default=None, ge=0, le=1e12, allow_inf_nan=False)
     error: str | None = Field(default=None, max_length=256)  # e.g. "gpu_lost"
+    # The limit this agent last set on the GPU (a command's cap or its own failsafe cap);
+    # None: none since it started (or an agent older than these fields). `cap_w` differing
+    # from it is a limit powerd did not set: the controller alarms (`cap_overridden`).
+    set_w: Watts | None = None
+    # Times since the agent started that it found the limit above `set_w` (another tool, a
+    # GPU reset, a driver reload) and set it back at once; `found_w`: the limit found the
+    # latest time.
+    restores: int = Field(default=0, ge=0, le=MAX_TICK)
+    found_w: Watts | None = None
 
     @model_validator(mode="after")
     def _limits_ordered(self) -> GpuTelemetry:

@@ -329,6 +329,129 @@ async def test_failsafe_when_broker_dies_then_resumes(
     assert h.agent.state is NodeState.STEERED
 
 
+# -- limits powerd did not set ----------------------------------------------------------------
+
+
+async def test_a_limit_raised_behind_its_back_is_set_back_before_it_is_reported(
+    start_agent: StartAgent,
+) -> None:
+    h = await start_agent()
+    await h.apply(1, [400.0, 400.0, 400.0, 400.0], lease_s=60.0)
+    h.fleet.tamper(0, 700.0)  # nvidia-smi -pl 700
+    with capture_logs() as logs:
+        await h.step(PERIOD_S)
+    # Set back within the sample that found it: the published sample never shows 700 W.
+    assert h.caps()[0] == 400.0
+    g = (await h.latest_telemetry()).gpus[0]
+    assert (g.cap_w, g.set_w, g.restores, g.found_w) == (400.0, 400.0, 1, 700.0)
+    restored = [e for e in logs if e["event"] == "cap_restored"]
+    assert [(e["gpu"], e["found_w"], e["set_w"]) for e in restored] == [(h.uuids[0], 700.0, 400.0)]
+    # 700 W is this mock's default limit: the agent says it may be a reset.
+    assert restored[0]["cause"] == "default_limit"
+    h.fleet.tamper(0, 550.0)
+    with capture_logs() as logs:
+        await h.step(PERIOD_S)
+    assert h.caps()[0] == 400.0
+    g = (await h.latest_telemetry()).gpus[0]
+    assert (g.cap_w, g.restores, g.found_w) == (400.0, 2, 550.0)
+    assert [e["cause"] for e in logs if e["event"] == "cap_restored"] == ["foreign_limit"]
+    # Raised between samples and set back by the next command: counted all the same.
+    h.fleet.tamper(0, 650.0)
+    with capture_logs() as logs:
+        await h.apply(2, [400.0, 400.0, 400.0, 400.0], lease_s=60.0)
+    assert [(e["by"], e["found_w"]) for e in logs if e["event"] == "cap_restored"] == [
+        ("command", 650.0)
+    ]
+    await h.step(PERIOD_S)
+    g = (await h.latest_telemetry()).gpus[0]
+    assert (g.cap_w, g.restores, g.found_w) == (400.0, 3, 650.0)
+    # A set that fails is no restore: the limit stays above, and every sample says so.
+    h.fleet.fail_set(0, NoPermission)
+    h.fleet.tamper(0, 600.0)
+    await h.apply(3, [400.0, 400.0, 400.0, 400.0], lease_s=60.0)
+    await h.step(PERIOD_S)
+    g = (await h.latest_telemetry()).gpus[0]
+    assert (g.cap_w, g.set_w, g.restores) == (600.0, 400.0, 3)
+
+
+async def test_a_limit_lowered_behind_its_back_is_reported_and_not_raised(
+    start_agent: StartAgent,
+) -> None:
+    h = await start_agent()
+    await h.apply(1, [400.0, 400.0, 400.0, 400.0], lease_s=60.0)
+    h.fleet.tamper(1, 250.0)
+    with capture_logs() as logs:
+        await h.step(2 * PERIOD_S)
+    # Raising it back would be a raise the controller did not plan: only a command does.
+    assert h.caps()[1] == 250.0
+    g = (await h.latest_telemetry()).gpus[1]
+    assert (g.cap_w, g.set_w, g.restores) == (250.0, 400.0, 0)
+    differs = [e for e in logs if e["event"] == "cap_differs"]
+    assert [(e["gpu"], e["enforced_w"], e["set_w"]) for e in differs] == [
+        (h.uuids[1], 250.0, 400.0)
+    ]
+    with capture_logs() as logs:
+        await h.apply(2, [400.0, 400.0, 400.0, 400.0], lease_s=60.0)
+        await h.step(PERIOD_S)
+    g = (await h.latest_telemetry()).gpus[1]
+    assert (g.cap_w, g.set_w) == (400.0, 400.0)
+    assert [e["gpu"] for e in logs if e["event"] == "cap_matches"] == [h.uuids[1]]
+
+
+async def test_an_out_of_band_limit_shows_in_every_sample_until_it_goes(
+    start_agent: StartAgent,
+) -> None:
+    h = await start_agent()
+    h.fleet.override(2, 350.0)  # a BMC's limit: the lower one is enforced
+    ack = await h.apply(1, [400.0, 400.0, 400.0, 400.0], lease_s=60.0)
+    assert (ack.gpus[h.uuids[2]].error, ack.gpus[h.uuids[2]].enforced_w) == (
+        AckError.OVERRIDDEN,
+        350.0,
+    )
+    for _ in range(2):
+        await h.step(PERIOD_S)
+        g = (await h.latest_telemetry()).gpus[2]
+        assert (g.cap_w, g.set_w, g.restores) == (350.0, 400.0, 0)
+    h.fleet.override(2, None)  # gone: the limit powerd set is enforced again
+    await h.step(PERIOD_S)
+    g = (await h.latest_telemetry()).gpus[2]
+    assert (g.cap_w, g.set_w) == (400.0, 400.0)
+
+
+async def test_a_gpu_back_from_a_reset_gets_its_cap_again_at_once(
+    start_agent: StartAgent,
+) -> None:
+    h = await start_agent()
+    await h.apply(1, [450.0, 450.0, 450.0, 450.0], failsafe=300.0)
+    # A driver reload: the GPU is unreachable, then back at its default limit.
+    h.fleet.lose(3)
+    await h.step(PERIOD_S)
+    assert (await h.latest_telemetry()).gpus[3].error == "gpu_lost"
+    h.fleet.reset(3)
+    h.fleet.lose(3, False)
+    assert h.caps()[3] == 700.0
+    with capture_logs() as logs:
+        await h.step(PERIOD_S)
+    assert h.caps()[3] == 450.0
+    g = (await h.latest_telemetry()).gpus[3]
+    assert (g.error, g.cap_w, g.restores, g.found_w) == (None, 450.0, 1, 700.0)
+    assert [e["cause"] for e in logs if e["event"] == "cap_restored"] == ["default_limit"]
+
+    # Unsteered (the lease ran out), a GPU reset goes to its failsafe cap, never above.
+    await h.step(LEASE_S)
+    assert h.agent.state is NodeState.FAILSAFE
+    assert h.caps() == [300.0] * 4
+    h.fleet.reset(0)
+    await h.step(PERIOD_S)
+    assert h.caps()[0] == 300.0
+    g = (await h.latest_telemetry()).gpus[0]
+    assert (g.cap_w, g.set_w, g.restores) == (300.0, 300.0, 1)
+    # The agent never raises on its own: one lowered while unsteered stays lowered.
+    h.fleet.tamper(1, 250.0)
+    await h.step(PERIOD_S)
+    assert h.caps()[1] == 250.0
+
+
 # -- bad input ---------------------------------------------------------------------------------
 
 

@@ -29,7 +29,7 @@ from powerd.controller.opstate import StateFile
 from powerd.metrics import ControllerMetrics
 from powerd.policy import load_policy_text
 from powerd.store import Store, StoreWriter, upgrade
-from powerd.transport import MemoryBroker
+from powerd.transport import MemoryBroker, MqttConfig, MqttTransport, Transport
 
 # 1 row × 2 racks × 2 nodes × 2 GPUs; 8 × 700 W installed under a 4 kW feed, fast ticks.
 POLICY = """
@@ -78,12 +78,17 @@ class LiveApi:
         *,
         with_store: bool = True,
         state_file: Path | None = None,
+        broker_url: str | None = None,
+        db_url: str | None = None,
     ) -> None:
         self.workdir = workdir
         self.state_file = state_file
         self.policy_text = policy_text
         self.with_store = with_store
-        self.db_url = f"sqlite:///{workdir / 'powerd.db'}"
+        # A real broker (Mosquitto) at this URL; None: the in-process one.
+        self.broker_url = broker_url
+        self.db_url = db_url or f"sqlite:///{workdir / 'powerd.db'}"
+        self.model: GpuFleetModel | None = None
         self.tokens: dict[str, str] = {}
         entries = []
         for role in ("viewer", "operator", "admin"):
@@ -112,6 +117,15 @@ class LiveApi:
         if self._error is not None:
             raise self._error
 
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` in the controller's event loop (where the agents read the GPU model)."""
+        assert self._loop is not None
+
+        async def run() -> Any:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(10)
+
     def client(self, role: str | None = "admin") -> httpx.Client:
         headers = {} if role is None else {"Authorization": f"Bearer {self.tokens[role]}"}
         return httpx.Client(base_url=self.url, headers=headers, timeout=10)
@@ -137,7 +151,15 @@ class LiveApi:
                 self.policy_text, source="test-policy.yaml", author="test", reason="start"
             )
         broker = MemoryBroker()
-        model = GpuFleetModel(
+
+        def transport(client_id: str) -> Transport:
+            if self.broker_url is None:
+                return broker.client(client_id)
+            return MqttTransport(
+                MqttConfig.from_url(self.broker_url, client_id=client_id, reconnect_max_s=0.3)
+            )
+
+        model = self.model = GpuFleetModel(
             GPUS_PER_NODE * len(NODES),
             [Workload.steady(level_w=650.0), Workload.training(period_s=4.0)] * len(NODES),
             seed=1,
@@ -148,14 +170,12 @@ class LiveApi:
             Agent(
                 AgentSettings(node_id=name, backend="mock", period_s=0.2, failsafe_w=200.0),
                 MockBackend(model, clock, k * GPUS_PER_NODE, GPUS_PER_NODE),
-                broker.client(f"agent-{name}"),
+                transport(f"agent-{name}"),
                 clock,
             )
             for k, name in enumerate(NODES)
         ]
-        controller = Controller(
-            policy, broker.client("controller"), clock, store=store, writer=writer
-        )
+        controller = Controller(policy, transport("controller"), clock, store=store, writer=writer)
         if store is not None:
             controller.policy_version = version
         if self.state_file is not None:

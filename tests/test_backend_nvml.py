@@ -66,6 +66,8 @@ def nvml(monkeypatch: pytest.MonkeyPatch) -> Iterator[mock.MagicMock]:
 
     fake.nvmlDeviceGetCount.return_value = 2
     fake.nvmlDeviceGetHandleByIndex.side_effect = [H0, H1].__getitem__
+    by_uuid = {UUID0: H0, UUID1: H1}
+    fake.nvmlDeviceGetHandleByUUID.side_effect = lambda u: by_uuid[u]
     # Older nvidia-ml-py hands back bytes, newer str: one GPU each.
     per_gpu(fake.nvmlDeviceGetUUID, UUID0, UUID1.encode())
     per_gpu(fake.nvmlDeviceGetName, "NVIDIA H100 80GB HBM3", b"NVIDIA A100-SXM4-40GB")
@@ -380,6 +382,48 @@ def test_lost_gpu_fails_its_own_reading_only(backend: NvmlBackend, nvml: mock.Ma
     assert backend.read(UUID0).power_w == 350.0
     assert backend.set_power_limit_w(UUID0, 500.0) == 650.0
     assert [g.uuid for g in backend.gpus()] == [UUID0, UUID1]
+
+
+def test_a_gpu_back_under_a_new_handle_is_found_by_its_uuid(
+    backend: NvmlBackend, nvml: mock.MagicMock
+) -> None:
+    """A reset or re-attach: the old handle answers GPU_IS_LOST, NVML knows the UUID under
+    a new handle, and the GPU is read and set through that one (limit back at default)."""
+    backend.gpus()
+    lost = pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+    h2 = mock.sentinel.handle2
+    for name, old, new in [
+        ("nvmlDeviceGetEnforcedPowerLimit", lost, 400_000),
+        ("nvmlDeviceGetPowerUsage", lost, 90_000),
+        ("nvmlDeviceSetPowerManagementLimit", lost, None),
+    ]:
+        getattr(nvml, name).side_effect = answers({H0: 650_000, H1: old, h2: new})
+    for name in ("nvmlDeviceGetTotalEnergyConsumption", "nvmlDeviceGetTemperatureV"):
+        getattr(nvml, name).side_effect = answers({H0: 1, H1: lost, h2: 2})
+    nvml.nvmlDeviceGetUtilizationRates.side_effect = answers(
+        {H1: lost, h2: pynvml.c_nvmlUtilization_t(gpu=5, memory=1)}
+    )
+    nvml.nvmlDeviceGetClockInfo.side_effect = answers({H1: lost, h2: 300})
+    nvml.nvmlDeviceGetCurrentClocksEventReasons.side_effect = answers({H1: lost, h2: 0})
+    nvml.nvmlDeviceGetHandleByUUID.side_effect = {UUID1: h2}.__getitem__
+    reading = backend.read(UUID1)
+    assert (reading.cap_w, reading.power_w) == (400.0, 90.0)
+    nvml.nvmlDeviceGetHandleByUUID.assert_called_once_with(UUID1)
+    assert backend.set_power_limit_w(UUID1, 300.0) == 400.0  # the mock's enforced limit
+    nvml.nvmlDeviceSetPowerManagementLimit.assert_called_with(h2, 300_000)
+    assert backend.enforced_limit_w(UUID1) == 400.0
+    assert nvml.nvmlDeviceGetHandleByUUID.call_count == 1  # the new handle is kept
+
+
+def test_a_gpu_nvml_no_longer_knows_stays_lost(backend: NvmlBackend, nvml: mock.MagicMock) -> None:
+    backend.gpus()
+    lost = pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+    per_gpu(nvml.nvmlDeviceGetEnforcedPowerLimit, 650_000, lost)
+    nvml.nvmlDeviceGetHandleByUUID.side_effect = pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+    with pytest.raises(GpuLost):
+        backend.read(UUID1)
+    with pytest.raises(GpuLost):
+        backend.enforced_limit_w(UUID1)
 
 
 # --- setting the limit ------------------------------------------------------------------------

@@ -193,6 +193,32 @@ def test_fast_exposition_matches_prometheus_client() -> None:
     assert "DCGM_FI_DEV_POWER_USAGE" in parse(fast)
 
 
+def test_limits_powerd_did_not_set_per_gpu() -> None:
+    reg = CollectorRegistry()
+    m = ControllerMetrics(reg)
+    m.update_gpus(
+        snapshot(
+            uuids=UUIDS,
+            nodes=NODES,
+            index=[0, 1, 0],
+            power_w=[400.0, 300.0, 200.0],
+            cap_w=[450.0, 250.0, 500.0],
+            energy_j=[1.0, 1.0, 1.0],
+            temp_c=[50.0, 50.0, 50.0],
+            # matches within 1 W; lowered behind powerd's back; no set limit known
+            set_w=[450.5, 400.0, math.nan],
+            restores=[3.0, 0.0, 0.0],
+        )
+    )
+    got = scrape(reg)
+    assert got["powerd_gpu_cap_overridden"] == {
+        gpu_key(0, "GPU-a0", "a"): 0.0,
+        gpu_key(1, "GPU-a1", "a"): 1.0,
+    }
+    assert got["powerd_gpu_cap_restores_total"][gpu_key(0, "GPU-a0", "a")] == 3.0
+    assert parse(generate_latest(reg).decode()) == got  # the fast path renders them alike
+
+
 def test_registries_are_independent() -> None:
     # No import-time singletons: two controllers in one process (tests, demo) do not clash.
     a, b = CollectorRegistry(), CollectorRegistry()

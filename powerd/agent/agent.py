@@ -7,6 +7,11 @@ Safety rules, which everything else here serves:
   stays there until the next valid command. The same holds from start until the first one.
 - Bad input (malformed, mismatched, replayed, oversized, retained) is counted by reason,
   logged and dropped; it never changes a cap and never stops the agent.
+- Every sample checks each GPU's enforced limit against the one the agent last set. Above
+  it (another tool, a GPU reset or a driver reload that brought the default limit back) the
+  agent sets its limit again at once, before the sample is published; below it, it leaves
+  the limit (setting it back would be a raise the controller did not plan from what it
+  heard) and reports it. Either way telemetry carries `set_w` and the controller alarms.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import asyncio
 import os
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
@@ -34,6 +40,7 @@ from powerd.transport.base import (
 )
 from powerd.transport.mqtt import MqttTransport
 from powerd.wire import (
+    CAP_TOLERANCE_W,
     MAX_TICK,
     AckError,
     CapAck,
@@ -50,10 +57,6 @@ from powerd.wire import (
 )
 
 log = structlog.get_logger(__name__)
-
-# NVML works in milliwatts and some drivers round the enforced limit; closer than this is the
-# limit we asked for.
-CAP_TOLERANCE_W = 1.0
 
 _TELEMETRY_STATE: dict[NodeState, Literal["steered", "failsafe", "starting"]] = {
     NodeState.STARTING: "starting",
@@ -91,6 +94,12 @@ class Agent:
         self.epoch_file = None if settings.state_dir is None else settings.state_dir / "epoch"
         self.lease_until = 0.0  # monotonic time at which the last command's caps lapse
         self.caps_w: dict[str, float] = {}  # enforced caps, as last read back
+        # The limit this agent last set per GPU (a command's cap, or its failsafe cap): what
+        # every sample's read-back is checked against.
+        self.set_w: dict[str, float] = {}
+        self.restores: Counter[str] = Counter()  # limits found above set_w and set back
+        self.found_w: dict[str, float] = {}  # the limit found, the latest time
+        self._differs: set[str] = set()  # GPUs whose read-back differed at the last sample
         self.failsafe_w: dict[str, float] = {}  # from the latest command
         self.seq = 0
         self.rejected: Counter[str] = Counter()
@@ -238,7 +247,10 @@ class Agent:
             current = self.caps_w.get(uuid, info.max_cap_w)
             plan.append((target - current, uuid, requested, target))
         for _, uuid, requested, target in sorted(plan):
-            acks[uuid] = self._set_cap(uuid, requested, target)
+            mine, found = self.set_w.get(uuid), self._found_above(uuid)
+            acks[uuid] = ack = self._set_cap(uuid, requested, target)
+            if mine is not None and found is not None and ack.enforced_w is not None:
+                self._restored(self.gpus[uuid], found, mine, ack.enforced_w, by="command")
         for uuid, watts in cmd.failsafe_w.items():
             if uuid in self.gpus:
                 self.failsafe_w[uuid] = watts
@@ -262,6 +274,7 @@ class Agent:
             )
             return GpuAck(requested_w=requested, error=exc.code)
         self.caps_w[uuid] = enforced
+        self.set_w[uuid] = target
         self.caps_applied += 1
         if abs(enforced - target) > CAP_TOLERANCE_W:
             self.log.warning("cap_overridden", gpu=uuid, watts=target, enforced_w=enforced)
@@ -294,7 +307,7 @@ class Agent:
         samples = []
         for uuid, info in self.gpus.items():
             try:
-                reading = self.backend.read(uuid)
+                reading = self._guard(info, self.backend.read(uuid))
                 sample = self._telemetry(info, reading)
             except BackendError as exc:
                 self.log.warning("gpu_read_failed", gpu=uuid, error=exc.code, detail=str(exc))
@@ -304,6 +317,76 @@ class Agent:
                 sample = self._failed_telemetry(info, "invalid_reading")
             samples.append(sample)
         return samples
+
+    def _guard(self, info: GpuInfo, r: GpuReading) -> GpuReading:
+        """Check the enforced limit read back against the one this agent set (unsteered: no
+        higher than the failsafe cap either). Above it, set it again now: a sample never
+        reports, and a GPU never keeps, a limit above what the controller counts, for
+        longer than one sample period. Below it, report only (docs/safety.md, "Limits
+        powerd did not set")."""
+        uuid = info.uuid
+        mine = self.set_w.get(uuid)
+        limit = mine
+        if self.state is not NodeState.STEERED:
+            failsafe = self.failsafe_cap_w(info)
+            limit = failsafe if limit is None else min(limit, failsafe)
+        if limit is None:  # nothing set yet (steered, before a command names the GPU)
+            return r
+        found = r.cap_w
+        if found > limit + CAP_TOLERANCE_W:
+            ack = self._set_cap(uuid, limit, limit)
+            if ack.enforced_w is None:  # logged (cap_set_failed); the next sample tries again
+                return r
+            r = replace(r, cap_w=ack.enforced_w)
+            if mine is None or found <= mine + CAP_TOLERANCE_W:
+                # Not a limit of ours replaced: the failsafe cap enforced (at start, or one
+                # never lowered to it).
+                self.log.info("failsafe_cap", gpu=uuid, from_w=found, to_w=ack.enforced_w)
+                return r
+            self._restored(info, found, mine, ack.enforced_w, by="sample")
+        differs = abs(r.cap_w - self.set_w.get(uuid, r.cap_w)) > CAP_TOLERANCE_W
+        if differs and uuid not in self._differs:
+            self._differs.add(uuid)
+            self.log.warning(
+                "cap_differs", gpu=uuid, enforced_w=r.cap_w, set_w=self.set_w.get(uuid)
+            )
+        elif not differs and uuid in self._differs:
+            self._differs.discard(uuid)
+            self.log.info("cap_matches", gpu=uuid, enforced_w=r.cap_w)
+        return r
+
+    def _found_above(self, uuid: str) -> float | None:
+        """Before a command sets a GPU's limit: the limit in force if it is above the one
+        this agent set (changed since the last sample); the command's set puts it back, and
+        counts as a restore when it succeeds. None otherwise."""
+        mine = self.set_w.get(uuid)
+        if mine is None:
+            return None
+        try:
+            found = self.backend.enforced_limit_w(uuid)
+        except BackendError:
+            return None  # the set that follows fails too, and its ack says so
+        return found if found > mine + CAP_TOLERANCE_W else None
+
+    def _restored(
+        self, info: GpuInfo, found: float, mine: float, enforced: float | None, *, by: str
+    ) -> None:
+        uuid = info.uuid
+        self.restores[uuid] += 1
+        self.found_w[uuid] = found
+        self.log.warning(
+            "cap_restored",
+            gpu=uuid,
+            found_w=found,
+            set_w=mine,
+            enforced_w=enforced,
+            by=by,  # the sample that found it, or the command that was about to set it
+            # At its default limit: a GPU reset, a driver reload, a reboot (or a tool that
+            # set exactly the default).
+            cause="default_limit"
+            if abs(found - info.default_cap_w) <= CAP_TOLERANCE_W
+            else "foreign_limit",
+        )
 
     def _telemetry(self, info: GpuInfo, r: GpuReading) -> GpuTelemetry:
         self.caps_w[info.uuid] = r.cap_w
@@ -323,6 +406,9 @@ class Agent:
             throttle=r.throttle,
             workload=r.workload,
             perf=r.perf,
+            set_w=self.set_w.get(info.uuid),
+            restores=self.restores[info.uuid],
+            found_w=self.found_w.get(info.uuid),
         )
 
     def _failed_telemetry(self, info: GpuInfo, error: str) -> GpuTelemetry:

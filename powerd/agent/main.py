@@ -83,6 +83,8 @@ def _serve_metrics(agent: Agent, settings: AgentSettings) -> MetricsServer:
                 temp_c=np.array([g.temp_c for g in gpus]),
                 throttle=[g.throttle for g in gpus],
                 models=[g.name for g in gpus],
+                set_w=np.array([np.nan if g.set_w is None else g.set_w for g in gpus]),
+                restores=[float(g.restores) for g in gpus],
             )
         )
         metrics.update_counters(

@@ -174,6 +174,16 @@ class GpuOut(_Out):
     )
     power_w: float
     cap_w: float = Field(description="Enforced limit, read back by the agent.")
+    set_w: float | None = Field(
+        default=None,
+        description="The limit its agent last set (a command's cap or its failsafe cap);"
+        " cap_w away from it is a limit powerd did not set (alarm cap_overridden).",
+    )
+    cap_restores: int = Field(
+        default=0,
+        description="Limits its agent found above set_w (a GPU reset, a driver reload, another"
+        " tool) and set back, since the agent started.",
+    )
     target_w: float | None = Field(description="Last tick's allocation.")
     sent_w: float | None = Field(description="Cap sent on the last tick (null: none sent).")
     committed_w: float | None

@@ -138,5 +138,10 @@ class GpuBackend(ABC):
         for values outside them rather than clamping silently.
         """
 
+    def enforced_limit_w(self, uuid: str) -> float:
+        """The limit the GPU enforces now (watts): a cheaper read than `read` where the
+        backend has one. Raises as `read` does."""
+        return self.read(uuid).cap_w
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the library (nvmlShutdown, ...)."""

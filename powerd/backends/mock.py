@@ -232,7 +232,8 @@ class GpuFleetModel:
     (enforced limit), requested_cap_w, temp_c, demand_w; min_cap_w, max_cap_w,
     default_cap_w. Derived per GPU on request (all GPUs, one index, a slice or an index
     array): throughput, util_pct, sm_clock_mhz, power_capped. Faults are injected per GPU
-    with `fail_set`, `lose` and `override`.
+    with `fail_set`, `lose`, `override` (an out-of-band lower limit), `tamper` (a limit set
+    behind powerd's back) and `reset` (a GPU reset or driver reload: the default limit).
     """
 
     def __init__(
@@ -456,6 +457,23 @@ class GpuFleetModel:
         self.override_w[i] = np.inf if watts is None else watts
         self.cap_w[i] = min(self.requested_cap_w[i], self.override_w[i])
 
+    def tamper(self, i: int, watts: float) -> None:
+        """Someone sets GPU i's limit behind powerd's back (`nvidia-smi -pl`, another
+        daemon): the same limit powerd sets, so up or down, until the next set."""
+        if not self.min_cap_w[i] <= watts <= self.max_cap_w[i]:
+            raise ValueError(f"{watts:g} W is outside GPU {i}'s limits")
+        self.requested_cap_w[i] = watts
+        self.cap_w[i] = min(watts, self.override_w[i])
+
+    def reset(self, i: int) -> None:
+        """GPU i is reset, or its driver reloaded: NVML limits do not survive either, so the
+        limit is the default again; the energy counter counts from the reload. An
+        out-of-band limit (a BMC's) is the board's and stays. With `lose` around it, the
+        GPU is unreachable meanwhile, as while a driver reloads."""
+        self.requested_cap_w[i] = self.default_cap_w[i]
+        self.cap_w[i] = min(self.default_cap_w[i], self.override_w[i])
+        self.energy_j[i] = 0.0
+
 
 class CapJournal:
     """An append-only file of every change of a cap in force, for an outside watcher.
@@ -572,6 +590,9 @@ class MockBackend(GpuBackend):
             perf=float(f.throughput(i)[0]),
             workload=workload.name,
         )
+
+    def enforced_limit_w(self, uuid: str) -> float:
+        return float(self.fleet.cap_w[self._locate(uuid)])
 
     def set_power_limit_w(self, uuid: str, watts: float) -> float:
         i = self._locate(uuid)

@@ -119,6 +119,15 @@ class NvmlBackend(GpuBackend):
 
     def read(self, uuid: str) -> GpuReading:
         gpu = self._gpu(uuid)
+        try:
+            return self._read(gpu)
+        except GpuLost:
+            if not self._look_up_again(gpu):
+                raise
+            return self._read(gpu)
+
+    def _read(self, gpu: _Gpu) -> GpuReading:
+        uuid = gpu.info.uuid
         enforced_mw = self._optional(gpu, "nvmlDeviceGetEnforcedPowerLimit")
         # Unknown values err high: the cap could be the maximum, the GPU could draw its cap.
         cap_w = _watts(enforced_mw) if enforced_mw is not None else gpu.info.max_cap_w
@@ -145,10 +154,36 @@ class NvmlBackend(GpuBackend):
         lo, hi = gpu.info.min_cap_w, gpu.info.max_cap_w
         if not (math.isfinite(watts) and lo <= watts <= hi):
             raise InvalidArgument(f"{watts} W is outside [{lo}, {hi}] W for {uuid}", uuid=uuid)
+        try:
+            return self._set(gpu, watts)
+        except GpuLost:
+            if not self._look_up_again(gpu):
+                raise
+            return self._set(gpu, watts)
+
+    @staticmethod
+    def _set(gpu: _Gpu, watts: float) -> float:
+        uuid = gpu.info.uuid
         _call("nvmlDeviceSetPowerManagementLimit", gpu.handle, round(watts * 1000), uuid=uuid)
         # Another tool (nvidia-smi, a BMC, a DCGM policy) may hold a lower limit: report what
         # the GPU enforces, not what we asked for.
         return _watts(_call("nvmlDeviceGetEnforcedPowerLimit", gpu.handle, uuid=uuid))
+
+    def enforced_limit_w(self, uuid: str) -> float:
+        gpu = self._gpu(uuid)
+        return _watts(_call("nvmlDeviceGetEnforcedPowerLimit", gpu.handle, uuid=uuid))
+
+    def _look_up_again(self, gpu: _Gpu) -> bool:
+        """A GPU NVML called lost: its handle again, by UUID, once per call (a GPU back from
+        a reset or a re-attach is reached through the handle NVML has for it now). False
+        if NVML does not know the UUID (still gone): the caller's GpuLost stands."""
+        try:
+            handle = _call("nvmlDeviceGetHandleByUUID", gpu.info.uuid, uuid=gpu.info.uuid)
+        except BackendError:
+            return False
+        gpu.handle = handle
+        log.debug("nvml_handle_looked_up_again", uuid=gpu.info.uuid)
+        return True
 
     def unsupported(self, uuid: str) -> frozenset[str]:
         """The NVML calls this GPU has answered NOT_SUPPORTED to so far."""

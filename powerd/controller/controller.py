@@ -186,10 +186,18 @@ class Controller(AdminWrites):
         for ch in changes:
             if ch.message is None:
                 self.writer.submit_clear(ch.kind, ch.ts)
-            else:
-                self.writer.submit_event(
-                    EventRecord(ts=ch.ts, kind=ch.kind, severity=Severity.ALARM, message=ch.message)
+                continue
+            self.writer.submit_event(
+                EventRecord(
+                    ts=ch.ts,
+                    kind=ch.kind,
+                    severity=ch.severity,
+                    message=ch.message,
+                    data=ch.data or {},
                 )
+            )
+            if ch.severity is not Severity.ALARM:  # an event, not an alarm: closed at once
+                self.writer.submit_clear(ch.kind, ch.ts)
 
     # -- messages ------------------------------------------------------------------------
 

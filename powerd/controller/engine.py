@@ -19,18 +19,25 @@ import numpy as np
 import structlog
 from numpy.typing import NDArray
 
-from powerd.alarms import Alarms
+from powerd.alarms import Alarms, Severity
 from powerd.allocator import Allocation, ClassTable, Fleet, Tree, allocate_arrays, class_names
 from powerd.allocator.api import group_values
 from powerd.allocator.model import build_problem
 from powerd.allocator.scopes import DemandCurve, demand_curve
-from powerd.controller.fleet import FleetArrays, FleetState
+from powerd.controller.fleet import FleetArrays, FleetGpu, FleetState
 from powerd.controller.jobs import GpuPlaces, JobView
 from powerd.controller.overrides import Overrides
 from powerd.policy import LEVELS, Policy, scoped
 from powerd.safety import FleetLayout, OverloadRule, SafePlan, SafetyPlanner
 from powerd.topology import Topology
-from powerd.wire import MAX_TICK, CapAck, NodeState, NodeStatus, NodeTelemetry
+from powerd.wire import (
+    CAP_TOLERANCE_W,
+    MAX_TICK,
+    CapAck,
+    NodeState,
+    NodeStatus,
+    NodeTelemetry,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -40,6 +47,9 @@ log = structlog.get_logger(__name__)
 TAKEOVER_TICK_GAP = 1000
 # Points of a scope's demand curve on the wire (exact there, linear in between).
 CURVE_POINTS = 256
+# GPUs an alarm's message names (the rest are counted), and its stored data lists.
+ALARM_NAMES = 5
+ALARM_DATA_GPUS = 64
 
 # Above this relative duality gap an allocation is reported as not optimal.
 INEXACT_GAP = 1e-4
@@ -88,6 +98,9 @@ class TickReport:
     # What committed caps may reach: the budget, or above it where a group is rated for an
     # overload (OverloadRule); None: the budgets (a tick that fell back).
     group_limit_w: FloatArray | None = None
+    # Per GPU: the limit its agent last set (NaN: none known). `cap_w` away from it is a
+    # limit powerd did not set (`cap_overridden`); None: a tick that fell back.
+    set_w: FloatArray | None = None
 
     @property
     def throughput_total(self) -> float:
@@ -188,6 +201,10 @@ class TickEngine:
         self._node_fenced: dict[str, int] = {}
         self._outliers: tuple[str, ...] = ()
         self._message_error: str | None = None
+        # GPUs whose agents set their limits back since the last tick (`cap_restored`):
+        # uuid → (node, index, found W, set W, times, found at its default limit). Bounded
+        # by the fleet's GPUs.
+        self._restored: dict[str, tuple[str, int, float, float, int, bool]] = {}
         self._wall = 0.0  # the wall time of the tick in progress (alarm timestamps)
         self.fleet = FleetState(policy)
         # Steering one scope (controller/scope.py): its root group, the coordinator's budget
@@ -233,12 +250,35 @@ class TickEngine:
     # -- messages (decoded; each returns False for a node the policy does not have) -----
 
     def on_telemetry(self, msg: NodeTelemetry, now: float) -> bool:
+        gpus = self.fleet.gpus
+        # Restore counts before this message (a GPU with none reported needs no look-up).
+        before = {g.uuid: _restores(gpus.get(g.uuid), msg.node_id) for g in msg.gpus if g.restores}
         if not self.fleet.ingest_telemetry(msg, now):
             return False
+        if before:
+            self._note_restores(msg, before)
         # A GPU reported with an error carries its last known cap, not a reading.
         caps = {g.uuid: g.cap_w for g in msg.gpus if g.error is None}
         self.planner.on_telemetry(msg.node_id, caps, received_at=now, as_of_tick=msg.tick)
         return True
+
+    def _note_restores(self, msg: NodeTelemetry, before: dict[str, int | None]) -> None:
+        """GPUs whose agent set a limit found above its own back (its count grew, or began
+        again after an agent restart): for this tick's `cap_restored` event. A GPU the
+        controller had not heard of yet only sets the count it starts from."""
+        node = msg.node_id
+        for g in msg.gpus:
+            old = before.get(g.uuid)
+            rec = self.fleet.gpus.get(g.uuid)
+            if old is None or rec is None or rec.node != node or g.restores == old:
+                continue
+            times = g.restores - old if g.restores > old else g.restores
+            prev = self._restored.get(g.uuid)
+            total = times + (prev[4] if prev is not None else 0)
+            found = g.found_w if g.found_w is not None else g.cap_w
+            set_w = g.set_w if g.set_w is not None else g.cap_w
+            default = abs(found - g.default_cap_w) <= CAP_TOLERANCE_W
+            self._restored[g.uuid] = (node, g.index, found, set_w, total, default)
 
     def on_ack(self, node: str, ack: CapAck) -> bool:
         if node not in self.fleet.node_order:
@@ -433,6 +473,87 @@ class TickEngine:
         error, self._message_error = self._message_error, None
         if error is not None:
             self.alarms.once("message_failed", error, self._wall)
+        self._event_restores()
+
+    def _event_restores(self) -> None:
+        """One event per tick for the limits agents found above their own and set back."""
+        restored, self._restored = self._restored, {}
+        if not restored:
+            return
+        rows = sorted(restored.items(), key=lambda kv: (kv[1][0], kv[1][1], kv[0]))
+        named = "; ".join(
+            f"{node} GPU {index} ({uuid}): {found:g} W found"
+            + (" (its default limit)" if default else "")
+            + f", set back to {set_w:g} W"
+            + (f" ({times} times)" if times > 1 else "")
+            for uuid, (node, index, found, set_w, times, default) in rows[:ALARM_NAMES]
+        )
+        more = f"; and {len(rows) - ALARM_NAMES} more GPUs" if len(rows) > ALARM_NAMES else ""
+        self.alarms.once(
+            "cap_restored",
+            "limits above the caps powerd set, set back by their agents (at a GPU's default "
+            f"limit: a GPU reset, a driver reload or a reboot; else another tool): {named}{more}",
+            self._wall,
+            severity=Severity.WARNING,
+            data={
+                "gpus": [
+                    {
+                        "node": node,
+                        "uuid": uuid,
+                        "index": index,
+                        "found_w": found,
+                        "set_w": set_w,
+                        "times": times,
+                        "default_limit": default,
+                    }
+                    for uuid, (node, index, found, set_w, times, default) in rows[:ALARM_DATA_GPUS]
+                ],
+                "count": len(rows),
+            },
+        )
+
+    def _alarm_overridden(self, arrays: FleetArrays) -> None:
+        """`cap_overridden`: GPUs whose enforced limit, at their latest reading, differs
+        from the one their agent set (another tool, an out-of-band limit, a set the device
+        did not take), either way. Raised again whenever the set of GPUs changes, cleared
+        when none is left."""
+        set_w = arrays.set_w
+        if set_w is None:
+            return
+        with np.errstate(invalid="ignore"):
+            differ = np.flatnonzero(np.abs(arrays.cap_w - set_w) > CAP_TOLERANCE_W)
+        if not len(differ):
+            self._alarm("cap_overridden", None)
+            return
+        rows = [
+            (arrays.nodes[i], self.fleet.gpus[arrays.uuids[i]].index, arrays.uuids[i], i)
+            for i in differ.tolist()
+        ]
+        cap, want = arrays.cap_w, set_w
+        named = "; ".join(
+            f"{node} GPU {index} ({uuid}): enforced {cap[i]:g} W, powerd set {want[i]:g} W"
+            for node, index, uuid, i in rows[:ALARM_NAMES]
+        )
+        more = f"; and {len(rows) - ALARM_NAMES} more GPUs" if len(rows) > ALARM_NAMES else ""
+        self.alarms.set(
+            "cap_overridden",
+            f"GPU limits differ from the caps powerd set: {named}{more}",
+            self._wall,
+            subjects=tuple(uuid for _, _, uuid, _ in rows),
+            data={
+                "gpus": [
+                    {
+                        "node": node,
+                        "uuid": uuid,
+                        "index": index,
+                        "enforced_w": float(cap[i]),
+                        "set_w": float(want[i]),
+                    }
+                    for node, index, uuid, i in rows[:ALARM_DATA_GPUS]
+                ],
+                "count": len(rows),
+            },
+        )
 
     def _fallback(
         self, tick: int, now: float, wall: float, t0: float, planned: list[SafePlan]
@@ -537,6 +658,7 @@ class TickEngine:
         arrays = self.fleet.arrays(now, control.stale_after_s)
         shape = self._shape_for(arrays, now)
         topo = shape.topology
+        self._alarm_overridden(arrays)
 
         budget_w = self._budgets_in_force(topo, wall)
         jobs = self._job_view()
@@ -660,6 +782,7 @@ class TickEngine:
             stale=plan.stale,
             waiting_nodes=plan.waiting_nodes,
             alarms=tuple(sorted(self.alarms.active)),
+            set_w=arrays.set_w,
         )
         return report, plan
 
@@ -809,6 +932,11 @@ class TickEngine:
 
     def _alarm(self, kind: str, message: str | None) -> None:
         self.alarms.set(kind, message, self._wall)
+
+
+def _restores(rec: FleetGpu | None, node: str) -> int | None:
+    """The restore count last heard of a GPU on `node`; None if not heard there yet."""
+    return None if rec is None or rec.node != node else rec.restores
 
 
 def _push_up(topology: Topology, per_group: FloatArray) -> FloatArray:

@@ -80,6 +80,9 @@ class FleetArrays:
     stale: BoolArray
     workloads: list[str | None]
     perf: FloatArray  # NaN where the workload reports none
+    # The limit the GPU's agent last set (NaN: none reported, or the GPU reported an error):
+    # `cap_w` differing from it is a limit powerd did not set.
+    set_w: FloatArray | None = None
 
 
 @dataclass(slots=True)
@@ -108,6 +111,9 @@ class _Columns:
     throttle: list[tuple[str, ...]] = field(default_factory=list)
     workload: list[str | None] = field(default_factory=list)
     error: list[str | None] = field(default_factory=list)
+    set_w: list[float] = field(default_factory=list)  # NaN: none (wire's GpuTelemetry.set_w)
+    restores: list[int] = field(default_factory=list)
+    found_w: list[float] = field(default_factory=list)  # NaN: none
 
     def append(self, g: GpuTelemetry, now: float) -> int:
         for name in _FIELDS:
@@ -138,6 +144,12 @@ class _Columns:
         # A tuple of strings drops out of the collector's sight at its first collection.
         self.throttle[slot] = tuple(throttle) if throttle else ()
         self.workload[slot] = g.workload
+        set_w = g.set_w
+        # A GPU that could not be read carries its last known cap, not a reading.
+        self.set_w[slot] = math.nan if set_w is None or error is not None else set_w
+        self.restores[slot] = g.restores
+        found = g.found_w
+        self.found_w[slot] = math.nan if found is None else found
 
     def take(self, slots: list[int]) -> _Columns:
         """A copy holding only these slots, renumbered 0, 1, ..."""
@@ -191,6 +203,17 @@ class FleetGpu:
     workload: _Column[str | None] = _Column()
     error: _Column[str | None] = _Column()
     seen_at: _Column[float] = _Column()  # monotonic time of the last sample
+    restores: _Column[int] = _Column()
+
+    @property
+    def set_w(self) -> float | None:
+        value = self.columns.set_w[self.slot]
+        return None if math.isnan(value) else value
+
+    @property
+    def found_w(self) -> float | None:
+        value = self.columns.found_w[self.slot]
+        return None if math.isnan(value) else value
 
     @property
     def perf(self) -> float | None:
@@ -409,4 +432,5 @@ class FleetState:
             stale=is_stale(age, lost, stale_after_s),
             workloads=[workload[i] for i in perm.tolist()],
             perf=col(cols.perf),
+            set_w=col(cols.set_w),
         )

@@ -43,6 +43,25 @@ class _LiveThrottle(Sequence[tuple[str, ...]]):
         return self._recs[i].throttle
 
 
+class _LiveRestores(Sequence[float]):
+    """Each GPU's restore count (`cap_restored`), read from its record when scraped."""
+
+    def __init__(self, recs: list[FleetGpu]) -> None:
+        self._recs = recs
+
+    def __len__(self) -> int:
+        return len(self._recs)
+
+    @overload
+    def __getitem__(self, i: int) -> float: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[float]: ...
+    def __getitem__(self, i: int | slice) -> float | Sequence[float]:
+        if isinstance(i, slice):
+            return [float(r.restores) for r in self._recs[i]]
+        return float(self._recs[i].restores)
+
+
 def metrics_hook(controller: Controller, metrics: ControllerMetrics) -> TickHook:
     """Update every metric from the tick's report."""
     # Per GPU set (the report's uuid list is the same object until a GPU comes or goes):
@@ -58,6 +77,7 @@ def metrics_hook(controller: Controller, metrics: ControllerMetrics) -> TickHook
                 index=np.array([g.index for g in recs], dtype=np.int64),
                 models=[g.name for g in recs],
                 throttle=_LiveThrottle(recs),
+                restores=_LiveRestores(recs),
             )
         recs = shape["recs"]
         n = len(recs)
@@ -74,6 +94,8 @@ def metrics_hook(controller: Controller, metrics: ControllerMetrics) -> TickHook
                 target_w=r.targets_w,
                 throttle=shape["throttle"],
                 models=shape["models"],
+                set_w=r.set_w,
+                restores=shape["restores"],
             )
         )
         metrics.update_groups(

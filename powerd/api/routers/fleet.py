@@ -278,6 +278,8 @@ async def gpus(
                 job=job_of,
                 power_w=rec.power_w,
                 cap_w=rec.cap_w,
+                set_w=rec.set_w,
+                cap_restores=rec.restores,
                 target_w=None if tick is None else finite_or_none(float(tick.targets_w[i])),
                 sent_w=None if tick is None else finite_or_none(float(tick.sent_w[i])),
                 committed_w=None if tick is None else finite_or_none(float(tick.committed_w[i])),
