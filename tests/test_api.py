@@ -29,7 +29,7 @@ from powerd.controller.opstate import StateFile
 from powerd.metrics import ControllerMetrics
 from powerd.policy import load_policy_text
 from powerd.store import Store, StoreWriter, upgrade
-from powerd.transport import MemoryBroker
+from powerd.transport import MemoryBroker, MqttConfig, MqttTransport, Transport
 
 # 1 row × 2 racks × 2 nodes × 2 GPUs; 8 × 700 W installed under a 4 kW feed, fast ticks.
 POLICY = """
@@ -68,8 +68,9 @@ GPUS_PER_NODE = 2
 
 
 class LiveApi:
-    """The whole controller process, minus real GPUs and a real broker, in a thread of its
-    own with its own event loop; tests use synchronous HTTP clients against `url`."""
+    """The whole controller process, minus real GPUs and (without `broker_url`) a real
+    broker, in a thread of its own with its own event loop; tests use synchronous HTTP
+    clients against `url`."""
 
     def __init__(
         self,
@@ -78,8 +79,10 @@ class LiveApi:
         *,
         with_store: bool = True,
         state_file: Path | None = None,
+        broker_url: str | None = None,
     ) -> None:
         self.workdir = workdir
+        self.broker_url = broker_url  # a real broker (mqtt://...); None: in memory
         self.state_file = state_file
         self.policy_text = policy_text
         self.with_store = with_store
@@ -136,7 +139,14 @@ class LiveApi:
             version = store.record_policy_version(
                 self.policy_text, source="test-policy.yaml", author="test", reason="start"
             )
-        broker = MemoryBroker()
+        memory = MemoryBroker()
+        url = self.broker_url
+
+        def transport(client_id: str) -> Transport:
+            if url is None:
+                return memory.client(client_id)
+            return MqttTransport(MqttConfig.from_url(url, client_id=client_id))
+
         model = GpuFleetModel(
             GPUS_PER_NODE * len(NODES),
             [Workload.steady(level_w=650.0), Workload.training(period_s=4.0)] * len(NODES),
@@ -148,14 +158,12 @@ class LiveApi:
             Agent(
                 AgentSettings(node_id=name, backend="mock", period_s=0.2, failsafe_w=200.0),
                 MockBackend(model, clock, k * GPUS_PER_NODE, GPUS_PER_NODE),
-                broker.client(f"agent-{name}"),
+                transport(f"agent-{name}"),
                 clock,
             )
             for k, name in enumerate(NODES)
         ]
-        controller = Controller(
-            policy, broker.client("controller"), clock, store=store, writer=writer
-        )
+        controller = Controller(policy, transport("controller"), clock, store=store, writer=writer)
         if store is not None:
             controller.policy_version = version
         if self.state_file is not None:
