@@ -9,6 +9,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import subprocess
+import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -294,3 +297,43 @@ def test_history_intervals_keep_cuts_and_peaks() -> None:
     assert first.draw_w == pytest.approx(3000.0)
     assert points[1].budget_w is None and points[1].draw_w is None
     assert bucketed([], since=0.0, step_s=1.0) == []
+
+
+def test_demo_serves_the_live_page(browser: Any, tmp_path: Path) -> None:
+    """`powerd demo --ui 0` prints a sign-in link to the page, which shows the example site."""
+    args = ["demo", "--nodes", "16", "--duration", "90", "--ui", "0"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "powerd.cli", *args, "--db", f"sqlite:///{tmp_path / 'demo.db'}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    try:
+        assert proc.stdout is not None
+        link = ""
+        for line in proc.stdout:
+            if line.startswith("live page: "):
+                link = line.removeprefix("live page: ").strip()
+                break
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+/ui#token=pwd_[\w-]+", link), link
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep it unblocked
+        browser.get(link)
+        until(browser, lambda d: text(d, "#facility-budget") == "250.0 kW", "the site's budget")
+        t = until(browser, lambda d: len(tree(d)) > 16 and tree(d), "the tree", timeout_s=30)
+        assert [n for n, g in t.items() if g["level"] == "node"] == [
+            f"row-1-rack-{r}-node-{k:02d}" for r in (1, 2) for k in range(1, 9)
+        ]
+        assert text(browser, "#gpus-count") == "128"
+        browser.execute_script(
+            "document.querySelector('[data-group=\"row-1-rack-1-node-01\"] > .line').click()"
+        )
+        until(browser, lambda d: len(tree(d)["row-1-rack-1-node-01"]["gpus"]) == 8, "its GPUs")
+        out = Path(os.environ.get("POWERD_UI_ARTIFACTS") or tmp_path)
+        out.mkdir(parents=True, exist_ok=True)
+        shot = out / "powerd-ui-demo.png"
+        assert browser.save_screenshot(str(shot))
+        print(f"screenshot: {shot}")
+    finally:
+        proc.terminate()
+        proc.wait(30)
