@@ -230,7 +230,7 @@
       `tick ${fleet.tick ?? '-'}`,
       fleet.status || 'no tick yet',
       fleet.solver ? `${fleet.solver} ${fmtNum(fleet.solve_ms, 1)} ms` : null,
-      `policy v${fleet.policy_version ?? '-'}`,
+      fleet.policy_version === null ? `policy ${fleet.policy_source}` : `policy v${fleet.policy_version}`,
       stale ? 'no new tick' : null,
       `updated ${new Date().toLocaleTimeString()}`,
     ].filter(Boolean).join(' · ');
@@ -381,7 +381,10 @@
       for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, String(v));
       return e;
     };
-    const W = 900; const H = 220; const L = 48; const R = 8; const T = 8; const B = 20;
+    // Drawn at the element's own size: no stretched text.
+    const W = Math.max(300, Math.round(svg.clientWidth || 900)); const H = 220;
+    const L = 64; const R = 8; const T = 10; const B = 20;
+    svg.setAttribute('viewBox', `0 0 ${W} ${H}`);
     const pts = hist.points;
     $('chart-source').textContent = `(from the ${hist.source === 'store' ? 'store' : "controller's memory"}`
       + `, ${Math.round(hist.step_s)} s intervals)`;
@@ -404,7 +407,10 @@
       label.textContent = fmtW(w);
       kids.push(label);
     }
-    const ago = (s) => (s >= 120 ? `-${Math.round(s / 60)} min` : `-${Math.round(s)} s`);
+    const ago = (s) => {
+      if (s >= 600) return `-${Math.round(s / 60)} min`;
+      return s >= 60 ? `-${(s / 60).toFixed(1)} min` : `-${Math.round(s)} s`;
+    };
     for (let i = 0; i <= 4; i += 1) {
       const t = t0 + ((t1 - t0) * i) / 4;
       const anchor = i === 0 ? 'start' : i === 4 ? 'end' : 'middle';
