@@ -226,7 +226,16 @@ def test_page_shows_the_fleet_and_follows_a_budget_cut(
                 lambda d: int(d.find_element(By.ID, "chart").get_attribute("data-points") or 0),
                 "the facility's history from the store",
             )
-            assert text(browser, "#alarms li") == "none"
+
+            def alarms_as_api(d: Any) -> bool:
+                kinds = [a["kind"] for a in c.get("/api/v1/alarms").json()]
+                shown = d.execute_script(
+                    "return [...document.querySelectorAll('#alarms li')]"
+                    ".map((e) => e.dataset.kind || e.textContent)"
+                )
+                return bool(shown == (kinds or ["none"]))
+
+            until(browser, alarms_as_api, "the API's alarms")
 
         # A budget cut through the API: the page follows without a reload.
         marker = browser.execute_script("return window.performance.timeOrigin")
@@ -337,3 +346,26 @@ def test_demo_serves_the_live_page(browser: Any, tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_page_shows_the_scope_and_its_leader(tmp_path: Path, browser: Any) -> None:
+    api = LiveApi(tmp_path, leadership=True).start()
+    try:
+        browser.get(f"{api.url}/ui#token={api.tokens['viewer']}")
+        fields = until(
+            browser,
+            lambda d: d.execute_script(
+                "return Object.fromEntries([...document.querySelectorAll("
+                "'#leadership dd')].map((e) => [e.dataset.field, e.textContent]))"
+            ),
+            "the leadership",
+        )
+        with api.client("viewer") as c:
+            lead = c.get("/api/v1/leadership").json()
+        assert lead["scope"] == "site" and lead["role"] == "leader" and lead["epoch"] >= 1
+        assert fields["scope"] == "site" and fields["mode"] == "alone"
+        assert fields["this controller"] == f"{lead['controller']} (leader)"
+        assert fields["leader"] == lead["leader"] and fields["epoch"] == str(lead["epoch"])
+        assert fields["standbys"] == "none"
+    finally:
+        api.close()
