@@ -369,3 +369,22 @@ def test_page_shows_the_scope_and_its_leader(tmp_path: Path, browser: Any) -> No
         assert fields["standbys"] == "none"
     finally:
         api.close()
+
+
+def test_page_shows_an_alarm_and_its_clearing(live_ui: LiveApi, browser: Any) -> None:
+    browser.get(f"{live_ui.url}/ui#token={live_ui.tokens['viewer']}")
+    until(browser, lambda d: text(d, "#facility-budget") == "4000 W", "the fleet")
+    alarms_js = "return [...document.querySelectorAll('#alarms li')].map((e) => e.dataset.kind)"
+    with live_ui.client("operator") as c:
+        # Below the device minimums (8 × 200 W) plus node overheads (4 × 100 W).
+        r = c.put("/api/v1/budgets/site", json={"budget_w": 1500, "reason": "ui alarm test"})
+        assert r.status_code == 200, r.text
+        until(browser, lambda d: "infeasible_min" in d.execute_script(alarms_js), "the alarm")
+        message = c.get("/api/v1/alarms").json()
+        shown = text(browser, '#alarms li[data-kind="infeasible_min"]')
+        assert shown == "infeasible_min" + next(
+            a["message"] for a in message if a["kind"] == "infeasible_min"
+        )
+        assert text(browser, "#alarms-count") == str(len(message))
+        assert c.delete("/api/v1/budgets/site", params={"reason": "over"}).status_code == 200
+        until(browser, lambda d: "infeasible_min" not in d.execute_script(alarms_js), "clearing")
