@@ -343,6 +343,21 @@ def test_demo_serves_the_live_page(browser: Any, tmp_path: Path) -> None:
         shot = out / "powerd-ui-demo.png"
         assert browser.save_screenshot(str(shot))
         print(f"screenshot: {shot}")
+
+        # Racks closed (a large site's default): no node is shown or read until its rack
+        # opens; then only that rack's nodes.
+        browser.get("about:blank")
+        browser.get(link + "&racks=closed")
+        t = until(browser, lambda d: "row-1-rack-2" in (t := tree(d)) and t, "the racks")
+        assert [g["level"] for g in t.values()] == ["facility", "row", "rack", "rack"]
+        browser.execute_script(
+            "document.querySelector('[data-group=\"row-1-rack-2\"] > .line').click()"
+        )
+        t = until(browser, lambda d: len(tree(d)) > 4 and tree(d), "the open rack's nodes")
+        assert [n for n, g in t.items() if g["level"] == "node"] == [
+            f"row-1-rack-2-node-{k:02d}" for k in range(1, 9)
+        ]
+        assert all(t[f"row-1-rack-2-node-{k:02d}"]["parent"] == "row-1-rack-2" for k in (1, 8))
     finally:
         proc.terminate()
         proc.wait(30)

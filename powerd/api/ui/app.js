@@ -7,7 +7,12 @@
   const BASE = location.pathname.replace(/\/ui\/?$/, '');
   const KEY = 'powerd.token';
   const HISTORY_EVERY_MS = 10000;
+  const STRUCTURE_EVERY_MS = 60000;
   const PAGE = 1000;
+  // Up to this many nodes every rack starts open; above, racks open on a click, and only
+  // the open racks' nodes are read each tick (a large site's page stays light on the
+  // controller). `#racks=open` or `#racks=closed` in the link decides instead.
+  const SMALL_SITE_NODES = 64;
   const state = {
     token: null,
     timer: null,
@@ -18,6 +23,9 @@
     lastTick: null,
     inflight: false,
     again: false,
+    structure: null, // {key, at, nodes}: where each node sits (changes with the policy)
+    racksMode: null, // 'open' | 'closed' from the link, else by the site's size
+    racksToggled: new Set(),
   };
 
   class AuthError extends Error {}
@@ -77,6 +85,8 @@
   // ---- the token ----
 
   function takeFragmentToken() {
+    const racks = /(?:^#|&)racks=(open|closed)(?:&|$)/.exec(location.hash);
+    if (racks) state.racksMode = racks[1];
     const m = /(?:^#|&)token=([^&]+)/.exec(location.hash);
     if (!m) return;
     try {
@@ -165,17 +175,20 @@
     try {
       const now = Date.now();
       const wantHistory = now - state.historyAt > HISTORY_EVERY_MS;
-      const [fleet, groups, nodes, alarms, history] = await Promise.all([
+      const [fleet, levels, alarms, history] = await Promise.all([
         api('/api/v1/fleet'),
-        all('/api/v1/groups'),
-        all('/api/v1/nodes'),
+        Promise.all(['facility', 'row', 'rack'].map((l) => all(`/api/v1/groups?level=${l}`))),
         api('/api/v1/alarms'),
         wantHistory ? api('/api/v1/history/facility?window_s=3600&points=360').catch((e) => {
           if (e instanceof AuthError) throw e;
           return null; // no store, or it is down: the rest of the page still works
         }) : Promise.resolve(state.history),
       ]);
-      const open = [...state.open].filter((n) => nodes.some((x) => x.name === n));
+      const groups = levels.flat();
+      const nodes = await readNodes(fleet, now);
+      const visible = new Set(nodes.filter((n) => !n.rack || rackOpen(n.rack, nodes.length))
+        .map((n) => n.name));
+      const open = [...state.open].filter((n) => visible.has(n));
       const gpuLists = await Promise.all(
         open.map((n) => all(`/api/v1/gpus?node=${encodeURIComponent(n)}`)));
       const gpus = new Map(open.map((n, i) => [n, gpuLists[i]]));
@@ -198,6 +211,31 @@
     const ms = Math.min(10000, Math.max(500, 1000 * state.tickS));
     clearTimeout(state.timer);
     state.timer = setTimeout(refresh, ms);
+  }
+
+  function rackOpen(rack, total) {
+    const base = state.racksMode ? state.racksMode === 'open' : total <= SMALL_SITE_NODES;
+    return state.racksToggled.has(rack) ? !base : base;
+  }
+
+  // The nodes with this tick's numbers: all of them while every rack is open (or where
+  // the tree must be learnt again), else those of the open racks, read rack by rack.
+  async function readNodes(fleet, now) {
+    const key = `${fleet.policy_version}/${fleet.policy_source}/${fleet.nodes}`;
+    const known = state.structure;
+    const fresh = known && known.key === key && now - known.at < STRUCTURE_EVERY_MS;
+    const racks = fresh ? [...new Set(known.nodes.map((n) => n.rack))] : [];
+    const total = fresh ? known.nodes.length : 0;
+    if (!fresh || racks.some((r) => !r) || racks.every((r) => rackOpen(r, total))) {
+      const nodes = await all('/api/v1/nodes');
+      state.structure = { key, at: fresh ? known.at : now, nodes };
+      return nodes;
+    }
+    const open = racks.filter((r) => r && rackOpen(r, total));
+    const lists = await Promise.all(
+      open.map((r) => all(`/api/v1/nodes?rack=${encodeURIComponent(r)}`)));
+    const byName = new Map(lists.flat().map((n) => [n.name, n]));
+    return known.nodes.map((n) => byName.get(n.name) || n);
   }
 
   function render(fleet, groups, nodes, alarms, gpus) {
@@ -288,11 +326,24 @@
     }
     const nodeEls = (list) => list.map((n) => nodeEl(n, gpus.get(n.name)));
     const rackEls = (racks) => [...racks].flatMap(([rack, list]) => (rack
-      ? [groupEl('rack', get('rack', rack), nodeEls(list))] : nodeEls(list)));
+      ? [rackEl(get('rack', rack), nodeEls, list, nodes.length)] : nodeEls(list)));
     const rowEls = [...rows].flatMap(([row, racks]) => (row
       ? [groupEl('row', get('row', row), rackEls(racks))] : rackEls(racks)));
     const facility = groups.find((g) => g.level === 'facility');
     $('tree').replaceChildren(facility ? groupEl('facility', facility, rowEls) : h('div', {}, rowEls));
+  }
+
+  function rackEl(g, nodeEls, list, total) {
+    const open = rackOpen(g.name, total);
+    const el = groupEl('rack', g, open ? nodeEls(list) : null,
+      [h('span', { class: 'badge' }, `${open ? '▾' : '▸'} ${list.length} node${list.length === 1 ? '' : 's'}`)]);
+    el.setAttribute('aria-expanded', open ? 'true' : 'false');
+    el.firstChild.addEventListener('click', () => {
+      if (state.racksToggled.has(g.name)) state.racksToggled.delete(g.name);
+      else state.racksToggled.add(g.name);
+      refresh();
+    });
+    return el;
   }
 
   function nodeEl(n, gpus) {
