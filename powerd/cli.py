@@ -187,6 +187,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             db_url=args.db,
             as_json=args.json,
             seed=args.seed,
+            ui_port=args.ui,
         )
     )
     return EXIT_OK if result["ticks_committed_over_budget"] == 0 else EXIT_FAILED
@@ -337,6 +338,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="one JSON object per tick, then a summary"
     )
     demo.add_argument("--seed", type=int, default=0, help="seed of the simulated workloads")
+    demo.add_argument(
+        "--ui",
+        type=int,
+        metavar="PORT",
+        default=None,
+        help="also serve the live page on 127.0.0.1:PORT (0: a free port); prints its link",
+    )
     demo.set_defaults(handler=cmd_demo)
 
     agent = sub.add_parser("agent", help="run the node agent (telemetry, caps, failsafe)")

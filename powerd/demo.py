@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
@@ -30,6 +30,9 @@ from powerd.numeric import finite_or_none
 from powerd.policy import Policy, load_policy, load_policy_text
 from powerd.store import Store, StoreWriter, upgrade
 from powerd.transport import MemoryBroker, MqttConfig, MqttTransport, Transport
+
+if TYPE_CHECKING:
+    from powerd.api.server import ApiServer
 
 EMBEDDED_POLICY = "example.yaml"
 
@@ -252,6 +255,20 @@ def _first_nodes(policy: Policy, nodes: int | None) -> tuple[Policy, list[str]]:
     return policy.subset(names[:nodes]), names[:nodes]
 
 
+def live_page(controller: Controller, port: int, out: TextIO) -> ApiServer:
+    """The API on 127.0.0.1:`port` for a fresh viewer token; prints the live page's link."""
+    from powerd.api.app import create_app
+    from powerd.api.server import ApiServer
+    from powerd.auth import Role, TokenStore, generate_token
+
+    token = generate_token()
+    app = create_app(controller, TokenStore.single(token, Role.VIEWER, "demo-viewer"))
+    server = ApiServer(app, "127.0.0.1", port)
+    # The token in the fragment: the browser keeps it, no server log sees it.
+    print(f"live page: http://127.0.0.1:{server.port}/ui#token={token}", file=out, flush=True)
+    return server
+
+
 async def run_demo(
     policy: Policy,
     *,
@@ -263,6 +280,7 @@ async def run_demo(
     seed: int = 0,
     out: TextIO = sys.stdout,
     clock: Clock | None = None,
+    ui_port: int | None = None,  # also serve the live page (/ui) there: live_page()
 ) -> dict[str, Any]:
     clock = clock or SystemClock()
     policy, node_names = _first_nodes(policy, nodes)
@@ -315,6 +333,9 @@ async def run_demo(
         controller_id="powerd-demo",
     )
     stats = DemoStats()
+    server = (
+        None if ui_port is None else live_page(controller, ui_port, sys.stderr if as_json else out)
+    )
 
     def show(r: TickReport) -> None:
         stats.add(r)
@@ -342,6 +363,8 @@ async def run_demo(
             for agent in agents:
                 tg.create_task(agent.run(stop), name=f"agent-{agent.node_id}")
             tg.create_task(controller.run(stop, learn_s=tick_s), name="controller")
+            if server is not None:
+                tg.create_task(server.serve(stop), name="api")
             await clock.sleep(duration_s)
             stop.set()
     finally:

@@ -25,6 +25,7 @@ from powerd.clock import SystemClock
 from powerd.controller.admin import Ledger
 from powerd.controller.controller import Controller
 from powerd.controller.hooks import metrics_hook
+from powerd.controller.leadership import for_daemon
 from powerd.controller.opstate import StateFile
 from powerd.metrics import ControllerMetrics
 from powerd.policy import load_policy_text
@@ -68,8 +69,9 @@ GPUS_PER_NODE = 2
 
 
 class LiveApi:
-    """The whole controller process, minus real GPUs and a real broker, in a thread of its
-    own with its own event loop; tests use synchronous HTTP clients against `url`."""
+    """The whole controller process, minus real GPUs and (without `broker_url`) a real
+    broker, in a thread of its own with its own event loop; tests use synchronous HTTP
+    clients against `url`."""
 
     def __init__(
         self,
@@ -80,8 +82,10 @@ class LiveApi:
         state_file: Path | None = None,
         broker_url: str | None = None,
         db_url: str | None = None,
+        leadership: bool = False,
     ) -> None:
         self.workdir = workdir
+        self.leadership = leadership  # lead the store's lease, alone (SQLite), as main() does
         self.state_file = state_file
         self.policy_text = policy_text
         self.with_store = with_store
@@ -182,6 +186,17 @@ class LiveApi:
             controller.ledger = Ledger(
                 controller, store=store, state_file=StateFile(self.state_file)
             )
+        if self.leadership:
+            assert self.with_store
+            controller.leadership = for_daemon(
+                self.db_url,
+                scope=policy.groups[0].name,
+                holder="ctl-test",
+                control=policy.control,
+                lease_s=None,
+                mode="alone",
+            )
+            await controller.leadership.claim_alone()
         registry = CollectorRegistry()
         controller.on_tick.append(metrics_hook(controller, ControllerMetrics(registry)))
         tokens = TokenStore.from_file(self.workdir / "tokens.toml")
@@ -203,6 +218,9 @@ class LiveApi:
                 tg.create_task(controller.run(stop, learn_s=0.2), name="controller")
                 tg.create_task(controller.ledger.run(stop), name="ledger")
                 tg.create_task(server.serve(stop), name="api")
+                if controller.leadership is not None:
+                    lead = controller.leadership.run(stop, controller.epoch_to_overtake)
+                    tg.create_task(lead, name="leadership")
         finally:
             if writer is not None and store is not None:
                 await asyncio.to_thread(writer.stop)

@@ -122,6 +122,15 @@ OPERATIONS = [
     ),
     Op(
         "GET",
+        f"{V1}/history/facility",
+        "facility_history_api_v1_history_facility_get",
+        "history",
+        "viewer",
+        STORE_READ,
+        ("query:window_s", "query:points"),
+    ),
+    Op(
+        "GET",
         f"{V1}/events",
         "events_api_v1_events_get",
         "events",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import tomllib
 from pathlib import Path
 
@@ -22,3 +23,14 @@ def test_every_subpackage_is_listed_in_pyproject() -> None:
 def test_embedded_example_policy_is_the_shipped_file() -> None:
     embedded = ROOT / "powerd" / "data" / "example.yaml"
     assert embedded.read_text() == (ROOT / "policies" / "example.yaml").read_text()
+
+
+def test_the_live_page_ships_as_package_data() -> None:
+    # A wheel holds a package's non-Python files only where package-data names them.
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    patterns = data["package-data"]["powerd.api"]
+    files = [p for p in (ROOT / "powerd" / "api" / "ui").iterdir() if p.is_file()]
+    assert {"index.html", "app.js", "app.css"} <= {p.name for p in files}
+    for p in files:
+        rel = p.relative_to(ROOT / "powerd" / "api").as_posix()
+        assert any(fnmatch.fnmatch(rel, pat) for pat in patterns), f"{rel} would not ship"

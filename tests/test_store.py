@@ -402,6 +402,16 @@ def test_prune_deletes_only_rows_past_their_retention(store: Store) -> None:
     assert store.events().total == 1  # events are not pruned
 
 
+def test_tick_series_is_the_window_oldest_first(store: Store) -> None:
+    w = writer_for(store)
+    for n, ts in enumerate([T0 - 100, T0, T0 + 1, T0 + 2]):
+        w.submit_tick(_tick(n, ts=ts))
+    assert w.flush()
+    assert store.tick_series(T0) == [(T0 + k, 1e4, 9e3, 8e3) for k in (0, 1, 2)]
+    assert store.tick_series(T0, limit=2) == [(T0 + 1, 1e4, 9e3, 8e3), (T0 + 2, 1e4, 9e3, 8e3)]
+    assert store.tick_series(T0 + 10) == []
+
+
 def test_writer_prunes_with_its_retention(store: Store) -> None:
     clock = ManualClock(start=0.0, wall_offset=T0 + 10 * 86_400)
     w = StoreWriter(

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from powerd import __version__
 from powerd.api.errors import install_error_handlers
-from powerd.api.routers import fleet, health, history, jobs, metrics, overrides, policy
+from powerd.api.routers import fleet, health, history, jobs, metrics, overrides, policy, ui
 from powerd.api.views import Views
 from powerd.auth import TokenStore
 from powerd.controller.controller import Controller
@@ -33,6 +33,7 @@ def create_app(
 
     `/healthz`, `/readyz` are open (for load balancers and systemd-style probes);
     `/metrics` needs a viewer token unless `metrics_public` (Prometheus on a trusted net).
+    `/ui` (the live page's files, no data) is open too: the page asks for a token.
     """
     app = FastAPI(
         title="powerd admin API",
@@ -54,4 +55,5 @@ def create_app(
     app.include_router(overrides.router)
     app.include_router(jobs.router)
     app.include_router(policy.router)
+    app.include_router(ui.router)
     return app

@@ -132,6 +132,7 @@ class FleetSummary(_Out):
     duration_ms: float | None
     policy_version: int | None
     policy_source: str
+    tick_s: float | None = Field(default=None, description="The policy's tick interval.")
     facility: GroupUse | None
     rows: list[GroupUse]
     nodes: int = Field(description="Nodes in the policy's inventory.")
@@ -226,6 +227,26 @@ class TickOut(_Out):
     throughput: float
     gpus: int
     gpus_stale: int
+
+
+class HistoryPoint(_Out):
+    ts: float = Field(description="The end of the interval (its newest tick).")
+    ticks: int = Field(description="Ticks in the interval.")
+    budget_w: float | None = Field(description="The lowest budget in force (null: none).")
+    committed_w: float | None = Field(description="The highest committed sum.")
+    draw_w: float | None = Field(description="Mean measured draw.")
+    draw_max_w: float | None = Field(description="Highest measured draw.")
+
+
+class FacilityHistory(_Out):
+    source: Literal["store", "memory"] = Field(
+        description="store: the database (outlives restarts); memory: the last ticks this "
+        "controller ran (no store)."
+    )
+    since: float = Field(description="The window's start (epoch seconds).")
+    until: float = Field(description="The window's end: the controller's time of the answer.")
+    step_s: float = Field(description="The width of one interval.")
+    points: list[HistoryPoint] = Field(description="Oldest first; empty intervals left out.")
 
 
 class AlarmOut(_Out):

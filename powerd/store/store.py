@@ -268,6 +268,21 @@ class Store:
             stmt = stmt.where(Tick.ts >= since)
         return self._all(stmt)
 
+    def tick_series(
+        self, since: float, limit: int = 200_000
+    ) -> list[tuple[float, float, float, float]]:
+        """(ts, budget_w, committed_w, draw_w) of the ticks since `since`, oldest first: the
+        facility's draw against its budget, for a chart (at most `limit`, the newest)."""
+        stmt = (
+            select(Tick.ts, Tick.budget_w, Tick.committed_w, Tick.draw_w)
+            .where(Tick.ts >= since)
+            .order_by(Tick.ts.desc(), Tick.id.desc())
+            .limit(limit)
+        )
+        with self.engine.connect() as conn:
+            rows = conn.execute(stmt).all()
+        return [(r[0], r[1], r[2], r[3]) for r in reversed(rows)]
+
     def events(
         self,
         *,

@@ -111,6 +111,7 @@ async def fleet(_: Viewer, controller: ControllerDep) -> FleetSummary:
         duration_ms=None if r is None else r.duration_ms,
         policy_version=controller.policy_version,
         policy_source=controller.policy.source,
+        tick_s=controller.policy.control.tick_s,
         facility=None if r is None or not r.group_names else _group_use(r, 0),
         rows=[]
         if r is None

@@ -4,13 +4,23 @@ where a slow database delays nobody else."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
+import numpy as np
 from fastapi import APIRouter, Query
 
 from powerd.api.deps import V1, ControllerDep, Limit, NameQuery, Offset, Viewer, store_or_503
 from powerd.api.errors import AUTH_ERRORS, STORE_ERRORS
-from powerd.api.models import AlarmOut, AuditOut, EventOut, Page, TickOut
+from powerd.api.models import (
+    AlarmOut,
+    AuditOut,
+    EventOut,
+    FacilityHistory,
+    HistoryPoint,
+    Page,
+    TickOut,
+)
 from powerd.controller.engine import TickSummary
 from powerd.numeric import finite_or_none
 from powerd.store.models import Tick
@@ -44,6 +54,72 @@ def ticks(
         return [_tick_out(t) for t in controller.store.recent_ticks(limit=limit, since=since)]
     history = list(controller.history)  # a copy: the loop appends meanwhile
     return [_tick_out(r) for r in reversed(history) if since is None or r.ts >= since][:limit]
+
+
+def _finite(v: float) -> float | None:
+    return float(v) if np.isfinite(v) else None
+
+
+def bucketed(
+    rows: Sequence[tuple[float, float, float, float]], since: float, step_s: float
+) -> list[HistoryPoint]:
+    """(ts, budget, committed, draw) rows, oldest first, in intervals of `step_s` from
+    `since`: per interval the lowest budget, the highest committed sum, the mean and the
+    highest draw; so a chart of a few hundred points still shows every peak and every cut."""
+    if not rows:
+        return []
+    a = np.array(rows, dtype=np.float64)
+    k = np.floor((a[:, 0] - since) / step_s).astype(np.int64)
+    starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
+    counts = np.diff(np.r_[starts, len(k)])
+    with np.errstate(invalid="ignore"):  # NaN readings stay NaN and are shown as null
+        ts = a[starts + counts - 1, 0]
+        budget = np.minimum.reduceat(a[:, 1], starts)
+        committed = np.maximum.reduceat(a[:, 2], starts)
+        draw = np.add.reduceat(a[:, 3], starts) / counts
+        draw_max = np.maximum.reduceat(a[:, 3], starts)
+    return [
+        HistoryPoint(
+            ts=float(ts[j]),
+            ticks=int(counts[j]),
+            budget_w=_finite(budget[j]),
+            committed_w=_finite(committed[j]),
+            draw_w=_finite(draw[j]),
+            draw_max_w=_finite(draw_max[j]),
+        )
+        for j in range(len(starts))
+    ]
+
+
+@router.get(
+    "/history/facility", response_model=FacilityHistory, tags=["history"], responses=STORE_ERRORS
+)
+def facility_history(
+    _: Viewer,
+    controller: ControllerDep,
+    window_s: Annotated[float, Query(ge=60, le=7 * 86400)] = 3600,
+    points: Annotated[int, Query(ge=10, le=2000)] = 360,
+) -> FacilityHistory:
+    """The facility's draw against its budget over the last `window_s`, in `points`
+    intervals (the live page's chart): from the store when there is one, else from the
+    ticks this controller remembers."""
+    until = controller.clock.wall()
+    since = until - window_s
+    step_s = window_s / points
+    if controller.store is not None:
+        rows = controller.store.tick_series(since)
+        source: Literal["store", "memory"] = "store"
+    else:
+        history = list(controller.history)  # a copy: the loop appends meanwhile
+        rows = [(t.ts, t.budget_w, t.committed_w, t.draw_w) for t in history if t.ts >= since]
+        source = "memory"
+    return FacilityHistory(
+        source=source,
+        since=since,
+        until=until,
+        step_s=step_s,
+        points=bucketed(rows, since, step_s),
+    )
 
 
 @router.get("/events", response_model=Page[EventOut], tags=["events"], responses=STORE_ERRORS)
