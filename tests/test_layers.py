@@ -66,6 +66,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "powerd.cli",
             "powerd.demo",
+            "powerd.profilefit",
             "powerd.sim",
             "powerd.chaos",
             "powerd.testing",
