@@ -21,6 +21,7 @@ from powerd.allocator.model import (
     class_names,
     objective,
     repair,
+    unused_w,
 )
 from powerd.policy import Policy
 from powerd.snapshot import Snapshot
@@ -159,6 +160,7 @@ def allocate_arrays(
         infeasible_groups=tuple(names[g] for g in problem.infeasible_groups),
         repair_w=float(np.max(np.abs(p - raw), initial=0.0)) * 1000.0,
         prices=prices,
+        unused_w=unused_w(problem, p),
     )
 
 
