@@ -84,8 +84,9 @@ class TickReport:
     # What committed caps may reach: the budget, or above it where a group is rated for an
     # overload (OverloadRule); None: the budgets (a tick that fell back).
     group_limit_w: FloatArray | None = None
-    # Room in the root's budget the allocation left to nobody (W): power no GPU could use
-    # (control.leftover: peak leaves what lies past the profiles' peaks); 0 if unbudgeted.
+    # Room in the root's limit in force (group_limit_w) the allocation left to nobody (W):
+    # power no GPU could use (control.leftover: peak leaves what lies past the profiles'
+    # peaks); 0 if the root has no budget.
     unused_w: float = 0.0
 
     @property
