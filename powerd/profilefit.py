@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import re
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
 from powerd.argtypes import positive_float
 from powerd.errors import InputError
@@ -213,22 +215,29 @@ def _fmt(x: float, digits: int) -> str:
     return f"{round(x, digits):.{digits}f}".rstrip("0").rstrip(".") or "0"
 
 
+def _key(name: str) -> str:
+    """The name as a YAML string: quoted where YAML would read it as something else (1024)."""
+    return name if isinstance(yaml.safe_load(name), str) else f'"{name}"'
+
+
 def to_yaml(fits: Sequence[Fit], source: str, weight: float = 1.0) -> str:
     """`profiles:` and `classes:` sections for a policy, with each fit's error in comments."""
     lines = [f"# fitted by `powerd profile fit` from {source}", "profiles:"]
     for f in fits:
         pts = ", ".join(f"[{_fmt(p, 1)}, {_fmt(y, 4)}]" for p, y in f.points)
+        about = f"fitted from {Path(source).name} (best {f.best:.6g})"
         lines += [
-            f"  {f.name}:",
+            f"  {_key(f.name)}:",
             f"    # {f.sweep.power_w.size} measured points; peak at {_fmt(f.peak_w, 1)} W; "
             f"measured up to {100 * f.max_below:.1f} % below the envelope "
             f"(RMS {100 * f.rms_below:.1f} %)",
-            f"    description: fitted from {Path(source).name} (best {f.best:.6g})",
+            f"    description: {json.dumps(about)}",
             f"    points: [{pts}]",
         ]
     lines.append("classes:")
     for f in fits:
-        lines += [f"  {f.name}:", f"    weight: {weight:g}", f"    profile: {f.name}"]
+        name = _key(f.name)
+        lines += [f"  {name}:", f"    weight: {weight:g}", f"    profile: {name}"]
     return "\n".join(lines) + "\n"
 
 

@@ -71,6 +71,25 @@ def test_the_output_pastes_into_a_policy(tmp_path: Path) -> None:
     assert policy.class_profile("llama").peak_w == 250.0
 
 
+def test_numeric_group_values_stay_names(tmp_path: Path) -> None:
+    # Grouped by batch size alone: "64" must stay a name, not become the number 64.
+    rows = [f"{b},{p},{t * b / 64}" for b in (64, 128) for p, t in SWEEP]
+    csv = write_csv(tmp_path / "odd: name #1.csv", "batch_size,power,tput", rows)
+    out = powerd(
+        "profile", "fit", str(csv), "--power", "power", "--throughput", "tput",
+        "--group", "batch_size",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    data = fitted(out.stdout)
+    assert set(data["profiles"]) == {"64", "128"}
+    assert data["classes"]["64"]["profile"] == "64"
+    assert data["profiles"]["64"]["description"].startswith("fitted from odd: name #1.csv")
+    policy_data = yaml.safe_load(EXAMPLE.read_text())
+    policy_data["profiles"] |= data["profiles"]
+    policy_data["classes"] |= data["classes"]
+    assert parse_policy(policy_data, "pasted").class_profile("128").peak_w == 250.0
+
+
 def test_time_per_unit_of_work_is_inverted_and_the_png_is_written(tmp_path: Path) -> None:
     # Zeus's power traces give seconds per epoch: throughput is its inverse.
     rows = [f"resnet,{p},{1.0 / t}" for p, t in SWEEP] + [
