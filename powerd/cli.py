@@ -18,6 +18,7 @@ from powerd.argtypes import positive_float
 from powerd.errors import InputError
 from powerd.logs import configure_logging
 from powerd.policy import LEVELS, Policy, load_policy, subtree_totals
+from powerd.profilefit import add_profile_parser
 from powerd.sim.cli import add_sim_parser
 
 EXIT_OK = 0
@@ -386,6 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_api_commands(sub)
     add_sim_parser(sub)
+    add_profile_parser(sub)
 
     db = sub.add_parser("db", help="database maintenance")
     db_sub = db.add_subparsers(dest="db_command", metavar="ACTION", required=True)

@@ -233,6 +233,7 @@ def tick_json(r: TickReport) -> dict[str, Any]:
         "budget_w": finite_or_none(r.group_budget_w[0]),
         "committed_w": r.group_committed_w[0],
         "draw_w": r.group_draw_w[0],
+        "unused_w": r.unused_w,
         "throughput": r.throughput_total,
         "throughput_by_class": r.throughput_by_class(),
         "solve_ms": r.solve_ms,

@@ -321,6 +321,7 @@ class _Families(Collector):
         self.solver_status = ""
         self.statuses: set[str] = set()
         self.last_tick_ts: float | None = None
+        self.unused_w: float | None = None
         self.throughput: Mapping[str, float] = {}
         self.gpus: Mapping[str, float] = {}
         self.nodes: Mapping[str, float] = {}
@@ -375,6 +376,14 @@ class _Families(Collector):
                 "Wall time the last tick ended.",
                 "gauge",
                 self.last_tick_ts,
+            )
+        if self.unused_w is not None:
+            yield _scalar(
+                "powerd_unused_watts",
+                "Room in the root's budget the last allocation left to nobody: power no GPU "
+                "could use (in W; 0 when the root has no budget).",
+                "gauge",
+                self.unused_w,
             )
         yield _gauges(
             "powerd_throughput",
@@ -535,6 +544,7 @@ class ControllerMetrics:
         status: str,
         ts: float,
         throughput: Mapping[str, float] | None = None,
+        unused_w: float | None = None,
     ) -> None:
         self.tick_seconds.observe(duration_s)
         self.solve_seconds.observe(solve_s)
@@ -545,6 +555,8 @@ class ControllerMetrics:
             self._f.last_tick_ts = ts
             if throughput is not None:
                 self._f.throughput = dict(throughput)
+            if unused_w is not None:
+                self._f.unused_w = unused_w
 
     def update_counters(
         self,

@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -153,6 +153,9 @@ class Control(_Strict):
     # Weight of the damping term ε·Σ(p − p_prev)², p in kW: breaks ties toward the caps in
     # force and damps oscillation. Small against profile slopes (≈1 per kW).
     damping: float = Field(default=0.01, ge=0, le=10)
+    # Power no GPU can turn into throughput: "peak" leaves it unallocated (no cap above its
+    # profile's peak), "max" hands it out up to each GPU's maximum cap.
+    leftover: Literal["peak", "max"] = "peak"
 
     @model_validator(mode="after")
     def _lease_covers_ticks(self) -> Control:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,8 +20,8 @@ from powerd.allocator import (
     allocate_arrays,
     build_problem,
 )
-from powerd.policy import Policy
-from powerd.testing.synthetic import make_policy, random_fleet
+from powerd.policy import Policy, parse_policy
+from powerd.testing.synthetic import policy_dict, random_fleet
 from powerd.topology import Topology
 
 TOL_W = 1e-6
@@ -34,8 +35,11 @@ def policy_for(
     fractions: tuple[float, float, float, float],
     damping: float,
     slew_w: float | None,
+    leftover: str,
 ) -> Policy:
-    return make_policy(*shape, fractions=fractions, damping=damping, slew_w=slew_w)
+    data = policy_dict(*shape, fractions=fractions, damping=damping, slew_w=slew_w)
+    data["control"]["leftover"] = leftover
+    return parse_policy(data, "<synthetic>")
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ def cases(
     damping: st.SearchStrategy[float] | None = None,
     odd_gpus: bool = True,
     slew: bool = True,
+    leftover: st.SearchStrategy[str] | None = None,
 ) -> Case:
     shape = (
         draw(st.integers(1, 2)),
@@ -64,7 +69,8 @@ def cases(
     fractions = (draw(fraction), draw(fraction), draw(fraction), draw(fraction))
     damp = draw(damping if damping is not None else st.sampled_from([0.0, 0.001, 0.01, 0.1]))
     slew_w = draw(st.sampled_from([None, 40.0, 150.0])) if slew else None
-    policy = policy_for(shape, fractions, damp, slew_w)
+    left = draw(leftover if leftover is not None else st.sampled_from(["peak", "max"]))
+    policy = policy_for(shape, fractions, damp, slew_w, left)
     share = st.sampled_from([0.0, 0.0, 0.25])
     fleet = random_fleet(
         policy,
@@ -203,3 +209,44 @@ def test_baselines_never_beat_the_optimum(case: Case) -> None:
     for solver in ("uniform", "priority-bands"):
         other = allocate_arrays(case.fleet, case.policy, solver).objective
         assert other <= best + 1e-9 * abs(best)
+
+
+def peak_w(case: Case) -> np.ndarray:
+    names = list(case.policy.classes)
+    return np.array([case.policy.class_profile(c).peak_w for c in names])[case.fleet.class_index]
+
+
+@FAST
+@given(cases(leftover=st.just("peak")))
+def test_no_gpu_gets_power_past_its_peak(case: Case) -> None:
+    f = case.fleet
+    alloc = allocate_arrays(f, case.policy)
+    specs = [case.policy.classes[c] for c in case.policy.classes]
+    floor = np.array([s.floor_w or 0.0 for s in specs])[f.class_index]
+    # Past the peak only where something wins over it: a pin, the device minimum, a floor.
+    allowed = np.maximum(np.maximum(peak_w(case), floor), f.min_cap_w)
+    free = np.isnan(f.pinned_w)
+    assert np.all(alloc.caps_w[free] <= allowed[free] + TOL_W)
+    # What is left at the root is reported, and nobody could have used it.
+    problem = build_problem(f, case.policy)
+    room = problem.capacity[0] * 1000.0
+    if np.isfinite(room):
+        assert alloc.unused_w == pytest.approx(max(room - alloc.caps_w.sum(), 0.0), abs=1e-6)
+        if alloc.unused_w > 1e-3:
+            # Room at the root: every GPU is at its bound or under a full group below it.
+            sums = problem.tree.sums(alloc.caps_w / 1000.0)
+            full = (sums >= problem.capacity - 1e-6)[f.topology.gpu_groups[:, 1:]].any(axis=1)
+            assert np.all(full | (alloc.caps_w >= problem.hi * 1000.0 - 1e-3))
+
+
+@FAST
+@given(cases(odd_gpus=False, slew=False, leftover=st.just("peak")))
+def test_leftover_max_only_adds_power_past_the_peaks(case: Case) -> None:
+    """Same fleet, leftover: max: the power past the peaks is handed out, so no less power in
+    all and no more left unused (every GPU wants its upper bound; max only raises bounds)."""
+    peak = allocate_arrays(case.fleet, case.policy)
+    data = case.policy.spec.model_dump(by_alias=True)
+    data["control"]["leftover"] = "max"
+    maxed = allocate_arrays(case.fleet, parse_policy(data))
+    assert peak.caps_w.sum() <= maxed.caps_w.sum() + 1e-6
+    assert maxed.unused_w <= peak.unused_w + 1e-6

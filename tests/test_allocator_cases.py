@@ -54,21 +54,64 @@ def budgets_hold(alloc: Allocation, snapshot: Snapshot, policy: Policy) -> bool:
     return topo.violations(alloc.caps_w) == []
 
 
+def leftover_max(policy: Policy) -> Policy:
+    data = policy.spec.model_dump(by_alias=True)
+    data["control"]["leftover"] = "max"
+    return parse_policy(data)
+
+
 @pytest.mark.parametrize("solver", SOLVERS)
 def test_a_full_node_splits_by_weight_and_hands_out_the_rest(example: Policy, solver: str) -> None:
     # 8 hungry GPUs on one node: 5,500 W of room for 5,600 W of maxima.
     s = snap(
         example, *(gpu(f"g{i}", workload="inference" if i < 2 else "training") for i in range(8))
     )
-    alloc = allocate(s, example, solver)
+    alloc = allocate(s, leftover_max(example), solver)
     caps = alloc.caps()
     assert alloc.status == OPTIMAL
     assert sum(caps.values()) == pytest.approx(5500.0, abs=1e-6)
+    # The node is full; the site's room (its budget less 64 nodes' overhead) is not.
+    assert alloc.unused_w == pytest.approx(250_000.0 - 64 * 1000.0 - 5500.0, abs=1e-6)
     assert budgets_hold(alloc, s, example)
     if solver in ("fast", "cvxpy"):
         # Inference is saturated at 600 W; training shares the rest equally.
         assert caps["g0"] >= 600.0 - 0.5
         assert caps["g2"] == pytest.approx(caps["g7"], abs=0.5)
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_power_past_a_peak_is_left_unallocated(example: Policy, solver: str) -> None:
+    # The same node by default: inference peaks at 600 W (llm-inference is flat from there),
+    # so its GPUs stop there, training gets its 700 W maximum, and 100 W stay unused.
+    s = snap(
+        example, *(gpu(f"g{i}", workload="inference" if i < 2 else "training") for i in range(8))
+    )
+    alloc = allocate(s, example, solver)
+    caps = alloc.caps()
+    assert alloc.status == OPTIMAL
+    assert caps["g0"] == pytest.approx(600.0, abs=1e-6)
+    assert caps["g1"] == pytest.approx(600.0, abs=1e-6)
+    assert all(caps[f"g{i}"] == pytest.approx(700.0, abs=1e-6) for i in range(2, 8))
+    assert budgets_hold(alloc, s, example)
+    # The node is the tightest budget, but what the root reports is the site's room.
+    room = 250_000.0 - 64 * 1000.0 - sum(caps.values())
+    assert alloc.unused_w == pytest.approx(room, abs=1e-6)
+    assert alloc.to_json()["unused_w"] == alloc.unused_w
+
+
+def test_a_floor_above_the_peak_still_holds() -> None:
+    data = policy_dict(1, 1, 1, 2, fractions=(1.0, 1.0, 1.0, 1.0))  # 1,400 W of room
+    data["classes"] = dict(data["classes"]) | {
+        "gold": {"weight": 8.0, "floor_w": 650.0, "profile": "llm-inference"}
+    }
+    policy = parse_policy(data)
+    node = next(g.name for g in policy.groups if g.level == 3)
+    s = snap(
+        policy, gpu("a", node=node, workload="gold"), gpu("b", node=node, workload="inference")
+    )
+    caps = allocate(s, policy).caps()
+    assert caps["a"] == pytest.approx(650.0, abs=1e-6)  # the floor wins over the 600 W peak
+    assert caps["b"] == pytest.approx(600.0, abs=1e-6)  # the peak
 
 
 def test_power_past_demand_goes_to_whoever_is_left(example: Policy) -> None:

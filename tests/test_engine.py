@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
+import pytest
 from honest import GPUS, NODES, HonestNode, policy_dict
 from test_layers import IO_LIBRARIES
 
-from powerd.controller.engine import TickEngine
+from powerd.controller.engine import TickEngine, TickReport
 from powerd.policy import parse_policy
 from powerd.wire import NodeState, NodeStatus
 
@@ -68,6 +70,39 @@ def test_the_engine_alone_steers_every_gpu_within_every_budget() -> None:
     total = sum(w for n in nodes.values() for w in n.caps.values())
     assert 6000.0 < total <= 7000.0 + TOL
     assert engine.alarms.active == {}
+
+
+def last_report(policy_data: dict[str, Any], ticks: int = 6) -> TickReport:
+    engine = TickEngine(parse_policy(policy_data))
+    nodes = {n: HonestNode(n) for n in NODES}
+    reports = []
+    for t in range(ticks):
+        now, wall = float(t), 1_700_000_000.0 + t
+        for node in nodes.values():
+            assert engine.on_telemetry(node.sample(wall), now)
+        report, plan = engine.step(now, wall)
+        reports.append(report)
+        for cmd in plan.commands:
+            ack = nodes[cmd.node].apply_caps(cmd.tick, cmd.caps_w)
+            if ack is not None:
+                engine.on_ack(cmd.node, ack)
+    return reports[-1]
+
+
+@pytest.mark.parametrize("leftover", ["peak", "max"])
+def test_power_past_the_peak_is_reported_unused_unless_leftover_max(leftover: str) -> None:
+    # Throughput stops rising at 400 W: 16 GPUs at their peak take 6,400 W of the 7,000.
+    data = policy_dict()
+    data["profiles"] = {"p": {"points": [[200, 0.4], [400, 1.0], [700, 1.0]]}}
+    data["control"] = dict(data["control"]) | {"leftover": leftover}
+    report = last_report(data)
+    assert report.status == "optimal"
+    if leftover == "peak":
+        assert np.allclose(report.targets_w, 400.0, atol=TOL)
+        assert report.unused_w == pytest.approx(7000.0 - 16 * 400.0, abs=TOL)
+    else:  # handed out up to the budgets: the facility is full
+        assert report.targets_w.sum() == pytest.approx(7000.0, abs=TOL)
+        assert report.unused_w == pytest.approx(0.0, abs=TOL)
 
 
 def test_alarms_are_data_the_owner_takes() -> None:

@@ -67,6 +67,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "powerd.cli",
             "powerd.demo",
+            "powerd.profilefit",
             "powerd.sim",
             "powerd.chaos",
             "powerd.testing",

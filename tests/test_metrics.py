@@ -131,7 +131,7 @@ def test_groups_tick_counters_alarms() -> None:
         draw_w=[8e5, 3.5e5],
     )
     m.observe_tick(duration_s=0.12, solve_s=0.03, status="optimal", ts=1.7e9, throughput={"a": 2})
-    m.observe_tick(duration_s=0.3, solve_s=0.2, status="fallback", ts=1.7e9 + 1)
+    m.observe_tick(duration_s=0.3, solve_s=0.2, status="fallback", ts=1.7e9 + 1, unused_w=1234.5)
     m.update_counters(
         received={"telemetry": 10, "ack": 4}, dropped={"malformed": 2}, caps_sent=40, acks=4
     )
@@ -155,6 +155,7 @@ def test_groups_tick_counters_alarms() -> None:
     }
     assert got["powerd_last_tick_timestamp_seconds"][()] == 1.7e9 + 1
     assert got["powerd_throughput"][(("class", "a"),)] == 2
+    assert got["powerd_unused_watts"][()] == 1234.5
     assert got["powerd_messages_received_total"][(("kind", "telemetry"),)] == 10
     assert got["powerd_messages_dropped_total"][(("reason", "malformed"),)] == 2
     assert got["powerd_caps_sent_total"][()] == 40

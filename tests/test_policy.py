@@ -186,3 +186,12 @@ def test_round_trip_through_yaml_text() -> None:
     assert policy.source == "inline"
     assert policy.control.lease_s == 10.0
     assert policy.class_profile("infer").peak_w == 700
+
+
+def test_leftover_is_peak_by_default_and_only_peak_or_max() -> None:
+    data = small_policy()
+    assert parse_policy(data).control.leftover == "peak"
+    assert parse_policy(data | {"control": {"leftover": "max"}}).control.leftover == "max"
+    problems = problems_of(data | {"control": {"leftover": "all"}})
+    assert problems[0][0] == "control.leftover"
+    assert "'peak' or 'max'" in problems[0][1]

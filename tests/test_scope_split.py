@@ -75,7 +75,8 @@ def sites(draw: st.DrawFn) -> Site:
         draw(fraction),
     )
     damping = draw(st.sampled_from([0.0, 0.001, 0.01, 0.1]))
-    policy = policy_for(shape, fractions, damping, draw(st.sampled_from([None, 150.0])))
+    slew_w = draw(st.sampled_from([None, 150.0]))
+    policy = policy_for(shape, fractions, damping, slew_w, draw(st.sampled_from(["peak", "max"])))
     share = st.sampled_from([0.0, 0.25])
     fleet = random_fleet(
         policy,

@@ -21,6 +21,7 @@ from powerd.allocator.model import (
     class_names,
     objective,
     repair,
+    unused_w,
 )
 from powerd.policy import Policy
 from powerd.snapshot import Snapshot
@@ -174,6 +175,7 @@ def allocate_arrays(
         prices=prices,
         split_jobs=problem.split_jobs,
         gap=gap,
+        unused_w=unused_w(problem, p),
     )
 
 

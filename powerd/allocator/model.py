@@ -393,6 +393,10 @@ def build_problem(
     pinned = ~np.isnan(fleet.pinned_w)
     lo_dev = np.where(pinned, fleet.pinned_w, fleet.min_cap_w) / 1000.0
     hi_w = np.minimum(fleet.max_cap_w, classes.ceiling_w[cls])
+    if ctl.leftover == "peak":
+        # Power past the profile's peak buys nothing: leave it unallocated. A class floor
+        # above the peak still holds (as do device minimums and pins, below).
+        hi_w = np.minimum(hi_w, np.maximum(classes.peak_kw[cls] * 1000.0, classes.floor_w[cls]))
     hi_w = np.where(fleet.stale, np.minimum(hi_w, fleet.cap_w), hi_w)  # stale: never raised
     hi_base = np.where(pinned, lo_dev, np.maximum(hi_w / 1000.0, lo_dev))
 
@@ -514,6 +518,15 @@ def objective(problem: Problem, p_kw: FloatArray) -> float:
     )
 
 
+def unused_w(problem: Problem, p_kw: FloatArray) -> float:
+    """Room the caps leave in the root's budget (W); 0 where the root has no budget (or its
+    device minimums alone exceed it)."""
+    room = float(problem.capacity[0])
+    if not np.isfinite(room) or p_kw.size == 0:
+        return 0.0
+    return max(room - float(p_kw.sum()), 0.0) * 1000.0
+
+
 def repair(problem: Problem, p_kw: FloatArray) -> FloatArray:
     """Clip to bounds, then cut any group still over its capacity, bottom-up.
 
@@ -570,6 +583,9 @@ class Allocation:
     prices: FloatArray | None = None
     split_jobs: tuple[str, ...] = ()
     gap: float = 0.0
+    # Room in the root's budget the caps leave unallocated (W): power no GPU can use (past
+    # its peak or its maximum, or behind a full budget below). 0 when the root is unbudgeted.
+    unused_w: float = 0.0
 
     def caps(self) -> dict[str, float]:
         return dict(zip(self.uuids, self.caps_w.tolist(), strict=True))
@@ -586,4 +602,5 @@ class Allocation:
             "repair_w": self.repair_w,
             "split_jobs": list(self.split_jobs),
             "gap": self.gap,
+            "unused_w": self.unused_w,
         }

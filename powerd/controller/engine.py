@@ -101,6 +101,10 @@ class TickReport:
     # Per GPU: the limit its agent last set (NaN: none known). `cap_w` away from it is a
     # limit powerd did not set (`cap_overridden`); None: a tick that fell back.
     set_w: FloatArray | None = None
+    # Room in the root's limit in force (group_limit_w) the allocation left to nobody (W):
+    # power no GPU could use (control.leftover: peak leaves what lies past the profiles'
+    # peaks); 0 if the root has no budget.
+    unused_w: float = 0.0
 
     @property
     def throughput_total(self) -> float:
@@ -690,7 +694,7 @@ class TickEngine:
             job_index=job_idx,
             job_names=jobs.names,
         )
-        targets, status, objective, solve_ms = self._allocate(tick, fleet, limit_w, shape)
+        targets, status, objective, solve_ms, unused_w = self._allocate(tick, fleet, limit_w, shape)
         if self.scope_name is not None:
             self.last_curve = self._curve(fleet, budget_w, shape)
         if held.any():
@@ -766,6 +770,7 @@ class TickEngine:
             group_committed_w=plan.group_committed_w,
             group_draw_w=draw,
             group_limit_w=np.asarray(limit_w, dtype=np.float64),
+            unused_w=unused_w,
             group_over=over,
             group_settling=plan.group_settling,
             uuids=arrays.uuids,
@@ -849,9 +854,9 @@ class TickEngine:
 
     def _allocate(
         self, tick: int, fleet: Fleet, budget_w: FloatArray, shape: Shape
-    ) -> tuple[FloatArray, str, float, float]:
-        """(targets, status, objective, solve_ms); any solver failure steers to the failsafe
-        caps with an alarm, so a tick never ends without caps."""
+    ) -> tuple[FloatArray, str, float, float, float]:
+        """(targets, status, objective, solve_ms, unused_w); any solver failure steers to the
+        failsafe caps with an alarm, so a tick never ends without caps."""
         try:
             alloc = allocate_arrays(
                 fleet,
@@ -870,7 +875,7 @@ class TickEngine:
             log.exception("allocation_failed", tick=tick, solver=self.solver)
             self._alarm("solver_failed", f"{type(exc).__name__}: {exc}"[:300])
             self._warm = None
-            return shape.layout.failsafe_w.copy(), "fallback", math.nan, 0.0
+            return shape.layout.failsafe_w.copy(), "fallback", math.nan, 0.0, 0.0
         self._warm = alloc
         self._alarm("solver_failed", None)
         # With jobs the solver certifies how close it came (Allocation.gap); say so when it
@@ -881,7 +886,7 @@ class TickEngine:
             if alloc.gap > INEXACT_GAP
             else None,
         )
-        return alloc.caps_w, alloc.status, alloc.objective, alloc.solve_ms
+        return alloc.caps_w, alloc.status, alloc.objective, alloc.solve_ms, alloc.unused_w
 
     def _curve(self, fleet: Fleet, budget_w: FloatArray, shape: Shape) -> DemandCurve | None:
         """The scope's demand curve: the allocation's problem with the root's own budget

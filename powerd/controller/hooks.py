@@ -111,6 +111,7 @@ def metrics_hook(controller: Controller, metrics: ControllerMetrics) -> TickHook
             status=r.status,
             ts=r.ts,
             throughput=r.throughput_by_class(),
+            unused_w=r.unused_w,
         )
         c = controller.counters
         metrics.update_counters(
