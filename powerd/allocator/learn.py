@@ -52,6 +52,9 @@ BoolArray = NDArray[np.bool_]
 MIN_PER_BIN = 3
 # The wire's bound on perf; anything above is not a rate.
 MAX_PERF = 1e12
+# Gains under this share of the peak are noise: the curve peaks at the first power within
+# it of the highest point (else noise on a flat top moves the peak anywhere along it).
+PEAK_TOLERANCE = 0.01
 
 
 @dataclass(frozen=True)
@@ -133,7 +136,9 @@ def fit_curve(
     short = _shortfall(settings, n, n_bins, span, peak)
     if short is not None:
         return Fit(None, n, n_bins, span, None, False, short)
-    env_x, env_y = concave_envelope(np.column_stack([xs, ys]).tolist())
+    first_top = int(np.argmax(ys >= (1.0 - PEAK_TOLERANCE) * peak))
+    keep = xs <= xs[first_top]
+    env_x, env_y = concave_envelope(np.column_stack([xs[keep], ys[keep]]).tolist())
     on_env = np.interp(xs, env_x, env_y)
     # Below the envelope's first point Profile.value extends its first slope: so does this.
     error = float(np.sqrt(np.mean(((on_env - ys) / peak) ** 2)))

@@ -40,6 +40,10 @@ class LearningStudy:
     weighted: dict[str, FloatArray]  # per run: weighted throughput per tick
     window_h: float
     threshold: float
+    # Per run: time any budget was exceeded by measured draw, and ticks whose committed
+    # caps were above one (both must stay 0: learning never bends a bound).
+    over_budget_s: dict[str, float]
+    committed_over_ticks: dict[str, int]
 
     def _trailing(self, x: FloatArray) -> FloatArray:
         k = max(1, round(self.window_h * HOUR_S / self.tick_s))
@@ -81,6 +85,8 @@ class LearningStudy:
                 r: float(np.mean(self.ratio(r) < self.threshold)) for r in ("off", "on")
             },
             "share_of_best": self.totals(),
+            "over_budget_s": self.over_budget_s,
+            "committed_over_ticks": self.committed_over_ticks,
             "series": {
                 "t_h": self.t_h.tolist(),
                 **{f"weighted_{r}": self.weighted[r].tolist() for r in RUNS},
@@ -137,6 +143,8 @@ def learning_study(
         weighted={r: res.series.weighted_throughput for r, res in runs.items()},
         window_h=window_h,
         threshold=threshold,
+        over_budget_s={r: res.over_budget_s for r, res in runs.items()},
+        committed_over_ticks={r: res.committed_over_ticks for r, res in runs.items()},
     )
 
 
