@@ -52,6 +52,8 @@ BoolArray = NDArray[np.bool_]
 MIN_PER_BIN = 3
 # The wire's bound on perf; anything above is not a rate.
 MAX_PERF = 1e12
+# Samples are taken in batches of this many per key (fewer ticks touch the fleet's arrays).
+SAMPLE_BATCH = 16
 # Gains under this share of the peak are noise: the curve peaks at the first power within
 # it of the highest point (else noise on a flat top moves the peak anywhere along it).
 PEAK_TOLERANCE = 0.01
@@ -236,7 +238,11 @@ class ProfileLearner:
         # Samples per key per tick so that the buffer spans the window (at most per_tick):
         # a buffer filled in a minute would forget the variation of the last hours.
         self.rate = min(float(settings.per_tick), settings.buffer * tick_s / settings.window_s)
+        self._learning = [k for k, on in enumerate(self.enabled) if on]
         self._credit = np.zeros(len(self.keys))
+        self._enabled = np.asarray(self.enabled, dtype=np.float64)
+        self._cap = float(max(settings.per_tick, 1))
+        self._batch = float(min(SAMPLE_BATCH, settings.per_tick))
         # The last fit that steered, kept while newer samples lack the spread to refit.
         self._good: list[Fit | None] = [None] * len(self.keys)
 
@@ -260,6 +266,13 @@ class ProfileLearner:
         self._ticks += 1
         if not self.any_enabled:
             return
+        # Samples are due per key at `rate` a tick, taken in batches: most ticks touch no
+        # GPU at all, and a batch tick costs a few passes over the fleet's arrays.
+        credit = self._credit
+        np.minimum(credit + self.rate * self._enabled, self._cap, out=credit)
+        needy = np.flatnonzero(credit >= self._batch)
+        if needy.size == 0:
+            return
         ok = (
             usable
             & np.isfinite(perf)
@@ -267,49 +280,55 @@ class ProfileLearner:
             & (perf <= MAX_PERF)
             & np.isfinite(power_w)
             & (power_w >= min_w)
-            & (key_index >= 0)
         )
-        idx = np.flatnonzero(ok)
-        if idx.size == 0:
-            return
-        keys = key_index[idx]
-        for k in np.unique(keys).tolist():
-            if k >= len(self.keys) or not self.enabled[k]:
-                continue
-            self._credit[k] = min(self._credit[k] + self.rate, float(self.settings.per_tick))
-            take = int(self._credit[k])
-            if take == 0:
-                continue
-            mine = idx[keys == k]
+        for k in needy.tolist():
+            mine = np.flatnonzero(ok & (key_index == k))
+            take = int(credit[k])
             if mine.size > take:
                 mine = self._rng.choice(mine, take, replace=False)
-            self._credit[k] -= mine.size
-            self._rings[k].add(now, power_w[mine], perf[mine])
+            # None usable (no perf reported): wait a batch period before looking again.
+            credit[k] = 0.0 if mine.size == 0 else credit[k] - mine.size
+            if mine.size:
+                self._rings[k].add(now, power_w[mine], perf[mine])
 
     def due(self) -> bool:
-        return self.any_enabled and self._ticks % self.settings.refit_ticks == 0
+        """True on the ticks that refit: the first of every `refit_ticks`, and the ones
+        after it while keys remain (`refit_next` fits one key a tick)."""
+        if not self._learning:
+            return False
+        return self._ticks % self.settings.refit_ticks < len(self._learning)
+
+    def refit_next(self, now: float) -> bool:
+        """Fit the next key due (one a tick: a tick pays for one fit at most); True when its
+        curve in use changed."""
+        k = self._learning[self._ticks % self.settings.refit_ticks % len(self._learning)]
+        return self._fit(k, now)
 
     def refit(self, now: float) -> bool:
         """Fit every enabled key; True when the set of curves in use changed."""
-        before = self._in_use_profiles()
-        since = now - self.settings.window_s
-        for k, key in enumerate(self.keys):
-            if not self.enabled[k]:
-                continue
-            p, y = self._rings[k].recent(since)
-            fit = fit_curve(
-                p, y, settings=self.settings, base=self.base[k], max_w=self.max_w, name=key
-            )
-            self._fitted_at[k] = now
-            if fit.ok:
-                self._good[k] = fit
-            elif fit.profile is not None or fit.samples < self.settings.min_samples:
-                # Enough data that fit badly, or too little data left: no learned curve.
-                self._good[k] = None
-            self._fits[k] = fit
+        changed = False
+        for k in self._learning:
+            changed |= self._fit(k, now)
+        return changed
+
+    def _fit(self, k: int, now: float) -> bool:
+        before = self._good[k]
+        p, y = self._rings[k].recent(now - self.settings.window_s)
+        fit = fit_curve(
+            p, y, settings=self.settings, base=self.base[k], max_w=self.max_w, name=self.keys[k]
+        )
+        self._fitted_at[k] = now
+        if fit.ok:
+            self._good[k] = fit
+        elif fit.profile is not None or fit.samples < self.settings.min_samples:
+            # Enough data that fit badly, or too little data left: no learned curve.
+            self._good[k] = None
+        self._fits[k] = fit
         self.refits += 1
-        after = self._in_use_profiles()
-        return not _same(before, after)
+        after = self._good[k]
+        return not _same(
+            [None if before is None else before.profile], [None if after is None else after.profile]
+        )
 
     def _in_use_profiles(self) -> list[Profile | None]:
         return [None if f is None else f.profile for f in self._good]

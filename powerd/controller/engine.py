@@ -663,7 +663,7 @@ class TickEngine:
             learner.observe(
                 now, cls_idx, arrays.power_w, arrays.perf, ~arrays.stale, min_w=arrays.min_cap_w
             )
-            if learner.due() and learner.refit(now):
+            if learner.due() and learner.refit_next(now):
                 self.classes = ClassTable.from_policy(self.policy, learner.profiles())
                 log.info("learned_profiles", in_use=sorted(learner.profiles()))
         except Exception:

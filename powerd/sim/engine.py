@@ -315,7 +315,7 @@ class _Run:
             np.ones(model.power_w.size, dtype=np.bool_),
             min_w=model.min_cap_w,
         )
-        if learner.due() and learner.refit(now):
+        if learner.due() and learner.refit_next(now):
             learned = {**learner.profiles(), **self.profiles}
             self.classes = ClassTable.from_policy(self.site.policy, learned)
 
