@@ -190,7 +190,7 @@ class PerfNode(HonestNode):
     def draw(self) -> dict[str, float]:
         out = {}
         for i, (u, cap) in enumerate(self.caps.items()):
-            demand = 400 + 250 * np.sin(self.t / 7.0 + i + hash(self.name) % 7)
+            demand = 400 + 250 * np.sin(self.t / 7.0 + i + NODES.index(self.name))
             out[u] = float(min(cap, demand))
         return out
 
