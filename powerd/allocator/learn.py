@@ -15,7 +15,7 @@ Rules (docs/allocator.md, "Profiles learned online"):
 - samples per key (a class today; any string, e.g. a job, tomorrow) in a ring buffer of
   `buffer`, taken at buffer × tick_s / window_s per key per tick (so the buffer spans the
   window; at most `per_tick`), dropped after `window_s`;
-- a refit every `refit_ticks` ticks, vectorised over the buffer, never in between;
+- a refit every `refit_ticks` ticks, one key a tick, vectorised over its buffer;
 - a fit steers once it has `min_samples` samples, `min_bins` bins of `bin_w` watts with
   enough samples each, spans `min_span_w` watts and its error (RMS gap between the bins'
   points and the envelope, as a share of the peak) is at most `max_error`; otherwise the
@@ -23,8 +23,10 @@ Rules (docs/allocator.md, "Profiles learned online"):
   samples lack the spread (bins, span) to refit, dropped when a refit with enough data
   misses the error bound or too few samples are left;
 - units: perf is in the workload's own units (tokens/s); the learned curve is scaled so its
-  peak equals the policy profile's peak: the policy still says what a GPU at full speed is
-  worth, the measurements say how power buys that speed;
+  peak (extrapolated where not observed) equals the policy profile's peak: the policy still
+  says what a GPU at full speed is worth, the measurements say how power buys that speed;
+- the curve peaks at the first bin within PEAK_TOLERANCE of the highest (noise on a flat
+  top must not move the peak along it);
 - past the highest power observed the curve continues its last slope up to the device
   maximum (a curve observed flat stays flat): a curve cut at the last power seen would
   never be given more power, so it could never learn more.
@@ -141,8 +143,8 @@ def fit_curve(
     first_top = int(np.argmax(ys >= (1.0 - PEAK_TOLERANCE) * peak))
     keep = xs <= xs[first_top]
     env_x, env_y = concave_envelope(np.column_stack([xs[keep], ys[keep]]).tolist())
+    # The envelope starts at the lowest bin and is flat past its peak, as Profile.value.
     on_env = np.interp(xs, env_x, env_y)
-    # Below the envelope's first point Profile.value extends its first slope: so does this.
     error = float(np.sqrt(np.mean(((on_env - ys) / peak) ** 2)))
     px, py = env_x, env_y
     top = float(px[-1])
