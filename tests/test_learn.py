@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 from honest import GPUS, NODES, HonestNode, policy_dict
+from structlog.testing import capture_logs
 
 from powerd.allocator import ClassTable, allocate_arrays
 from powerd.allocator.learn import ProfileLearner, bin_points, fit_curve, learner_for
@@ -236,3 +237,23 @@ def test_the_engine_learns_a_class_curve_from_telemetry_and_steers_by_it() -> No
     grid = np.linspace(250, 640, 20)
     assert np.max(np.abs(learned.value(grid) - TRUE.value(grid))) < 0.06
     assert len(report.uuids) == GPUS * len(NODES)
+
+
+def test_a_fault_in_learning_never_costs_a_tick_its_caps(monkeypatch: pytest.MonkeyPatch) -> None:
+    d = policy_dict()
+    d["control"]["learn"] = {"enabled": True}
+    engine = TickEngine(parse_policy(d))
+    assert engine.learner is not None
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("bug in learning")
+
+    monkeypatch.setattr(engine.learner, "observe", broken)
+    nodes = {n: PerfNode(n) for n in NODES}
+    for node in nodes.values():
+        engine.on_telemetry(node.sample(1e9), 0.0)
+    with capture_logs() as logs:
+        report, plan = engine.step(0.0, 1e9)
+    assert report.status == "optimal" and plan.commands
+    assert "tick_failed" not in engine.alarms.active
+    assert any(e["event"] == "learning_failed" for e in logs)
