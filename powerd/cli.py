@@ -194,6 +194,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return EXIT_OK if result["ticks_committed_over_budget"] == 0 else EXIT_FAILED
 
 
+def _label_pair(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: want KEY=VALUE")
+    return key, value
+
+
 def cmd_agent(args: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
@@ -215,6 +222,12 @@ def cmd_agent(args: argparse.Namespace) -> int:
         period_s=args.period,
         failsafe_w=args.failsafe_w,
         metrics_port=args.metrics_port,
+        perf_url=args.perf_url,
+        perf_metric=args.perf_metric,
+        perf_labels=dict(args.perf_label) if args.perf_label else None,
+        perf_gpu_label=args.perf_gpu_label,
+        perf_file=args.perf_file,
+        perf_kind=args.perf_kind,
     )
     try:
         asyncio.run(run_agent_process(settings))
@@ -378,6 +391,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-port",
         type=int,
         help="serve this node's Prometheus metrics on 127.0.0.1:PORT (default off)",
+    )
+    agent.add_argument(
+        "--perf-url",
+        help="read workload perf from this Prometheus endpoint, e.g. a serving engine's "
+        "http://127.0.0.1:8000/metrics (docs/operations.md, 'Workload perf')",
+    )
+    agent.add_argument("--perf-metric", help="the counter (or gauge) to read at --perf-url")
+    agent.add_argument(
+        "--perf-label",
+        type=_label_pair,
+        action="append",
+        metavar="KEY=VALUE",
+        help="only series with this label value (repeatable)",
+    )
+    agent.add_argument(
+        "--perf-gpu-label", help="label naming each series' GPU (index or uuid); else shared"
+    )
+    agent.add_argument("--perf-file", help="read workload perf from a file the job writes")
+    agent.add_argument(
+        "--perf-kind", choices=("counter", "gauge"), help="counter: rate of its deltas (default)"
     )
     agent.add_argument("--config", help="settings file (.toml or .yaml); flags win over it")
     agent.set_defaults(handler=cmd_agent)

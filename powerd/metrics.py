@@ -328,8 +328,31 @@ class _Families(Collector):
         self.alarms_active: Mapping[str, float] = {}
         self.alarms_raised: dict[str, float] = {}
         self.leadership: Leadership | None = None
+        # Online learning, per class: samples in the window, learned curve in use, fit error.
+        self.learn_samples: Mapping[str, float] = {}
+        self.learn_in_use: Mapping[str, float] = {}
+        self.learn_error: Mapping[str, float] = {}
 
     def collect(self) -> Iterator[Metric]:
+        if self.learn_samples:
+            yield _gauges(
+                "powerd_learn_samples",
+                "Perf samples within the learning window, per class.",
+                "class",
+                self.learn_samples,
+            )
+            yield _gauges(
+                "powerd_learn_in_use",
+                "1 while the class is steered by its learned curve, 0 by the policy's.",
+                "class",
+                self.learn_in_use,
+            )
+            yield _gauges(
+                "powerd_learn_fit_error",
+                "RMS gap of the last fit to its envelope, share of its peak (NaN: none).",
+                "class",
+                self.learn_error,
+            )
         if self.leadership is not None:
             yield from self.leadership.families()
         if self.groups is not None:
@@ -576,6 +599,18 @@ class ControllerMetrics:
         """Counts by state, e.g. gpus={"fresh": 9990, "stale": 10}, nodes={"steered": ...}."""
         self._f.gpus = dict(gpus)
         self._f.nodes = dict(nodes)
+
+    def update_learning(
+        self,
+        *,
+        samples: Mapping[str, float],
+        in_use: Mapping[str, float],
+        fit_error: Mapping[str, float],
+    ) -> None:
+        """Online learning per class (docs/allocator.md, "Profiles learned online")."""
+        self._f.learn_samples = dict(samples)
+        self._f.learn_in_use = dict(in_use)
+        self._f.learn_error = dict(fit_error)
 
     def alarm_raised(self, kind: str) -> None:
         with self._lock:

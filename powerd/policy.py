@@ -107,6 +107,8 @@ class ClassSpec(_Strict):
     floor_w: Watts | None = None
     ceiling_w: Watts | None = None
     profile: str
+    # Learn this class's curve from reported perf (None: as control.learn.enabled says).
+    learn: bool | None = None
     description: str = ""
 
     @model_validator(mode="after")
@@ -142,6 +144,27 @@ class Defaults(_Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
+class Learn(_Strict):
+    """Online profiles from reported perf (docs/allocator.md, "Profiles learned online")."""
+
+    enabled: bool = False
+    # Samples kept per class (a ring: the oldest goes first) and taken per class per tick.
+    buffer: int = Field(default=4096, ge=64, le=1_000_000)
+    per_tick: int = Field(default=64, ge=1, le=100_000)
+    # Older samples are dropped: the curve follows the workload as it changes.
+    window_s: float = Field(default=6 * 3600.0, gt=0, le=30 * 86400)
+    refit_ticks: int = Field(default=30, ge=1, le=100_000)
+    # What a fit needs before it steers: samples, distinct power bins, watts spanned, and
+    # its error (RMS gap between the bins' points and the envelope, share of its peak).
+    min_samples: int = Field(default=200, ge=1, le=1_000_000)
+    bin_w: float = Field(default=25.0, gt=0, le=1000, allow_inf_nan=False)
+    min_bins: int = Field(default=4, ge=2, le=1000)
+    min_span_w: float = Field(default=150.0, ge=0, le=10_000, allow_inf_nan=False)
+    max_error: float = Field(default=0.1, gt=0, le=1, allow_inf_nan=False)
+    # A bin's point: this quantile of its perf (underloaded samples sit below the curve).
+    quantile: float = Field(default=0.9, gt=0, le=1, allow_inf_nan=False)
+
+
 class Control(_Strict):
     tick_s: float = Field(default=1.0, gt=0, le=3600)
     lease_s: float = Field(default=10.0, gt=0, le=86400)
@@ -156,6 +179,7 @@ class Control(_Strict):
     # Power no GPU can turn into throughput: "peak" leaves it unallocated (no cap above its
     # profile's peak), "max" hands it out up to each GPU's maximum cap.
     leftover: Literal["peak", "max"] = "peak"
+    learn: Learn = Field(default_factory=Learn)
 
     @model_validator(mode="after")
     def _lease_covers_ticks(self) -> Control:

@@ -263,6 +263,7 @@ OPERATIONS = [
         ("path:job*", "query:reason*"),
     ),
     Op("GET", f"{V1}/policy", "policy_api_v1_policy_get", "policy", "viewer", READ),
+    Op("GET", f"{V1}/classes", "classes_api_v1_classes_get", "classes", "viewer", READ),
     Op(
         "PUT",
         f"{V1}/policy",

@@ -28,6 +28,7 @@ import structlog
 from pydantic import ValidationError
 
 from powerd import __version__
+from powerd.agent.perf import PerfSource
 from powerd.agent.settings import AgentSettings
 from powerd.backends.base import BackendError, GpuBackend, GpuInfo, GpuReading
 from powerd.clock import Clock
@@ -107,6 +108,8 @@ class Agent:
         self.commands = 0  # valid commands applied
         self.caps_applied = 0  # per-GPU limits set successfully
         self.on_telemetry: list[Callable[[NodeTelemetry], None]] = []  # e.g. metrics
+        # Where perf comes from when the backend has none (agent/perf.py); set by main.
+        self.perf_source: PerfSource | None = None
         self.log = log.bind(node=self.node_id)
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -405,7 +408,7 @@ class Agent:
             sm_clock_mhz=r.sm_clock_mhz,
             throttle=r.throttle,
             workload=r.workload,
-            perf=r.perf,
+            perf=r.perf if self.perf_source is None else self.perf_source.value(info.uuid),
             set_w=self.set_w.get(info.uuid),
             restores=self.restores[info.uuid],
             found_w=self.found_w.get(info.uuid),

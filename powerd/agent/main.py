@@ -9,6 +9,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from powerd.agent.agent import Agent, build_backend, build_transport
+from powerd.agent.perf import PerfSource
 from powerd.agent.record import TraceRecorder
 from powerd.agent.settings import AgentSettings
 from powerd.clock import Clock, SystemClock
@@ -27,6 +28,7 @@ async def run_agent_process(settings: AgentSettings, clock: Clock | None = None)
     try:
         transport = build_transport(settings)
         agent = Agent(settings, backend, transport, clock)
+        perf = _perf_source(agent, settings)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -47,8 +49,21 @@ async def run_agent_process(settings: AgentSettings, clock: Clock | None = None)
                 server.close()
             if recorder is not None:
                 await asyncio.to_thread(recorder.close)
+            if perf is not None:
+                await asyncio.to_thread(perf.stop)
     finally:
         backend.close()
+
+
+def _perf_source(agent: Agent, settings: AgentSettings) -> PerfSource | None:
+    """The configured perf source, polling in its own thread (never the agent's loop)."""
+    config = settings.perf_config()
+    if config is None:
+        return None
+    source = PerfSource(config, {u: g.index for u, g in agent.gpus.items()})
+    agent.perf_source = source
+    source.start()
+    return source
 
 
 async def _tell_systemd(

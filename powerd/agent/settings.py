@@ -6,8 +6,9 @@ import os
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from powerd.agent.perf import PerfConfig
 from powerd.settings import BrokerSettings, SettingsError
 from powerd.wire import MAX_GPUS_PER_NODE, MAX_SANE_WATTS, NodeId
 
@@ -50,6 +51,47 @@ class AgentSettings(BrokerSettings):
     # Append every telemetry sample to this file in nvidia-smi's CSV format (a recording
     # for `powerd sim`, docs/simulator.md, "Recorded traces"); None: no recording.
     record: Path | None = None
+
+    # Workload perf (docs/operations.md, "Workload perf"): a Prometheus endpoint and metric,
+    # or a file the job writes; None: the backend's (NVML has none).
+    perf_url: str | None = Field(default=None, pattern=r"^https?://", max_length=2000)
+    perf_metric: str | None = Field(default=None, min_length=1, max_length=200)
+    perf_labels: dict[str, str] = Field(default_factory=dict, max_length=32)
+    perf_gpu_label: str | None = Field(default=None, min_length=1, max_length=100)
+    perf_file: Path | None = None
+    perf_kind: Literal["counter", "gauge"] = "counter"
+    perf_period_s: float = Field(default=5.0, gt=0, le=3600)
+    perf_timeout_s: float = Field(default=2.0, gt=0, le=60)
+    perf_max: float = Field(default=1e9, gt=0, le=1e12)
+    perf_max_age_s: float = Field(default=30.0, gt=0, le=86400)
+    perf_gpus: list[int] | None = Field(default=None, max_length=MAX_GPUS_PER_NODE)
+
+    @model_validator(mode="after")
+    def _one_perf_source(self) -> AgentSettings:
+        if self.perf_url is not None and self.perf_file is not None:
+            raise ValueError("give perf_url or perf_file, not both")
+        if self.perf_url is not None and self.perf_metric is None:
+            raise ValueError("perf_url needs perf_metric (the counter or gauge to read)")
+        if self.perf_timeout_s >= self.perf_period_s + 1e-9 and self.perf_url is not None:
+            raise ValueError("perf_timeout_s must be shorter than perf_period_s")
+        return self
+
+    def perf_config(self) -> PerfConfig | None:
+        if self.perf_url is None and self.perf_file is None:
+            return None
+        return PerfConfig(
+            url=self.perf_url,
+            metric=self.perf_metric,
+            labels=dict(self.perf_labels),
+            gpu_label=self.perf_gpu_label,
+            file=self.perf_file,
+            kind=self.perf_kind,
+            period_s=self.perf_period_s,
+            timeout_s=self.perf_timeout_s,
+            max_value=self.perf_max,
+            max_age_s=self.perf_max_age_s,
+            gpus=None if self.perf_gpus is None else tuple(self.perf_gpus),
+        )
 
     def client_name(self) -> str:
         return f"powerd-agent-{self.node_id}"

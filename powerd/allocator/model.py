@@ -8,6 +8,7 @@ lose accuracy (docs/allocator.md, "Measurements behind the design").
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,10 +112,15 @@ class ClassTable:
         return np.asarray(xs), np.asarray(ys)
 
     @classmethod
-    def from_policy(cls, policy: Policy) -> ClassTable:
+    def from_policy(
+        cls, policy: Policy, learned: Mapping[str, Profile] | None = None
+    ) -> ClassTable:
+        """The policy's classes; `learned` replaces named classes' profiles (curves learned
+        online, powerd/allocator/learn.py): every solver then steers by them alike."""
         names = class_names(policy)
         specs = [policy.classes[c] for c in names]
-        profiles = tuple(policy.class_profile(c) for c in names)
+        learned = learned or {}
+        profiles = tuple(learned.get(c) or policy.class_profile(c) for c in names)
         # Below its first knot a profile continues its first slope (Profile.value does too),
         # so knots are power_w[1:] (power_w[0] itself for a one-point profile).
         rows = []

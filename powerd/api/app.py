@@ -16,7 +16,17 @@ from prometheus_client import CollectorRegistry
 
 from powerd import __version__
 from powerd.api.errors import install_error_handlers
-from powerd.api.routers import fleet, health, history, jobs, metrics, overrides, policy, ui
+from powerd.api.routers import (
+    classes,
+    fleet,
+    health,
+    history,
+    jobs,
+    metrics,
+    overrides,
+    policy,
+    ui,
+)
 from powerd.api.views import Views
 from powerd.auth import TokenStore
 from powerd.controller.controller import Controller
@@ -55,5 +65,6 @@ def create_app(
     app.include_router(overrides.router)
     app.include_router(jobs.router)
     app.include_router(policy.router)
+    app.include_router(classes.router)
     app.include_router(ui.router)
     return app

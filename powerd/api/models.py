@@ -284,6 +284,31 @@ class PolicyOut(_Out):
     yaml: str | None = Field(description="The text in force (null without a store).")
 
 
+class LearningOut(_Out):
+    enabled: bool
+    in_use: bool = Field(description="The learned curve steers this class now.")
+    reason: str = Field(description="Why it is or is not in use.")
+    samples: int = Field(description="Samples within the learning window.")
+    bins: int = Field(description="Power bins with enough samples.")
+    span_w: float = Field(description="Watts between the lowest and highest bin.")
+    fit_error: float | None = Field(description="RMS gap to the envelope, share of its peak.")
+    learned_points: list[tuple[float, float]] = Field(
+        description="The last fit, in the policy profile's units (even when not in use)."
+    )
+    fitted_at: float | None = Field(description="Controller monotonic time of the last fit.")
+
+
+class ClassOut(_Out):
+    name: str
+    weight: float
+    floor_w: float | None
+    ceiling_w: float | None
+    profile: str = Field(description="The policy's profile for the class.")
+    profile_in_use: str = Field(description="'policy' or 'learned'.")
+    points: list[tuple[float, float]] = Field(description="The curve the allocator steers by.")
+    learning: LearningOut | None = Field(description="Null: the class does not learn.")
+
+
 class BudgetOut(_Out):
     group: str
     budget_w: float

@@ -22,6 +22,7 @@ from numpy.typing import NDArray
 from powerd.alarms import Alarms, Severity
 from powerd.allocator import Allocation, ClassTable, Fleet, Tree, allocate_arrays, class_names
 from powerd.allocator.api import group_values
+from powerd.allocator.learn import learner_for
 from powerd.allocator.model import build_problem
 from powerd.allocator.scopes import DemandCurve, demand_curve
 from powerd.controller.fleet import FleetArrays, FleetGpu, FleetState
@@ -240,6 +241,9 @@ class TickEngine:
         self.policy = policy
         self.overload = OverloadRule.from_policy(policy)
         self.classes = ClassTable.from_policy(policy)
+        # Curves learned from reported perf (docs/allocator.md, "Profiles learned online"):
+        # a new policy starts learning afresh (its classes, profiles or settings changed).
+        self.learner = learner_for(policy)
         self._class_index = {name: i for i, name in enumerate(class_names(policy))}
         self._jobs: JobView | None = None  # compiled at the next tick
         self._job_index_key: tuple[JobView, Shape] | None = None
@@ -671,6 +675,8 @@ class TickEngine:
         if job_idx is not None:  # a job's GPUs steer as its class (or its own)
             cls_idx = np.where(job_idx >= 0, jobs.job_class[job_idx], cls_idx)
         pinned = self._pinned(arrays)
+        if self.learner is not None:
+            self._learn(now, arrays, cls_idx)
         committed_before = self.planner.committed_w()
         # What the caps may commit: the budgets, or above them where a group is rated for
         # an overload and its GPUs do not draw their reservation (docs/safety.md).
@@ -799,7 +805,9 @@ class TickEngine:
         view = self._jobs
         if view is None or view.jobs is not jobs:
             view = self._jobs = JobView.compile(self.policy, jobs)
-            self.classes = view.classes
+            learned = None if self.learner is None else self.learner.profiles()
+            # Jobs' own classes keep their own curves; learned ones replace the policy's.
+            self.classes = ClassTable.from_policy(view.policy, learned) if learned else view.classes
             self._job_index_key = None
         return view
 
@@ -821,6 +829,22 @@ class TickEngine:
                 self._job_index = view.index(self._places[1])
             self._job_index_key = (view, shape)
         return self._job_index
+
+    def _learn(self, now: float, arrays: FleetArrays, cls_idx: NDArray[np.int64]) -> None:
+        """Samples every tick, a refit every `refit_ticks`: the allocator steers by the
+        learned curves that pass the rules, by the policy's profiles elsewhere."""
+        learner = self.learner
+        assert learner is not None
+        try:
+            learner.observe(
+                now, cls_idx, arrays.power_w, arrays.perf, ~arrays.stale, min_w=arrays.min_cap_w
+            )
+            if learner.due() and learner.refit_next(now):
+                self.classes = ClassTable.from_policy(self._allocator_policy(), learner.profiles())
+                log.info("learned_profiles", in_use=sorted(learner.profiles()))
+        except Exception:
+            # Learning is an optimisation: a fault in it never costs a tick its caps.
+            log.exception("learning_failed", tick=self.tick_no)
 
     def _class_indices(self, arrays: FleetArrays) -> NDArray[np.int64]:
         """Each GPU's class: the operator's assignment, else its workload's, else the default

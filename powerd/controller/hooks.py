@@ -7,6 +7,7 @@ with whether it led; these build such functions.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, overload
 
@@ -124,6 +125,14 @@ def metrics_hook(controller: Controller, metrics: ControllerMetrics) -> TickHook
         metrics.update_fleet(
             gpus={"fresh": n - stale, "stale": stale}, nodes=controller.fleet.state_counts()
         )
+        learner = controller.engine.learner
+        if learner is not None and learner.due():
+            states = learner.states()
+            metrics.update_learning(
+                samples={s.key: s.samples for s in states},
+                in_use={s.key: float(s.in_use) for s in states},
+                fit_error={s.key: math.nan if s.fit_error is None else s.fit_error for s in states},
+            )
         for kind in set(r.alarms) - set(metrics.active_alarms):
             metrics.alarm_raised(kind)
         metrics.set_active_alarms(dict.fromkeys(r.alarms, 1))

@@ -23,10 +23,11 @@ from powerd.argtypes import positive_float
 from powerd.errors import InputError
 from powerd.policy import Overload, Policy, load_policy, with_overload
 from powerd.sim.engine import POLICIES, STATIC
+from powerd.sim.learning import learning_study, plot_learning
 from powerd.sim.recorded import read_recording
 from powerd.sim.report import Report, text, to_json, write_outputs
 from powerd.sim.scenario import Scenario, ScenarioError, check_against_policy, load_scenario
-from powerd.sim.site import site_for
+from powerd.sim.site import Site, build_mix, site_for
 from powerd.sim.study import (
     DEFAULT_FRACTIONS,
     DEFAULT_POINTS,
@@ -152,6 +153,13 @@ def add_sim_parser(subparsers: Any) -> None:
         help="rate every budgeted group for PCT %% above its budget for SECONDS (policy key "
         "`overload`): caps commit above the budgets, draw is steered below them",
     )
+    sim.add_argument(
+        "--learning",
+        action="store_true",
+        help="instead of comparing policies: how online learning recovers from the policy's "
+        "profiles (learning off, on, and steering by the workloads' true curves); writes "
+        "learning.json and learning.png under --out",
+    )
     sim.add_argument("--json", action="store_true", help="print the results as JSON")
     sim.add_argument("--out", help="directory for PNG plots, report.html and results.json")
     sim.add_argument(
@@ -250,6 +258,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.points < 2:
         raise ScenarioError("--points", [("", "at least 2 site sizes")])
     site = site_for(scenario, policy)
+    if args.learning:
+        return _learning(scenario, site, args)
     show = args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
     bar = ProgressBar(sys.stderr) if show else None
     runner = Runner(jobs=args.jobs, progress=bar)
@@ -289,6 +299,25 @@ def _run(args: argparse.Namespace) -> int:
     if steered_over:
         log.error("sim_budget_exceeded", policies=steered_over)
         return EXIT_FAILED
+    return EXIT_OK
+
+
+def _learning(scenario: Scenario, site: Site, args: argparse.Namespace) -> int:
+    """`--learning`: three runs (learning off, on, true curves) and the recovery figure."""
+    try:
+        study = learning_study(scenario, site, build_mix(scenario, site))
+    except ValueError as exc:
+        raise ScenarioError(scenario.source, [("", str(exc))]) from None
+    doc = study.to_json()
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "learning.json").write_text(json.dumps(doc, indent=2), encoding="utf-8")
+        plot_learning(study, out / "learning.png")
+    if args.json:
+        print(json.dumps({k: v for k, v in doc.items() if k != "series"}, indent=2))
+    else:
+        print("\n".join(study.lines()))
     return EXIT_OK
 
 

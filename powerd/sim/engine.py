@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -27,8 +27,10 @@ import structlog
 from numpy.typing import NDArray
 
 from powerd.allocator import Allocation, ClassTable, Fleet, Tree, allocate_arrays
+from powerd.allocator.learn import ProfileLearner, learner_for
 from powerd.backends.mock import GpuFleetModel, MockGpuSpec
 from powerd.policy import LEVELS, Policy
+from powerd.profile import Profile
 from powerd.safety import FleetLayout, NodeCommand, OverloadRule, SafetyPlanner
 from powerd.sim.scenario import Scenario
 from powerd.sim.site import Mix, Site
@@ -60,6 +62,8 @@ class Series:
     facility_budget_w: float
     peak_ratio: FloatArray  # (ticks, levels): max over the level's groups of draw / budget
     throughput: FloatArray  # GPU-equivalents at full speed
+    # The same weighted by class weight (what powerd maximises); empty when not kept.
+    weighted_throughput: FloatArray = field(default_factory=lambda: np.zeros(0))
 
 
 @dataclass
@@ -143,7 +147,16 @@ class _Nodes:
 class _Run:
     """The state of one run and its accounting; `simulate` drives it tick by tick."""
 
-    def __init__(self, scenario: Scenario, site: Site, mix: Mix, policy_name: str) -> None:
+    def __init__(
+        self,
+        scenario: Scenario,
+        site: Site,
+        mix: Mix,
+        policy_name: str,
+        *,
+        learn: bool = False,
+        profiles: Mapping[str, Profile] | None = None,
+    ) -> None:
         spec = scenario.spec
         self.site = site
         self.mix = mix
@@ -164,7 +177,14 @@ class _Run:
         )
         model = self.model
         self.nodes = _Nodes(site, model.uuids)
-        self.classes = classes = ClassTable.from_policy(policy)
+        # `profiles`: class curves to steer by instead of the policy's (an oracle's run).
+        self.profiles = dict(profiles or {})
+        self.classes = classes = ClassTable.from_policy(policy, self.profiles)
+        # Online learning as the controller does it (TickEngine._learn): from every GPU's
+        # (draw, perf) with perf from its true curve, the one the model delivers.
+        self.learner = (
+            _sim_learner(policy, spec.tick_s) if learn and policy_name in STEERED else None
+        )
         self.tree = Tree(topo)
         self.budget = topo.budget_w.copy()
         # Groups rated for an overload: their caps may commit above the budget while their
@@ -234,6 +254,8 @@ class _Run:
         planner = self.planner
         assert planner is not None
         model = self.model
+        if self.learner is not None:
+            self._learn(now)
         committed = planner.committed_w()
         fleet = Fleet(
             uuids=self.uuids,
@@ -280,6 +302,22 @@ class _Run:
         topo = self.site.topology
         after = topo.group_sums(planner.committed_w()) + topo.overhead_w
         self.committed_over += int((after > limit + 1e-6).any())
+
+    def _learn(self, now: float) -> None:
+        learner = self.learner
+        assert learner is not None
+        model = self.model
+        learner.observe(
+            now,
+            self.mix.class_index,
+            model.power_w,
+            model.throughput(),
+            np.ones(model.power_w.size, dtype=np.bool_),
+            min_w=model.min_cap_w,
+        )
+        if learner.due() and learner.refit_next(now):
+            learned = {**learner.profiles(), **self.profiles}
+            self.classes = ClassTable.from_policy(self.site.policy, learned)
 
     def _apply(self, commands: list[NodeCommand], sent_w: FloatArray, now: float) -> None:
         """The agents' part: clamp each command's caps to the device, apply, acknowledge.
@@ -343,6 +381,15 @@ class _Run:
             self.below_floor_s += np.bincount(cls[held], minlength=self.below_floor_s.size) * dt
 
 
+def _sim_learner(policy: Policy, tick_s: float) -> ProfileLearner | None:
+    """The policy's learner with learning on (classes that say `learn: false` stay off)."""
+    ctl = policy.spec.control
+    on = ctl.model_copy(update={"learn": ctl.learn.model_copy(update={"enabled": True})})
+    return learner_for(
+        replace(policy, spec=policy.spec.model_copy(update={"control": on})), tick_s=tick_s
+    )
+
+
 def _start_cap_w(site: Site) -> float:
     """Agents start at their failsafe cap before the first command; where the failsafe caps
     do not fit the budgets (a site grown past its policy's failsafe), at the device minimum."""
@@ -370,14 +417,20 @@ def simulate(
     policy_name: str,
     *,
     progress: Progress | None = None,
+    learn: bool = False,
+    profiles: Mapping[str, Profile] | None = None,
 ) -> RunResult:
-    """Run the scenario on the site under one policy (a solver name, or `static`)."""
+    """Run the scenario on the site under one policy (a solver name, or `static`).
+
+    `learn`: steer by curves learned online from the GPUs' perf (docs/simulator.md,
+    "Learning profiles"); `profiles`: steer these classes by these curves instead of the
+    policy's (e.g. the workloads' true curves: the best the allocator can do)."""
     if policy_name not in POLICIES:
         raise ValueError(f"unknown policy '{policy_name}'; valid: {', '.join(POLICIES)}")
     t_start = time.perf_counter()
     tick_s = scenario.spec.tick_s
     n_ticks = scenario.ticks
-    run = _Run(scenario, site, mix, policy_name)
+    run = _Run(scenario, site, mix, policy_name, learn=learn, profiles=profiles)
     # The controller reacts to a change of demand within its own tick (1 s by default), far
     # inside a simulated tick: the first control tick of every step is simulated as such.
     react_s = min(site.policy.control.tick_s, tick_s / 2)
@@ -387,6 +440,7 @@ def simulate(
     fac_draw = np.zeros(n_ticks)
     peak_ratio = np.zeros((n_ticks, n_levels))
     tput_series = np.zeros(n_ticks)
+    weighted_series = np.zeros(n_ticks)
     for k in range(n_ticks):
         now = k * tick_s
         while next_event < len(events) and events[next_event][0] <= now:
@@ -395,6 +449,7 @@ def simulate(
             next_event += 1
         energy_before = float(run.model.energy_j.sum())
         work_before = float(run.work.sum())
+        weighted_before = run.weighted_work
         run.step_peak[:] = -np.inf
         if run.planner is not None:
             if k == 0:
@@ -410,6 +465,7 @@ def simulate(
         )
         peak_ratio[k] = run.step_peak
         tput_series[k] = (float(run.work.sum()) - work_before) / tick_s
+        weighted_series[k] = (run.weighted_work - weighted_before) / tick_s
         if progress is not None:
             progress(1)
 
@@ -451,6 +507,7 @@ def simulate(
             facility_budget_w=float(run.budget[0]),
             peak_ratio=peak_ratio,
             throughput=tput_series,
+            weighted_throughput=weighted_series,
         ),
     )
     log.debug(

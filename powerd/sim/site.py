@@ -210,7 +210,8 @@ def assign_nodes(shares: list[float], n_nodes: int, placement: str) -> IntArray:
     return out
 
 
-def _profile(spec: WorkloadSpec, policy: Policy) -> Profile:
+def workload_profile(spec: WorkloadSpec, policy: Policy) -> Profile:
+    """The true curve of a workload's GPUs: its own `profile`, else its class's."""
     if spec.profile is None:
         return policy.class_profile(spec.class_)
     if isinstance(spec.profile, str):
@@ -220,7 +221,7 @@ def _profile(spec: WorkloadSpec, policy: Policy) -> Profile:
 
 def _mock_workloads(spec: WorkloadSpec, policy: Policy, rng: np.random.Generator) -> list[Workload]:
     """One mock Workload per job (training), or one for the whole workload."""
-    profile = _profile(spec, policy)
+    profile = workload_profile(spec, policy)
     name = spec.class_
     match spec.kind:
         case "training":
@@ -281,7 +282,7 @@ def _trace_workloads(
     recorded, from an offset drawn once per node (`lockstep`: none), so a fleet of one
     recording is not in step unless the scenario asks."""
     traces = load_traces(spec.traces, scenario.base_dir)
-    profile = _profile(spec, policy)
+    profile = workload_profile(spec, policy)
     out: list[Workload] = []
     k = 0
     for node in nodes.tolist():
