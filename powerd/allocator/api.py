@@ -159,6 +159,9 @@ def allocate_arrays(
         infeasible_groups=tuple(names[g] for g in problem.infeasible_groups),
         repair_w=float(np.max(np.abs(p - raw), initial=0.0)) * 1000.0,
         prices=prices,
+        lo_w=problem.lo * 1000.0,
+        hi_w=problem.hi * 1000.0,
+        demand_w=problem.demand_w,
     )
 
 

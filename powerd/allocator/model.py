@@ -397,7 +397,9 @@ class Allocation:
 
     `objective` is the same formula for every solver (see `objective`). `repair_w` is the
     largest change the final verification had to make to the solver's caps (0 for the exact
-    solvers up to rounding); `prices` are the group multipliers per kW (warm start).
+    solvers up to rounding); `prices` are the group multipliers per kW (warm start, and
+    each budget's shadow price). `lo_w`/`hi_w` are the bounds each cap was given and
+    `demand_w` the demand estimate (build_problem's): what explains a cap (controller/why.py).
     """
 
     status: str
@@ -410,6 +412,9 @@ class Allocation:
     infeasible_groups: tuple[str, ...] = ()
     repair_w: float = 0.0
     prices: FloatArray | None = None
+    lo_w: FloatArray | None = None
+    hi_w: FloatArray | None = None
+    demand_w: FloatArray | None = None
 
     def caps(self) -> dict[str, float]:
         return dict(zip(self.uuids, self.caps_w.tolist(), strict=True))
