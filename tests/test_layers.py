@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "powerd.controller.engine",
             "powerd.controller.fleet",
             "powerd.controller.overrides",
+            "powerd.controller.why",
         ),
     ),
     (

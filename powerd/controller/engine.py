@@ -26,6 +26,7 @@ from powerd.allocator.model import build_problem
 from powerd.allocator.scopes import DemandCurve, demand_curve
 from powerd.controller.fleet import FleetArrays, FleetState
 from powerd.controller.overrides import Overrides
+from powerd.controller.why import Decided, WhyFrame, why_frame
 from powerd.policy import LEVELS, Policy, scoped
 from powerd.safety import FleetLayout, OverloadRule, SafePlan, SafetyPlanner
 from powerd.topology import Topology
@@ -84,6 +85,8 @@ class TickReport:
     # What committed caps may reach: the budget, or above it where a group is rated for an
     # overload (OverloadRule); None: the budgets (a tick that fell back).
     group_limit_w: FloatArray | None = None
+    # What decided each cap, to explain on request (controller/why.py); None: a failed tick.
+    why: WhyFrame | None = None
 
     @property
     def throughput_total(self) -> float:
@@ -157,6 +160,7 @@ class Shape:
     # per group: the same, only those of the group itself (nodes): what the allocator
     # takes, adding them up the tree itself
     reserve_own_w: FloatArray
+    gpu_index: dict[str, int]  # uuid → position, for explanations (controller/why.py)
 
 
 class TickEngine:
@@ -345,7 +349,8 @@ class TickEngine:
                 node_max[k] = node_rec.gone_max_cap_w
         reserve_node = missing * node_max
         reserve = _push_up(topology, reserve_node)
-        self.shape = Shape(version, topology, Tree(topology), layout, reserve, reserve_node)
+        index = {u: i for i, u in enumerate(layout.uuids)}
+        self.shape = Shape(version, topology, Tree(topology), layout, reserve, reserve_node, index)
         self._warm = None
         return self.shape
 
@@ -555,6 +560,7 @@ class TickEngine:
             pinned_w=pinned,
         )
         targets, status, objective, solve_ms = self._allocate(tick, fleet, limit_w, shape)
+        alloc = self._warm  # this tick's allocation; None when the solver failed
         if self.scope_name is not None:
             self.last_curve = self._curve(fleet, budget_w, shape)
         if held.any():
@@ -614,6 +620,35 @@ class TickEngine:
 
         throughput = self._throughput(arrays, cls_idx)
         draw = topo.group_sums(arrays.power_w) + topo.overhead_w
+        try:
+            decided = Decided(
+                tick,
+                wall,
+                status,
+                solver,
+                targets,
+                budget_w,
+                limit_w,
+                fleet.cap_w,
+                held,
+                offline,
+                control.slew_w,
+            )
+            why: WhyFrame | None = why_frame(
+                decided,
+                fleet=fleet,
+                arrays=arrays,
+                index=shape.gpu_index,
+                alloc=alloc,
+                plan=plan,
+                planner=self.planner,
+                classes=self.classes,
+                drained=self.overrides.drained,
+                node_seq={n: rec.seq for n, rec in self.fleet.nodes.items()},
+            )
+        except Exception:  # an explanation never costs a tick its caps
+            log.exception("why_frame_failed", tick=tick)
+            why = None
         report = TickReport(
             tick=tick,
             ts=wall,
@@ -645,6 +680,7 @@ class TickEngine:
             stale=plan.stale,
             waiting_nodes=plan.waiting_nodes,
             alarms=tuple(sorted(self.alarms.active)),
+            why=why,
         )
         return report, plan
 
