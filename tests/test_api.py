@@ -28,7 +28,7 @@ from powerd.controller.hooks import metrics_hook
 from powerd.controller.opstate import StateFile
 from powerd.metrics import ControllerMetrics
 from powerd.policy import load_policy_text
-from powerd.store import Store, StoreWriter, upgrade
+from powerd.store import Store, StoreWriter, WriterLimits, upgrade
 from powerd.transport import MemoryBroker
 
 # 1 row × 2 racks × 2 nodes × 2 GPUs; 8 × 700 W installed under a 4 kW feed, fast ticks.
@@ -78,12 +78,15 @@ class LiveApi:
         *,
         with_store: bool = True,
         state_file: Path | None = None,
+        db_url: str | None = None,
+        limits: WriterLimits | None = None,
     ) -> None:
         self.workdir = workdir
+        self.limits = limits
         self.state_file = state_file
         self.policy_text = policy_text
         self.with_store = with_store
-        self.db_url = f"sqlite:///{workdir / 'powerd.db'}"
+        self.db_url = db_url or f"sqlite:///{workdir / 'powerd.db'}"
         self.tokens: dict[str, str] = {}
         entries = []
         for role in ("viewer", "operator", "admin"):
@@ -131,7 +134,11 @@ class LiveApi:
         if self.with_store:
             await asyncio.to_thread(upgrade, self.db_url)
             store = Store(self.db_url)
-            writer = StoreWriter(store)
+            writer = (
+                StoreWriter(store)
+                if self.limits is None
+                else StoreWriter(store, limits=self.limits)
+            )
             writer.start()
             version = store.record_policy_version(
                 self.policy_text, source="test-policy.yaml", author="test", reason="start"

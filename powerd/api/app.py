@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from powerd import __version__
 from powerd.api.errors import install_error_handlers
-from powerd.api.routers import fleet, health, history, metrics, overrides, policy
+from powerd.api.routers import fleet, health, history, metrics, overrides, policy, why
 from powerd.api.views import Views
 from powerd.auth import TokenStore
 from powerd.controller.controller import Controller
@@ -53,4 +53,5 @@ def create_app(
     app.include_router(history.router)
     app.include_router(overrides.router)
     app.include_router(policy.router)
+    app.include_router(why.router)
     return app
