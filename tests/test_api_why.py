@@ -66,7 +66,7 @@ def test_why_now_and_at_a_past_time(live: LiveApi) -> None:
         groups = {g["name"] for g in c.get("/api/v1/groups").json()["items"]}
         assert doc["budget"]["group"] in groups
         assert doc["class"]["name"] == "training" and doc["job"] is None
-        assert doc["summary"].startswith("wanted ")
+        assert doc["summary"].startswith("target ")
         assert doc["demand"]["sample_seq"] is not None
 
         # Stored with its cap change: answers for a time once the writer has it.
@@ -79,7 +79,7 @@ def test_why_now_and_at_a_past_time(live: LiveApi) -> None:
             assert r.status_code == 200, r.text
         wait_until(lambda: why(c, uuid).json()["decided_by"] == ["pinned"], "pinned, live")
         live_doc = why(c, uuid).json()
-        assert live_doc["pin_w"] == 250.0 and live_doc["wanted_w"] == pytest.approx(250.0)
+        assert live_doc["pin_w"] == 250.0 and live_doc["target_w"] == pytest.approx(250.0)
         pinned = wait_until(
             lambda: (d := stored_now(c, uuid)) is not None and d["decided_by"] == ["pinned"] and d,
             "the pinned explanation stored",
@@ -122,7 +122,7 @@ def test_powerd_why_on_the_command_line(tmp_path: Path, capsys: pytest.CaptureFi
         assert code == EXIT_OK
         lines = out.splitlines()
         assert lines[0].startswith(f"{uuid} on rack-1-n1, tick ") and "(last tick)" in lines[0]
-        assert lines[1].strip().startswith("wanted ")
+        assert lines[1].strip().startswith("target ")
         assert any(line.startswith("  decided by: ") for line in lines)
         assert any(line.startswith("  tightest budget: ") for line in lines)
         assert any(line.startswith("  class training (weight 1)") for line in lines)

@@ -71,8 +71,8 @@ def test_the_tightest_budget_is_the_binding_one_with_its_shadow_price() -> None:
     b = r1["budget"]
     assert b["group"] == "r1" and b["level"] == "rack" and b["budget_w"] == 2000
     assert b["price_per_kw"] > 0 and b["committed_w"] == pytest.approx(2000, abs=1e-3)
-    assert r1["wanted_w"] == pytest.approx(250, abs=1e-3)  # 2000 W over 8 GPUs
-    assert r1["sent_w"] == pytest.approx(r1["wanted_w"]) and r1["planner"] is None
+    assert r1["target_w"] == pytest.approx(250, abs=1e-3)  # 2000 W over 8 GPUs
+    assert r1["sent_w"] == pytest.approx(r1["target_w"]) and r1["planner"] is None
     # The other rack by its own budget; the facility (4000 W of 7000 committed) does not bind.
     r2 = site.why(report, "GPU-r2-n1-0")
     assert r2["budget"]["group"] == "r2" and r2["budget"]["price_per_kw"] > 0
@@ -100,7 +100,7 @@ def test_pinned_and_drained() -> None:
     report = site.run(3)
     pinned = site.why(report, "GPU-r1-n1-0")
     assert pinned["decided_by"] == ["pinned"] and pinned["pin_w"] == 333.0
-    assert pinned["wanted_w"] == pytest.approx(333.0) and pinned["sent_w"] == pytest.approx(333.0)
+    assert pinned["target_w"] == pytest.approx(333.0) and pinned["sent_w"] == pytest.approx(333.0)
     assert pinned["bounds"]["lo_w"] == pinned["bounds"]["hi_w"] == pytest.approx(333.0)
     drained = site.why(report, "GPU-r2-n2-3")
     assert drained["decided_by"] == ["drained"] and drained["drained"] is True
@@ -119,7 +119,7 @@ def test_a_class_floor_holds_a_low_priority_gpu_up() -> None:
     # The facility's price is above what a watt is worth to the low class: it sits at its
     # floor, held there by the floor against the budget.
     assert low["decided_by"] == ["floor", "budget"]
-    assert low["wanted_w"] == pytest.approx(450, abs=1e-3)
+    assert low["target_w"] == pytest.approx(450, abs=1e-3)
     assert low["class"] == {
         "name": "low",
         "weight": 0.1,
@@ -139,8 +139,8 @@ def test_slew_limits_a_raise() -> None:
     doc = site.why(report, "GPU-r1-n1-0")
     assert doc["decided_by"][0] == "slew"
     assert doc["slew"]["limited"] == "up" and doc["slew"]["slew_w"] == 50
-    assert doc["wanted_w"] == pytest.approx(doc["slew"]["from_w"] + 50)
-    assert doc["bounds"]["hi_w"] == pytest.approx(doc["wanted_w"])
+    assert doc["target_w"] == pytest.approx(doc["slew"]["from_w"] + 50)
+    assert doc["bounds"]["hi_w"] == pytest.approx(doc["target_w"])
     assert "slew limit" in doc["summary"]
 
 
@@ -156,13 +156,13 @@ def test_a_raise_held_back_names_the_acks_it_waits_for() -> None:
     report, plan = site.tick()
     cut_tick = report.tick
     cut = site.why(report, "GPU-r1-n1-0")
-    assert cut["sent_w"] == pytest.approx(cut["wanted_w"])  # cuts go at once
+    assert cut["sent_w"] == pytest.approx(cut["target_w"])  # cuts go at once
     assert cut["sent_w"] < 300
     raised = site.why(report, "GPU-r2-n1-0")
     assert raised["decided_by"][-1] == "held_back"
     p = raised["planner"]
     assert p["reason"] == "awaiting_acks" and p["group"] == "dc"
-    assert p["held_back_w"] == pytest.approx(raised["wanted_w"] - raised["sent_w"])
+    assert p["held_back_w"] == pytest.approx(raised["target_w"] - raised["sent_w"])
     assert p["held_back_w"] > 1.0
     assert {a["node"] for a in p["awaiting"]} == {"r1-n1"}
     assert {a["since_tick"] for a in p["awaiting"]} == {cut_tick}
@@ -177,7 +177,7 @@ def test_a_raise_held_back_names_the_acks_it_waits_for() -> None:
     report, _ = site.tick()
     after = site.why(report, "GPU-r2-n1-0")
     assert after["planner"] is None and "held_back" not in after["decided_by"]
-    assert after["sent_w"] == pytest.approx(after["wanted_w"])
+    assert after["sent_w"] == pytest.approx(after["target_w"])
 
 
 def test_a_stale_gpu_is_not_raised_and_says_so() -> None:
@@ -189,7 +189,19 @@ def test_a_stale_gpu_is_not_raised_and_says_so() -> None:
     doc = site.why(report, "GPU-r2-n2-0")
     assert doc["demand"]["stale"] is True and doc["demand"]["sample_age_s"] > 3.0
     assert doc["decided_by"][0] == "stale"
-    assert doc["wanted_w"] <= doc["demand"]["reported_cap_w"] + 0.5
+    assert doc["target_w"] <= doc["demand"]["reported_cap_w"] + 0.5
+
+
+def test_a_failed_solve_explains_the_failsafe_caps() -> None:
+    site = Site(policy_dict())
+    site.engine.solver = "no-such-solver"  # every allocation raises: failsafe caps
+    report = site.run(3)
+    assert report.status == "fallback"
+    doc = site.why(report, "GPU-r1-n1-0")
+    assert doc["decided_by"] == ["fallback"] and doc["status"] == "fallback"
+    assert doc["target_w"] == 200.0  # the node's failsafe cap
+    assert doc["bounds"]["lo_w"] is None and doc["budget"]["price_per_kw"] is None
+    assert doc["summary"].startswith("target 200 W, sent 200 W: the solver failed")
 
 
 # ---- storage: one explanation per stored cap change, on both backends ----

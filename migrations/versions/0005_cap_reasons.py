@@ -30,7 +30,7 @@ def upgrade() -> None:
         sa.Column("node", sa.String(length=128), nullable=False),
         sa.Column("decided_by", sa.String(length=128), nullable=False),
         sa.Column("sent_w", sa.Double(), nullable=True),
-        sa.Column("wanted_w", sa.Double(), nullable=True),
+        sa.Column("target_w", sa.Double(), nullable=True),
         sa.Column("committed_w", sa.Double(), nullable=True),
         sa.Column("budget_group", sa.String(length=128), nullable=False),
         sa.Column("budget_w", sa.Double(), nullable=True),

@@ -470,7 +470,7 @@ class WhyOut(_Out):
     ts: float
     status: str = Field(description="The allocator's status that tick.")
     solver: str
-    wanted_w: float | None = Field(description="The cap the allocator wanted.")
+    target_w: float | None = Field(description="The cap the allocator wanted.")
     sent_w: float | None = Field(description="The cap sent; null: its node got no command.")
     committed_w: float | None
     decided_by: list[WhyReason] = Field(description="What decided the caps, main reason first.")

@@ -400,7 +400,7 @@ def explain_many(frame: WhyFrame, gpus: IntArray) -> list[dict[str, Any]]:
             "ts": frame.ts,
             "status": frame.status,
             "solver": frame.solver,
-            "wanted_w": _num(target),
+            "target_w": _num(target),
             "sent_w": _num(sent),
             "committed_w": _num(r.committed[k]),
             "decided_by": reasons,
@@ -537,4 +537,4 @@ def summary(doc: Mapping[str, Any]) -> str:
         )
         for r in doc["decided_by"]
     ]
-    return f"wanted {w(doc['wanted_w'])}, sent {w(doc['sent_w'])}: " + "; ".join(parts)
+    return f"target {w(doc['target_w'])}, sent {w(doc['sent_w'])}: " + "; ".join(parts)

@@ -131,7 +131,7 @@ class CapReason(Base):
     node: Mapped[str] = mapped_column(String(NAME_LEN))
     decided_by: Mapped[str] = mapped_column(String(128))  # reason codes, comma-separated
     sent_w: Mapped[float | None]
-    wanted_w: Mapped[float | None]
+    target_w: Mapped[float | None]
     committed_w: Mapped[float | None]
     budget_group: Mapped[str] = mapped_column(String(NAME_LEN))  # the tightest on its path
     budget_w: Mapped[float | None]

@@ -18,7 +18,7 @@ from powerd.store.models import CapReason
 # (column, section of the explanation or None for its top level, key there)
 _COLUMNS = (
     ("sent_w", None, "sent_w"),
-    ("wanted_w", None, "wanted_w"),
+    ("target_w", None, "target_w"),
     ("committed_w", None, "committed_w"),
     ("budget_group", "budget", "group"),
     ("budget_w", "budget", "budget_w"),
