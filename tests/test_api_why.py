@@ -63,8 +63,12 @@ def test_why_now_and_at_a_past_time(live: LiveApi) -> None:
         doc = r.json()
         assert doc["uuid"] == uuid and doc["node"] == gpus[0]["node"]
         assert doc["source"] == "live" and doc["decided_by"]
-        groups = {g["name"] for g in c.get("/api/v1/groups").json()["items"]}
+        items = c.get("/api/v1/groups").json()["items"]
+        groups = {g["name"] for g in items}
         assert doc["budget"]["group"] in groups
+        # The allocator's shadow prices, per group (8 × 700 W under a 4 kW feed: one binds).
+        assert all(g["price_per_kw"] is not None and g["price_per_kw"] >= 0 for g in items)
+        assert any(g["price_per_kw"] > 0 for g in items)
         assert doc["class"]["name"] == "training" and doc["job"] is None
         assert doc["summary"].startswith("target ")
         assert doc["demand"]["sample_seq"] is not None

@@ -83,6 +83,11 @@ class GroupUse(_Out):
         description="What committed caps may reach this tick: the budget, or up to its "
         "overload rating where the policy declares one and the GPUs do not draw their caps.",
     )
+    price_per_kw: float | None = Field(
+        default=None,
+        description="The budget's shadow price this tick (weighted throughput per kW; 0: not "
+        "binding); null: the solver gives none, or the tick fell back.",
+    )
 
 
 class MemberOut(_Out):
