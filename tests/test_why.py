@@ -3,6 +3,7 @@ their storage with each stored cap change, on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -190,6 +191,19 @@ def test_a_stale_gpu_is_not_raised_and_says_so() -> None:
     assert doc["demand"]["stale"] is True and doc["demand"]["sample_age_s"] > 3.0
     assert doc["decided_by"][0] == "stale"
     assert doc["target_w"] <= doc["demand"]["reported_cap_w"] + 0.5
+
+
+def test_a_gpus_job_is_named_when_the_fleet_has_one() -> None:
+    site = Site(policy_dict())
+    report = site.run(2)
+    frame = report.why
+    assert frame is not None
+    assert site.why(report, "GPU-r1-n1-0")["job"] is None  # the engine gives no jobs yet
+    jobs = np.full(len(frame.uuids), -1, dtype=np.int64)
+    jobs[frame.index["GPU-r1-n1-0"]] = 1
+    with_jobs = dataclasses.replace(frame, job_index=jobs, job_names=("a", "train-42"))
+    assert with_jobs.explain_uuid("GPU-r1-n1-0")["job"] == "train-42"  # type: ignore[index]
+    assert with_jobs.explain_uuid("GPU-r1-n1-1")["job"] is None  # type: ignore[index]
 
 
 def test_a_failed_solve_explains_the_failsafe_caps() -> None:
