@@ -113,10 +113,13 @@ class WhyFrame:
         i = self.index.get(uuid)
         return None if i is None else explain(self, i)
 
-    def explain_uuids(self, uuids: Sequence[str]) -> dict[str, dict[str, Any]]:
-        """Explanations of the GPUs named (those of this tick), by uuid, made in one batch."""
+    def explain_uuids(
+        self, uuids: Sequence[str], *, summaries: bool = True
+    ) -> dict[str, dict[str, Any]]:
+        """Explanations of the GPUs named (those of this tick), by uuid, made in one batch;
+        `summaries=False` leaves out the one-line summary (the store makes it on reading)."""
         idx = [i for i in (self.index.get(u) for u in uuids) if i is not None]
-        docs = explain_many(self, np.array(idx, dtype=np.int64))
+        docs = explain_many(self, np.array(idx, dtype=np.int64), summaries=summaries)
         return {d["uuid"]: d for d in docs}
 
 
@@ -365,8 +368,11 @@ def explain(frame: WhyFrame, i: int) -> dict[str, Any]:
     return explain_many(frame, np.array([i], dtype=np.int64))[0]
 
 
-def explain_many(frame: WhyFrame, gpus: IntArray) -> list[dict[str, Any]]:
-    """The explanations of the GPUs at positions `gpus`, in that order."""
+def explain_many(
+    frame: WhyFrame, gpus: IntArray, *, summaries: bool = True
+) -> list[dict[str, Any]]:
+    """The explanations of the GPUs at positions `gpus`, in that order (`summaries`: with
+    their one-line summary)."""
     r = _Rows(frame, np.asarray(gpus, dtype=np.int64))
     cuts = _Cuts(frame)
     groups: dict[int, dict[str, Any]] = {}
@@ -436,7 +442,8 @@ def explain_many(frame: WhyFrame, gpus: IntArray) -> list[dict[str, Any]]:
             "slew": slew,
             "planner": _planner(frame, cuts, i, target, sent),
         }
-        doc["summary"] = summary(doc)
+        if summaries:
+            doc["summary"] = summary(doc)
         out.append(doc)
     return out
 

@@ -315,7 +315,7 @@ class StoreWriter:
     def _add_reasons(self, frame: WhyFrame, cap_rows: Sequence[Mapping[str, Any]]) -> None:
         """The explanations of the cap changes just stored, made in one batch."""
         try:
-            docs = frame.explain_uuids([row["gpu_uuid"] for row in cap_rows])
+            docs = frame.explain_uuids([row["gpu_uuid"] for row in cap_rows], summaries=False)
         except Exception:  # a bug in an explanation loses the explanations, nothing else
             log.exception("cap_reasons_failed", tick=frame.tick, rows=len(cap_rows))
             return
