@@ -286,6 +286,15 @@ class SafetyPlanner:
         self._absorb()
         return self._defiant.copy()
 
+    def pending_since(self, gpus: IntArray) -> IntArray:
+        """Per GPU of `gpus`: the oldest tick of ours it has not acknowledged (-1: none)."""
+        self._require_layout()
+        never = np.iinfo(np.int64).max
+        ticks = self._pend_tick[gpus]
+        oldest = np.where(ticks >= 0, ticks, never).min(axis=1, initial=never)
+        out: IntArray = np.where(oldest == never, -1, oldest)
+        return out
+
     def settling(self) -> BoolArray:
         """Per GPU: still counted at its maximum for what a predecessor may have sent it."""
         self._require_layout()

@@ -29,7 +29,7 @@ from powerd.controller.leadership import for_daemon
 from powerd.controller.opstate import StateFile
 from powerd.metrics import ControllerMetrics
 from powerd.policy import load_policy_text
-from powerd.store import Store, StoreWriter, upgrade
+from powerd.store import Store, StoreWriter, WriterLimits, upgrade
 from powerd.transport import MemoryBroker, MqttConfig, MqttTransport, Transport
 
 # 1 row × 2 racks × 2 nodes × 2 GPUs; 8 × 700 W installed under a 4 kW feed, fast ticks.
@@ -83,8 +83,10 @@ class LiveApi:
         broker_url: str | None = None,
         db_url: str | None = None,
         leadership: bool = False,
+        limits: WriterLimits | None = None,
     ) -> None:
         self.workdir = workdir
+        self.limits = limits
         self.leadership = leadership  # lead the store's lease, alone (SQLite), as main() does
         self.state_file = state_file
         self.policy_text = policy_text
@@ -149,7 +151,11 @@ class LiveApi:
         if self.with_store:
             await asyncio.to_thread(upgrade, self.db_url)
             store = Store(self.db_url)
-            writer = StoreWriter(store)
+            writer = (
+                StoreWriter(store)
+                if self.limits is None
+                else StoreWriter(store, limits=self.limits)
+            )
             writer.start()
             version = store.record_policy_version(
                 self.policy_text, source="test-policy.yaml", author="test", reason="start"

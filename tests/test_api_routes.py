@@ -188,6 +188,15 @@ OPERATIONS = [
         "application/json:ClassClearIn",
     ),
     Op(
+        "GET",
+        f"{V1}/gpus/{{uuid}}/why",
+        "why_api_v1_gpus__uuid__why_get",
+        "fleet",
+        "viewer",
+        STORE_READ | {"404": "ErrorOut"},
+        ("path:uuid*", "query:at"),
+    ),
+    Op(
         "PUT",
         f"{V1}/gpus/{{uuid}}/pin",
         "pin_api_v1_gpus__uuid__pin_put",

@@ -70,6 +70,7 @@ def test_every_operation_conforms_to_the_schema(live_api: LiveApi, mode: Generat
     operations = [result.ok() for result in schema.get_all_operations()]
     assert len(operations) >= 20
     assert "/api/v1/history/facility" in {o.path for o in operations}  # the live page's chart
+    assert "/api/v1/gpus/{uuid}/why" in {op.path for op in operations}
     tested = 0
     for operation in operations:
         inputs = len(operation.query) + len(operation.path_parameters) + len(operation.body)

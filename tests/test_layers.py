@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "powerd.controller.fleet",
             "powerd.controller.overrides",
             "powerd.controller.jobs",
+            "powerd.controller.why",
         ),
     ),
     (

@@ -176,6 +176,9 @@ def allocate_arrays(
         split_jobs=problem.split_jobs,
         gap=gap,
         unused_w=unused_w(problem, p),
+        lo_w=problem.lo * 1000.0,
+        hi_w=problem.hi * 1000.0,
+        demand_w=problem.demand_w,
     )
 
 

@@ -572,7 +572,9 @@ class Allocation:
 
     `objective` is the same formula for every solver (see `objective`). `repair_w` is the
     largest change the final verification had to make to the solver's caps (0 for the exact
-    solvers up to rounding); `prices` are the group multipliers per kW (warm start).
+    solvers up to rounding); `prices` are the group multipliers per kW (warm start, and
+    each budget's shadow price). `lo_w`/`hi_w` are the bounds each cap was given and
+    `demand_w` the demand estimate (build_problem's): what explains a cap (controller/why.py).
     `gap` bounds how far from the optimum the caps can be, relative (with jobs, from the
     dual bound: jobs.gap; 0 without jobs, where `fast` is exact).
     """
@@ -592,6 +594,9 @@ class Allocation:
     # Room in the root's budget the caps leave unallocated (W): power no GPU can use (past
     # its peak or its maximum, or behind a full budget below). 0 when the root is unbudgeted.
     unused_w: float = 0.0
+    lo_w: FloatArray | None = None
+    hi_w: FloatArray | None = None
+    demand_w: FloatArray | None = None
 
     def caps(self) -> dict[str, float]:
         return dict(zip(self.uuids, self.caps_w.tolist(), strict=True))

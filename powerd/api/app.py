@@ -26,6 +26,7 @@ from powerd.api.routers import (
     overrides,
     policy,
     ui,
+    why,
 )
 from powerd.api.views import Views
 from powerd.auth import TokenStore
@@ -67,4 +68,5 @@ def create_app(
     app.include_router(policy.router)
     app.include_router(classes.router)
     app.include_router(ui.router)
+    app.include_router(why.router)
     return app

@@ -1,5 +1,5 @@
-"""`powerd status`, `powerd budget ...`, `powerd pin ...`, `powerd job ...`: a small client
-of the admin API.
+"""`powerd status`, `powerd why ...`, `powerd budget ...`, `powerd pin ...`, `powerd job ...`: a
+small client of the admin API.
 
 `add_commands(subparsers)` registers the subcommands on the `powerd` parser; each handler
 returns the CLI's exit status (0 done, 1 failed or refused access, 2 rejected input).
@@ -62,6 +62,10 @@ class Client:
 
     def alarms(self) -> list[dict[str, Any]]:
         return list(self.call("GET", f"{V1}/alarms"))
+
+    def why(self, uuid: str, at: float | None = None) -> dict[str, Any]:
+        params = {} if at is None else {"at": datetime.fromtimestamp(at, tz=UTC).isoformat()}
+        return dict(self.call("GET", f"{V1}/gpus/{uuid}/why", params=params))
 
     # writes
     def set_budget(
@@ -230,6 +234,72 @@ def print_leadership(lead: dict[str, Any], out: TextIO) -> None:
     print(line, file=out)
 
 
+def _w(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f} W"
+
+
+def print_why(doc: dict[str, Any], out: TextIO) -> None:
+    """`powerd why UUID`: the caps, what decided them, and the numbers behind each reason."""
+    when = datetime.fromtimestamp(doc["ts"], tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    source = "last tick" if doc["source"] == "live" else "stored cap change"
+    print(f"{doc['uuid']} on {doc['node']}, tick {doc['tick']} at {when} ({source})", file=out)
+    print(f"  {doc['summary']}", file=out)
+    print(f"  decided by: {', '.join(doc['decided_by'])}", file=out)
+    b = doc["budget"]
+    price = "-" if b["price_per_kw"] is None else f"{b['price_per_kw']:.4g}/kW"
+    print(
+        f"  tightest budget: {b['level']} {b['group']}: budget {kw_text(b['budget_w'])}, "
+        f"committed {kw_text(b['committed_w'])}, shadow price {price}",
+        file=out,
+    )
+    d = doc["demand"]
+    age = "-" if d["sample_age_s"] is None else f"{d['sample_age_s']:.1f} s"
+    print(
+        f"  demand: {_w(d['demand_w'])}{' (cap-limited)' if d['cap_limited'] else ''}, "
+        f"profile peak {_w(d['peak_w'])}; sample: draw {_w(d['power_w'])}, cap "
+        f"{_w(d['reported_cap_w'])}, age {age}, seq {d['sample_seq']}"
+        + (" (stale)" if d["stale"] else ""),
+        file=out,
+    )
+    c = doc["class"]
+    print(
+        f"  class {c['name']} (weight {c['weight']:g}): floor {_w(c['floor_w'])}"
+        + (" (dropped)" if c["floor_dropped"] else "")
+        + f", ceiling {_w(c['ceiling_w'])}; job {doc['job'] or '-'}",
+        file=out,
+    )
+    bounds = doc["bounds"]
+    print(
+        f"  bounds {_w(bounds['lo_w'])} .. {_w(bounds['hi_w'])} (device "
+        f"{_w(bounds['min_cap_w'])} .. {_w(bounds['max_cap_w'])}); pin {_w(doc['pin_w'])}; "
+        f"drained {'yes' if doc['drained'] else 'no'}",
+        file=out,
+    )
+    if doc["slew"]:
+        s = doc["slew"]
+        print(
+            f"  slew {_w(s['slew_w'])} from {_w(s['from_w'])}"
+            + (f": limited {s['limited']}" if s["limited"] else ""),
+            file=out,
+        )
+    p = doc["planner"]
+    if p:
+        line = f"  planner: {p['reason']}"
+        if p["held_back_w"] is not None:
+            line += f", {_w(p['held_back_w'])} of the raise held back"
+        if p["group"]:
+            line += f" in {p['group']}"
+        print(line, file=out)
+        for a in p["awaiting"]:
+            print(
+                f"    awaiting ack from {a['node']}: {a['uuid']} cut to {_w(a['sent_w'])} "
+                f"(committed {_w(a['committed_w'])}) since tick {a['since_tick']}",
+                file=out,
+            )
+        if p["awaiting_more"]:
+            print(f"    and {p['awaiting_more']} more", file=out)
+
+
 # ---- command handlers ----
 
 
@@ -289,6 +359,17 @@ def cmd_status(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
             print(json.dumps({"fleet": fleet, "overrides": overrides, "alarms": alarms}), file=out)
         else:
             print_status(fleet, overrides, alarms, out)
+
+    return _run(args, show, out)
+
+
+def cmd_why(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    def show(c: Client) -> None:
+        doc = c.why(args.uuid, args.at)
+        if args.json:
+            print(json.dumps(doc), file=out)
+        else:
+            print_why(doc, out)
 
     return _run(args, show, out)
 
@@ -461,6 +542,14 @@ def add_commands(sub: Any) -> None:
     status = sub.add_parser("status", parents=[common], help="fleet summary from the API")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
     status.set_defaults(handler=cmd_status)
+
+    explain = sub.add_parser(
+        "why", parents=[common], help="why a GPU has its cap (now, or at a past time)"
+    )
+    explain.add_argument("uuid")
+    explain.add_argument("--at", type=parse_time, help="when: epoch seconds or ISO 8601")
+    explain.add_argument("--json", action="store_true", help="print the raw JSON")
+    explain.set_defaults(handler=cmd_why)
 
     budget = sub.add_parser("budget", help="temporary budgets (grid events)")
     budget_sub = budget.add_subparsers(dest="budget_command", metavar="ACTION", required=True)

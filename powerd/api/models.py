@@ -88,6 +88,11 @@ class GroupUse(_Out):
         description="What committed caps may reach this tick: the budget, or up to its "
         "overload rating where the policy declares one and the GPUs do not draw their caps.",
     )
+    price_per_kw: float | None = Field(
+        default=None,
+        description="The budget's shadow price this tick (weighted throughput per kW; 0: not "
+        "binding); null: the solver gives none, or the tick fell back.",
+    )
 
 
 class MemberOut(_Out):
@@ -484,3 +489,127 @@ class JobWriteOut(WriteOut):
 class JobDeleted(WriteOut):
     gpus: int = Field(description="GPUs it named by uuid.")
     nodes: int = Field(description="Nodes it named.")
+
+
+# ---- why a cap (powerd/controller/why.py; docs/api.md, "Why a cap") ----
+
+WhyReason = Literal[
+    "fallback",
+    "refused",
+    "drained",
+    "pinned",
+    "min_over_budget",
+    "stale",
+    "slew",
+    "ceiling",
+    "max",
+    "floor",
+    "min",
+    "demand",
+    "budget",
+    "held_back",
+    "not_sent",
+]
+
+
+class WhyBudget(_Out):
+    """The tightest budget on the GPU's path: the highest shadow price, or the least slack."""
+
+    group: str
+    level: Literal["facility", "row", "rack", "node"]
+    budget_w: float | None = Field(description="In force (policy or temporary); null: none.")
+    limit_w: float | None = Field(description="What committed caps may reach (overload rating).")
+    committed_w: float | None = Field(description="Σ committed caps + overhead + reserve.")
+    slack_w: float | None
+    price_per_kw: float | None = Field(
+        description="The budget's shadow price (weighted throughput per kW); 0: not binding; "
+        "null: the solver gives none."
+    )
+
+
+class WhyDemand(_Out):
+    demand_w: float | None = Field(description="The allocator's demand estimate.")
+    cap_limited: bool = Field(description="Drawing near its cap: estimated at its maximum.")
+    peak_w: float | None = Field(description="Its class profile's peak: no gain past it.")
+    power_w: float | None = Field(description="The sample's draw.")
+    reported_cap_w: float | None = Field(description="The limit the sample reported in force.")
+    sample_age_s: float | None
+    sample_seq: int | None = Field(description="The node's telemetry sequence number.")
+    stale: bool
+
+
+class WhyClass(_Out):
+    name: str
+    weight: float
+    floor_w: float | None
+    ceiling_w: float | None
+    floor_dropped: bool = Field(description="Its floor was dropped to fit a budget.")
+
+
+class WhyBounds(_Out):
+    lo_w: float | None = Field(description="The allocator's lower bound; null: it failed.")
+    hi_w: float | None
+    min_cap_w: float
+    max_cap_w: float
+
+
+class WhySlew(_Out):
+    slew_w: float
+    from_w: float | None = Field(description="The cap that may have been in force before.")
+    limited: Literal["up", "down"] | None
+
+
+class WhyAwaited(_Out):
+    """A cut sent and not acknowledged yet: its ack makes room for the raise."""
+
+    node: str
+    uuid: str
+    committed_w: float
+    sent_w: float
+    since_tick: int | None
+
+
+class WhyPlanner(_Out):
+    """What the safety planner did with the wanted cap (null: sent as wanted)."""
+
+    held_back_w: float | None
+    reason: Literal[
+        "node_offline",
+        "node_waiting",
+        "no_command",
+        "stale",
+        "group_over",
+        "awaiting_acks",
+        "no_room",
+    ]
+    group: str | None = Field(description="The group whose committed caps leave no room.")
+    awaiting: list[WhyAwaited]
+    awaiting_more: int = Field(description="Further cuts awaited, not listed.")
+
+
+class WhyOut(_Out):
+    uuid: str
+    node: str
+    source: Literal["live", "stored"] = Field(
+        description="live: the last tick; stored: the explanation stored with the cap change "
+        "in force at `at`."
+    )
+    tick: int
+    ts: float
+    status: str = Field(description="The allocator's status that tick.")
+    solver: str
+    target_w: float | None = Field(description="The cap the allocator wanted.")
+    sent_w: float | None = Field(description="The cap sent; null: its node got no command.")
+    committed_w: float | None
+    decided_by: list[WhyReason] = Field(description="What decided the caps, main reason first.")
+    summary: str
+    budget: WhyBudget
+    demand: WhyDemand
+    class_: WhyClass = Field(alias="class")
+    job: str | None
+    pin_w: float | None
+    drained: bool
+    refused: bool = Field(description="It refused its last cap: held at what it may have.")
+    bounds: WhyBounds
+    slew: WhySlew | None
+    planner: WhyPlanner | None

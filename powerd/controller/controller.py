@@ -401,7 +401,7 @@ class Controller(AdminWrites):
             by_node: dict[str, dict[str, float]] = {}
             for cmd in plan.commands:
                 by_node[cmd.node] = dict(cmd.caps_w)
-            self.writer.submit_caps(report.tick, report.ts, by_node)
+            self.writer.submit_caps(report.tick, report.ts, by_node, report.why)
             if report.status != "tick_failed":  # a failed tick measured nothing
                 self.writer.submit_samples(
                     list(report.uuids),

@@ -28,6 +28,7 @@ from powerd.allocator.scopes import DemandCurve, demand_curve
 from powerd.controller.fleet import FleetArrays, FleetGpu, FleetState
 from powerd.controller.jobs import GpuPlaces, JobView
 from powerd.controller.overrides import Overrides
+from powerd.controller.why import Decided, WhyFrame, why_frame
 from powerd.policy import LEVELS, Policy, scoped
 from powerd.safety import FleetLayout, OverloadRule, SafePlan, SafetyPlanner
 from powerd.topology import Topology
@@ -106,6 +107,8 @@ class TickReport:
     # power no GPU could use (control.leftover: peak leaves what lies past the profiles'
     # peaks); 0 if the root has no budget.
     unused_w: float = 0.0
+    # What decided each cap, to explain on request (controller/why.py); None: a failed tick.
+    why: WhyFrame | None = None
 
     @property
     def throughput_total(self) -> float:
@@ -179,6 +182,7 @@ class Shape:
     # per group: the same, only those of the group itself (nodes): what the allocator
     # takes, adding them up the tree itself
     reserve_own_w: FloatArray
+    gpu_index: dict[str, int]  # uuid → position, for explanations (controller/why.py)
 
 
 class TickEngine:
@@ -401,7 +405,8 @@ class TickEngine:
                 node_max[k] = node_rec.gone_max_cap_w
         reserve_node = missing * node_max
         reserve = _push_up(topology, reserve_node)
-        self.shape = Shape(version, topology, Tree(topology), layout, reserve, reserve_node)
+        index = {u: i for i, u in enumerate(layout.uuids)}
+        self.shape = Shape(version, topology, Tree(topology), layout, reserve, reserve_node, index)
         self._warm = None
         return self.shape
 
@@ -701,6 +706,7 @@ class TickEngine:
             job_names=jobs.names,
         )
         targets, status, objective, solve_ms, unused_w = self._allocate(tick, fleet, limit_w, shape)
+        alloc = self._warm  # this tick's allocation; None when the solver failed
         if self.scope_name is not None:
             self.last_curve = self._curve(fleet, budget_w, shape)
         if held.any():
@@ -761,6 +767,35 @@ class TickEngine:
 
         throughput = self._throughput(arrays, cls_idx)
         draw = topo.group_sums(arrays.power_w) + topo.overhead_w
+        try:
+            decided = Decided(
+                tick,
+                wall,
+                status,
+                solver,
+                targets,
+                budget_w,
+                limit_w,
+                fleet.cap_w,
+                held,
+                offline,
+                control.slew_w,
+            )
+            why: WhyFrame | None = why_frame(
+                decided,
+                fleet=fleet,
+                arrays=arrays,
+                index=shape.gpu_index,
+                alloc=alloc,
+                plan=plan,
+                planner=self.planner,
+                classes=self.classes,
+                drained=self.overrides.drained,
+                node_seq={n: rec.seq for n, rec in self.fleet.nodes.items()},
+            )
+        except Exception:  # an explanation never costs a tick its caps
+            log.exception("why_frame_failed", tick=tick)
+            why = None
         report = TickReport(
             tick=tick,
             ts=wall,
@@ -794,6 +829,7 @@ class TickEngine:
             waiting_nodes=plan.waiting_nodes,
             alarms=tuple(sorted(self.alarms.active)),
             set_w=arrays.set_w,
+            why=why,
         )
         return report, plan
 

@@ -116,6 +116,38 @@ class CapChange(Base):
     new_w: Mapped[float]
 
 
+class CapReason(Base):
+    """Why a GPU's cap was what it was (powerd/controller/why.py), stored with each row of
+    `cap_changes`: the explanation in force from `ts` until the GPU's next row. The main
+    numbers in columns, the rest in `more` (powerd/store/reasons.py)."""
+
+    __tablename__ = "cap_reasons"
+    __table_args__ = (Index(None, "gpu_uuid", "ts"),)
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True, autoincrement=True)
+    ts: Mapped[float] = mapped_column(index=True)
+    tick: Mapped[int] = mapped_column(BigInteger)
+    gpu_uuid: Mapped[str] = mapped_column(String(NAME_LEN))
+    node: Mapped[str] = mapped_column(String(NAME_LEN))
+    decided_by: Mapped[str] = mapped_column(String(128))  # reason codes, comma-separated
+    sent_w: Mapped[float | None]
+    target_w: Mapped[float | None]
+    committed_w: Mapped[float | None]
+    budget_group: Mapped[str] = mapped_column(String(NAME_LEN))  # the tightest on its path
+    budget_w: Mapped[float | None]
+    limit_w: Mapped[float | None]
+    group_committed_w: Mapped[float | None]
+    price_per_kw: Mapped[float | None]
+    demand_w: Mapped[float | None]
+    power_w: Mapped[float | None]
+    reported_cap_w: Mapped[float | None]
+    sample_age_s: Mapped[float | None]
+    sample_seq: Mapped[int | None] = mapped_column(BigInteger)
+    lo_w: Mapped[float | None]
+    hi_w: Mapped[float | None]
+    more: Mapped[dict[str, Any]]
+
+
 class Event(Base):
     """Events and alarms; an alarm stays active until `cleared_at` is set."""
 

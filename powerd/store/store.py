@@ -37,6 +37,7 @@ from powerd.store.models import (
     AuditEntry,
     Base,
     CapChange,
+    CapReason,
     Event,
     Gpu,
     GpuMinute,
@@ -64,6 +65,7 @@ class Batch:
     gpus: list[dict[str, Any]] = field(default_factory=list)
     ticks: list[dict[str, Any]] = field(default_factory=list)
     caps: list[dict[str, Any]] = field(default_factory=list)
+    reasons: list[dict[str, Any]] = field(default_factory=list)  # cap_reasons
     events: list[dict[str, Any]] = field(default_factory=list)
     clears: list[tuple[str, float]] = field(default_factory=list)  # (kind, cleared_at)
     minutes: list[dict[str, Any]] = field(default_factory=list)
@@ -74,6 +76,7 @@ class Batch:
             + len(self.gpus)
             + len(self.ticks)
             + len(self.caps)
+            + len(self.reasons)
             + len(self.events)
             + len(self.clears)
             + len(self.minutes)
@@ -85,6 +88,7 @@ class Pruned:
     minutes: int
     ticks: int
     cap_changes: int
+    cap_reasons: int = 0
 
 
 class Store:
@@ -135,6 +139,8 @@ class Store:
                 conn.execute(insert(Tick), batch.ticks)
             if batch.caps:
                 conn.execute(insert(CapChange), batch.caps)
+            if batch.reasons:
+                conn.execute(insert(CapReason), batch.reasons)
             if batch.events:
                 conn.execute(insert(Event), batch.events)
             for kind, cleared_at in batch.clears:
@@ -346,6 +352,14 @@ class Store:
             stmt = stmt.where(CapChange.ts < until)
         return self._all(stmt.order_by(CapChange.ts, CapChange.id).limit(limit))
 
+    def cap_reason_at(self, uuid: str, at: float | None = None) -> CapReason | None:
+        """The explanation of a GPU's cap in force at `at` (the last stored at or before it;
+        None: the latest stored), or None if none is stored."""
+        stmt = select(CapReason).where(CapReason.gpu_uuid == uuid)
+        if at is not None:
+            stmt = stmt.where(CapReason.ts <= at)
+        return self._one(stmt.order_by(CapReason.ts.desc(), CapReason.id.desc()).limit(1))
+
     def latest_caps(self) -> dict[str, float]:
         """The last stored cap of every GPU (a restarted controller starts from these)."""
         last_ids = select(func.max(CapChange.id)).group_by(CapChange.gpu_uuid)
@@ -380,7 +394,8 @@ class Store:
         keep_ticks_days: float,
         keep_cap_changes_days: float | None = None,
     ) -> Pruned:
-        """Delete per-minute rows, tick rows and cap changes older than their retention.
+        """Delete per-minute rows, tick rows and cap changes (with their reasons) older than
+        their retention.
 
         Cap changes default to the tick retention. Events, policy versions and the audit
         log are never pruned here: they are small and operators are accountable for them.
@@ -397,7 +412,10 @@ class Store:
             caps = conn.execute(
                 delete(CapChange).where(CapChange.ts < now - keep_cap_changes_days * DAY_S)
             ).rowcount
-        return Pruned(minutes=minutes, ticks=ticks, cap_changes=caps)
+            reasons = conn.execute(
+                delete(CapReason).where(CapReason.ts < now - keep_cap_changes_days * DAY_S)
+            ).rowcount
+        return Pruned(minutes=minutes, ticks=ticks, cap_changes=caps, cap_reasons=reasons)
 
     # ---- helpers ----
 

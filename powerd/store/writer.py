@@ -22,6 +22,7 @@ import structlog
 from sqlalchemy import inspect as sa_inspect
 
 from powerd.clock import Clock, SystemClock
+from powerd.controller.why import WhyFrame
 from powerd.store.aggregate import (
     CAP_EPSILON_W,
     CAP_INTERVAL_S,
@@ -30,6 +31,7 @@ from powerd.store.aggregate import (
     MinuteAggregator,
 )
 from powerd.store.models import Tick
+from powerd.store.reasons import reason_row
 from powerd.store.records import EventRecord, GpuRecord, NodeRecord, StoreHealth, TickRecord
 from powerd.store.store import Batch, Store, event_row
 
@@ -60,6 +62,7 @@ class _Caps:
     tick: int
     ts: float
     caps_by_node: Mapping[str, Mapping[str, float]]
+    why: WhyFrame | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,10 +151,16 @@ class StoreWriter:
         self._put(rec)
 
     def submit_caps(
-        self, tick: int, ts: float, caps_by_node: Mapping[str, Mapping[str, float]]
+        self,
+        tick: int,
+        ts: float,
+        caps_by_node: Mapping[str, Mapping[str, float]],
+        why: WhyFrame | None = None,
     ) -> None:
-        """The caps sent this tick, {node: {uuid: watts}}; only changes are stored."""
-        self._put(_Caps(tick, ts, caps_by_node))
+        """The caps sent this tick, {node: {uuid: watts}}; only changes are stored. With the
+        tick's `why` frame, each stored change also stores its explanation (`cap_reasons`),
+        made here on the writer's thread and only for those GPUs."""
+        self._put(_Caps(tick, ts, caps_by_node, why))
 
     def submit_samples(
         self,
@@ -273,8 +282,11 @@ class StoreWriter:
                     except ValueError as exc:
                         log.warning("store_samples_rejected", error=str(exc))
                 case _Caps():
-                    for row in self._caps.changes(item.tick, item.ts, item.caps_by_node):
+                    rows = self._caps.changes(item.tick, item.ts, item.caps_by_node)
+                    for row in rows:
                         self._add_row("cap", row)
+                    if item.why is not None and rows:
+                        self._add_reasons(item.why, rows)
                 case TickRecord():
                     self._add_row("tick", _tick_row(item))
                 case EventRecord():
@@ -300,6 +312,18 @@ class StoreWriter:
                         "max_cap_w": item.max_cap_w,
                     }
 
+    def _add_reasons(self, frame: WhyFrame, cap_rows: Sequence[Mapping[str, Any]]) -> None:
+        """The explanations of the cap changes just stored, made in one batch."""
+        try:
+            docs = frame.explain_uuids([row["gpu_uuid"] for row in cap_rows], summaries=False)
+        except Exception:  # a bug in an explanation loses the explanations, nothing else
+            log.exception("cap_reasons_failed", tick=frame.tick, rows=len(cap_rows))
+            return
+        for row in cap_rows:
+            doc = docs.get(row["gpu_uuid"])
+            if doc is not None:
+                self._add_row("reason", reason_row(row, doc))
+
     def _add_row(self, kind: str, row: Any) -> None:
         if len(self._rows) >= self.limits.max_backlog_rows:
             old_kind, old_row = self._rows.popleft()
@@ -319,6 +343,8 @@ class StoreWriter:
                         batch.ticks.append(row)
                     case "cap":
                         batch.caps.append(row)
+                    case "reason":
+                        batch.reasons.append(row)
                     case "event":
                         batch.events.append(row)
                     case "clear":
@@ -370,6 +396,7 @@ class StoreWriter:
             minutes=pruned.minutes,
             ticks=pruned.ticks,
             cap_changes=pruned.cap_changes,
+            cap_reasons=pruned.cap_reasons,
         )
 
     def _succeeded(self) -> None:

@@ -43,7 +43,13 @@ def _group_use(r: TickReport, g: int) -> GroupUse:
         draw_w=float(r.group_draw_w[g]),
         over=bool(r.group_over[g]),
         limit_w=None if r.group_limit_w is None else finite_or_none(float(r.group_limit_w[g])),
+        price_per_kw=_price(r, g),
     )
+
+
+def _price(r: TickReport, g: int) -> float | None:
+    prices = None if r.why is None else r.why.group_price
+    return None if prices is None else finite_or_none(float(prices[g]))
 
 
 def leadership_out(controller: Controller) -> LeadershipOut | None:
