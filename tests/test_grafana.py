@@ -77,6 +77,13 @@ def exported() -> dict[str, set[str]]:
     call(c, "set_active_alarms", active={"x": 1})
     call(
         c,
+        "update_learning",
+        samples={"training": 10.0},
+        in_use={"training": 1.0},
+        fit_error={"training": 0.01},
+    )
+    call(
+        c,
         "update_leadership",
         leadership=Leadership("site", "c1", True, 3, "c1", 1, 1, 0, 0, 0),
     )
