@@ -142,6 +142,14 @@ class Defaults(_Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
+class RampRates(_Strict):
+    """How fast the facility may move between budgets that were planned (grid schedules,
+    the end of a temporary cut): W/s down and up (docs/policy.md, "Ramps")."""
+
+    up: Watts
+    down: Watts
+
+
 class Control(_Strict):
     tick_s: float = Field(default=1.0, gt=0, le=3600)
     lease_s: float = Field(default=10.0, gt=0, le=86400)
@@ -153,6 +161,9 @@ class Control(_Strict):
     # Weight of the damping term ε·Σ(p − p_prev)², p in kW: breaks ties toward the caps in
     # force and damps oscillation. Small against profile slopes (≈1 per kW).
     damping: float = Field(default=0.01, ge=0, le=10)
+    # Budgets in force move no faster than this (scheduled cuts start early enough to reach
+    # their target on time); None: budgets step. Immediate cuts always go at once.
+    ramp_w_per_s: RampRates | None = None
 
     @model_validator(mode="after")
     def _lease_covers_ticks(self) -> Control:

@@ -41,7 +41,13 @@ from powerd.controller.opstate import (
     restore,
     sha256_text,
 )
-from powerd.controller.overrides import BudgetOverride, NotFound, OverrideError, Overrides
+from powerd.controller.overrides import (
+    BudgetOverride,
+    NotFound,
+    OverrideError,
+    Overrides,
+    ScheduledBudget,
+)
 from powerd.policy import Policy, PolicyError, load_policy_text
 from powerd.store import Store, upgrade
 
@@ -151,6 +157,38 @@ class AdminWrites:
         if policy_w is None:
             return float("inf")
         return overrides.active_budgets(policy, self.clock.wall()).get(group, policy_w)
+
+    def schedule_budget(
+        self,
+        schedule_id: str,
+        group: str,
+        budget_w: float,
+        *,
+        start: float,
+        end: float | None,
+        actor: str,
+        reason: str,
+        role: str = "operator",
+    ) -> None:
+        """Lower a group's budget over a future window, ramped in and out (powerd.ramp)."""
+        wall = self.clock.wall()
+        entry = ScheduledBudget(
+            schedule_id, group, budget_w, start, end, reason, actor, wall
+        ).on_monotonic(wall, self.clock.monotonic())
+        self.engine.overrides.add_schedule(self.engine.policy, entry, wall)
+        payload = {"group": group, "budget_w": budget_w, "start": start, "end": end}
+        self.ledger.journal(
+            "budget.schedule", schedule_id, payload, actor=actor, role=role, reason=reason
+        )
+
+    def cancel_schedule(
+        self, schedule_id: str, *, actor: str, reason: str, role: str = "operator"
+    ) -> None:
+        entry = self.engine.overrides.cancel_schedule(schedule_id)
+        payload = {"group": entry.group, "budget_w": entry.budget_w}
+        self.ledger.journal(
+            "budget.unschedule", schedule_id, payload, actor=actor, role=role, reason=reason
+        )
 
     def clear_budget(self, group: str, *, actor: str, reason: str, role: str = "operator") -> None:
         self.engine.overrides.clear_budget(group)
@@ -440,7 +478,8 @@ class Ledger:
             return
         if state.api_policy is not None and self.api_policy is None:
             self.revision += 1
-        self._ctl.overrides = restore(state, self._ctl.policy, self._ctl.clock.wall())
+        clock = self._ctl.clock
+        self._ctl.overrides = restore(state, self._ctl.policy, clock.wall(), clock.monotonic())
         self.pending = list(state.pending_audit) if self.store is not None else []
         o = self._ctl.overrides
         log.info(
@@ -501,7 +540,7 @@ class Ledger:
         elif api is None and self.api_policy is not None and ctl.file_policy is not None:
             ctl._adopt(ctl.file_policy)
         self.api_policy = api
-        ctl.overrides = restore(state, ctl.policy, ctl.clock.wall())
+        ctl.overrides = restore(state, ctl.policy, ctl.clock.wall(), ctl.clock.monotonic())
         self.revision = self.db_revision = row.revision
         log.info(
             "operator_state_followed",
@@ -689,6 +728,7 @@ class Ledger:
         o = self._ctl.overrides
         copy = Overrides(
             budgets=dict(o.budgets),
+            schedules=dict(o.schedules),
             gpu_classes=dict(o.gpu_classes),
             node_classes=dict(o.node_classes),
             pins=dict(o.pins),

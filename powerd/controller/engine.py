@@ -27,6 +27,7 @@ from powerd.allocator.scopes import DemandCurve, demand_curve
 from powerd.controller.fleet import FleetArrays, FleetState
 from powerd.controller.overrides import Overrides
 from powerd.policy import LEVELS, Policy, scoped
+from powerd.ramp import BudgetRamp
 from powerd.safety import FleetLayout, OverloadRule, SafePlan, SafetyPlanner
 from powerd.topology import Topology
 from powerd.wire import MAX_TICK, CapAck, NodeState, NodeStatus, NodeTelemetry
@@ -39,6 +40,8 @@ log = structlog.get_logger(__name__)
 TAKEOVER_TICK_GAP = 1000
 # Points of a scope's demand curve on the wire (exact there, linear in between).
 CURVE_POINTS = 256
+# The wall clock moved this much against the monotonic one between two ticks: a step.
+WALL_STEP_S = 2.0
 
 FloatArray = NDArray[np.float64]
 BoolArray = NDArray[np.bool_]
@@ -198,6 +201,9 @@ class TickEngine:
         # still land: the planner counts every GPU at its maximum until it acknowledges a
         # command of ours, and our ticks start well above any the old one can have sent.
         self.planner = SafetyPlanner(policy)
+        # Budgets in force rise no faster than the policy's ramp (powerd.ramp).
+        self.ramp = BudgetRamp()
+        self._wall_offset: float | None = None
         self.adopt(policy)
 
     def set_scope(self, name: str) -> None:
@@ -378,6 +384,7 @@ class TickEngine:
         self.tick_no = self._next_tick()
         tick = self.tick_no
         self._alarm_inputs()
+        self._watch_wall_clock(now, wall)
         planned: list[SafePlan] = []
         try:
             report, plan = self._decide(tick, now, wall, t0, planned)
@@ -387,6 +394,20 @@ class TickEngine:
             return self._fallback(tick, now, wall, t0, planned)
         self._alarm("tick_failed", None)
         return report, plan
+
+    def _watch_wall_clock(self, now: float, wall: float) -> None:
+        """An event when the wall clock steps against the monotonic one: scheduled budgets
+        then bind on both readings (docs/safety.md, "Ramps"), which an operator should know."""
+        offset = wall - now
+        last, self._wall_offset = self._wall_offset, offset
+        if last is not None and abs(offset - last) > WALL_STEP_S:
+            log.warning("wall_clock_step", step_s=round(offset - last, 3))
+            self.alarms.once(
+                "wall_clock_step",
+                f"the wall clock stepped {offset - last:+.1f} s; scheduled budgets bind on "
+                "both the wall and the monotonic reading of their windows",
+                wall,
+            )
 
     def _alarm_inputs(self) -> None:
         """Alarms about what nodes sent: faults of a node, not of a tick."""
@@ -439,7 +460,7 @@ class TickEngine:
             plan = planned[0]
         else:
             try:
-                budget_w = self._budgets_in_force(topo, wall)
+                budget_w = self.ramp.hold(topo.names, self._budgets_in_force(topo, now, wall))
             except Exception:
                 log.exception("fallback_budgets_failed", tick=tick)
                 budget_w = np.zeros(topo.n_groups)  # nothing may rise
@@ -506,11 +527,21 @@ class TickEngine:
             budget_w, topo.group_sums(committed) + base, topo.group_sums(power) + base
         )
 
-    def _budgets_in_force(self, topo: Topology, wall: float) -> FloatArray:
+    def _budgets_in_force(
+        self, topo: Topology, now: float, wall: float, most_w: FloatArray | None = None
+    ) -> FloatArray:
         """Per group: the policy's budget, or a lower temporary one (expired ones end here),
-        or at a scope's root the coordinator's if lower."""
+        or a scheduled one's ramp, or at a scope's root the coordinator's if lower. Given
+        `most_w` (what each group's committed caps could reach), a rise is ramped at the
+        policy's rate (powerd.ramp): the ramp's state moves only then."""
         budgets = self.overrides.active_budgets(self.policy, wall)
         out = group_values(topo, budgets, topo.budget_w) if budgets else topo.budget_w
+        control = self.policy.control
+        scheduled = self.overrides.scheduled_budgets(self.policy, now, wall, control.tick_s)
+        if scheduled:
+            out = np.minimum(out, group_values(topo, scheduled, np.full(topo.n_groups, np.inf)))
+        if most_w is not None:
+            out = self.ramp.step(topo.names, out, now, control.ramp_w_per_s, most_w)
         if self.scope_name is not None and self.scope_budget_w is not None:
             g = self.scope_group
             if self.scope_budget_w < out[g]:
@@ -530,7 +561,8 @@ class TickEngine:
         shape = self._shape_for(arrays, now)
         topo = shape.topology
 
-        budget_w = self._budgets_in_force(topo, wall)
+        most_w = topo.group_sums(arrays.max_cap_w) + topo.overhead_w + shape.reserve_w
+        budget_w = self._budgets_in_force(topo, now, wall, most_w)
         cls_idx = self._class_indices(arrays)
         pinned = self._pinned(arrays)
         committed_before = self.planner.committed_w()
