@@ -23,6 +23,14 @@ from powerd.policy import RampRates
 
 FloatArray = NDArray[np.float64]
 
+# A scheduled cut is in force this many ticks before its start: one to send the cuts, one
+# for their acknowledgements, so that the caps committed are within the target at its start.
+LEAD_TICKS = 2
+
+
+def lead_s(tick_s: float) -> float:
+    return LEAD_TICKS * tick_s
+
 
 def window_ceiling_w(
     budget_w: float,

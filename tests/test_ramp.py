@@ -105,7 +105,7 @@ def test_committed_total_moves_within_the_ramp_and_reaches_the_target_on_time(
     site.schedule(t0, target, start, end)
     immediate: set[int] = set()  # ticks (index into committed) where a cut went at once
     rates = RampRates(up=UP, down=DOWN)
-    if ramp_down_from(FACILITY_W, target, start, rates, 1.0) < site.wall(t0):
+    if ramp_down_from(FACILITY_W, target, start, rates, 2.0) < site.wall(t0):
         # Scheduled too soon to ramp all the way: it steps to where the ramp stands now.
         immediate.add(len(site.committed))
     last = max(lead + length, 0 if cut_at is None else cut_at + cut_for)
@@ -138,16 +138,16 @@ def test_a_cut_starts_early_enough_and_ramps_back_after_its_end() -> None:
     warm(site)
     start, end = site.wall(8) + 30, site.wall(8) + 40
     site.schedule(8, 4500.0, start, end)
-    # 2,500 W at 250 W/s: 10 s, ending one tick (the acks' time) before the start.
-    begins = ramp_down_from(FACILITY_W, 4500.0, start, RampRates(up=UP, down=DOWN), 1.0)
-    assert begins == pytest.approx(start - 11.0)
+    # 2,500 W at 250 W/s: 10 s, ending two ticks (send, acknowledge) before the start.
+    begins = ramp_down_from(FACILITY_W, 4500.0, start, RampRates(up=UP, down=DOWN), 2.0)
+    assert begins == pytest.approx(start - 12.0)
     for t in range(8, 80):
         site.tick(float(t))
     budget = dict(zip(range(8, 80), site.budget[8:], strict=True))
-    # Nothing moves before the ramp's start; the target is in force from start - 1 tick.
-    assert budget[8 + 19] == pytest.approx(FACILITY_W)
-    assert budget[8 + 20] == pytest.approx(FACILITY_W - DOWN)
-    assert budget[8 + 29] == pytest.approx(4500.0)
+    # Nothing moves before the ramp's start; the target is in force from start - 2 ticks.
+    assert budget[8 + 18] == pytest.approx(FACILITY_W)
+    assert budget[8 + 19] == pytest.approx(FACILITY_W - DOWN)
+    assert budget[8 + 28] == pytest.approx(4500.0)
     assert budget[8 + 39] == pytest.approx(4500.0)
     assert budget[8 + 41] == pytest.approx(4500.0 + UP)
     assert budget[79] == pytest.approx(FACILITY_W)
@@ -179,8 +179,8 @@ def test_without_ramp_rates_a_window_is_a_step() -> None:
     site.schedule(8, 4500.0, start, start + 5)
     for t in range(8, 16):
         site.tick(float(t))
-    # In force one tick before its start (the acks' time), off at its end: steps.
-    assert site.budget[8:16] == pytest.approx([7000.0] * 4 + [4500.0] * 4)
+    # In force two ticks before its start (send, acknowledge), off at its end: steps.
+    assert site.budget[8:16] == pytest.approx([7000.0] * 3 + [4500.0] * 5)
     for t in range(16, 19):
         site.tick(float(t))
     assert site.budget[16:19] == pytest.approx([4500.0, 4500.0, 7000.0])

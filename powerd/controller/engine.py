@@ -27,7 +27,7 @@ from powerd.allocator.scopes import DemandCurve, demand_curve
 from powerd.controller.fleet import FleetArrays, FleetState
 from powerd.controller.overrides import Overrides
 from powerd.policy import LEVELS, Policy, scoped
-from powerd.ramp import BudgetRamp
+from powerd.ramp import BudgetRamp, lead_s
 from powerd.safety import FleetLayout, OverloadRule, SafePlan, SafetyPlanner
 from powerd.topology import Topology
 from powerd.wire import MAX_TICK, CapAck, NodeState, NodeStatus, NodeTelemetry
@@ -537,7 +537,7 @@ class TickEngine:
         budgets = self.overrides.active_budgets(self.policy, wall)
         out = group_values(topo, budgets, topo.budget_w) if budgets else topo.budget_w
         control = self.policy.control
-        scheduled = self.overrides.scheduled_budgets(self.policy, now, wall, control.tick_s)
+        scheduled = self.overrides.scheduled_budgets(self.policy, now, wall, lead_s(control.tick_s))
         if scheduled:
             out = np.minimum(out, group_values(topo, scheduled, np.full(topo.n_groups, np.inf)))
         if most_w is not None:

@@ -39,7 +39,7 @@ from powerd.api.writes import Attempt, write
 from powerd.auth import Principal
 from powerd.controller.controller import Controller
 from powerd.numeric import finite_or_none
-from powerd.ramp import ramp_down_from
+from powerd.ramp import lead_s, ramp_down_from
 
 router = APIRouter(prefix=V1, tags=["overrides"])
 
@@ -80,13 +80,13 @@ async def schedules(_: Viewer, controller: ControllerDep) -> list[ScheduleOut]:
 def _schedules(controller: Controller) -> list[ScheduleOut]:
     policy = controller.policy
     policy_budgets = {g.name: g.budget_w for g in policy.groups}
-    rates, lead_s = policy.control.ramp_w_per_s, policy.control.tick_s
+    rates, lead = policy.control.ramp_w_per_s, lead_s(policy.control.tick_s)
     wall = controller.clock.wall()
     out = []
     for e in sorted(controller.overrides.schedules.values(), key=lambda e: (e.start, e.id)):
         in_force = controller.budget_in_force_w(e.group)
         ramp_from = ramp_down_from(
-            min(in_force, policy_budgets.get(e.group, math.inf)), e.budget_w, e.start, rates, lead_s
+            min(in_force, policy_budgets.get(e.group, math.inf)), e.budget_w, e.start, rates, lead
         )
         state = (
             "ended"
