@@ -189,6 +189,8 @@ def test_cli_schedules_lists_and_cancels(live: LiveApi, capsys: pytest.CaptureFi
     assert lines[0].split()[:4] == ["id", "group", "budget", "ramp"]
     assert lines[1].startswith(sid) and "rack-2" in lines[1] and "1.5 kW" in lines[1]
     assert "pending" in lines[1] and "operator-user" in lines[1]
+    code, out = run(["status", *op])
+    assert code == EXIT_OK and "scheduled budgets" in out and sid in out
     code, out = run(["budget", "schedules", "--json", *op])
     assert code == EXIT_OK and '"end": ' in out
     with live.client("viewer") as c:

@@ -186,6 +186,23 @@ def print_status(
             ],
             out,
         )
+    if overrides.get("schedules"):
+        print("\nscheduled budgets", file=out)
+        table(
+            ["id", "group", "budget", "start", "end", "state"],
+            [
+                [
+                    s["id"],
+                    s["group"],
+                    kw_text(s["budget_w"]),
+                    _utc(s["start"]),
+                    _utc(s["end"]) if s["end"] is not None else "cancelled",
+                    s["state"],
+                ]
+                for s in overrides["schedules"]
+            ],
+            out,
+        )
     if overrides["pins_w"] or overrides["drained"]:
         pins = ", ".join(f"{u} {w:g} W" for u, w in sorted(overrides["pins_w"].items()))
         print(
