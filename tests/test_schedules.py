@@ -1,13 +1,16 @@
-"""Scheduled budgets through the admin API over real HTTP, the CLI, and across restarts of
-the controller as systemd runs it (SQLite, and a real PostgreSQL without the state file)."""
+"""Scheduled budgets through the admin API over real HTTP, the CLI, across restarts of the
+controller as systemd runs it (SQLite, and a real PostgreSQL without the state file), and a
+standby following them (SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import itertools
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +21,14 @@ from test_api import POLICY, LiveApi, wait_until
 from test_durable import Site
 
 from powerd.api.client import EXIT_BAD_INPUT, EXIT_OK, add_commands
+from powerd.clock import ManualClock
+from powerd.controller.admin import Ledger
+from powerd.controller.controller import Controller
+from powerd.controller.opstate import StateFile
+from powerd.policy import load_policy_text
+from powerd.store import Store, upgrade
 from powerd.testing.mosquitto import LocalMosquitto
+from powerd.transport import MemoryBroker
 
 UP, DOWN = 500.0, 1000.0  # W/s
 RAMP_POLICY = POLICY.replace(
@@ -26,6 +36,7 @@ RAMP_POLICY = POLICY.replace(
     f"  stale_after_s: 1.0\n  ramp_w_per_s: {{up: {UP:g}, down: {DOWN:g}}}\n",
 )
 assert RAMP_POLICY != POLICY
+WALL0 = 1_800_000_000.0
 
 
 @pytest.fixture
@@ -253,3 +264,58 @@ def test_a_schedule_survives_a_restart_from_postgres_alone(
             restart_keeps(site, "--leadership", "alone", drop_state_file=True)
         finally:
             site.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+async def test_a_standby_follows_schedules_on_its_own_clock(tmp_path: Path, backend: str) -> None:
+    """The leader schedules and cancels; a standby on the same database adopts the window
+    by its wall times, anchored to its own monotonic clock (another process's readings mean
+    nothing there), and drops it when the leader cancels it."""
+    with contextlib.ExitStack() as stack:
+        if backend == "sqlite":
+            url = f"sqlite:///{tmp_path / 'powerd.db'}"
+        else:
+            url = stack.enter_context(pg_database())
+        upgrade(url)
+        store = Store(url)
+        stack.callback(store.close)
+        policy = load_policy_text(RAMP_POLICY, "policy.yaml")
+        leader_clock = ManualClock(start=100.0, wall_offset=WALL0)
+        standby_clock = ManualClock(start=5_000.0, wall_offset=WALL0 - 4_900.0)
+
+        def controller(name: str, clock: ManualClock) -> Controller:
+            c = Controller(policy, MemoryBroker().client(name), clock, store=store)
+            c.ledger = Ledger(c, store=store, state_file=StateFile(tmp_path / name / "s.json"))
+            return c
+
+        leader, standby = controller("a", leader_clock), controller("b", standby_clock)
+        start = WALL0 + 100.0 + 600.0
+        out = await leader.ledger.commit(
+            partial(
+                leader.schedule_budget,
+                "s-1",
+                "site",
+                3000.0,
+                start=start,
+                end=start + 3600.0,
+                actor="grid",
+                reason="DR-12",
+            ),
+            lowers_power=False,
+        )
+        assert (out.applied, out.durable, out.audited) == (True, True, True)
+        assert await standby.ledger.follow()
+        entry = standby.overrides.schedules["s-1"]
+        assert (entry.start, entry.end, entry.budget_w) == (start, start + 3600.0, 3000.0)
+        # Both clocks read the same wall time; the standby's monotonic one is 4,900 s ahead.
+        assert entry.start_mono == pytest.approx(
+            leader.overrides.schedules["s-1"].start_mono + 4900
+        )
+        await leader.ledger.commit(
+            partial(leader.cancel_schedule, "s-1", actor="grid", reason="off"),
+            lowers_power=False,
+        )
+        await leader.ledger.flush(5)
+        assert await standby.ledger.follow()
+        assert standby.overrides.schedules == {}
