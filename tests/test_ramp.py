@@ -141,8 +141,11 @@ def test_a_cut_starts_early_enough_and_ramps_back_after_its_end() -> None:
     # 2,500 W at 250 W/s: 10 s, ending two ticks (send, acknowledge) before the start.
     begins = ramp_down_from(FACILITY_W, 4500.0, start, RampRates(up=UP, down=DOWN), 2.0)
     assert begins == pytest.approx(start - 12.0)
+    site.engine.alarms.take()
     for t in range(8, 80):
         site.tick(float(t))
+    # A ramp's step down, its cut on the way, is not `budget_over` (an immediate cut is).
+    assert [c.kind for c in site.engine.alarms.take()] == []
     budget = dict(zip(range(8, 80), site.budget[8:], strict=True))
     # Nothing moves before the ramp's start; the target is in force from start - 2 ticks.
     assert budget[8 + 18] == pytest.approx(FACILITY_W)
@@ -164,6 +167,7 @@ def test_an_immediate_cut_goes_at_once_and_its_end_ramps_up() -> None:
     )
     site.tick(8.0)
     assert site.committed[-1] <= 4000.0 + TOL  # at once: one tick
+    assert "budget_over" in engine.alarms.active  # until the cut is acknowledged
     engine.overrides.clear_budget("dc")
     for t in range(9, 40):
         site.tick(float(t))

@@ -204,6 +204,10 @@ class TickEngine:
         # Budgets in force rise no faster than the policy's ramp (powerd.ramp).
         self.ramp = BudgetRamp()
         self._wall_offset: float | None = None
+        # Per group: the budgets of the last tick, and this tick's before any schedule (a
+        # ramp's step down is not `budget_over` while the cut that follows it is on its way).
+        self._last_budget: dict[str, float] = {}
+        self._immediate_w: FloatArray | None = None
         self.adopt(policy)
 
     def set_scope(self, name: str) -> None:
@@ -536,6 +540,7 @@ class TickEngine:
         policy's rate (powerd.ramp): the ramp's state moves only then."""
         budgets = self.overrides.active_budgets(self.policy, wall)
         out = group_values(topo, budgets, topo.budget_w) if budgets else topo.budget_w
+        self._immediate_w = out
         control = self.policy.control
         scheduled = self.overrides.scheduled_budgets(self.policy, now, wall, lead_s(control.tick_s))
         if scheduled:
@@ -547,6 +552,7 @@ class TickEngine:
             if self.scope_budget_w < out[g]:
                 out = out.copy()
                 out[g] = self.scope_budget_w
+                self._immediate_w = np.minimum(self._immediate_w, out)
         return out
 
     def _decide(
@@ -625,6 +631,7 @@ class TickEngine:
         # no breach known: nothing rises there meanwhile. A rated group whose limit fell
         # (its draw neared the budget) is cutting, not over, while within its rating.
         over = plan.group_over & ~plan.group_settling
+        over &= plan.group_committed_w > self._ramp_grace_w(topo, budget_w) + 1e-6
         if self.overload is not None:
             rating = self.overload.ratings_w(budget_w)
             over &= ~((self.overload.pct > 0) & (plan.group_committed_w <= rating + 1e-6))
@@ -679,6 +686,19 @@ class TickEngine:
             alarms=tuple(sorted(self.alarms.active)),
         )
         return report, plan
+
+    def _ramp_grace_w(self, topo: Topology, budget_w: FloatArray) -> FloatArray:
+        """Per group, what committed caps may still be while a ramp's step down is on its way:
+        last tick's budget where only a schedule's ramp lowered it since (an immediate cut
+        gets no grace: `budget_over` until its acks, as ever)."""
+        last = np.fromiter(
+            (self._last_budget.get(n, -np.inf) for n in topo.names),
+            dtype=np.float64,
+            count=topo.n_groups,
+        )
+        self._last_budget = dict(zip(topo.names, budget_w.tolist(), strict=True))
+        immediate = budget_w if self._immediate_w is None else self._immediate_w
+        return np.maximum(budget_w, np.minimum(last, immediate))
 
     def _class_indices(self, arrays: FleetArrays) -> NDArray[np.int64]:
         """Each GPU's class: the operator's assignment, else its workload's, else the default

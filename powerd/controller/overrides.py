@@ -85,18 +85,22 @@ class ScheduledBudget:
     def ceiling_w(self, mono: float, wall: float, rates: RampRates | None, lead_s: float) -> float:
         """The most this window lets its group's budget be now: the lower of its two readings
         (monotonic and wall), so a wall-clock step cannot shorten or lift it."""
+        on_wall = window_ceiling_w(self.budget_w, self.start, self.end, wall, rates, lead_s=lead_s)
+        if math.isnan(self.start_mono):  # never anchored (`on_monotonic`): the wall reading
+            return on_wall
         return min(
             window_ceiling_w(
                 self.budget_w, self.start_mono, self.end_mono, mono, rates, lead_s=lead_s
             ),
-            window_ceiling_w(self.budget_w, self.start, self.end, wall, rates, lead_s=lead_s),
+            on_wall,
         )
 
     def done(self, mono: float, wall: float, policy_w: float, rates: RampRates | None) -> bool:
         """Ended, and ramped back up to the policy's budget, on both clocks."""
-        return window_done(self.budget_w, self.end_mono, mono, policy_w, rates) and window_done(
-            self.budget_w, self.end, wall, policy_w, rates
-        )
+        on_wall = window_done(self.budget_w, self.end, wall, policy_w, rates)
+        if math.isnan(self.start_mono):
+            return on_wall
+        return on_wall and window_done(self.budget_w, self.end_mono, mono, policy_w, rates)
 
 
 @dataclass
