@@ -233,8 +233,7 @@ OVERRIDE_WRITES: tuple[OverrideWrite, ...] = (
         doc="""Lower a group's budget over a future window (a grid operator's load target).
         The budget in force ramps down early enough to reach it by `start` and back up from
         `end`, no faster than the policy's `control.ramp_w_per_s`. The answer's `target` is
-        the schedule's id, to cancel it.""",
-        field="start",
+        the schedule's id, to cancel it. A refusal's `detail` says which field is wrong.""",
     ),
     OverrideWrite(
         "cancel_schedule",
