@@ -323,3 +323,20 @@ def test_restore_converts_wall_times_again_and_drops_finished_windows() -> None:
     live = back.schedules["live"]
     assert (live.start, live.end) == (WALL0 + 100, WALL0 + 200)
     assert (live.start_mono, live.end_mono) == (1e6, 1e6 + 100)
+
+
+def test_a_forward_wall_step_does_not_end_a_temporary_budget_early() -> None:
+    site = Site(TickEngine(ramp_policy()))
+    warm(site)
+    engine = site.engine
+    cut = BudgetOverride("dc", 4000.0, site.wall(8) + 20, "DR", "ops", site.wall(8))
+    engine.overrides.set_budget(engine.policy, cut.anchored(site.wall(8), 8.0))
+    for t in range(8, 12):
+        site.tick(float(t))
+    site.wall_shift = 3600.0  # its expiry has passed on the wall clock
+    for t in range(12, 28):
+        site.tick(float(t))
+        assert site.budget[-1] == pytest.approx(4000.0)  # held to its monotonic expiry
+    site.tick(28.0)
+    assert "dc" not in engine.overrides.budgets
+    assert site.budget[-1] == pytest.approx(4000.0 + UP)  # and then ramps back up

@@ -145,7 +145,10 @@ class AdminWrites:
         reason: str,
         role: str = "operator",
     ) -> None:
-        override = BudgetOverride(group, budget_w, expires_at, reason, actor, self.clock.wall())
+        wall = self.clock.wall()
+        override = BudgetOverride(group, budget_w, expires_at, reason, actor, wall).anchored(
+            wall, self.clock.monotonic()
+        )
         self.engine.overrides.set_budget(self.engine.policy, override)
         payload = {"budget_w": budget_w, "expires_at": expires_at}
         self.ledger.journal("budget.set", group, payload, actor=actor, role=role, reason=reason)
@@ -156,7 +159,10 @@ class AdminWrites:
         policy_w = next((g.budget_w for g in policy.groups if g.name == group), None)
         if policy_w is None:
             return float("inf")
-        return overrides.active_budgets(policy, self.clock.wall()).get(group, policy_w)
+        clock = self.clock
+        return overrides.active_budgets(policy, clock.wall(), clock.monotonic()).get(
+            group, policy_w
+        )
 
     def schedule_budget(
         self,

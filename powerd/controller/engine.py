@@ -538,7 +538,7 @@ class TickEngine:
         or a scheduled one's ramp, or at a scope's root the coordinator's if lower. Given
         `most_w` (what each group's committed caps could reach), a rise is ramped at the
         policy's rate (powerd.ramp): the ramp's state moves only then."""
-        budgets = self.overrides.active_budgets(self.policy, wall)
+        budgets = self.overrides.active_budgets(self.policy, wall, now)
         out = group_values(topo, budgets, topo.budget_w) if budgets else topo.budget_w
         self._immediate_w = out
         control = self.policy.control

@@ -105,7 +105,10 @@ class OperatorState(_Model):
 def capture(overrides: Overrides) -> dict[str, Any]:
     """The overrides' fields as plain data (a copy: cheap, on the loop)."""
     return {
-        "budgets": [BudgetState(**asdict(b)) for b in overrides.budgets.values()],
+        "budgets": [
+            BudgetState(**{k: v for k, v in asdict(b).items() if k != "expires_mono"})
+            for b in overrides.budgets.values()
+        ],
         "schedules": [
             ScheduleState(
                 id=e.id,
@@ -149,7 +152,8 @@ def restore(
         if b.group not in groups or not b.budget_w > 0:
             log.warning("operator_state_budget_dropped", group=b.group, budget_w=b.budget_w)
             continue
-        out.budgets[b.group] = BudgetOverride(**b.model_dump())
+        mono = now_wall if now_mono is None else now_mono
+        out.budgets[b.group] = BudgetOverride(**b.model_dump()).anchored(now_wall, mono)
     mono = now_wall if now_mono is None else now_mono
     rates = policy.control.ramp_w_per_s
     budgets = {g.name: g.budget_w for g in policy.groups}

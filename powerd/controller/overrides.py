@@ -16,7 +16,7 @@ clock can bring a cut early or make it last longer, never end it early or lift a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import structlog
 
@@ -49,6 +49,22 @@ class BudgetOverride:
     reason: str
     actor: str
     created_at: float
+    # The expiry on this process's monotonic clock (`anchored`); None: the wall clock alone.
+    expires_mono: float | None = None
+
+    def anchored(self, now_wall: float, now_mono: float) -> BudgetOverride:
+        """The expiry also on the monotonic clock, converted once by the wall clock read now:
+        the cut then ends only once both clocks say so (a wall-clock step forward cannot end
+        it early: docs/safety.md, "Ramps")."""
+        if self.expires_at is None:
+            return self
+        mono = now_mono + (self.expires_at - now_wall)
+        return replace(self, expires_mono=mono)
+
+    def expired(self, now_wall: float, now_mono: float | None) -> bool:
+        if self.expires_at is None or self.expires_at > now_wall:
+            return False
+        return self.expires_mono is None or now_mono is None or self.expires_mono <= now_mono
 
 
 @dataclass(frozen=True)
@@ -134,16 +150,15 @@ class Overrides:
         except KeyError:
             raise NotFound(f"no temporary budget on '{group}'") from None
 
-    def active_budgets(self, policy: Policy, now_wall: float) -> dict[str, float]:
+    def active_budgets(
+        self, policy: Policy, now_wall: float, now_mono: float | None = None
+    ) -> dict[str, float]:
         """Budgets in force by group name: the lower of the policy's and the override's.
 
-        Expired overrides are dropped (and logged) here, so they end on the next tick.
+        Expired overrides (on both clocks, where anchored) are dropped (and logged) here, so
+        they end on the next tick.
         """
-        for name in [
-            n
-            for n, o in self.budgets.items()
-            if o.expires_at is not None and o.expires_at <= now_wall
-        ]:
+        for name in [n for n, o in self.budgets.items() if o.expired(now_wall, now_mono)]:
             expired = self.budgets.pop(name)
             log.info("budget_override_expired", group=name, budget_w=expired.budget_w)
         policy_budgets = {g.name: g.budget_w for g in policy.groups}
