@@ -2,11 +2,14 @@
 
     .venv/bin/python bench/allocator.py                 # 1k, 10k, 100k GPUs
     .venv/bin/python bench/allocator.py --sizes 1000 --runs 5
+    .venv/bin/python bench/allocator.py --jobs 0.7      # 70 % of GPUs in jobs of 8-4,096
 
 Fleets: 8 GPUs/node, 8 nodes/rack, 16 racks/row (powerd.testing.synthetic, budgets binding at every
 level). Steady state: one untimed first call, then successive ticks whose draws drift and
 whose caps in force are the previous tick's. Each (size, solver) runs in its own process so
-its peak RSS is its own. Results go in docs/performance.md.
+its peak RSS is its own. `--jobs SHARE` puts that share of the GPUs in jobs
+(synthetic.with_jobs: 8 to 4,096 GPUs, most on consecutive nodes, a fifth scattered) and
+prints the largest duality gap `fast` certified. Results go in docs/performance.md.
 """
 
 from __future__ import annotations
@@ -24,20 +27,22 @@ import time
 GPUS_PER_ROW = 8 * 8 * 16
 
 
-def worker(size: int, solver: str, runs: int, warm: bool) -> dict[str, object]:
+def worker(size: int, solver: str, runs: int, warm: bool, jobs: float) -> dict[str, object]:
     from powerd.allocator import ClassTable, Tree, allocate_arrays
-    from powerd.testing.synthetic import Drift, make_policy, random_fleet
+    from powerd.testing.synthetic import Drift, make_policy, random_fleet, with_jobs
 
     rows = max(1, round(size / GPUS_PER_ROW))
     policy = make_policy(rows, 16, 8, 8)
     fleet = random_fleet(policy, seed=size)
+    if jobs > 0:
+        fleet = with_jobs(fleet, seed=size, share=jobs)
     classes, tree = ClassTable.from_policy(policy), Tree(fleet.topology)
     drift = Drift.start(fleet, seed=1)
     rss_setup = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
     last = allocate_arrays(fleet, policy, solver, classes=classes, tree=tree)
     first_ms = (time.perf_counter() - t0) * 1000
-    times, walls = [], []
+    times, walls, gaps = [], [], [last.gap]
     for _ in range(runs):
         fleet = drift.tick(last.caps_w)
         t0 = time.perf_counter()
@@ -46,6 +51,7 @@ def worker(size: int, solver: str, runs: int, warm: bool) -> dict[str, object]:
         )
         walls.append((time.perf_counter() - t0) * 1000)
         times.append(last.solve_ms)
+        gaps.append(last.gap)
     return {
         "gpus": fleet.n,
         "solver": solver + (" (warm)" if warm and solver == "fast" else ""),
@@ -57,6 +63,9 @@ def worker(size: int, solver: str, runs: int, warm: bool) -> dict[str, object]:
         "rss_setup_mb": rss_setup / 1024,
         "rss_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "status": last.status,
+        "jobs": len(fleet.job_names),
+        "gap_max": max(gaps),
+        "objective": last.objective,
     }
 
 
@@ -83,12 +92,15 @@ def main() -> None:
     ap.add_argument("--sizes", default="1000,10000,100000")
     ap.add_argument("--runs", type=int, default=9, help="timed ticks per (size, solver)")
     ap.add_argument("--cvxpy-runs-100k", type=int, default=1)
-    ap.add_argument("--worker", nargs=4, metavar=("SIZE", "SOLVER", "RUNS", "WARM"))
+    ap.add_argument("--jobs", type=float, default=0.0, help="share of GPUs in jobs (0-1)")
+    ap.add_argument("--worker", nargs=5, metavar=("SIZE", "SOLVER", "RUNS", "WARM", "JOBS"))
     args = ap.parse_args()
     if args.worker:
-        size, solver, runs, warm = args.worker
-        print(json.dumps(worker(int(size), solver, int(runs), warm == "1")))
+        size, solver, runs, warm, jobs = args.worker
+        print(json.dumps(worker(int(size), solver, int(runs), warm == "1", float(jobs))))
         return
+    if not 0.0 <= args.jobs <= 1.0:
+        ap.error("--jobs is a share of the GPUs, from 0 to 1")
     print(f"machine: {machine()}")
     # Other work on the machine shows up in the timings: say how busy it was.
     print(f"load average at start: {os.getloadavg()[0]:.2f}")
@@ -99,27 +111,41 @@ def main() -> None:
             if runs < 1:
                 continue  # e.g. --cvxpy-runs-100k 0: skip the 15 s reference solve
             out = subprocess.run(
-                [sys.executable, __file__, "--worker", str(size), solver, str(runs), warm],
+                [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    str(size),
+                    solver,
+                    str(runs),
+                    warm,
+                    str(args.jobs),
+                ],
                 check=True,
                 capture_output=True,
                 text=True,
             )
             results.append(json.loads(out.stdout))
             r = results[-1]
-            print(f"  {r['gpus']:>7} {r['solver']:<12} median {r['median_ms']:9.1f} ms", flush=True)
+            print(
+                f"  {r['gpus']:>7} {r['solver']:<12} median {r['median_ms']:9.1f} ms"
+                f"  jobs {r['jobs']}  gap {r['gap_max']:.1e}",
+                flush=True,
+            )
     print()
     print(
         "| GPUs | solver | runs | median ms | min–max ms | first call ms | peak RSS MB "
-        "(setup) | speed-up vs cvxpy |"
+        "(setup) | speed-up vs cvxpy | jobs | largest gap |"
     )
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     ref = {r["gpus"]: r["median_ms"] for r in results if r["solver"] == "cvxpy"}
     for r in results:
         speedup = ref[r["gpus"]] / r["median_ms"] if r["gpus"] in ref else float("nan")
         print(
             f"| {r['gpus']:,} | {r['solver']} | {r['runs']} | {r['median_ms']:.1f} | "
             f"{r['min_ms']:.1f}–{r['max_ms']:.1f} | {r['first_ms']:.1f} | "
-            f"{r['rss_peak_mb']:.0f} ({r['rss_setup_mb']:.0f}) | {speedup:.0f}× |"
+            f"{r['rss_peak_mb']:.0f} ({r['rss_setup_mb']:.0f}) | {speedup:.0f}× | "
+            f"{r['jobs']} | {r['gap_max']:.1e} |"
         )
 
 

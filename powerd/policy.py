@@ -165,6 +165,14 @@ class Learn(_Strict):
     quantile: float = Field(default=0.9, gt=0, le=1, allow_inf_nan=False)
 
 
+class RampRates(_Strict):
+    """How fast the facility may move between budgets that were planned (grid schedules,
+    the end of a temporary cut): W/s down and up (docs/policy.md, "Ramps")."""
+
+    up: Watts
+    down: Watts
+
+
 class Control(_Strict):
     tick_s: float = Field(default=1.0, gt=0, le=3600)
     lease_s: float = Field(default=10.0, gt=0, le=86400)
@@ -180,6 +188,9 @@ class Control(_Strict):
     # profile's peak), "max" hands it out up to each GPU's maximum cap.
     leftover: Literal["peak", "max"] = "peak"
     learn: Learn = Field(default_factory=Learn)
+    # Budgets in force move no faster than this (scheduled cuts start early enough to reach
+    # their target on time); None: budgets step. Immediate cuts always go at once.
+    ramp_w_per_s: RampRates | None = None
 
     @model_validator(mode="after")
     def _lease_covers_ticks(self) -> Control:

@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "powerd.argtypes",
             "powerd.data",  # the embedded example policy (a file, no code)
             "powerd.alarms",
+            "powerd.ramp",
             "powerd.backends.base",
             "powerd.controller.engine",
             "powerd.controller.fleet",

@@ -80,6 +80,18 @@ class Client:
         body = {"budget_w": budget_w, "reason": reason, "ttl_s": ttl_s, "expires_at": expires_at}
         return dict(self.call("PUT", f"{V1}/budgets/{group}", json=body))
 
+    def schedule_budget(
+        self, group: str, budget_w: float, reason: str, *, start: float, end: float | None
+    ) -> dict[str, Any]:
+        body = {"budget_w": budget_w, "reason": reason, "start": start, "end": end}
+        return dict(self.call("POST", f"{V1}/budgets/{group}/schedule", json=body))
+
+    def schedules(self) -> list[dict[str, Any]]:
+        return list(self.call("GET", f"{V1}/schedules"))
+
+    def cancel_schedule(self, schedule_id: str, reason: str) -> dict[str, Any]:
+        return dict(self.call("DELETE", f"{V1}/schedules/{schedule_id}", params={"reason": reason}))
+
     def clear_budget(self, group: str, reason: str) -> dict[str, Any]:
         return dict(self.call("DELETE", f"{V1}/budgets/{group}", params={"reason": reason}))
 
@@ -206,6 +218,23 @@ def print_status(
                     b["reason"],
                 ]
                 for b in overrides["budgets"]
+            ],
+            out,
+        )
+    if overrides.get("schedules"):
+        print("\nscheduled budgets", file=out)
+        table(
+            ["id", "group", "budget", "start", "end", "state"],
+            [
+                [
+                    s["id"],
+                    s["group"],
+                    kw_text(s["budget_w"]),
+                    _utc(s["start"]),
+                    _utc(s["end"]) if s["end"] is not None else "cancelled",
+                    s["state"],
+                ]
+                for s in overrides["schedules"]
             ],
             out,
         )
@@ -375,13 +404,65 @@ def cmd_why(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
 
 
 def cmd_budget_set(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    until = args.until if args.until is not None else args.end
+    if args.start is not None:
+        # A window: ramped in by its start and out from its end (a schedule).
+        end = until if args.ttl is None else args.start + args.ttl
+        return _run(
+            args,
+            lambda c: c.schedule_budget(
+                args.group, args.watts, args.reason, start=args.start, end=end
+            ),
+            out,
+        )
     return _run(
         args,
         lambda c: c.set_budget(
-            args.group, args.watts, args.reason, ttl_s=args.ttl, expires_at=args.until
+            args.group, args.watts, args.reason, ttl_s=args.ttl, expires_at=until
         ),
         out,
     )
+
+
+def _utc(t: float | None) -> str:
+    if t is None:
+        return "-"
+    return datetime.fromtimestamp(t, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def cmd_budget_schedules(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    def show(c: Client) -> None:
+        items = c.schedules()
+        if args.json:
+            print(json.dumps(items), file=out)
+            return
+        if not items:
+            print("no scheduled budgets", file=out)
+            return
+        table(
+            ["id", "group", "budget", "ramp from", "start", "end", "state", "by", "reason"],
+            [
+                [
+                    s["id"],
+                    s["group"],
+                    kw_text(s["budget_w"]),
+                    _utc(s["ramp_from"]),
+                    _utc(s["start"]),
+                    _utc(s["end"]) if s["end"] is not None else "cancelled",
+                    s["state"],
+                    s["actor"],
+                    s["reason"],
+                ]
+                for s in items
+            ],
+            out,
+        )
+
+    return _run(args, show, out)
+
+
+def cmd_budget_cancel(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    return _run(args, lambda c: c.cancel_schedule(args.id, args.reason), out)
 
 
 def cmd_budget_clear(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
@@ -551,20 +632,7 @@ def add_commands(sub: Any) -> None:
     explain.add_argument("--json", action="store_true", help="print the raw JSON")
     explain.set_defaults(handler=cmd_why)
 
-    budget = sub.add_parser("budget", help="temporary budgets (grid events)")
-    budget_sub = budget.add_subparsers(dest="budget_command", metavar="ACTION", required=True)
-    bset = budget_sub.add_parser(
-        "set", parents=[common, why], help="lower a group's budget for a while"
-    )
-    bset.add_argument("group", help="facility, row, rack or node name from the policy")
-    bset.add_argument("watts", type=float, help="the budget in W (at most the policy's)")
-    until = bset.add_mutually_exclusive_group()
-    until.add_argument("--ttl", type=parse_duration, help="how long: 900, 15m, 2h")
-    until.add_argument("--until", type=parse_time, help="end: epoch seconds or ISO 8601")
-    bset.set_defaults(handler=cmd_budget_set)
-    bclear = budget_sub.add_parser("clear", parents=[common, why], help="end a temporary budget")
-    bclear.add_argument("group")
-    bclear.set_defaults(handler=cmd_budget_clear)
+    _add_budget_commands(sub, common, why)
 
     pin = sub.add_parser("pin", parents=[common, why], help="hold a GPU at a fixed cap")
     pin.add_argument("uuid")
@@ -601,6 +669,42 @@ def add_commands(sub: Any) -> None:
     new.add_argument("--name", required=True, help="who (the actor in the audit log)")
     new.add_argument("--role", required=True, choices=[r.label for r in Role])
     new.set_defaults(handler=cmd_token_new)
+
+
+def _add_budget_commands(
+    sub: Any, common: argparse.ArgumentParser, why: argparse.ArgumentParser
+) -> None:
+    budget = sub.add_parser("budget", help="temporary budgets (grid events)")
+    budget_sub = budget.add_subparsers(dest="budget_command", metavar="ACTION", required=True)
+    bset = budget_sub.add_parser(
+        "set", parents=[common, why], help="lower a group's budget for a while"
+    )
+    bset.add_argument("group", help="facility, row, rack or node name from the policy")
+    bset.add_argument("watts", type=float, help="the budget in W (at most the policy's)")
+    until = bset.add_mutually_exclusive_group()
+    until.add_argument("--ttl", type=parse_duration, help="how long: 900, 15m, 2h")
+    until.add_argument("--until", type=parse_time, help="end: epoch seconds or ISO 8601")
+    until.add_argument("--end", type=parse_time, help="the same as --until")
+    bset.add_argument(
+        "--start",
+        type=parse_time,
+        help="schedule it: the budget ramps down to WATTS by this time (epoch seconds or "
+        "ISO 8601) and back up from its end, at the policy's control.ramp_w_per_s",
+    )
+    bset.set_defaults(handler=cmd_budget_set)
+    blist = budget_sub.add_parser(
+        "schedules", parents=[common], help="list scheduled budgets (grid windows)"
+    )
+    blist.add_argument("--json", action="store_true", help="print the raw JSON")
+    blist.set_defaults(handler=cmd_budget_schedules)
+    bcancel = budget_sub.add_parser(
+        "cancel", parents=[common, why], help="cancel a scheduled budget by its id"
+    )
+    bcancel.add_argument("id", help="the id `budget set --start` printed (s-...)")
+    bcancel.set_defaults(handler=cmd_budget_cancel)
+    bclear = budget_sub.add_parser("clear", parents=[common, why], help="end a temporary budget")
+    bclear.add_argument("group")
+    bclear.set_defaults(handler=cmd_budget_clear)
 
 
 def _add_job_commands(sub: Any, common: argparse.ArgumentParser) -> None:

@@ -324,8 +324,28 @@ class BudgetOut(_Out):
     created_at: float
 
 
+class ScheduleOut(_Out):
+    """A scheduled budget: a group's budget lowered over a window, ramped in and out."""
+
+    id: str
+    group: str
+    budget_w: float
+    policy_budget_w: float | None
+    start: float
+    end: float | None = Field(description="Epoch seconds; null: until cancelled.")
+    ramp_from: float = Field(
+        description="When the budget in force begins to move toward this one (epoch seconds, "
+        "from the budget in force now and the policy's ramp_w_per_s.down)."
+    )
+    state: Literal["pending", "ramping", "active", "ended"]
+    reason: str
+    actor: str
+    created_at: float
+
+
 class OverridesOut(_Out):
     budgets: list[BudgetOut]
+    schedules: list[ScheduleOut] = Field(default_factory=list)
     pins_w: dict[str, float]
     drained: list[str]
     gpu_classes: dict[str, str]
@@ -387,6 +407,29 @@ class BudgetIn(BaseModel):
     def _one_expiry(self) -> BudgetIn:
         if self.expires_at is not None and self.ttl_s is not None:
             raise ValueError("give expires_at or ttl_s, not both")
+        return self
+
+
+EpochSeconds = Annotated[float, Field(ge=0, le=1e11, allow_inf_nan=False)]
+
+
+class ScheduleIn(BaseModel):
+    """A group's budget over a future window: the budget in force ramps down to `budget_w`
+    by `start` and back up from `end` at the policy's `control.ramp_w_per_s`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    budget_w: Watts
+    start: EpochSeconds = Field(description="Epoch seconds (UTC): the target holds from here.")
+    end: EpochSeconds | None = Field(
+        default=None, description="Epoch seconds; null: until cancelled. After start."
+    )
+    reason: Reason
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ScheduleIn:
+        if self.end is not None and self.end <= self.start:
+            raise ValueError("end must be after start")
         return self
 
 

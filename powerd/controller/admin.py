@@ -47,6 +47,7 @@ from powerd.controller.overrides import (
     NotFound,
     OverrideError,
     Overrides,
+    ScheduledBudget,
 )
 from powerd.policy import Policy, PolicyError, load_policy_text
 from powerd.store import Store, upgrade
@@ -155,7 +156,10 @@ class AdminWrites:
         reason: str,
         role: str = "operator",
     ) -> None:
-        override = BudgetOverride(group, budget_w, expires_at, reason, actor, self.clock.wall())
+        wall = self.clock.wall()
+        override = BudgetOverride(group, budget_w, expires_at, reason, actor, wall).anchored(
+            wall, self.clock.monotonic()
+        )
         self.engine.overrides.set_budget(self.engine.policy, override)
         payload = {"budget_w": budget_w, "expires_at": expires_at}
         self.ledger.journal("budget.set", group, payload, actor=actor, role=role, reason=reason)
@@ -166,7 +170,42 @@ class AdminWrites:
         policy_w = next((g.budget_w for g in policy.groups if g.name == group), None)
         if policy_w is None:
             return float("inf")
-        return overrides.active_budgets(policy, self.clock.wall()).get(group, policy_w)
+        clock = self.clock
+        return overrides.active_budgets(policy, clock.wall(), clock.monotonic()).get(
+            group, policy_w
+        )
+
+    def schedule_budget(
+        self,
+        schedule_id: str,
+        group: str,
+        budget_w: float,
+        *,
+        start: float,
+        end: float | None,
+        actor: str,
+        reason: str,
+        role: str = "operator",
+    ) -> None:
+        """Lower a group's budget over a future window, ramped in and out (powerd.ramp)."""
+        wall = self.clock.wall()
+        entry = ScheduledBudget(
+            schedule_id, group, budget_w, start, end, reason, actor, wall
+        ).on_monotonic(wall, self.clock.monotonic())
+        self.engine.overrides.add_schedule(self.engine.policy, entry, wall)
+        payload = {"group": group, "budget_w": budget_w, "start": start, "end": end}
+        self.ledger.journal(
+            "budget.schedule", schedule_id, payload, actor=actor, role=role, reason=reason
+        )
+
+    def cancel_schedule(
+        self, schedule_id: str, *, actor: str, reason: str, role: str = "operator"
+    ) -> None:
+        entry = self.engine.overrides.cancel_schedule(schedule_id)
+        payload = {"group": entry.group, "budget_w": entry.budget_w}
+        self.ledger.journal(
+            "budget.unschedule", schedule_id, payload, actor=actor, role=role, reason=reason
+        )
 
     def clear_budget(self, group: str, *, actor: str, reason: str, role: str = "operator") -> None:
         self.engine.overrides.clear_budget(group)
@@ -506,7 +545,8 @@ class Ledger:
             return
         if state.api_policy is not None and self.api_policy is None:
             self.revision += 1
-        self._ctl.overrides = restore(state, self._ctl.policy, self._ctl.clock.wall())
+        clock = self._ctl.clock
+        self._ctl.overrides = restore(state, self._ctl.policy, clock.wall(), clock.monotonic())
         self.pending = list(state.pending_audit) if self.store is not None else []
         o = self._ctl.overrides
         log.info(
@@ -568,7 +608,7 @@ class Ledger:
         elif api is None and self.api_policy is not None and ctl.file_policy is not None:
             ctl._adopt(ctl.file_policy)
         self.api_policy = api
-        ctl.overrides = restore(state, ctl.policy, ctl.clock.wall())
+        ctl.overrides = restore(state, ctl.policy, ctl.clock.wall(), ctl.clock.monotonic())
         self.revision = self.db_revision = row.revision
         log.info(
             "operator_state_followed",
@@ -756,6 +796,7 @@ class Ledger:
         o = self._ctl.overrides
         copy = Overrides(
             budgets=dict(o.budgets),
+            schedules=dict(o.schedules),
             gpu_classes=dict(o.gpu_classes),
             node_classes=dict(o.node_classes),
             pins=dict(o.pins),

@@ -30,6 +30,7 @@ from powerd.controller.jobs import GpuPlaces, JobView
 from powerd.controller.overrides import Overrides
 from powerd.controller.why import Decided, WhyFrame, why_frame
 from powerd.policy import LEVELS, Policy, scoped
+from powerd.ramp import BudgetRamp, lead_s
 from powerd.safety import FleetLayout, OverloadRule, SafePlan, SafetyPlanner
 from powerd.topology import Topology
 from powerd.wire import (
@@ -55,6 +56,9 @@ ALARM_DATA_GPUS = 64
 
 # Above this relative duality gap an allocation is reported as not optimal.
 INEXACT_GAP = 1e-4
+
+# The wall clock moved this much against the monotonic one between two ticks: a step.
+WALL_STEP_S = 2.0
 
 FloatArray = NDArray[np.float64]
 BoolArray = NDArray[np.bool_]
@@ -228,6 +232,13 @@ class TickEngine:
         # still land: the planner counts every GPU at its maximum until it acknowledges a
         # command of ours, and our ticks start well above any the old one can have sent.
         self.planner = SafetyPlanner(policy)
+        # Budgets in force rise no faster than the policy's ramp (powerd.ramp).
+        self.ramp = BudgetRamp()
+        self._wall_offset: float | None = None
+        # Per group: the budgets of the last tick, and this tick's before any schedule (a
+        # ramp's step down is not `budget_over` while the cut that follows it is on its way).
+        self._last_budget: dict[str, float] = {}
+        self._immediate_w: FloatArray | None = None
         self.adopt(policy)
 
     def set_scope(self, name: str) -> None:
@@ -439,6 +450,7 @@ class TickEngine:
         self.tick_no = self._next_tick()
         tick = self.tick_no
         self._alarm_inputs()
+        self._watch_wall_clock(now, wall)
         planned: list[SafePlan] = []
         try:
             report, plan = self._decide(tick, now, wall, t0, planned)
@@ -448,6 +460,20 @@ class TickEngine:
             return self._fallback(tick, now, wall, t0, planned)
         self._alarm("tick_failed", None)
         return report, plan
+
+    def _watch_wall_clock(self, now: float, wall: float) -> None:
+        """An event when the wall clock steps against the monotonic one: scheduled budgets
+        then bind on both readings (docs/safety.md, "Ramps"), which an operator should know."""
+        offset = wall - now
+        last, self._wall_offset = self._wall_offset, offset
+        if last is not None and abs(offset - last) > WALL_STEP_S:
+            log.warning("wall_clock_step", step_s=round(offset - last, 3))
+            self.alarms.once(
+                "wall_clock_step",
+                f"the wall clock stepped {offset - last:+.1f} s; scheduled budgets bind on "
+                "both the wall and the monotonic reading of their windows",
+                wall,
+            )
 
     def _alarm_inputs(self) -> None:
         """Alarms about what nodes sent: faults of a node, not of a tick."""
@@ -581,7 +607,7 @@ class TickEngine:
             plan = planned[0]
         else:
             try:
-                budget_w = self._budgets_in_force(topo, wall)
+                budget_w = self.ramp.hold(topo.names, self._budgets_in_force(topo, now, wall))
             except Exception:
                 log.exception("fallback_budgets_failed", tick=tick)
                 budget_w = np.zeros(topo.n_groups)  # nothing may rise
@@ -648,16 +674,28 @@ class TickEngine:
             budget_w, topo.group_sums(committed) + base, topo.group_sums(power) + base
         )
 
-    def _budgets_in_force(self, topo: Topology, wall: float) -> FloatArray:
+    def _budgets_in_force(
+        self, topo: Topology, now: float, wall: float, most_w: FloatArray | None = None
+    ) -> FloatArray:
         """Per group: the policy's budget, or a lower temporary one (expired ones end here),
-        or at a scope's root the coordinator's if lower."""
-        budgets = self.overrides.active_budgets(self.policy, wall)
+        or a scheduled one's ramp, or at a scope's root the coordinator's if lower. Given
+        `most_w` (what each group's committed caps could reach), a rise is ramped at the
+        policy's rate (powerd.ramp): the ramp's state moves only then."""
+        budgets = self.overrides.active_budgets(self.policy, wall, now)
         out = group_values(topo, budgets, topo.budget_w) if budgets else topo.budget_w
+        self._immediate_w = out
+        control = self.policy.control
+        scheduled = self.overrides.scheduled_budgets(self.policy, now, wall, lead_s(control.tick_s))
+        if scheduled:
+            out = np.minimum(out, group_values(topo, scheduled, np.full(topo.n_groups, np.inf)))
+        if most_w is not None:
+            out = self.ramp.step(topo.names, out, now, control.ramp_w_per_s, most_w)
         if self.scope_name is not None and self.scope_budget_w is not None:
             g = self.scope_group
             if self.scope_budget_w < out[g]:
                 out = out.copy()
                 out[g] = self.scope_budget_w
+                self._immediate_w = np.minimum(self._immediate_w, out)
         return out
 
     def _decide(
@@ -673,7 +711,8 @@ class TickEngine:
         topo = shape.topology
         self._alarm_overridden(arrays)
 
-        budget_w = self._budgets_in_force(topo, wall)
+        most_w = topo.group_sums(arrays.max_cap_w) + topo.overhead_w + shape.reserve_w
+        budget_w = self._budgets_in_force(topo, now, wall, most_w)
         jobs = self._job_view()
         job_idx = self._job_indices(jobs, arrays, shape)
         cls_idx = self._class_indices(arrays)
@@ -746,6 +785,7 @@ class TickEngine:
         # no breach known: nothing rises there meanwhile. A rated group whose limit fell
         # (its draw neared the budget) is cutting, not over, while within its rating.
         over = plan.group_over & ~plan.group_settling
+        over &= plan.group_committed_w > self._ramp_grace_w(topo, budget_w) + 1e-6
         if self.overload is not None:
             rating = self.overload.ratings_w(budget_w)
             over &= ~((self.overload.pct > 0) & (plan.group_committed_w <= rating + 1e-6))
@@ -881,6 +921,19 @@ class TickEngine:
         except Exception:
             # Learning is an optimisation: a fault in it never costs a tick its caps.
             log.exception("learning_failed", tick=self.tick_no)
+
+    def _ramp_grace_w(self, topo: Topology, budget_w: FloatArray) -> FloatArray:
+        """Per group, what committed caps may still be while a ramp's step down is on its way:
+        last tick's budget where only a schedule's ramp lowered it since (an immediate cut
+        gets no grace: `budget_over` until its acks, as ever)."""
+        last = np.fromiter(
+            (self._last_budget.get(n, -np.inf) for n in topo.names),
+            dtype=np.float64,
+            count=topo.n_groups,
+        )
+        self._last_budget = dict(zip(topo.names, budget_w.tolist(), strict=True))
+        immediate = budget_w if self._immediate_w is None else self._immediate_w
+        return np.maximum(budget_w, np.minimum(last, immediate))
 
     def _class_indices(self, arrays: FleetArrays) -> NDArray[np.int64]:
         """Each GPU's class: the operator's assignment, else its workload's, else the default

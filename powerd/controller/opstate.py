@@ -21,7 +21,14 @@ from typing import Any, Literal
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from powerd.controller.overrides import BudgetOverride, Job, Jobs, Overrides
+from powerd.controller.overrides import (
+    MAX_SCHEDULES,
+    BudgetOverride,
+    Job,
+    Jobs,
+    Overrides,
+    ScheduledBudget,
+)
 from powerd.policy import Policy
 
 log = structlog.get_logger(__name__)
@@ -82,6 +89,20 @@ class JobState(_Model):
         )
 
 
+class ScheduleState(_Model):
+    """A ScheduledBudget as stored: its wall times only (a monotonic clock's readings mean
+    nothing to another process; a restore converts them again)."""
+
+    id: str = Field(min_length=1, max_length=64)
+    group: str
+    budget_w: float
+    start: float  # wall-clock seconds
+    end: float | None
+    reason: str
+    actor: str
+    created_at: float
+
+
 class ApiPolicy(_Model):
     """A policy replaced through the API, and the policy file as it was at that moment: at
     a start, a file edited since wins (an operator's later edit); an unchanged one does not."""
@@ -114,6 +135,7 @@ class OperatorState(_Model):
     revision: int = Field(default=0, ge=0)
     ts: float = 0.0
     budgets: list[BudgetState] = Field(default_factory=list)
+    schedules: list[ScheduleState] = Field(default_factory=list, max_length=MAX_SCHEDULES)
     pins_w: dict[str, float] = Field(default_factory=dict)
     drained: list[str] = Field(default_factory=list)
     gpu_classes: dict[str, str] = Field(default_factory=dict)
@@ -150,7 +172,23 @@ def _job_states(jobs: Jobs) -> list[JobState]:
 def capture(overrides: Overrides) -> dict[str, Any]:
     """The overrides' fields as plain data (a copy: cheap, on the loop)."""
     return {
-        "budgets": [BudgetState(**asdict(b)) for b in overrides.budgets.values()],
+        "budgets": [
+            BudgetState(**{k: v for k, v in asdict(b).items() if k != "expires_mono"})
+            for b in overrides.budgets.values()
+        ],
+        "schedules": [
+            ScheduleState(
+                id=e.id,
+                group=e.group,
+                budget_w=e.budget_w,
+                start=e.start,
+                end=e.end,
+                reason=e.reason,
+                actor=e.actor,
+                created_at=e.created_at,
+            )
+            for e in overrides.schedules.values()
+        ],
         "pins_w": dict(overrides.pins),
         "drained": sorted(overrides.drained),
         "gpu_classes": dict(overrides.gpu_classes),
@@ -159,11 +197,15 @@ def capture(overrides: Overrides) -> dict[str, Any]:
     }
 
 
-def restore(state: OperatorState, policy: Policy, now_wall: float) -> Overrides:
+def restore(
+    state: OperatorState, policy: Policy, now_wall: float, now_mono: float | None = None
+) -> Overrides:
     """Overrides from a stored state, checked against the policy in force now: an expired
     budget, or one that names a group gone, is dropped and logged. A cut the policy has
     made redundant for now is kept as stored: it binds again if the policy rises (the
-    budget in force is always the lower of the two), as it would have without a restart."""
+    budget in force is always the lower of the two), as it would have without a restart.
+    Scheduled budgets are converted to the monotonic clock (`now_mono`; default: the wall
+    clock's own timeline) by the wall clock read now, as at their acceptance."""
     out = Overrides(
         pins=dict(state.pins_w),
         drained=set(state.drained),
@@ -179,7 +221,20 @@ def restore(state: OperatorState, policy: Policy, now_wall: float) -> Overrides:
         if b.group not in groups or not b.budget_w > 0:
             log.warning("operator_state_budget_dropped", group=b.group, budget_w=b.budget_w)
             continue
-        out.budgets[b.group] = BudgetOverride(**b.model_dump())
+        mono = now_wall if now_mono is None else now_mono
+        out.budgets[b.group] = BudgetOverride(**b.model_dump()).anchored(now_wall, mono)
+    mono = now_wall if now_mono is None else now_mono
+    rates = policy.control.ramp_w_per_s
+    budgets = {g.name: g.budget_w for g in policy.groups}
+    for e in state.schedules:
+        entry = ScheduledBudget(**e.model_dump()).on_monotonic(now_wall, mono)
+        if e.group not in budgets or not e.budget_w > 0:
+            log.warning("operator_state_schedule_dropped", id=e.id, group=e.group)
+            continue
+        if entry.done(mono, now_wall, budgets[e.group], rates):
+            log.info("budget_schedule_ended", id=e.id, group=e.group, budget_w=e.budget_w)
+            continue
+        out.schedules[e.id] = entry
     out.forget_policy_gaps(policy)
     return out
 

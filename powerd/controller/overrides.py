@@ -5,18 +5,34 @@ jobs (GPUs that share one cap), pinned caps and drained nodes. All of them take 
 the next tick. A temporary budget
 can only lower a group's budget: the policy's budget is the breaker or contract rating, and
 no API call may lift the tree above it.
+
+Scheduled budgets (a grid operator's load target for a future window) are kept apart: many
+per group, each with an id, lowering the group's budget over `[start, end)` and ramped in and
+out at the policy's `control.ramp_w_per_s` (powerd.ramp). The operator gives wall times;
+they are converted once, when the entry is accepted or restored, to this process's monotonic
+clock, and a window binds on either timeline (docs/safety.md, "Ramps"): a step of the wall
+clock can bring a cut early or make it last longer, never end it early or lift a budget.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import structlog
 
-from powerd.policy import Policy
+from powerd.policy import Policy, RampRates
 from powerd.profile import Profile, ProfileError
+from powerd.ramp import window_ceiling_w, window_done
+
+# Scheduled budgets: at most this many at once, starting at most this far back (a request's
+# own transit; a start further in the past is refused) or this far ahead, lasting at most this.
+MAX_SCHEDULES = 64
+START_GRACE_S = 60.0
+MAX_AHEAD_S = 366 * 86400.0
+MAX_WINDOW_S = 31 * 86400.0
 
 log = structlog.get_logger(__name__)
 
@@ -51,6 +67,74 @@ class BudgetOverride:
     reason: str
     actor: str
     created_at: float
+    # The expiry on this process's monotonic clock (`anchored`); None: the wall clock alone.
+    expires_mono: float | None = None
+
+    def anchored(self, now_wall: float, now_mono: float) -> BudgetOverride:
+        """The expiry also on the monotonic clock, converted once by the wall clock read now:
+        the cut then ends only once both clocks say so (a wall-clock step forward cannot end
+        it early: docs/safety.md, "Ramps")."""
+        if self.expires_at is None:
+            return self
+        mono = now_mono + (self.expires_at - now_wall)
+        return replace(self, expires_mono=mono)
+
+    def expired(self, now_wall: float, now_mono: float | None) -> bool:
+        if self.expires_at is None or self.expires_at > now_wall:
+            return False
+        return self.expires_mono is None or now_mono is None or self.expires_mono <= now_mono
+
+
+@dataclass(frozen=True)
+class ScheduledBudget:
+    id: str
+    group: str
+    budget_w: float
+    start: float  # wall-clock seconds, as the operator gave them
+    end: float | None  # None: until cancelled
+    reason: str
+    actor: str
+    created_at: float
+    # The same window on this process's monotonic clock, converted once (`on_monotonic`).
+    start_mono: float = math.nan
+    end_mono: float | None = None
+
+    def on_monotonic(self, now_wall: float, now_mono: float) -> ScheduledBudget:
+        """The window anchored to the monotonic clock by the wall clock read now: the one
+        conversion, at acceptance or at a restore (a new process, a standby following)."""
+        shift = now_mono - now_wall
+        return ScheduledBudget(
+            self.id,
+            self.group,
+            self.budget_w,
+            self.start,
+            self.end,
+            self.reason,
+            self.actor,
+            self.created_at,
+            self.start + shift,
+            None if self.end is None else self.end + shift,
+        )
+
+    def ceiling_w(self, mono: float, wall: float, rates: RampRates | None, lead_s: float) -> float:
+        """The most this window lets its group's budget be now: the lower of its two readings
+        (monotonic and wall), so a wall-clock step cannot shorten or lift it."""
+        on_wall = window_ceiling_w(self.budget_w, self.start, self.end, wall, rates, lead_s=lead_s)
+        if math.isnan(self.start_mono):  # never anchored (`on_monotonic`): the wall reading
+            return on_wall
+        return min(
+            window_ceiling_w(
+                self.budget_w, self.start_mono, self.end_mono, mono, rates, lead_s=lead_s
+            ),
+            on_wall,
+        )
+
+    def done(self, mono: float, wall: float, policy_w: float, rates: RampRates | None) -> bool:
+        """Ended, and ramped back up to the policy's budget, on both clocks."""
+        on_wall = window_done(self.budget_w, self.end, wall, policy_w, rates)
+        if math.isnan(self.start_mono):
+            return on_wall
+        return on_wall and window_done(self.budget_w, self.end_mono, mono, policy_w, rates)
 
 
 @dataclass(frozen=True)
@@ -189,6 +273,7 @@ def check_job(policy: Policy, job: Job) -> None:
 @dataclass
 class Overrides:
     budgets: dict[str, BudgetOverride] = field(default_factory=dict)
+    schedules: dict[str, ScheduledBudget] = field(default_factory=dict)  # by id
     gpu_classes: dict[str, str] = field(default_factory=dict)  # uuid → class
     node_classes: dict[str, str] = field(default_factory=dict)  # node → class
     pins: dict[str, float] = field(default_factory=dict)  # uuid → W
@@ -243,16 +328,15 @@ class Overrides:
         except KeyError:
             raise NotFound(f"no temporary budget on '{group}'") from None
 
-    def active_budgets(self, policy: Policy, now_wall: float) -> dict[str, float]:
+    def active_budgets(
+        self, policy: Policy, now_wall: float, now_mono: float | None = None
+    ) -> dict[str, float]:
         """Budgets in force by group name: the lower of the policy's and the override's.
 
-        Expired overrides are dropped (and logged) here, so they end on the next tick.
+        Expired overrides (on both clocks, where anchored) are dropped (and logged) here, so
+        they end on the next tick.
         """
-        for name in [
-            n
-            for n, o in self.budgets.items()
-            if o.expires_at is not None and o.expires_at <= now_wall
-        ]:
+        for name in [n for n, o in self.budgets.items() if o.expired(now_wall, now_mono)]:
             expired = self.budgets.pop(name)
             log.info("budget_override_expired", group=name, budget_w=expired.budget_w)
         policy_budgets = {g.name: g.budget_w for g in policy.groups}
@@ -261,6 +345,64 @@ class Overrides:
             for name, o in self.budgets.items()
             if name in policy_budgets
         }
+
+    def add_schedule(self, policy: Policy, entry: ScheduledBudget, now_wall: float) -> None:
+        """Accept a scheduled budget (already on the monotonic clock): OverrideError if it
+        does not fit, NotFound if its group does not exist."""
+        group = next((g for g in policy.groups if g.name == entry.group), None)
+        if group is None:
+            raise NotFound(f"unknown group '{entry.group}'")
+        if not 0 < entry.budget_w <= group.budget_w:
+            raise OverrideError(
+                f"a scheduled budget can only lower '{entry.group}' "
+                f"(policy budget {group.budget_w:,.0f} W) and must be greater than 0"
+            )
+        if entry.start < now_wall - START_GRACE_S:
+            raise OverrideError(
+                f"start lies {now_wall - entry.start:,.0f} s in the past "
+                f"(at most {START_GRACE_S:g} s is accepted); for a cut now, set no start"
+            )
+        if entry.start > now_wall + MAX_AHEAD_S:
+            raise OverrideError(f"start lies more than {MAX_AHEAD_S / 86400:g} days ahead")
+        if entry.end is not None:
+            if entry.end <= entry.start:
+                raise OverrideError("end must be after start")
+            if entry.end - entry.start > MAX_WINDOW_S:
+                raise OverrideError(f"a window lasts at most {MAX_WINDOW_S / 86400:g} days")
+        if entry.id in self.schedules:
+            raise OverrideError(f"schedule '{entry.id}' exists")
+        if len(self.schedules) >= MAX_SCHEDULES:
+            raise OverrideError(
+                f"{MAX_SCHEDULES} scheduled budgets are pending already; cancel one first"
+            )
+        self.schedules[entry.id] = entry
+
+    def cancel_schedule(self, schedule_id: str) -> ScheduledBudget:
+        try:
+            return self.schedules.pop(schedule_id)
+        except KeyError:
+            raise NotFound(f"no scheduled budget '{schedule_id}'") from None
+
+    def scheduled_budgets(
+        self, policy: Policy, mono: float, wall: float, lead_s: float
+    ) -> dict[str, float]:
+        """Per group, the most its scheduled windows let its budget be now (ramped at the
+        policy's rates); windows that are over and ramped out are dropped (and logged)."""
+        rates = policy.control.ramp_w_per_s
+        policy_budgets = {g.name: g.budget_w for g in policy.groups}
+        out: dict[str, float] = {}
+        for sid, e in list(self.schedules.items()):
+            policy_w = policy_budgets.get(e.group)
+            if policy_w is None:
+                continue
+            if e.done(mono, wall, policy_w, rates):
+                del self.schedules[sid]
+                log.info("budget_schedule_ended", id=sid, group=e.group, budget_w=e.budget_w)
+                continue
+            ceiling = e.ceiling_w(mono, wall, rates, lead_s)
+            if ceiling < out.get(e.group, math.inf):
+                out[e.group] = ceiling
+        return out
 
     def assign_class(
         self,
@@ -307,6 +449,7 @@ class Overrides:
         nodes = set(policy.node_names())
         for group in [g for g in self.budgets if g not in names]:
             del self.budgets[group]
+        self.schedules = {i: e for i, e in self.schedules.items() if e.group in names}
         self.node_classes = {
             n: c for n, c in self.node_classes.items() if n in nodes and c in policy.classes
         }

@@ -29,10 +29,11 @@ from numpy.typing import NDArray
 from powerd.allocator import Allocation, ClassTable, Fleet, Tree, allocate_arrays
 from powerd.allocator.learn import ProfileLearner, learner_for
 from powerd.backends.mock import GpuFleetModel, MockGpuSpec
-from powerd.policy import LEVELS, Policy
+from powerd.policy import LEVELS, Policy, RampRates
 from powerd.profile import Profile
+from powerd.ramp import lead_s, window_ceiling_w
 from powerd.safety import FleetLayout, NodeCommand, OverloadRule, SafetyPlanner
-from powerd.sim.scenario import Scenario
+from powerd.sim.scenario import HOUR_S, Scenario, ScenarioError
 from powerd.sim.site import Mix, Site
 from powerd.wire import GpuAck
 
@@ -62,7 +63,9 @@ class Series:
     facility_budget_w: float
     peak_ratio: FloatArray  # (ticks, levels): max over the level's groups of draw / budget
     throughput: FloatArray  # GPU-equivalents at full speed
-    # The same weighted by class weight (what powerd maximises); empty when not kept.
+    # The facility's committed caps + overhead after each tick's steer (static: its TDP caps).
+    facility_committed_w: FloatArray
+    # Throughput weighted by class weight (what powerd maximises); empty when not kept.
     weighted_throughput: FloatArray = field(default_factory=lambda: np.zeros(0))
 
 
@@ -86,6 +89,9 @@ class RunResult:
     below_floor_share: dict[str, float]  # per floored class: GPU-time share held below it
     committed_over_ticks: int  # planner: committed caps above a budget (must stay 0)
     statuses: dict[str, int]
+    # The facility's fastest moves from one tick to the next, W/s: of its committed caps
+    # (what powerd allows) and of its measured draw (what the feed sees), up and down.
+    ramp_w_per_s: dict[str, float]
     wall_s: float
     solve_ms_mean: float
     series: Series = field(repr=False)
@@ -123,6 +129,7 @@ class RunResult:
             "below_floor_share": self.below_floor_share,
             "committed_over_ticks": self.committed_over_ticks,
             "statuses": self.statuses,
+            "ramp_w_per_s": self.ramp_w_per_s,
         }
 
 
@@ -187,6 +194,10 @@ class _Run:
         )
         self.tree = Tree(topo)
         self.budget = topo.budget_w.copy()
+        self.windows = _windows(scenario, site)
+        self.rates: RampRates | None = spec.ramp_w_per_s or policy.control.ramp_w_per_s
+        self.lead_s = lead_s(policy.control.tick_s)
+        self.tick_s = spec.tick_s
         # Groups rated for an overload: their caps may commit above the budget while their
         # draw is steered below it (OverloadRule, as the controller applies it).
         self.overload = OverloadRule.from_policy(policy) if policy_name != STATIC else None
@@ -203,24 +214,7 @@ class _Run:
         self.floors_fit = bool(
             np.all(topo.group_sums(floor_lo)[f] + topo.overhead_w[f] <= self.budget[f])
         )
-        self.planner: SafetyPlanner | None = None
-        if policy_name != STATIC:
-            self.planner = SafetyPlanner(
-                _planner_policy(policy, scenario.duration_s),
-                FleetLayout.build(
-                    policy, model.uuids, list(site.gpu_nodes), model.min_cap_w, model.max_cap_w
-                ),
-            )
-            # The agents' first telemetry: from then on acks keep the planner's knowledge exact.
-            caps_now = model.cap_w.tolist()
-            for name, (a, b), ids in zip(
-                self.nodes.names, self.nodes.ranges, self.nodes.uuids, strict=True
-            ):
-                self.planner.on_telemetry(
-                    name, dict(zip(ids, caps_now[a:b], strict=True)), received_at=0.0
-                )
-            # The simulation starts the fleet: no earlier controller has commands on their way.
-            self.planner.assume_settled()
+        self.planner = None if policy_name == STATIC else self._planner(scenario)
         self.no_pin = np.full(n, np.nan)
         self.not_stale = np.zeros(n, dtype=np.bool_)
         self.uuids = tuple(model.uuids)
@@ -249,6 +243,26 @@ class _Run:
         self.below_floor_s = np.zeros(n_classes)
         self.step_peak = np.zeros(n_levels)
 
+    def _planner(self, scenario: Scenario) -> SafetyPlanner:
+        """The safety planner, taught the caps the fleet starts at."""
+        site, model = self.site, self.model
+        policy = site.policy
+        planner = SafetyPlanner(
+            _planner_policy(policy, scenario.duration_s),
+            FleetLayout.build(
+                policy, model.uuids, list(site.gpu_nodes), model.min_cap_w, model.max_cap_w
+            ),
+        )
+        # The agents' first telemetry: from then on acks keep the planner's knowledge exact.
+        caps_now = model.cap_w.tolist()
+        for name, (a, b), ids in zip(
+            self.nodes.names, self.nodes.ranges, self.nodes.uuids, strict=True
+        ):
+            planner.on_telemetry(name, dict(zip(ids, caps_now[a:b], strict=True)), received_at=0.0)
+        # The simulation starts the fleet: no earlier controller has commands on their way.
+        planner.assume_settled()
+        return planner
+
     def steer(self, now: float) -> None:
         """One controller tick: allocate from fresh telemetry, plan, apply, acknowledge."""
         planner = self.planner
@@ -269,11 +283,11 @@ class _Run:
             stale=self.not_stale,
             pinned_w=self.no_pin,
         )
-        limit = self.budget
+        limit = budget = self._budget_at(now)
         if self.overload is not None:
             topo = self.site.topology
             limit = self.overload.limits_w(
-                self.budget,
+                budget,
                 topo.group_sums(committed) + topo.overhead_w,
                 topo.group_sums(model.power_w) + topo.overhead_w,
             )
@@ -319,6 +333,41 @@ class _Run:
             learned = {**learner.profiles(), **self.profiles}
             self.classes = ClassTable.from_policy(self.site.policy, learned)
 
+    def _budget_at(self, now: float) -> FloatArray:
+        """The budgets until the next steer (a tick on): the policy's, lowered by each
+        scheduled window to the least its ramp reaches over the tick (a controller ticking
+        every second follows the ramp within it)."""
+        if not self.windows:
+            return self.budget
+        out = self.budget.copy()
+        t1 = now + self.tick_s
+        for g, budget_w, start, end in self.windows:
+            if start - self.lead_s < t1 and now < end:
+                least = budget_w  # the window (or its lead) falls within the tick
+            else:
+                least = min(
+                    window_ceiling_w(budget_w, start, end, t, self.rates, lead_s=self.lead_s)
+                    for t in (now, t1)
+                )
+            out[g] = min(out[g], least)
+        return out
+
+    def grid_budget(self, t: float) -> FloatArray:
+        """The budgets the feeds hold the site to at `t`: the policy's, and each scheduled
+        window's target from its start, ramped as the grid expects (no lead)."""
+        if not self.windows:
+            return self.budget
+        out = self.budget.copy()
+        for g, budget_w, start, end in self.windows:
+            out[g] = min(out[g], window_ceiling_w(budget_w, start, end, t, self.rates))
+        return out
+
+    def committed_facility_w(self) -> float:
+        planner = self.planner
+        assert planner is not None
+        topo = self.site.topology
+        return float(topo.group_sums(planner.committed_w())[0] + topo.overhead_w[0])
+
     def _apply(self, commands: list[NodeCommand], sent_w: FloatArray, now: float) -> None:
         """The agents' part: clamp each command's caps to the device, apply, acknowledge.
 
@@ -347,8 +396,15 @@ class _Run:
             acks = dict(zip(nodes.uuids[k], self.acks[a:b], strict=True))
             self.planner.on_ack(cmd.node, self.plan_tick, acks)
 
-    def advance(self, dt: float) -> None:
-        """Move the GPUs on by dt with the caps in force, and account for the interval."""
+    def advance(self, dt: float, t_end: float) -> None:
+        """Move the GPUs on by dt (to `t_end`) with the caps in force, and account for the
+        interval: its mean draw against the budgets' mean over it (a scheduled window's ramp
+        moves them), its closing sample against the budgets at its end."""
+        budget = self.grid_budget(t_end)
+        mean_budget = budget
+        if self.windows:
+            points = np.linspace(t_end - dt, t_end, 9)
+            mean_budget = np.mean([self.grid_budget(float(t)) for t in points], axis=0)
         model = self.model
         topo = self.site.topology
         cls = self.mix.class_index
@@ -358,8 +414,12 @@ class _Run:
         model.advance(dt)
         # Measured draw: the interval's mean (what a meter integrates) and the closing sample.
         mean_w = (model.energy_j - energy_before) / dt
-        draw = np.maximum(self.tree.sums(mean_w), self.tree.sums(model.power_w)) + topo.overhead_w
-        excess = np.where(self.finite, draw - self.budget, -np.inf)
+        mean_draw = self.tree.sums(mean_w) + topo.overhead_w
+        closing = self.tree.sums(model.power_w) + topo.overhead_w
+        draw = np.maximum(mean_draw, closing)
+        excess = np.where(
+            self.finite, np.maximum(mean_draw - mean_budget, closing - budget), -np.inf
+        )
         over = excess > EXCESS_TOL_W
         self.over_run_s = np.where(over, self.over_run_s + dt, 0.0)
         if over.any():
@@ -367,7 +427,7 @@ class _Run:
             self.over_s += dt
             self.over_by_level[np.unique(topo.level[over])] += dt
             self.max_excess = max(self.max_excess, float(excess[over].max()))
-        ratio = draw / self.ratio_budget
+        ratio = draw / np.where(budget < self.budget, budget, self.ratio_budget)
         self.max_ratio = max(self.max_ratio, float(ratio.max()))
         for lv, mask in enumerate(self.level_masks):
             self.step_peak[lv] = max(self.step_peak[lv], float(ratio[mask].max()))
@@ -388,6 +448,36 @@ def _sim_learner(policy: Policy, tick_s: float) -> ProfileLearner | None:
     return learner_for(
         replace(policy, spec=policy.spec.model_copy(update={"control": on})), tick_s=tick_s
     )
+
+
+def _windows(scenario: Scenario, site: Site) -> list[tuple[int, float, float, float]]:
+    """The scenario's schedule on this site: (group index, budget W, start s, end s)."""
+    topo = site.topology
+    index = {name: g for g, name in enumerate(topo.names)}
+    out, problems = [], []
+    for i, w in enumerate(scenario.spec.schedule):
+        name = w.group or topo.names[0]
+        g = index.get(name)
+        if g is None:
+            problems.append((f"schedule[{i}].group", f"no group '{name}' on this site"))
+            continue
+        policy_w = float(topo.budget_w[g])
+        if w.fraction is not None and not math.isfinite(policy_w):
+            problems.append((f"schedule[{i}].fraction", f"'{name}' has no budget; give budget_w"))
+            continue
+        budget_w = policy_w * w.fraction if w.fraction is not None else float(w.budget_w or 0.0)
+        out.append((g, min(budget_w, policy_w), w.start_h * HOUR_S, w.end_h * HOUR_S))
+    if problems:
+        raise ScenarioError(scenario.source, problems)
+    return out
+
+
+def _rates(series: FloatArray, dt: float) -> tuple[float, float]:
+    """The fastest rise and fall of a series sampled every dt, W/s (0 when it never moves)."""
+    if series.size < 2:
+        return 0.0, 0.0
+    steps = np.diff(series) / dt
+    return max(0.0, float(steps.max())), max(0.0, float(-steps.min()))
 
 
 def _start_cap_w(site: Site) -> float:
@@ -438,6 +528,7 @@ def simulate(
     next_event = 0
     n_levels = len(LEVELS)
     fac_draw = np.zeros(n_ticks)
+    fac_committed = np.zeros(n_ticks)
     peak_ratio = np.zeros((n_ticks, n_levels))
     tput_series = np.zeros(n_ticks)
     weighted_series = np.zeros(n_ticks)
@@ -455,11 +546,15 @@ def simulate(
             if k == 0:
                 # The window opens on a site already under powerd: steer before time passes.
                 run.steer(now)
-            run.advance(react_s)
+            run.advance(react_s, now + react_s)
             run.steer(now + react_s)
-            run.advance(tick_s - react_s)
+            fac_committed[k] = run.committed_facility_w()
+            run.advance(tick_s - react_s, now + tick_s)
         else:
-            run.advance(tick_s)
+            run.advance(tick_s, now + tick_s)
+            fac_committed[k] = float(site.topology.group_sums(run.model.cap_w)[0]) + float(
+                site.topology.overhead_w[0]
+            )
         fac_draw[k] = (float(run.model.energy_j.sum()) - energy_before) / tick_s + float(
             site.topology.overhead_w[0]
         )
@@ -499,6 +594,13 @@ def simulate(
         },
         committed_over_ticks=run.committed_over,
         statuses=run.statuses,
+        ramp_w_per_s=dict(
+            zip(
+                ("committed_up", "committed_down", "draw_up", "draw_down"),
+                (*_rates(fac_committed, tick_s), *_rates(fac_draw, tick_s)),
+                strict=True,
+            )
+        ),
         wall_s=wall,
         solve_ms_mean=float(np.mean(run.solve_ms)) if run.solve_ms else 0.0,
         series=Series(
@@ -507,6 +609,7 @@ def simulate(
             facility_budget_w=float(run.budget[0]),
             peak_ratio=peak_ratio,
             throughput=tput_series,
+            facility_committed_w=fac_committed,
             weighted_throughput=weighted_series,
         ),
     )

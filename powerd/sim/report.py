@@ -249,6 +249,32 @@ def compare_lines(results: dict[str, RunResult]) -> list[str]:
     return lines
 
 
+def ramp_lines(report: Report) -> list[str]:
+    """The facility's fastest moves tick to tick (W/s): what a feed sees of each policy."""
+    spec = report.scenario.spec
+    policy_rates = report.site.policy.control.ramp_w_per_s
+    rates = spec.ramp_w_per_s or policy_rates
+    limit = (
+        "none (windows step)" if rates is None else f"up {rates.up:,.0f}, down {rates.down:,.0f}"
+    )
+    rows = [
+        [
+            p,
+            f"{r.ramp_w_per_s['committed_up']:,.0f}",
+            f"{r.ramp_w_per_s['committed_down']:,.0f}",
+            f"{r.ramp_w_per_s['draw_up']:,.0f}",
+            f"{r.ramp_w_per_s['draw_down']:,.0f}",
+        ]
+        for p, r in report.compare.items()
+    ]
+    head = ["policy", "committed up W/s", "committed down W/s", "draw up W/s", "draw down W/s"]
+    lines = [
+        f"facility ramp (fastest move over one {spec.tick_s:g} s tick); "
+        f"{len(spec.schedule)} scheduled windows, ramp limit {limit}"
+    ]
+    return lines + _table(head, rows)
+
+
 def sweep_lines(points: list[SweepPoint]) -> list[str]:
     policies = list(points[0].results) if points else []
     head = ["feed", "kW"] + [f"{p}" for p in policies]
@@ -301,6 +327,7 @@ def text(report: Report) -> str:
         lines += ["", *headline_lines(report.compare, report.provisioned)]
     if report.compare:
         lines += ["", *compare_lines(report.compare)]
+        lines += ["", *ramp_lines(report)]
     if report.sweep:
         lines += ["", *sweep_lines(report.sweep)]
     if report.oversub is not None:

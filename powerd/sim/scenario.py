@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from powerd.errors import InputError, parse_yaml, read_text, validation_problems
-from powerd.policy import Policy, ProfileSpec
+from powerd.policy import Policy, ProfileSpec, RampRates
 
 Watts = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegWatts = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -26,6 +26,7 @@ HOUR_S = 3600.0
 # A swing shorter than two ticks is sampled at random points of its cycle (aliasing).
 MIN_TICKS_PER_SWING = 2
 MAX_TICKS = 10_000_000
+MAX_SCHEDULE = 64  # windows in one scenario, as many as a controller keeps
 
 
 if TYPE_CHECKING:
@@ -113,6 +114,26 @@ class WorkloadSpec(_Strict):
         return "trace" if self.traces else (self.pattern or "steady")
 
 
+class ScheduledBudgetSpec(_Strict):
+    """A grid operator's load target for a window of the simulated day: the group's budget
+    lowered to `budget_w` (or `fraction` of its budget) from `start_h` to `end_h` (hours from
+    the start), ramped in and out at the policy's (or the scenario's) `ramp_w_per_s`."""
+
+    group: str | None = None  # default: the facility
+    budget_w: Watts | None = None
+    fraction: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+    start_h: float = Field(ge=0, allow_inf_nan=False)
+    end_h: float = Field(gt=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _valid(self) -> ScheduledBudgetSpec:
+        if (self.budget_w is None) == (self.fraction is None):
+            raise ValueError("give budget_w or fraction (of the group's budget), one of them")
+        if self.end_h <= self.start_h:
+            raise ValueError(f"end_h ({self.end_h:g}) must be after start_h ({self.start_h:g})")
+        return self
+
+
 class SiteSpec(_Strict):
     """Reshape the policy's site: its tree grown or shrunk to `nodes`, and/or a new feed."""
 
@@ -140,6 +161,10 @@ class ScenarioSpec(_Strict):
     seed: int = Field(default=0, ge=0, lt=2**63)
     site: SiteSpec = Field(default_factory=SiteSpec)
     workloads: list[WorkloadSpec] = Field(min_length=1)
+    # A day's grid schedule (docs/simulator.md, "Grid schedules"), and the ramp rates that
+    # shape it (default: the policy's control.ramp_w_per_s; neither: windows are steps).
+    schedule: list[ScheduledBudgetSpec] = Field(default_factory=list, max_length=MAX_SCHEDULE)
+    ramp_w_per_s: RampRates | None = None
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import inspect
 import math
 import re
+import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal, TypedDict
 
@@ -30,12 +31,15 @@ from powerd.api.models import (
     OverridesOut,
     PinIn,
     ReasonIn,
+    ScheduleIn,
+    ScheduleOut,
     WriteOut,
 )
 from powerd.api.writes import Attempt, write
 from powerd.auth import Principal
 from powerd.controller.controller import Controller
 from powerd.numeric import finite_or_none
+from powerd.ramp import lead_s, ramp_down_from
 
 router = APIRouter(prefix=V1, tags=["overrides"])
 
@@ -58,11 +62,57 @@ async def overrides(_: Viewer, controller: ControllerDep) -> OverridesOut:
             )
             for b in o.budgets.values()
         ],
+        schedules=_schedules(controller),
         pins_w=dict(o.pins),
         drained=sorted(o.drained),
         gpu_classes=dict(o.gpu_classes),
         node_classes=dict(o.node_classes),
     )
+
+
+@router.get("/schedules", response_model=list[ScheduleOut], responses=AUTH_ERRORS)
+async def schedules(_: Viewer, controller: ControllerDep) -> list[ScheduleOut]:
+    """Scheduled budgets, by start: pending, ramping toward their target, active, or ended
+    and ramping back up."""
+    return _schedules(controller)
+
+
+def _schedules(controller: Controller) -> list[ScheduleOut]:
+    policy = controller.policy
+    policy_budgets = {g.name: g.budget_w for g in policy.groups}
+    rates, lead = policy.control.ramp_w_per_s, lead_s(policy.control.tick_s)
+    wall = controller.clock.wall()
+    out = []
+    for e in sorted(controller.overrides.schedules.values(), key=lambda e: (e.start, e.id)):
+        in_force = controller.budget_in_force_w(e.group)
+        ramp_from = ramp_down_from(
+            min(in_force, policy_budgets.get(e.group, math.inf)), e.budget_w, e.start, rates, lead
+        )
+        state = (
+            "ended"
+            if e.end is not None and wall >= e.end
+            else "active"
+            if wall >= e.start
+            else "ramping"
+            if wall >= ramp_from
+            else "pending"
+        )
+        out.append(
+            ScheduleOut(
+                id=e.id,
+                group=e.group,
+                budget_w=e.budget_w,
+                policy_budget_w=finite_or_none(policy_budgets.get(e.group, math.inf)),
+                start=e.start,
+                end=e.end,
+                ramp_from=ramp_from,
+                state=state,
+                reason=e.reason,
+                actor=e.actor,
+                created_at=e.created_at,
+            )
+        )
+    return out
 
 
 # ---- the writes ----
@@ -85,6 +135,8 @@ class WriteRequest:
     body: Any
     """The row's body model, validated; None when the reason is a query parameter."""
     who: Who
+    token: str = field(default_factory=lambda: "s-" + uuid.uuid4().hex[:12])
+    """A fresh id for what this request creates (a scheduled budget's)."""
 
 
 Change = Callable[[], object]
@@ -130,6 +182,17 @@ def _set_budget(c: Controller, w: WriteRequest) -> Change:
     return partial(c.set_budget, w.key, body.budget_w, expires_at=expires_at, **w.who)
 
 
+def _schedule(c: Controller, w: WriteRequest) -> Change:
+    body: ScheduleIn = w.body
+    return partial(
+        c.schedule_budget, w.token, w.key, body.budget_w, start=body.start, end=body.end, **w.who
+    )
+
+
+def _token(w: WriteRequest) -> str:
+    return w.token
+
+
 def _lowers_budget(c: Controller, w: WriteRequest) -> bool:
     # Applied even when the state file fails, if it lowers what is in force now.
     return bool(w.body.budget_w <= c.budget_in_force_w(w.key))
@@ -158,6 +221,30 @@ OVERRIDE_WRITES: tuple[OverrideWrite, ...] = (
         target=_key,
         change=lambda c, w: partial(c.clear_budget, w.key, **w.who),
         doc="End a temporary budget now (the policy's applies from the next tick).",
+    ),
+    OverrideWrite(
+        "schedule_budget",
+        "POST",
+        "/budgets/{group}/schedule",
+        body=ScheduleIn,
+        action="budget.schedule",
+        target=_token,
+        change=_schedule,
+        doc="""Lower a group's budget over a future window (a grid operator's load target).
+        The budget in force ramps down early enough to reach it by `start` and back up from
+        `end`, no faster than the policy's `control.ramp_w_per_s`. The answer's `target` is
+        the schedule's id, to cancel it. A refusal's `detail` says which field is wrong.""",
+    ),
+    OverrideWrite(
+        "cancel_schedule",
+        "DELETE",
+        "/schedules/{schedule_id}",
+        body=None,
+        action="budget.unschedule",
+        target=_key,
+        change=lambda c, w: partial(c.cancel_schedule, w.key, **w.who),
+        doc="Cancel a scheduled budget (its window, or the rest of it): the budget in force "
+        "ramps back up.",
     ),
     OverrideWrite(
         "assign_class",
