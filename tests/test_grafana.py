@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
@@ -52,7 +53,16 @@ def exported() -> dict[str, set[str]]:
 
     reg = CollectorRegistry()
     c = ControllerMetrics(reg)
-    call(c, "update_gpus", snap=snap(committed_w=[500.0, 400.0], target_w=[480.0, 390.0]))
+    call(
+        c,
+        "update_gpus",
+        snap=snap(
+            committed_w=[500.0, 400.0],
+            target_w=[480.0, 390.0],
+            set_w=np.array([500.0, 400.0]),
+            restores=[0.0, 1.0],
+        ),
+    )
     call(
         c,
         "update_groups",
@@ -70,6 +80,7 @@ def exported() -> dict[str, set[str]]:
         status="optimal",
         ts=1.7e9,
         throughput={"training": 1.0},
+        unused_w=100.0,
     )
     call(c, "update_counters", received={"telemetry": 1}, dropped={"bad": 1}, caps_sent=2, acks=2)
     call(c, "update_fleet", gpus={"fresh": 2}, nodes={"steered": 1})
