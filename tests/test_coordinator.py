@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from powerd.controller.overrides import BudgetOverride
 from powerd.controller.scope import ScopeLink
 from powerd.coordinator.engine import CoordinatorEngine
+from powerd.coordinator.main import Coordinator
 from powerd.policy import Policy, failsafe_budget_w, parse_policy, scoped
 from powerd.testing.synthetic import TRAIN_AND_INFER
 from powerd.wire import ScopeBudget, ScopeReport
@@ -163,6 +165,19 @@ def test_a_temporary_facility_cut_is_split_and_sent_at_once() -> None:
     budgets = [p.budget_w for p in plan.budgets]
     assert all(b is not None for b in budgets)
     assert sum(b for b in budgets if b is not None) <= 6000 + 1e-6
+
+
+def test_the_coordinators_state_keeps_an_operators_budget_in_its_stored_form() -> None:
+    """The coordinator stores its operators' budgets like the controller (BudgetState.of):
+    a field the runtime override grew (a monotonic expiry) once made every budget PUT on
+    the coordinator fail with a 500 (caught by tests/test_scopes.py)."""
+    eng = settled()
+    override = BudgetOverride("dc", 6000.0, 2000.0, "grid", "alice", created_at=1.0)
+    eng.overrides.set_budget(eng.policy, override.anchored(now_wall=1.0, now_mono=50.0))
+    owner = SimpleNamespace(revision=3, clock=SimpleNamespace(wall=lambda: 10.0), engine=eng)
+    state = Coordinator._state(owner)  # type: ignore[arg-type]
+    assert [(b.group, b.budget_w, b.expires_at) for b in state.budgets] == [("dc", 6000.0, 2000.0)]
+    assert state.revision == 3
 
 
 def test_a_scope_takes_budgets_in_epoch_then_tick_order_and_falls_back_on_silence() -> None:

@@ -14,7 +14,6 @@ import contextlib
 import hashlib
 import os
 import tempfile
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,7 +38,8 @@ class _Model(BaseModel):
 
 
 class BudgetState(_Model):
-    """A BudgetOverride as stored (the same fields)."""
+    """A BudgetOverride as stored: its wall times only (its monotonic expiry means nothing to
+    another process; a restore anchors it again)."""
 
     group: str
     budget_w: float
@@ -47,6 +47,17 @@ class BudgetState(_Model):
     reason: str
     actor: str
     created_at: float
+
+    @classmethod
+    def of(cls, b: BudgetOverride) -> BudgetState:
+        return cls(
+            group=b.group,
+            budget_w=b.budget_w,
+            expires_at=b.expires_at,
+            reason=b.reason,
+            actor=b.actor,
+            created_at=b.created_at,
+        )
 
 
 class JobState(_Model):
@@ -172,10 +183,7 @@ def _job_states(jobs: Jobs) -> list[JobState]:
 def capture(overrides: Overrides) -> dict[str, Any]:
     """The overrides' fields as plain data (a copy: cheap, on the loop)."""
     return {
-        "budgets": [
-            BudgetState(**{k: v for k, v in asdict(b).items() if k != "expires_mono"})
-            for b in overrides.budgets.values()
-        ],
+        "budgets": [BudgetState.of(b) for b in overrides.budgets.values()],
         "schedules": [
             ScheduleState(
                 id=e.id,

@@ -245,7 +245,7 @@ class Coordinator:
         return OperatorState(
             revision=self.revision,
             ts=self.clock.wall(),
-            budgets=[BudgetState(**asdict(b)) for b in self.engine.overrides.budgets.values()],
+            budgets=[BudgetState.of(b) for b in self.engine.overrides.budgets.values()],
         )
 
     async def _save(self) -> bool:
