@@ -255,3 +255,42 @@ async def test_the_agent_sends_the_sources_perf_and_its_loop_never_waits_on_it(
         assert [g.perf for g in sampled] == [pytest.approx(450.0)] * 2
     finally:
         source.stop()
+
+
+def test_an_endpoint_that_drips_forever_is_cut_at_the_timeout() -> None:
+    """A body sent a byte at a time, each within the socket timeout, forever: the poll
+    gives up after about its timeout, not after MAX_READ_BYTES reads (weeks)."""
+    stop = threading.Event()
+
+    class Drip(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.end_headers()
+            while not stop.is_set():
+                try:
+                    self.wfile.write(b"#")
+                    self.wfile.flush()
+                except OSError:
+                    return
+                time.sleep(0.05)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Drip)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        src = PerfSource(PerfConfig(url=url, metric="r", timeout_s=0.5), GPUS, Ticker())
+        poller = threading.Thread(target=src.poll, daemon=True)
+        t0 = time.monotonic()
+        poller.start()
+        poller.join(timeout=5.0)
+        assert not poller.is_alive(), "poll still reading a dripping endpoint after 5 s"
+        assert src.errors == 1 and time.monotonic() - t0 < 5.0
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()

@@ -201,6 +201,31 @@ def test_the_number_of_jobs_is_bounded(live: LiveApi, monkeypatch: pytest.Monkey
         assert r.status_code == 422 and "at most 2 jobs" in r.json()["detail"]
 
 
+def test_the_gpus_named_across_all_jobs_are_bounded(
+    live: LiveApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every job may name MAX_JOB_GPUS uuids and there may be MAX_JOBS jobs: 327 million
+    uuids, which the controller keeps, indexes on the loop and writes to its state file at
+    every job write. The total is bounded too (a replacement counts without its old self)."""
+    monkeypatch.setattr("powerd.controller.overrides.MAX_JOBS_UUIDS", 5)
+
+    def put(name: str, n: int) -> httpx.Response:
+        uuids = [f"GPU-{name}-{i}" for i in range(n)]
+        return c.put(
+            f"/api/v1/jobs/{name}", json={"class": "training", "uuids": uuids, "reason": "x"}
+        )
+
+    with live.client("operator") as c:
+        assert put("a", 4).status_code == 200
+        r = put("b", 2)
+        assert r.status_code == 422 and "at most 5 GPUs by uuid" in r.json()["detail"], r.text
+        assert c.get("/api/v1/jobs/b").status_code == 404
+        assert put("a", 5).status_code == 200  # replacing a: its old 4 do not count
+        assert put("b", 1).status_code == 422
+        assert c.delete("/api/v1/jobs/a", params={"reason": "done"}).status_code == 200
+        assert put("b", 1).status_code == 200
+
+
 # ---- restarts: the controller process on SQLite and PostgreSQL ----
 
 

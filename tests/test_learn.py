@@ -257,3 +257,67 @@ def test_a_fault_in_learning_never_costs_a_tick_its_caps(monkeypatch: pytest.Mon
     assert report.status == "optimal" and plan.commands
     assert "tick_failed" not in engine.alarms.active
     assert any(e["event"] == "learning_failed" for e in logs)
+
+
+class LyingPerfNode(PerfNode):
+    """A node that claims its GPUs run at full speed at any power: draws of 200–700 W, each
+    with the top perf of the TRUE curve (a compromised or buggy exporter)."""
+
+    def sample(self, wall: float) -> NodeTelemetry:
+        msg = super().sample(wall)
+        step = int(wall) * len(msg.gpus)  # every 25 W bin from 200 to 700 W in turn
+        gpus = [
+            g.model_copy(update={"power_w": 212.0 + 25 * ((step + i) * 7 % 20), "perf": 5000.0})
+            for i, g in enumerate(msg.gpus)
+        ]
+        return msg.model_copy(update={"gpus": gpus})
+
+
+def test_one_lying_node_cannot_bend_its_classes_curve_for_the_other_nodes() -> None:
+    """One node of four reports full perf at every draw. Unchecked, its samples set every
+    bin's 0.9 quantile and the fit was a flat curve from 200 W: every GPU of the class, on
+    every node, would be held near 200 W (no power past a peak). A bin now needs samples
+    from two nodes and its point is no higher than a second node saw there."""
+    d = policy_dict()
+    d["profiles"]["p"] = {"points": [[200, 0.6], [300, 0.85], [450, 1.0]]}
+    d["control"]["learn"] = {
+        "enabled": True,
+        "buffer": 2000,
+        "window_s": 200.0,
+        "refit_ticks": 10,
+        "min_samples": 100,
+    }
+    engine = TickEngine(parse_policy(d))
+    assert engine.learner is not None
+    liar = NODES[-1]
+    nodes = {n: (LyingPerfNode(n) if n == liar else PerfNode(n)) for n in NODES}
+    used = 0
+    for t in range(120):
+        now = float(t)
+        for node in nodes.values():
+            node.t = now
+            assert engine.on_telemetry(node.sample(1e9 + t), now)
+        _, plan = engine.step(now, 1e9 + t)
+        for cmd in plan.commands:
+            ack = nodes[cmd.node].apply_caps(cmd.tick, cmd.caps_w)
+            if ack is not None:
+                engine.on_ack(cmd.node, ack)
+        learned = engine.learner.profiles().get("c")
+        if learned is not None:  # whenever a learned curve steers, it is the honest one
+            used += 1
+            assert learned.peak_w > 600, f"tick {t}: peak at {learned.peak_w:.0f} W"
+            grid = np.linspace(250, 600, 15)
+            assert np.max(np.abs(learned.value(grid) - TRUE.value(grid))) < 0.1
+    assert used > 0, engine.learner.states()[0].reason
+
+
+def test_bins_need_two_nodes_and_one_node_cannot_lift_a_bin_above_the_next() -> None:
+    # Bin 0 (200 W): nodes 1 and 2, node 2 lying at 1e9. Bin 1 (250 W): node 2 alone.
+    p = np.array([205.0, 206, 207, 208, 209, 210, 255, 256, 257])
+    y = np.array([10.0, 11, 12, 1e9, 1e9, 1e9, 1e9, 1e9, 1e9])
+    s = np.array([1, 1, 1, 2, 2, 2, 2, 2, 2])
+    xs, ys, n = bin_points(p, y, 50.0, 0.9, s)
+    assert n == 1 and xs.tolist() == [pytest.approx(207.5)] and ys.tolist() == [12.0]
+    # Without sources (a simulator's own model) every sample counts as before.
+    _, ys, n = bin_points(p, y, 50.0, 0.9)
+    assert n == 2 and ys.tolist() == [1e9, 1e9]

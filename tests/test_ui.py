@@ -171,6 +171,17 @@ def test_page_refuses_without_a_token_and_with_a_wrong_one(live_ui: LiveApi, bro
     until(browser, lambda d: shown(d, "signin") and not shown(d, "app"), "the sign-in form")
 
 
+def test_a_malformed_fragment_token_is_refused_and_leaves_the_address_bar(
+    live_ui: LiveApi, browser: Any
+) -> None:
+    """`#token=%E0%A4%A` (a broken escape, a link cut short in a chat): decoding it threw,
+    the page stopped before taking the token out of the address bar and never showed a
+    sign-in form."""
+    browser.get(f"{live_ui.url}/ui#token=pwd_%E0%A4%A")
+    until(browser, lambda d: shown(d, "signin"), "the sign-in form")
+    assert "token" not in browser.current_url and not shown(browser, "app")
+
+
 def test_page_shows_the_fleet_and_follows_a_budget_cut(
     live_ui: LiveApi, browser: Any, tmp_path: Path
 ) -> None:

@@ -29,7 +29,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
@@ -110,6 +110,24 @@ def parse_file(text: str) -> Series:
     raise PerfReadError('want a number, {"perf": x} or {"gpus": {"0": x}}')
 
 
+def _read_within(resp: Any, timeout_s: float) -> bytes:
+    """The body, at most MAX_READ_BYTES + 1 bytes, read within about `timeout_s` in all: the
+    socket's timeout bounds each read only, and a body dripped a byte at a time would keep
+    a plain read() going for weeks."""
+    deadline = time.monotonic() + timeout_s
+    chunks: list[bytes] = []
+    size = 0
+    while size <= MAX_READ_BYTES:
+        if time.monotonic() > deadline:
+            raise PerfReadError(f"response not read within {timeout_s:g} s")
+        chunk = resp.read1(MAX_READ_BYTES + 1 - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
 class PerfSource:
     """Latest perf per GPU uuid from one configured source; `poll` reads it once."""
 
@@ -155,7 +173,7 @@ class PerfSource:
         assert c.url is not None and c.metric is not None
         try:
             with urllib.request.urlopen(c.url, timeout=c.timeout_s) as resp:
-                raw = resp.read(MAX_READ_BYTES + 1)
+                raw = _read_within(resp, c.timeout_s)
         except (urllib.error.URLError, OSError, ValueError) as exc:
             raise PerfReadError(f"cannot fetch {c.url}: {exc}") from None
         if len(raw) > MAX_READ_BYTES:

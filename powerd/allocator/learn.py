@@ -105,10 +105,19 @@ class Fit:
 
 
 def bin_points(
-    power_w: FloatArray, perf: FloatArray, bin_w: float, quantile: float
+    power_w: FloatArray,
+    perf: FloatArray,
+    bin_w: float,
+    quantile: float,
+    source: IntArray | None = None,
 ) -> tuple[FloatArray, FloatArray, int]:
     """Per power bin with MIN_PER_BIN samples: mean power, the perf quantile; and the count
-    of such bins. Vectorised: one sort, no loop over bins."""
+    of such bins. Vectorised: one sort, no loop over bins.
+
+    `source`: who reported each sample (its node). Given, a bin counts only with samples
+    of two sources, and its point is no higher than the best sample of the source second
+    best there: one node that lies can neither make bins of its own nor lift one above
+    what another node saw (it cannot bend the curve the other nodes' GPUs steer by)."""
     b = np.floor(power_w / bin_w).astype(np.int64)
     order = np.lexsort((perf, b))
     b, p, y = b[order], power_w[order], perf[order]
@@ -117,10 +126,31 @@ def bin_points(
     _, start, count = np.unique(b, return_index=True, return_counts=True)
     sums = np.add.reduceat(p, start)
     keep = count >= MIN_PER_BIN
-    start, count, sums = start[keep], count[keep], sums[keep]
     # Within a bin perf is sorted ascending: the quantile is an index.
-    q_idx = start + np.floor(quantile * (count - 1)).astype(np.int64)
-    return sums / count, y[q_idx], int(start.size)
+    value = y[start + np.floor(quantile * (count - 1)).astype(np.int64)]
+    if source is not None:
+        second, sources = _second_source_best(b, source[order], y)
+        keep &= sources >= 2
+        value = np.minimum(value, second)
+    count, sums, value = count[keep], sums[keep], value[keep]
+    return sums / count, value, int(count.size)
+
+
+def _second_source_best(
+    b: IntArray, source: IntArray, y: FloatArray
+) -> tuple[FloatArray, IntArray]:
+    """Per bin (in the order of np.unique(b)): the best perf of the source second best in
+    it (-inf with one source), and how many sources it has."""
+    order = np.lexsort((y, source, b))
+    b, source, y = b[order], source[order], y[order]
+    # The last sample of each (bin, source) run is that source's best in that bin.
+    last = np.r_[(b[1:] != b[:-1]) | (source[1:] != source[:-1]), True]
+    pb, pbest = b[last], y[last]
+    order = np.lexsort((pbest, pb))
+    pb, pbest = pb[order], pbest[order]
+    _, first, n = np.unique(pb, return_index=True, return_counts=True)
+    second = np.where(n >= 2, pbest[np.maximum(first + n - 2, 0)], -np.inf)
+    return second, n.astype(np.int64)
 
 
 def fit_curve(
@@ -131,10 +161,12 @@ def fit_curve(
     base: Profile,
     max_w: float,
     name: str,
+    source: IntArray | None = None,
 ) -> Fit:
-    """One key's curve from its samples, in the base profile's units, and whether it steers."""
+    """One key's curve from its samples, in the base profile's units, and whether it steers.
+    `source`: each sample's node (bin_points)."""
     n = int(power_w.size)
-    xs, ys, n_bins = bin_points(power_w, perf, settings.bin_w, settings.quantile)
+    xs, ys, n_bins = bin_points(power_w, perf, settings.bin_w, settings.quantile, source)
     span = float(xs.max() - xs.min()) if n_bins else 0.0
     peak = float(ys.max()) if n_bins else 0.0
     short = _shortfall(settings, n, n_bins, span, peak)
@@ -180,7 +212,8 @@ def _shortfall(settings: Learn, n: int, n_bins: int, span: float, peak: float) -
 
 @dataclass
 class _Ring:
-    """One key's samples: (time, power, perf) in a ring of fixed size."""
+    """One key's samples: (time, power, perf, source) in a ring of fixed size (source -1:
+    not known)."""
 
     size: int
     t: FloatArray = field(init=False)
@@ -193,19 +226,23 @@ class _Ring:
         self.t = np.full(self.size, -math.inf)
         self.p = np.zeros(self.size)
         self.y = np.zeros(self.size)
+        self.s = np.full(self.size, -1, dtype=np.int64)
 
-    def add(self, now: float, p: FloatArray, y: FloatArray) -> None:
+    def add(self, now: float, p: FloatArray, y: FloatArray, s: IntArray | None = None) -> None:
         k = min(p.size, self.size)
         idx = (self.head + np.arange(k)) % self.size
         self.t[idx] = now
         self.p[idx] = p[:k]
         self.y[idx] = y[:k]
+        self.s[idx] = -1 if s is None else s[:k]
         self.head = int((self.head + k) % self.size)
         self.filled = min(self.size, self.filled + k)
 
-    def recent(self, since: float) -> tuple[FloatArray, FloatArray]:
+    def recent(self, since: float) -> tuple[FloatArray, FloatArray, IntArray | None]:
+        """Samples since `since`; their sources, or None where any is not known."""
         keep = self.t >= since
-        return self.p[keep], self.y[keep]
+        s = self.s[keep]
+        return self.p[keep], self.y[keep], (s if (s >= 0).all() else None)
 
 
 class ProfileLearner:
@@ -261,10 +298,13 @@ class ProfileLearner:
         usable: BoolArray,
         *,
         min_w: FloatArray | float = 0.0,
+        source: IntArray | None = None,
     ) -> None:
         """Take this tick's samples: GPUs `usable` (fresh, steered), with a finite perf above 0
         (a GPU doing nothing says nothing about power) and a draw at or above `min_w` (below
-        the device minimum a GPU is idle, not capped). At most `per_tick` per key."""
+        the device minimum a GPU is idle, not capped). At most `per_tick` per key.
+        `source`: each GPU's node (an integer >= 0): where given, one node cannot bend a
+        curve alone (bin_points); the controller passes it, telemetry being untrusted."""
         self._ticks += 1
         if not self.any_enabled:
             return
@@ -291,7 +331,9 @@ class ProfileLearner:
             # None usable (no perf reported): wait a batch period before looking again.
             credit[k] = 0.0 if mine.size == 0 else credit[k] - mine.size
             if mine.size:
-                self._rings[k].add(now, power_w[mine], perf[mine])
+                self._rings[k].add(
+                    now, power_w[mine], perf[mine], None if source is None else source[mine]
+                )
 
     def due(self) -> bool:
         """True on the ticks that refit: the first of every `refit_ticks`, and the ones
@@ -315,9 +357,15 @@ class ProfileLearner:
 
     def _fit(self, k: int, now: float) -> bool:
         before = self._good[k]
-        p, y = self._rings[k].recent(now - self.settings.window_s)
+        p, y, s = self._rings[k].recent(now - self.settings.window_s)
         fit = fit_curve(
-            p, y, settings=self.settings, base=self.base[k], max_w=self.max_w, name=self.keys[k]
+            p,
+            y,
+            settings=self.settings,
+            base=self.base[k],
+            max_w=self.max_w,
+            name=self.keys[k],
+            source=s,
         )
         self._fitted_at[k] = now
         if fit.ok:

@@ -32,7 +32,7 @@ from powerd.controller.why import Decided, WhyFrame, why_frame
 from powerd.policy import LEVELS, Policy, scoped
 from powerd.ramp import BudgetRamp, lead_s
 from powerd.safety import FleetLayout, OverloadRule, SafePlan, SafetyPlanner
-from powerd.topology import Topology
+from powerd.topology import N_LEVELS, Topology
 from powerd.wire import (
     CAP_TOLERANCE_W,
     MAX_TICK,
@@ -720,7 +720,7 @@ class TickEngine:
             cls_idx = np.where(job_idx >= 0, jobs.job_class[job_idx], cls_idx)
         pinned = self._pinned(arrays)
         if self.learner is not None:
-            self._learn(now, arrays, cls_idx)
+            self._learn(now, arrays, cls_idx, shape.topology.gpu_groups[:, N_LEVELS - 1])
         committed_before = self.planner.committed_w()
         # What the caps may commit: the budgets, or above them where a group is rated for
         # an overload and its GPUs do not draw their reservation (docs/safety.md).
@@ -906,14 +906,27 @@ class TickEngine:
             self._job_index_key = (view, shape)
         return self._job_index
 
-    def _learn(self, now: float, arrays: FleetArrays, cls_idx: NDArray[np.int64]) -> None:
+    def _learn(
+        self,
+        now: float,
+        arrays: FleetArrays,
+        cls_idx: NDArray[np.int64],
+        node_of: NDArray[np.int64],
+    ) -> None:
         """Samples every tick, a refit every `refit_ticks`: the allocator steers by the
-        learned curves that pass the rules, by the policy's profiles elsewhere."""
+        learned curves that pass the rules, by the policy's profiles elsewhere. Each sample
+        keeps its node (`node_of`, per GPU): one node's perf cannot bend a curve alone."""
         learner = self.learner
         assert learner is not None
         try:
             learner.observe(
-                now, cls_idx, arrays.power_w, arrays.perf, ~arrays.stale, min_w=arrays.min_cap_w
+                now,
+                cls_idx,
+                arrays.power_w,
+                arrays.perf,
+                ~arrays.stale,
+                min_w=arrays.min_cap_w,
+                source=node_of,
             )
             if learner.due() and learner.refit_next(now):
                 self.classes = ClassTable.from_policy(self._allocator_policy(), learner.profiles())

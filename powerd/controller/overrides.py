@@ -55,6 +55,10 @@ JOB_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 MAX_JOBS = 20_000
 MAX_JOB_GPUS = 16_384  # GPUs named by uuid
 MAX_JOB_NODES = 2_048
+# GPUs named by uuid across all jobs: each job may name MAX_JOB_GPUS and there may be
+# MAX_JOBS jobs (327 million uuids, kept, indexed on the loop at each job change and written
+# to the state file at each write). Ten times the largest fleet powerd is measured at.
+MAX_JOBS_UUIDS = 1_048_576
 MAX_PROFILE_POINTS = 64
 _JOB_NAME_RE = re.compile(JOB_NAME_PATTERN)
 
@@ -293,6 +297,13 @@ class Overrides:
         replaced = job.name in self.jobs.by_name
         if not replaced and len(self.jobs) >= MAX_JOBS:
             raise OverrideError(f"at most {MAX_JOBS} jobs; delete jobs that ended")
+        old = self.jobs.by_name.get(job.name)
+        named = len(self.jobs.uuid_job) - (0 if old is None else len(set(old.uuids)))
+        if named + len(set(job.uuids)) > MAX_JOBS_UUIDS:
+            raise OverrideError(
+                f"jobs name at most {MAX_JOBS_UUIDS} GPUs by uuid in all ({named} now); "
+                "name nodes, or delete jobs that ended"
+            )
         taken = self.jobs.conflicts(job, node_of, gpus_of)
         if taken:
             raise Conflict(f"job '{job.name}' not set: " + "; ".join(taken))

@@ -89,13 +89,20 @@
     if (racks) state.racksMode = racks[1];
     const m = /(?:^#|&)token=([^&]+)/.exec(location.hash);
     if (!m) return;
-    try {
-      sessionStorage.setItem(KEY, decodeURIComponent(m[1]));
-    } catch (e) {
-      state.token = decodeURIComponent(m[1]);
-    }
-    // Out of the address bar: not bookmarked by accident, not in a screenshot.
+    // Out of the address bar: not bookmarked by accident, not in a screenshot; first, so a
+    // token that cannot be decoded (a link cut short) does not stay there either.
     history.replaceState(null, '', location.pathname + location.search);
+    let token;
+    try {
+      token = decodeURIComponent(m[1]);
+    } catch (e) {
+      token = m[1];  // a broken escape: sent as it is, and refused like any wrong token
+    }
+    try {
+      sessionStorage.setItem(KEY, token);
+    } catch (e) {
+      state.token = token;
+    }
   }
 
   function storedToken() {
