@@ -79,6 +79,10 @@ class Alarms:
             log.info("alarm_cleared", alarm=kind)
             self._changes.append(AlarmChange(ts, kind, None))
 
+    def subjects(self, kind: str) -> tuple[str, ...] | None:
+        """What an active alarm names (None: not active, or raised without subjects)."""
+        return self._subjects.get(kind) if kind in self.active else None
+
     def once(
         self,
         kind: str,

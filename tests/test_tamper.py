@@ -45,6 +45,10 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 @pytest.fixture
 def site(tmp_path: Path, mosquitto: LocalMosquitto, db_url: str) -> Iterator[LiveApi]:
     api = LiveApi(tmp_path, broker_url=mosquitto.url, db_url=db_url).start()
+    # These tests follow every change of the alarms; their hold-down has a test of its own.
+    assert api.controller is not None
+    controller = api.controller
+    api.call(lambda: setattr(controller.engine, "alarm_hold_s", 0.0))
     try:
         yield api
     finally:
@@ -225,8 +229,9 @@ def reported(
 
 
 class Site:
-    def __init__(self) -> None:
+    def __init__(self, hold_s: float = 0.0) -> None:
         self.engine = TickEngine(parse_policy(policy_dict()))
+        self.engine.alarm_hold_s = hold_s  # 0: every change at once
         self.nodes = {n: HonestNode(n) for n in HONEST_NODES}
         self.t = 0
 
@@ -335,3 +340,35 @@ def test_an_alarm_with_subjects_follows_them() -> None:
     alarms.set("j", "first", 1.0)
     alarms.set("j", "second", 2.0)
     assert alarms.active["j"] == "first"
+
+
+def test_a_node_flapping_a_limit_every_message_changes_the_alarm_at_most_every_hold() -> None:
+    """A node that flips one GPU's reported limit on every message (a hostile agent, a tool
+    fighting powerd) once cleared and raised cap_overridden every tick and sent a
+    cap_restored event with each: some 240,000 stored rows a day from one node. With the
+    hold-down each changes at most once per ALARM_HOLD_S; restores are merged, not lost."""
+    site = Site(hold_s=30.0)
+    for _ in range(4):
+        site.tick()
+    site.engine.alarms.take()
+    restores = 0
+    for t in range(100):  # 100 ticks of 1 s
+        odd = t % 2 == 1
+        restores += 1
+        changes = {
+            "r1-n1": {
+                1: {"cap_w": 250.0 if odd else 450.0, "set_w": 450.0},
+                2: {"restores": restores, "found_w": 700.0},
+            }
+        }
+        site.tick(changes)
+    changes_seen = site.engine.alarms.take()
+    overridden = [c for c in changes_seen if c.kind == "cap_overridden"]
+    restored = [c for c in changes_seen if c.kind == "cap_restored"]
+    # 100 s: at most one change each 30 s (4), where each tick used to make one or two.
+    assert 1 <= len(overridden) <= 4
+    assert 1 <= len(restored) <= 4
+    # Nothing lost: the restores reported add up to those made, but for the last window's.
+    reported = sum(g["times"] for c in restored for g in (c.data or {}).get("gpus", []))
+    assert 0 < reported <= restores
+    assert reported >= restores - 31

@@ -56,6 +56,10 @@ ALARM_DATA_GPUS = 64
 
 # Above this relative duality gap an allocation is reported as not optimal.
 INEXACT_GAP = 1e-4
+# Alarms a node's own reports can flip (`cap_overridden`, `cap_restored`) change at most this
+# often: a node flapping one GPU's limit every message would otherwise write a raise and a
+# clear per tick. The per-GPU metrics and /gpus follow every reading.
+ALARM_HOLD_S = 30.0
 
 # The wall clock moved this much against the monotonic one between two ticks: a step.
 WALL_STEP_S = 2.0
@@ -219,6 +223,10 @@ class TickEngine:
         # by the fleet's GPUs.
         self._restored: dict[str, tuple[str, int, float, float, int, bool]] = {}
         self._wall = 0.0  # the wall time of the tick in progress (alarm timestamps)
+        self._now = 0.0  # its controller time
+        self.alarm_hold_s = ALARM_HOLD_S
+        self._overridden_at = -math.inf  # when cap_overridden last changed
+        self._restored_at = -math.inf  # when cap_restored was last reported
         self.fleet = FleetState(policy)
         # Steering one scope (controller/scope.py): its root group, the coordinator's budget
         # there (None: none), and each tick's demand curve for the coordinator.
@@ -444,6 +452,7 @@ class TickEngine:
         """
         t0 = time.perf_counter()
         self._wall = wall
+        self._now = now
         # Agents apply only ticks above the last they applied: a restarted controller
         # continues above every tick it has seen acknowledged or reported, with room for
         # any its predecessor sent that nobody has reported yet.
@@ -515,10 +524,12 @@ class TickEngine:
         self._event_restores()
 
     def _event_restores(self) -> None:
-        """One event per tick for the limits agents found above their own and set back."""
-        restored, self._restored = self._restored, {}
-        if not restored:
+        """One event for the limits agents found above their own and set back: each tick,
+        or merged over `alarm_hold_s` after the last one (counts add up meanwhile)."""
+        if not self._restored or self._now - self._restored_at < self.alarm_hold_s:
             return
+        restored, self._restored = self._restored, {}
+        self._restored_at = self._now
         rows = sorted(restored.items(), key=lambda kv: (kv[1][0], kv[1][1], kv[0]))
         named = "; ".join(
             f"{node} GPU {index} ({uuid}): {found:g} W found"
@@ -554,13 +565,20 @@ class TickEngine:
     def _alarm_overridden(self, arrays: FleetArrays) -> None:
         """`cap_overridden`: GPUs whose enforced limit, at their latest reading, differs
         from the one their agent set (another tool, an out-of-band limit, a set the device
-        did not take), either way. Raised again whenever the set of GPUs changes, cleared
-        when none is left."""
+        did not take), either way. Raised again when the set of GPUs changes, cleared when
+        none is left; at most one change per `alarm_hold_s` (a change meanwhile waits)."""
         set_w = arrays.set_w
         if set_w is None:
             return
         with np.errstate(invalid="ignore"):
             differ = np.flatnonzero(np.abs(arrays.cap_w - set_w) > CAP_TOLERANCE_W)
+        wanted = tuple(arrays.uuids[i] for i in differ.tolist())
+        if self.alarms.subjects("cap_overridden") != (
+            wanted or None
+        ):  # a raise, a clear or another set of GPUs
+            if self._now - self._overridden_at < self.alarm_hold_s:
+                return  # changed too recently: this change waits
+            self._overridden_at = self._now
         if not len(differ):
             self._alarm("cap_overridden", None)
             return
