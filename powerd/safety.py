@@ -745,21 +745,20 @@ class SafetyPlanner:
         items.sort(key=lambda item: (item[0], item[1]))
         slack = slack_g.tolist()
         for _, _, members, whole in items:
-            groups = topo.gpu_groups[members]
-            need: dict[int, float] = {}
-            for g, d in zip(
-                groups.ravel().tolist(),
-                np.repeat(delta[members], groups.shape[1]).tolist(),
-                strict=True,
-            ):
-                need[g] = need.get(g, 0.0) + d
-            share = min(1.0, *(slack[g] / d for g, d in need.items() if d > 0.0))
-            if whole and share < 1.0 - 1e-12:
-                continue  # the job waits: raising part of it would split it
-            if share * float(delta[members].sum()) > TOL_W:
-                for g, d in need.items():
-                    slack[g] -= share * d
-                admitted[members] = share * delta[members]
+            if not whole:
+                # One GPU, as before jobs: as much of its raise as its tightest group allows,
+                # without building per-item arrays (this loop runs every tick).
+                i = int(members[0])
+                groups_i = topo.gpu_groups[i].tolist()
+                a = min(float(delta[i]), *(slack[g] for g in groups_i))
+                if a > TOL_W:
+                    for g in groups_i:
+                        slack[g] -= a
+                    admitted[i] = a
+                continue
+            if _take_whole(topo.gpu_groups[members], delta[members], slack):
+                admitted[members] = delta[members]
+            # else the job waits: raising part of it would split it
         return admitted
 
     def _record_sent(self, tick: int, idx: IntArray, caps: FloatArray) -> None:
@@ -795,6 +794,21 @@ class SafetyPlanner:
             )
             for k in np.flatnonzero(node_send).tolist()
         ]
+
+
+def _take_whole(groups: IntArray, delta: FloatArray, slack: list[float]) -> bool:
+    """Take a job's whole raise (`delta` per member, `groups` their paths) from `slack` if
+    every group it touches has room for its share; else take nothing."""
+    need: dict[int, float] = {}
+    for g, d in zip(
+        groups.ravel().tolist(), np.repeat(delta, groups.shape[1]).tolist(), strict=True
+    ):
+        need[g] = need.get(g, 0.0) + d
+    if not all(d <= slack[g] + TOL_W for g, d in need.items()):
+        return False
+    for g, d in need.items():
+        slack[g] -= d
+    return True
 
 
 def _raisable(

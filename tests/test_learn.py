@@ -203,7 +203,8 @@ class PerfNode(HonestNode):
         return msg.model_copy(update={"gpus": gpus})
 
 
-def test_the_engine_learns_a_class_curve_from_telemetry_and_steers_by_it() -> None:
+def learning_engine() -> TickEngine:
+    """An engine whose one class learns quickly: 100 samples, a refit every 10 ticks."""
     d = policy_dict()
     d["profiles"]["p"] = {"points": [[200, 0.6], [300, 0.85], [450, 1.0]]}
     d["control"]["learn"] = {
@@ -213,7 +214,11 @@ def test_the_engine_learns_a_class_curve_from_telemetry_and_steers_by_it() -> No
         "refit_ticks": 10,
         "min_samples": 100,
     }
-    engine = TickEngine(parse_policy(d))
+    return TickEngine(parse_policy(d))
+
+
+def test_the_engine_learns_a_class_curve_from_telemetry_and_steers_by_it() -> None:
+    engine = learning_engine()
     assert engine.learner is not None
     nodes = {n: PerfNode(n) for n in NODES}
     before = engine.classes
@@ -278,16 +283,7 @@ def test_one_lying_node_cannot_bend_its_classes_curve_for_the_other_nodes() -> N
     bin's 0.9 quantile and the fit was a flat curve from 200 W: every GPU of the class, on
     every node, would be held near 200 W (no power past a peak). A bin now needs samples
     from two nodes and its point is no higher than a second node saw there."""
-    d = policy_dict()
-    d["profiles"]["p"] = {"points": [[200, 0.6], [300, 0.85], [450, 1.0]]}
-    d["control"]["learn"] = {
-        "enabled": True,
-        "buffer": 2000,
-        "window_s": 200.0,
-        "refit_ticks": 10,
-        "min_samples": 100,
-    }
-    engine = TickEngine(parse_policy(d))
+    engine = learning_engine()
     assert engine.learner is not None
     liar = NODES[-1]
     nodes = {n: (LyingPerfNode(n) if n == liar else PerfNode(n)) for n in NODES}

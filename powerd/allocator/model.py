@@ -231,14 +231,6 @@ class JobMap:
         """True for every member of a job where any member is true."""
         return np.asarray(self._reduce(np.logical_or, x), dtype=np.bool_)
 
-    def mean(self, x: FloatArray) -> FloatArray:
-        if not self._sorted.size:
-            return x.copy()
-        per_job = np.bincount(self.job[self.member], weights=x[self.member], minlength=self.n_jobs)
-        out = x.copy()
-        out[self.member] = per_job[self.job[self.member]] / self.size[self.job[self.member]]
-        return out
-
     def without(self, drop: BoolArray) -> JobMap | None:
         """The map with the jobs of the marked GPUs dissolved (their GPUs free)."""
         gone = self.any(drop) & self.member
