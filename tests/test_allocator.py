@@ -250,3 +250,34 @@ def test_leftover_max_only_adds_power_past_the_peaks(case: Case) -> None:
     maxed = allocate_arrays(case.fleet, parse_policy(data))
     assert peak.caps_w.sum() <= maxed.caps_w.sum() + 1e-6
     assert maxed.unused_w <= peak.unused_w + 1e-6
+
+
+@SLOW
+@given(
+    cases(damping=st.sampled_from([0.001, 0.01, 0.1])),
+    st.integers(0, 2**32),
+    st.sampled_from(["optimum", "max", "random"]),
+)
+def test_fast_from_any_start_agrees_with_cvxpy(case: Case, seed: int, start: str) -> None:
+    """The fast solver holds first only the budgets the caps in force fill and those that
+    bound last tick (its warm start), and adds the budgets its caps break: from caps at the
+    last optimum (steady state), at every GPU's maximum (a first start: every budget over)
+    or anywhere, warm-started from a tick whose draws differ, it lands on cvxpy's optimum."""
+    rng = np.random.default_rng(seed)
+    fleet = case.fleet
+    last = allocate_arrays(fleet, case.policy, "fast")
+    if start == "optimum":
+        caps = last.caps_w
+    elif start == "max":
+        caps = fleet.max_cap_w.copy()
+    else:
+        caps = rng.uniform(fleet.min_cap_w, fleet.max_cap_w)
+    power = np.minimum(caps, fleet.power_w * rng.uniform(0.8, 1.2, fleet.n))
+    moved = replace(fleet, cap_w=caps, power_w=power)
+    for warm in (None, last):
+        fast = allocate_arrays(moved, case.policy, "fast", warm=warm)
+        ref = allocate_arrays(moved, case.policy, "cvxpy")
+        assert ref.status == fast.status
+        assert abs(fast.objective - ref.objective) <= 1e-6 * max(abs(ref.objective), 1.0)
+        if ref.status != "infeasible_min":
+            assert excess_w(moved, fast.caps_w) <= TOL_W

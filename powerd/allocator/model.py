@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
+from powerd.allocator.kernel import Workspace
 from powerd.policy import Policy
 from powerd.profile import Profile
 from powerd.topology import N_LEVELS, Topology
@@ -160,6 +162,20 @@ class Tree:
         self.levels = [topology.groups_at(level) for level in range(N_LEVELS)]
         self.parents = [topology.parent[g] for g in self.levels]
         self.counts = topology.group_counts()
+        self.parent = np.ascontiguousarray(topology.parent, dtype=np.int64)
+        # Depth-first order (a group before its subtree, every subtree contiguous) and the
+        # groups deepest level first: what the compiled tree solver walks (kernel.py).
+        chain = np.full((self.n_groups, N_LEVELS), -1, dtype=np.int64)
+        for level in range(N_LEVELS):
+            g = self.levels[level]
+            chain[g, level] = g
+            for up in range(level - 1, -1, -1):
+                chain[g, up] = topology.parent[chain[g, up + 1]]
+        order = np.lexsort(tuple(chain[:, lv] for lv in range(N_LEVELS - 1, -1, -1)))
+        self.dfs_rank = np.empty(self.n_groups, dtype=np.int64)
+        self.dfs_rank[order] = np.arange(self.n_groups)
+        self.deepest_first = np.concatenate(self.levels[::-1]).astype(np.int64)
+        self.workspace = Workspace()
 
     def sums(self, per_gpu: FloatArray) -> FloatArray:
         """Sum over every group, like Topology.group_sums but one n-long pass only."""
@@ -268,9 +284,7 @@ class Problem:
     prev: FloatArray
     demand_w: FloatArray
     weight: FloatArray
-    starts: FloatArray
-    lengths: FloatArray
-    slopes: FloatArray
+    flat: FloatArray  # where gains stop: demand or the profile's peak, within [lo, hi]
     capacity: FloatArray  # per group; inf when unconstrained or already infeasible
     eps: float
     delta: float
@@ -282,6 +296,31 @@ class Problem:
     @property
     def n(self) -> int:
         return int(self.lo.size)
+
+    @cached_property
+    def _segment_rows(self) -> tuple[FloatArray, FloatArray, FloatArray]:
+        return _segments(
+            self.classes,
+            cls=self.fleet.class_index,
+            weight=self.weight,
+            lo=self.lo,
+            hi=self.hi,
+            flat=self.flat,
+        )
+
+    @property
+    def starts(self) -> FloatArray:
+        """(K, n): where each segment starts (built on first use: the tree solver does
+        without them)."""
+        return self._segment_rows[0]
+
+    @property
+    def lengths(self) -> FloatArray:
+        return self._segment_rows[1]
+
+    @property
+    def slopes(self) -> FloatArray:
+        return self._segment_rows[2]
 
     @property
     def status(self) -> str:
@@ -444,9 +483,7 @@ def build_problem(
     demand = demand_w(fleet, policy.defaults.headroom_w)
     if jobs is not None:
         demand = jobs.max(demand)  # one synchronous job: it wants what its hungriest GPU does
-    starts, lengths, slopes = _segments(
-        classes, cls=cls, weight=weight, lo=lo, hi=hi, demand=demand / 1000.0
-    )
+    flat = np.clip(np.minimum(demand / 1000.0, classes.peak_kw[cls]), lo, hi)
     eps = max(ctl.damping, MIN_DAMPING)
     gap = float(np.max(hi - prev, initial=0.0))
     return Problem(
@@ -458,9 +495,7 @@ def build_problem(
         prev=prev,
         demand_w=demand,
         weight=weight,
-        starts=starts,
-        lengths=lengths,
-        slopes=slopes,
+        flat=flat,
         capacity=capacity,
         eps=eps,
         delta=2.0 * eps * (max(gap, 0.0) + DELTA_MARGIN_KW),
@@ -478,13 +513,12 @@ def _segments(
     weight: FloatArray,
     lo: FloatArray,
     hi: FloatArray,
-    demand: FloatArray,
+    flat: FloatArray,
 ) -> tuple[FloatArray, FloatArray, FloatArray]:
     """Each GPU's utility on [lo, hi] as K = R + 1 segments: the profile's R pieces cut to
     [lo, flat], then one flat piece [flat, hi], flat = where demand or the peak stops gains."""
     n = lo.size
     n_knots = classes.knots_kw.shape[1]
-    flat = np.clip(np.minimum(demand, classes.peak_kw[cls]), lo, hi)
     starts = np.empty((n_knots + 1, n))
     starts[0] = lo
     slopes = np.empty_like(starts)

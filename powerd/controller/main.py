@@ -12,6 +12,7 @@ import structlog
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
+from powerd.allocator import kernel
 from powerd.api.app import create_app
 from powerd.api.server import ApiServer
 from powerd.auth import TokenStore, check_secret
@@ -60,6 +61,8 @@ async def run_controller(settings: ControllerSettings) -> None:
     file, steers, raises an alarm and catches up (migrations, policy version, queued audit
     rows) when the database returns."""
     file_policy = load_policy(settings.policy)
+    # The allocator's compiled kernels: loaded (or compiled) before the first tick.
+    await asyncio.to_thread(kernel.warm_up)
     file_sha = await asyncio.to_thread(file_sha256, settings.policy)
     file_text = await asyncio.to_thread(settings.policy.read_text, encoding="utf-8")
     if settings.password is not None:

@@ -1,0 +1,726 @@
+"""The exact tree solver, compiled: each budget's price found bottom-up, one group at a time.
+
+A *unit* is what gets one cap: a GPU, or a job whose GPUs all answer to the same chain of
+budgets (`laminar` below). Unit i with multiplicity m_i (its GPUs) hangs at one group; at the
+scaled price u (kW, u = λ / 2ε) it takes
+
+    p_i(u) = lo_i + Σ_k clip(a_ik − u, 0, len_ik)
+
+(fast.py derives the segments). For a group g, let M_i be the highest price at which a group
+strictly between unit i and g binds (0 if none). Below M_i that group holds its GPUs at its
+budget, so g sees F_g(u) = Σ_i m_i p_i(max(u, M_i)) over the units under it: continuous,
+non-increasing, piecewise linear. g's own price U_g is 0 if F_g(0) fits its capacity, else
+the root of F_g(u) = capacity. Groups are solved from the nodes up; a unit's price is the
+highest U on its path, and the group multipliers are what each U adds to its ancestors'
+highest (so each GPU's path sums to its price).
+
+Each root is found by Newton steps inside a shrinking bracket. After each step, units whose
+response has no kink inside the bracket are folded into one affine term, so later steps
+touch only the units that can still change slope: the root is exact once no kink is left,
+and most units leave after the first steps. No warm start is needed (cold = warm).
+
+numba compiles these functions on first use and caches the machine code next to this file
+(or in the user's cache directory where that is not writable).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar, cast
+
+import numba
+import numpy as np
+from numpy.typing import NDArray
+
+FloatArray = NDArray[np.float64]
+IntArray = NDArray[np.int64]
+BoolArray = NDArray[np.bool_]
+
+F = TypeVar("F", bound=Callable[..., Any])
+# Relative residual at which a group counts as solved: sums of 1e5 caps carry ~1e-12.
+REL_TOL = 1e-13
+MAX_STEPS = 200
+# Median steps while more units than this can change slope (kernel._root).
+MEDIAN_ABOVE = 512
+SAMPLE = 192
+# Groups of up to this many units are solved from their kinks (kernel._root_kinks).
+KINKS_UP_TO = 256
+
+
+# Fast-math without "no NaN / no inf": capacities may be +inf and are tested for it.
+_FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
+
+
+def _compile(fn: F, **options: Any) -> F:
+    try:
+        return cast(F, numba.njit(cache=True, nogil=True, fastmath=_FASTMATH, **options)(fn))
+    except RuntimeError:
+        # No writable cache directory (a read-only install, no home; NUMBA_CACHE_DIR names
+        # one): compile in memory at every start instead.
+        return cast(F, numba.njit(nogil=True, fastmath=_FASTMATH, **options)(fn))
+
+
+def _jit(fn: F) -> F:
+    return _compile(fn)
+
+
+def _inline(fn: F) -> F:
+    """A helper compiled into its callers (a call per GPU costs more than its work)."""
+    return _compile(fn, inline="always")
+
+
+@_inline
+def _segment_row(
+    a: FloatArray,
+    ln: FloatArray,
+    j: int,
+    lo: float,
+    hi: float,
+    flat: float,
+    prev: float,
+    knots: FloatArray,
+    slopes: FloatArray,
+    c: int,
+    weight: float,
+    delta: float,
+    inv: float,
+) -> None:
+    """Row j of a and len for one unit of class c (model._segments, in closed form): its
+    profile's pieces cut to [lo, flat], then [flat, hi] flat."""
+    n_knots = knots.shape[1]
+    start = lo
+    for k in range(n_knots):
+        end = min(max(knots[c, k], lo), flat)
+        a[j, k] = prev - start + (weight * slopes[c, k] + delta) * inv
+        ln[j, k] = end - start
+        start = end
+    a[j, n_knots] = prev - start + delta * inv
+    ln[j, n_knots] = hi - start
+
+
+@_inline
+def _response(a: FloatArray, ln: FloatArray, lo: float, i: int, x: float) -> float:
+    p = lo
+    for k in range(a.shape[1]):
+        t = a[i, k] - x
+        if t > 0.0:
+            p += t if t < ln[i, k] else ln[i, k]
+    return p
+
+
+@_inline
+def _sample(
+    a: FloatArray,
+    ln: FloatArray,
+    i: int,
+    fl: float,
+    left: float,
+    right: float,
+    buf: FloatArray,
+    cnt: int,
+) -> int:
+    """Add unit i's kinks inside (left, right) to buf (while it has room); the new count."""
+    size = buf.size
+    if left < fl < right and cnt < size:
+        buf[cnt] = fl
+        cnt += 1
+    for k in range(a.shape[1]):
+        if ln[i, k] > 0.0:
+            top = a[i, k]
+            bottom = top - ln[i, k]
+            if left < top < right and top > fl and cnt < size:
+                buf[cnt] = top
+                cnt += 1
+            if left < bottom < right and bottom > fl and cnt < size:
+                buf[cnt] = bottom
+                cnt += 1
+    return cnt
+
+
+@_jit
+def _median_inside(buf: FloatArray, cnt: int, left: float, right: float) -> float:
+    """The median of the sampled kinks still inside (left, right); −1 if none is."""
+    keep = 0
+    for j in range(cnt):
+        if left < buf[j] < right:
+            buf[keep] = buf[j]
+            keep += 1
+    if keep == 0:
+        return -1.0
+    # Quickselect in place (no allocation: this runs once per step).
+    lo_i, hi_i, want = 0, keep - 1, keep // 2
+    while lo_i < hi_i:
+        pivot = buf[(lo_i + hi_i) // 2]
+        i, j = lo_i, hi_i
+        while i <= j:
+            while buf[i] < pivot:
+                i += 1
+            while buf[j] > pivot:
+                j -= 1
+            if i <= j:
+                buf[i], buf[j] = buf[j], buf[i]
+                i += 1
+                j -= 1
+        if want <= j:
+            hi_i = j
+        elif want >= i:
+            lo_i = i
+        else:
+            break
+    return float(buf[want])
+
+
+@_inline
+def _total(
+    a: FloatArray,
+    ln: FloatArray,
+    lo: FloatArray,
+    mult: FloatArray,
+    floor: FloatArray,
+    s: int,
+    e: int,
+    x: float,
+) -> float:
+    """F(x) = Σ m·p(max(x, floor)) over units s..e-1: no branch, nothing but the sum (the
+    slope would double the cost of a pass)."""
+    f = 0.0
+    for i in range(s, e):
+        xi = max(x, floor[i])
+        p = lo[i]
+        for k in range(a.shape[1]):
+            p += min(max(a[i, k] - xi, 0.0), ln[i, k])
+        f += mult[i] * p
+    return f
+
+
+@_jit
+def _root(
+    s: int,
+    e: int,
+    a: FloatArray,
+    ln: FloatArray,
+    lo: FloatArray,
+    mult: FloatArray,
+    floor: FloatArray,
+    cap: float,
+    tol: float,
+    buf: FloatArray,
+    guess: float,
+) -> float:
+    """U for one group: units s..e-1 (sorted order), each priced at least floor[i];
+    `guess` (> 0) is where to look first (last tick's price).
+
+    Illinois false position inside a shrinking bracket: exact once both ends lie on the
+    piece of F that holds the root. In large groups every other step instead evaluates at
+    the median of a sample of the kinks still inside the bracket, so the bracket loses about
+    half of them each time whatever the shape of F."""
+    n_k = a.shape[1]
+    big = e - s > MEDIAN_ABOVE
+    x1 = guess
+    cnt = 0
+    if x1 <= 0.0 and big:
+        cnt = _sample_range(a, ln, floor, s, e, 0.0, np.inf, buf)
+        x1 = _median_inside(buf, cnt, 0.0, np.inf)
+    # First pass: F at 0, at x1, and with every unit at lo (the bracket's right end).
+    f0 = 0.0
+    f1 = 0.0
+    d1 = 0.0
+    f_hi = 0.0
+    top = 0.0
+    for i in range(s, e):
+        fl = floor[i]
+        xi = max(x1, fl)
+        p0 = lo[i]
+        p1 = lo[i]
+        part = False
+        for k in range(n_k):
+            ak = a[i, k]
+            lk = ln[i, k]
+            p0 += min(max(ak - fl, 0.0), lk)
+            t = ak - xi
+            p1 += min(max(t, 0.0), lk)
+            part |= (t > 0.0) & (t < lk)
+        m = mult[i]
+        f0 += m * p0
+        f1 += m * p1
+        d1 += m * (part & (x1 > fl))
+        f_hi += m * lo[i]
+        top = max(top, a[i, 0])
+    if f0 <= cap + tol:
+        return 0.0
+    left, g_left = 0.0, f0 - cap
+    right, g_right = top + 1.0, f_hi - cap
+    if g_right > tol:
+        return right  # lower bounds over capacity: build_problem never lets this happen
+    first = 0
+    newton = -1.0
+    if left < x1 < right:
+        g1 = f1 - cap
+        if abs(g1) <= tol:
+            return x1
+        if g1 > 0.0:
+            left, g_left = x1, g1
+        else:
+            right, g_right = x1, g1
+        if d1 > 0.0:
+            newton = x1 + g1 / d1  # exact if x1 lies on the root's piece of F
+        first = 1
+    kept = 0  # side replaced by the last step: +1 left, −1 right (Illinois)
+    for step in range(first, MAX_STEPS):
+        x = newton
+        newton = -1.0
+        if big and step % 2 == 0:
+            cnt = _sample_range(a, ln, floor, s, e, left, right, buf)
+            x = _median_inside(buf, cnt, left, right)
+        if not left < x < right:
+            x = left + g_left / (g_left - g_right) * (right - left)
+            if not left < x < right:
+                x = 0.5 * (left + right)
+        gx = _total(a, ln, lo, mult, floor, s, e, x) - cap
+        if abs(gx) <= tol:
+            return x
+        if gx > 0.0:
+            left, g_left = x, gx
+            if kept == 1:
+                g_right *= 0.5
+            kept = 1
+        else:
+            right, g_right = x, gx
+            if kept == -1:
+                g_left *= 0.5
+            kept = -1
+        if right - left <= 4.0 * np.spacing(max(right, 1.0)):
+            return right
+    return right
+
+
+@_jit
+def _sample_range(
+    a: FloatArray,
+    ln: FloatArray,
+    floor: FloatArray,
+    s: int,
+    e: int,
+    left: float,
+    right: float,
+    buf: FloatArray,
+) -> int:
+    """Kinks inside (left, right) of about buf.size / 3 units spread over s..e-1."""
+    cnt = 0
+    stride = max(1, (e - s) // (buf.size // 3))
+    for i in range(s, e, stride):
+        cnt = _sample(a, ln, i, floor[i], left, right, buf, cnt)
+    return cnt
+
+
+@_jit
+def _root_kinks(
+    s: int,
+    e: int,
+    a: FloatArray,
+    ln: FloatArray,
+    lo: FloatArray,
+    mult: FloatArray,
+    floor: FloatArray,
+    cap: float,
+    tol: float,
+    kv: FloatArray,
+    kd: FloatArray,
+) -> float:
+    """U for one group of few units, exactly, from the kinks of F.
+
+    Going down from a price where every unit sits at lo, F's slope grows by m at each
+    segment's top and falls by m at its bottom and at a unit's floor. The kinks above 0
+    (and above each unit's floor) are selected around pivots, quickselect-style: F at a
+    pivot needs only the kinks above it, and each step keeps the side with the root. Once
+    no kink is left in the bracket, F is affine there and the root is exact."""
+    cnt = 0
+    f_inf = 0.0
+    for i in range(s, e):
+        m = mult[i]
+        fl = max(floor[i], 0.0)
+        f_inf += m * lo[i]
+        for k in range(a.shape[1]):
+            lk = ln[i, k]
+            if lk > 0.0:
+                top = a[i, k]
+                bottom = top - lk
+                if top > fl:
+                    kv[cnt] = top
+                    kd[cnt] = m
+                    cnt += 1
+                    if bottom > fl:
+                        kv[cnt] = bottom
+                        kd[cnt] = -m
+                        cnt += 1
+                    elif fl > 0.0:
+                        kv[cnt] = fl  # frozen below its floor
+                        kd[cnt] = -m
+                        cnt += 1
+    # F(x) = const − slope·x + Σ_{kinks κ in lo_k..hi_k, κ > x} δ·(κ − x) on the bracket.
+    const, slope = f_inf, 0.0
+    f0 = f_inf
+    for j in range(cnt):
+        f0 += kd[j] * kv[j]
+    if f0 <= cap + tol:
+        return 0.0
+    left = 0.0
+    lo_k, hi_k = 0, cnt
+    while hi_k > lo_k:
+        v = kv[(lo_k + hi_k) // 2]
+        # Three-way partition of lo_k..hi_k around v: below | equal | above.
+        lt, i, gt = lo_k, lo_k, hi_k
+        while i < gt:
+            if kv[i] < v:
+                kv[lt], kv[i] = kv[i], kv[lt]
+                kd[lt], kd[i] = kd[i], kd[lt]
+                lt += 1
+                i += 1
+            elif kv[i] > v:
+                gt -= 1
+                kv[gt], kv[i] = kv[i], kv[gt]
+                kd[gt], kd[i] = kd[i], kd[gt]
+            else:
+                i += 1
+        up_c, up_s = 0.0, 0.0  # Σ δκ and Σ δ over the kinks at v and above
+        for j in range(lt, hi_k):
+            up_c += kd[j] * kv[j]
+            up_s += kd[j]
+        fv = const + up_c - (slope + up_s) * v
+        if abs(fv - cap) <= tol:
+            return float(v)
+        if fv > cap:
+            left = v
+            lo_k = gt  # the root is above v: keep the kinks above it
+        else:
+            const += up_c
+            slope += up_s
+            hi_k = lt  # below v: the kinks at and above v are now part of the affine term
+    if slope <= 0.0:
+        return left
+    return max((const - cap) / slope, left)
+
+
+@_jit
+def _implied(
+    a: FloatArray,
+    ln: FloatArray,
+    lo: FloatArray,
+    prev: FloatArray,
+    start: IntArray,
+    end: IntArray,
+    groups: IntArray,
+    capacity: FloatArray,
+) -> FloatArray:
+    """Per group, where its price probably is: the mean over its units of the price at
+    which each would keep its cap in force (its marginal utility there, for units inside a
+    segment; units at a knot or a bound say nothing). Caps in force come from the last
+    allocation, so this is a warm start that needs no state."""
+    n = lo.size
+    price = np.zeros(n)
+    valid = np.zeros(n)
+    for i in range(n):
+        st = lo[i]
+        for k in range(a.shape[1]):
+            lk = ln[i, k]
+            if st < prev[i] < st + lk:
+                price[i] = a[i, k] - prev[i] + st
+                valid[i] = 1.0
+            st += lk
+    guess = np.zeros(capacity.size)
+    for g in groups:
+        if not np.isfinite(capacity[g]):
+            continue
+        total = 0.0
+        count = 0.0
+        for i in range(start[g], end[g]):
+            total += price[i] * valid[i]
+            count += valid[i]
+        if count > 0.0 and total > 0.0:
+            guess[g] = total / count
+    return guess
+
+
+_Views = tuple[
+    IntArray, IntArray, IntArray, FloatArray, FloatArray, FloatArray, FloatArray, FloatArray
+]
+
+
+def _views(
+    n: int, n_groups: int, n_k: int, work_i: IntArray, work_f: FloatArray, work_k: FloatArray
+) -> _Views:
+    """The prepared units' arrays, as views into the workspace."""
+    base = n_groups + 1 + n
+    return (
+        work_i[n_groups + 1 : base],  # order: unit of each sorted position
+        work_i[base : base + n_groups],  # start of each group's run
+        work_i[base + n_groups : base + 2 * n_groups],  # end of each group's run
+        work_k[0, :n, :n_k],  # a
+        work_k[1, :n, :n_k],  # len
+        work_f[0, :n],  # lo
+        work_f[1, :n],  # multiplicity
+        work_f[5, :n],  # prev
+    )
+
+
+_views_jit = _inline(_views)
+
+
+@_jit
+def prepare(
+    attach: IntArray,
+    rank: IntArray,
+    parent: IntArray,
+    lo: FloatArray,
+    hi: FloatArray,
+    flat: FloatArray,
+    prev: FloatArray,
+    cls: IntArray,
+    weight: FloatArray,
+    mult: FloatArray,
+    knots: FloatArray,
+    slopes: FloatArray,
+    delta: float,
+    inv: float,
+    work_i: IntArray,
+    work_f: FloatArray,
+    work_k: FloatArray,
+) -> None:
+    """Units in depth-first order of their group, with their segments, into the workspace.
+
+    Per unit: `attach` its group, bounds, `flat` (where gains stop), `prev` (its mean last
+    cap), class, weight and multiplicity; per class `knots` and `slopes` (ClassTable, per
+    kW). Per group: `rank` its position in a depth-first order (a group before its subtree,
+    every subtree contiguous) and `parent`."""
+    n = attach.size
+    n_groups = parent.size
+    n_k = knots.shape[1] + 1
+    order, start, end, sa, sl, slo, sm, sprev = _views_jit(n, n_groups, n_k, work_i, work_f, work_k)
+    # Counting sort by the rank of each unit's group, so every subtree is a run.
+    count = work_i[: n_groups + 1]
+    count[:] = 0
+    for i in range(n):
+        count[rank[attach[i]] + 1] += 1
+    for g in range(n_groups):
+        count[g + 1] += count[g]
+    for i in range(n):
+        r = rank[attach[i]]
+        order[count[r]] = i
+        count[r] += 1
+    start[:] = n
+    end[:] = 0
+    for j in range(n):
+        g = attach[order[j]]
+        while g >= 0:
+            start[g] = min(start[g], j)
+            end[g] = max(end[g], j + 1)
+            g = parent[g]
+    for j in range(n):
+        i = order[j]
+        _segment_row(
+            sa,
+            sl,
+            j,
+            lo[i],
+            hi[i],
+            flat[i],
+            prev[i],
+            knots,
+            slopes,
+            cls[i],
+            weight[i],
+            delta,
+            inv,
+        )
+        slo[j] = lo[i]
+        sm[j] = mult[i]
+        sprev[j] = prev[i]
+
+
+@_jit
+def implied_guess(
+    n: int,
+    n_groups: int,
+    n_k: int,
+    by_level: IntArray,
+    capacity: FloatArray,
+    work_i: IntArray,
+    work_f: FloatArray,
+    work_k: FloatArray,
+) -> FloatArray:
+    """_implied on the prepared units."""
+    _, start, end, sa, sl, slo, _, sprev = _views_jit(n, n_groups, n_k, work_i, work_f, work_k)
+    return _implied(sa, sl, slo, sprev, start, end, by_level, capacity)
+
+
+@_jit
+def solve_groups(
+    n: int,
+    n_groups: int,
+    n_k: int,
+    by_level: IntArray,
+    capacity: FloatArray,
+    guess: FloatArray,
+    work_i: IntArray,
+    work_f: FloatArray,
+    work_k: FloatArray,
+) -> tuple[FloatArray, FloatArray]:
+    """Each unit's cap (kW, in the units' order) and each group's U, on the prepared units.
+
+    `capacity`: +inf where there is nothing to hold; `guess`: where to look first (0: no
+    guess); `by_level`: the groups, deepest level first. The caps are a view into work_f."""
+    order, start, end, sa, sl, slo, sm, _ = _views_jit(n, n_groups, n_k, work_i, work_f, work_k)
+    floor = work_f[2, :n]
+    floor[:] = 0.0
+    buf = np.empty(SAMPLE)
+    kv = np.empty(KINKS_UP_TO * (2 * n_k + 1))
+    kd = np.empty(KINKS_UP_TO * (2 * n_k + 1))
+    u = np.zeros(n_groups)
+    for g in by_level:
+        s, e = start[g], end[g]
+        cap = capacity[g]
+        if s >= e or not np.isfinite(cap):
+            continue
+        tol = max(1e-9, REL_TOL * abs(cap))
+        if e - s <= KINKS_UP_TO and guess[g] <= 0.0:
+            ug = _root_kinks(s, e, sa, sl, slo, sm, floor, cap, tol, kv, kd)
+        else:
+            ug = _root(s, e, sa, sl, slo, sm, floor, cap, tol, buf, guess[g])
+        u[g] = ug
+        if ug > 0.0:
+            for j in range(s, e):
+                floor[j] = max(floor[j], ug)
+    caps = work_f[4, :n]
+    for j in range(n):
+        caps[order[j]] = _response(sa, sl, slo[j], j, floor[j])
+    return caps, u
+
+
+@_jit
+def classify_jobs(
+    job: IntArray, gpu_groups: IntArray, n_jobs: int, held: BoolArray
+) -> tuple[BoolArray, IntArray, BoolArray]:
+    """Which jobs are laminar, where each hangs, and which groups hold one job alone.
+
+    A job is laminar when every held group (`held`: the budgets the solve holds) with some
+    of its GPUs either holds all of them or holds nothing else (then build_problem made it
+    a bound on the job's cap): its price is then a chain of multipliers, as a single GPU's.
+    It hangs at the deepest group holding all its GPUs. `job` is -1 for free GPUs."""
+    n_groups = held.size
+    n, depth = gpu_groups.shape
+    owner = np.full(n_groups, -2, dtype=np.int64)  # -2 empty, -1 mixed, else the one job
+    for i in range(n):
+        for lv in range(depth):
+            g = gpu_groups[i, lv]
+            if owner[g] == -2:
+                owner[g] = job[i]
+            elif owner[g] != job[i]:
+                owner[g] = -1
+    alone = np.zeros(n_groups, dtype=np.bool_)
+    for g in range(n_groups):
+        alone[g] = owner[g] >= 0
+    laminar = np.ones(n_jobs, dtype=np.bool_)
+    hang = np.full(n_jobs, -1, dtype=np.int64)
+    first = np.full(n_jobs, -1, dtype=np.int64)
+    same = np.ones(n_jobs, dtype=np.bool_)
+    mixed = np.zeros(n_jobs, dtype=np.bool_)
+    for lv in range(depth):
+        first[:] = -1
+        same[:] = True
+        mixed[:] = False
+        for i in range(n):
+            j = job[i]
+            if j < 0:
+                continue
+            g = gpu_groups[i, lv]
+            if first[j] < 0:
+                first[j] = g
+            elif first[j] != g:
+                same[j] = False
+            if held[g] and not alone[g]:
+                mixed[j] = True
+        for j in range(n_jobs):
+            if mixed[j] and not same[j]:
+                laminar[j] = False
+            if same[j] and first[j] >= 0:
+                hang[j] = first[j]
+    return laminar, hang, alone
+
+
+class Workspace:
+    """Scratch arrays for tree_solve, kept between calls: fresh arrays of this size cost
+    more in page faults than the solve's own work. One caller at a time (`take`); a
+    concurrent caller gets fresh arrays."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._i = np.zeros(0, dtype=np.int64)
+        self._f = np.zeros((WORK_F, 0))
+        self._k = np.zeros((2, 0, 0))
+
+    @contextmanager
+    def take(
+        self, n: int, n_groups: int, n_k: int
+    ) -> Iterator[tuple[IntArray, FloatArray, FloatArray]]:
+        if not self._lock.acquire(blocking=False):
+            yield _arrays(n, n_groups, n_k)
+            return
+        try:
+            if self._i.size < n_groups * 3 + 1 + 2 * n:
+                self._i = np.zeros(n_groups * 3 + 1 + 2 * n, dtype=np.int64)
+            if self._f.shape[1] < n:
+                self._f = np.zeros((WORK_F, n))
+            if self._k.shape[1] < n or self._k.shape[2] < n_k:
+                self._k = np.zeros((2, n, n_k))
+            yield self._i, self._f, self._k
+        finally:
+            self._lock.release()
+
+
+WORK_F = 6
+
+
+def _arrays(n: int, n_groups: int, n_k: int) -> tuple[IntArray, FloatArray, FloatArray]:
+    return (
+        np.zeros(n_groups * 3 + 1 + 2 * n, dtype=np.int64),
+        np.zeros((WORK_F, n)),
+        np.zeros((2, n, n_k)),
+    )
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) every kernel on a two-GPU tree, so the first
+    tick does not wait for the compiler (seconds); daemons call it in a thread at start."""
+    parent = np.array([-1, 0], dtype=np.int64)
+    attach = np.array([1, 1], dtype=np.int64)
+    ones, zeros = np.ones(2), np.zeros(2)
+    knots = np.array([[0.5, np.inf]])
+    slopes = np.array([[1.0, 0.0]])
+    n_k = knots.shape[1] + 1
+    work = _arrays(2, 2, n_k)
+    prepare(
+        attach,
+        np.arange(2),
+        parent,
+        0.1 * ones,
+        ones,
+        0.8 * ones,
+        0.5 * ones,
+        np.zeros(2, dtype=np.int64),
+        ones,
+        ones,
+        knots,
+        slopes,
+        1e-3,
+        1e3,
+        *work,
+    )
+    by_level = np.array([1, 0], dtype=np.int64)
+    capacity = np.array([1.0, 1.5])
+    guess = implied_guess(2, 2, n_k, by_level, capacity, *work)
+    solve_groups(2, 2, n_k, by_level, capacity, guess, *work)
+    solve_groups(2, 2, n_k, by_level, capacity, zeros, *work)
+    job = np.array([0, 0], dtype=np.int64)
+    classify_jobs(job, np.array([[0, 1], [0, 1]], dtype=np.int64), 1, np.ones(2, dtype=np.bool_))
