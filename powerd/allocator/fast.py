@@ -82,7 +82,13 @@ def _tree_solve(problem: Problem, warm: FloatArray | None) -> tuple[FloatArray, 
     other group against the caps found: where none is over, the caps are optimal for the
     whole tree (they are for a relaxation of it, and they fit it); otherwise the groups
     over their budget join the set and it solves again (ACTIVE_ROUNDS at most, then with
-    every group)."""
+    every group).
+
+    Jobs are units of the tree solver while they are laminar for the budgets held. Once a
+    held budget holds part of a job (a job crossing a rack's or a row's edge, under a
+    budget that binds), the prices couple: jobs.py solves the problem on the budgets found
+    binding, started from this solver's answer with those jobs' members free (and then on
+    every budget if its caps break one)."""
     tree = problem.tree
     capacity = problem.capacity
     jobs = problem.jobs
@@ -100,47 +106,44 @@ def _tree_solve(problem: Problem, warm: FloatArray | None) -> tuple[FloatArray, 
     if warm is not None and warm.size == tree.n_groups:
         active |= finite & (warm > 0.0)
     guess = _guess(problem, warm)
+    coupled = False
     for rnd in range(ACTIVE_ROUNDS + 1):
         held = np.where(active, capacity, np.inf)
-        p, mu, u = _held_solve(problem, held, guess, warm)
+        units, laminar = _held_units(problem, held)
+        coupled = coupled or not laminar
+        p, u = _kernel_solve(problem, units, held, guess)
         over = finite & ~active & (tree.sums(p) > capacity + tol)
         if not over.any():
             break
         # The last round holds every group: its answer is the tree's.
         active = over | active if rnd < ACTIVE_ROUNDS - 1 else finite
-        if u is not None:
-            guess = np.where(u > 0.0, u, guess)  # this round's roots are close
+        guess = np.where(u > 0.0, u, guess)  # this round's roots are close
+    mu = _multipliers(problem, u)
+    if not coupled:
+        return p, mu
+    # jobs.py on the budgets found binding, then on every budget if its caps break one.
+    held = np.where(active, capacity, np.inf)
+    p, mu = _jobs.solve(replace(problem, capacity=held), warm, None if warm is not None else mu)
+    if np.any(finite & ~active & (tree.sums(p) > capacity + tol)):
+        p, mu = _jobs.solve(problem, None, mu)
     return p, mu
 
 
-def _held_solve(
-    problem: Problem, held: FloatArray, guess: FloatArray, warm: FloatArray | None
-) -> tuple[FloatArray, FloatArray, FloatArray | None]:
-    """The optimum holding only the budgets of `held` (+inf elsewhere): caps, multipliers
-    and, from the tree solver, each group's U (None from jobs.py)."""
-    tree = problem.tree
+def _held_units(problem: Problem, held: FloatArray) -> tuple[_Units, bool]:
+    """The units for a solve holding the budgets of `held` (+inf elsewhere), and whether
+    every job is one of them: a job not laminar for those budgets has its GPUs free."""
     jobs = problem.jobs
-    units = _units(problem, None, None)
-    if jobs is not None:
-        laminar, hang, _ = kernel.classify_jobs(
-            jobs.job, tree.gpu_groups, jobs.n_jobs, np.isfinite(held)
-        )
-        if np.all(laminar):
-            units = _units(problem, jobs, np.asarray(hang))
-        else:
-            # Jobs spread over held groups shared with others couple their prices: start
-            # semismooth Newton from the tree's answer with those jobs' members free.
-            lam = np.asarray(laminar)
-            kept = jobs.without(jobs.member & ~lam[np.maximum(jobs.job, 0)])
-            relaxed = _units(problem, kept, None if kept is None else np.asarray(hang)[lam])
-            start = None
-            if warm is None:
-                start = _multipliers(problem, _kernel_solve(problem, relaxed, held, guess)[1])
-            sub = replace(problem, capacity=held)
-            p, mu = _jobs.solve(sub, warm, start)
-            return p, mu, None
-    p, u = _kernel_solve(problem, units, held, guess)
-    return p, _multipliers(problem, u), u
+    if jobs is None:
+        return _units(problem, None, None), True
+    tree = problem.tree
+    laminar, hang, _ = kernel.classify_jobs(
+        jobs.job, tree.gpu_groups, jobs.n_jobs, np.isfinite(held)
+    )
+    lam = np.asarray(laminar)
+    if lam.all():
+        return _units(problem, jobs, np.asarray(hang)), True
+    kept = jobs.without(jobs.member & ~lam[np.maximum(jobs.job, 0)])
+    return _units(problem, kept, None if kept is None else np.asarray(hang)[lam]), False
 
 
 def _kernel_solve(
