@@ -23,7 +23,7 @@ jobs' members free.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -86,9 +86,8 @@ def _tree_solve(problem: Problem, warm: FloatArray | None) -> tuple[FloatArray, 
 
     Jobs are units of the tree solver while they are laminar for the budgets held. Once a
     held budget holds part of a job (a job crossing a rack's or a row's edge, under a
-    budget that binds), the prices couple: jobs.py solves the problem on the budgets found
-    binding, started from this solver's answer with those jobs' members free (and then on
-    every budget if its caps break one)."""
+    budget that binds), the prices couple: jobs.py solves the problem, from last tick's
+    multipliers or this solver's answer with those jobs' members free."""
     tree = problem.tree
     capacity = problem.capacity
     jobs = problem.jobs
@@ -121,12 +120,7 @@ def _tree_solve(problem: Problem, warm: FloatArray | None) -> tuple[FloatArray, 
     mu = _multipliers(problem, u)
     if not coupled:
         return p, mu
-    # jobs.py on the budgets found binding, then on every budget if its caps break one.
-    held = np.where(active, capacity, np.inf)
-    p, mu = _jobs.solve(replace(problem, capacity=held), warm, None if warm is not None else mu)
-    if np.any(finite & ~active & (tree.sums(p) > capacity + tol)):
-        p, mu = _jobs.solve(problem, None, mu)
-    return p, mu
+    return _jobs.solve(problem, warm, None if warm is not None else mu)
 
 
 def _held_units(problem: Problem, held: FloatArray) -> tuple[_Units, bool]:
