@@ -599,6 +599,63 @@ def solve_groups(
 
 
 @_jit
+def dual_pass(
+    mu: FloatArray,
+    gpu_groups: IntArray,
+    unit: IntArray,
+    size: FloatArray,
+    a: FloatArray,
+    ln: FloatArray,
+    slopes: FloatArray,
+    lo: FloatArray,
+    prev: FloatArray,
+    cap: FloatArray,
+    delta: float,
+    eps: float,
+    inv: float,
+) -> tuple[FloatArray, FloatArray, BoolArray, float]:
+    """jobs.py's dual at multipliers mu (per kW): caps per GPU, group sums, units inside a
+    segment, and D(mu). Units are free GPUs and jobs (`unit` per GPU, `size` its GPUs);
+    a, ln, slopes are (units, K): a unit answers like one GPU at its GPUs' mean path price."""
+    n, depth = gpu_groups.shape
+    n_units = size.size
+    lam = np.zeros(n_units)
+    for i in range(n):
+        s = 0.0
+        for lv in range(depth):
+            s += mu[gpu_groups[i, lv]]
+        lam[unit[i]] += s
+    x = np.empty(n_units)
+    partial = np.empty(n_units, dtype=np.bool_)
+    value = 0.0
+    for u in range(n_units):
+        price = lam[u] / size[u]
+        v = price * inv
+        p = lo[u]
+        gain = 0.0
+        part = False
+        for k in range(a.shape[1]):
+            t = min(max(a[u, k] - v, 0.0), ln[u, k])
+            p += t
+            gain += slopes[u, k] * t
+            part |= (t > 0.0) & (t < ln[u, k])
+        x[u] = p
+        partial[u] = part
+        gain += delta * p - eps * (p - prev[u]) ** 2 - price * p
+        value += size[u] * gain
+    for g in range(cap.size):
+        value += mu[g] * cap[g]
+    caps = np.empty(n)
+    sums = np.zeros(cap.size)
+    for i in range(n):
+        c = x[unit[i]]
+        caps[i] = c
+        for lv in range(depth):
+            sums[gpu_groups[i, lv]] += c
+    return caps, sums, partial, value
+
+
+@_jit
 def classify_jobs(
     job: IntArray, gpu_groups: IntArray, n_jobs: int, held: BoolArray
 ) -> tuple[BoolArray, IntArray, BoolArray]:
@@ -722,5 +779,22 @@ def warm_up() -> None:
     guess = implied_guess(2, 2, n_k, by_level, capacity, *work)
     solve_groups(2, 2, n_k, by_level, capacity, guess, *work)
     solve_groups(2, 2, n_k, by_level, capacity, zeros, *work)
+    gg = np.array([[0, 1], [0, 1]], dtype=np.int64)
+    rows = np.ones((1, 2))
+    dual_pass(
+        zeros,
+        gg,
+        np.zeros(2, dtype=np.int64),
+        np.array([2.0]),
+        rows,
+        rows,
+        rows,
+        np.array([0.1]),
+        np.array([0.5]),
+        capacity,
+        1e-3,
+        1e-3,
+        1e3,
+    )
     job = np.array([0, 0], dtype=np.int64)
     classify_jobs(job, np.array([[0, 1], [0, 1]], dtype=np.int64), 1, np.ones(2, dtype=np.bool_))

@@ -544,7 +544,7 @@ def objective(problem: Problem, p_kw: FloatArray) -> float:
     shift = problem.fleet.class_index * ClassTable.TABLE_OFFSET_W
     util = np.interp(np.maximum(used, 0.0) + shift, table_w, table_y)
     return float(
-        np.dot(problem.weight, util)
+        np.einsum("i,i->", problem.weight, util)
         + problem.delta * p_kw.sum()
         - problem.eps * np.sum((p_kw - problem.prev) ** 2)
     )
