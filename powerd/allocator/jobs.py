@@ -100,7 +100,11 @@ class _Dual:
         self.node_path = np.zeros((tree.n_groups, N_LEVELS), dtype=np.int64)
         self.node_path[tree.node_of_gpu] = tree.gpu_groups
         self.job_members = np.flatnonzero(member)
-        # Unit-major copies for the compiled pass.
+        # For the compiled pass: each node's path once, each GPU's row there, and unit-major
+        # copies of the segments.
+        nodes, self.node_row = np.unique(tree.node_of_gpu, return_inverse=True)
+        self.node_row = np.ascontiguousarray(self.node_row, dtype=np.int64)
+        self.node_rows = np.ascontiguousarray(self.node_path[nodes])
         self.a_rows = np.ascontiguousarray(self.a.T)
         self.len_rows = np.ascontiguousarray(self.lengths.T)
         self.slope_rows = np.ascontiguousarray(self.slopes.T)
@@ -113,7 +117,8 @@ class _Dual:
         self.passes += 1
         p, sums, partial, value = kernel.dual_pass(
             np.ascontiguousarray(mu, dtype=np.float64),
-            self.gpu_groups,
+            self.node_rows,
+            self.node_row,
             self.unit,
             self.size,
             self.a_rows,

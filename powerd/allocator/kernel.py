@@ -601,7 +601,8 @@ def solve_groups(
 @_jit
 def dual_pass(
     mu: FloatArray,
-    gpu_groups: IntArray,
+    node_path: IntArray,
+    node: IntArray,
     unit: IntArray,
     size: FloatArray,
     a: FloatArray,
@@ -615,16 +616,21 @@ def dual_pass(
     inv: float,
 ) -> tuple[FloatArray, FloatArray, BoolArray, float]:
     """jobs.py's dual at multipliers mu (per kW): caps per GPU, group sums, units inside a
-    segment, and D(mu). Units are free GPUs and jobs (`unit` per GPU, `size` its GPUs);
-    a, ln, slopes are (units, K): a unit answers like one GPU at its GPUs' mean path price."""
-    n, depth = gpu_groups.shape
+    segment, and D(mu). `node_path`: each node's groups (one row per node), `node`: each
+    GPU's row there. Units are free GPUs and jobs (`unit` per GPU, `size` its GPUs); a, ln,
+    slopes are (units, K): a unit answers like one GPU at its GPUs' mean path price."""
+    n = node.size
+    n_nodes, depth = node_path.shape
     n_units = size.size
-    lam = np.zeros(n_units)
-    for i in range(n):
+    path_price = np.empty(n_nodes)
+    for nd in range(n_nodes):
         s = 0.0
         for lv in range(depth):
-            s += mu[gpu_groups[i, lv]]
-        lam[unit[i]] += s
+            s += mu[node_path[nd, lv]]
+        path_price[nd] = s
+    lam = np.zeros(n_units)
+    for i in range(n):
+        lam[unit[i]] += path_price[node[i]]
     x = np.empty(n_units)
     partial = np.empty(n_units, dtype=np.bool_)
     value = 0.0
@@ -646,12 +652,15 @@ def dual_pass(
     for g in range(cap.size):
         value += mu[g] * cap[g]
     caps = np.empty(n)
-    sums = np.zeros(cap.size)
+    node_sum = np.zeros(n_nodes)
     for i in range(n):
         c = x[unit[i]]
         caps[i] = c
+        node_sum[node[i]] += c
+    sums = np.zeros(cap.size)
+    for nd in range(n_nodes):
         for lv in range(depth):
-            sums[gpu_groups[i, lv]] += c
+            sums[node_path[nd, lv]] += node_sum[nd]
     return caps, sums, partial, value
 
 
@@ -781,10 +790,12 @@ def warm_up() -> None:
     solve_groups(2, 2, n_k, by_level, capacity, zeros, *work)
     gg = np.array([[0, 1], [0, 1]], dtype=np.int64)
     rows = np.ones((1, 2))
+    first = np.zeros(2, dtype=np.int64)
     dual_pass(
         zeros,
-        gg,
-        np.zeros(2, dtype=np.int64),
+        gg[:1],
+        first,
+        first,
         np.array([2.0]),
         rows,
         rows,
