@@ -23,7 +23,7 @@ jobs' members free.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -34,6 +34,8 @@ from powerd.topology import N_LEVELS
 
 # Rounds of the active set before a solve with every group (fast._tree_solve).
 ACTIVE_ROUNDS = 4
+# Where jobs.py does not converge on a site of at most this many GPUs, the reference answers.
+REFERENCE_UP_TO = 4096
 # A group counts as full (or over) within this share of its capacity.
 ACTIVE_TOL = 1e-12
 # Caps in force this close to a budget (share) say it bound when they were set.
@@ -87,7 +89,7 @@ def _tree_solve(problem: Problem, warm: FloatArray | None) -> tuple[FloatArray, 
     Jobs are units of the tree solver while they are laminar for the budgets held. Once a
     held budget holds part of a job (a job crossing a rack's or a row's edge, under a
     budget that binds), the prices couple: jobs.py solves the problem, from last tick's
-    multipliers or this solver's answer with those jobs' members free."""
+    multipliers or this solver's answer with every job's GPUs free."""
     tree = problem.tree
     capacity = problem.capacity
     jobs = problem.jobs
@@ -120,7 +122,19 @@ def _tree_solve(problem: Problem, warm: FloatArray | None) -> tuple[FloatArray, 
     mu = _multipliers(problem, u)
     if not coupled:
         return p, mu
-    return _jobs.solve(problem, warm, None if warm is not None else mu)
+    start = None
+    if warm is None:
+        # The tree's answer with every job's GPUs free: the start jobs.py was tuned on (with
+        # the laminar jobs kept whole its Newton steps can zigzag for a hundred iterations).
+        start = _tree_solve(replace(problem, jobs=None), None)[1]
+    p, mu, done = _jobs.solve_checked(problem, warm, start)
+    if done or problem.n > REFERENCE_UP_TO:
+        return p, mu  # where not done, Allocation.gap says how far from the best
+    # Newton stalled (its dual is piecewise, and some sites make it zigzag): on a site this
+    # small the interior-point reference (Clarabel) answers in well under a second.
+    from powerd.allocator import reference  # cvxpy: imported on first use only
+
+    return reference.solve_with_prices(problem)
 
 
 def _held_units(problem: Problem, held: FloatArray) -> tuple[_Units, bool]:

@@ -34,7 +34,7 @@ from powerd.allocator.model import TOL_KW, BoolArray, FloatArray, IntArray, JobM
 from powerd.topology import N_LEVELS
 
 MAX_ITERATIONS = 100
-MAX_SEARCH = 60
+MAX_SEARCH = 16
 # Passes over the GPUs one solve may take (each ~1 ms at 100k GPUs, compiled): a tick's
 # solve stays bounded (under 1 s at 100k with its Newton systems), and where it has not
 # converged by then the caller gets the caps repaired to every budget and the certificate
@@ -51,6 +51,9 @@ REGULARISE_REL = 1e-4
 REGULARISE = 1e-12
 # Sufficient decrease for the search along the projected arc.
 ARMIJO = 1e-4
+# D values this close (relative) are equal to rounding: the search then judges steps by the
+# budgets' residual instead.
+FLAT = 1e-12
 
 
 @dataclass
@@ -232,6 +235,13 @@ class _Dual:
         slack = mu > 0.0
         return not np.any(np.abs(excess[slack]) > self.tol[slack])
 
+    def residual(self, ev: _Eval, mu: FloatArray) -> float:
+        """How far from optimal (kW): the largest excess over a budget, or shortfall under
+        a priced one."""
+        excess = np.where(self.finite, ev.sums - self.cap_f, 0.0)
+        short = np.where(mu > 0.0, np.abs(excess), np.maximum(excess, 0.0))
+        return float(np.max(short, initial=0.0))
+
 
 def _search(dual: _Dual, mu: FloatArray, d: FloatArray, ev0: _Eval) -> tuple[FloatArray, _Eval]:
     """Armijo search along the projected arc max(μ + αd, 0): from α = 1 it stretches while D
@@ -254,11 +264,21 @@ def _search(dual: _Dual, mu: FloatArray, d: FloatArray, ev0: _Eval) -> tuple[Flo
                 break
             alpha, ev = 2.0 * alpha, nxt
         return point(alpha), ev
+    # Near the optimum D changes by less than its rounding (~1e-14 of its value) along d:
+    # then a step that brings the budgets' sums closer to their capacities is taken anyway.
+    best, best_res = None, dual.residual(ev0, mu)
+    if dual.residual(ev, point(alpha)) < best_res:
+        best, best_res = (point(alpha), ev), dual.residual(ev, point(alpha))
     for _ in range(MAX_SEARCH):
         alpha *= 0.5
         ev = dual.at(point(alpha))
         if enough(alpha, ev):
             return point(alpha), ev
+        res = dual.residual(ev, point(alpha))
+        if res < best_res:
+            best, best_res = (point(alpha), ev), res
+    if best is not None and abs(ev0.value - best[1].value) <= FLAT * max(abs(ev0.value), 1.0):
+        return best
     return mu, ev0
 
 
@@ -282,10 +302,18 @@ def solve(
     """Optimal caps (kW), one per job, and each group's multiplier λ per kW.
 
     `warm`: last tick's multipliers; `start`: the relaxed problem's (used when no warm)."""
+    p, mu, _ = solve_checked(problem, warm, start)
+    return p, mu
+
+
+def solve_checked(
+    problem: Problem, warm: FloatArray | None = None, start: FloatArray | None = None
+) -> tuple[FloatArray, FloatArray, bool]:
+    """solve(), and whether it converged (every budget met to REL_TOL, complementary)."""
     n_groups = problem.tree.n_groups
     jobs = problem.jobs
     if problem.n == 0 or jobs is None:
-        return np.zeros(problem.n), np.zeros(n_groups)
+        return np.zeros(problem.n), np.zeros(n_groups), True
     dual = _Dual(problem, jobs)
     mu = np.zeros(n_groups)
     for guess in (warm, start):
@@ -304,4 +332,4 @@ def solve(
         if nxt is ev:
             break  # no decrease left to find: as exact as floating point allows
         mu, ev = nxt_mu, nxt
-    return ev.p, mu
+    return ev.p, mu, dual.converged(ev, mu)

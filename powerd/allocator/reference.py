@@ -36,6 +36,12 @@ _OK = (cp.OPTIMAL, cp.OPTIMAL_INACCURATE)
 def build(problem: Problem) -> tuple[Any, Any, IntArray]:
     """The cvxpy problem over the GPUs whose cap is not fixed; returns it, its variable and
     the indices of those GPUs."""
+    prob, p, free, _ = _build(problem)
+    return prob, p, free
+
+
+def _build(problem: Problem) -> tuple[Any, Any, IntArray, list[tuple[Any, IntArray]]]:
+    """build(), and each budget constraint with the groups of its rows."""
     free = np.flatnonzero(problem.hi - problem.lo > 0.0)
     fixed_p = np.where(problem.hi - problem.lo > 0.0, 0.0, problem.lo)
     m = free.size
@@ -70,6 +76,7 @@ def build(problem: Problem) -> tuple[Any, Any, IntArray]:
             rest = members[first[job[members]] != members]
             if rest.size:
                 constraints.append(p[pos[rest]] == p[pos[first[job[rest]]]])
+    budgets: list[tuple[Any, IntArray]] = []
     tree = problem.tree
     fixed_sums = tree.sums(fixed_p)
     hi_sums = tree.sums(np.where(problem.hi - problem.lo > 0.0, problem.hi, fixed_p))
@@ -89,22 +96,30 @@ def build(problem: Problem) -> tuple[Any, Any, IntArray]:
             shape=(binding.size, m),
         )
         constraints.append(a @ p <= room[binding])
+        budgets.append((constraints[-1], groups[binding]))
     prob = cp.Problem(cp.Maximize(gain), constraints)
     if not prob.is_dcp():
         raise SolverFailed(
             "the cvxpy allocation problem is not DCP: every class profile must be concave "
             "and non-decreasing (Profile builds the envelope) and damping must be >= 0"
         )
-    return prob, p, free
+    return prob, p, free, budgets
 
 
 def solve(problem: Problem, warm: FloatArray | None = None) -> tuple[FloatArray, None]:
     """Caps (kW) from Clarabel, or SCS when Clarabel errors; SolverFailed when neither works."""
     del warm
+    return solve_with_prices(problem)[0], None
+
+
+def solve_with_prices(problem: Problem) -> tuple[FloatArray, FloatArray]:
+    """solve(), and each group's multiplier per kW (the budget constraints' duals; 0 for
+    budgets that cannot bind)."""
     out = problem.lo.copy()
-    prob, p, free = build(problem)
+    prices = np.zeros(problem.tree.n_groups)
+    prob, p, free, budgets = _build(problem)
     if free.size == 0:
-        return out, None
+        return out, prices
     errors: list[str] = []
     for name, options in (("CLARABEL", CLARABEL_OPTIONS), ("SCS", SCS_OPTIONS)):
         try:
@@ -114,6 +129,9 @@ def solve(problem: Problem, warm: FloatArray | None = None) -> tuple[FloatArray,
             continue
         if prob.status in _OK and p.value is not None:
             out[free] = np.asarray(p.value, dtype=np.float64)
-            return out, None
+            for constraint, groups in budgets:
+                if constraint.dual_value is not None:
+                    prices[groups] = np.maximum(np.asarray(constraint.dual_value), 0.0)
+            return out, prices
         errors.append(f"{name}: status {prob.status}")
     raise SolverFailed("cvxpy could not solve the allocation: " + "; ".join(errors))
