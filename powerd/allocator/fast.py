@@ -212,10 +212,25 @@ def _multipliers(problem: Problem, u: FloatArray) -> FloatArray:
     return np.maximum(u - above, 0.0) * (2.0 * problem.eps)
 
 
+def _usable_warm(problem: Problem, warm: FloatArray | None) -> FloatArray | None:
+    """Last tick's multipliers if they can serve as a start: one finite number per group,
+    clipped into [0, the price past which every GPU sits at its lower bound]. No optimal
+    multiplier lies above that price, and jobs.py starts from `warm` as given: from a
+    price like 1e300 it cannot walk back within its passes."""
+    if warm is None or warm.size != problem.tree.n_groups or not np.all(np.isfinite(warm)):
+        return None
+    first = problem.classes.slopes_kw[problem.fleet.class_index, 0]
+    top = np.max(
+        problem.weight * first + problem.delta + 2.0 * problem.eps * (problem.prev - problem.lo),
+        initial=0.0,
+    )
+    return np.clip(warm, 0.0, top)
+
+
 def solve(problem: Problem, warm: FloatArray | None = None) -> tuple[FloatArray, FloatArray]:
     """Optimal caps (kW) and each group's multiplier λ per kW.
 
     `warm`: last tick's multipliers (which groups bound, and where each root lies)."""
     if problem.n == 0:
         return np.zeros(0), np.zeros(problem.tree.n_groups)
-    return _tree_solve(problem, warm)
+    return _tree_solve(problem, _usable_warm(problem, warm))
