@@ -83,6 +83,7 @@ class _Dual:
         unit[member] = n_free + jobs.job[member]
         self.unit = unit
         self.n_units = n_free + jobs.n_jobs
+        self.n_free = n_free
         self.size = np.bincount(unit, minlength=self.n_units).astype(np.float64)
         self.job_gpu = member
         rep = np.empty(self.n_units, dtype=np.int64)
@@ -193,6 +194,13 @@ class _Dual:
         )
         return (r_mat.T @ r_mat).tocsr()
 
+    def gradient_step(self, mu: FloatArray, grad: FloatArray) -> FloatArray:
+        """The projected gradient, scaled by the Hessian's diagonal were every GPU below a
+        group to answer (a direction of descent wherever D is not at its minimum)."""
+        scale = self.count * self.inv
+        d = np.where(self.finite, -grad / np.maximum(scale, 1e-300), 0.0)
+        return np.where((mu <= 0.0) & (d < 0.0), 0.0, d)
+
     def step(self, ev: _Eval, mu: FloatArray, grad: FloatArray) -> FloatArray:
         """The projected Newton direction (Bertsekas 1982): Newton on the groups that are
         not held at μ = 0, a scaled gradient step on those about to be."""
@@ -204,8 +212,18 @@ class _Dual:
         direction = np.where(held, -scaled, 0.0)
         if work.size == 0:
             return direction
-        h = self.hessian(ev, work)
-        diag = h.diagonal()
+        dense = None
+        if work.size <= DENSE_MAX:
+            col = np.full(self.tree.n_groups, -1, dtype=np.int64)
+            col[work] = np.arange(work.size)
+            dense = kernel.dense_hessian(
+                ev.partial, self.unit, self.gpu_groups, col, self.size, self.n_free,
+                int(work.size), self.inv,
+            )  # fmt: skip
+            diag = np.diag(dense).copy()
+        else:
+            h = self.hessian(ev, work)
+            diag = h.diagonal()
         flat = diag <= 0.0
         if flat.any():
             # No unit under these groups answers to their price here (all at a knot or a
@@ -216,8 +234,7 @@ class _Dual:
             return direction
         reg = REGULARISE_REL * scale[work] + REGULARISE * float(diag.max(initial=0.0))
         rhs = -grad[work]
-        if work.size <= DENSE_MAX:
-            dense = h.toarray()
+        if dense is not None:
             dense[np.diag_indices_from(dense)] += reg
             try:
                 d = scipy.linalg.solve(dense, rhs, assume_a="pos", check_finite=False)
@@ -329,6 +346,10 @@ def solve_checked(
         if not np.any(d):
             break
         nxt_mu, nxt = _search(dual, mu, d, ev)
+        if nxt is ev:
+            # Newton's direction found no decrease (a stall at a kink): one scaled
+            # gradient step, stretched by the search, before giving up.
+            nxt_mu, nxt = _search(dual, mu, dual.gradient_step(mu, grad), ev)
         if nxt is ev:
             break  # no decrease left to find: as exact as floating point allows
         mu, ev = nxt_mu, nxt

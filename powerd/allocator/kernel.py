@@ -665,6 +665,52 @@ def dual_pass(
 
 
 @_jit
+def dense_hessian(
+    partial: BoolArray,
+    unit: IntArray,
+    gpu_groups: IntArray,
+    col: IntArray,
+    size: FloatArray,
+    n_free: int,
+    n_work: int,
+    inv: float,
+) -> FloatArray:
+    """jobs.py's generalised Hessian on the working set (`col`: each group's row there, -1
+    outside), dense: inv per free GPU inside a segment on its path's pairs, inv / m times
+    the outer product of its GPUs per group for a job of m GPUs inside a segment."""
+    n, depth = gpu_groups.shape
+    h = np.zeros((n_work, n_work))
+    counts = np.zeros((size.size - n_free, n_work))
+    for i in range(n):
+        u = unit[i]
+        if not partial[u]:
+            continue
+        if u < n_free:
+            for a in range(depth):
+                ca = col[gpu_groups[i, a]]
+                if ca < 0:
+                    continue
+                for b in range(depth):
+                    cb = col[gpu_groups[i, b]]
+                    if cb >= 0:
+                        h[ca, cb] += inv
+        else:
+            for a in range(depth):
+                ca = col[gpu_groups[i, a]]
+                if ca >= 0:
+                    counts[u - n_free, ca] += 1.0
+    for j in range(counts.shape[0]):
+        w = inv / size[n_free + j]
+        for a in range(n_work):
+            ca = counts[j, a]
+            if ca == 0.0:
+                continue
+            for b in range(n_work):
+                h[a, b] += w * ca * counts[j, b]
+    return h
+
+
+@_jit
 def classify_jobs(
     job: IntArray, gpu_groups: IntArray, n_jobs: int, held: BoolArray
 ) -> tuple[BoolArray, IntArray, BoolArray]:
@@ -807,5 +853,6 @@ def warm_up() -> None:
         1e-3,
         1e3,
     )
+    dense_hessian(np.ones(2, dtype=np.bool_), first, gg, np.array([0, 1]), np.ones(2), 1, 2, 1e3)
     job = np.array([0, 0], dtype=np.int64)
     classify_jobs(job, np.array([[0, 1], [0, 1]], dtype=np.int64), 1, np.ones(2, dtype=np.bool_))
