@@ -122,11 +122,10 @@ def _tree_solve(problem: Problem, warm: FloatArray | None) -> tuple[FloatArray, 
     mu = _multipliers(problem, u)
     if not coupled:
         return p, mu
-    start = None
-    if warm is None:
-        # The tree's answer with every job's GPUs free: the start jobs.py was tuned on (with
-        # the laminar jobs kept whole its Newton steps can zigzag for a hundred iterations).
-        start = _tree_solve(replace(problem, jobs=None), None)[1]
+    # The tree's answer with every job's GPUs free: the start jobs.py was tuned on (with the
+    # laminar jobs kept whole its Newton steps can zigzag for a hundred iterations). It
+    # starts from that or last tick's, whichever has the lower dual value.
+    start = _tree_solve(replace(problem, jobs=None), warm)[1]
     p, mu, done = _jobs.solve_checked(problem, warm, start)
     if done or problem.n > REFERENCE_UP_TO:
         return p, mu  # where not done, Allocation.gap says how far from the best

@@ -332,12 +332,16 @@ def solve_checked(
     if problem.n == 0 or jobs is None:
         return np.zeros(problem.n), np.zeros(n_groups), True
     dual = _Dual(problem, jobs)
-    mu = np.zeros(n_groups)
+    mu, ev = np.zeros(n_groups), None
     for guess in (warm, start):
         if guess is not None and guess.size == n_groups and np.all(np.isfinite(guess)):
-            mu = np.where(dual.finite, np.maximum(guess, 0.0), 0.0)
-            break
-    ev = dual.at(mu)
+            # Of last tick's multipliers and the relaxed problem's, the lower D is nearer.
+            cand = np.where(dual.finite, np.maximum(guess, 0.0), 0.0)
+            cand_ev = dual.at(cand)
+            if ev is None or cand_ev.value < ev.value:
+                mu, ev = cand, cand_ev
+    if ev is None:
+        ev = dual.at(mu)
     for _ in range(MAX_ITERATIONS):
         if dual.passes >= MAX_PASSES or dual.converged(ev, mu):
             break
