@@ -28,7 +28,6 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from powerd.allocator import jobs as _jobs
-from powerd.allocator import kernel
 from powerd.allocator.model import TOL_KW, FloatArray, IntArray, JobMap, Problem
 from powerd.topology import N_LEVELS
 
@@ -90,6 +89,8 @@ def _tree_solve(problem: Problem, warm: FloatArray | None) -> tuple[FloatArray, 
     held budget holds part of a job (a job crossing a rack's or a row's edge, under a
     budget that binds), the prices couple: jobs.py solves the problem, from last tick's
     multipliers or this solver's answer with every job's GPUs free."""
+    from powerd.allocator import kernel  # numba: loaded by the first solve, not at import
+
     tree = problem.tree
     capacity = problem.capacity
     jobs = problem.jobs
@@ -139,6 +140,8 @@ def _tree_solve(problem: Problem, warm: FloatArray | None) -> tuple[FloatArray, 
 def _held_units(problem: Problem, held: FloatArray) -> tuple[_Units, bool]:
     """The units for a solve holding the budgets of `held` (+inf elsewhere), and whether
     every job is one of them: a job not laminar for those budgets has its GPUs free."""
+    from powerd.allocator import kernel  # numba: loaded by the first solve, not at import
+
     jobs = problem.jobs
     if jobs is None:
         return _units(problem, None, None), True
@@ -157,6 +160,8 @@ def _kernel_solve(
     problem: Problem, units: _Units, held: FloatArray, guess: FloatArray
 ) -> tuple[FloatArray, FloatArray]:
     """kernel.tree_solve's two steps: caps per GPU (kW) and each group's U."""
+    from powerd.allocator import kernel  # numba: loaded by the first solve, not at import
+
     tree = problem.tree
     classes = problem.classes
     r = units.rep

@@ -29,7 +29,6 @@ import scipy.linalg
 import scipy.sparse as sp
 import scipy.sparse.linalg
 
-from powerd.allocator import kernel
 from powerd.allocator.model import TOL_KW, BoolArray, FloatArray, IntArray, JobMap, Problem
 from powerd.topology import N_LEVELS
 
@@ -118,6 +117,8 @@ class _Dual:
     def at(self, mu: FloatArray) -> _Eval:
         """One pass (compiled: kernel.dual_pass): D(μ) = max_p L(p, μ), every unit's gain at
         its response less what it pays, with the response and its group sums."""
+        from powerd.allocator import kernel  # numba: loaded by the first solve
+
         self.passes += 1
         p, sums, partial, value = kernel.dual_pass(
             np.ascontiguousarray(mu, dtype=np.float64),
@@ -204,6 +205,8 @@ class _Dual:
     def step(self, ev: _Eval, mu: FloatArray, grad: FloatArray) -> FloatArray:
         """The projected Newton direction (Bertsekas 1982): Newton on the groups that are
         not held at μ = 0, a scaled gradient step on those about to be."""
+        from powerd.allocator import kernel  # numba: loaded by the first solve
+
         scale = self.count * self.inv  # the Hessian's diagonal if every GPU below answered
         scaled = np.where(self.finite, grad / np.maximum(scale, 1e-300), 0.0)
         width = float(np.max(np.abs(mu - np.maximum(mu - scaled, 0.0)), initial=0.0))

@@ -25,14 +25,14 @@ numba compiles these functions on first use and caches the machine code next to 
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import numba
 import numpy as np
 from numpy.typing import NDArray
+
+from powerd.allocator.model import work_arrays
 
 FloatArray = NDArray[np.float64]
 IntArray = NDArray[np.int64]
@@ -761,47 +761,6 @@ def classify_jobs(
     return laminar, hang, alone
 
 
-class Workspace:
-    """Scratch arrays for tree_solve, kept between calls: fresh arrays of this size cost
-    more in page faults than the solve's own work. One caller at a time (`take`); a
-    concurrent caller gets fresh arrays."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._i = np.zeros(0, dtype=np.int64)
-        self._f = np.zeros((WORK_F, 0))
-        self._k = np.zeros((2, 0, 0))
-
-    @contextmanager
-    def take(
-        self, n: int, n_groups: int, n_k: int
-    ) -> Iterator[tuple[IntArray, FloatArray, FloatArray]]:
-        if not self._lock.acquire(blocking=False):
-            yield _arrays(n, n_groups, n_k)
-            return
-        try:
-            if self._i.size < n_groups * 3 + 1 + 2 * n:
-                self._i = np.zeros(n_groups * 3 + 1 + 2 * n, dtype=np.int64)
-            if self._f.shape[1] < n:
-                self._f = np.zeros((WORK_F, n))
-            if self._k.shape[1] < n or self._k.shape[2] < n_k:
-                self._k = np.zeros((2, n, n_k))
-            yield self._i, self._f, self._k
-        finally:
-            self._lock.release()
-
-
-WORK_F = 6
-
-
-def _arrays(n: int, n_groups: int, n_k: int) -> tuple[IntArray, FloatArray, FloatArray]:
-    return (
-        np.zeros(n_groups * 3 + 1 + 2 * n, dtype=np.int64),
-        np.zeros((WORK_F, n)),
-        np.zeros((2, n, n_k)),
-    )
-
-
 def warm_up() -> None:
     """Compile (or load from numba's cache) every kernel on a two-GPU tree, so the first
     tick does not wait for the compiler (seconds); daemons call it in a thread at start."""
@@ -811,7 +770,7 @@ def warm_up() -> None:
     knots = np.array([[0.5, np.inf]])
     slopes = np.array([[1.0, 0.0]])
     n_k = knots.shape[1] + 1
-    work = _arrays(2, 2, n_k)
+    work = work_arrays(2, 2, n_k)
     prepare(
         attach,
         np.arange(2),

@@ -8,7 +8,9 @@ lose accuracy (docs/allocator.md, "Measurements behind the design").
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -16,7 +18,6 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from powerd.allocator.kernel import Workspace
 from powerd.policy import Policy
 from powerd.profile import Profile
 from powerd.topology import N_LEVELS, Topology
@@ -149,6 +150,47 @@ class ClassTable:
             slopes_kw=slopes,
             peak_kw=np.array([p.peak_w / 1000.0 for p in profiles], dtype=np.float64),
         )
+
+
+class Workspace:
+    """Scratch arrays for the compiled tree solver (kernel.prepare, solve_groups), kept
+    between calls: fresh arrays of this size cost more in page faults than the solve's own
+    work. One caller at a time (`take`); a concurrent caller gets fresh arrays."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._i = np.zeros(0, dtype=np.int64)
+        self._f = np.zeros((WORK_F, 0))
+        self._k = np.zeros((2, 0, 0))
+
+    @contextmanager
+    def take(
+        self, n: int, n_groups: int, n_k: int
+    ) -> Iterator[tuple[IntArray, FloatArray, FloatArray]]:
+        if not self._lock.acquire(blocking=False):
+            yield work_arrays(n, n_groups, n_k)
+            return
+        try:
+            if self._i.size < n_groups * 3 + 1 + 2 * n:
+                self._i = np.zeros(n_groups * 3 + 1 + 2 * n, dtype=np.int64)
+            if self._f.shape[1] < n:
+                self._f = np.zeros((WORK_F, n))
+            if self._k.shape[1] < n or self._k.shape[2] < n_k:
+                self._k = np.zeros((2, n, n_k))
+            yield self._i, self._f, self._k
+        finally:
+            self._lock.release()
+
+
+WORK_F = 6
+
+
+def work_arrays(n: int, n_groups: int, n_k: int) -> tuple[IntArray, FloatArray, FloatArray]:
+    return (
+        np.zeros(n_groups * 3 + 1 + 2 * n, dtype=np.int64),
+        np.zeros((WORK_F, n)),
+        np.zeros((2, n, n_k)),
+    )
 
 
 class Tree:
