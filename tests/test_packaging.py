@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import fnmatch
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -34,3 +36,16 @@ def test_the_live_page_ships_as_package_data() -> None:
     for p in files:
         rel = p.relative_to(ROOT / "powerd" / "api").as_posix()
         assert any(fnmatch.fnmatch(rel, pat) for pat in patterns), f"{rel} would not ship"
+
+
+def test_the_command_line_and_the_allocator_load_numba_only_to_solve() -> None:
+    """Agents start through powerd.cli and never solve: numba (~0.5 s, ~75 MB) must load
+    with the first solve only."""
+    code = (
+        "import sys\n"
+        "import powerd.cli, powerd.agent.main, powerd.allocator\n"
+        "assert 'numba' not in sys.modules, 'imported'\n"
+        "from powerd.allocator import kernel\n"
+        "assert 'numba' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
