@@ -117,3 +117,11 @@ def test_two_threads_share_one_tree() -> None:
     for t in threads:
         t.join()
     assert wrong == []
+
+
+def test_a_tree_built_for_another_topology_is_refused_clearly() -> None:
+    small, big = make_policy(1, 1, 2, 4), make_policy(1, 2, 2, 4)
+    fleet = random_fleet(small, 0)
+    other = Tree(random_fleet(big, 0).topology)
+    with pytest.raises(ValueError, match="another topology"):
+        allocate_arrays(fleet, small, "fast", tree=other)

@@ -446,6 +446,19 @@ def _job_bounds(
     return jobs, split, lo, hi
 
 
+def _tree_for(fleet: Fleet, tree: Tree | None) -> Tree:
+    """The tree given (checked against the fleet's topology: a tree kept from another one
+    would mis-sum every budget), or one built for the fleet."""
+    if tree is None:
+        return Tree(fleet.topology)
+    if tree.topology is not fleet.topology and (
+        tree.n_groups != fleet.topology.n_groups
+        or not np.array_equal(tree.gpu_groups, fleet.topology.gpu_groups)
+    ):
+        raise ValueError("the tree passed was built for another topology than the fleet's")
+    return tree
+
+
 def build_problem(
     fleet: Fleet,
     policy: Policy,
@@ -463,7 +476,7 @@ def build_problem(
     and the group is left out of the problem (status infeasible_min).
     """
     classes = classes or ClassTable.from_policy(policy)
-    tree = tree or Tree(fleet.topology)
+    tree = _tree_for(fleet, tree)
     ctl = policy.control
     cls = fleet.class_index
     weight = classes.weight[cls]
