@@ -58,10 +58,10 @@ def worker(
         walls.append((time.perf_counter() - t0) * 1000)
         times.append(last.solve_ms)
         gaps.append(last.gap)
-    # A fleet never steered: every GPU at its maximum, every budget over (cold, no prices).
-    uncapped = replace(fleet, cap_w=fleet.max_cap_w.copy())
     first_start = []
     if solver == "fast" and not warm:
+        # A fleet never steered: every GPU at its maximum, every budget over (no prices).
+        uncapped = replace(fleet, cap_w=fleet.max_cap_w.copy())
         for _ in range(min(runs, 5)):
             first_start.append(
                 allocate_arrays(uncapped, policy, solver, classes=classes, tree=tree).solve_ms

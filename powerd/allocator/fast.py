@@ -89,23 +89,18 @@ def _tree_solve(problem: Problem, warm: FloatArray | None) -> tuple[FloatArray, 
     held budget holds part of a job (a job crossing a rack's or a row's edge, under a
     budget that binds), the prices couple: jobs.py solves the problem, from last tick's
     multipliers or this solver's answer with every job's GPUs free."""
-    from powerd.allocator import kernel  # numba: loaded by the first solve, not at import
 
     tree = problem.tree
     capacity = problem.capacity
-    jobs = problem.jobs
-    if jobs is not None:
+    if problem.single_job is not None:
         # A group holding one job's GPUs alone is a bound on that job (build_problem).
-        _, _, alone = kernel.classify_jobs(
-            jobs.job, tree.gpu_groups, jobs.n_jobs, np.ones(tree.n_groups, dtype=np.bool_)
-        )
-        capacity = np.where(alone, np.inf, capacity)
+        capacity = np.where(problem.single_job, np.inf, capacity)
     finite = np.isfinite(capacity)
     tol = np.where(finite, np.maximum(TOL_KW, ACTIVE_TOL * np.abs(capacity)), 0.0)
     # Caps in force within FULL_SHARE of a budget: it bound when they were set.
     room = tree.sums(problem.prev) - capacity
     active = finite & (room >= -FULL_SHARE * np.abs(capacity) - tol)
-    if warm is not None and warm.size == tree.n_groups:
+    if warm is not None:
         active |= finite & (warm > 0.0)
     guess = _guess(problem, warm)
     coupled = False
@@ -146,9 +141,7 @@ def _held_units(problem: Problem, held: FloatArray) -> tuple[_Units, bool]:
     if jobs is None:
         return _units(problem, None, None), True
     tree = problem.tree
-    laminar, hang, _ = kernel.classify_jobs(
-        jobs.job, tree.gpu_groups, jobs.n_jobs, np.isfinite(held)
-    )
+    laminar, hang = kernel.classify_jobs(jobs.job, tree.gpu_groups, jobs.n_jobs, np.isfinite(held))
     lam = np.asarray(laminar)
     if lam.all():
         return _units(problem, jobs, np.asarray(hang)), True
@@ -159,7 +152,8 @@ def _held_units(problem: Problem, held: FloatArray) -> tuple[_Units, bool]:
 def _kernel_solve(
     problem: Problem, units: _Units, held: FloatArray, guess: FloatArray
 ) -> tuple[FloatArray, FloatArray]:
-    """kernel.tree_solve's two steps: caps per GPU (kW) and each group's U."""
+    """One bottom-up solve of the units holding the budgets of `held`: caps per GPU (kW)
+    and each group's U."""
     from powerd.allocator import kernel  # numba: loaded by the first solve, not at import
 
     tree = problem.tree
@@ -191,12 +185,13 @@ def _kernel_solve(
 
 
 def _guess(problem: Problem, warm: FloatArray | None) -> FloatArray:
-    """Where each group's price U was last tick: its path's multipliers summed (exact where
-    the group bound; its ancestors' price where it did not, which brackets it)."""
+    """Where each group's price U was last tick (`warm`: from _usable_warm): its path's
+    multipliers summed (exact where the group bound; its ancestors' price where it did not,
+    which brackets it)."""
     tree = problem.tree
-    if warm is None or warm.size != tree.n_groups or not np.all(np.isfinite(warm)):
+    if warm is None:
         return np.zeros(tree.n_groups)
-    mu = np.maximum(warm, 0.0) / (2.0 * problem.eps)
+    mu = warm / (2.0 * problem.eps)
     path = mu.copy()
     for level in range(1, N_LEVELS):
         g = tree.levels[level]

@@ -14,10 +14,13 @@ the root of F_g(u) = capacity. Groups are solved from the nodes up; a unit's pri
 highest U on its path, and the group multipliers are what each U adds to its ancestors'
 highest (so each GPU's path sums to its price).
 
-Each root is found by Newton steps inside a shrinking bracket. After each step, units whose
-response has no kink inside the bracket are folded into one affine term, so later steps
-touch only the units that can still change slope: the root is exact once no kink is left,
-and most units leave after the first steps. No warm start is needed (cold = warm).
+Each root is exact. Groups of up to KINKS_UP_TO units are solved from their kinks
+(`_root_kinks`, quickselect on F's breakpoints); larger ones by false position inside a
+shrinking bracket, every other step at the median of a sample of the kinks still inside it
+(`_root`). A group's first look is at `guess` (last tick's U, or where the caps in force
+put it). The caller decides which groups are held (fast.py's active set).
+
+`dual_pass` and `dense_hessian` are jobs.py's pass over the GPUs and its Newton system.
 
 numba compiles these functions on first use and caches the machine code next to this file
 (or in the user's cache directory where that is not writable).
@@ -448,10 +451,12 @@ _Views = tuple[
 ]
 
 
+@_inline
 def _views(
     n: int, n_groups: int, n_k: int, work_i: IntArray, work_f: FloatArray, work_k: FloatArray
 ) -> _Views:
-    """The prepared units' arrays, as views into the workspace."""
+    """The prepared units' arrays, as views into the workspace (model.work_arrays; rows 2
+    and 3 of work_f are solve_groups' floors and caps)."""
     base = n_groups + 1 + n
     return (
         work_i[n_groups + 1 : base],  # order: unit of each sorted position
@@ -461,11 +466,8 @@ def _views(
         work_k[1, :n, :n_k],  # len
         work_f[0, :n],  # lo
         work_f[1, :n],  # multiplicity
-        work_f[5, :n],  # prev
+        work_f[4, :n],  # prev
     )
-
-
-_views_jit = _inline(_views)
 
 
 @_jit
@@ -497,7 +499,7 @@ def prepare(
     n = attach.size
     n_groups = parent.size
     n_k = knots.shape[1] + 1
-    order, start, end, sa, sl, slo, sm, sprev = _views_jit(n, n_groups, n_k, work_i, work_f, work_k)
+    order, start, end, sa, sl, slo, sm, sprev = _views(n, n_groups, n_k, work_i, work_f, work_k)
     # Counting sort by the rank of each unit's group, so every subtree is a run.
     count = work_i[: n_groups + 1]
     count[:] = 0
@@ -551,7 +553,7 @@ def implied_guess(
     work_k: FloatArray,
 ) -> FloatArray:
     """_implied on the prepared units."""
-    _, start, end, sa, sl, slo, _, sprev = _views_jit(n, n_groups, n_k, work_i, work_f, work_k)
+    _, start, end, sa, sl, slo, _, sprev = _views(n, n_groups, n_k, work_i, work_f, work_k)
     return _implied(sa, sl, slo, sprev, start, end, by_level, capacity)
 
 
@@ -571,7 +573,7 @@ def solve_groups(
 
     `capacity`: +inf where there is nothing to hold; `guess`: where to look first (0: no
     guess); `by_level`: the groups, deepest level first. The caps are a view into work_f."""
-    order, start, end, sa, sl, slo, sm, _ = _views_jit(n, n_groups, n_k, work_i, work_f, work_k)
+    order, start, end, sa, sl, slo, sm, _ = _views(n, n_groups, n_k, work_i, work_f, work_k)
     floor = work_f[2, :n]
     floor[:] = 0.0
     buf = np.empty(SAMPLE)
@@ -592,7 +594,7 @@ def solve_groups(
         if ug > 0.0:
             for j in range(s, e):
                 floor[j] = max(floor[j], ug)
-    caps = work_f[4, :n]
+    caps = work_f[3, :n]
     for j in range(n):
         caps[order[j]] = _response(sa, sl, slo[j], j, floor[j])
     return caps, u
@@ -713,26 +715,14 @@ def dense_hessian(
 @_jit
 def classify_jobs(
     job: IntArray, gpu_groups: IntArray, n_jobs: int, held: BoolArray
-) -> tuple[BoolArray, IntArray, BoolArray]:
-    """Which jobs are laminar, where each hangs, and which groups hold one job alone.
+) -> tuple[BoolArray, IntArray]:
+    """Which jobs are laminar, and where each hangs.
 
-    A job is laminar when every held group (`held`: the budgets the solve holds) with some
-    of its GPUs either holds all of them or holds nothing else (then build_problem made it
-    a bound on the job's cap): its price is then a chain of multipliers, as a single GPU's.
+    A job is laminar when every held group (`held`: the budgets the solve holds, never a
+    group one job holds alone, which build_problem made a bound on that job) with some of
+    its GPUs holds all of them: its price is then a chain of multipliers, as a single GPU's.
     It hangs at the deepest group holding all its GPUs. `job` is -1 for free GPUs."""
-    n_groups = held.size
     n, depth = gpu_groups.shape
-    owner = np.full(n_groups, -2, dtype=np.int64)  # -2 empty, -1 mixed, else the one job
-    for i in range(n):
-        for lv in range(depth):
-            g = gpu_groups[i, lv]
-            if owner[g] == -2:
-                owner[g] = job[i]
-            elif owner[g] != job[i]:
-                owner[g] = -1
-    alone = np.zeros(n_groups, dtype=np.bool_)
-    for g in range(n_groups):
-        alone[g] = owner[g] >= 0
     laminar = np.ones(n_jobs, dtype=np.bool_)
     hang = np.full(n_jobs, -1, dtype=np.int64)
     first = np.full(n_jobs, -1, dtype=np.int64)
@@ -751,14 +741,14 @@ def classify_jobs(
                 first[j] = g
             elif first[j] != g:
                 same[j] = False
-            if held[g] and not alone[g]:
+            if held[g]:
                 mixed[j] = True
         for j in range(n_jobs):
             if mixed[j] and not same[j]:
                 laminar[j] = False
             if same[j] and first[j] >= 0:
                 hang[j] = first[j]
-    return laminar, hang, alone
+    return laminar, hang
 
 
 def warm_up() -> None:

@@ -171,23 +171,26 @@ class Workspace:
             yield work_arrays(n, n_groups, n_k)
             return
         try:
-            if self._i.size < n_groups * 3 + 1 + 2 * n:
-                self._i = np.zeros(n_groups * 3 + 1 + 2 * n, dtype=np.int64)
-            if self._f.shape[1] < n:
-                self._f = np.zeros((WORK_F, n))
-            if self._k.shape[1] < n or self._k.shape[2] < n_k:
-                self._k = np.zeros((2, n, n_k))
+            small = self._k.shape[1] < n or self._k.shape[2] < n_k
+            if small or self._i.size < _work_ints(n, n_groups):
+                self._i, self._f, self._k = work_arrays(n, n_groups, n_k)
             yield self._i, self._f, self._k
         finally:
             self._lock.release()
 
 
-WORK_F = 6
+# Per unit: lo, multiplicity, floor, cap, prev (kernel._views).
+WORK_F = 5
+
+
+def _work_ints(n: int, n_groups: int) -> int:
+    """Counting-sort counts, the units' order, each group's run start and end."""
+    return (n_groups + 1) + n + 2 * n_groups
 
 
 def work_arrays(n: int, n_groups: int, n_k: int) -> tuple[IntArray, FloatArray, FloatArray]:
     return (
-        np.zeros(n_groups * 3 + 1 + 2 * n, dtype=np.int64),
+        np.zeros(_work_ints(n, n_groups), dtype=np.int64),
         np.zeros((WORK_F, n)),
         np.zeros((2, n, n_k)),
     )
@@ -334,6 +337,8 @@ class Problem:
     infeasible_groups: IntArray
     jobs: JobMap | None = None
     split_jobs: tuple[str, ...] = ()
+    # Groups whose GPUs all belong to one job: their budget is a bound on that job's cap.
+    single_job: BoolArray | None = None
 
     @property
     def n(self) -> int:
@@ -399,26 +404,29 @@ def _over(tree: Tree, lo: FloatArray, capacity: FloatArray) -> BoolArray:
     return np.asarray(tree.sums(lo) > capacity + TOL_KW, dtype=np.bool_)
 
 
-def _single_job_room(tree: Tree, jobs: JobMap, capacity: FloatArray) -> FloatArray:
-    """Per GPU, the tightest capacity / GPU count over its groups that hold only its job's
-    GPUs (+inf where there is none)."""
+def _single_job_groups(tree: Tree, jobs: JobMap) -> BoolArray:
+    """The groups whose GPUs all belong to one job."""
     n_groups = tree.n_groups
-    job = jobs.job
-    shifted = job + 1  # 0: no job
+    shifted = jobs.job + 1  # 0: no job
     lo = np.full(n_groups, np.iinfo(np.int64).max)
     hi = np.full(n_groups, -1)
     for level in range(N_LEVELS):
         idx = tree.gpu_groups[:, level]
         np.minimum.at(lo, idx, shifted)
         np.maximum.at(hi, idx, shifted)
-    single = (lo == hi) & (lo > 0)
+    return np.asarray((lo == hi) & (lo > 0), dtype=np.bool_)
+
+
+def _single_job_room(tree: Tree, single: BoolArray, capacity: FloatArray) -> FloatArray:
+    """Per GPU, the tightest capacity / GPU count over its groups that hold only its job's
+    GPUs (`single`; +inf where there is none)."""
     per_gpu = np.where(single, capacity / np.maximum(tree.counts, 1), np.inf)
     return np.asarray(per_gpu[tree.gpu_groups].min(axis=1), dtype=np.float64)
 
 
 def _job_bounds(
     fleet: Fleet, tree: Tree, capacity: FloatArray, lo: FloatArray, hi: FloatArray
-) -> tuple[JobMap | None, list[str], FloatArray, FloatArray]:
+) -> tuple[JobMap | None, list[str], FloatArray, FloatArray, BoolArray | None]:
     """Jobs and each GPU's device bounds with its job's applied.
 
     A job's one cap must suit every member: the highest lower bound, the lowest upper one,
@@ -426,11 +434,11 @@ def _job_bounds(
     meet, or that mixes classes, is split: its GPUs are allocated as free GPUs, and it is
     reported. A group whose GPUs all belong to one job becomes a bound on that job's cap
     (room / count): the same feasible set, and the solver no longer has to price a group
-    that only one job answers to (jobs.py).
+    that only one job answers to (jobs.py). Those groups are returned too.
     """
     jobs = JobMap.of(fleet)
     if jobs is None:
-        return None, [], lo, hi
+        return None, [], lo, hi, None
     cls = fleet.class_index.astype(np.float64)
     job_lo, job_hi = jobs.max(lo), jobs.min(hi)
     bad = jobs.member & ((job_lo > job_hi) | (jobs.max(cls) != jobs.min(cls)))
@@ -439,11 +447,12 @@ def _job_bounds(
         split = sorted({jobs.names[int(j)] for j in np.unique(jobs.job[bad])})
         jobs = jobs.without(bad)
         if jobs is None:
-            return None, split, lo, hi
+            return None, split, lo, hi, None
     lo, hi = jobs.max(lo), jobs.min(hi)
-    room = jobs.min(_single_job_room(tree, jobs, capacity))
+    single = _single_job_groups(tree, jobs)
+    room = jobs.min(_single_job_room(tree, single, capacity))
     hi = np.where(jobs.member, np.maximum(np.minimum(hi, room), lo), hi)
-    return jobs, split, lo, hi
+    return jobs, split, lo, hi, single
 
 
 def _tree_for(fleet: Fleet, tree: Tree | None) -> Tree:
@@ -492,7 +501,7 @@ def build_problem(
     hi_w = np.where(fleet.stale, np.minimum(hi_w, fleet.cap_w), hi_w)  # stale: never raised
     hi_base = np.where(pinned, lo_dev, np.maximum(hi_w / 1000.0, lo_dev))
 
-    jobs, split, lo_dev, hi_base = _job_bounds(fleet, tree, capacity, lo_dev, hi_base)
+    jobs, split, lo_dev, hi_base, single = _job_bounds(fleet, tree, capacity, lo_dev, hi_base)
 
     bad = _over(tree, lo_dev, capacity)
     if bad.any():
@@ -558,6 +567,7 @@ def build_problem(
         infeasible_groups=np.flatnonzero(bad).astype(np.int64),
         jobs=jobs,
         split_jobs=tuple(split),
+        single_job=single,
     )
 
 
