@@ -107,7 +107,9 @@ def _tree_solve(problem: Problem, warm: FloatArray | None) -> tuple[FloatArray, 
     for rnd in range(ACTIVE_ROUNDS + 1):
         held = np.where(active, capacity, np.inf)
         units, laminar = _held_units(problem, held)
-        coupled = coupled or not laminar
+        if not laminar:
+            coupled = True  # jobs.py answers: this loop's caps would go unused
+            break
         p, u = _kernel_solve(problem, units, held, guess)
         over = finite & ~active & (tree.sums(p) > capacity + tol)
         if not over.any():
@@ -115,14 +117,17 @@ def _tree_solve(problem: Problem, warm: FloatArray | None) -> tuple[FloatArray, 
         # The last round holds every group: its answer is the tree's.
         active = over | active if rnd < ACTIVE_ROUNDS - 1 else finite
         guess = np.where(u > 0.0, u, guess)  # this round's roots are close
-    mu = _multipliers(problem, u)
     if not coupled:
-        return p, mu
-    # The tree's answer with every job's GPUs free: the start jobs.py was tuned on (with the
-    # laminar jobs kept whole its Newton steps can zigzag for a hundred iterations). It
-    # starts from that or last tick's, whichever has the lower dual value.
-    start = _tree_solve(replace(problem, jobs=None), warm)[1]
-    p, mu, done = _jobs.solve_checked(problem, warm, start)
+        return p, _multipliers(problem, u)
+
+    # jobs.py starts from last tick's multipliers; where they do not lead to the optimum
+    # within a few iterations (or there are none), from the tree's answer with every job's
+    # GPUs free if that has the lower dual value (with the laminar jobs kept whole its
+    # Newton steps can zigzag for a hundred iterations).
+    def start() -> FloatArray:
+        return _tree_solve(replace(problem, jobs=None), warm)[1]
+
+    p, mu, done = _jobs.solve_checked(problem, warm, start if warm is not None else start())
     if done or problem.n > REFERENCE_UP_TO:
         return p, mu  # where not done, Allocation.gap says how far from the best
     # Newton stalled (its dual is piecewise, and some sites make it zigzag): on a site this

@@ -22,6 +22,7 @@ every solver (api.allocate_arrays).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,10 +31,15 @@ import scipy.sparse as sp
 import scipy.sparse.linalg
 
 from powerd.allocator.model import TOL_KW, BoolArray, FloatArray, IntArray, JobMap, Problem
-from powerd.topology import N_LEVELS
 
 MAX_ITERATIONS = 100
+# Iterations from last tick's multipliers before the relaxed problem's are looked at.
+WARM_ITERATIONS = 8
 MAX_SEARCH = 16
+# Iterations without the residual halving before the exact search gives way to Armijo's.
+STALL = 6
+# Bends of the projected arc (a multiplier reaching 0) one exact search follows.
+MAX_BENDS = 8
 # Passes over the GPUs one solve may take (each ~1 ms at 100k GPUs, compiled): a tick's
 # solve stays bounded (under 1 s at 100k with its Newton systems), and where it has not
 # converged by then the caller gets the caps repaired to every budget and the certificate
@@ -64,12 +70,14 @@ class _Eval:
     sums: FloatArray
     partial: BoolArray
     value: float
+    price: FloatArray  # per unit: its GPUs' mean path price
 
 
 class _Dual:
     def __init__(self, problem: Problem, jobs: JobMap) -> None:
         tree = problem.tree
         self.tree = tree
+        self.jobs = jobs
         self.finite = np.isfinite(problem.capacity)
         self.cap_f = np.where(self.finite, problem.capacity, 0.0)
         self.tol = np.maximum(TOL_KW, REL_TOL * np.abs(self.cap_f))
@@ -88,29 +96,22 @@ class _Dual:
         rep = np.empty(self.n_units, dtype=np.int64)
         rep[unit[::-1]] = np.arange(n)[::-1]  # first GPU of each unit
         prev = np.bincount(unit, weights=problem.prev, minlength=self.n_units) / self.size
-        a = np.add(problem.slopes[:, rep], problem.delta)
+        # Unit-major segments for the compiled passes: a = prev − start + (slope + δ) / 2ε.
+        self.slope_rows = np.ascontiguousarray(problem.slopes.T[rep])
+        self.len_rows = np.ascontiguousarray(problem.lengths.T[rep])
+        a = self.slope_rows + problem.delta
         a *= self.inv
-        a -= problem.starts[:, rep]
-        a += prev
-        self.a = a
-        self.lengths = np.ascontiguousarray(problem.lengths[:, rep])
-        self.slopes = np.ascontiguousarray(problem.slopes[:, rep])
+        a -= problem.starts.T[rep]
+        a += prev[:, None]
+        self.a_rows = a
         self.lo = problem.lo[rep]
         self.prev = prev
         self.delta = problem.delta
         self.eps = problem.eps
         self.gpu_groups = tree.gpu_groups
-        self.node_path = np.zeros((tree.n_groups, N_LEVELS), dtype=np.int64)
-        self.node_path[tree.node_of_gpu] = tree.gpu_groups
         self.job_members = np.flatnonzero(member)
-        # For the compiled pass: each node's path once, each GPU's row there, and unit-major
-        # copies of the segments.
-        nodes, self.node_row = np.unique(tree.node_of_gpu, return_inverse=True)
-        self.node_row = np.ascontiguousarray(self.node_row, dtype=np.int64)
-        self.node_rows = np.ascontiguousarray(self.node_path[nodes])
-        self.a_rows = np.ascontiguousarray(self.a.T)
-        self.len_rows = np.ascontiguousarray(self.lengths.T)
-        self.slope_rows = np.ascontiguousarray(self.slopes.T)
+        # Each node's path once, and each GPU's row there (topology only: kept on the tree).
+        self.node_path, self.node_rows, self.node_row = tree.node_paths
         self.count = tree.counts.astype(np.float64)
         self.passes = 0
 
@@ -120,7 +121,7 @@ class _Dual:
         from powerd.allocator import kernel  # numba: loaded by the first solve
 
         self.passes += 1
-        p, sums, partial, value = kernel.dual_pass(
+        p, sums, partial, value, price = kernel.dual_pass(
             np.ascontiguousarray(mu, dtype=np.float64),
             self.node_rows,
             self.node_row,
@@ -136,16 +137,42 @@ class _Dual:
             self.eps,
             self.inv,
         )
-        return _Eval(np.asarray(p), np.asarray(sums), np.asarray(partial), float(value))
+        return _Eval(
+            np.asarray(p), np.asarray(sums), np.asarray(partial), float(value), np.asarray(price)
+        )
+
+    def means(self, vec: FloatArray) -> FloatArray:
+        """Per unit, the mean of its GPUs' path sums of vec (per group)."""
+        from powerd.allocator import kernel  # numba: loaded by the first solve
+
+        return np.asarray(
+            kernel.unit_means(
+                np.ascontiguousarray(vec, dtype=np.float64),
+                self.node_rows,
+                self.node_row,
+                self.unit,
+                self.size,
+            )
+        )
+
+    def sums_at(self, price: FloatArray) -> FloatArray:
+        """Group sums of the units' caps at their mean prices `price` (per kW)."""
+        from powerd.allocator import kernel  # numba: loaded by the first solve
+
+        return np.asarray(
+            kernel.response_sums(
+                price, self.node_rows, self.node_row, self.unit, self.a_rows,
+                self.len_rows, self.lo, self.inv, self.tree.n_groups,
+            )
+        )  # fmt: skip
 
     def primal_value(self, p: FloatArray) -> float:
         """The units' gain at caps p (one per unit: a job's members share theirs)."""
         x_u = np.zeros(self.n_units)
         x_u[self.unit] = p
-        t = np.clip(
-            x_u - (self.lo + np.cumsum(self.lengths, axis=0) - self.lengths), 0.0, self.lengths
-        )
-        gain = np.einsum("ku,ku->u", self.slopes, t)
+        ln = self.len_rows
+        t = np.clip(x_u[:, None] - (self.lo[:, None] + np.cumsum(ln, axis=1) - ln), 0.0, ln)
+        gain = np.einsum("uk,uk->u", self.slope_rows, t)
         gain += self.delta * x_u - self.eps * (x_u - self.prev) ** 2
         return float(np.einsum("u,u->", self.size, gain))
 
@@ -230,11 +257,18 @@ class _Dual:
         flat = diag <= 0.0
         if flat.any():
             # No unit under these groups answers to their price here (all at a knot or a
-            # bound): D is linear along them. Move them alone, by the scaled gradient, and
-            # let the search stretch the step to where a unit starts to answer; mixing them
-            # into a Newton step would tie their stretch to the other groups' overshoot.
+            # bound): D is linear along them and their rows of H are zero. They move by the
+            # scaled gradient, the others by Newton on their block; the exact search finds
+            # where along both D stops falling.
             direction[work[flat]] = -scaled[work[flat]]
-            return direction
+            keep = ~flat
+            work, diag = work[keep], diag[keep]
+            if dense is not None:
+                dense = dense[np.ix_(keep, keep)]
+            else:
+                h = h[keep][:, keep]
+            if work.size == 0:
+                return direction
         reg = REGULARISE_REL * scale[work] + REGULARISE * float(diag.max(initial=0.0))
         rhs = -grad[work]
         if dense is not None:
@@ -261,6 +295,63 @@ class _Dual:
         excess = np.where(self.finite, ev.sums - self.cap_f, 0.0)
         short = np.where(mu > 0.0, np.abs(excess), np.maximum(excess, 0.0))
         return float(np.max(short, initial=0.0))
+
+
+def _exact_search(
+    dual: _Dual, mu: FloatArray, d: FloatArray, ev0: _Eval
+) -> tuple[FloatArray, _Eval]:
+    """The first minimum of D along the projected arc max(μ + αd, 0), found exactly.
+
+    Along a ray D's slope is continuous, non-decreasing and piecewise linear in α (each
+    unit's price moves linearly): kernel.ray_minimum finds its root over the units, without
+    a pass over the GPUs. Where a multiplier reaches 0 first the arc bends there: that group
+    leaves the direction and the search goes on (MAX_BENDS times). One pass at the end."""
+    from powerd.allocator import kernel  # numba: loaded by the first solve
+
+    d = np.where((mu <= 0.0) & (d < 0.0), 0.0, d)
+    grad = dual.gradient(ev0)
+    base = mu.copy()
+    price = ev0.price
+    moved = False
+    for _ in range(MAX_BENDS):
+        rate = dual.means(d)
+        falling = d < 0.0
+        alpha_max = float(np.min(base[falling] / -d[falling])) if falling.any() else np.inf
+        alpha = kernel.ray_minimum(
+            price, rate, dual.size, dual.a_rows, dual.len_rows, dual.lo, dual.inv,
+            float(np.einsum("g,g->", d, grad)), alpha_max,
+        )  # fmt: skip
+        if alpha <= 0.0:
+            break
+        moved = True
+        nxt = base + alpha * d
+        if alpha < alpha_max:
+            base = np.maximum(nxt, 0.0)
+            break
+        # The groups that reach 0 here stay there: the arc bends.
+        reached = falling & (nxt <= 1e-15 * np.maximum(base, 1.0))
+        base = np.maximum(nxt, 0.0)
+        base[reached] = 0.0
+        d = np.where(reached, 0.0, d)
+        price = price + alpha * rate
+        grad = np.where(dual.finite, dual.cap_f - dual.sums_at(price), 0.0)
+        if not np.any(d):
+            break
+    if not moved:
+        return mu, ev0
+    return base, dual.at(base)
+
+
+def _dual_of(problem: Problem, jobs: JobMap) -> _Dual:
+    """The dual for the problem's jobs, built once per problem (the solve and the gap's
+    certificate share it)."""
+    memo = problem.memo
+    dual = memo.get("jobs_dual")
+    if not isinstance(dual, _Dual) or dual.jobs is not jobs:
+        dual = _Dual(problem, jobs)
+        memo["jobs_dual"] = dual
+    dual.passes = 0
+    return dual
 
 
 def _search(dual: _Dual, mu: FloatArray, d: FloatArray, ev0: _Eval) -> tuple[FloatArray, _Eval]:
@@ -302,6 +393,17 @@ def _search(dual: _Dual, mu: FloatArray, d: FloatArray, ev0: _Eval) -> tuple[Flo
     return mu, ev0
 
 
+def _better(dual: _Dual, ev0: _Eval, mu0: FloatArray, ev: _Eval, mu: FloatArray) -> bool:
+    """Whether the step to mu decreased D (or, within rounding of D, the residual)."""
+    if ev is ev0:
+        return False
+    if ev.value < ev0.value - FLAT * max(abs(ev0.value), 1.0):
+        return True
+    if ev.value > ev0.value + FLAT * max(abs(ev0.value), 1.0):
+        return False
+    return dual.residual(ev, mu) < dual.residual(ev0, mu0)
+
+
 def gap(problem: Problem, p: FloatArray, prices: FloatArray) -> float:
     """How far caps p can be from the optimum: (dual bound − value of p) / |value|, ≥ 0.
 
@@ -309,7 +411,7 @@ def gap(problem: Problem, p: FloatArray, prices: FloatArray) -> float:
     is a certificate: 0 up to rounding when the solver converged."""
     if problem.jobs is None or problem.n == 0:
         return 0.0
-    dual = _Dual(problem, problem.jobs)
+    dual = _dual_of(problem, problem.jobs)
     mu = np.where(dual.finite, np.maximum(prices, 0.0), 0.0)
     bound = dual.at(mu).value
     value = dual.primal_value(p)
@@ -327,37 +429,86 @@ def solve(
 
 
 def solve_checked(
-    problem: Problem, warm: FloatArray | None = None, start: FloatArray | None = None
+    problem: Problem,
+    warm: FloatArray | None = None,
+    start: FloatArray | Callable[[], FloatArray] | None = None,
 ) -> tuple[FloatArray, FloatArray, bool]:
-    """solve(), and whether it converged (every budget met to REL_TOL, complementary)."""
+    """solve(), and whether it converged (every budget met to REL_TOL, complementary).
+
+    `start` may be a function: it is called only where last tick's multipliers (`warm`) do
+    not lead to the optimum within WARM_ITERATIONS (in steady state they do, in fewer
+    passes than the relaxed problem's prices, and the tree solve for those is saved)."""
     n_groups = problem.tree.n_groups
     jobs = problem.jobs
     if problem.n == 0 or jobs is None:
         return np.zeros(problem.n), np.zeros(n_groups), True
-    dual = _Dual(problem, jobs)
+    dual = _dual_of(problem, jobs)
+
+    def usable(guess: FloatArray | None) -> FloatArray | None:
+        if guess is None or guess.size != n_groups or not np.all(np.isfinite(guess)):
+            return None
+        return np.where(dual.finite, np.maximum(guess, 0.0), 0.0)
+
     mu, ev = np.zeros(n_groups), None
-    for guess in (warm, start):
-        if guess is not None and guess.size == n_groups and np.all(np.isfinite(guess)):
-            # Of last tick's multipliers and the relaxed problem's, the lower D is nearer.
-            cand = np.where(dual.finite, np.maximum(guess, 0.0), 0.0)
-            cand_ev = dual.at(cand)
-            if ev is None or cand_ev.value < ev.value:
-                mu, ev = cand, cand_ev
+    cand = usable(warm)
+    if cand is not None:
+        mu, ev = cand, dual.at(cand)
+        if callable(start):
+            mu, ev = _iterate(dual, mu, ev, WARM_ITERATIONS)
+            if dual.converged(ev, mu):
+                return ev.p, mu, True
+    cand = usable(start() if callable(start) else start)
+    if cand is not None:
+        # Of last tick's multipliers (or where they led) and the relaxed problem's, the
+        # lower D is nearer.
+        cand_ev = dual.at(cand)
+        if ev is None or cand_ev.value < ev.value:
+            mu, ev = cand, cand_ev
     if ev is None:
         ev = dual.at(mu)
-    for _ in range(MAX_ITERATIONS):
+    mu, ev = _iterate(dual, mu, ev, MAX_ITERATIONS)
+    return ev.p, mu, dual.converged(ev, mu)
+
+
+def _iterate(dual: _Dual, mu: FloatArray, ev: _Eval, iterations: int) -> tuple[FloatArray, _Eval]:
+    """Projected Newton iterations from mu, until converged, out of passes or iterations,
+    or out of descent."""
+    # Exact searches take the best step along each direction (a pass per step, against
+    # Armijo's several) but can zigzag between two faces of D where Armijo's shorter steps
+    # do not: when the residual has not halved in STALL iterations, Armijo takes over.
+    exact, best, since = True, np.inf, 0
+    older: FloatArray | None = None
+    for _ in range(iterations):
         if dual.passes >= MAX_PASSES or dual.converged(ev, mu):
             break
+        res = dual.residual(ev, mu)
+        if res < 0.5 * best:
+            best, since = res, 0
+        else:
+            since += 1
+            exact = exact and since < STALL
         grad = dual.gradient(ev)
         d = dual.step(ev, mu, grad)
         if not np.any(d):
             break
-        nxt_mu, nxt = _search(dual, mu, d, ev)
+        if exact:
+            nxt_mu, nxt = _exact_search(dual, mu, d, ev)
+            if not _better(dual, ev, mu, nxt, nxt_mu):
+                nxt_mu, nxt = _search(dual, mu, d, ev)
+        else:
+            nxt_mu, nxt = _search(dual, mu, d, ev)
         if nxt is ev:
             # Newton's direction found no decrease (a stall at a kink): one scaled
             # gradient step, stretched by the search, before giving up.
             nxt_mu, nxt = _search(dual, mu, dual.gradient_step(mu, grad), ev)
         if nxt is ev:
             break  # no decrease left to find: as exact as floating point allows
+        if exact and since >= 1 and older is not None:
+            # Two faces of D zigzag the steps: along the chord of the last two (parallel
+            # tangents) the search often goes much further.
+            chord_mu, chord = _exact_search(dual, nxt_mu, nxt_mu - older, nxt)
+            if _better(dual, nxt, nxt_mu, chord, chord_mu):
+                nxt_mu, nxt = chord_mu, chord
+        older = mu
         mu, ev = nxt_mu, nxt
-    return ev.p, mu, dual.converged(ev, mu)
+    return mu, ev

@@ -616,11 +616,12 @@ def dual_pass(
     delta: float,
     eps: float,
     inv: float,
-) -> tuple[FloatArray, FloatArray, BoolArray, float]:
+) -> tuple[FloatArray, FloatArray, BoolArray, float, FloatArray]:
     """jobs.py's dual at multipliers mu (per kW): caps per GPU, group sums, units inside a
-    segment, and D(mu). `node_path`: each node's groups (one row per node), `node`: each
-    GPU's row there. Units are free GPUs and jobs (`unit` per GPU, `size` its GPUs); a, ln,
-    slopes are (units, K): a unit answers like one GPU at its GPUs' mean path price."""
+    segment, D(mu), and each unit's price. `node_path`: each node's groups (one row per
+    node), `node`: each GPU's row there. Units are free GPUs and jobs (`unit` per GPU,
+    `size` its GPUs); a, ln, slopes are (units, K): a unit answers like one GPU at its
+    price, its GPUs' mean path price."""
     n = node.size
     n_nodes, depth = node_path.shape
     n_units = size.size
@@ -653,6 +654,8 @@ def dual_pass(
         value += size[u] * gain
     for g in range(cap.size):
         value += mu[g] * cap[g]
+    for u in range(n_units):
+        lam[u] /= size[u]  # each unit's price: its GPUs' mean
     caps = np.empty(n)
     node_sum = np.zeros(n_nodes)
     for i in range(n):
@@ -663,7 +666,156 @@ def dual_pass(
     for nd in range(n_nodes):
         for lv in range(depth):
             sums[node_path[nd, lv]] += node_sum[nd]
-    return caps, sums, partial, value
+    return caps, sums, partial, value, lam
+
+
+@_jit
+def unit_means(
+    vec: FloatArray, node_path: IntArray, node: IntArray, unit: IntArray, size: FloatArray
+) -> FloatArray:
+    """Per unit of jobs.py, the mean over its GPUs of their path sums of `vec` (per group):
+    a unit's price at multipliers vec, or how fast it moves along a direction vec."""
+    n_nodes, depth = node_path.shape
+    path = np.empty(n_nodes)
+    for nd in range(n_nodes):
+        s = 0.0
+        for lv in range(depth):
+            s += vec[node_path[nd, lv]]
+        path[nd] = s
+    out = np.zeros(size.size)
+    for i in range(node.size):
+        out[unit[i]] += path[node[i]]
+    for u in range(size.size):
+        out[u] /= size[u]
+    return out
+
+
+@_inline
+def _unit_response(
+    a: FloatArray, ln: FloatArray, lo: float, u: int, v: float
+) -> tuple[float, float]:
+    """A unit's cap at scaled price v, and how many of its segments are partly filled."""
+    p = lo
+    inside = 0.0
+    for k in range(a.shape[1]):
+        t = min(max(a[u, k] - v, 0.0), ln[u, k])
+        p += t
+        if t > 0.0 and t < ln[u, k]:
+            inside += 1.0
+    return p, inside
+
+
+@_inline
+def _ray_slope(
+    alpha: float,
+    price: FloatArray,
+    rate: FloatArray,
+    size: FloatArray,
+    a: FloatArray,
+    ln: FloatArray,
+    lo: FloatArray,
+    inv: float,
+    g0: float,
+    p0: FloatArray,
+) -> tuple[float, float, float]:
+    """g(α) = g0 − Σ_u m_u e_u (x_u(λ_u + α e_u) − x_u(λ_u)) (D's slope along the ray,
+    summed as changes so that units that do not move add no rounding), g'(α), and the
+    rounding g carries (a few ulps of each moving unit's caps)."""
+    g = g0
+    dg = 0.0
+    mag = 0.0
+    for u in range(size.size):
+        e = rate[u]
+        if e == 0.0:
+            continue
+        p, inside = _unit_response(a, ln, lo[u], u, (price[u] + alpha * e) * inv)
+        g -= size[u] * e * (p - p0[u])
+        mag += size[u] * abs(e) * (abs(p) + abs(p0[u]))  # each cap carries its rounding
+        dg += size[u] * e * e * inv * inside
+    return g, dg, 4e-16 * mag
+
+
+@_jit
+def response_sums(
+    price: FloatArray,
+    node_path: IntArray,
+    node: IntArray,
+    unit: IntArray,
+    a: FloatArray,
+    ln: FloatArray,
+    lo: FloatArray,
+    inv: float,
+    n_groups: int,
+) -> FloatArray:
+    """Group sums of the caps jobs.py's units take at their mean prices `price` (per kW)."""
+    x = np.empty(price.size)
+    for u in range(price.size):
+        x[u], _ = _unit_response(a, ln, lo[u], u, price[u] * inv)
+    n_nodes, depth = node_path.shape
+    node_sum = np.zeros(n_nodes)
+    for i in range(node.size):
+        node_sum[node[i]] += x[unit[i]]
+    sums = np.zeros(n_groups)
+    for nd in range(n_nodes):
+        for lv in range(depth):
+            sums[node_path[nd, lv]] += node_sum[nd]
+    return sums
+
+
+@_jit
+def ray_minimum(
+    price: FloatArray,
+    rate: FloatArray,
+    size: FloatArray,
+    a: FloatArray,
+    ln: FloatArray,
+    lo: FloatArray,
+    inv: float,
+    g0: float,
+    alpha_max: float,
+) -> float:
+    """The step α in [0, alpha_max] that minimises jobs.py's dual along a ray μ + αd: the
+    root of its slope g, continuous, non-decreasing and piecewise linear in α (a unit at
+    mean price λ_u moving at rate e_u answers x_u(λ_u + α e_u); g0 = d·∇D(μ)). Newton
+    steps inside a shrinking bracket, bisection where one would leave it or creep: on a
+    linear piece Newton lands on the root. 0 if g0 ≥ 0, alpha_max if g stays below 0 up
+    to it."""
+    if not g0 < 0.0:
+        return 0.0
+    p0 = np.empty(size.size)
+    dg = 0.0
+    for u in range(size.size):
+        p0[u], inside = _unit_response(a, ln, lo[u], u, price[u] * inv)
+        dg += size[u] * rate[u] * rate[u] * inv * inside
+    g = g0
+    tol = 1e-10 * -g0
+    left, right = 0.0, np.inf
+    alpha, width = 0.0, np.inf
+    for step in range(MAX_STEPS):
+        nxt = alpha - g / dg if dg > 0.0 else np.inf
+        if right == np.inf:
+            if not nxt < np.inf:
+                nxt = max(2.0 * left, 1.0)  # a flat stretch: stretch out
+            if nxt >= alpha_max:
+                gm, _, _ = _ray_slope(alpha_max, price, rate, size, a, ln, lo, inv, g0, p0)
+                if gm <= 0.0:
+                    return alpha_max
+                right = alpha_max
+        if right < np.inf and not (left < nxt < right and (step % 3 != 2 or right - left < width)):
+            nxt = 0.5 * (left + right)  # Newton left the bracket, or crept
+        if right < np.inf:
+            width = 0.5 * (right - left)
+        alpha = nxt
+        g, dg, noise = _ray_slope(alpha, price, rate, size, a, ln, lo, inv, g0, p0)
+        if abs(g) <= max(tol, noise):
+            return alpha
+        if g < 0.0:
+            left = alpha
+        else:
+            right = alpha
+        if right < np.inf and right - left <= 1e-10 * right:
+            break
+    return left
 
 
 @_jit
@@ -803,5 +955,9 @@ def warm_up() -> None:
         1e3,
     )
     dense_hessian(np.ones(2, dtype=np.bool_), first, gg, np.array([0, 1]), np.ones(2), 1, 2, 1e3)
+    size = np.array([2.0])
+    unit_means(zeros, gg[:1], first, first, size)
+    response_sums(np.zeros(1), gg[:1], first, first, rows, rows, np.array([0.1]), 1e3, 2)
+    ray_minimum(np.zeros(1), -np.ones(1), size, rows, rows, np.array([0.1]), 1e3, -1.0, np.inf)
     job = np.array([0, 0], dtype=np.int64)
     classify_jobs(job, np.array([[0, 1], [0, 1]], dtype=np.int64), 1, np.ones(2, dtype=np.bool_))

@@ -222,6 +222,28 @@ class Tree:
         self.deepest_first = np.concatenate(self.levels[::-1]).astype(np.int64)
         self.workspace = Workspace()
 
+    @cached_property
+    def first_gpu(self) -> IntArray:
+        """A GPU of each group (the lowest-numbered), -1 for a group without GPUs."""
+        first = np.full(self.n_groups, -1, dtype=np.int64)
+        gpus = np.arange(self.gpu_groups.shape[0])[::-1]
+        for level in range(N_LEVELS):
+            first[self.gpu_groups[::-1, level]] = gpus
+        return first
+
+    @cached_property
+    def node_paths(self) -> tuple[IntArray, IntArray, IntArray]:
+        """Each group's path of groups where it is a node (zeros elsewhere); each node's path
+        once, in node order; each GPU's row there (jobs.py's compiled passes)."""
+        path = np.zeros((self.n_groups, N_LEVELS), dtype=np.int64)
+        path[self.node_of_gpu] = self.gpu_groups
+        nodes, row = np.unique(self.node_of_gpu, return_inverse=True)
+        return (
+            path,
+            np.ascontiguousarray(path[nodes]),
+            np.ascontiguousarray(row, dtype=np.int64),
+        )
+
     def sums(self, per_gpu: FloatArray) -> FloatArray:
         """Sum over every group, like Topology.group_sums but one n-long pass only."""
         s = np.bincount(self.node_of_gpu, weights=per_gpu, minlength=self.n_groups).astype(
@@ -248,7 +270,10 @@ class JobMap:
         self.names = names
         self.member = job >= 0
         idx = np.flatnonzero(self.member)
-        order = np.argsort(job[idx], kind="stable")
+        keys = job[idx]
+        if len(names) <= np.iinfo(np.int16).max:
+            keys = keys.astype(np.int16)  # numpy sorts 16-bit keys by radix: O(n)
+        order = np.argsort(keys, kind="stable")
         self._sorted = idx[order]  # member GPUs, grouped by job
         js = job[self._sorted]
         self._starts = np.flatnonzero(np.r_[True, js[1:] != js[:-1]]) if js.size else js
@@ -265,9 +290,11 @@ class JobMap:
         valid = (raw >= 0) & (raw < len(fleet.job_names))
         if not valid.any():
             return None
-        used, compact = np.unique(raw[valid], return_inverse=True)
-        job = np.full(raw.size, -1, dtype=np.int64)
-        job[valid] = compact
+        # Compact numbering of the jobs that have GPUs here (a count, not a sort).
+        used = np.flatnonzero(np.bincount(raw[valid], minlength=len(fleet.job_names)))
+        remap = np.full(len(fleet.job_names), -1, dtype=np.int64)
+        remap[used] = np.arange(used.size)
+        job = np.where(valid, remap[np.where(valid, raw, 0)], -1)
         return cls(job, tuple(fleet.job_names[int(j)] for j in used))
 
     @property
@@ -345,6 +372,11 @@ class Problem:
         return int(self.lo.size)
 
     @cached_property
+    def memo(self) -> dict[str, object]:
+        """What solvers derive from this problem and share (jobs.py's dual)."""
+        return {}
+
+    @cached_property
     def _segment_rows(self) -> tuple[FloatArray, FloatArray, FloatArray]:
         return _segments(
             self.classes,
@@ -406,22 +438,25 @@ def _over(tree: Tree, lo: FloatArray, capacity: FloatArray) -> BoolArray:
 
 def _single_job_groups(tree: Tree, jobs: JobMap) -> BoolArray:
     """The groups whose GPUs all belong to one job."""
-    n_groups = tree.n_groups
-    shifted = jobs.job + 1  # 0: no job
-    lo = np.full(n_groups, np.iinfo(np.int64).max)
-    hi = np.full(n_groups, -1)
+    # A group is one job's when each of its GPUs is in the job of the group's first GPU.
+    first = tree.first_gpu
+    job_of = np.where(first >= 0, jobs.job[np.maximum(first, 0)], -1)
+    same = np.zeros(tree.n_groups)
     for level in range(N_LEVELS):
         idx = tree.gpu_groups[:, level]
-        np.minimum.at(lo, idx, shifted)
-        np.maximum.at(hi, idx, shifted)
-    return np.asarray((lo == hi) & (lo > 0), dtype=np.bool_)
+        same += np.bincount(idx, weights=jobs.job == job_of[idx], minlength=tree.n_groups)
+    return np.asarray((job_of >= 0) & (same == tree.counts), dtype=np.bool_)
 
 
 def _single_job_room(tree: Tree, single: BoolArray, capacity: FloatArray) -> FloatArray:
     """Per GPU, the tightest capacity / GPU count over its groups that hold only its job's
     GPUs (`single`; +inf where there is none)."""
     per_gpu = np.where(single, capacity / np.maximum(tree.counts, 1), np.inf)
-    return np.asarray(per_gpu[tree.gpu_groups].min(axis=1), dtype=np.float64)
+    gg = tree.gpu_groups
+    out = per_gpu[gg[:, 0]]
+    for level in range(1, N_LEVELS):  # column by column: min(axis=1) on 4 columns is slow
+        np.minimum(out, per_gpu[gg[:, level]], out=out)
+    return np.asarray(out, dtype=np.float64)
 
 
 def _job_bounds(
