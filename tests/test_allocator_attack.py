@@ -133,3 +133,22 @@ def test_a_tree_built_for_another_topology_is_refused_clearly() -> None:
     other = Tree(random_fleet(big, 0).topology)
     with pytest.raises(ValueError, match="another topology"):
         allocate_arrays(fleet, small, "fast", tree=other)
+
+
+def test_tree_keeps_jobs_only_while_they_stay_the_same() -> None:
+    """The tree keeps what the fleet's jobs imply from tick to tick: a tick whose jobs
+    changed (even in place, in the same array) gets the answer a fresh tree gives."""
+    policy = make_policy(1, 2, 2, 4, fractions=(1.0, 0.9, 0.8, 0.9))
+    base = random_fleet(policy, 3, limited_share=0.5)
+    a = with_jobs(base, 3, share=0.8, sizes=(2, 3), scattered=1.0)
+    b = with_jobs(base, 4, share=0.8, sizes=(2, 4), scattered=0.5)
+    tree = Tree(a.topology)
+    for fleet in (a, b, a):
+        kept = allocate_arrays(fleet, policy, "fast", tree=tree)
+        fresh = allocate_arrays(fleet, policy, "fast")
+        assert np.array_equal(kept.caps_w, fresh.caps_w)
+    assert a.job_index is not None and b.job_index is not None
+    a.job_index[:] = b.job_index  # the same array, other jobs
+    moved = replace(a, class_index=b.class_index, job_names=b.job_names)
+    kept = allocate_arrays(moved, policy, "fast", tree=tree)
+    assert np.array_equal(kept.caps_w, allocate_arrays(moved, policy, "fast").caps_w)

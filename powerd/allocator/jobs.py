@@ -34,10 +34,8 @@ from powerd.allocator.model import TOL_KW, BoolArray, FloatArray, IntArray, JobM
 
 MAX_ITERATIONS = 100
 # Iterations from last tick's multipliers before the relaxed problem's are looked at.
-WARM_ITERATIONS = 8
+WARM_ITERATIONS = 12
 MAX_SEARCH = 16
-# Iterations without the residual halving before the exact search gives way to Armijo's.
-STALL = 6
 # Bends of the projected arc (a multiplier reaching 0) one exact search follows.
 MAX_BENDS = 8
 # Passes over the GPUs one solve may take (each ~1 ms at 100k GPUs, compiled): a tick's
@@ -82,26 +80,22 @@ class _Dual:
         self.cap_f = np.where(self.finite, problem.capacity, 0.0)
         self.tol = np.maximum(TOL_KW, REL_TOL * np.abs(self.cap_f))
         self.inv = 1.0 / (2.0 * problem.eps)
-        n = problem.n
         member = jobs.member
-        n_free = int(np.count_nonzero(~member))
-        unit = np.empty(n, dtype=np.int64)
-        unit[~member] = np.arange(n_free)
-        unit[member] = n_free + jobs.job[member]
+        unit, size, n_free, rep = jobs.units  # kept with the jobs from tick to tick
         self.unit = unit
-        self.n_units = n_free + jobs.n_jobs
+        self.n_units = size.size
         self.n_free = n_free
-        self.size = np.bincount(unit, minlength=self.n_units).astype(np.float64)
+        self.size = size
         self.job_gpu = member
-        rep = np.empty(self.n_units, dtype=np.int64)
-        rep[unit[::-1]] = np.arange(n)[::-1]  # first GPU of each unit
         prev = np.bincount(unit, weights=problem.prev, minlength=self.n_units) / self.size
-        # Unit-major segments for the compiled passes: a = prev − start + (slope + δ) / 2ε.
-        self.slope_rows = np.ascontiguousarray(problem.slopes.T[rep])
-        self.len_rows = np.ascontiguousarray(problem.lengths.T[rep])
+        # Unit-major segments for the compiled passes (one row per unit, from its first
+        # GPU: members share bounds, class and segments): a = prev − start + (slope + δ)/2ε.
+        starts, lengths, slopes = problem.unit_segments(rep)
+        self.slope_rows = np.ascontiguousarray(slopes.T)
+        self.len_rows = np.ascontiguousarray(lengths.T)
         a = self.slope_rows + problem.delta
         a *= self.inv
-        a -= problem.starts.T[rep]
+        a -= starts.T
         a += prev[:, None]
         self.a_rows = a
         self.lo = problem.lo[rep]
@@ -474,9 +468,9 @@ def _iterate(dual: _Dual, mu: FloatArray, ev: _Eval, iterations: int) -> tuple[F
     """Projected Newton iterations from mu, until converged, out of passes or iterations,
     or out of descent."""
     # Exact searches take the best step along each direction (a pass per step, against
-    # Armijo's several) but can zigzag between two faces of D where Armijo's shorter steps
-    # do not: when the residual has not halved in STALL iterations, Armijo takes over.
-    exact, best, since = True, np.inf, 0
+    # Armijo's several). Where the residual stops halving they can zigzag between two
+    # faces of D: then a search along the chord of the last two steps follows each one.
+    best, since = np.inf, 0
     older: FloatArray | None = None
     for _ in range(iterations):
         if dual.passes >= MAX_PASSES or dual.converged(ev, mu):
@@ -486,24 +480,20 @@ def _iterate(dual: _Dual, mu: FloatArray, ev: _Eval, iterations: int) -> tuple[F
             best, since = res, 0
         else:
             since += 1
-            exact = exact and since < STALL
         grad = dual.gradient(ev)
         d = dual.step(ev, mu, grad)
         if not np.any(d):
             break
-        if exact:
-            nxt_mu, nxt = _exact_search(dual, mu, d, ev)
-            if not _better(dual, ev, mu, nxt, nxt_mu):
-                nxt_mu, nxt = _search(dual, mu, d, ev)
-        else:
-            nxt_mu, nxt = _search(dual, mu, d, ev)
+        nxt_mu, nxt = _exact_search(dual, mu, d, ev)
+        if not _better(dual, ev, mu, nxt, nxt_mu):
+            nxt_mu, nxt = _search(dual, mu, d, ev)  # rounding: Armijo's residual rule
         if nxt is ev:
             # Newton's direction found no decrease (a stall at a kink): one scaled
             # gradient step, stretched by the search, before giving up.
             nxt_mu, nxt = _search(dual, mu, dual.gradient_step(mu, grad), ev)
         if nxt is ev:
             break  # no decrease left to find: as exact as floating point allows
-        if exact and since >= 1 and older is not None:
+        if since >= 1 and older is not None:
             # Two faces of D zigzag the steps: along the chord of the last two (parallel
             # tangents) the search often goes much further.
             chord_mu, chord = _exact_search(dual, nxt_mu, nxt_mu - older, nxt)

@@ -708,6 +708,8 @@ def _unit_response(
 @_inline
 def _ray_slope(
     alpha: float,
+    act: IntArray,
+    n_act: int,
     price: FloatArray,
     rate: FloatArray,
     size: FloatArray,
@@ -715,22 +717,24 @@ def _ray_slope(
     ln: FloatArray,
     lo: FloatArray,
     inv: float,
-    g0: float,
+    base: float,
     p0: FloatArray,
+    p_now: FloatArray,
 ) -> tuple[float, float, float]:
-    """g(α) = g0 − Σ_u m_u e_u (x_u(λ_u + α e_u) − x_u(λ_u)) (D's slope along the ray,
-    summed as changes so that units that do not move add no rounding), g'(α), and the
-    rounding g carries (a few ulps of each moving unit's caps)."""
-    g = g0
+    """g(α) = base − Σ m_u e_u (x_u(λ_u + α e_u) − x_u(λ_u)) over the units act[:n_act]
+    (base: g0 less what the others, settled, add), g'(α), and the rounding g carries (a few
+    ulps of each moving unit's caps). Changes are summed, not caps, so that units that do
+    not move add no rounding. Each unit's cap goes to p_now."""
+    g = base
     dg = 0.0
     mag = 0.0
-    for u in range(size.size):
+    for j in range(n_act):
+        u = act[j]
         e = rate[u]
-        if e == 0.0:
-            continue
         p, inside = _unit_response(a, ln, lo[u], u, (price[u] + alpha * e) * inv)
+        p_now[u] = p
         g -= size[u] * e * (p - p0[u])
-        mag += size[u] * abs(e) * (abs(p) + abs(p0[u]))  # each cap carries its rounding
+        mag += size[u] * abs(e) * (abs(p) + abs(p0[u]))
         dg += size[u] * e * e * inv * inside
     return g, dg, 4e-16 * mag
 
@@ -778,16 +782,28 @@ def ray_minimum(
     root of its slope g, continuous, non-decreasing and piecewise linear in α (a unit at
     mean price λ_u moving at rate e_u answers x_u(λ_u + α e_u); g0 = d·∇D(μ)). Newton
     steps inside a shrinking bracket, bisection where one would leave it or creep: on a
-    linear piece Newton lands on the root. 0 if g0 ≥ 0, alpha_max if g stays below 0 up
-    to it."""
+    linear piece Newton lands on the root. Once the root is bracketed, a unit whose cap is
+    the same at both ends (at a bound or a knot throughout) is settled: later steps look
+    only at the units still moving. 0 if g0 ≥ 0, alpha_max if g stays below 0 up to it."""
     if not g0 < 0.0:
         return 0.0
-    p0 = np.empty(size.size)
+    n_units = size.size
+    p0 = np.empty(n_units)
+    p_now = np.empty(n_units)
+    p_left = np.empty(n_units)
+    p_right = np.empty(n_units)
+    act = np.empty(n_units, dtype=np.int64)
+    n_act = 0
     dg = 0.0
-    for u in range(size.size):
+    for u in range(n_units):
         p0[u], inside = _unit_response(a, ln, lo[u], u, price[u] * inv)
-        dg += size[u] * rate[u] * rate[u] * inv * inside
+        p_left[u] = p0[u]
+        if rate[u] != 0.0:
+            act[n_act] = u
+            n_act += 1
+            dg += size[u] * rate[u] * rate[u] * inv * inside
     g = g0
+    base = g0
     tol = 1e-10 * -g0
     left, right = 0.0, np.inf
     alpha, width = 0.0, np.inf
@@ -797,7 +813,9 @@ def ray_minimum(
             if not nxt < np.inf:
                 nxt = max(2.0 * left, 1.0)  # a flat stretch: stretch out
             if nxt >= alpha_max:
-                gm, _, _ = _ray_slope(alpha_max, price, rate, size, a, ln, lo, inv, g0, p0)
+                gm, _, _ = _ray_slope(
+                    alpha_max, act, n_act, price, rate, size, a, ln, lo, inv, base, p0, p_right
+                )
                 if gm <= 0.0:
                     return alpha_max
                 right = alpha_max
@@ -806,15 +824,32 @@ def ray_minimum(
         if right < np.inf:
             width = 0.5 * (right - left)
         alpha = nxt
-        g, dg, noise = _ray_slope(alpha, price, rate, size, a, ln, lo, inv, g0, p0)
+        g, dg, noise = _ray_slope(
+            alpha, act, n_act, price, rate, size, a, ln, lo, inv, base, p0, p_now
+        )
         if abs(g) <= max(tol, noise):
             return alpha
         if g < 0.0:
             left = alpha
+            for j in range(n_act):
+                p_left[act[j]] = p_now[act[j]]
         else:
             right = alpha
-        if right < np.inf and right - left <= 1e-10 * right:
-            break
+            for j in range(n_act):
+                p_right[act[j]] = p_now[act[j]]
+        if right < np.inf:
+            # Settle the units whose caps no longer change inside the bracket.
+            kept = 0
+            for j in range(n_act):
+                u = act[j]
+                if p_left[u] == p_right[u]:
+                    base -= size[u] * rate[u] * (p_left[u] - p0[u])
+                else:
+                    act[kept] = u
+                    kept += 1
+            n_act = kept
+            if right - left <= 1e-10 * right:
+                break
     return left
 
 

@@ -221,6 +221,10 @@ class Tree:
         self.dfs_rank[order] = np.arange(self.n_groups)
         self.deepest_first = np.concatenate(self.levels[::-1]).astype(np.int64)
         self.workspace = Workspace()
+        # What the fleet's jobs imply for this tree, kept from tick to tick while they do
+        # not change (_fleet_jobs).
+        self.jobs_memo: tuple[IntArray, tuple[str, ...], JobMap | None, BoolArray | None] | None
+        self.jobs_memo = None
 
     @cached_property
     def first_gpu(self) -> IntArray:
@@ -300,6 +304,22 @@ class JobMap:
     @property
     def n_jobs(self) -> int:
         return len(self.names)
+
+    @cached_property
+    def units(self) -> tuple[IntArray, FloatArray, int, IntArray]:
+        """jobs.py's units: free GPUs, then jobs. Each GPU's unit, each unit's GPU count,
+        how many are free GPUs, and a GPU of each unit (its first)."""
+        member = self.member
+        n = member.size
+        n_free = int(np.count_nonzero(~member))
+        unit = np.empty(n, dtype=np.int64)
+        unit[~member] = np.arange(n_free)
+        unit[member] = n_free + self.job[member]
+        n_units = n_free + self.n_jobs
+        size = np.bincount(unit, minlength=n_units).astype(np.float64)
+        rep = np.empty(n_units, dtype=np.int64)
+        rep[unit[::-1]] = np.arange(n)[::-1]
+        return unit, size, n_free, rep
 
     def _reduce(self, op: np.ufunc, x: NDArray[Any]) -> NDArray[Any]:
         out = x.copy()
@@ -387,6 +407,21 @@ class Problem:
             flat=self.flat,
         )
 
+    def unit_segments(self, rows: IntArray) -> tuple[FloatArray, FloatArray, FloatArray]:
+        """starts, lengths, slopes (K, len(rows)) of the GPUs `rows` only (jobs.py needs a
+        GPU of each unit, a third of them at 70 % of GPUs in jobs)."""
+        if "_segment_rows" in self.__dict__:
+            st, ln, sl = self._segment_rows
+            return st[:, rows], ln[:, rows], sl[:, rows]
+        return _segments(
+            self.classes,
+            cls=self.fleet.class_index[rows],
+            weight=self.weight[rows],
+            lo=self.lo[rows],
+            hi=self.hi[rows],
+            flat=self.flat[rows],
+        )
+
     @property
     def starts(self) -> FloatArray:
         """(K, n): where each segment starts (built on first use: the tree solver does
@@ -459,6 +494,22 @@ def _single_job_room(tree: Tree, single: BoolArray, capacity: FloatArray) -> Flo
     return np.asarray(out, dtype=np.float64)
 
 
+def _fleet_jobs(tree: Tree, fleet: Fleet) -> tuple[JobMap | None, BoolArray | None]:
+    """The fleet's jobs and the groups each holds alone: kept on the tree while the
+    fleet's job of every GPU stays the same (a scheduler changes them seldom, a tick is
+    every second)."""
+    raw = fleet.job_index
+    if raw is None:
+        return None, None
+    memo = tree.jobs_memo
+    if memo is not None and memo[1] == fleet.job_names and np.array_equal(memo[0], raw):
+        return memo[2], memo[3]
+    jobs = JobMap.of(fleet)
+    single = None if jobs is None else _single_job_groups(tree, jobs)
+    tree.jobs_memo = (np.array(raw, dtype=np.int64, copy=True), fleet.job_names, jobs, single)
+    return jobs, single
+
+
 def _job_bounds(
     fleet: Fleet, tree: Tree, capacity: FloatArray, lo: FloatArray, hi: FloatArray
 ) -> tuple[JobMap | None, list[str], FloatArray, FloatArray, BoolArray | None]:
@@ -471,8 +522,8 @@ def _job_bounds(
     (room / count): the same feasible set, and the solver no longer has to price a group
     that only one job answers to (jobs.py). Those groups are returned too.
     """
-    jobs = JobMap.of(fleet)
-    if jobs is None:
+    jobs, single = _fleet_jobs(tree, fleet)
+    if jobs is None or single is None:
         return None, [], lo, hi, None
     cls = fleet.class_index.astype(np.float64)
     job_lo, job_hi = jobs.max(lo), jobs.min(hi)
@@ -483,8 +534,9 @@ def _job_bounds(
         jobs = jobs.without(bad)
         if jobs is None:
             return None, split, lo, hi, None
-    lo, hi = jobs.max(lo), jobs.min(hi)
-    single = _single_job_groups(tree, jobs)
+        single = _single_job_groups(tree, jobs)
+        job_lo, job_hi = jobs.max(lo), jobs.min(hi)
+    lo, hi = job_lo, job_hi
     room = jobs.min(_single_job_room(tree, single, capacity))
     hi = np.where(jobs.member, np.maximum(np.minimum(hi, room), lo), hi)
     return jobs, split, lo, hi, single
