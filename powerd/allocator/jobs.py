@@ -61,10 +61,10 @@ FLAT = 1e-12
 
 @dataclass
 class _Eval:
-    """The response at one price vector: caps per GPU, group sums, units inside a segment,
-    and the dual function's value."""
+    """The response at one price vector: caps per unit, group sums, units inside a
+    segment, the dual function's value, and each unit's price."""
 
-    p: FloatArray
+    x: FloatArray
     sums: FloatArray
     partial: BoolArray
     value: float
@@ -104,22 +104,27 @@ class _Dual:
         self.eps = problem.eps
         self.gpu_groups = tree.gpu_groups
         self.job_members = np.flatnonzero(member)
-        # Each node's path once, and each GPU's row there (topology only: kept on the tree).
+        # Each node's path once, and each GPU's row there (topology only: kept on the tree);
+        # each free GPU's row, and each job's groups with its GPUs under each: the passes
+        # go over units, not GPUs.
         self.node_path, self.node_rows, self.node_row = tree.node_paths
+        self.free_node = np.ascontiguousarray(self.node_row[~member])
+        self.job_ptr, self.job_grp, self.job_cnt = jobs.incidence(tree)
+        self.incidence = (
+            self.node_rows, self.free_node, self.job_ptr, self.job_grp, self.job_cnt
+        )  # fmt: skip
         self.count = tree.counts.astype(np.float64)
         self.passes = 0
 
     def at(self, mu: FloatArray) -> _Eval:
-        """One pass (compiled: kernel.dual_pass): D(μ) = max_p L(p, μ), every unit's gain at
+        """One pass (compiled: kernel.unit_dual): D(μ) = max_p L(p, μ), every unit's gain at
         its response less what it pays, with the response and its group sums."""
         from powerd.allocator import kernel  # numba: loaded by the first solve
 
         self.passes += 1
-        p, sums, partial, value, price = kernel.dual_pass(
+        x, sums, partial, value, price = kernel.unit_dual(
             np.ascontiguousarray(mu, dtype=np.float64),
-            self.node_rows,
-            self.node_row,
-            self.unit,
+            *self.incidence,
             self.size,
             self.a_rows,
             self.len_rows,
@@ -132,31 +137,28 @@ class _Dual:
             self.inv,
         )
         return _Eval(
-            np.asarray(p), np.asarray(sums), np.asarray(partial), float(value), np.asarray(price)
+            np.asarray(x), np.asarray(sums), np.asarray(partial), float(value), np.asarray(price)
         )
+
+    def caps(self, ev: _Eval) -> FloatArray:
+        """Each GPU's cap at ev: its unit's."""
+        return ev.x[self.unit]
 
     def means(self, vec: FloatArray) -> FloatArray:
         """Per unit, the mean of its GPUs' path sums of vec (per group)."""
         from powerd.allocator import kernel  # numba: loaded by the first solve
 
-        return np.asarray(
-            kernel.unit_means(
-                np.ascontiguousarray(vec, dtype=np.float64),
-                self.node_rows,
-                self.node_row,
-                self.unit,
-                self.size,
-            )
-        )
+        vec = np.ascontiguousarray(vec, dtype=np.float64)
+        return np.asarray(kernel.incidence_means(vec, *self.incidence, self.size))
 
     def sums_at(self, price: FloatArray) -> FloatArray:
         """Group sums of the units' caps at their mean prices `price` (per kW)."""
         from powerd.allocator import kernel  # numba: loaded by the first solve
 
         return np.asarray(
-            kernel.response_sums(
-                price, self.node_rows, self.node_row, self.unit, self.a_rows,
-                self.len_rows, self.lo, self.inv, self.tree.n_groups,
+            kernel.incidence_response_sums(
+                price, *self.incidence, self.a_rows, self.len_rows, self.lo, self.inv,
+                self.tree.n_groups,
             )
         )  # fmt: skip
 
@@ -240,10 +242,9 @@ class _Dual:
         if work.size <= DENSE_MAX:
             col = np.full(self.tree.n_groups, -1, dtype=np.int64)
             col[work] = np.arange(work.size)
-            dense = kernel.dense_hessian(
-                ev.partial, self.unit, self.gpu_groups, col, self.size, self.n_free,
-                int(work.size), self.inv,
-            )  # fmt: skip
+            dense = kernel.incidence_hessian(
+                ev.partial, *self.incidence, self.size, col, int(work.size), self.inv
+            )
             diag = np.diag(dense).copy()
         else:
             h = self.hessian(ev, work)
@@ -450,7 +451,7 @@ def solve_checked(
         if callable(start):
             mu, ev = _iterate(dual, mu, ev, WARM_ITERATIONS)
             if dual.converged(ev, mu):
-                return ev.p, mu, True
+                return dual.caps(ev), mu, True
     cand = usable(start() if callable(start) else start)
     if cand is not None:
         # Of last tick's multipliers (or where they led) and the relaxed problem's, the
@@ -461,7 +462,7 @@ def solve_checked(
     if ev is None:
         ev = dual.at(mu)
     mu, ev = _iterate(dual, mu, ev, MAX_ITERATIONS)
-    return ev.p, mu, dual.converged(ev, mu)
+    return dual.caps(ev), mu, dual.converged(ev, mu)
 
 
 def _iterate(dual: _Dual, mu: FloatArray, ev: _Eval, iterations: int) -> tuple[FloatArray, _Eval]:

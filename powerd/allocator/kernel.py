@@ -20,7 +20,8 @@ shrinking bracket, every other step at the median of a sample of the kinks still
 (`_root`). A group's first look is at `guess` (last tick's U, or where the caps in force
 put it). The caller decides which groups are held (fast.py's active set).
 
-`dual_pass` and `dense_hessian` are jobs.py's pass over the GPUs and its Newton system.
+`unit_dual`, `incidence_hessian` and `ray_minimum` are jobs.py's pass over its units, its
+Newton system and its line search.
 
 numba compiles these functions on first use and caches the machine code next to this file
 (or in the user's cache directory where that is not writable).
@@ -600,96 +601,6 @@ def solve_groups(
     return caps, u
 
 
-@_jit
-def dual_pass(
-    mu: FloatArray,
-    node_path: IntArray,
-    node: IntArray,
-    unit: IntArray,
-    size: FloatArray,
-    a: FloatArray,
-    ln: FloatArray,
-    slopes: FloatArray,
-    lo: FloatArray,
-    prev: FloatArray,
-    cap: FloatArray,
-    delta: float,
-    eps: float,
-    inv: float,
-) -> tuple[FloatArray, FloatArray, BoolArray, float, FloatArray]:
-    """jobs.py's dual at multipliers mu (per kW): caps per GPU, group sums, units inside a
-    segment, D(mu), and each unit's price. `node_path`: each node's groups (one row per
-    node), `node`: each GPU's row there. Units are free GPUs and jobs (`unit` per GPU,
-    `size` its GPUs); a, ln, slopes are (units, K): a unit answers like one GPU at its
-    price, its GPUs' mean path price."""
-    n = node.size
-    n_nodes, depth = node_path.shape
-    n_units = size.size
-    path_price = np.empty(n_nodes)
-    for nd in range(n_nodes):
-        s = 0.0
-        for lv in range(depth):
-            s += mu[node_path[nd, lv]]
-        path_price[nd] = s
-    lam = np.zeros(n_units)
-    for i in range(n):
-        lam[unit[i]] += path_price[node[i]]
-    x = np.empty(n_units)
-    partial = np.empty(n_units, dtype=np.bool_)
-    value = 0.0
-    for u in range(n_units):
-        price = lam[u] / size[u]
-        v = price * inv
-        p = lo[u]
-        gain = 0.0
-        part = False
-        for k in range(a.shape[1]):
-            t = min(max(a[u, k] - v, 0.0), ln[u, k])
-            p += t
-            gain += slopes[u, k] * t
-            part |= (t > 0.0) & (t < ln[u, k])
-        x[u] = p
-        partial[u] = part
-        gain += delta * p - eps * (p - prev[u]) ** 2 - price * p
-        value += size[u] * gain
-    for g in range(cap.size):
-        value += mu[g] * cap[g]
-    for u in range(n_units):
-        lam[u] /= size[u]  # each unit's price: its GPUs' mean
-    caps = np.empty(n)
-    node_sum = np.zeros(n_nodes)
-    for i in range(n):
-        c = x[unit[i]]
-        caps[i] = c
-        node_sum[node[i]] += c
-    sums = np.zeros(cap.size)
-    for nd in range(n_nodes):
-        for lv in range(depth):
-            sums[node_path[nd, lv]] += node_sum[nd]
-    return caps, sums, partial, value, lam
-
-
-@_jit
-def unit_means(
-    vec: FloatArray, node_path: IntArray, node: IntArray, unit: IntArray, size: FloatArray
-) -> FloatArray:
-    """Per unit of jobs.py, the mean over its GPUs of their path sums of `vec` (per group):
-    a unit's price at multipliers vec, or how fast it moves along a direction vec."""
-    n_nodes, depth = node_path.shape
-    path = np.empty(n_nodes)
-    for nd in range(n_nodes):
-        s = 0.0
-        for lv in range(depth):
-            s += vec[node_path[nd, lv]]
-        path[nd] = s
-    out = np.zeros(size.size)
-    for i in range(node.size):
-        out[unit[i]] += path[node[i]]
-    for u in range(size.size):
-        out[u] /= size[u]
-    return out
-
-
 @_inline
 def _unit_response(
     a: FloatArray, ln: FloatArray, lo: float, u: int, v: float
@@ -737,33 +648,6 @@ def _ray_slope(
         mag += size[u] * abs(e) * (abs(p) + abs(p0[u]))
         dg += size[u] * e * e * inv * inside
     return g, dg, 4e-16 * mag
-
-
-@_jit
-def response_sums(
-    price: FloatArray,
-    node_path: IntArray,
-    node: IntArray,
-    unit: IntArray,
-    a: FloatArray,
-    ln: FloatArray,
-    lo: FloatArray,
-    inv: float,
-    n_groups: int,
-) -> FloatArray:
-    """Group sums of the caps jobs.py's units take at their mean prices `price` (per kW)."""
-    x = np.empty(price.size)
-    for u in range(price.size):
-        x[u], _ = _unit_response(a, ln, lo[u], u, price[u] * inv)
-    n_nodes, depth = node_path.shape
-    node_sum = np.zeros(n_nodes)
-    for i in range(node.size):
-        node_sum[node[i]] += x[unit[i]]
-    sums = np.zeros(n_groups)
-    for nd in range(n_nodes):
-        for lv in range(depth):
-            sums[node_path[nd, lv]] += node_sum[nd]
-    return sums
 
 
 @_jit
@@ -853,49 +737,200 @@ def ray_minimum(
     return left
 
 
-@_jit
-def dense_hessian(
-    partial: BoolArray,
-    unit: IntArray,
-    gpu_groups: IntArray,
-    col: IntArray,
+@_inline
+def _incidence_means(
+    vec: FloatArray,
+    node_path: IntArray,
+    free_node: IntArray,
+    job_ptr: IntArray,
+    job_grp: IntArray,
+    job_cnt: FloatArray,
     size: FloatArray,
-    n_free: int,
+    out: FloatArray,
+) -> None:
+    """Per unit, its GPUs' mean path sum of vec (per group): a free GPU's node path; a
+    job's (group, members under it) pairs, job_ptr delimiting each job's."""
+    n_nodes, depth = node_path.shape
+    path = np.empty(n_nodes)
+    for nd in range(n_nodes):
+        s = 0.0
+        for lv in range(depth):
+            s += vec[node_path[nd, lv]]
+        path[nd] = s
+    n_free = free_node.size
+    for u in range(n_free):
+        out[u] = path[free_node[u]]
+    for j in range(job_ptr.size - 1):
+        s = 0.0
+        for k in range(job_ptr[j], job_ptr[j + 1]):
+            s += job_cnt[k] * vec[job_grp[k]]
+        out[n_free + j] = s / size[n_free + j]
+
+
+@_inline
+def _incidence_sums(
+    x: FloatArray,
+    node_path: IntArray,
+    free_node: IntArray,
+    job_ptr: IntArray,
+    job_grp: IntArray,
+    job_cnt: FloatArray,
+    n_groups: int,
+) -> FloatArray:
+    """Group sums of the units' caps x (per unit; a job's cap on each of its GPUs)."""
+    n_nodes, depth = node_path.shape
+    node_sum = np.zeros(n_nodes)
+    n_free = free_node.size
+    for u in range(n_free):
+        node_sum[free_node[u]] += x[u]
+    sums = np.zeros(n_groups)
+    for nd in range(n_nodes):
+        if node_sum[nd] != 0.0:
+            for lv in range(depth):
+                sums[node_path[nd, lv]] += node_sum[nd]
+    for j in range(job_ptr.size - 1):
+        xj = x[n_free + j]
+        for k in range(job_ptr[j], job_ptr[j + 1]):
+            sums[job_grp[k]] += job_cnt[k] * xj
+    return sums
+
+
+@_jit
+def unit_dual(
+    mu: FloatArray,
+    node_path: IntArray,
+    free_node: IntArray,
+    job_ptr: IntArray,
+    job_grp: IntArray,
+    job_cnt: FloatArray,
+    size: FloatArray,
+    a: FloatArray,
+    ln: FloatArray,
+    slopes: FloatArray,
+    lo: FloatArray,
+    prev: FloatArray,
+    cap: FloatArray,
+    delta: float,
+    eps: float,
+    inv: float,
+) -> tuple[FloatArray, FloatArray, BoolArray, float, FloatArray]:
+    """jobs.py's dual at multipliers mu (per kW), over units rather than GPUs: each unit's
+    cap, the group sums, units inside a segment, D(mu), and each unit's price (its GPUs'
+    mean path price). Units are the free GPUs (`free_node`: each one's row of node_path),
+    then the jobs (their (group, members) pairs); a, ln, slopes are (units, K)."""
+    n_units = size.size
+    lam = np.empty(n_units)
+    _incidence_means(mu, node_path, free_node, job_ptr, job_grp, job_cnt, size, lam)
+    x = np.empty(n_units)
+    partial = np.empty(n_units, dtype=np.bool_)
+    value = 0.0
+    for u in range(n_units):
+        price = lam[u]
+        v = price * inv
+        p = lo[u]
+        gain = 0.0
+        part = False
+        for k in range(a.shape[1]):
+            t = min(max(a[u, k] - v, 0.0), ln[u, k])
+            p += t
+            gain += slopes[u, k] * t
+            part |= (t > 0.0) & (t < ln[u, k])
+        x[u] = p
+        partial[u] = part
+        gain += delta * p - eps * (p - prev[u]) ** 2 - price * p
+        value += size[u] * gain
+    for g in range(cap.size):
+        value += mu[g] * cap[g]
+    sums = _incidence_sums(x, node_path, free_node, job_ptr, job_grp, job_cnt, cap.size)
+    return x, sums, partial, value, lam
+
+
+@_jit
+def incidence_means(
+    vec: FloatArray,
+    node_path: IntArray,
+    free_node: IntArray,
+    job_ptr: IntArray,
+    job_grp: IntArray,
+    job_cnt: FloatArray,
+    size: FloatArray,
+) -> FloatArray:
+    """Per unit, its GPUs' mean path sum of vec: its price at multipliers vec, or how fast
+    that moves along a direction vec."""
+    out = np.empty(size.size)
+    _incidence_means(vec, node_path, free_node, job_ptr, job_grp, job_cnt, size, out)
+    return out
+
+
+@_jit
+def incidence_response_sums(
+    price: FloatArray,
+    node_path: IntArray,
+    free_node: IntArray,
+    job_ptr: IntArray,
+    job_grp: IntArray,
+    job_cnt: FloatArray,
+    a: FloatArray,
+    ln: FloatArray,
+    lo: FloatArray,
+    inv: float,
+    n_groups: int,
+) -> FloatArray:
+    """Group sums of the caps jobs.py's units take at their prices `price` (per kW)."""
+    x = np.empty(price.size)
+    for u in range(price.size):
+        x[u], _ = _unit_response(a, ln, lo[u], u, price[u] * inv)
+    return _incidence_sums(x, node_path, free_node, job_ptr, job_grp, job_cnt, n_groups)
+
+
+@_jit
+def incidence_hessian(
+    partial: BoolArray,
+    node_path: IntArray,
+    free_node: IntArray,
+    job_ptr: IntArray,
+    job_grp: IntArray,
+    job_cnt: FloatArray,
+    size: FloatArray,
+    col: IntArray,
     n_work: int,
     inv: float,
 ) -> FloatArray:
     """jobs.py's generalised Hessian on the working set (`col`: each group's row there, -1
     outside), dense: inv per free GPU inside a segment on its path's pairs, inv / m times
     the outer product of its GPUs per group for a job of m GPUs inside a segment."""
-    n, depth = gpu_groups.shape
+    n_nodes, depth = node_path.shape
     h = np.zeros((n_work, n_work))
-    counts = np.zeros((size.size - n_free, n_work))
-    for i in range(n):
-        u = unit[i]
-        if not partial[u]:
+    per_node = np.zeros(n_nodes)
+    n_free = free_node.size
+    for u in range(n_free):
+        if partial[u]:
+            per_node[free_node[u]] += 1.0
+    for nd in range(n_nodes):
+        w = per_node[nd] * inv
+        if w == 0.0:
             continue
-        if u < n_free:
-            for a in range(depth):
-                ca = col[gpu_groups[i, a]]
-                if ca < 0:
-                    continue
-                for b in range(depth):
-                    cb = col[gpu_groups[i, b]]
-                    if cb >= 0:
-                        h[ca, cb] += inv
-        else:
-            for a in range(depth):
-                ca = col[gpu_groups[i, a]]
-                if ca >= 0:
-                    counts[u - n_free, ca] += 1.0
-    for j in range(counts.shape[0]):
-        w = inv / size[n_free + j]
-        for a in range(n_work):
-            ca = counts[j, a]
-            if ca == 0.0:
+        for i in range(depth):
+            ca = col[node_path[nd, i]]
+            if ca < 0:
                 continue
-            for b in range(n_work):
-                h[a, b] += w * ca * counts[j, b]
+            for k in range(depth):
+                cb = col[node_path[nd, k]]
+                if cb >= 0:
+                    h[ca, cb] += w
+    for j in range(job_ptr.size - 1):
+        if not partial[n_free + j]:
+            continue
+        w = inv / size[n_free + j]
+        for k1 in range(job_ptr[j], job_ptr[j + 1]):
+            ca = col[job_grp[k1]]
+            if ca < 0:
+                continue
+            wa = w * job_cnt[k1]
+            for k2 in range(job_ptr[j], job_ptr[j + 1]):
+                cb = col[job_grp[k2]]
+                if cb >= 0:
+                    h[ca, cb] += wa * job_cnt[k2]
     return h
 
 
@@ -971,28 +1006,20 @@ def warm_up() -> None:
     solve_groups(2, 2, n_k, by_level, capacity, guess, *work)
     solve_groups(2, 2, n_k, by_level, capacity, zeros, *work)
     gg = np.array([[0, 1], [0, 1]], dtype=np.int64)
-    rows = np.ones((1, 2))
-    first = np.zeros(2, dtype=np.int64)
-    dual_pass(
-        zeros,
-        gg[:1],
-        first,
-        first,
-        np.array([2.0]),
-        rows,
-        rows,
-        rows,
-        np.array([0.1]),
-        np.array([0.5]),
-        capacity,
-        1e-3,
-        1e-3,
-        1e3,
-    )
-    dense_hessian(np.ones(2, dtype=np.bool_), first, gg, np.array([0, 1]), np.ones(2), 1, 2, 1e3)
-    size = np.array([2.0])
-    unit_means(zeros, gg[:1], first, first, size)
-    response_sums(np.zeros(1), gg[:1], first, first, rows, rows, np.array([0.1]), 1e3, 2)
-    ray_minimum(np.zeros(1), -np.ones(1), size, rows, rows, np.array([0.1]), 1e3, -1.0, np.inf)
+    # One free GPU and one job of one GPU, both on node 1.
+    node_rows = gg[:1]
+    free_node = np.zeros(1, dtype=np.int64)
+    ptr = np.array([0, 2], dtype=np.int64)
+    grp = np.array([0, 1], dtype=np.int64)
+    cnt = np.ones(2)
+    incidence = (node_rows, free_node, ptr, grp, cnt)
+    size = np.ones(2)
+    rows = np.ones((2, 1))
+    lo = np.array([0.1, 0.1])
+    unit_dual(zeros, *incidence, size, rows, rows, rows, lo, lo, capacity, 1e-3, 1e-3, 1e3)
+    incidence_means(zeros, *incidence, size)
+    incidence_response_sums(zeros, *incidence, rows, rows, lo, 1e3, 2)
+    incidence_hessian(np.ones(2, dtype=np.bool_), *incidence, size, np.arange(2), 2, 1e3)
+    ray_minimum(zeros, -np.ones(2), size, rows, rows, lo, 1e3, -1.0, np.inf)
     job = np.array([0, 0], dtype=np.int64)
     classify_jobs(job, np.array([[0, 1], [0, 1]], dtype=np.int64), 1, np.ones(2, dtype=np.bool_))

@@ -305,6 +305,22 @@ class JobMap:
     def n_jobs(self) -> int:
         return len(self.names)
 
+    def incidence(self, tree: Tree) -> tuple[IntArray, IntArray, FloatArray]:
+        """Each job's groups and its GPUs under each, as (job_ptr, group, count): job j's
+        pairs are [job_ptr[j], job_ptr[j + 1]). Built once per tree."""
+        kept = self.__dict__.get("_incidence")
+        if kept is not None and kept[0] is tree:
+            return kept[1]  # type: ignore[no-any-return]
+        members = np.flatnonzero(self.member)
+        n_groups = tree.n_groups
+        keys = (self.job[members, None] * n_groups + tree.gpu_groups[members]).ravel()
+        pairs, counts = np.unique(keys, return_counts=True)
+        owner = pairs // n_groups
+        ptr = np.searchsorted(owner, np.arange(self.n_jobs + 1)).astype(np.int64)
+        out = (ptr, (pairs % n_groups).astype(np.int64), counts.astype(np.float64))
+        self.__dict__["_incidence"] = (tree, out)
+        return out
+
     @cached_property
     def units(self) -> tuple[IntArray, FloatArray, int, IntArray]:
         """jobs.py's units: free GPUs, then jobs. Each GPU's unit, each unit's GPU count,
