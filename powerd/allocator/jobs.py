@@ -38,6 +38,8 @@ WARM_ITERATIONS = 12
 MAX_SEARCH = 16
 # Bends of the projected arc (a multiplier reaching 0) one exact search follows.
 MAX_BENDS = 8
+# Iterations without the residual halving before chord steps join in.
+CHORD_AFTER = 1
 # Passes over the GPUs one solve may take (each ~1 ms at 100k GPUs, compiled): a tick's
 # solve stays bounded (under 1 s at 100k with its Newton systems), and where it has not
 # converged by then the caller gets the caps repaired to every budget and the certificate
@@ -151,16 +153,16 @@ class _Dual:
         vec = np.ascontiguousarray(vec, dtype=np.float64)
         return np.asarray(kernel.incidence_means(vec, *self.incidence, self.size))
 
-    def sums_at(self, price: FloatArray) -> FloatArray:
-        """Group sums of the units' caps at their mean prices `price` (per kW)."""
+    def response(self, price: FloatArray) -> tuple[FloatArray, FloatArray, BoolArray]:
+        """The units' caps at their prices `price` (per kW), the group sums, and which
+        units are inside a segment."""
         from powerd.allocator import kernel  # numba: loaded by the first solve
 
-        return np.asarray(
-            kernel.incidence_response_sums(
-                price, *self.incidence, self.a_rows, self.len_rows, self.lo, self.inv,
-                self.tree.n_groups,
-            )
+        x, sums, partial = kernel.incidence_response_sums(
+            price, *self.incidence, self.a_rows, self.len_rows, self.lo, self.inv,
+            self.tree.n_groups,
         )  # fmt: skip
+        return np.asarray(x), np.asarray(sums), np.asarray(partial)
 
     def primal_value(self, p: FloatArray) -> float:
         """The units' gain at caps p (one per unit: a job's members share theirs)."""
@@ -306,7 +308,7 @@ def _exact_search(
     d = np.where((mu <= 0.0) & (d < 0.0), 0.0, d)
     grad = dual.gradient(ev0)
     base = mu.copy()
-    price = ev0.price
+    price, x, partial = ev0.price, ev0.x, ev0.partial
     moved = False
     for _ in range(MAX_BENDS):
         rate = dual.means(d)
@@ -314,7 +316,7 @@ def _exact_search(
         alpha_max = float(np.min(base[falling] / -d[falling])) if falling.any() else np.inf
         alpha = kernel.ray_minimum(
             price, rate, dual.size, dual.a_rows, dual.len_rows, dual.lo, dual.inv,
-            float(np.einsum("g,g->", d, grad)), alpha_max,
+            float(np.einsum("g,g->", d, grad)), alpha_max, x, partial,
         )  # fmt: skip
         if alpha <= 0.0:
             break
@@ -329,7 +331,8 @@ def _exact_search(
         base[reached] = 0.0
         d = np.where(reached, 0.0, d)
         price = price + alpha * rate
-        grad = np.where(dual.finite, dual.cap_f - dual.sums_at(price), 0.0)
+        x, sums, partial = dual.response(price)
+        grad = np.where(dual.finite, dual.cap_f - sums, 0.0)
         if not np.any(d):
             break
     if not moved:
@@ -494,7 +497,7 @@ def _iterate(dual: _Dual, mu: FloatArray, ev: _Eval, iterations: int) -> tuple[F
             nxt_mu, nxt = _search(dual, mu, dual.gradient_step(mu, grad), ev)
         if nxt is ev:
             break  # no decrease left to find: as exact as floating point allows
-        if since >= 1 and older is not None:
+        if since >= CHORD_AFTER and older is not None:
             # Two faces of D zigzag the steps: along the chord of the last two (parallel
             # tangents) the search often goes much further.
             chord_mu, chord = _exact_search(dual, nxt_mu, nxt_mu - older, nxt)

@@ -661,6 +661,8 @@ def ray_minimum(
     inv: float,
     g0: float,
     alpha_max: float,
+    x0: FloatArray,
+    partial0: BoolArray,
 ) -> float:
     """The step α in [0, alpha_max] that minimises jobs.py's dual along a ray μ + αd: the
     root of its slope g, continuous, non-decreasing and piecewise linear in α (a unit at
@@ -679,18 +681,27 @@ def ray_minimum(
     act = np.empty(n_units, dtype=np.int64)
     n_act = 0
     dg = 0.0
+    n_k = a.shape[1]
     for u in range(n_units):
-        p0[u], inside = _unit_response(a, ln, lo[u], u, price[u] * inv)
+        p0[u] = x0[u]  # the caps at α = 0, and which units are inside a segment there
         p_left[u] = p0[u]
-        if rate[u] != 0.0:
-            act[n_act] = u
-            n_act += 1
-            dg += size[u] * rate[u] * rate[u] * inv * inside
+        e = rate[u]
+        if e == 0.0:
+            continue
+        v = price[u] * inv
+        if (e > 0.0 and v >= a[u, 0]) or (e < 0.0 and v <= a[u, n_k - 1] - ln[u, n_k - 1]):
+            continue  # at its lower bound, price rising; at its upper one, price falling
+        act[n_act] = u
+        n_act += 1
+        if partial0[u]:  # (a unit is inside one segment at most)
+            dg += size[u] * e * e * inv
     g = g0
     base = g0
     tol = 1e-10 * -g0
     left, right = 0.0, np.inf
+    g_left, g_right = g0, 0.0
     alpha, width = 0.0, np.inf
+    last_side = 0
     for step in range(MAX_STEPS):
         nxt = alpha - g / dg if dg > 0.0 else np.inf
         if right == np.inf:
@@ -702,11 +713,17 @@ def ray_minimum(
                 )
                 if gm <= 0.0:
                     return alpha_max
-                right = alpha_max
-        if right < np.inf and not (left < nxt < right and (step % 3 != 2 or right - left < width)):
-            nxt = 0.5 * (left + right)  # Newton left the bracket, or crept
+                right, g_right = alpha_max, gm
         if right < np.inf:
-            width = 0.5 * (right - left)
+            if not left < nxt < right:
+                # Newton left the bracket: false position (Illinois) inside it.
+                nxt = left - g_left * (right - left) / (g_right - g_left)
+            if not left < nxt < right or (step % 4 == 3 and right - left > width):
+                nxt = 0.5 * (left + right)  # or it crept: bisect
+            if step % 4 == 3:
+                width = 0.5 * (right - left)
+        elif abs(nxt - alpha) <= 1e-12 * alpha:
+            return alpha  # Newton creeping up to a root it cannot pass for rounding
         alpha = nxt
         g, dg, noise = _ray_slope(
             alpha, act, n_act, price, rate, size, a, ln, lo, inv, base, p0, p_now
@@ -714,11 +731,17 @@ def ray_minimum(
         if abs(g) <= max(tol, noise):
             return alpha
         if g < 0.0:
-            left = alpha
+            left, g_left = alpha, g
+            if last_side < 0:
+                g_right *= 0.5
+            last_side = -1
             for j in range(n_act):
                 p_left[act[j]] = p_now[act[j]]
         else:
-            right = alpha
+            right, g_right = alpha, g
+            if last_side > 0:
+                g_left *= 0.5
+            last_side = 1
             for j in range(n_act):
                 p_right[act[j]] = p_now[act[j]]
         if right < np.inf:
@@ -875,12 +898,16 @@ def incidence_response_sums(
     lo: FloatArray,
     inv: float,
     n_groups: int,
-) -> FloatArray:
-    """Group sums of the caps jobs.py's units take at their prices `price` (per kW)."""
+) -> tuple[FloatArray, FloatArray, BoolArray]:
+    """The caps jobs.py's units take at their prices `price` (per kW), their group sums,
+    and which units are inside a segment."""
     x = np.empty(price.size)
+    partial = np.empty(price.size, dtype=np.bool_)
     for u in range(price.size):
-        x[u], _ = _unit_response(a, ln, lo[u], u, price[u] * inv)
-    return _incidence_sums(x, node_path, free_node, job_ptr, job_grp, job_cnt, n_groups)
+        x[u], inside = _unit_response(a, ln, lo[u], u, price[u] * inv)
+        partial[u] = inside > 0.0
+    sums = _incidence_sums(x, node_path, free_node, job_ptr, job_grp, job_cnt, n_groups)
+    return x, sums, partial
 
 
 @_jit
@@ -1020,6 +1047,6 @@ def warm_up() -> None:
     incidence_means(zeros, *incidence, size)
     incidence_response_sums(zeros, *incidence, rows, rows, lo, 1e3, 2)
     incidence_hessian(np.ones(2, dtype=np.bool_), *incidence, size, np.arange(2), 2, 1e3)
-    ray_minimum(zeros, -np.ones(2), size, rows, rows, lo, 1e3, -1.0, np.inf)
+    ray_minimum(zeros, -np.ones(2), size, rows, rows, lo, 1e3, -1.0, np.inf, lo, zeros > 0)
     job = np.array([0, 0], dtype=np.int64)
     classify_jobs(job, np.array([[0, 1], [0, 1]], dtype=np.int64), 1, np.ones(2, dtype=np.bool_))
