@@ -4,6 +4,7 @@
     .venv/bin/python bench/allocator.py --sizes 1000 --runs 5
     .venv/bin/python bench/allocator.py --jobs 0.7      # 70 % of GPUs in jobs of 8-4,096
     .venv/bin/python bench/allocator.py --jobs 0.7 --scattered 0   # all on consecutive nodes
+    .venv/bin/python bench/allocator.py --jobs 0.7 --fractions 1,0.9,0.8,0.7   # tight budgets
 
 Fleets: 8 GPUs/node, 8 nodes/rack, 16 racks/row (powerd.testing.synthetic, budgets binding at every
 level). Steady state: one untimed first call, then successive ticks whose draws drift and
@@ -12,7 +13,8 @@ whose caps in force are the previous tick's; `fast` (cold) also times a fleet ne
 its peak RSS is its own. `--jobs SHARE` puts that share of the GPUs in jobs
 (synthetic.with_jobs: 8 to 4,096 GPUs, most on consecutive nodes, `--scattered` of them,
 a fifth by default, on GPUs picked anywhere) and prints the largest duality gap `fast`
-certified. Results go in docs/performance.md.
+certified. `--fractions` sets the room of each level's budget (facility, row, rack, node) as a
+share of its GPUs' maximum. Results go in docs/performance.md.
 """
 
 from __future__ import annotations
@@ -32,13 +34,20 @@ GPUS_PER_ROW = 8 * 8 * 16
 
 
 def worker(
-    size: int, solver: str, runs: int, warm: bool, jobs: float, scattered: float
+    size: int,
+    solver: str,
+    runs: int,
+    warm: bool,
+    jobs: float,
+    scattered: float,
+    fractions: tuple[float, float, float, float] | None = None,
 ) -> dict[str, object]:
     from powerd.allocator import ClassTable, Tree, allocate_arrays
     from powerd.testing.synthetic import Drift, make_policy, random_fleet, with_jobs
 
     rows = max(1, round(size / GPUS_PER_ROW))
-    policy = make_policy(rows, 16, 8, 8)
+    options = {} if fractions is None else {"fractions": fractions}
+    policy = make_policy(rows, 16, 8, 8, **options)
     fleet = random_fleet(policy, seed=size)
     if jobs > 0:
         fleet = with_jobs(fleet, seed=size, share=jobs, scattered=scattered)
@@ -102,6 +111,18 @@ def machine() -> str:
     )
 
 
+def _fractions(ap: argparse.ArgumentParser, text: str) -> tuple[float, float, float, float] | None:
+    if text in ("", "-"):
+        return None
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        ap.error(f"--fractions takes four numbers separated by commas, not {text!r}")
+    if len(values) != 4 or not all(0.0 < v <= 1.0 for v in values):
+        ap.error("--fractions takes four shares in (0, 1]: facility,row,rack,node")
+    return values[0], values[1], values[2], values[3]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--sizes", default="1000,10000,100000")
@@ -112,17 +133,26 @@ def main() -> None:
         "--scattered", type=float, default=0.2, help="share of the jobs on scattered GPUs"
     )
     ap.add_argument(
-        "--worker", nargs=6, metavar=("SIZE", "SOLVER", "RUNS", "WARM", "JOBS", "SCATTERED")
+        "--fractions",
+        default="",
+        help="budget room per level (facility,row,rack,node), e.g. 1,0.9,0.8,0.7; "
+        "default: synthetic.policy_dict's",
+    )
+    ap.add_argument(
+        "--worker",
+        nargs=7,
+        metavar=("SIZE", "SOLVER", "RUNS", "WARM", "JOBS", "SCATTERED", "FRACTIONS"),
     )
     args = ap.parse_args()
     if args.worker:
-        size, solver, runs, warm, jobs, scattered = args.worker
-        print(
-            json.dumps(
-                worker(int(size), solver, int(runs), warm == "1", float(jobs), float(scattered))
-            )
+        size, solver, runs, warm, jobs, scattered, shares = args.worker
+        fractions = _fractions(ap, shares)
+        result = worker(
+            int(size), solver, int(runs), warm == "1", float(jobs), float(scattered), fractions
         )
+        print(json.dumps(result))
         return
+    _fractions(ap, args.fractions)  # checked here, used by the workers
     if not 0.0 <= args.jobs <= 1.0:
         ap.error("--jobs is a share of the GPUs, from 0 to 1")
     if not 0.0 <= args.scattered <= 1.0:
@@ -147,6 +177,7 @@ def main() -> None:
                     warm,
                     str(args.jobs),
                     str(args.scattered),
+                    args.fractions or "-",
                 ],
                 check=True,
                 capture_output=True,
