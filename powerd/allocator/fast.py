@@ -17,8 +17,9 @@ some of a job's GPUs holds all of them, or only them (build_problem made that a 
 the job's cap), the job's price is a chain of multipliers like a GPU's: it is one more unit
 of the tree solver, hung at the deepest group that holds it whole (*laminar*). A job spread
 over groups shared with others couples their prices; then jobs.py (semismooth Newton on
-the multipliers) answers, started from this solver's prices for the same problem with those
-jobs' members free.
+the multipliers) answers, started from last tick's multipliers or, where those do not lead
+to the optimum soon (or there are none), this solver's prices for the same problem with
+every job's members free.
 """
 
 from __future__ import annotations

@@ -11,10 +11,15 @@ The dual D(μ) = max_p L(p, μ) is convex and piecewise quadratic, with gradient
 (capacity minus the group sums of the response) and generalised Hessian
 H = Σ_units d_u c_u c_uᵀ, where c_u counts a unit's GPUs per group and d_u = 1/(2ε·m_u)
 while the unit is inside a segment. Each iteration is a projected Newton step (Bertsekas):
-Newton on the groups not held at μ = 0, with an Armijo search along the projected arc that
-also stretches the step across flat stretches of D. It starts from the tree solver's
-prices for the same problem with the jobs relaxed (members free), which are close: a
-handful of iterations. Groups made of one job's GPUs alone become a bound on that job's
+Newton on the groups not held at μ = 0 (groups no unit answers to move by their scaled
+gradient beside it), then an exact search along the projected arc: along a ray D's slope is
+monotone and piecewise linear in the step (kernel.ray_minimum), and the arc bends where a
+multiplier reaches 0. Where the residual stops halving, a search along the chord of the
+last two steps breaks the zigzag between two faces of D. It starts from last tick's
+multipliers and, where those do not converge within WARM_ITERATIONS (or there are none),
+from the tree solver's prices for the same problem with the jobs relaxed (members free).
+The passes go over units (free GPUs, then jobs by their (group, GPUs under it) pairs), not
+GPUs. Groups made of one job's GPUs alone become a bound on that job's
 cap in build_problem, which removes the dual's worst degeneracy (a job alone on several
 nodes leaves a price direction free). The caller repairs and verifies the caps as for
 every solver (api.allocate_arrays).
