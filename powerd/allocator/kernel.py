@@ -667,8 +667,10 @@ def ray_minimum(
     """The step α in [0, alpha_max] that minimises jobs.py's dual along a ray μ + αd: the
     root of its slope g, continuous, non-decreasing and piecewise linear in α (a unit at
     mean price λ_u moving at rate e_u answers x_u(λ_u + α e_u); g0 = d·∇D(μ)). Newton
-    steps inside a shrinking bracket, bisection where one would leave it or creep: on a
-    linear piece Newton lands on the root. Once the root is bracketed, a unit whose cap is
+    steps inside a shrinking bracket, false position (Illinois) where one would leave it,
+    bisection where the bracket stops halving: on a linear piece Newton lands on the root.
+    x0, partial0: the units' caps at α = 0 and which are inside a segment there (the pass
+    at μ made them). Once the root is bracketed, a unit whose cap is
     the same at both ends (at a bound or a knot throughout) is settled: later steps look
     only at the units still moving. 0 if g0 ≥ 0, alpha_max if g stays below 0 up to it."""
     if not g0 < 0.0:
