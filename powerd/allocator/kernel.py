@@ -663,6 +663,7 @@ def ray_minimum(
     alpha_max: float,
     x0: FloatArray,
     partial0: BoolArray,
+    curv: float = 0.0,
 ) -> float:
     """The step α in [0, alpha_max] that minimises jobs.py's dual along a ray μ + αd: the
     root of its slope g, continuous, non-decreasing and piecewise linear in α (a unit at
@@ -697,6 +698,7 @@ def ray_minimum(
         n_act += 1
         if partial0[u]:  # (a unit is inside one segment at most)
             dg += size[u] * e * e * inv
+    dg += curv
     g = g0
     base = g0
     tol = 1e-10 * -g0
@@ -713,6 +715,7 @@ def ray_minimum(
                 gm, _, _ = _ray_slope(
                     alpha_max, act, n_act, price, rate, size, a, ln, lo, inv, base, p0, p_right
                 )
+                gm += curv * alpha_max
                 if gm <= 0.0:
                     return alpha_max
                 right, g_right = alpha_max, gm
@@ -730,6 +733,8 @@ def ray_minimum(
         g, dg, noise = _ray_slope(
             alpha, act, n_act, price, rate, size, a, ln, lo, inv, base, p0, p_now
         )
+        g += curv * alpha
+        dg += curv
         if abs(g) <= max(tol, noise):
             return alpha
         if g < 0.0:
