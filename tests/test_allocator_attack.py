@@ -152,3 +152,30 @@ def test_tree_keeps_jobs_only_while_they_stay_the_same() -> None:
     moved = replace(a, class_index=b.class_index, job_names=b.job_names)
     kept = allocate_arrays(moved, policy, "fast", tree=tree)
     assert np.array_equal(kept.caps_w, allocate_arrays(moved, policy, "fast").caps_w)
+
+
+@pytest.mark.parametrize("over_w", [2e-6, 5e-6, 2e-5])
+def test_group_barely_over_its_budget_is_filled(over_w: float) -> None:
+    """Two GPUs on one node (damping 1.1e-4, slew 100 W) whose wanted total is a few µW over
+    every budget: seen from the node, F is a staircase (long flat stretches, steps ~0.1 kW
+    wide), and kernel._root's false position crept along a flat stretch from an end with a
+    residual of ~tol until MAX_STEPS, returning the bracket's right end: the node left
+    3-5 W short of its budget, a GPU 5 W below cvxpy's, and no gap to say so (no jobs). It
+    now bisects where four steps did not halve the bracket (found by an attacking agent)."""
+    d = policy_dict(1, 1, 1, 2, fractions=(1, 1, 1, 1), damping=1.122817664097192e-4, slew_w=100.0)
+    policy = parse_policy(d, "<root-stall>")
+    nodes = [g.name for g in policy.groups if g.level == 3 for _ in range(g.gpus or 0)]
+    topo = Topology.build(policy, nodes)
+    cap = np.array([307.003549777038, 689.742880659865])
+    fleet = Fleet(
+        uuids=("g0", "g1"), topology=topo,
+        min_cap_w=np.full(2, 200.0), max_cap_w=np.full(2, 700.0),
+        power_w=cap * 0.99, cap_w=cap,
+        class_index=np.ones(2, np.int64), stale=np.zeros(2, bool), pinned_w=np.full(2, np.nan),
+    )  # fmt: skip
+    budget = topo.overhead_w + 1107.003549777038 - over_w  # Σ hi (slew) − over_w, every level
+    fast = allocate_arrays(fleet, policy, "fast", budget_w=budget)
+    ref = allocate_arrays(fleet, policy, "cvxpy", budget_w=budget)
+    assert abs(fast.objective - ref.objective) <= 1e-6 * abs(ref.objective)
+    unused_w = budget[-1] - topo.overhead_w[-1] - fast.caps_w.sum()
+    assert -1e-6 <= unused_w <= 0.01  # the node's budget filled to within 10 mW

@@ -217,7 +217,8 @@ def _root(
     `guess` (> 0) is where to look first (last tick's price).
 
     Illinois false position inside a shrinking bracket: exact once both ends lie on the
-    piece of F that holds the root. In large groups every other step instead evaluates at
+    piece of F that holds the root; a bisection where four steps did not halve the
+    bracket. In large groups every other step instead evaluates at
     the median of a sample of the kinks still inside the bracket, so the bracket loses about
     half of them each time whatever the shape of F."""
     n_k = a.shape[1]
@@ -272,6 +273,7 @@ def _root(
             newton = x1 + g1 / d1  # exact if x1 lies on the root's piece of F
         first = 1
     kept = 0  # side replaced by the last step: +1 left, −1 right (Illinois)
+    width = right - left
     for step in range(first, MAX_STEPS):
         x = newton
         newton = -1.0
@@ -282,6 +284,12 @@ def _root(
             x = left + g_left / (g_left - g_right) * (right - left)
             if not left < x < right:
                 x = 0.5 * (left + right)
+        if step % 4 == 3:
+            # False position creeps where F is a staircase seen from just past a budget
+            # (a residual of ~tol at one end): halve the bracket when four steps did not.
+            if right - left > 0.5 * width:
+                x = 0.5 * (left + right)
+            width = right - left
         gx = _total(a, ln, lo, mult, floor, s, e, x) - cap
         if abs(gx) <= tol:
             return x
