@@ -32,10 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import scipy.linalg
-import scipy.sparse as sp
-import scipy.sparse.linalg
 
-from powerd.allocator.model import TOL_KW, BoolArray, FloatArray, IntArray, JobMap, Problem
+from powerd.allocator.model import TOL_KW, BoolArray, FloatArray, JobMap, Problem
 
 MAX_ITERATIONS = 200
 # Iterations from last tick's multipliers before the relaxed problem's are looked at.
@@ -58,8 +56,11 @@ MAX_PASSES = 400
 # A group is solved when its sum is this close to its capacity (relative). Tighter (1e-12)
 # is below the noise of sums over 1e5 caps: the method then idles at the optimum.
 REL_TOL = 1e-10
-# Working sets up to this size are factorised dense (faster than sparse for small sets).
-DENSE_MAX = 1500
+# Working sets up to this size are factorised dense; above, conjugate gradients (at most
+# CG_ITERATIONS, to CG_RTOL of the right-hand side) on H applied without building it.
+DENSE_MAX = 400
+CG_ITERATIONS = 100
+CG_RTOL = 1e-6
 # Diagonal shift of the Newton system: relative to each diagonal entry (a job alone under
 # several groups leaves directions almost free) and to the largest one.
 REGULARISE_REL = 1e-4
@@ -114,12 +115,10 @@ class _Dual:
         self.prev = prev
         self.delta = problem.delta
         self.eps = problem.eps
-        self.gpu_groups = tree.gpu_groups
-        self.job_members = np.flatnonzero(member)
         # Each node's path once, and each GPU's row there (topology only: kept on the tree);
         # each free GPU's row, and each job's groups with its GPUs under each: the passes
         # go over units, not GPUs.
-        self.node_path, self.node_rows, self.node_row = tree.node_paths
+        _, self.node_rows, self.node_row = tree.node_paths
         self.free_node = np.ascontiguousarray(self.node_row[~member])
         self.job_ptr, self.job_grp, self.job_cnt = jobs.incidence(tree)
         self.incidence = (
@@ -171,6 +170,7 @@ class _Dual:
         units are inside a segment."""
         from powerd.allocator import kernel  # numba: loaded by the first solve
 
+        self.passes += 1  # as costly as one: it counts against MAX_PASSES
         x, sums, partial = kernel.incidence_response_sums(
             price, *self.incidence, self.a_rows, self.len_rows, self.lo, self.inv,
             self.tree.n_groups,
@@ -190,48 +190,6 @@ class _Dual:
     def gradient(self, ev: _Eval) -> FloatArray:
         """∇D = C − S on groups with a budget (0 elsewhere)."""
         return np.where(self.finite, self.cap_f - ev.sums, 0.0)
-
-    def hessian(self, ev: _Eval, work: IntArray) -> sp.csr_matrix:
-        """H restricted to the working set, as RᵀR with one row per node or job."""
-        tree = self.tree
-        col = np.full(tree.n_groups, -1, dtype=np.int64)
-        col[work] = np.arange(work.size)
-        rows: list[IntArray] = []
-        cols: list[IntArray] = []
-        vals: list[FloatArray] = []
-        # Free GPUs inside a segment: those of one node share a path, so one row per node.
-        free_partial = ev.partial[self.unit] & ~self.job_gpu
-        per_node = np.bincount(tree.node_of_gpu[free_partial], minlength=tree.n_groups)
-        nodes = np.flatnonzero(per_node)
-        if nodes.size:
-            c = col[self.node_path[nodes]]
-            r = np.broadcast_to(np.arange(nodes.size)[:, None], c.shape)
-            w = np.broadcast_to(np.sqrt(per_node[nodes] * self.inv)[:, None], c.shape)
-            ok = c >= 0
-            rows.append(r[ok])
-            cols.append(c[ok])
-            vals.append(w[ok])
-        n_rows = nodes.size
-        # Jobs inside a segment: one row each, its members counted per group.
-        members = self.job_members[ev.partial[self.unit[self.job_members]]]
-        if members.size:
-            u = self.unit[members]
-            c = col[self.gpu_groups[members]]
-            scale = np.sqrt(self.inv / self.size[u])
-            r = np.broadcast_to((n_rows + u - u.min())[:, None], c.shape)
-            w = np.broadcast_to(scale[:, None], c.shape)
-            ok = c >= 0
-            rows.append(r[ok])
-            cols.append(c[ok])
-            vals.append(w[ok])
-            n_rows += int(u.max() - u.min()) + 1
-        if not rows:
-            return sp.csr_matrix((work.size, work.size))
-        r_mat = sp.csr_matrix(
-            (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
-            shape=(max(n_rows, 1), work.size),
-        )
-        return (r_mat.T @ r_mat).tocsr()
 
     def gradient_step(self, mu: FloatArray, grad: FloatArray) -> FloatArray:
         """The projected gradient, scaled by the Hessian's diagonal were every GPU below a
@@ -255,17 +213,29 @@ class _Dual:
         direction = np.where(held, -scaled, 0.0)
         if work.size == 0:
             return direction
-        dense = None
-        if work.size <= DENSE_MAX:
-            col = np.full(self.tree.n_groups, -1, dtype=np.int64)
-            col[work] = np.arange(work.size)
-            dense = kernel.incidence_hessian(
-                ev.partial, *self.incidence, self.size, col, int(work.size), self.inv
-            )
-            diag = np.diag(dense).copy()
-        else:
-            h = self.hessian(ev, work)
-            diag = h.diagonal()
+        if work.size > DENSE_MAX:
+            # Many groups bind (tight node or rack budgets): conjugate gradients on H
+            # applied without building it, an inexact Newton direction.
+            mask = np.zeros(self.tree.n_groups, dtype=np.bool_)
+            mask[work] = True
+            shift = np.zeros(self.tree.n_groups)
+            shift[work] = REGULARISE_REL * scale[work]
+            if damp is not None:
+                shift[work] += damp[work]
+            rhs = np.zeros(self.tree.n_groups)
+            rhs[work] = -grad[work]
+            d = kernel.newton_cg(
+                rhs, mask, shift, ev.partial, *self.incidence, self.size, self.inv,
+                CG_ITERATIONS, CG_RTOL,
+            )  # fmt: skip
+            direction[work] = np.where(np.isfinite(d[work]), d[work], 0.0)
+            return direction
+        col = np.full(self.tree.n_groups, -1, dtype=np.int64)
+        col[work] = np.arange(work.size)
+        dense = kernel.incidence_hessian(
+            ev.partial, *self.incidence, self.size, col, int(work.size), self.inv
+        )
+        diag = np.diag(dense).copy()
         if damp is not None:
             diag = diag + damp[work]
         flat = diag <= 0.0
@@ -277,24 +247,21 @@ class _Dual:
             direction[work[flat]] = -scaled[work[flat]]
             keep = ~flat
             work, diag = work[keep], diag[keep]
-            if dense is not None:
-                dense = dense[np.ix_(keep, keep)]
-            else:
-                h = h[keep][:, keep]
+            dense = dense[np.ix_(keep, keep)]
             if work.size == 0:
                 return direction
         reg = REGULARISE_REL * scale[work] + REGULARISE * float(diag.max(initial=0.0))
         if damp is not None:
             reg = reg + damp[work]
         rhs = -grad[work]
-        if dense is not None:
-            dense[np.diag_indices_from(dense)] += reg
-            try:
-                d = scipy.linalg.solve(dense, rhs, assume_a="pos", check_finite=False)
-            except (np.linalg.LinAlgError, ValueError):
-                d = np.linalg.lstsq(dense, rhs, rcond=None)[0]
-        else:
-            d = scipy.sparse.linalg.spsolve((h + sp.diags(reg)).tocsc(), rhs)
+        dense[np.diag_indices_from(dense)] += reg
+        try:
+            d = np.asarray(
+                scipy.linalg.solve(dense, rhs, assume_a="pos", check_finite=False),
+                dtype=np.float64,
+            )
+        except (np.linalg.LinAlgError, ValueError):
+            d = np.asarray(np.linalg.lstsq(dense, rhs, rcond=None)[0], dtype=np.float64)
         direction[work] = np.where(np.isfinite(d), d, 0.0)
         return direction
 
