@@ -40,7 +40,7 @@ MAX_ITERATIONS = 200
 WARM_ITERATIONS = 12
 MAX_SEARCH = 16
 # Bends of the projected arc (a multiplier reaching 0) one exact search follows.
-MAX_BENDS = 8
+MAX_BENDS = 64
 # Each step minimises D(μ) + ½ Σ_g w_g (μ_g − μ_now,g)² along its direction, w_g this share of
 # group g's curvature were every GPU under it to answer: the steps stay where Newton's model
 # holds. 100k GPUs cold: 29-45 passes -> 9-11; 10k GPUs under tight budgets: cycles (the
