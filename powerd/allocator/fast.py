@@ -107,8 +107,8 @@ def _tree_solve(problem: Problem, warm: FloatArray | None) -> tuple[FloatArray, 
     coupled = False
     for rnd in range(ACTIVE_ROUNDS + 1):
         held = np.where(active, capacity, np.inf)
-        units, laminar = _held_units(problem, held)
-        if not laminar:
+        units = _held_units(problem, held)
+        if units is None:
             coupled = True  # jobs.py answers: this loop's caps would go unused
             break
         p, u = _kernel_solve(problem, units, held, guess)
@@ -138,21 +138,19 @@ def _tree_solve(problem: Problem, warm: FloatArray | None) -> tuple[FloatArray, 
     return reference.solve_with_prices(problem)
 
 
-def _held_units(problem: Problem, held: FloatArray) -> tuple[_Units, bool]:
-    """The units for a solve holding the budgets of `held` (+inf elsewhere), and whether
-    every job is one of them: a job not laminar for those budgets has its GPUs free."""
+def _held_units(problem: Problem, held: FloatArray) -> _Units | None:
+    """The units for a solve holding the budgets of `held` (+inf elsewhere), or None where a
+    job is not laminar for those budgets (its price couples theirs: jobs.py answers)."""
     from powerd.allocator import kernel  # numba: loaded by the first solve, not at import
 
     jobs = problem.jobs
     if jobs is None:
-        return _units(problem, None, None), True
+        return _units(problem, None, None)
     tree = problem.tree
     laminar, hang = kernel.classify_jobs(jobs.job, tree.gpu_groups, jobs.n_jobs, np.isfinite(held))
-    lam = np.asarray(laminar)
-    if lam.all():
-        return _units(problem, jobs, np.asarray(hang)), True
-    kept = jobs.without(jobs.member & ~lam[np.maximum(jobs.job, 0)])
-    return _units(problem, kept, None if kept is None else np.asarray(hang)[lam]), False
+    if not np.asarray(laminar).all():
+        return None
+    return _units(problem, jobs, np.asarray(hang))
 
 
 def _kernel_solve(
