@@ -36,8 +36,10 @@ import scipy.linalg
 from powerd.allocator.model import TOL_KW, BoolArray, FloatArray, JobMap, Problem
 
 MAX_ITERATIONS = 200
-# Iterations from last tick's multipliers before the relaxed problem's are looked at.
+# Iterations (and passes) from last tick's multipliers before the relaxed problem's are
+# looked at: a poor warm start must leave the relaxed one most of MAX_PASSES.
 WARM_ITERATIONS = 12
+WARM_PASSES = 48
 MAX_SEARCH = 16
 # Bends of the projected arc (a multiplier reaching 0) one exact search follows.
 MAX_BENDS = 64
@@ -441,7 +443,7 @@ def solve_checked(
     if cand is not None:
         mu, ev = cand, dual.at(cand)
         if callable(start):
-            mu, ev = _iterate(dual, mu, ev, WARM_ITERATIONS)
+            mu, ev = _iterate(dual, mu, ev, WARM_ITERATIONS, WARM_PASSES)
             if dual.converged(ev, mu):
                 return dual.caps(ev), mu, True
     cand = usable(start() if callable(start) else start)
@@ -453,13 +455,15 @@ def solve_checked(
             mu, ev = cand, cand_ev
     if ev is None:
         ev = dual.at(mu)
-    mu, ev = _iterate(dual, mu, ev, MAX_ITERATIONS)
+    mu, ev = _iterate(dual, mu, ev, MAX_ITERATIONS, MAX_PASSES)
     return dual.caps(ev), mu, dual.converged(ev, mu)
 
 
-def _iterate(dual: _Dual, mu: FloatArray, ev: _Eval, iterations: int) -> tuple[FloatArray, _Eval]:
-    """Projected Newton iterations from mu, until converged, out of passes or iterations,
-    or out of descent."""
+def _iterate(
+    dual: _Dual, mu: FloatArray, ev: _Eval, iterations: int, passes: int
+) -> tuple[FloatArray, _Eval]:
+    """Projected Newton iterations from mu, until converged, out of iterations or of
+    passes (dual.passes reaching `passes`), or out of descent."""
     # Exact searches take the best step along each direction (a pass per step, against
     # Armijo's several). Where the residual stops halving they can zigzag between two
     # faces of D: then a search along the chord of the last two steps follows each one.
@@ -467,7 +471,7 @@ def _iterate(dual: _Dual, mu: FloatArray, ev: _Eval, iterations: int) -> tuple[F
     older: FloatArray | None = None
     damp = dual.damp
     for _ in range(iterations):
-        if dual.passes >= MAX_PASSES or dual.converged(ev, mu):
+        if dual.passes >= passes or dual.converged(ev, mu):
             break
         res = dual.residual(ev, mu)
         if res < 0.5 * best:
