@@ -41,8 +41,9 @@ MAX_ITERATIONS = 200
 WARM_ITERATIONS = 12
 WARM_PASSES = 48
 MAX_SEARCH = 16
-# Bends of the projected arc (a multiplier reaching 0) one exact search follows.
-MAX_BENDS = 64
+# Bends of the projected arc (a multiplier reaching 0) one exact search follows; where it
+# bends on, one jump to the projected minimum of the ray from the last bend.
+MAX_BENDS = 8
 # Each step minimises D(μ) + ½ Σ_g w_g (μ_g − μ_now,g)² along its direction, w_g this share of
 # group g's curvature were every GPU under it to answer: the steps stay where Newton's model
 # holds. 100k GPUs cold: 29-45 passes -> 9-11; 10k GPUs under tight budgets: cycles (the
@@ -300,6 +301,7 @@ def _exact_search(
     base = mu.copy()
     price, x, partial = ev0.price, ev0.x, ev0.partial
     moved = False
+    bent = 0
     for _ in range(MAX_BENDS):
         rate = dual.means(d)
         falling = d < 0.0
@@ -317,6 +319,7 @@ def _exact_search(
             base = np.maximum(nxt, 0.0)
             break
         # The groups that reach 0 here stay there: the arc bends.
+        bent += 1
         reached = falling & (nxt <= 1e-15 * np.maximum(base, 1.0))
         base = np.maximum(nxt, 0.0)
         base[reached] = 0.0
@@ -327,10 +330,34 @@ def _exact_search(
         if damp is not None:
             grad = grad + damp * (base - mu)
         if not np.any(d):
+            bent = 0
             break
     if not moved:
         return mu, ev0
-    return base, dual.at(base)
+    ev = dual.at(base)
+    if bent == MAX_BENDS:
+        # The arc goes on bending (many multipliers reach 0 along Newton's direction, as
+        # under tight budgets): one jump to where the ray from here, projected, has its
+        # minimum, kept if it lowers the searched function.
+        alpha = kernel.ray_minimum(
+            price, dual.means(d), dual.size, dual.a_rows, dual.len_rows, dual.lo, dual.inv,
+            float(np.einsum("g,g->", d, grad)), np.inf, x, partial,
+            0.0 if damp is None else float(np.einsum("g,g,g->", damp, d, d)),
+        )  # fmt: skip
+        if alpha > 0.0:
+            jump = np.maximum(base + alpha * d, 0.0)
+            ev_jump = dual.at(jump)
+            if _prox_value(ev_jump, jump, mu, damp) < _prox_value(ev, base, mu, damp):
+                return jump, ev_jump
+    return base, ev
+
+
+def _prox_value(ev: _Eval, at: FloatArray, center: FloatArray, damp: FloatArray | None) -> float:
+    """D at `at` plus the proximal term around `center`: what _exact_search minimises."""
+    if damp is None:
+        return ev.value
+    step = at - center
+    return ev.value + 0.5 * float(np.einsum("g,g,g->", damp, step, step))
 
 
 def _dual_of(problem: Problem, jobs: JobMap) -> _Dual:
