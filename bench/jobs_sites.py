@@ -23,25 +23,9 @@ import time
 import warnings
 from dataclasses import replace
 
-import numpy as np
-
 from powerd.allocator import ClassTable, Tree, allocate_arrays, build_problem, fast, jobs
-from powerd.allocator.model import Fleet, FloatArray, Problem, objective, repair
-from powerd.policy import Policy
-from powerd.testing.synthetic import Drift, make_policy, random_fleet, with_jobs
-
-
-def _site(seed: int) -> tuple[Policy, Fleet]:
-    rng = np.random.default_rng(seed)
-    shape = (int(rng.integers(1, 3)), int(rng.integers(1, 4)), int(rng.integers(1, 4)))
-    gpus = int(rng.integers(1, 5))
-    fractions = tuple(float(x) for x in rng.uniform(0.5, 1.0, 4))
-    damping = float(rng.choice([0.01, 0.1, 1.0]))
-    policy = make_policy(*shape, gpus, fractions=fractions, damping=damping)
-    fleet = random_fleet(policy, seed, limited_share=float(rng.uniform(0, 1)))
-    share, scattered = float(rng.uniform(0.3, 1.0)), float(rng.uniform(0, 1))
-    fleet = with_jobs(fleet, seed, share=share, sizes=(2, 3, 4, 8), scattered=scattered)
-    return policy, fleet
+from powerd.allocator.model import FloatArray, Problem, objective, repair
+from powerd.testing.synthetic import Drift, make_policy, random_fleet, random_job_site, with_jobs
 
 
 def _right(problem: Problem, p: FloatArray, best: float) -> bool:
@@ -52,7 +36,7 @@ def sites(first: int, count: int) -> None:
     counts = {"sites": 0, "cold_unconverged": 0, "cold_wrong": 0, "warm_wrong": 0}
     t0 = time.perf_counter()
     for seed in range(first, first + count):
-        policy, fleet = _site(seed)
+        policy, fleet = random_job_site(seed)
         problem = build_problem(fleet, policy)
         if problem.jobs is None:
             continue

@@ -12,7 +12,13 @@ import pytest
 from powerd.allocator import Allocation, Fleet, Tree, allocate_arrays, build_problem, fast, jobs
 from powerd.allocator.model import objective, repair
 from powerd.policy import Policy, parse_policy
-from powerd.testing.synthetic import make_policy, policy_dict, random_fleet, with_jobs
+from powerd.testing.synthetic import (
+    make_policy,
+    policy_dict,
+    random_fleet,
+    random_job_site,
+    with_jobs,
+)
 from powerd.topology import Topology
 
 
@@ -204,20 +210,6 @@ def test_newton_by_conjugate_gradients_reaches_the_optimum(
     assert jobs.gap(problem, caps, prices) <= 1e-6
 
 
-def _random_site(seed: int) -> tuple[Policy, Fleet]:
-    """A site as bench/jobs_sites.py draws them (its seed numbering)."""
-    rng = np.random.default_rng(seed)
-    shape = (int(rng.integers(1, 3)), int(rng.integers(1, 4)), int(rng.integers(1, 4)))
-    gpus = int(rng.integers(1, 5))
-    fractions = tuple(float(x) for x in rng.uniform(0.5, 1.0, 4))
-    damping = float(rng.choice([0.01, 0.1, 1.0]))
-    policy = make_policy(*shape, gpus, fractions=fractions, damping=damping)
-    fleet = random_fleet(policy, seed, limited_share=float(rng.uniform(0, 1)))
-    share, scattered = float(rng.uniform(0.3, 1.0)), float(rng.uniform(0, 1))
-    fleet = with_jobs(fleet, seed, share=share, sizes=(2, 3, 4, 8), scattered=scattered)
-    return policy, fleet
-
-
 @pytest.mark.parametrize("seed", [33, 165, 170])
 def test_arc_that_bends_on_is_cut_short_by_a_jump(
     seed: int, monkeypatch: pytest.MonkeyPatch
@@ -237,7 +229,7 @@ def test_arc_that_bends_on_is_cut_short_by_a_jump(
         return prox_value(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(jobs, "_prox_value", counted)
-    policy, fleet = _random_site(seed)
+    policy, fleet = random_job_site(seed)
     problem = build_problem(fleet, policy)
     assert problem.jobs is not None
     start = fast._tree_solve(replace(problem, jobs=None), None)[1]

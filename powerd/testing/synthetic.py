@@ -285,3 +285,19 @@ def scope_fleet(fleet: Fleet, policy: Policy, name: str) -> tuple[Policy, Fleet,
         pinned_w=fleet.pinned_w[gpus],
     )
     return scope_policy, part, gpus
+
+
+def random_job_site(seed: int) -> tuple[Policy, Fleet]:
+    """A small random site with jobs (bench/jobs_sites.py's draw): 1-2 rows, 1-3 racks,
+    1-3 nodes of 1-4 GPUs, budgets at 50-100 % of their GPUs' maximum, damping 0.01-1, jobs
+    of 2-8 GPUs on 30-100 % of the GPUs, a random share of them scattered."""
+    rng = np.random.default_rng(seed)
+    shape = (int(rng.integers(1, 3)), int(rng.integers(1, 4)), int(rng.integers(1, 4)))
+    gpus = int(rng.integers(1, 5))
+    fractions = tuple(float(x) for x in rng.uniform(0.5, 1.0, 4))
+    damping = float(rng.choice([0.01, 0.1, 1.0]))
+    policy = make_policy(*shape, gpus, fractions=fractions, damping=damping)
+    fleet = random_fleet(policy, seed, limited_share=float(rng.uniform(0, 1)))
+    share, scattered = float(rng.uniform(0.3, 1.0)), float(rng.uniform(0, 1))
+    fleet = with_jobs(fleet, seed, share=share, sizes=(2, 3, 4, 8), scattered=scattered)
+    return policy, fleet
