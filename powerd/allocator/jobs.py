@@ -520,7 +520,11 @@ def _iterate(
             nxt_mu, nxt = _search(dual, mu, dual.gradient_step(mu, grad), ev)
         if nxt is ev:
             break  # no decrease left to find: as exact as floating point allows
-        if since >= CHORD_AFTER and older is not None:
+        if (
+            since >= CHORD_AFTER
+            and older is not None
+            and dual.residual(nxt, nxt_mu) >= 0.5 * best  # (this step did not halve it)
+        ):
             # Two faces of D zigzag the steps: along the chord of the last two (parallel
             # tangents) the search often goes much further.
             chord_mu, chord = _exact_search(dual, nxt_mu, nxt_mu - older, nxt)
