@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from powerd.allocator import Allocation, Fleet, Tree, allocate_arrays, build_problem, fast, jobs
-from powerd.allocator.model import objective, repair
+from powerd.allocator.model import FloatArray, Problem, objective, repair
 from powerd.policy import Policy, parse_policy
 from powerd.testing.synthetic import (
     make_policy,
@@ -187,6 +187,16 @@ def test_group_barely_over_its_budget_is_filled(over_w: float) -> None:
     assert -1e-6 <= unused_w <= 0.01  # the node's budget filled to within 10 mW
 
 
+def _jobs_alone(policy: Policy, fleet: Fleet) -> tuple[Problem, FloatArray, FloatArray, bool]:
+    """jobs.py on its own (no reference to fall back on), started as fast starts it cold:
+    the problem, the repaired caps, the prices, and whether it converged."""
+    problem = build_problem(fleet, policy)
+    assert problem.jobs is not None
+    start = fast._tree_solve(replace(problem, jobs=None), None)[1]
+    p, prices, done = jobs.solve_checked(problem, None, start)
+    return problem, repair(problem, p), prices, done
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_newton_by_conjugate_gradients_reaches_the_optimum(
     seed: int, monkeypatch: pytest.MonkeyPatch
@@ -199,12 +209,8 @@ def test_newton_by_conjugate_gradients_reaches_the_optimum(
     policy = make_policy(2, 2, 3, 4, fractions=(1.0, 0.9, 0.8, 0.7), damping=0.01)
     fleet = random_fleet(policy, seed, limited_share=0.5)
     fleet = with_jobs(fleet, seed, share=0.8, sizes=(2, 3, 4, 8), scattered=0.5)
-    problem = build_problem(fleet, policy)
-    assert problem.jobs is not None
-    start = fast._tree_solve(replace(problem, jobs=None), None)[1]  # as fast starts it cold
-    p, prices, done = jobs.solve_checked(problem, None, start)
+    problem, caps, prices, done = _jobs_alone(policy, fleet)
     ref = allocate_arrays(fleet, policy, "cvxpy")
-    caps = repair(problem, p)
     assert done
     assert abs(objective(problem, caps) - ref.objective) <= 1e-6 * abs(ref.objective)
     assert jobs.gap(problem, caps, prices) <= 1e-6
@@ -230,11 +236,8 @@ def test_arc_that_bends_on_is_cut_short_by_a_jump(
 
     monkeypatch.setattr(jobs, "_prox_value", counted)
     policy, fleet = random_job_site(seed)
-    problem = build_problem(fleet, policy)
-    assert problem.jobs is not None
-    start = fast._tree_solve(replace(problem, jobs=None), None)[1]
-    p, _, done = jobs.solve_checked(problem, None, start)
+    problem, caps, _, done = _jobs_alone(policy, fleet)
     assert tried  # the jump was weighed
     ref = allocate_arrays(fleet, policy, "cvxpy")
     assert done
-    assert abs(objective(problem, repair(problem, p)) - ref.objective) <= 1e-6 * abs(ref.objective)
+    assert abs(objective(problem, caps) - ref.objective) <= 1e-6 * abs(ref.objective)

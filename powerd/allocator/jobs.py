@@ -99,12 +99,10 @@ class _Dual:
         self.tol = np.maximum(TOL_KW, REL_TOL * np.abs(self.cap_f))
         self.inv = 1.0 / (2.0 * problem.eps)
         member = jobs.member
-        unit, size, n_free, rep = jobs.units  # kept with the jobs from tick to tick
+        unit, size, rep = jobs.units  # kept with the jobs from tick to tick
         self.unit = unit
         self.n_units = size.size
-        self.n_free = n_free
         self.size = size
-        self.job_gpu = member
         prev = np.bincount(unit, weights=problem.prev, minlength=self.n_units) / self.size
         # Unit-major segments for the compiled passes (one row per unit, from its first
         # GPU: members share bounds, class and segments): a = prev − start + (slope + δ)/2ε.
@@ -123,12 +121,9 @@ class _Dual:
         # Each node's path once, and each GPU's row there (topology only: kept on the tree);
         # each free GPU's row, and each job's groups with its GPUs under each: the passes
         # go over units, not GPUs.
-        _, self.node_rows, self.node_row = tree.node_paths
-        self.free_node = np.ascontiguousarray(self.node_row[~member])
-        self.job_ptr, self.job_grp, self.job_cnt = jobs.incidence(tree)
-        self.incidence = (
-            self.node_rows, self.free_node, self.job_ptr, self.job_grp, self.job_cnt
-        )  # fmt: skip
+        node_rows, node_row = tree.node_paths
+        free_node = np.ascontiguousarray(node_row[~member])
+        self.incidence = (node_rows, free_node, *jobs.incidence(tree))
         self.count = tree.counts.astype(np.float64)
         # The proximal weight of each group (PROXIMAL of its curvature were every GPU
         # under it to answer): see _iterate.
@@ -203,11 +198,10 @@ class _Dual:
         d = np.where(self.finite, -grad / np.maximum(scale, 1e-300), 0.0)
         return np.where((mu <= 0.0) & (d < 0.0), 0.0, d)
 
-    def step(
-        self, ev: _Eval, mu: FloatArray, grad: FloatArray, damp: FloatArray | None = None
-    ) -> FloatArray:
-        """The projected Newton direction (Bertsekas 1982): Newton on the groups that are
-        not held at μ = 0, a scaled gradient step on those about to be."""
+    def step(self, ev: _Eval, mu: FloatArray, grad: FloatArray) -> FloatArray:
+        """The projected Newton direction (Bertsekas 1982) for D plus the proximal term
+        (`damp`): Newton on the groups that are not held at μ = 0, a scaled gradient step
+        on those about to be."""
         from powerd.allocator import kernel  # numba: loaded by the first solve
 
         scale = self.count * self.inv  # the Hessian's diagonal if every GPU below answered
@@ -224,9 +218,7 @@ class _Dual:
             mask = np.zeros(self.tree.n_groups, dtype=np.bool_)
             mask[work] = True
             shift = np.zeros(self.tree.n_groups)
-            shift[work] = REGULARISE_REL * scale[work]
-            if damp is not None:
-                shift[work] += damp[work]
+            shift[work] = REGULARISE_REL * scale[work] + self.damp[work]
             rhs = np.zeros(self.tree.n_groups)
             rhs[work] = -grad[work]
             d = kernel.newton_cg(
@@ -240,9 +232,7 @@ class _Dual:
         dense = kernel.incidence_hessian(
             ev.partial, *self.incidence, self.size, col, int(work.size), self.inv
         )
-        diag = np.diag(dense).copy()
-        if damp is not None:
-            diag = diag + damp[work]
+        diag = np.diag(dense) + self.damp[work]
         flat = diag <= 0.0
         if flat.any():
             # No unit under these groups answers to their price here (all at a knot or a
@@ -256,8 +246,7 @@ class _Dual:
             if work.size == 0:
                 return direction
         reg = REGULARISE_REL * scale[work] + REGULARISE * float(diag.max(initial=0.0))
-        if damp is not None:
-            reg = reg + damp[work]
+        reg += self.damp[work]
         rhs = -grad[work]
         dense[np.diag_indices_from(dense)] += reg
         try:
@@ -293,24 +282,33 @@ def _exact_search(
     Along a ray D's slope is continuous, non-decreasing and piecewise linear in α (each
     unit's price moves linearly): kernel.ray_minimum finds its root over the units, without
     a pass over the GPUs. Where a multiplier reaches 0 first the arc bends there: that group
-    leaves the direction and the search goes on (MAX_BENDS times). One pass at the end."""
+    leaves the direction and the search goes on (MAX_BENDS times, then one jump to the
+    projected minimum of the ray from the last bend). `damp`: the proximal weights, the
+    term around mu searched with D. One pass at the end."""
     from powerd.allocator import kernel  # numba: loaded by the first solve
 
     d = np.where((mu <= 0.0) & (d < 0.0), 0.0, d)
     grad = dual.gradient(ev0)
     base = mu.copy()
     price, x, partial = ev0.price, ev0.x, ev0.partial
+
+    def ray_minimum(rate: FloatArray, alpha_max: float) -> float:
+        """The minimum along base + αd (α ≤ alpha_max), the units at `price` (caps x)."""
+        return float(
+            kernel.ray_minimum(
+                price, rate, dual.size, dual.a_rows, dual.len_rows, dual.lo, dual.inv,
+                float(np.einsum("g,g->", d, grad)), alpha_max, x, partial,
+                0.0 if damp is None else float(np.einsum("g,g,g->", damp, d, d)),
+            )
+        )  # fmt: skip
+
     moved = False
     bent = 0
     for _ in range(MAX_BENDS):
         rate = dual.means(d)
         falling = d < 0.0
         alpha_max = float(np.min(base[falling] / -d[falling])) if falling.any() else np.inf
-        alpha = kernel.ray_minimum(
-            price, rate, dual.size, dual.a_rows, dual.len_rows, dual.lo, dual.inv,
-            float(np.einsum("g,g->", d, grad)), alpha_max, x, partial,
-            0.0 if damp is None else float(np.einsum("g,g,g->", damp, d, d)),
-        )  # fmt: skip
+        alpha = ray_minimum(rate, alpha_max)
         if alpha <= 0.0:
             break
         moved = True
@@ -339,11 +337,7 @@ def _exact_search(
         # The arc goes on bending (many multipliers reach 0 along Newton's direction, as
         # under tight budgets): one jump to where the ray from here, projected, has its
         # minimum, kept if it lowers the searched function.
-        alpha = kernel.ray_minimum(
-            price, dual.means(d), dual.size, dual.a_rows, dual.len_rows, dual.lo, dual.inv,
-            float(np.einsum("g,g->", d, grad)), np.inf, x, partial,
-            0.0 if damp is None else float(np.einsum("g,g,g->", damp, d, d)),
-        )  # fmt: skip
+        alpha = ray_minimum(dual.means(d), np.inf)
         if alpha > 0.0:
             jump = np.maximum(base + alpha * d, 0.0)
             ev_jump = dual.at(jump)
@@ -498,7 +492,6 @@ def _iterate(
     # faces of D: then a search along the chord of the last two steps follows each one.
     best, since = np.inf, 0
     older: FloatArray | None = None
-    damp = dual.damp
     for _ in range(iterations):
         if dual.passes >= passes or dual.converged(ev, mu):
             break
@@ -508,10 +501,10 @@ def _iterate(
         else:
             since += 1
         grad = dual.gradient(ev)
-        d = dual.step(ev, mu, grad, damp)
+        d = dual.step(ev, mu, grad)
         if not np.any(d):
             break
-        nxt_mu, nxt = _exact_search(dual, mu, d, ev, damp)
+        nxt_mu, nxt = _exact_search(dual, mu, d, ev, dual.damp)
         if not _better(dual, ev, mu, nxt, nxt_mu):
             nxt_mu, nxt = _search(dual, mu, d, ev)  # rounding: Armijo's residual rule
         if nxt is ev:

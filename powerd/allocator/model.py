@@ -236,15 +236,12 @@ class Tree:
         return first
 
     @cached_property
-    def node_paths(self) -> tuple[IntArray, IntArray, IntArray]:
-        """Each group's path of groups where it is a node (zeros elsewhere); each node's path
-        once, in node order; each GPU's row there (jobs.py's compiled passes)."""
-        path = np.zeros((self.n_groups, N_LEVELS), dtype=np.int64)
-        path[self.node_of_gpu] = self.gpu_groups
-        nodes, row = np.unique(self.node_of_gpu, return_inverse=True)
+    def node_paths(self) -> tuple[IntArray, IntArray]:
+        """Each node's path of groups once, in node order, and each GPU's row there
+        (jobs.py's compiled passes)."""
+        _, first, row = np.unique(self.node_of_gpu, return_index=True, return_inverse=True)
         return (
-            path,
-            np.ascontiguousarray(path[nodes]),
+            np.ascontiguousarray(self.gpu_groups[first]),
             np.ascontiguousarray(row, dtype=np.int64),
         )
 
@@ -284,6 +281,7 @@ class JobMap:
         # For each sorted member, the index of its run (its job's position in _starts).
         self._run = np.cumsum(np.r_[True, js[1:] != js[:-1]]) - 1 if js.size else js
         self.size = np.bincount(job[idx], minlength=len(names)).astype(np.float64)
+        self._incidence: tuple[Tree, tuple[IntArray, IntArray, FloatArray]] | None = None
 
     @classmethod
     def of(cls, fleet: Fleet) -> JobMap | None:
@@ -308,9 +306,9 @@ class JobMap:
     def incidence(self, tree: Tree) -> tuple[IntArray, IntArray, FloatArray]:
         """Each job's groups and its GPUs under each, as (job_ptr, group, count): job j's
         pairs are [job_ptr[j], job_ptr[j + 1]). Built once per tree."""
-        kept = self.__dict__.get("_incidence")
+        kept = self._incidence
         if kept is not None and kept[0] is tree:
-            return kept[1]  # type: ignore[no-any-return]
+            return kept[1]
         members = np.flatnonzero(self.member)
         n_groups = tree.n_groups
         keys = (self.job[members, None] * n_groups + tree.gpu_groups[members]).ravel()
@@ -318,13 +316,13 @@ class JobMap:
         owner = pairs // n_groups
         ptr = np.searchsorted(owner, np.arange(self.n_jobs + 1)).astype(np.int64)
         out = (ptr, (pairs % n_groups).astype(np.int64), counts.astype(np.float64))
-        self.__dict__["_incidence"] = (tree, out)
+        self._incidence = (tree, out)
         return out
 
     @cached_property
-    def units(self) -> tuple[IntArray, FloatArray, int, IntArray]:
+    def units(self) -> tuple[IntArray, FloatArray, IntArray]:
         """jobs.py's units: free GPUs, then jobs. Each GPU's unit, each unit's GPU count,
-        how many are free GPUs, and a GPU of each unit (its first)."""
+        and a GPU of each unit (its first)."""
         member = self.member
         n = member.size
         n_free = int(np.count_nonzero(~member))
@@ -335,7 +333,7 @@ class JobMap:
         size = np.bincount(unit, minlength=n_units).astype(np.float64)
         rep = np.empty(n_units, dtype=np.int64)
         rep[unit[::-1]] = np.arange(n)[::-1]
-        return unit, size, n_free, rep
+        return unit, size, rep
 
     def _reduce(self, op: np.ufunc, x: NDArray[Any]) -> NDArray[Any]:
         out = x.copy()
