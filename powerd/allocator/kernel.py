@@ -926,6 +926,24 @@ def incidence_response_sums(
 
 
 @_inline
+def _answering(
+    partial: BoolArray, n_nodes: int, free_node: IntArray, size: FloatArray, inv: float
+) -> tuple[FloatArray, FloatArray]:
+    """The Hessian's weights: per node, its free GPUs inside a segment; per job,
+    1/(2ε m) where it is inside one (0 where not)."""
+    n_free = free_node.size
+    node_partial = np.zeros(n_nodes)
+    for u in range(n_free):
+        if partial[u]:
+            node_partial[free_node[u]] += 1.0
+    job_w = np.zeros(size.size - n_free)
+    for j in range(job_w.size):
+        if partial[n_free + j]:
+            job_w[j] = inv / size[n_free + j]
+    return node_partial, job_w
+
+
+@_inline
 def _hess_apply(
     v: FloatArray,
     out: FloatArray,
@@ -987,15 +1005,7 @@ def newton_cg(
     of descent, which the exact search then follows."""
     n_groups = rhs.size
     n_nodes = node_path.shape[0]
-    n_free = free_node.size
-    node_partial = np.zeros(n_nodes)
-    for u in range(n_free):
-        if partial[u]:
-            node_partial[free_node[u]] += 1.0
-    job_w = np.zeros(job_ptr.size - 1)
-    for j in range(job_w.size):
-        if partial[n_free + j]:
-            job_w[j] = inv / size[n_free + j]
+    node_partial, job_w = _answering(partial, n_nodes, free_node, size, inv)
     diag = shift.copy()
     for nd in range(n_nodes):
         c = node_partial[nd] * inv
@@ -1071,11 +1081,7 @@ def incidence_hessian(
     the outer product of its GPUs per group for a job of m GPUs inside a segment."""
     n_nodes, depth = node_path.shape
     h = np.zeros((n_work, n_work))
-    per_node = np.zeros(n_nodes)
-    n_free = free_node.size
-    for u in range(n_free):
-        if partial[u]:
-            per_node[free_node[u]] += 1.0
+    per_node, job_w = _answering(partial, n_nodes, free_node, size, inv)
     for nd in range(n_nodes):
         w = per_node[nd] * inv
         if w == 0.0:
@@ -1088,10 +1094,10 @@ def incidence_hessian(
                 cb = col[node_path[nd, k]]
                 if cb >= 0:
                     h[ca, cb] += w
-    for j in range(job_ptr.size - 1):
-        if not partial[n_free + j]:
+    for j in range(job_w.size):
+        w = job_w[j]
+        if w == 0.0:
             continue
-        w = inv / size[n_free + j]
         for k1 in range(job_ptr[j], job_ptr[j + 1]):
             ca = col[job_grp[k1]]
             if ca < 0:
