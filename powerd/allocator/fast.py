@@ -24,6 +24,7 @@ every job's members free.
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -40,6 +41,9 @@ REFERENCE_UP_TO = 4096
 ACTIVE_TOL = 1e-12
 # Caps in force this close to a budget (share) say it bound when they were set.
 FULL_SHARE = 1e-6
+
+
+_Work = tuple[IntArray, FloatArray, FloatArray]  # the tree's workspace (model.work_arrays)
 
 
 @dataclass(frozen=True)
@@ -105,19 +109,28 @@ def _tree_solve(problem: Problem, warm: FloatArray | None) -> tuple[FloatArray, 
         active |= finite & (warm > 0.0)
     guess = _guess(problem, warm)
     coupled = False
-    for rnd in range(ACTIVE_ROUNDS + 1):
-        held = np.where(active, capacity, np.inf)
-        units = _held_units(problem, held)
-        if units is None:
-            coupled = True  # jobs.py answers: this loop's caps would go unused
-            break
-        p, u = _kernel_solve(problem, units, held, guess)
-        over = finite & ~active & (tree.sums(p) > capacity + tol)
-        if not over.any():
-            break
-        # The last round holds every group: its answer is the tree's.
-        active = over | active if rnd < ACTIVE_ROUNDS - 1 else finite
-        guess = np.where(u > 0.0, u, guess)  # this round's roots are close
+    with ExitStack() as stack:
+        work: _Work | None = None
+        prepared: _Units | None = None  # the units in the workspace
+        for rnd in range(ACTIVE_ROUNDS + 1):
+            held = np.where(active, capacity, np.inf)
+            units = _held_units(problem, held)
+            if units is None:
+                coupled = True  # jobs.py answers: this loop's caps would go unused
+                break
+            if work is None:
+                n_k = problem.classes.knots_kw.shape[1] + 1
+                work = stack.enter_context(tree.workspace.take(units.rep.size, tree.n_groups, n_k))
+            if prepared is None or not np.array_equal(prepared.attach, units.attach):
+                _prepare(problem, units, work)  # (the same units every round without jobs)
+                prepared = units
+            p, u = _kernel_solve(problem, units, held, guess, work)
+            over = finite & ~active & (tree.sums(p) > capacity + tol)
+            if not over.any():
+                break
+            # The last round holds every group: its answer is the tree's.
+            active = over | active if rnd < ACTIVE_ROUNDS - 1 else finite
+            guess = np.where(u > 0.0, u, guess)  # this round's roots are close
     if not coupled:
         return p, _multipliers(problem, u)
 
@@ -153,39 +166,44 @@ def _held_units(problem: Problem, held: FloatArray) -> _Units | None:
     return _units(problem, jobs, np.asarray(hang))
 
 
+def _prepare(problem: Problem, units: _Units, work: _Work) -> None:
+    """The units, sorted under their groups with their segments, into the workspace."""
+    from powerd.allocator import kernel  # numba: loaded by the first solve, not at import
+
+    classes = problem.classes
+    r = units.rep
+    kernel.prepare(
+        units.attach,
+        problem.tree.dfs_rank,
+        problem.tree.parent,
+        problem.lo[r],
+        problem.hi[r],
+        problem.flat[r],
+        units.prev,
+        problem.fleet.class_index[r],
+        problem.weight[r],
+        units.mult,
+        classes.knots_kw,
+        classes.slopes_kw,
+        problem.delta,
+        1.0 / (2.0 * problem.eps),
+        *work,
+    )
+
+
 def _kernel_solve(
-    problem: Problem, units: _Units, held: FloatArray, guess: FloatArray
+    problem: Problem, units: _Units, held: FloatArray, guess: FloatArray, work: _Work
 ) -> tuple[FloatArray, FloatArray]:
-    """One bottom-up solve of the units holding the budgets of `held`: caps per GPU (kW)
-    and each group's U."""
+    """One bottom-up solve of the prepared units holding the budgets of `held`: caps per
+    GPU (kW) and each group's U."""
     from powerd.allocator import kernel  # numba: loaded by the first solve, not at import
 
     tree = problem.tree
-    classes = problem.classes
-    r = units.rep
-    n, n_groups, n_k = r.size, tree.n_groups, classes.knots_kw.shape[1] + 1
-    with tree.workspace.take(n, n_groups, n_k) as work:
-        kernel.prepare(
-            units.attach,
-            tree.dfs_rank,
-            tree.parent,
-            problem.lo[r],
-            problem.hi[r],
-            problem.flat[r],
-            units.prev,
-            problem.fleet.class_index[r],
-            problem.weight[r],
-            units.mult,
-            classes.knots_kw,
-            classes.slopes_kw,
-            problem.delta,
-            1.0 / (2.0 * problem.eps),
-            *work,
-        )
-        if not guess.any():
-            guess = kernel.implied_guess(n, n_groups, n_k, tree.deepest_first, held, *work)
-        caps, u = kernel.solve_groups(n, n_groups, n_k, tree.deepest_first, held, guess, *work)
-        return np.asarray(caps)[units.of_gpu], np.array(u)
+    n, n_groups, n_k = units.rep.size, tree.n_groups, problem.classes.knots_kw.shape[1] + 1
+    if not guess.any():
+        guess = kernel.implied_guess(n, n_groups, n_k, tree.deepest_first, held, *work)
+    caps, u = kernel.solve_groups(n, n_groups, n_k, tree.deepest_first, held, guess, *work)
+    return np.asarray(caps)[units.of_gpu], np.array(u)
 
 
 def _guess(problem: Problem, warm: FloatArray | None) -> FloatArray:

@@ -261,10 +261,12 @@ def _root(
         return right  # lower bounds over capacity: build_problem never lets this happen
     first = 0
     newton = -1.0
+    best = np.inf  # the smallest |F − cap| seen
     if left < x1 < right:
         g1 = f1 - cap
         if abs(g1) <= tol:
             return x1
+        best = abs(g1)
         if g1 > 0.0:
             left, g_left = x1, g1
         else:
@@ -274,10 +276,11 @@ def _root(
         first = 1
     kept = 0  # side replaced by the last step: +1 left, −1 right (Illinois)
     width = right - left
+    stalled = newton < 0.0  # no Newton step to take first: start from the median
     for step in range(first, MAX_STEPS):
         x = newton
         newton = -1.0
-        if big and step % 2 == 0:
+        if big and stalled:
             cnt = _sample_range(a, ln, floor, s, e, left, right, buf)
             x = _median_inside(buf, cnt, left, right)
         if not left < x < right:
@@ -293,6 +296,8 @@ def _root(
         gx = _total(a, ln, lo, mult, floor, s, e, x) - cap
         if abs(gx) <= tol:
             return x
+        stalled = abs(gx) > 0.5 * best
+        best = min(best, abs(gx))
         if gx > 0.0:
             left, g_left = x, gx
             if kept == 1:
