@@ -101,6 +101,7 @@ class _Dual:
         member = jobs.member
         unit, size, rep = jobs.units  # kept with the jobs from tick to tick
         self.unit = unit
+        self.rep = rep
         self.n_units = size.size
         self.size = size
         prev = np.bincount(unit, weights=problem.prev, minlength=self.n_units) / self.size
@@ -129,6 +130,8 @@ class _Dual:
         # under it to answer): see _iterate.
         self.damp = PROXIMAL * self.count * self.inv
         self.passes = 0
+        # The last pass's multipliers and D there (gap() asks for D at the solve's answer).
+        self.last: tuple[FloatArray, float] | None = None
 
     def at(self, mu: FloatArray) -> _Eval:
         """One pass (compiled: kernel.unit_dual): D(μ) = max_p L(p, μ), every unit's gain at
@@ -150,6 +153,7 @@ class _Dual:
             self.eps,
             self.inv,
         )
+        self.last = (mu.copy(), float(value))
         return _Eval(
             np.asarray(x), np.asarray(sums), np.asarray(partial), float(value), np.asarray(price)
         )
@@ -179,13 +183,14 @@ class _Dual:
 
     def primal_value(self, p: FloatArray) -> float:
         """The units' gain at caps p (one per unit: a job's members share theirs)."""
-        x_u = np.zeros(self.n_units)
-        x_u[self.unit] = p
-        ln = self.len_rows
-        t = np.clip(x_u[:, None] - (self.lo[:, None] + np.cumsum(ln, axis=1) - ln), 0.0, ln)
-        gain = np.einsum("uk,uk->u", self.slope_rows, t)
-        gain += self.delta * x_u - self.eps * (x_u - self.prev) ** 2
-        return float(np.einsum("u,u->", self.size, gain))
+        from powerd.allocator import kernel  # numba: loaded by the first solve
+
+        return float(
+            kernel.unit_value(
+                np.ascontiguousarray(p[self.rep]), self.lo, self.len_rows, self.slope_rows,
+                self.prev, self.size, self.delta, self.eps,
+            )
+        )  # fmt: skip
 
     def gradient(self, ev: _Eval) -> FloatArray:
         """∇D = C − S on groups with a budget (0 elsewhere)."""
@@ -425,7 +430,8 @@ def gap(problem: Problem, p: FloatArray, prices: FloatArray) -> float:
         return 0.0
     dual = _dual_of(problem, problem.jobs)
     mu = np.where(dual.finite, np.maximum(prices, 0.0), 0.0)
-    bound = dual.at(mu).value
+    last = dual.last
+    bound = last[1] if last is not None and np.array_equal(last[0], mu) else dual.at(mu).value
     value = dual.primal_value(p)
     return max(0.0, (bound - value) / max(abs(value), 1.0))
 

@@ -1116,6 +1116,61 @@ def incidence_hessian(
 
 
 @_jit
+def unit_value(
+    x: FloatArray,
+    lo: FloatArray,
+    ln: FloatArray,
+    slopes: FloatArray,
+    prev: FloatArray,
+    size: FloatArray,
+    delta: float,
+    eps: float,
+) -> float:
+    """jobs.py's primal objective at the units' caps x: Σ_u m_u (gain along its segments
+    + δx − ε(x − prev)²)."""
+    value = 0.0
+    for u in range(size.size):
+        xu = x[u]
+        start = lo[u]
+        gain = 0.0
+        for k in range(ln.shape[1]):
+            gain += slopes[u, k] * min(max(xu - start, 0.0), ln[u, k])
+            start += ln[u, k]
+        gain += delta * xu - eps * (xu - prev[u]) ** 2
+        value += size[u] * gain
+    return value
+
+
+@_jit
+def cut_to_budgets(p: FloatArray, lo: FloatArray, gpu_groups: IntArray, target: FloatArray) -> None:
+    """model.repair's cuts, in place: level by level from the nodes up, each group over
+    `target` cut in proportion to its GPUs' room above lo (never below the sum of lo)."""
+    n, depth = gpu_groups.shape
+    n_groups = target.size
+    sums = np.empty(n_groups)
+    floor = np.empty(n_groups)
+    keep = np.empty(n_groups)
+    for level in range(depth - 1, -1, -1):
+        sums[:] = 0.0
+        floor[:] = 0.0
+        for i in range(n):
+            g = gpu_groups[i, level]
+            sums[g] += p[i]
+            floor[g] += lo[i]
+        cut = False
+        for g in range(n_groups):
+            excess = sums[g] - max(target[g], floor[g])
+            keep[g] = 1.0
+            if excess > 0.0:
+                cut = True
+                room = sums[g] - floor[g]
+                keep[g] = min(max(1.0 - excess / room, 0.0), 1.0) if room > 0.0 else 0.0
+        if cut:
+            for i in range(n):
+                p[i] = lo[i] + (p[i] - lo[i]) * keep[gpu_groups[i, level]]
+
+
+@_jit
 def classify_jobs(
     job: IntArray, gpu_groups: IntArray, n_jobs: int, held: BoolArray
 ) -> tuple[BoolArray, IntArray]:
@@ -1204,5 +1259,7 @@ def warm_up() -> None:
     ones_b = np.ones(2, dtype=np.bool_)
     newton_cg(-ones, ones_b, 1e-3 * ones, ones_b, *incidence, size, 1e3, 10, 1e-6)
     ray_minimum(zeros, -np.ones(2), size, rows, rows, lo, 1e3, -1.0, np.inf, lo, zeros > 0)
+    cut_to_budgets(np.ones(2), lo, gg, capacity)
+    unit_value(lo, lo, rows, rows, lo, size, 1e-3, 1e-3)
     job = np.array([0, 0], dtype=np.int64)
     classify_jobs(job, np.array([[0, 1], [0, 1]], dtype=np.int64), 1, np.ones(2, dtype=np.bool_))

@@ -733,24 +733,14 @@ def repair(problem: Problem, p_kw: FloatArray) -> FloatArray:
     under capacity: a sum of m caps is only exact to about m·ulp, and the budget must hold
     whatever order the caps are later added in (≈1 mW at 100k GPUs under 70 MW).
     """
+    from powerd.allocator import kernel  # numba: loaded by the first solve
+
     lo = problem.lo
     p = np.clip(p_kw, lo, problem.hi)
     tree = problem.tree
     cap = problem.capacity
     slack = 2.0 * np.finfo(np.float64).eps * tree.counts * np.where(np.isfinite(cap), cap, 0.0)
-    target = cap - np.abs(slack)
-    target = np.maximum(target, tree.sums(lo))  # never below what the lower bounds need
-    for level in range(N_LEVELS - 1, -1, -1):
-        idx = tree.gpu_groups[:, level]
-        sums = np.bincount(idx, weights=p, minlength=tree.n_groups)
-        excess = sums - target
-        if not np.any(excess > 0.0):
-            continue
-        room = np.bincount(idx, weights=p - lo, minlength=tree.n_groups)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            keep = np.where(excess > 0.0, 1.0 - excess / room, 1.0)
-        keep = np.clip(np.nan_to_num(keep, nan=0.0), 0.0, 1.0)
-        p = lo + (p - lo) * keep[idx]
+    kernel.cut_to_budgets(p, lo, tree.gpu_groups, cap - np.abs(slack))
     if problem.jobs is not None:
         # Cuts differ between groups; a job takes its lowest member's cap, which fits every
         # budget the cut caps fit (members share lo, so it stays within bounds).
