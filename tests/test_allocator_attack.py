@@ -192,7 +192,7 @@ def _jobs_alone(policy: Policy, fleet: Fleet) -> tuple[Problem, FloatArray, Floa
     the problem, the repaired caps, the prices, and whether it converged."""
     problem = build_problem(fleet, policy)
     assert problem.jobs is not None
-    start = fast._tree_solve(replace(problem, jobs=None), None)[1]
+    start = fast._tree_solve(replace(problem, jobs=None), None, rough=True)[1]
     p, prices, done = jobs.solve_checked(problem, None, start)
     return problem, repair(problem, p), prices, done
 

@@ -582,11 +582,13 @@ def solve_groups(
     work_i: IntArray,
     work_f: FloatArray,
     work_k: FloatArray,
+    rel_tol: float = REL_TOL,
 ) -> tuple[FloatArray, FloatArray]:
     """Each unit's cap (kW, in the units' order) and each group's U, on the prepared units.
 
     `capacity`: +inf where there is nothing to hold; `guess`: where to look first (0: no
-    guess); `by_level`: the groups, deepest level first. The caps are a view into work_f."""
+    guess); `by_level`: the groups, deepest level first; `rel_tol`: how close to its
+    capacity a group's sum must come (relative). The caps are a view into work_f."""
     order, start, end, sa, sl, slo, sm, _ = _views(n, n_groups, n_k, work_i, work_f, work_k)
     floor = work_f[2, :n]
     floor[:] = 0.0
@@ -599,7 +601,7 @@ def solve_groups(
         cap = capacity[g]
         if s >= e or not np.isfinite(cap):
             continue
-        tol = max(1e-9, REL_TOL * abs(cap))
+        tol = max(1e-9, rel_tol * abs(cap))
         if e - s <= KINKS_UP_TO and guess[g] <= 0.0:
             ug = _root_kinks(s, e, sa, sl, slo, sm, floor, cap, tol, kv, kd)
         else:
@@ -1239,8 +1241,8 @@ def warm_up() -> None:
     by_level = np.array([1, 0], dtype=np.int64)
     capacity = np.array([1.0, 1.5])
     guess = implied_guess(2, 2, n_k, by_level, capacity, *work)
-    solve_groups(2, 2, n_k, by_level, capacity, guess, *work)
-    solve_groups(2, 2, n_k, by_level, capacity, zeros, *work)
+    solve_groups(2, 2, n_k, by_level, capacity, guess, *work, REL_TOL)
+    solve_groups(2, 2, n_k, by_level, capacity, zeros, *work, REL_TOL)
     gg = np.array([[0, 1], [0, 1]], dtype=np.int64)
     # One free GPU and one job of one GPU, both on node 1.
     node_rows = gg[:1]
