@@ -50,7 +50,7 @@ MAX_BENDS = 8
 # same point every few steps, certified gaps to 8 %) -> converged.
 PROXIMAL = 1e-6
 # Iterations without the residual halving before chord steps join in.
-CHORD_AFTER = 1
+CHORD_AFTER = 2
 # Passes over the GPUs one solve may take (each ~1 ms at 100k GPUs, compiled): a tick's
 # solve stays bounded (under 1 s at 100k with its Newton systems), and where it has not
 # converged by then the caller gets the caps repaired to every budget and the certificate
@@ -523,6 +523,7 @@ def _iterate(
             since >= CHORD_AFTER
             and older is not None
             and dual.residual(nxt, nxt_mu) >= 0.5 * best  # (this step did not halve it)
+            and float(np.einsum("g,g->", nxt_mu - mu, mu - older)) < 0.0  # (turned back)
         ):
             # Two faces of D zigzag the steps: along the chord of the last two (parallel
             # tangents) the search often goes much further.
