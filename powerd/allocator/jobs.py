@@ -91,6 +91,8 @@ class _Eval:
 
 class _Dual:
     def __init__(self, problem: Problem, jobs: JobMap) -> None:
+        from powerd.allocator import kernel  # numba: loaded by the first solve
+
         tree = problem.tree
         self.tree = tree
         self.jobs = jobs
@@ -107,14 +109,11 @@ class _Dual:
         prev = np.bincount(unit, weights=problem.prev, minlength=self.n_units) / self.size
         # Unit-major segments for the compiled passes (one row per unit, from its first
         # GPU: members share bounds, class and segments): a = prev − start + (slope + δ)/2ε.
-        starts, lengths, slopes = problem.unit_segments(rep)
-        self.slope_rows = np.ascontiguousarray(slopes.T)
-        self.len_rows = np.ascontiguousarray(lengths.T)
-        a = self.slope_rows + problem.delta
-        a *= self.inv
-        a -= starts.T
-        a += prev[:, None]
-        self.a_rows = a
+        classes = problem.classes
+        self.a_rows, self.len_rows, self.slope_rows = kernel.unit_rows(
+            rep, problem.lo, problem.hi, problem.flat, prev, problem.fleet.class_index,
+            problem.weight, classes.knots_kw, classes.slopes_kw, problem.delta, self.inv,
+        )  # fmt: skip
         self.lo = problem.lo[rep]
         self.prev = prev
         self.delta = problem.delta

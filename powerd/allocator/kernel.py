@@ -1144,6 +1144,38 @@ def unit_value(
 
 
 @_jit
+def unit_rows(
+    rep: IntArray,
+    lo: FloatArray,
+    hi: FloatArray,
+    flat: FloatArray,
+    prev: FloatArray,
+    cls: IntArray,
+    weight: FloatArray,
+    knots: FloatArray,
+    slopes: FloatArray,
+    delta: float,
+    inv: float,
+) -> tuple[FloatArray, FloatArray, FloatArray]:
+    """jobs.py's segments, one row per unit (its GPU rep[u]; prev per unit): a, len (as
+    _segment_row) and each segment's slope (weight included; 0 past flat)."""
+    n_units = rep.size
+    n_k = knots.shape[1] + 1
+    a = np.empty((n_units, n_k))
+    ln = np.empty((n_units, n_k))
+    sl = np.zeros((n_units, n_k))
+    for u in range(n_units):
+        i = rep[u]
+        c = cls[i]
+        _segment_row(
+            a, ln, u, lo[i], hi[i], flat[i], prev[u], knots, slopes, c, weight[i], delta, inv
+        )
+        for k in range(n_k - 1):
+            sl[u, k] = weight[i] * slopes[c, k]
+    return a, ln, sl
+
+
+@_jit
 def cut_to_budgets(p: FloatArray, lo: FloatArray, gpu_groups: IntArray, target: FloatArray) -> None:
     """model.repair's cuts, in place: level by level from the nodes up, each group over
     `target` cut in proportion to its GPUs' room above lo (never below the sum of lo)."""
@@ -1262,6 +1294,8 @@ def warm_up() -> None:
     newton_cg(-ones, ones_b, 1e-3 * ones, ones_b, *incidence, size, 1e3, 10, 1e-6)
     ray_minimum(zeros, -np.ones(2), size, rows, rows, lo, 1e3, -1.0, np.inf, lo, zeros > 0)
     cut_to_budgets(np.ones(2), lo, gg, capacity)
+    unit_rows(np.arange(2), lo, ones, ones, lo, np.zeros(2, dtype=np.int64), ones, knots,
+              slopes, 1e-3, 1e3)  # fmt: skip
     unit_value(lo, lo, rows, rows, lo, size, 1e-3, 1e-3)
     job = np.array([0, 0], dtype=np.int64)
     classify_jobs(job, np.array([[0, 1], [0, 1]], dtype=np.int64), 1, np.ones(2, dtype=np.bool_))

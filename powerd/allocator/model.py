@@ -421,21 +421,6 @@ class Problem:
             flat=self.flat,
         )
 
-    def unit_segments(self, rows: IntArray) -> tuple[FloatArray, FloatArray, FloatArray]:
-        """starts, lengths, slopes (K, len(rows)) of the GPUs `rows` only (jobs.py needs a
-        GPU of each unit, a third of them at 70 % of GPUs in jobs)."""
-        if "_segment_rows" in self.__dict__:
-            st, ln, sl = self._segment_rows
-            return st[:, rows], ln[:, rows], sl[:, rows]
-        return _segments(
-            self.classes,
-            cls=self.fleet.class_index[rows],
-            weight=self.weight[rows],
-            lo=self.lo[rows],
-            hi=self.hi[rows],
-            flat=self.flat[rows],
-        )
-
     @property
     def starts(self) -> FloatArray:
         """(K, n): where each segment starts (built on first use: the tree solver does
@@ -497,15 +482,19 @@ def _single_job_groups(tree: Tree, jobs: JobMap) -> BoolArray:
     return np.asarray((job_of >= 0) & (same == tree.counts), dtype=np.bool_)
 
 
-def _single_job_room(tree: Tree, single: BoolArray, capacity: FloatArray) -> FloatArray:
-    """Per GPU, the tightest capacity / GPU count over its groups that hold only its job's
+def _single_job_room(
+    tree: Tree, jobs: JobMap, single: BoolArray, capacity: FloatArray
+) -> FloatArray:
+    """Per GPU, the tightest capacity / GPU count over the groups that hold only its job's
     GPUs (`single`; +inf where there is none)."""
-    per_gpu = np.where(single, capacity / np.maximum(tree.counts, 1), np.inf)
-    gg = tree.gpu_groups
-    out = per_gpu[gg[:, 0]]
-    for level in range(1, N_LEVELS):  # column by column: min(axis=1) on 4 columns is slow
-        np.minimum(out, per_gpu[gg[:, level]], out=out)
-    return np.asarray(out, dtype=np.float64)
+    groups = np.flatnonzero(single)
+    per_job = np.full(jobs.n_jobs, np.inf)
+    np.minimum.at(
+        per_job,
+        jobs.job[tree.first_gpu[groups]],
+        capacity[groups] / np.maximum(tree.counts[groups], 1),
+    )
+    return np.where(jobs.member, per_job[np.maximum(jobs.job, 0)], np.inf)
 
 
 def _fleet_jobs(tree: Tree, fleet: Fleet) -> tuple[JobMap | None, BoolArray | None]:
@@ -551,7 +540,7 @@ def _job_bounds(
         single = _single_job_groups(tree, jobs)
         job_lo, job_hi = jobs.max(lo), jobs.min(hi)
     lo, hi = job_lo, job_hi
-    room = jobs.min(_single_job_room(tree, single, capacity))
+    room = _single_job_room(tree, jobs, single, capacity)
     hi = np.where(jobs.member, np.maximum(np.minimum(hi, room), lo), hi)
     return jobs, split, lo, hi, single
 
