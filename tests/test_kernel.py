@@ -1,0 +1,126 @@
+"""The compiled kernels against plain references: a group's root found by stepping (large
+groups) against the one found exactly from every kink, the budget cuts of repair against
+numpy, and the jobs gap's reuse of the last pass."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from powerd.allocator import Tree, allocate_arrays, build_problem, jobs, kernel
+from powerd.allocator.model import TOL_KW, FloatArray, IntArray, repair
+from powerd.testing.synthetic import make_policy, random_fleet, with_jobs
+from powerd.topology import N_LEVELS
+
+FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _group(seed: int, n: int) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray, FloatArray]:
+    """n units of a group: segments as the tree solver's (tops falling, gaps between), many
+    of them sharing their kinks (one class, GPUs at the same caps), floors from groups
+    below (a share of the units frozen at one of a few prices)."""
+    rng = np.random.default_rng(seed)
+    n_k = 4
+    ln = rng.uniform(0.0, 0.2, (n, n_k)) * (rng.random((n, n_k)) < 0.9)
+    gaps = rng.choice([0.0, 0.05, 0.3], (n, n_k))
+    top = rng.choice([1.0, 1.5, 2.0], n)[:, None] + rng.normal(0.0, 0.3, (n, 1)) * (
+        rng.random((n, 1)) < 0.5
+    )
+    a = top - np.cumsum(np.c_[np.zeros(n), (ln + gaps)[:, :-1]], axis=1)
+    lo = rng.uniform(0.1, 0.3, n)
+    mult = rng.choice([1.0, 1.0, 8.0], n)
+    floor = np.where(rng.random(n) < 0.4, rng.choice([0.5, 0.9, 1.2], n), 0.0)
+    return np.ascontiguousarray(a), np.ascontiguousarray(ln), lo, mult, floor
+
+
+def _total(
+    a: FloatArray, ln: FloatArray, lo: FloatArray, m: FloatArray, fl: FloatArray, x: float
+) -> float:
+    xi = np.maximum(x, fl)[:, None]
+    return float(np.sum(m * (lo + np.clip(a - xi, 0.0, ln).sum(axis=1))))
+
+
+@FAST
+@given(
+    st.integers(0, 2**32 - 1),
+    st.integers(600, 3000),
+    st.floats(0.05, 0.95),
+    st.sampled_from([0.0, 0.5, 1.0, 1.5, 1.9]),
+)
+def test_large_group_root_is_exact(seed: int, n: int, share: float, guess: float) -> None:
+    """kernel._root (false position, Newton's first step, median steps where it stalls)
+    lands where F meets the capacity, as _root_kinks (every kink, exact) does: same F."""
+    a, ln, lo, m, fl = _group(seed, n)
+    f_hi = _total(a, ln, lo, m, fl, 1e9)
+    cap = f_hi + share * (_total(a, ln, lo, m, fl, 0.0) - f_hi)
+    tol = max(1e-9, kernel.REL_TOL * abs(cap))
+    room = n * (2 * a.shape[1] + 1)
+    u = kernel._root(0, n, a, ln, lo, m, fl, cap, tol, np.empty(kernel.SAMPLE), guess)
+    exact = kernel._root_kinks(0, n, a, ln, lo, m, fl, cap, tol, np.empty(room), np.empty(room))
+    assert abs(_total(a, ln, lo, m, fl, u) - cap) <= 1e-9 * cap
+    assert abs(_total(a, ln, lo, m, fl, exact) - cap) <= 1e-9 * cap
+
+
+def _cut_numpy(
+    p: FloatArray, lo: FloatArray, gpu_groups: IntArray, target: FloatArray
+) -> FloatArray:
+    """repair's cuts as numpy bincounts (what the compiled loop replaced)."""
+    n_groups = target.size
+    for level in range(N_LEVELS - 1, -1, -1):
+        idx = gpu_groups[:, level]
+        sums = np.bincount(idx, weights=p, minlength=n_groups)
+        floor = np.bincount(idx, weights=lo, minlength=n_groups)
+        excess = sums - np.maximum(target, floor)
+        room = sums - floor
+        with np.errstate(divide="ignore", invalid="ignore"):
+            keep = np.where(excess > 0.0, np.where(room > 0.0, 1.0 - excess / room, 0.0), 1.0)
+        p = lo + (p - lo) * np.clip(keep, 0.0, 1.0)[idx]
+    return p
+
+
+@FAST
+@given(st.integers(0, 2**32 - 1), st.floats(0.3, 1.2))
+def test_budget_cuts_match_numpy_and_hold(seed: int, scale: float) -> None:
+    """kernel.cut_to_budgets cuts as the numpy reference does, and after it every group is
+    within its target (or at its GPUs' lower bounds where those exceed it)."""
+    policy = make_policy(2, 3, 2, 4)
+    fleet = random_fleet(policy, seed)
+    tree = Tree(fleet.topology)
+    rng = np.random.default_rng(seed)
+    lo = rng.uniform(0.1, 0.2, fleet.n)
+    p = lo + rng.uniform(0.0, 0.6, fleet.n)
+    target = scale * tree.sums(p) * rng.uniform(0.7, 1.1, tree.n_groups)
+    target[rng.random(tree.n_groups) < 0.2] = np.inf
+    got = p.copy()
+    kernel.cut_to_budgets(got, lo, tree.gpu_groups, target)
+    want = _cut_numpy(p.copy(), lo, tree.gpu_groups, target)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
+    over = tree.sums(got) - np.maximum(target, tree.sums(lo))
+    assert np.all(
+        over <= 1e-9 * np.maximum(np.abs(np.where(np.isfinite(target), target, 0.0)), 1.0)
+    )
+
+
+def test_gap_reuses_the_last_pass_only_at_its_prices() -> None:
+    """jobs.gap takes D from the last pass where the prices are those it was made at (the
+    solve's answer) and evaluates D afresh elsewhere: the same certificate either way."""
+    policy = make_policy(1, 4, 4, 8, fractions=(0.9, 0.9, 0.9, 0.85))
+    fleet = with_jobs(random_fleet(policy, 3), 3, share=0.7, scattered=0.5)
+    alloc = allocate_arrays(fleet, policy, "fast")
+    problem = build_problem(fleet, policy)
+    assert problem.jobs is not None and alloc.prices is not None
+    caps = repair(problem, alloc.caps_w / 1000.0)
+    fresh = jobs.gap(problem, caps, alloc.prices)  # a new problem: no pass made yet
+    dual = jobs._dual_of(problem, problem.jobs)
+    assert dual.last is not None and np.array_equal(
+        dual.last[0], np.where(dual.finite, np.maximum(alloc.prices, 0.0), 0.0)
+    )
+    again = jobs.gap(problem, caps, alloc.prices)  # from the stored pass
+    assert again == fresh
+    other = alloc.prices * 1.5
+    assert jobs.gap(problem, caps, other) >= 0.0
+    assert dual.last is not None and np.array_equal(
+        dual.last[0], np.where(dual.finite, np.maximum(other, 0.0), 0.0)
+    )
+    assert max(fresh, 0.0) <= 1e-6 + TOL_KW
