@@ -26,7 +26,7 @@ CASES = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCh
 
 
 @st.composite
-def sites_with_jobs(draw: st.DrawFn) -> tuple[Policy, Fleet]:
+def sites_with_jobs(draw: st.DrawFn, exact_fit: bool = False) -> tuple[Policy, Fleet]:
     shape = (
         draw(st.integers(1, 2)),
         draw(st.integers(1, 3)),
@@ -34,6 +34,8 @@ def sites_with_jobs(draw: st.DrawFn) -> tuple[Policy, Fleet]:
         draw(st.sampled_from([2, 4, 8])),
     )
     fractions = tuple(draw(st.floats(0.7, 1.0)) for _ in range(4))
+    if exact_fit:  # the facility's budget the sum of its rows', a row's maybe its racks'
+        fractions = (1.0, draw(st.sampled_from([1.0, fractions[1]])), *fractions[2:])
     policy = make_policy(
         *shape,
         fractions=fractions,  # type: ignore[arg-type]
@@ -91,6 +93,24 @@ def test_fast_agrees_with_cvxpy_with_jobs(site: tuple[Policy, Fleet]) -> None:
     assert 0.0 <= fast.gap <= 1e-6
     one_cap_per_job(fleet, fast.caps_w, fast.split_jobs)
     one_cap_per_job(fleet, ref.caps_w, ref.split_jobs)
+
+
+@CASES
+@given(sites_with_jobs(exact_fit=True))
+def test_budgets_their_childrens_imply_are_left_to_them(site: tuple[Policy, Fleet]) -> None:
+    """A budget set to the sum of its children's binds only when they all do, and then
+    adds nothing: the exact solvers leave it out (Problem.solver_capacity), so that no
+    price can wander between it and them. The answer is cvxpy's (which holds every budget),
+    and repair holds it too."""
+    policy, fleet = site
+    problem = build_problem(fleet, policy)
+    assert not np.isfinite(problem.solver_capacity[0])
+    assert np.isfinite(problem.capacity[0])
+    fast = allocate_arrays(fleet, policy, "fast")
+    ref = allocate_arrays(fleet, policy, "cvxpy")
+    assert abs(fast.objective - ref.objective) <= 1e-6 * max(abs(ref.objective), 1.0)
+    budgets_and_bounds(policy, fleet, fast.caps_w)
+    one_cap_per_job(fleet, fast.caps_w, fast.split_jobs)
 
 
 @CASES

@@ -102,10 +102,7 @@ def _tree_solve(
     multipliers or this solver's answer with every job's GPUs free."""
 
     tree = problem.tree
-    capacity = problem.capacity
-    if problem.single_job is not None:
-        # A group holding one job's GPUs alone is a bound on that job (build_problem).
-        capacity = np.where(problem.single_job, np.inf, capacity)
+    capacity = problem.solver_capacity  # (budgets that cannot bind alone left out)
     finite = np.isfinite(capacity)
     rel_tol = ROUGH_TOL if rough else ACTIVE_TOL
     tol = np.where(finite, np.maximum(TOL_KW, rel_tol * np.abs(capacity)), 0.0)

@@ -96,8 +96,9 @@ class _Dual:
         tree = problem.tree
         self.tree = tree
         self.jobs = jobs
-        self.finite = np.isfinite(problem.capacity)
-        self.cap_f = np.where(self.finite, problem.capacity, 0.0)
+        capacity = problem.solver_capacity  # (budgets that cannot bind alone left out)
+        self.finite = np.isfinite(capacity)
+        self.cap_f = np.where(self.finite, capacity, 0.0)
         self.tol = np.maximum(TOL_KW, REL_TOL * np.abs(self.cap_f))
         self.inv = 1.0 / (2.0 * problem.eps)
         member = jobs.member

@@ -406,6 +406,21 @@ class Problem:
         return int(self.lo.size)
 
     @cached_property
+    def solver_capacity(self) -> FloatArray:
+        """`capacity` as the exact solvers hold it: +inf where a budget cannot bind on its
+        own. That is a group holding one job's GPUs alone (a bound on that job's cap), and
+        a group whose budget its children's budgets (a node's: its GPUs' upper bounds)
+        already imply, such as a row breaker rated at the sum of its racks'. The feasible
+        set is the same; the dual loses a degenerate direction (two budgets that bind only
+        together, with one price between them to share). Repair and verification hold
+        every budget."""
+        implied = _implied_by_children(self.tree, self.capacity, self.hi)
+        capacity = np.where(implied, np.inf, self.capacity)
+        if self.single_job is not None:
+            capacity = np.where(self.single_job, np.inf, capacity)
+        return np.asarray(capacity, dtype=np.float64)
+
+    @cached_property
     def memo(self) -> dict[str, object]:
         """What solvers derive from this problem and share (jobs.py's dual)."""
         return {}
@@ -468,6 +483,28 @@ def capacities_kw(
 
 def _over(tree: Tree, lo: FloatArray, capacity: FloatArray) -> BoolArray:
     return np.asarray(tree.sums(lo) > capacity + TOL_KW, dtype=np.bool_)
+
+
+# A budget counts as implied by its children's where it is at least their sum less this
+# share of it (budgets set to the sum of their children's differ from it by rounding); the
+# caps' repair absorbs the difference (at most ~1e-12 of the budget).
+IMPLIED_SHARE = 1e-12
+
+
+def _implied_by_children(tree: Tree, capacity: FloatArray, hi: FloatArray) -> BoolArray:
+    """The groups whose budget holds whenever their children's do: the sum of what their
+    children can take (a node's children: its GPUs, up to hi; a group's: the lesser of its
+    budget and its own children's) fits it."""
+    most = np.bincount(tree.node_of_gpu, weights=hi, minlength=tree.n_groups)
+    implied = np.zeros(tree.n_groups, dtype=np.bool_)
+    for level in range(N_LEVELS - 1, -1, -1):
+        g = tree.levels[level]
+        cap = capacity[g]
+        implied[g] = np.isfinite(cap) & (cap >= most[g] * (1.0 - IMPLIED_SHARE))
+        most[g] = np.minimum(most[g], cap)
+        if level > 0:
+            most += np.bincount(tree.parents[level], weights=most[g], minlength=tree.n_groups)
+    return implied
 
 
 def _single_job_groups(tree: Tree, jobs: JobMap) -> BoolArray:
