@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from powerd.allocator import Tree, allocate_arrays, build_problem, jobs, kernel
-from powerd.allocator.model import TOL_KW, FloatArray, IntArray, repair
+from powerd.allocator.model import TOL_KW, FloatArray, IntArray, objective, repair
 from powerd.testing.synthetic import make_policy, random_fleet, with_jobs
 from powerd.topology import N_LEVELS
 
@@ -124,3 +124,25 @@ def test_gap_reuses_the_last_pass_only_at_its_prices() -> None:
         dual.last[0], np.where(dual.finite, np.maximum(other, 0.0), 0.0)
     )
     assert max(fresh, 0.0) <= 1e-6 + TOL_KW
+
+
+@FAST
+@given(st.integers(0, 2**32 - 1), st.floats(0.0, 1.2))
+def test_objective_matches_numpy_interpolation(seed: int, top: float) -> None:
+    """model.objective (compiled: kernel.objective_value) is the numpy formula: each class's
+    profile interpolated at min(cap, demand), clamped at the table's ends, plus the linear
+    and damping terms."""
+    policy = make_policy(1, 2, 3, 4)
+    fleet = random_fleet(policy, seed)
+    problem = build_problem(fleet, policy)
+    p = np.random.default_rng(seed).uniform(0.0, top, fleet.n)
+    used = np.maximum(np.minimum(p * 1000.0, problem.demand_w), 0.0)
+    table_w, table_y = problem.classes.value_table
+    shift = fleet.class_index * problem.classes.TABLE_OFFSET_W
+    util = np.interp(used + shift, table_w, table_y)
+    want = (
+        float(problem.weight @ util)
+        + problem.delta * float(p.sum())
+        - problem.eps * float(np.sum((p - problem.prev) ** 2))
+    )
+    assert abs(objective(problem, p) - want) <= 1e-12 * max(abs(want), 1.0)

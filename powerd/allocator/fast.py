@@ -164,7 +164,9 @@ def _held_units(problem: Problem, held: FloatArray) -> _Units | None:
     if jobs is None:
         return _units(problem, None, None)
     tree = problem.tree
-    laminar, hang = kernel.classify_jobs(jobs.job, tree.gpu_groups, jobs.n_jobs, np.isfinite(held))
+    laminar, hang = kernel.classify_jobs(
+        *jobs.incidence(tree), jobs.size, tree.level_of, np.isfinite(held)
+    )
     if not np.asarray(laminar).all():
         return None
     return _units(problem, jobs, np.asarray(hang))

@@ -1176,70 +1176,123 @@ def unit_rows(
 
 
 @_jit
+def objective_value(
+    p_kw: FloatArray,
+    demand_w: FloatArray,
+    cls: IntArray,
+    weight: FloatArray,
+    prev: FloatArray,
+    table_w: FloatArray,
+    table_y: FloatArray,
+    offset_w: float,
+    delta: float,
+    eps: float,
+) -> float:
+    """model.objective in one pass: Σ w·profile(min(p, demand)) + δΣp − εΣ(p − prev)², the
+    profile interpolated in ClassTable.value_table (class c's curve at c·offset_w)."""
+    n_t = table_w.size
+    total = 0.0
+    for i in range(p_kw.size):
+        p = p_kw[i]
+        x = max(min(p * 1000.0, demand_w[i]), 0.0) + cls[i] * offset_w
+        # np.interp: the table's end values outside it, linear between its points.
+        if x <= table_w[0]:
+            y = table_y[0]
+        elif x >= table_w[n_t - 1]:
+            y = table_y[n_t - 1]
+        else:
+            lo_i, hi_i = 0, n_t - 1
+            while hi_i - lo_i > 1:
+                mid = (lo_i + hi_i) // 2
+                if table_w[mid] <= x:
+                    lo_i = mid
+                else:
+                    hi_i = mid
+            x0, x1 = table_w[lo_i], table_w[hi_i]
+            y0, y1 = table_y[lo_i], table_y[hi_i]
+            y = y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
+        d = p - prev[i]
+        total += weight[i] * y + delta * p - eps * d * d
+    return total
+
+
+@_jit
 def cut_to_budgets(p: FloatArray, lo: FloatArray, gpu_groups: IntArray, target: FloatArray) -> None:
     """model.repair's cuts, in place: level by level from the nodes up, each group over
-    `target` cut in proportion to its GPUs' room above lo (never below the sum of lo)."""
+    `target` cut in proportion to its GPUs' room above lo (never below the sum of lo).
+
+    A cut scales the room of every GPU below the group by one factor, so each group's room
+    after the cuts below it is the sum of its children's (each times its own factor): the
+    factors follow level by level from one pass's sums, and a second pass applies each
+    GPU's product of them."""
     n, depth = gpu_groups.shape
     n_groups = target.size
-    sums = np.empty(n_groups)
-    floor = np.empty(n_groups)
-    keep = np.empty(n_groups)
-    for level in range(depth - 1, -1, -1):
-        sums[:] = 0.0
-        floor[:] = 0.0
-        for i in range(n):
-            g = gpu_groups[i, level]
-            sums[g] += p[i]
-            floor[g] += lo[i]
-        cut = False
+    room = np.zeros(n_groups)
+    floor = np.zeros(n_groups)
+    level = np.full(n_groups, -1, dtype=np.int64)
+    parent = np.full(n_groups, -1, dtype=np.int64)
+    for i in range(n):
+        lo_i = lo[i]
+        r = p[i] - lo_i
+        for lv in range(depth):
+            g = gpu_groups[i, lv]
+            floor[g] += lo_i
+            level[g] = lv
+            if lv > 0:
+                parent[g] = gpu_groups[i, lv - 1]
+            if lv == depth - 1:
+                room[g] += r  # the nodes' room; the others' follows from their children
+    keep = np.ones(n_groups)
+    cut = False
+    for lv in range(depth - 1, -1, -1):
         for g in range(n_groups):
-            excess = sums[g] - max(target[g], floor[g])
-            keep[g] = 1.0
+            if level[g] != lv:
+                continue
+            excess = floor[g] + room[g] - max(target[g], floor[g])
             if excess > 0.0:
                 cut = True
-                room = sums[g] - floor[g]
-                keep[g] = min(max(1.0 - excess / room, 0.0), 1.0) if room > 0.0 else 0.0
-        if cut:
-            for i in range(n):
-                p[i] = lo[i] + (p[i] - lo[i]) * keep[gpu_groups[i, level]]
+                keep[g] = min(max(1.0 - excess / room[g], 0.0), 1.0) if room[g] > 0.0 else 0.0
+                room[g] *= keep[g]
+            if lv > 0:
+                room[parent[g]] += room[g]
+    if cut:
+        for i in range(n):
+            f = 1.0
+            for lv in range(depth):
+                f *= keep[gpu_groups[i, lv]]
+            if f != 1.0:
+                p[i] = lo[i] + (p[i] - lo[i]) * f
 
 
 @_jit
 def classify_jobs(
-    job: IntArray, gpu_groups: IntArray, n_jobs: int, held: BoolArray
+    job_ptr: IntArray,
+    job_grp: IntArray,
+    job_cnt: FloatArray,
+    job_size: FloatArray,
+    level_of: IntArray,
+    held: BoolArray,
 ) -> tuple[BoolArray, IntArray]:
-    """Which jobs are laminar, and where each hangs.
+    """Which jobs are laminar, and where each hangs, from their (group, GPUs under it)
+    pairs (JobMap.incidence).
 
     A job is laminar when every held group (`held`: the budgets the solve holds, never a
     group one job holds alone, which build_problem made a bound on that job) with some of
     its GPUs holds all of them: its price is then a chain of multipliers, as a single GPU's.
-    It hangs at the deepest group holding all its GPUs. `job` is -1 for free GPUs."""
-    n, depth = gpu_groups.shape
+    It hangs at the deepest group holding all its GPUs."""
+    n_jobs = job_ptr.size - 1
     laminar = np.ones(n_jobs, dtype=np.bool_)
     hang = np.full(n_jobs, -1, dtype=np.int64)
-    first = np.full(n_jobs, -1, dtype=np.int64)
-    same = np.ones(n_jobs, dtype=np.bool_)
-    mixed = np.zeros(n_jobs, dtype=np.bool_)
-    for lv in range(depth):
-        first[:] = -1
-        same[:] = True
-        mixed[:] = False
-        for i in range(n):
-            j = job[i]
-            if j < 0:
-                continue
-            g = gpu_groups[i, lv]
-            if first[j] < 0:
-                first[j] = g
-            elif first[j] != g:
-                same[j] = False
-            if held[g]:
-                mixed[j] = True
-        for j in range(n_jobs):
-            if mixed[j] and not same[j]:
+    for j in range(n_jobs):
+        deepest = -1
+        for k in range(job_ptr[j], job_ptr[j + 1]):
+            g = job_grp[k]
+            whole = job_cnt[k] == job_size[j]
+            if held[g] and not whole:
                 laminar[j] = False
-            if same[j] and first[j] >= 0:
-                hang[j] = first[j]
+            if whole and level_of[g] > deepest:
+                deepest = level_of[g]
+                hang[j] = g
     return laminar, hang
 
 
@@ -1294,8 +1347,9 @@ def warm_up() -> None:
     newton_cg(-ones, ones_b, 1e-3 * ones, ones_b, *incidence, size, 1e3, 10, 1e-6)
     ray_minimum(zeros, -np.ones(2), size, rows, rows, lo, 1e3, -1.0, np.inf, lo, zeros > 0)
     cut_to_budgets(np.ones(2), lo, gg, capacity)
+    objective_value(lo, ones, np.zeros(2, dtype=np.int64), ones, lo, knots[0, :1], ones[:1],
+                    1e7, 1e-3, 1e-3)  # fmt: skip
     unit_rows(np.arange(2), lo, ones, ones, lo, np.zeros(2, dtype=np.int64), ones, knots,
               slopes, 1e-3, 1e3)  # fmt: skip
     unit_value(lo, lo, rows, rows, lo, size, 1e-3, 1e-3)
-    job = np.array([0, 0], dtype=np.int64)
-    classify_jobs(job, np.array([[0, 1], [0, 1]], dtype=np.int64), 1, np.ones(2, dtype=np.bool_))
+    classify_jobs(ptr, grp, cnt, np.array([2.0]), np.arange(2), np.ones(2, dtype=np.bool_))

@@ -205,6 +205,9 @@ class Tree:
         self.gpu_groups = topology.gpu_groups
         self.node_of_gpu = np.ascontiguousarray(topology.gpu_groups[:, N_LEVELS - 1])
         self.levels = [topology.groups_at(level) for level in range(N_LEVELS)]
+        self.level_of = np.zeros(self.n_groups, dtype=np.int64)
+        for level, g in enumerate(self.levels):
+            self.level_of[g] = level
         self.parents = [topology.parent[g] for g in self.levels]
         self.counts = topology.group_counts()
         self.parent = np.ascontiguousarray(topology.parent, dtype=np.int64)
@@ -730,15 +733,23 @@ def _segments(
 
 def objective(problem: Problem, p_kw: FloatArray) -> float:
     """Σ w·profile(min(p, demand)) + δ·Σ p − ε·Σ (p − prev)², p in kW: the same for all solvers."""
-    used = np.minimum(p_kw * 1000.0, problem.demand_w)
+    from powerd.allocator import kernel  # numba: loaded by the first solve
+
     table_w, table_y = problem.classes.value_table
     # One interpolation for all classes: class c's curve lives at c·offset (see value_table).
-    shift = problem.fleet.class_index * ClassTable.TABLE_OFFSET_W
-    util = np.interp(np.maximum(used, 0.0) + shift, table_w, table_y)
     return float(
-        np.einsum("i,i->", problem.weight, util)
-        + problem.delta * p_kw.sum()
-        - problem.eps * np.sum((p_kw - problem.prev) ** 2)
+        kernel.objective_value(
+            np.ascontiguousarray(p_kw, dtype=np.float64),
+            problem.demand_w,
+            problem.fleet.class_index,
+            problem.weight,
+            problem.prev,
+            table_w,
+            table_y,
+            ClassTable.TABLE_OFFSET_W,
+            problem.delta,
+            problem.eps,
+        )
     )
 
 
