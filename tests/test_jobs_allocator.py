@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from powerd.allocator import SOLVERS, Fleet, allocate_arrays, build_problem
@@ -104,8 +104,11 @@ def test_budgets_their_childrens_imply_are_left_to_them(site: tuple[Policy, Flee
     and repair holds it too."""
     policy, fleet = site
     problem = build_problem(fleet, policy)
-    assert not np.isfinite(problem.solver_capacity[0])
+    # (Not where even some minimums break a budget: those GPUs are fixed, their group left
+    # out, and what they take may leave the facility's budget binding after all.)
+    assume(problem.infeasible_groups.size == 0)
     assert np.isfinite(problem.capacity[0])
+    assert not np.isfinite(problem.solver_capacity[0])
     fast = allocate_arrays(fleet, policy, "fast")
     ref = allocate_arrays(fleet, policy, "cvxpy")
     assert abs(fast.objective - ref.objective) <= 1e-6 * max(abs(ref.objective), 1.0)
