@@ -16,9 +16,10 @@ highest (so each GPU's path sums to its price).
 
 Each root is exact. Groups of up to KINKS_UP_TO units are solved from their kinks
 (`_root_kinks`, quickselect on F's breakpoints); larger ones by false position inside a
-shrinking bracket, every other step at the median of a sample of the kinks still inside it
-(`_root`). A group's first look is at `guess` (last tick's U, or where the caps in force
-put it). The caller decides which groups are held (fast.py's active set).
+shrinking bracket, at the median of a sample of the kinks still inside it where a step did
+not halve the residual (`_root`). A group's first look is at `guess` (last tick's U, or
+where the caps in force put it). The caller decides which groups are held (fast.py's
+active set).
 
 `unit_dual`, `incidence_hessian` and `ray_minimum` are jobs.py's pass over its units, its
 Newton system and its line search.
@@ -216,11 +217,12 @@ def _root(
     """U for one group: units s..e-1 (sorted order), each priced at least floor[i];
     `guess` (> 0) is where to look first (last tick's price).
 
-    Illinois false position inside a shrinking bracket: exact once both ends lie on the
-    piece of F that holds the root; a bisection where four steps did not halve the
-    bracket. In large groups every other step instead evaluates at
-    the median of a sample of the kinks still inside the bracket, so the bracket loses about
-    half of them each time whatever the shape of F."""
+    A Newton step from the first look, then Illinois false position inside a shrinking
+    bracket: exact once both ends lie on the piece of F that holds the root; a bisection
+    where four steps did not halve the bracket. In large groups, after a step that did not
+    halve the residual, the next evaluates at the median of a sample of the kinks still
+    inside the bracket, so the bracket loses about half of them whatever the shape of F
+    (every other step, as before, wasted passes where thousands of kinks coincide)."""
     n_k = a.shape[1]
     big = e - s > MEDIAN_ABOVE
     x1 = guess
