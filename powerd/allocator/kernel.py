@@ -47,6 +47,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 # Relative residual at which a group counts as solved: sums of 1e5 caps carry ~1e-12.
 REL_TOL = 1e-13
 MAX_STEPS = 200
+# kernel._root bisects where this many steps in a row moved the same end of its bracket
+# (false position creeping from an end whose residual is near tol; at 200 steps with only
+# the bisection every four steps, a nested budget 1e-9 below its child's was left 2 W
+# short, found by an attack).
+SAME_END = 3
 # Median steps while more units than this can change slope (kernel._root).
 MEDIAN_ABOVE = 512
 SAMPLE = 192
@@ -277,6 +282,7 @@ def _root(
             newton = x1 + g1 / d1  # exact if x1 lies on the root's piece of F
         first = 1
     kept = 0  # side replaced by the last step: +1 left, −1 right (Illinois)
+    same = 0  # steps in a row that replaced that side
     width = right - left
     stalled = newton < 0.0  # no Newton step to take first: start from the median
     for step in range(first, MAX_STEPS):
@@ -291,10 +297,13 @@ def _root(
                 x = 0.5 * (left + right)
         if step % 4 == 3:
             # False position creeps where F is a staircase seen from just past a budget
-            # (a residual of ~tol at one end): halve the bracket when four steps did not.
+            # (a residual of ~tol at one end): halve the bracket when four steps did not,
+            # or where the last SAME_END steps all moved one end.
             if right - left > 0.5 * width:
                 x = 0.5 * (left + right)
             width = right - left
+        if same >= SAME_END:
+            x = 0.5 * (left + right)
         gx = _total(a, ln, lo, mult, floor, s, e, x) - cap
         if abs(gx) <= tol:
             return x
@@ -304,11 +313,13 @@ def _root(
             left, g_left = x, gx
             if kept == 1:
                 g_right *= 0.5
+            same = same + 1 if kept == 1 else 1
             kept = 1
         else:
             right, g_right = x, gx
             if kept == -1:
                 g_left *= 0.5
+            same = same + 1 if kept == -1 else 1
             kept = -1
         if right - left <= 4.0 * np.spacing(max(right, 1.0)):
             return right
