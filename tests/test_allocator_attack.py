@@ -293,3 +293,27 @@ def test_nested_budgets_just_below_their_child_are_filled(
     for alloc in (cold, warm):
         assert abs(alloc.objective - ref.objective) <= 1e-9 * abs(ref.objective)
         assert alloc.unused_w <= 1e-5
+
+
+@pytest.mark.parametrize("solver", ["fast", "cvxpy", "uniform", "priority-bands"])
+@pytest.mark.parametrize("below_w", [2e-6, 1e-6, 1.0000001e-6, 0.9999999e-6, 0.0, -1e-6])
+def test_a_budget_at_its_minimums_within_rounding_never_fails(solver: str, below_w: float) -> None:
+    """A rack's budget at the sum of its GPUs' minimums less 1 µW (TOL_KW): build_problem
+    tested `sum(lo) > capacity + TOL_KW` and verification `sum(caps) - capacity > TOL_KW`,
+    which round differently there: the rack was not marked infeasible, repair cut it to
+    its minimums, and verification rejected them (SolverFailed from every solver). Both
+    now compare the same way: the rack is either infeasible_min (its GPUs at their
+    minimums) or allocated, never a failure."""
+    policy = make_policy(1, 2, 2, 4, fractions=(1.0, 1.0, 1.0, 1.0), damping=0.01)
+    fleet = random_fleet(policy, 1, limited_share=1.0)
+    topo = fleet.topology
+    rack = 2
+    budget = topo.budget_w.copy()
+    under = topo.gpu_groups[:, 2] == rack
+    budget[rack] = fleet.min_cap_w[under].sum() + topo.overhead_w[rack] - below_w
+    alloc = allocate_arrays(fleet, policy, solver, budget_w=budget)
+    sums = topo.group_sums(alloc.caps_w) + topo.overhead_w
+    names = topo.names
+    over = sums - budget
+    for g in np.flatnonzero(over > 1e-6):
+        assert names[g] in alloc.infeasible_groups

@@ -146,3 +146,18 @@ def test_objective_matches_numpy_interpolation(seed: int, top: float) -> None:
         - problem.eps * float(np.sum((p - problem.prev) ** 2))
     )
     assert abs(objective(problem, p) - want) <= 1e-12 * max(abs(want), 1.0)
+
+
+def test_objective_passes_nan_on() -> None:
+    """A NaN demand (the array path does not validate it; the snapshot path rejects it)
+    gives a NaN objective, as the numpy formula did, not a finite number."""
+    policy = make_policy(1, 1, 1, 4)
+    fleet = random_fleet(policy, 0)
+    problem = build_problem(fleet, policy)
+    caps = problem.lo.copy()
+    assert np.isfinite(objective(problem, caps))
+    problem.demand_w[1] = np.nan
+    assert np.isnan(objective(problem, caps))
+    problem.demand_w[1] = 100.0
+    caps[2] = np.nan
+    assert np.isnan(objective(problem, caps))

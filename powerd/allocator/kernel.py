@@ -1208,8 +1208,11 @@ def objective_value(
     for i in range(p_kw.size):
         p = p_kw[i]
         x = max(min(p * 1000.0, demand_w[i]), 0.0) + cls[i] * offset_w
-        # np.interp: the table's end values outside it, linear between its points.
-        if x <= table_w[0]:
+        # np.interp: the table's end values outside it, linear between its points; NaN in,
+        # NaN out (as numpy's minimum and maximum pass it on).
+        if np.isnan(p) or np.isnan(demand_w[i]):
+            y = np.nan
+        elif x <= table_w[0]:
             y = table_y[0]
         elif x >= table_w[n_t - 1]:
             y = table_y[n_t - 1]

@@ -485,7 +485,9 @@ def capacities_kw(
 
 
 def _over(tree: Tree, lo: FloatArray, capacity: FloatArray) -> BoolArray:
-    return np.asarray(tree.sums(lo) > capacity + TOL_KW, dtype=np.bool_)
+    # (As _verify compares: the sum less the capacity against TOL_KW, so that the two agree
+    # at the boundary; sum > capacity + TOL_KW rounds the other way there.)
+    return np.asarray(tree.sums(lo) - capacity > TOL_KW, dtype=np.bool_)
 
 
 # A budget counts as implied by its children's where it is at least their sum less this
