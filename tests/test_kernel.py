@@ -93,7 +93,7 @@ def test_budget_cuts_match_numpy_and_hold(seed: int, scale: float) -> None:
     target = scale * tree.sums(p) * rng.uniform(0.7, 1.1, tree.n_groups)
     target[rng.random(tree.n_groups) < 0.2] = np.inf
     got = p.copy()
-    kernel.cut_to_budgets(got, lo, tree.gpu_groups, target)
+    kernel.cut_to_budgets(got, lo, tree.node_of_gpu, tree.parent, tree.deepest_first, target)
     want = _cut_numpy(p.copy(), lo, tree.gpu_groups, target)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
     over = tree.sums(got) - np.maximum(target, tree.sums(lo))

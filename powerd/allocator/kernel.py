@@ -595,7 +595,7 @@ def solve_groups(
     work_i: IntArray,
     work_f: FloatArray,
     work_k: FloatArray,
-    rel_tol: float = REL_TOL,
+    rel_tol: float,
 ) -> tuple[FloatArray, FloatArray]:
     """Each unit's cap (kW, in the units' order) and each group's U, on the prepared units.
 
@@ -1233,51 +1233,48 @@ def objective_value(
 
 
 @_jit
-def cut_to_budgets(p: FloatArray, lo: FloatArray, gpu_groups: IntArray, target: FloatArray) -> None:
+def cut_to_budgets(
+    p: FloatArray,
+    lo: FloatArray,
+    node_of_gpu: IntArray,
+    parent: IntArray,
+    deepest_first: IntArray,
+    target: FloatArray,
+) -> None:
     """model.repair's cuts, in place: level by level from the nodes up, each group over
     `target` cut in proportion to its GPUs' room above lo (never below the sum of lo).
 
     A cut scales the room of every GPU below the group by one factor, so each group's room
     after the cuts below it is the sum of its children's (each times its own factor): the
-    factors follow level by level from one pass's sums, and a second pass applies each
-    GPU's product of them."""
-    n, depth = gpu_groups.shape
+    factors follow from the nodes' sums, and each GPU takes the product of those on its
+    path."""
     n_groups = target.size
     room = np.zeros(n_groups)
     floor = np.zeros(n_groups)
-    level = np.full(n_groups, -1, dtype=np.int64)
-    parent = np.full(n_groups, -1, dtype=np.int64)
-    for i in range(n):
-        lo_i = lo[i]
-        r = p[i] - lo_i
-        for lv in range(depth):
-            g = gpu_groups[i, lv]
-            floor[g] += lo_i
-            level[g] = lv
-            if lv > 0:
-                parent[g] = gpu_groups[i, lv - 1]
-            if lv == depth - 1:
-                room[g] += r  # the nodes' room; the others' follows from their children
+    for i in range(p.size):
+        room[node_of_gpu[i]] += p[i] - lo[i]
+        floor[node_of_gpu[i]] += lo[i]
     keep = np.ones(n_groups)
     cut = False
-    for lv in range(depth - 1, -1, -1):
-        for g in range(n_groups):
-            if level[g] != lv:
-                continue
-            excess = floor[g] + room[g] - max(target[g], floor[g])
-            if excess > 0.0:
-                cut = True
-                keep[g] = min(max(1.0 - excess / room[g], 0.0), 1.0) if room[g] > 0.0 else 0.0
-                room[g] *= keep[g]
-            if lv > 0:
-                room[parent[g]] += room[g]
-    if cut:
-        for i in range(n):
-            f = 1.0
-            for lv in range(depth):
-                f *= keep[gpu_groups[i, lv]]
-            if f != 1.0:
-                p[i] = lo[i] + (p[i] - lo[i]) * f
+    for g in deepest_first:  # children before their parent
+        excess = floor[g] + room[g] - max(target[g], floor[g])
+        if excess > 0.0:
+            cut = True
+            keep[g] = min(max(1.0 - excess / room[g], 0.0), 1.0) if room[g] > 0.0 else 0.0
+            room[g] *= keep[g]
+        if parent[g] >= 0:
+            room[parent[g]] += room[g]
+            floor[parent[g]] += floor[g]
+    if not cut:
+        return
+    for k in range(deepest_first.size - 1, -1, -1):  # parents first: the path's product
+        g = deepest_first[k]
+        if parent[g] >= 0:
+            keep[g] *= keep[parent[g]]
+    for i in range(p.size):
+        f = keep[node_of_gpu[i]]
+        if f != 1.0:
+            p[i] = lo[i] + (p[i] - lo[i]) * f
 
 
 @_jit
@@ -1362,7 +1359,7 @@ def warm_up() -> None:
     ones_b = np.ones(2, dtype=np.bool_)
     newton_cg(-ones, ones_b, 1e-3 * ones, ones_b, *incidence, size, 1e3, 10, 1e-6)
     ray_minimum(zeros, -np.ones(2), size, rows, rows, lo, 1e3, -1.0, np.inf, lo, zeros > 0)
-    cut_to_budgets(np.ones(2), lo, gg, capacity)
+    cut_to_budgets(np.ones(2), lo, attach, parent, by_level, capacity)
     objective_value(lo, ones, np.zeros(2, dtype=np.int64), ones, lo, knots[0, :1], ones[:1],
                     1e7, 1e-3, 1e-3)  # fmt: skip
     unit_rows(np.arange(2), lo, ones, ones, lo, np.zeros(2, dtype=np.int64), ones, knots,

@@ -779,7 +779,9 @@ def repair(problem: Problem, p_kw: FloatArray) -> FloatArray:
     tree = problem.tree
     cap = problem.capacity
     slack = 2.0 * np.finfo(np.float64).eps * tree.counts * np.where(np.isfinite(cap), cap, 0.0)
-    kernel.cut_to_budgets(p, lo, tree.gpu_groups, cap - np.abs(slack))
+    kernel.cut_to_budgets(
+        p, lo, tree.node_of_gpu, tree.parent, tree.deepest_first, cap - np.abs(slack)
+    )
     if problem.jobs is not None:
         # Cuts differ between groups; a job takes its lowest member's cap, which fits every
         # budget the cut caps fit (members share lo, so it stays within bounds).
