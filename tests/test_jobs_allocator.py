@@ -117,6 +117,42 @@ def test_budgets_their_childrens_imply_are_left_to_them(site: tuple[Policy, Flee
 
 
 @CASES
+@given(sites_with_jobs())
+def test_the_start_relaxes_jobs_to_their_parts_on_each_node(site: tuple[Policy, Fleet]) -> None:
+    """jobs.py's cold start is the tree solver's answer with each job cut into its parts on
+    each node (JobMap.parts), one unit per part: where a job's caps in force are equal (a
+    steered job's are), that is the problem with every member free, in fewer units."""
+    from powerd.allocator import fast, objective
+
+    policy, fleet = site
+    problem = build_problem(fleet, policy)
+    jobs = problem.jobs
+    assume(jobs is not None)
+    assert jobs is not None
+    unit, size, rep = jobs.parts(problem.tree)
+    node = problem.tree.node_of_gpu
+    # Each unit: one free GPU, or the GPUs of one job on one node, all of them.
+    assert np.array_equal(np.bincount(unit), size)
+    assert np.array_equal(unit[rep], np.arange(size.size))
+    assert np.all(node[rep][unit] == node)
+    assert np.all(jobs.job[rep][unit] == jobs.job)
+    assert np.all(size[unit[~jobs.member]] == 1.0)
+    key = np.where(jobs.member, jobs.job * problem.tree.n_groups + node, -1 - np.arange(fleet.n))
+    assert size.size == np.unique(key).size
+    # With equal caps in force per job, the parts answer as the members would if free.
+    steered = replace(fleet, cap_w=jobs.max(fleet.cap_w))
+    problem = build_problem(steered, policy)
+    assume(problem.jobs is not None)
+    caps, _ = fast._tree_solve(problem, None, rough=True)
+    free = replace(problem, jobs=None)
+    caps_free, _ = fast._tree_solve(free, None, rough=True)
+    over = problem.tree.sums(caps) - problem.solver_capacity
+    assert np.all(over <= np.maximum(1e-9, 1e-7 * np.abs(problem.solver_capacity)))
+    a, b = objective(free, caps), objective(free, caps_free)
+    assert abs(a - b) <= 1e-6 * max(abs(b), 1.0)
+
+
+@CASES
 @given(sites_with_jobs(), st.sampled_from([s for s in SOLVERS if s != "cvxpy"]))
 def test_every_solver_gives_a_job_one_cap_within_every_budget(
     site: tuple[Policy, Fleet], solver: str

@@ -17,7 +17,8 @@ monotone and piecewise linear in the step (kernel.ray_minimum), and the arc bend
 multiplier reaches 0. Where the residual stops halving, a search along the chord of the
 last two steps breaks the zigzag between two faces of D. It starts from last tick's
 multipliers and, where those do not converge within WARM_ITERATIONS (or there are none),
-from the tree solver's prices for the same problem with the jobs relaxed (members free).
+from the tree solver's prices for the same problem with each job relaxed to its parts on
+each node (fast._tree_solve, rough).
 The passes go over units (free GPUs, then jobs by their (group, GPUs under it) pairs), not
 GPUs. Groups made of one job's GPUs alone become a bound on that job's
 cap in build_problem, which removes the dual's worst degeneracy (a job alone on several

@@ -285,6 +285,7 @@ class JobMap:
         self._run = np.cumsum(np.r_[True, js[1:] != js[:-1]]) - 1 if js.size else js
         self.size = np.bincount(job[idx], minlength=len(names)).astype(np.float64)
         self._incidence: tuple[Tree, tuple[IntArray, IntArray, FloatArray]] | None = None
+        self._parts: tuple[Tree, tuple[IntArray, FloatArray, IntArray]] | None = None
 
     @classmethod
     def of(cls, fleet: Fleet) -> JobMap | None:
@@ -320,6 +321,24 @@ class JobMap:
         ptr = np.searchsorted(owner, np.arange(self.n_jobs + 1)).astype(np.int64)
         out = (ptr, (pairs % n_groups).astype(np.int64), counts.astype(np.float64))
         self._incidence = (tree, out)
+        return out
+
+    def parts(self, tree: Tree) -> tuple[IntArray, FloatArray, IntArray]:
+        """Units for a relaxation of the jobs: each free GPU, and each job's GPUs on one
+        node (a part: they share the node's path, so the tree solver prices a part as one
+        GPU of multiplicity its size). Each GPU's unit, each unit's GPU count, and a GPU of
+        each unit (its first). Built once per tree."""
+        kept = self._parts
+        if kept is not None and kept[0] is tree:
+            return kept[1]
+        n = self.member.size
+        # Free GPUs keep their own key; members key by (job, node), after every GPU index.
+        key = np.where(self.member, n + self.job * tree.n_groups + tree.node_of_gpu, np.arange(n))
+        _, first, unit = np.unique(key, return_index=True, return_inverse=True)
+        unit = unit.astype(np.int64).ravel()
+        size = np.bincount(unit).astype(np.float64)
+        out = (unit, size, first.astype(np.int64))
+        self._parts = (tree, out)
         return out
 
     @cached_property
