@@ -127,6 +127,33 @@ def test_gap_reuses_the_last_pass_only_at_its_prices() -> None:
 
 
 @FAST
+@given(st.integers(0, 2**32 - 1), st.floats(0.05, 1.0), st.floats(0.0, 1.0))
+def test_newton_matrix_matches_numpy(seed: int, share: float, inside: float) -> None:
+    """jobs.py's generalised Hessian on a working set: Σ over units inside a segment of
+    inv/m · c cᵀ, c a unit's GPUs per group (a job's pairs, a free GPU's path), as numpy
+    builds it from each GPU's groups."""
+    rng = np.random.default_rng(seed)
+    policy = make_policy(2, 3, 4, 8, fractions=(0.9, 0.9, 0.9, 0.85))
+    fleet = with_jobs(random_fleet(policy, seed % 1000), seed % 1000, share=0.7, scattered=0.5)
+    problem = build_problem(fleet, policy)
+    assert problem.jobs is not None
+    dual = jobs._Dual(problem, problem.jobs)
+    tree = problem.tree
+    partial = rng.random(dual.n_units) < inside
+    work = np.flatnonzero(rng.random(tree.n_groups) < share)
+    col = np.full(tree.n_groups, -1, dtype=np.int64)
+    col[work] = np.arange(work.size)
+    h = kernel.incidence_hessian(partial, *dual.incidence, dual.size, col, int(work.size), dual.inv)
+    # c per unit: its GPUs under each group.
+    c = np.zeros((dual.n_units, tree.n_groups))
+    for level in range(N_LEVELS):
+        np.add.at(c, (dual.unit, tree.gpu_groups[:, level]), 1.0)
+    d = np.where(partial, dual.inv / dual.size, 0.0)
+    ref = (c[:, work].T * d) @ c[:, work]
+    assert np.allclose(h, ref, rtol=1e-12, atol=1e-9)
+
+
+@FAST
 @given(st.integers(0, 2**32 - 1), st.floats(0.0, 1.2))
 def test_objective_matches_numpy_interpolation(seed: int, top: float) -> None:
     """model.objective (compiled: kernel.objective_value) is the numpy formula: each class's

@@ -1114,19 +1114,25 @@ def incidence_hessian(
                 cb = col[node_path[nd, k]]
                 if cb >= 0:
                     h[ca, cb] += w
+    # A job's pairs in the working set first (a job of 4,096 GPUs has ~600 pairs, a few of
+    # them in the working set): the outer product over those alone.
+    sel = np.empty(n_work, dtype=np.int64)
+    cnt = np.empty(n_work)
     for j in range(job_w.size):
         w = job_w[j]
         if w == 0.0:
             continue
-        for k1 in range(job_ptr[j], job_ptr[j + 1]):
-            ca = col[job_grp[k1]]
-            if ca < 0:
-                continue
-            wa = w * job_cnt[k1]
-            for k2 in range(job_ptr[j], job_ptr[j + 1]):
-                cb = col[job_grp[k2]]
-                if cb >= 0:
-                    h[ca, cb] += wa * job_cnt[k2]
+        n_sel = 0
+        for k in range(job_ptr[j], job_ptr[j + 1]):
+            c = col[job_grp[k]]
+            if c >= 0:
+                sel[n_sel] = c
+                cnt[n_sel] = job_cnt[k]
+                n_sel += 1
+        for a in range(n_sel):
+            wa = w * cnt[a]
+            for b in range(n_sel):
+                h[sel[a], sel[b]] += wa * cnt[b]
     return h
 
 
