@@ -57,6 +57,11 @@ MEDIAN_ABOVE = 512
 SAMPLE = 192
 # Groups of up to this many units are solved from their kinks (kernel._root_kinks).
 KINKS_UP_TO = 256
+# A group's first guess (kernel._implied): this quantile of a sample of this many of its
+# units' prices. 100k GPUs, 70 % in jobs, cold: the first round of the relaxed start
+# 4.3 -> ~3 ms (the mean: 41.55 for roots at 41.55, guesses of 44-122 for some rows).
+GUESS_SAMPLE = 256
+GUESS_QUANTILE = 0.2
 
 
 # Fast-math without "no NaN / no inf": capacities may be +inf and are tested for it.
@@ -159,8 +164,14 @@ def _median_inside(buf: FloatArray, cnt: int, left: float, right: float) -> floa
             keep += 1
     if keep == 0:
         return -1.0
-    # Quickselect in place (no allocation: this runs once per step).
-    lo_i, hi_i, want = 0, keep - 1, keep // 2
+    return _select(buf, keep, keep // 2)
+
+
+@_jit
+def _select(buf: FloatArray, keep: int, want: int) -> float:
+    """The want-th smallest of buf[:keep], by quickselect in place (no allocation: this
+    runs once per step)."""
+    lo_i, hi_i = 0, keep - 1
     while lo_i < hi_i:
         pivot = buf[(lo_i + hi_i) // 2]
         i, j = lo_i, hi_i
@@ -444,10 +455,13 @@ def _implied(
     groups: IntArray,
     capacity: FloatArray,
 ) -> FloatArray:
-    """Per group, where its price probably is: the mean over its units of the price at
-    which each would keep its cap in force (its marginal utility there, for units inside a
-    segment; units at a knot or a bound say nothing). Caps in force come from the last
-    allocation, so this is a warm start that needs no state."""
+    """Per group, where its price probably is: a low quantile (GUESS_QUANTILE) of the
+    prices at which its units would keep their caps in force (their marginal utility there,
+    for units inside a segment; units at a knot or a bound say nothing), over a sample of
+    GUESS_SAMPLE of them. Caps in force come from the last allocation, so this is a warm
+    start that needs no state. A low quantile, not the mean: a group's price is the least
+    any of its units pays (groups below it that bind only add to theirs), and prices gather
+    at a few values (the classes' slopes), which a mean falls between."""
     n = lo.size
     price = np.zeros(n)
     valid = np.zeros(n)
@@ -460,16 +474,19 @@ def _implied(
                 valid[i] = 1.0
             st += lk
     guess = np.zeros(capacity.size)
+    buf = np.empty(GUESS_SAMPLE)
     for g in groups:
         if not np.isfinite(capacity[g]):
             continue
-        total = 0.0
-        count = 0.0
-        for i in range(start[g], end[g]):
-            total += price[i] * valid[i]
-            count += valid[i]
-        if count > 0.0 and total > 0.0:
-            guess[g] = total / count
+        s, e = start[g], end[g]
+        stride = max(1, (e - s) // GUESS_SAMPLE)
+        cnt = 0
+        for i in range(s, e, stride):
+            if valid[i] > 0.0 and price[i] > 0.0 and cnt < GUESS_SAMPLE:
+                buf[cnt] = price[i]
+                cnt += 1
+        if cnt > 0:
+            guess[g] = _select(buf, cnt, int(GUESS_QUANTILE * (cnt - 1)))
     return guess
 
 
