@@ -32,7 +32,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import scipy.linalg
 
 from powerd.allocator.model import TOL_KW, BoolArray, FloatArray, JobMap, Problem
 
@@ -255,12 +254,9 @@ class _Dual:
         reg = REGULARISE_REL * scale[work] + REGULARISE * float(diag.max(initial=0.0))
         reg += self.damp[work]
         rhs = -grad[work]
-        dense[np.diag_indices_from(dense)] += reg
+        dense.flat[:: work.size + 1] += reg
         try:
-            d = np.asarray(
-                scipy.linalg.solve(dense, rhs, assume_a="pos", check_finite=False),
-                dtype=np.float64,
-            )
+            d = np.asarray(np.linalg.solve(dense, rhs), dtype=np.float64)
         except (np.linalg.LinAlgError, ValueError):
             d = np.asarray(np.linalg.lstsq(dense, rhs, rcond=None)[0], dtype=np.float64)
         direction[work] = np.where(np.isfinite(d), d, 0.0)
