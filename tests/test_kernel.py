@@ -62,6 +62,24 @@ def test_large_group_root_is_exact(seed: int, n: int, share: float, guess: float
     assert abs(_total(a, ln, lo, m, fl, exact) - cap) <= 1e-9 * cap
 
 
+@FAST
+@given(st.integers(0, 2**32 - 1), st.integers(300, 4000), st.floats(0.05, 0.95))
+def test_sample_root_starts_a_large_group_near_its_root(seed: int, n: int, share: float) -> None:
+    """A large group with no guess looks first where F of a sample of its units meets the
+    capacity: exactly the root where the sample is the whole group (fewer than twice
+    SAMPLE_UNITS units: stride 1), and a price inside the range of F's kinks elsewhere."""
+    a, ln, lo, m, fl = _group(seed, n)
+    f_hi = _total(a, ln, lo, m, fl, 1e9)
+    cap = f_hi + share * (_total(a, ln, lo, m, fl, 0.0) - f_hi)
+    x1 = kernel._sample_root(0, n, a, ln, lo, m, fl, cap)
+    if n < 2 * kernel.SAMPLE_UNITS:
+        tol = max(1e-9, 1e-9 * abs(cap))
+        room = n * (2 * a.shape[1] + 1)
+        exact = kernel._root_kinks(0, n, a, ln, lo, m, fl, cap, tol, np.empty(room), np.empty(room))
+        assert x1 == exact
+    assert x1 <= float(np.max(a)) + 1.0
+
+
 def _cut_numpy(
     p: FloatArray, lo: FloatArray, gpu_groups: IntArray, target: FloatArray
 ) -> FloatArray:

@@ -226,8 +226,6 @@ def _kernel_solve(
 
     tree = problem.tree
     n, n_groups, n_k = units.rep.size, tree.n_groups, problem.classes.knots_kw.shape[1] + 1
-    if not guess.any():
-        guess = kernel.implied_guess(n, n_groups, n_k, tree.deepest_first, held, *work)
     rel_tol = ROUGH_TOL if rough else kernel.REL_TOL
     caps, u = kernel.solve_groups(n, n_groups, n_k, tree.deepest_first, held, guess, *work, rel_tol)
     return np.asarray(caps)[units.of_gpu], np.array(u)

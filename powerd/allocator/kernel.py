@@ -57,11 +57,9 @@ MEDIAN_ABOVE = 512
 SAMPLE = 192
 # Groups of up to this many units are solved from their kinks (kernel._root_kinks).
 KINKS_UP_TO = 256
-# A group's first guess (kernel._implied): this quantile of a sample of this many of its
-# units' prices. 100k GPUs, 70 % in jobs, cold: the first round of the relaxed start
-# 4.3 -> ~3 ms (the mean: 41.55 for roots at 41.55, guesses of 44-122 for some rows).
-GUESS_SAMPLE = 256
-GUESS_QUANTILE = 0.2
+# A large group with no guess starts at the root of a sample of this many of its units,
+# scaled to the group (kernel._sample_root).
+SAMPLE_UNITS = 256
 
 
 # Fast-math without "no NaN / no inf": capacities may be +inf and are tested for it.
@@ -231,7 +229,9 @@ def _root(
     guess: float,
 ) -> float:
     """U for one group: units s..e-1 (sorted order), each priced at least floor[i];
-    `guess` (> 0) is where to look first (last tick's price).
+    `guess` (> 0) is where to look first (last tick's price, or the last round's); a large
+    group with none looks first where F of a sample of its units meets the capacity
+    (_sample_root).
 
     A Newton step from the first look, then Illinois false position inside a shrinking
     bracket: exact once both ends lie on the piece of F that holds the root; a bisection
@@ -243,6 +243,8 @@ def _root(
     big = e - s > MEDIAN_ABOVE
     x1 = guess
     cnt = 0
+    if x1 <= 0.0 and big:
+        x1 = _sample_root(s, e, a, ln, lo, mult, floor, cap)
     if x1 <= 0.0 and big:
         cnt = _sample_range(a, ln, floor, s, e, 0.0, np.inf, buf)
         x1 = _median_inside(buf, cnt, 0.0, np.inf)
@@ -335,6 +337,55 @@ def _root(
         if right - left <= 4.0 * np.spacing(max(right, 1.0)):
             return right
     return right
+
+
+@_jit
+def _sample_root(
+    s: int,
+    e: int,
+    a: FloatArray,
+    ln: FloatArray,
+    lo: FloatArray,
+    mult: FloatArray,
+    floor: FloatArray,
+    cap: float,
+) -> float:
+    """Where F of a sample of SAMPLE_UNITS units spread over s..e-1, scaled to the whole
+    group, meets cap (exactly, from its kinks): a first point for a large group's root.
+    Prices gather where many units share a kink (a class's slope), so a guess from
+    statistics of the units' prices falls between those clusters or on the wrong one (the
+    facility of 100k GPUs without jobs: guessed 41.55 or 1.55 from the caps in force,
+    root 19.05); the sample's F has the group's clusters, in proportion."""
+    n_k = a.shape[1]
+    stride = max(1, (e - s) // SAMPLE_UNITS)
+    n = (e - s + stride - 1) // stride
+    sa = np.empty((n, n_k))
+    sl = np.empty((n, n_k))
+    slo = np.empty(n)
+    sm = np.empty(n)
+    sfl = np.empty(n)
+    total = 0.0
+    for i in range(s, e):
+        total += mult[i]
+    picked = 0.0
+    for j in range(n):
+        i = s + j * stride
+        for k in range(n_k):
+            sa[j, k] = a[i, k]
+            sl[j, k] = ln[i, k]
+        slo[j] = lo[i]
+        sm[j] = mult[i]
+        sfl[j] = floor[i]
+        picked += mult[i]
+    if not picked > 0.0:
+        return -1.0
+    scale = total / picked
+    for j in range(n):
+        sm[j] *= scale
+    room = n * (2 * n_k + 1)
+    kv = np.empty(room)
+    kd = np.empty(room)
+    return _root_kinks(0, n, sa, sl, slo, sm, sfl, cap, 1e-9 * abs(cap), kv, kd)
 
 
 @_jit
@@ -444,52 +495,6 @@ def _root_kinks(
     return max((const - cap) / slope, left)
 
 
-@_jit
-def _implied(
-    a: FloatArray,
-    ln: FloatArray,
-    lo: FloatArray,
-    prev: FloatArray,
-    start: IntArray,
-    end: IntArray,
-    groups: IntArray,
-    capacity: FloatArray,
-) -> FloatArray:
-    """Per group, where its price probably is: a low quantile (GUESS_QUANTILE) of the
-    prices at which its units would keep their caps in force (their marginal utility there,
-    for units inside a segment; units at a knot or a bound say nothing), over a sample of
-    GUESS_SAMPLE of them. Caps in force come from the last allocation, so this is a warm
-    start that needs no state. A low quantile, not the mean: a group's price is the least
-    any of its units pays (groups below it that bind only add to theirs), and prices gather
-    at a few values (the classes' slopes), which a mean falls between."""
-    n = lo.size
-    price = np.zeros(n)
-    valid = np.zeros(n)
-    for i in range(n):
-        st = lo[i]
-        for k in range(a.shape[1]):
-            lk = ln[i, k]
-            if st < prev[i] < st + lk:
-                price[i] = a[i, k] - prev[i] + st
-                valid[i] = 1.0
-            st += lk
-    guess = np.zeros(capacity.size)
-    buf = np.empty(GUESS_SAMPLE)
-    for g in groups:
-        if not np.isfinite(capacity[g]):
-            continue
-        s, e = start[g], end[g]
-        stride = max(1, (e - s) // GUESS_SAMPLE)
-        cnt = 0
-        for i in range(s, e, stride):
-            if valid[i] > 0.0 and price[i] > 0.0 and cnt < GUESS_SAMPLE:
-                buf[cnt] = price[i]
-                cnt += 1
-        if cnt > 0:
-            guess[g] = _select(buf, cnt, int(GUESS_QUANTILE * (cnt - 1)))
-    return guess
-
-
 _Views = tuple[
     IntArray, IntArray, IntArray, FloatArray, FloatArray, FloatArray, FloatArray, FloatArray
 ]
@@ -583,22 +588,6 @@ def prepare(
         slo[j] = lo[i]
         sm[j] = mult[i]
         sprev[j] = prev[i]
-
-
-@_jit
-def implied_guess(
-    n: int,
-    n_groups: int,
-    n_k: int,
-    by_level: IntArray,
-    capacity: FloatArray,
-    work_i: IntArray,
-    work_f: FloatArray,
-    work_k: FloatArray,
-) -> FloatArray:
-    """_implied on the prepared units."""
-    _, start, end, sa, sl, slo, _, sprev = _views(n, n_groups, n_k, work_i, work_f, work_k)
-    return _implied(sa, sl, slo, sprev, start, end, by_level, capacity)
 
 
 @_jit
@@ -1361,8 +1350,7 @@ def warm_up() -> None:
     )
     by_level = np.array([1, 0], dtype=np.int64)
     capacity = np.array([1.0, 1.5])
-    guess = implied_guess(2, 2, n_k, by_level, capacity, *work)
-    solve_groups(2, 2, n_k, by_level, capacity, guess, *work, REL_TOL)
+    solve_groups(2, 2, n_k, by_level, capacity, np.full(2, 0.5), *work, REL_TOL)
     solve_groups(2, 2, n_k, by_level, capacity, zeros, *work, REL_TOL)
     gg = np.array([[0, 1], [0, 1]], dtype=np.int64)
     # One free GPU and one job of one GPU, both on node 1.
