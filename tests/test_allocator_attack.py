@@ -192,7 +192,7 @@ def _jobs_alone(policy: Policy, fleet: Fleet) -> tuple[Problem, FloatArray, Floa
     the problem, the repaired caps, the prices, and whether it converged."""
     problem = build_problem(fleet, policy)
     assert problem.jobs is not None
-    start = fast._tree_solve(replace(problem, jobs=None), None, rough=True)[1]
+    start = fast._tree_solve(problem, None, rough=True)[1]
     p, prices, done = jobs.solve_checked(problem, None, start)
     return problem, repair(problem, p), prices, done
 
@@ -216,7 +216,7 @@ def test_newton_by_conjugate_gradients_reaches_the_optimum(
     assert jobs.gap(problem, caps, prices) <= 1e-6
 
 
-@pytest.mark.parametrize("seed", [33, 165, 170])
+@pytest.mark.parametrize("seed", [33, 165, 262, 316])
 def test_arc_that_bends_on_is_cut_short_by_a_jump(
     seed: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:

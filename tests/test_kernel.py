@@ -73,10 +73,9 @@ def test_sample_root_starts_a_large_group_near_its_root(seed: int, n: int, share
     cap = f_hi + share * (_total(a, ln, lo, m, fl, 0.0) - f_hi)
     x1 = kernel._sample_root(0, n, a, ln, lo, m, fl, cap)
     if n < 2 * kernel.SAMPLE_UNITS:
-        tol = max(1e-9, 1e-9 * abs(cap))
-        room = n * (2 * a.shape[1] + 1)
-        exact = kernel._root_kinks(0, n, a, ln, lo, m, fl, cap, tol, np.empty(room), np.empty(room))
-        assert x1 == exact
+        # (Compiled with reassociation, the sums round differently: F there, not x1, is
+        # compared.)
+        assert abs(_total(a, ln, lo, m, fl, x1) - cap) <= 1e-8 * abs(cap)
     assert x1 <= float(np.max(a)) + 1.0
 
 

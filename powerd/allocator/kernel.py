@@ -379,9 +379,10 @@ def _sample_root(
         picked += mult[i]
     if not picked > 0.0:
         return -1.0
-    scale = total / picked
-    for j in range(n):
-        sm[j] *= scale
+    if stride > 1:  # (the whole group: its own F, not a rescaled one)
+        scale = total / picked
+        for j in range(n):
+            sm[j] *= scale
     room = n * (2 * n_k + 1)
     kv = np.empty(room)
     kd = np.empty(room)
