@@ -79,6 +79,91 @@ def test_sample_root_starts_a_large_group_near_its_root(seed: int, n: int, share
     assert x1 <= float(np.max(a)) + 1.0
 
 
+def _jobs_setup_numpy(tree: Tree, job: IntArray) -> tuple[tuple[IntArray, ...], ...]:
+    """JobMap.incidence, JobMap.parts and the single-job groups by numpy sorts: the code the
+    compiled ones replaced."""
+    member = job >= 0
+    n, n_groups = job.size, tree.n_groups
+    n_jobs = int(job.max(initial=-1)) + 1
+    members = np.flatnonzero(member)
+    keys = (job[members, None] * n_groups + tree.gpu_groups[members]).ravel()
+    pairs, counts = np.unique(keys, return_counts=True)
+    ptr = np.searchsorted(pairs // n_groups, np.arange(n_jobs + 1))
+    incidence = (ptr, pairs % n_groups, counts.astype(np.float64))
+    key = np.where(member, n + job * n_groups + tree.node_of_gpu, np.arange(n))
+    _, first, unit = np.unique(key, return_index=True, return_inverse=True)
+    unit = unit.ravel()
+    parts = (unit, np.bincount(unit).astype(np.float64), first)
+    first_gpu = tree.first_gpu
+    job_of = np.where(first_gpu >= 0, job[np.maximum(first_gpu, 0)], -1)
+    same = np.zeros(n_groups)
+    for level in range(N_LEVELS):
+        idx = tree.gpu_groups[:, level]
+        same += np.bincount(idx, weights=job == job_of[idx], minlength=n_groups)
+    single = ((job_of >= 0) & (same == tree.counts),)
+    n_free = int(np.count_nonzero(~member))
+    unit = np.where(member, n_free + job, 0)
+    unit[~member] = np.arange(n_free)
+    rep = np.empty(n_free + n_jobs, dtype=np.int64)
+    rep[unit[::-1]] = np.arange(n)[::-1]
+    units = (unit, np.bincount(unit).astype(np.float64), rep)
+    return incidence, parts, single, units
+
+
+def test_tree_first_gpus_and_node_paths_match_numpy() -> None:
+    """Tree.first_gpu (each group's lowest-numbered GPU, -1 for none) and Tree.node_paths
+    (each node's path, each GPU's row there) equal what a pass per level and np.unique give,
+    GPUs in any order."""
+    from dataclasses import replace
+
+    policy = make_policy(2, 3, 4, 4)
+    fleet = random_fleet(policy, 7)
+    rng = np.random.default_rng(7)
+    order = rng.permutation(fleet.n)[: fleet.n - 5]  # shuffled, some nodes left short
+    topo = fleet.topology
+    tree = Tree(replace(topo, gpu_groups=topo.gpu_groups[order]))
+    first = np.full(tree.n_groups, -1, dtype=np.int64)
+    gpus = np.arange(tree.gpu_groups.shape[0])[::-1]
+    for level in range(N_LEVELS):
+        first[tree.gpu_groups[::-1, level]] = gpus
+    assert np.array_equal(tree.first_gpu, first)
+    _, at, row = np.unique(tree.node_of_gpu, return_index=True, return_inverse=True)
+    paths, rows = tree.node_paths
+    assert np.array_equal(paths, tree.gpu_groups[at])
+    assert np.array_equal(rows, row.ravel())
+
+
+@FAST
+@given(st.integers(0, 2**32 - 1), st.floats(0.0, 1.0), st.floats(0.0, 1.0))
+def test_job_setup_matches_numpy(seed: int, share: float, scattered: float) -> None:
+    """The jobs' (group, GPUs) pairs, their parts on each node and the groups one job holds
+    alone, compiled, equal what numpy's sorts give (fleets with some GPUs in no job, jobs
+    on one node or scattered, jobs renumbered after others were dissolved)."""
+    from powerd.allocator.model import JobMap, _single_job_groups
+
+    rng = np.random.default_rng(seed)
+    policy = make_policy(2, 3, 4, int(rng.choice([1, 2, 8])))
+    fleet = random_fleet(policy, seed % 1000)
+    if share > 0.0:
+        fleet = with_jobs(
+            fleet, seed % 1000, share=share, sizes=(1, 2, 3, 8, 16), scattered=scattered
+        )
+    jobs_map = JobMap.of(fleet)
+    if jobs_map is not None and rng.random() < 0.3:
+        jobs_map = jobs_map.without(rng.random(fleet.n) < 0.1)
+    if jobs_map is None:
+        return
+    tree = Tree(fleet.topology)
+    incidence, parts, single, units = _jobs_setup_numpy(tree, jobs_map.job)
+    for got, want in zip(jobs_map.units, units, strict=True):
+        assert np.array_equal(got, want)
+    for got, want in zip(jobs_map.incidence(tree), incidence, strict=True):
+        assert np.array_equal(got, want)
+    for got, want in zip(jobs_map.parts(tree), parts, strict=True):
+        assert np.array_equal(got, want)
+    assert np.array_equal(_single_job_groups(tree, jobs_map), single[0])
+
+
 def _cut_numpy(
     p: FloatArray, lo: FloatArray, gpu_groups: IntArray, target: FloatArray
 ) -> FloatArray:

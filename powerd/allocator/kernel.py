@@ -1322,6 +1322,134 @@ def classify_jobs(
     return laminar, hang
 
 
+@_jit
+def job_incidence(
+    members: IntArray, starts: IntArray, gpu_groups: IntArray, n_groups: int
+) -> tuple[IntArray, IntArray, FloatArray]:
+    """model.JobMap.incidence: each job's groups (ascending) and its GPUs under each, as
+    (job_ptr, group, count); `members` are the member GPUs grouped by job, job j's from
+    starts[j] (a count per group in scratch, not a sort of every (job, group) key)."""
+    n_jobs = starts.size
+    n_members = members.size
+    depth = gpu_groups.shape[1]
+    count = np.zeros(n_groups)
+    touched = np.empty(n_members * depth, dtype=np.int64)
+    grp = np.empty(n_members * depth, dtype=np.int64)
+    cnt = np.empty(n_members * depth)
+    ptr = np.zeros(n_jobs + 1, dtype=np.int64)
+    out = 0
+    for j in range(n_jobs):
+        end = starts[j + 1] if j + 1 < n_jobs else n_members
+        n_t = 0
+        for k in range(starts[j], end):
+            i = members[k]
+            for lv in range(depth):
+                g = gpu_groups[i, lv]
+                if count[g] == 0.0:
+                    touched[n_t] = g
+                    n_t += 1
+                count[g] += 1.0
+        ts = np.sort(touched[:n_t])
+        for t in range(n_t):
+            g = ts[t]
+            grp[out] = g
+            cnt[out] = count[g]
+            count[g] = 0.0
+            out += 1
+        ptr[j + 1] = out
+    return ptr, grp[:out].copy(), cnt[:out].copy()
+
+
+@_jit
+def job_parts(
+    job: IntArray, members: IntArray, starts: IntArray, node_of_gpu: IntArray, n_groups: int
+) -> tuple[IntArray, FloatArray, IntArray]:
+    """model.JobMap.parts: each GPU's unit (free GPUs first, in GPU order, then each job's
+    parts by ascending node), each unit's GPU count and its lowest-numbered GPU; `members`
+    grouped by job, in GPU order within each (a stable sort)."""
+    n = job.size
+    unit = np.empty(n, dtype=np.int64)
+    size = np.empty(n)
+    rep = np.empty(n, dtype=np.int64)
+    n_units = 0
+    for i in range(n):
+        if job[i] < 0:
+            unit[i] = n_units
+            size[n_units] = 1.0
+            rep[n_units] = i
+            n_units += 1
+    part = np.full(n_groups, -1, dtype=np.int64)
+    nodes = np.empty(members.size, dtype=np.int64)
+    n_jobs = starts.size
+    for j in range(n_jobs):
+        end = starts[j + 1] if j + 1 < n_jobs else members.size
+        n_nd = 0
+        for k in range(starts[j], end):
+            nd = node_of_gpu[members[k]]
+            if part[nd] < 0:
+                part[nd] = 0
+                nodes[n_nd] = nd
+                n_nd += 1
+        ordered = np.sort(nodes[:n_nd])
+        for t in range(n_nd):
+            part[ordered[t]] = n_units + t
+            size[n_units + t] = 0.0
+        for k in range(starts[j], end):
+            i = members[k]
+            u = part[node_of_gpu[i]]
+            unit[i] = u
+            if size[u] == 0.0:
+                rep[u] = i  # (members come in GPU order: the first is the lowest)
+            size[u] += 1.0
+        for t in range(n_nd):
+            part[ordered[t]] = -1
+        n_units += n_nd
+    return unit, size[:n_units].copy(), rep[:n_units].copy()
+
+
+@_jit
+def job_units(job: IntArray, n_jobs: int) -> tuple[IntArray, FloatArray, IntArray]:
+    """model.JobMap.units: each GPU's unit (free GPUs first, in GPU order, then the jobs),
+    each unit's GPU count and its lowest-numbered GPU."""
+    n = job.size
+    n_free = 0
+    for i in range(n):
+        n_free += job[i] < 0
+    unit = np.empty(n, dtype=np.int64)
+    size = np.zeros(n_free + n_jobs)
+    rep = np.full(n_free + n_jobs, -1, dtype=np.int64)
+    free = 0
+    for i in range(n):
+        if job[i] < 0:
+            u = free
+            free += 1
+        else:
+            u = n_free + job[i]
+        unit[i] = u
+        if rep[u] < 0:
+            rep[u] = i
+        size[u] += 1.0
+    return unit, size, rep
+
+
+@_jit
+def single_job_groups(job: IntArray, gpu_groups: IntArray, n_groups: int) -> BoolArray:
+    """model._single_job_groups: the groups whose GPUs all belong to one job."""
+    owner = np.full(n_groups, -2, dtype=np.int64)  # -2: no GPU seen yet
+    mixed = np.zeros(n_groups, dtype=np.bool_)
+    for i in range(job.shape[0]):
+        for lv in range(gpu_groups.shape[1]):
+            g = gpu_groups[i, lv]
+            if owner[g] == -2:
+                owner[g] = job[i]
+            elif owner[g] != job[i]:
+                mixed[g] = True
+    out = np.empty(n_groups, dtype=np.bool_)
+    for g in range(n_groups):
+        out[g] = owner[g] >= 0 and not mixed[g]
+    return out
+
+
 def warm_up() -> None:
     """Compile (or load from numba's cache) every kernel on a two-GPU tree, so the first
     tick does not wait for the compiler (seconds); daemons call it in a thread at start."""
@@ -1370,7 +1498,7 @@ def warm_up() -> None:
     incidence_hessian(np.ones(2, dtype=np.bool_), *incidence, size, np.arange(2), 2, 1e3)
     ones_b = np.ones(2, dtype=np.bool_)
     newton_cg(-ones, ones_b, 1e-3 * ones, ones_b, *incidence, size, 1e3, 10, 1e-6)
-    ray_minimum(zeros, -np.ones(2), size, rows, rows, lo, 1e3, -1.0, np.inf, lo, zeros > 0)
+    ray_minimum(zeros, -np.ones(2), size, rows, rows, lo, 1e3, -1.0, np.inf, lo, zeros > 0, 0.0)
     cut_to_budgets(np.ones(2), lo, attach, parent, by_level, capacity)
     objective_value(lo, ones, np.zeros(2, dtype=np.int64), ones, lo, knots[0, :1], ones[:1],
                     1e7, 1e-3, 1e-3)  # fmt: skip
@@ -1378,3 +1506,9 @@ def warm_up() -> None:
               slopes, 1e-3, 1e3)  # fmt: skip
     unit_value(lo, lo, rows, rows, lo, size, 1e-3, 1e-3)
     classify_jobs(ptr, grp, cnt, np.array([2.0]), np.arange(2), np.ones(2, dtype=np.bool_))
+    job = np.array([-1, 0], dtype=np.int64)
+    one = np.array([1], dtype=np.int64)
+    job_incidence(one, np.zeros(1, dtype=np.int64), gg, 2)
+    job_parts(job, one, np.zeros(1, dtype=np.int64), attach, 2)
+    single_job_groups(job, gg, 2)
+    job_units(job, 1)

@@ -232,17 +232,22 @@ class Tree:
     @cached_property
     def first_gpu(self) -> IntArray:
         """A GPU of each group (the lowest-numbered), -1 for a group without GPUs."""
-        first = np.full(self.n_groups, -1, dtype=np.int64)
-        gpus = np.arange(self.gpu_groups.shape[0])[::-1]
-        for level in range(N_LEVELS):
-            first[self.gpu_groups[::-1, level]] = gpus
+        n = self.gpu_groups.shape[0]
+        first = np.full(self.n_groups, n, dtype=np.int64)
+        first[self.node_of_gpu[::-1]] = np.arange(n)[::-1]  # (the last write is the lowest)
+        for level in range(N_LEVELS - 1, 0, -1):  # a group's: the least of its children's
+            np.minimum.at(first, self.parents[level], first[self.levels[level]])
+        first[first == n] = -1
         return first
 
     @cached_property
     def node_paths(self) -> tuple[IntArray, IntArray]:
         """Each node's path of groups once, in node order, and each GPU's row there
         (jobs.py's compiled passes)."""
-        _, first, row = np.unique(self.node_of_gpu, return_index=True, return_inverse=True)
+        # (np.unique's answer, without its sort: nodes in id order, each one's first GPU.)
+        has = np.bincount(self.node_of_gpu, minlength=self.n_groups) > 0
+        row = (np.cumsum(has) - 1)[self.node_of_gpu]
+        first = self.first_gpu[np.flatnonzero(has)]
         return (
             np.ascontiguousarray(self.gpu_groups[first]),
             np.ascontiguousarray(row, dtype=np.int64),
@@ -310,16 +315,15 @@ class JobMap:
     def incidence(self, tree: Tree) -> tuple[IntArray, IntArray, FloatArray]:
         """Each job's groups and its GPUs under each, as (job_ptr, group, count): job j's
         pairs are [job_ptr[j], job_ptr[j + 1]). Built once per tree."""
+        from powerd.allocator import kernel  # numba: loaded by the first solve
+
         kept = self._incidence
         if kept is not None and kept[0] is tree:
             return kept[1]
-        members = np.flatnonzero(self.member)
-        n_groups = tree.n_groups
-        keys = (self.job[members, None] * n_groups + tree.gpu_groups[members]).ravel()
-        pairs, counts = np.unique(keys, return_counts=True)
-        owner = pairs // n_groups
-        ptr = np.searchsorted(owner, np.arange(self.n_jobs + 1)).astype(np.int64)
-        out = (ptr, (pairs % n_groups).astype(np.int64), counts.astype(np.float64))
+        ptr, grp, cnt = kernel.job_incidence(
+            self._sorted, self._starts.astype(np.int64), tree.gpu_groups, tree.n_groups
+        )
+        out = (np.asarray(ptr), np.asarray(grp), np.asarray(cnt))
         self._incidence = (tree, out)
         return out
 
@@ -328,16 +332,16 @@ class JobMap:
         node (a part: they share the node's path, so the tree solver prices a part as one
         GPU of multiplicity its size). Each GPU's unit, each unit's GPU count, and a GPU of
         each unit (its first). Built once per tree."""
+        from powerd.allocator import kernel  # numba: loaded by the first solve
+
         kept = self._parts
         if kept is not None and kept[0] is tree:
             return kept[1]
-        n = self.member.size
-        # Free GPUs keep their own key; members key by (job, node), after every GPU index.
-        key = np.where(self.member, n + self.job * tree.n_groups + tree.node_of_gpu, np.arange(n))
-        _, first, unit = np.unique(key, return_index=True, return_inverse=True)
-        unit = unit.astype(np.int64).ravel()
-        size = np.bincount(unit).astype(np.float64)
-        out = (unit, size, first.astype(np.int64))
+        unit, size, rep = kernel.job_parts(
+            self.job, self._sorted, self._starts.astype(np.int64), tree.node_of_gpu,
+            tree.n_groups,
+        )  # fmt: skip
+        out = (np.asarray(unit), np.asarray(size), np.asarray(rep))
         self._parts = (tree, out)
         return out
 
@@ -345,17 +349,10 @@ class JobMap:
     def units(self) -> tuple[IntArray, FloatArray, IntArray]:
         """jobs.py's units: free GPUs, then jobs. Each GPU's unit, each unit's GPU count,
         and a GPU of each unit (its first)."""
-        member = self.member
-        n = member.size
-        n_free = int(np.count_nonzero(~member))
-        unit = np.empty(n, dtype=np.int64)
-        unit[~member] = np.arange(n_free)
-        unit[member] = n_free + self.job[member]
-        n_units = n_free + self.n_jobs
-        size = np.bincount(unit, minlength=n_units).astype(np.float64)
-        rep = np.empty(n_units, dtype=np.int64)
-        rep[unit[::-1]] = np.arange(n)[::-1]
-        return unit, size, rep
+        from powerd.allocator import kernel  # numba: loaded by the first solve
+
+        unit, size, rep = kernel.job_units(self.job, self.n_jobs)
+        return np.asarray(unit), np.asarray(size), np.asarray(rep)
 
     def _reduce(self, op: np.ufunc, x: NDArray[Any]) -> NDArray[Any]:
         out = x.copy()
@@ -533,14 +530,11 @@ def _implied_by_children(tree: Tree, capacity: FloatArray, hi: FloatArray) -> Bo
 
 def _single_job_groups(tree: Tree, jobs: JobMap) -> BoolArray:
     """The groups whose GPUs all belong to one job."""
-    # A group is one job's when each of its GPUs is in the job of the group's first GPU.
-    first = tree.first_gpu
-    job_of = np.where(first >= 0, jobs.job[np.maximum(first, 0)], -1)
-    same = np.zeros(tree.n_groups)
-    for level in range(N_LEVELS):
-        idx = tree.gpu_groups[:, level]
-        same += np.bincount(idx, weights=jobs.job == job_of[idx], minlength=tree.n_groups)
-    return np.asarray((job_of >= 0) & (same == tree.counts), dtype=np.bool_)
+    from powerd.allocator import kernel  # numba: loaded by the first solve
+
+    return np.asarray(
+        kernel.single_job_groups(jobs.job, tree.gpu_groups, tree.n_groups), dtype=np.bool_
+    )
 
 
 def _single_job_room(
