@@ -1324,12 +1324,18 @@ def classify_jobs(
 
 @_jit
 def job_incidence(
-    members: IntArray, starts: IntArray, gpu_groups: IntArray, n_groups: int
+    job: IntArray,
+    members: IntArray,
+    starts: IntArray,
+    gpu_groups: IntArray,
+    n_groups: int,
+    n_jobs: int,
 ) -> tuple[IntArray, IntArray, FloatArray]:
     """model.JobMap.incidence: each job's groups (ascending) and its GPUs under each, as
-    (job_ptr, group, count); `members` are the member GPUs grouped by job, job j's from
-    starts[j] (a count per group in scratch, not a sort of every (job, group) key)."""
-    n_jobs = starts.size
+    (job_ptr, group, count); `members` are the member GPUs grouped by job in ascending job
+    order, each run from starts[r] (a count per group in scratch, not a sort of every
+    (job, group) key). A job without members gets no pairs."""
+    n_runs = starts.size
     n_members = members.size
     depth = gpu_groups.shape[1]
     count = np.zeros(n_groups)
@@ -1338,10 +1344,10 @@ def job_incidence(
     cnt = np.empty(n_members * depth)
     ptr = np.zeros(n_jobs + 1, dtype=np.int64)
     out = 0
-    for j in range(n_jobs):
-        end = starts[j + 1] if j + 1 < n_jobs else n_members
+    for r in range(n_runs):
+        end = starts[r + 1] if r + 1 < n_runs else n_members
         n_t = 0
-        for k in range(starts[j], end):
+        for k in range(starts[r], end):
             i = members[k]
             for lv in range(depth):
                 g = gpu_groups[i, lv]
@@ -1356,7 +1362,9 @@ def job_incidence(
             cnt[out] = count[g]
             count[g] = 0.0
             out += 1
-        ptr[j + 1] = out
+        ptr[job[members[starts[r]]] + 1] = out
+    for j in range(n_jobs):  # (a job without members: its pairs end where the last ended)
+        ptr[j + 1] = max(ptr[j + 1], ptr[j])
     return ptr, grp[:out].copy(), cnt[:out].copy()
 
 
@@ -1508,7 +1516,7 @@ def warm_up() -> None:
     classify_jobs(ptr, grp, cnt, np.array([2.0]), np.arange(2), np.ones(2, dtype=np.bool_))
     job = np.array([-1, 0], dtype=np.int64)
     one = np.array([1], dtype=np.int64)
-    job_incidence(one, np.zeros(1, dtype=np.int64), gg, 2)
+    job_incidence(job, one, np.zeros(1, dtype=np.int64), gg, 2, 1)
     job_parts(job, one, np.zeros(1, dtype=np.int64), attach, 2)
     single_job_groups(job, gg, 2)
     job_units(job, 1)

@@ -321,8 +321,9 @@ class JobMap:
         if kept is not None and kept[0] is tree:
             return kept[1]
         ptr, grp, cnt = kernel.job_incidence(
-            self._sorted, self._starts.astype(np.int64), tree.gpu_groups, tree.n_groups
-        )
+            self.job, self._sorted, self._starts.astype(np.int64), tree.gpu_groups,
+            tree.n_groups, self.n_jobs,
+        )  # fmt: skip
         out = (np.asarray(ptr), np.asarray(grp), np.asarray(cnt))
         self._incidence = (tree, out)
         return out
