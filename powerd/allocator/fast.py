@@ -68,27 +68,17 @@ def _units(problem: Problem, jobs: JobMap | None, hang: IntArray | None) -> _Uni
     if jobs is None or hang is None:
         idx = np.arange(n)
         return _Units(idx, np.ones(n), problem.prev, tree.node_of_gpu, idx)
-    member = jobs.member
-    free = np.flatnonzero(~member)
-    n_free = free.size
-    of_gpu = np.empty(n, dtype=np.int64)
-    of_gpu[free] = np.arange(n_free)
-    of_gpu[member] = n_free + jobs.job[member]
-    n_units = n_free + jobs.n_jobs
-    mult = np.bincount(of_gpu, minlength=n_units).astype(np.float64)
-    prev = np.bincount(of_gpu, weights=problem.prev, minlength=n_units) / mult
-    rep = np.empty(n_units, dtype=np.int64)
-    rep[of_gpu[::-1]] = np.arange(n)[::-1]
-    attach = np.concatenate([tree.node_of_gpu[free], hang])
-    return _Units(rep, mult, prev, attach, of_gpu)
+    of_gpu, mult, rep = jobs.units  # free GPUs, then jobs (kept with the jobs)
+    n_free = mult.size - jobs.n_jobs
+    attach = np.concatenate([tree.node_of_gpu[rep[:n_free]], hang])
+    return _Units(rep, mult, problem.unit_prev(of_gpu, mult), attach, of_gpu)
 
 
 def _part_units(problem: Problem, jobs: JobMap) -> _Units:
     """Units for the jobs relaxed to their parts on each node (JobMap.parts): a part's
     GPUs share its cap, different parts of a job need not."""
     of_gpu, mult, rep = jobs.parts(problem.tree)
-    prev = np.bincount(of_gpu, weights=problem.prev, minlength=mult.size) / mult
-    return _Units(rep, mult, prev, problem.tree.node_of_gpu[rep], of_gpu)
+    return _Units(rep, mult, problem.unit_prev(of_gpu, mult), problem.tree.node_of_gpu[rep], of_gpu)
 
 
 def _tree_solve(
@@ -129,7 +119,7 @@ def _tree_solve(
         prepared: _Units | None = None  # the units in the workspace
         for rnd in range(ACTIVE_ROUNDS + 1):
             held = np.where(active, capacity, np.inf)
-            units = parts or _held_units(problem, held)
+            units = parts if parts is not None else _held_units(problem, held)
             if units is None:
                 coupled = True  # jobs.py answers: this loop's caps would go unused
                 break

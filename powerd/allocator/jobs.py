@@ -108,7 +108,7 @@ class _Dual:
         self.rep = rep
         self.n_units = size.size
         self.size = size
-        prev = np.bincount(unit, weights=problem.prev, minlength=self.n_units) / self.size
+        prev = problem.unit_prev(unit, size)
         # Unit-major segments for the compiled passes (one row per unit, from its first
         # GPU: members share bounds, class and segments): a = prev − start + (slope + δ)/2ε.
         classes = problem.classes

@@ -315,11 +315,11 @@ class JobMap:
     def incidence(self, tree: Tree) -> tuple[IntArray, IntArray, FloatArray]:
         """Each job's groups and its GPUs under each, as (job_ptr, group, count): job j's
         pairs are [job_ptr[j], job_ptr[j + 1]). Built once per tree."""
-        from powerd.allocator import kernel  # numba: loaded by the first solve
-
         kept = self._incidence
         if kept is not None and kept[0] is tree:
             return kept[1]
+        from powerd.allocator import kernel  # numba: loaded by the first solve
+
         ptr, grp, cnt = kernel.job_incidence(
             self.job, self._sorted, self._starts.astype(np.int64), tree.gpu_groups,
             tree.n_groups, self.n_jobs,
@@ -333,11 +333,11 @@ class JobMap:
         node (a part: they share the node's path, so the tree solver prices a part as one
         GPU of multiplicity its size). Each GPU's unit, each unit's GPU count, and a GPU of
         each unit (its first). Built once per tree."""
-        from powerd.allocator import kernel  # numba: loaded by the first solve
-
         kept = self._parts
         if kept is not None and kept[0] is tree:
             return kept[1]
+        from powerd.allocator import kernel  # numba: loaded by the first solve
+
         unit, size, rep = kernel.job_parts(
             self.job, self._sorted, self._starts.astype(np.int64), tree.node_of_gpu,
             tree.n_groups,
@@ -424,6 +424,11 @@ class Problem:
     @property
     def n(self) -> int:
         return int(self.lo.size)
+
+    def unit_prev(self, unit: IntArray, size: FloatArray) -> FloatArray:
+        """Per unit (`unit`: each GPU's; `size`: each unit's GPUs), its GPUs' mean cap in
+        force: where a unit's damping is centred."""
+        return np.bincount(unit, weights=self.prev, minlength=size.size) / size
 
     @cached_property
     def solver_capacity(self) -> FloatArray:
