@@ -119,9 +119,33 @@ class NodeTelemetry(_Msg):
         return gpus
 
 
+AuthorityName = Annotated[str, Field(max_length=128, pattern=r"^[A-Za-z0-9_.:/-]*$")]
+
+
+class Authority(BaseModel):
+    """Who commands a node: a site (the policy's `site`), a store (the id its database got
+    when it was created) and a domain (the lease's key: the policy root or one scope). An
+    agent obeys one authority at a time (docs/safety.md, "Authority"); epochs order the
+    leaders *within* one authority only."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    site: AuthorityName = ""
+    store: AuthorityName = ""
+    domain: AuthorityName = ""
+
+    def label(self) -> str:
+        return f"site {self.site or '?'} store {self.store[:12] or '?'} domain {self.domain or '?'}"
+
+
 class CapCommand(_Msg):
     tick: Tick
     epoch: Epoch = 0  # the leader's; absent (an older controller): 0
+    # The authority the leader commands for; absent (an older controller): the empty one.
+    authority: Authority = Authority()
+    # Authorities the sender hands the node over to (a re-scope, a move to a new database):
+    # the agent obeys their first command at once instead of after the sender's silence.
+    handover: list[Authority] = Field(default_factory=list, max_length=4)
     lease_s: float = Field(gt=0, le=86_400, allow_inf_nan=False)
     caps: dict[GpuUuid, PosWatts] = Field(max_length=MAX_GPUS_PER_NODE)
     failsafe_w: dict[GpuUuid, PosWatts] = Field(max_length=MAX_GPUS_PER_NODE)
@@ -149,6 +173,7 @@ class GpuAck(BaseModel):
 class CapAck(_Msg):
     tick: Tick
     epoch: Epoch = 0  # the command's
+    authority: Authority | None = None  # the command's (None: an older agent)
     gpus: dict[GpuUuid, GpuAck] = Field(max_length=MAX_GPUS_PER_NODE)
     ts: float = Field(default=0.0, allow_inf_nan=False)
 
@@ -170,6 +195,14 @@ class NodeStatus(_Msg):
     agent_version: str = Field(default="", max_length=64)
     # Caps in force, so a restarted controller learns them from the retained status.
     caps_w: dict[GpuUuid, Watts] = Field(default_factory=dict, max_length=MAX_GPUS_PER_NODE)
+    # The authority the agent obeys (None: none yet, or an older agent), the commands it
+    # refused from any other, and the last of those (which controller, which authority).
+    authority: Authority | None = None
+    refused: int = Field(default=0, ge=0, le=MAX_TICK)
+    refused_authority: Authority | None = None
+    refused_controller: str = Field(default="", max_length=128)
+    # The authority it obeyed before the current one, when it switched (an alarm).
+    previous_authority: Authority | None = None
 
 
 class ControllerState(StrEnum):
@@ -190,6 +223,7 @@ class ControllerStatus(BaseModel):
     tick: Tick | None = None
     scope: str | None = Field(default=None, max_length=128)
     epoch: Epoch | None = None  # the leader's epoch (a standby: the last it read)
+    authority: Authority | None = None  # the one it commands (or would) for
 
     @field_validator("controller_id")
     @classmethod

@@ -540,9 +540,11 @@ async def test_the_epoch_survives_a_restart_of_the_agent(
     h = await start_agent(state_dir=tmp_path)
     await h.apply(1, [450.0, 450.0, 450.0, 450.0], epoch=3)
     # Written before the command of the new epoch was applied.
-    assert (tmp_path / "epoch").read_text() == "3\n"
+    kept = tmp_path / "authority.json"
+    assert json.loads(kept.read_text())["epoch"] == 3
+    written = kept.stat().st_mtime_ns
     await h.apply(2, [460.0], epoch=3)  # the same epoch: not written again
-    assert (tmp_path / "epoch").read_text() == "3\n"
+    assert kept.stat().st_mtime_ns == written
     # A new agent process on the node: it refuses the deposed leader's late command.
     again = await start_agent(state_dir=tmp_path)
     assert again.agent.epoch == 3
@@ -550,16 +552,20 @@ async def test_the_epoch_survives_a_restart_of_the_agent(
     await eventually(lambda: again.agent.rejected["stale_epoch"] == 1, what="a fenced command")
     assert again.agent.fenced == 1
     # A file that holds no epoch is logged and ignored, as if none were kept.
-    (tmp_path / "epoch").write_text("garbage")
+    kept.write_text("garbage")
     third = await start_agent(state_dir=tmp_path)
     assert third.agent.epoch == 0
+    # The file of earlier releases (the epoch alone) is still read.
+    kept.unlink()
+    (tmp_path / "epoch").write_text("5\n")
+    assert (await start_agent(state_dir=tmp_path)).agent.epoch == 5
     # A state directory that cannot be written: logged, and the command applied all the
     # same (it is safe now; only a later restart would forget the epoch).
     lost = await start_agent(state_dir=tmp_path / "missing")
     with capture_logs() as logs:
         await lost.apply(10**6 + 5, [430.0], epoch=4)
     assert lost.agent.epoch == 4 and lost.caps()[0] == 430.0
-    assert any(e["event"] == "epoch_not_saved" for e in logs)
+    assert any(e["event"] == "authority_not_saved" for e in logs)
 
 
 async def test_retained_command_is_ignored(

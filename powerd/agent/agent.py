@@ -17,6 +17,8 @@ Safety rules, which everything else here serves:
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import os
 from collections import Counter
 from collections.abc import Callable
@@ -44,6 +46,7 @@ from powerd.wire import (
     CAP_TOLERANCE_W,
     MAX_TICK,
     AckError,
+    Authority,
     CapAck,
     CapCommand,
     GpuAck,
@@ -91,8 +94,23 @@ class Agent:
         self.last_tick: int | None = None
         self.epoch = 0  # the highest leader epoch seen in a command applied
         self.fenced = 0  # commands refused for a lower epoch
-        # The epoch survives a restart here (written before a higher epoch is applied).
-        self.epoch_file = None if settings.state_dir is None else settings.state_dir / "epoch"
+        # The one authority this agent obeys (docs/safety.md, "Authority"): its site, store
+        # and domain. None until the first command. Another authority is refused while this
+        # one is alive (`incumbent_until`), unless this one named it in `handover`.
+        self.site = settings.site
+        self.authority: Authority | None = None
+        self.successors: tuple[Authority, ...] = ()
+        self.previous_authority: Authority | None = None
+        self.incumbent_until = -math.inf  # monotonic
+        self.refused = 0  # commands refused for coming from another authority or site
+        self.refused_authority: Authority | None = None
+        self.refused_controller = ""
+        self._refusal_published_at = -math.inf
+        # Site, authority and epoch survive a restart here (written before a command that
+        # changes them is applied); `epoch` is the file of earlier releases (epoch only).
+        state_dir = settings.state_dir
+        self.state_file = None if state_dir is None else state_dir / "authority.json"
+        self.epoch_file = None if state_dir is None else state_dir / "epoch"
         self.lease_until = 0.0  # monotonic time at which the last command's caps lapse
         self.caps_w: dict[str, float] = {}  # enforced caps, as last read back
         # The limit this agent last set per GPU (a command's cap, or its failsafe cap): what
@@ -110,13 +128,13 @@ class Agent:
         self.on_telemetry: list[Callable[[NodeTelemetry], None]] = []  # e.g. metrics
         # Where perf comes from when the backend has none (agent/perf.py); set by main.
         self.perf_source: PerfSource | None = None
+        self._pending: set[asyncio.Task[None]] = set()
         self.log = log.bind(node=self.node_id)
 
     # -- lifecycle -----------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
-        if self.epoch_file is not None:
-            self.epoch = await asyncio.to_thread(self._load_epoch, self.epoch_file)
+        await asyncio.to_thread(self._load_state)
         self._sample()
         self._enforce_failsafe()
         self.log.info("agent_started", gpus=len(self.gpus), state=self.state)
@@ -195,20 +213,135 @@ class Agent:
         except WireError as exc:
             self._reject(exc.reason, exc.detail)
             return
-        if cmd.epoch < self.epoch:
-            self.fenced += 1
-            self._reject("stale_epoch", f"epoch {cmd.epoch} < {self.epoch} (tick {cmd.tick})")
-            return
-        newer_leader = cmd.epoch > self.epoch
-        if not newer_leader and self.last_tick is not None and cmd.tick <= self.last_tick:
-            self._reject("stale_tick", f"tick {cmd.tick} <= last applied {self.last_tick}")
-            return
-        if newer_leader and self.epoch_file is not None:
-            await self._save_epoch(self.epoch_file, cmd.epoch)
+        change = self._authority_change(cmd)
+        if change is None:
+            return  # refused, counted and reported
+        if change in ("same", "first"):  # first: an epoch kept by an earlier release
+            if cmd.epoch < self.epoch:
+                self.fenced += 1
+                self._reject("stale_epoch", f"epoch {cmd.epoch} < {self.epoch} (tick {cmd.tick})")
+                return
+            newer_leader = cmd.epoch > self.epoch
+            if not newer_leader and self.last_tick is not None and cmd.tick <= self.last_tick:
+                self._reject("stale_tick", f"tick {cmd.tick} <= last applied {self.last_tick}")
+                return
+        else:
+            newer_leader = True
+        if change != "same":
+            if change != "first":
+                # Epochs order leaders within one authority only: another one starts afresh.
+                self.log.warning(
+                    "authority_changed",
+                    how=change,
+                    previous=None if self.authority is None else self.authority.label(),
+                    now=cmd.authority.label(),
+                    controller=cmd.controller_id,
+                )
+                self.previous_authority = self.authority
+                self.last_tick = None
+            self.authority = cmd.authority
+            if self.site is None:
+                self.site = cmd.authority.site
+        self.successors = tuple(cmd.handover)
+        if newer_leader:
+            await self._save_state(cmd.epoch, cmd.lease_s)
         ack = self._apply(cmd)
+        self.incumbent_until = self.lease_until
         self.commands += 1
         await self._send("ack", self.topics.ack(self.node_id), ack, qos=1)
         await self._publish_status()
+
+    def _authority_change(self, cmd: CapCommand) -> str | None:
+        """Whether `cmd`'s authority may command this node: "same" (the one obeyed),
+        "first" (none yet), "handover" (named by the one obeyed), "takeover" (the one obeyed
+        has been silent for its lease: the node is at its failsafe caps), or None: refused,
+        so that two authorities can never take turns on one node."""
+        a = cmd.authority
+        if self.site is not None and a.site != self.site:
+            self._refuse(cmd, "foreign_site", f"site {a.site!r}, enrolled in {self.site!r}")
+            return None
+        if self.authority is None:
+            return "first"
+        if a == self.authority:
+            return "same"
+        if a in self.successors:
+            return "handover"
+        if self.clock.monotonic() < self.incumbent_until:
+            self._refuse(
+                cmd, "other_authority", f"{a.label()} while {self.authority.label()} is alive"
+            )
+            return None
+        return "takeover"
+
+    def _refuse(self, cmd: CapCommand, reason: str, detail: str) -> None:
+        self.refused += 1
+        fresh = cmd.authority != self.refused_authority
+        self.refused_authority = cmd.authority
+        self.refused_controller = cmd.controller_id
+        self._reject(reason, f"{detail} (controller {cmd.controller_id!r}, tick {cmd.tick})")
+        # The status names the refused authority, so both controllers alarm: at once for a
+        # new one, then once a period (a refused controller commands every tick).
+        now = self.clock.monotonic()
+        if fresh or now - self._refusal_published_at >= self.settings.period_s:
+            self._refusal_published_at = now
+            self._status_soon()
+
+    def _status_soon(self) -> None:
+        task = asyncio.get_running_loop().create_task(self._publish_status())
+        self._pending.add(task)  # a reference until it ends; _send logs its own failures
+        task.add_done_callback(self._pending.discard)
+
+    def _load_state(self) -> None:
+        """(worker thread) Site, authority and epoch kept by a previous run. The authority
+        obeyed then counts as alive for one of its leases from now: a restart does not let
+        another authority in sooner than silence would."""
+        if self.state_file is None:
+            return
+        try:
+            doc = json.loads(self.state_file.read_text(encoding="utf-8"))
+            site = doc.get("site")
+            authority = None if doc.get("authority") is None else Authority(**doc["authority"])
+            epoch, lease_s = int(doc.get("epoch", 0)), float(doc.get("lease_s", 0.0))
+            if not (0 <= epoch <= MAX_TICK and 0.0 <= lease_s <= 86_400.0):
+                raise ValueError(f"epoch {epoch} or lease_s {lease_s} out of range")
+        except FileNotFoundError:
+            if self.epoch_file is not None:
+                self.epoch = self._load_epoch(self.epoch_file)
+            return
+        except (OSError, ValueError, TypeError, AttributeError, ValidationError) as exc:
+            self.log.warning(
+                "authority_not_loaded", path=str(self.state_file), error=str(exc)[:300]
+            )
+            return
+        if self.site is None and isinstance(site, str) and site:
+            self.site = site
+        self.authority, self.epoch = authority, epoch
+        self.incumbent_until = self.clock.monotonic() + lease_s
+        self.log.info(
+            "authority_loaded",
+            authority=None if authority is None else authority.label(),
+            epoch=epoch,
+            site=self.site,
+        )
+
+    async def _save_state(self, epoch: int, lease_s: float) -> None:
+        """Keep the site, authority and `epoch` before a command that sets them is applied. A
+        failure is logged, not fatal: the command is safe to apply; only a later restart
+        would forget them."""
+        if self.state_file is None:
+            return
+        doc = {
+            "site": self.site,
+            "authority": None if self.authority is None else self.authority.model_dump(),
+            "epoch": epoch,
+            "lease_s": lease_s,
+        }
+        try:
+            await asyncio.to_thread(_write_atomically, self.state_file, json.dumps(doc) + "\n")
+        except OSError as exc:
+            self.log.warning(
+                "authority_not_saved", path=str(self.state_file), epoch=epoch, error=str(exc)
+            )
 
     def _load_epoch(self, path: Path) -> int:
         """(worker thread) The epoch kept by a previous run; 0 if none or unreadable."""
@@ -223,14 +356,6 @@ class Agent:
             self.log.warning("epoch_not_loaded", path=str(path), error=f"not an epoch: {text!r}")
             return 0
         return int(text)
-
-    async def _save_epoch(self, path: Path, epoch: int) -> None:
-        """Keep `epoch` before a command of it is applied. A failure is logged, not fatal:
-        the command is safe to apply; only a later restart would forget the epoch."""
-        try:
-            await asyncio.to_thread(_write_atomically, path, f"{epoch}\n")
-        except OSError as exc:
-            self.log.warning("epoch_not_saved", path=str(path), epoch=epoch, error=str(exc))
 
     def _reject(self, reason: str, detail: str) -> None:
         self.rejected[reason] += 1
@@ -265,7 +390,12 @@ class Agent:
         self.state = NodeState.STEERED
         self.log.debug("caps_applied", tick=cmd.tick, caps_w=self.caps_w)
         return CapAck(
-            node_id=self.node_id, tick=cmd.tick, epoch=cmd.epoch, gpus=acks, ts=self.clock.wall()
+            node_id=self.node_id,
+            tick=cmd.tick,
+            epoch=cmd.epoch,
+            authority=cmd.authority,
+            gpus=acks,
+            ts=self.clock.wall(),
         )
 
     def _set_cap(self, uuid: str, requested: float, target: float) -> GpuAck:
@@ -452,8 +582,9 @@ class Agent:
                 self.log.exception("telemetry_hook_failed")
         await self._send("telemetry", self.topics.telemetry(self.node_id), msg, qos=0)
 
-    async def _publish_status(self) -> None:
-        status = NodeStatus(
+    def status_message(self) -> NodeStatus:
+        """What the retained status says now."""
+        return NodeStatus(
             node_id=self.node_id,
             state=self.state,
             ts=self.clock.wall(),
@@ -463,7 +594,15 @@ class Agent:
             gpus=len(self.gpus),
             agent_version=__version__,
             caps_w=self.caps_w,
+            authority=self.authority,
+            refused=self.refused,
+            refused_authority=self.refused_authority,
+            refused_controller=self.refused_controller,
+            previous_authority=self.previous_authority,
         )
+
+    async def _publish_status(self) -> None:
+        status = self.status_message()
         await self._send("status", self.topics.status(self.node_id), status, qos=1, retain=True)
 
     async def _send(

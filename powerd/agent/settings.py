@@ -43,6 +43,12 @@ class AgentSettings(BrokerSettings):
     # journalled (a chaos harness's ground truth, docs/safety.md); None: no journal.
     mock_journal: Path | None = None
 
+    # The site this agent is enrolled in (the policy's `site`): commands for any other site
+    # are refused. None: the site of the first command it obeys, kept in `state_dir`.
+    site: str | None = Field(
+        default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:/-]+$"
+    )
+
     # What must survive a restart (the highest leader epoch applied, so a deposed leader's
     # late command is still refused after one). Default: systemd's $STATE_DIRECTORY
     # (StateDirectory= in the unit), else nothing is kept.

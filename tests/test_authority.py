@@ -1,0 +1,219 @@
+"""One authority per node: the agent's rule (docs/safety.md, "Authority").
+
+An agent obeys one (site, store, domain) at a time. Within it, a higher epoch is a takeover
+and wins at once; another authority is refused while the one obeyed is alive, and may take
+over only after that one has been silent for its lease (the node then sits at its failsafe
+caps), unless the one obeyed handed the node over by name. So two controllers that disagree
+about the store or the scope can never take turns on one node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from powerd.agent.agent import Agent
+from powerd.agent.settings import AgentSettings
+from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
+from powerd.clock import ManualClock
+from powerd.transport.base import Message
+from powerd.transport.memory import MemoryBroker
+from powerd.wire import Authority, CapCommand, NodeState, Topics, encode
+
+NODE = "n1"
+TOPICS = Topics()
+LEASE_S = 10.0
+A = Authority(site="lab", store="store-a", domain="lab")
+B = Authority(site="lab", store="store-b", domain="lab")  # a second database, same scope
+R = Authority(site="lab", store="store-a", domain="r1")  # an overlapping scope
+OTHER_SITE = Authority(site="elsewhere", store="store-a", domain="lab")
+
+
+@dataclass
+class Node:
+    agent: Agent
+    clock: ManualClock
+    fleet: GpuFleetModel
+
+    async def command(
+        self,
+        authority: Authority,
+        tick: int,
+        cap_w: float,
+        *,
+        epoch: int = 1,
+        handover: tuple[Authority, ...] = (),
+        controller: str = "c",
+    ) -> bool:
+        """Send one command; True if the agent applied it."""
+        before = self.agent.commands
+        cmd = CapCommand(
+            node_id=NODE,
+            tick=tick,
+            epoch=epoch,
+            authority=authority,
+            handover=list(handover),
+            lease_s=LEASE_S,
+            caps={u: cap_w for u in self.uuids},
+            failsafe_w=dict.fromkeys(self.uuids, 300.0),
+            controller_id=controller,
+        )
+        await self.agent._on_message(Message(TOPICS.caps(NODE), encode(cmd)))
+        return self.agent.commands > before
+
+    @property
+    def uuids(self) -> list[str]:
+        return list(self.agent.gpus)
+
+    def caps(self) -> list[float]:
+        return [float(c) for c in self.fleet.cap_w]
+
+
+def make_node(state_dir: Path | None = None, site: str | None = None) -> Node:
+    clock = ManualClock(start=1000.0)
+    settings = AgentSettings(
+        node_id=NODE, backend="mock", period_s=1.0, failsafe_w=400.0, state_dir=state_dir, site=site
+    )
+    fleet = GpuFleetModel(2, Workload.steady(650.0), start_s=clock.monotonic(), uuid_prefix="G")
+    agent = Agent(settings, MockBackend(fleet, clock), MemoryBroker().client(), clock)
+    return Node(agent, clock, fleet)
+
+
+async def test_another_store_is_refused_while_the_one_obeyed_is_alive() -> None:
+    n = make_node()
+    assert await n.command(A, 1, 500.0)
+    # A second controller on its own database, same scope, even at a higher epoch and tick.
+    assert not await n.command(B, 10**6, 700.0, epoch=99, controller="rogue")
+    assert n.caps() == [500.0, 500.0]
+    assert n.agent.rejected["other_authority"] == 1
+    assert (n.agent.refused_authority, n.agent.refused_controller) == (B, "rogue")
+    # The one obeyed goes on, and a higher epoch within it is a takeover, at once.
+    n.clock.advance(LEASE_S / 2)
+    assert await n.command(A, 2, 450.0)
+    assert await n.command(A, 1, 460.0, epoch=2)
+    # An overlapping scope of the same database is another authority too.
+    assert not await n.command(R, 5, 700.0)
+    status = n.agent.status_message()
+    assert status.authority == A and status.refused == 2 and status.refused_authority == R
+
+
+async def test_another_authority_takes_over_only_after_a_lease_of_silence() -> None:
+    n = make_node()
+    assert await n.command(A, 1, 500.0)
+    n.clock.advance(LEASE_S - 0.01)
+    assert not await n.command(B, 1, 700.0)
+    n.clock.advance(0.02)  # A has been silent for its lease: the node is due at failsafe
+    assert await n.command(B, 1, 650.0)
+    assert n.agent.authority == B and n.agent.previous_authority == A
+    assert n.caps() == [650.0, 650.0]
+    # Now A is the other one: refused while B is alive, whatever its epoch.
+    assert not await n.command(A, 2, 200.0, epoch=7)
+    assert n.agent.status_message().previous_authority == A
+
+
+async def test_a_handover_names_the_successor_and_leaves_no_gap() -> None:
+    n = make_node()
+    assert await n.command(A, 1, 500.0, handover=(R,))
+    # The successor named by the authority obeyed commands at once, epochs start afresh.
+    assert await n.command(R, 1, 480.0, epoch=1)
+    assert n.agent.authority == R and n.agent.epoch == 1
+    # The predecessor is now refused (it handed the node over).
+    assert not await n.command(A, 2, 700.0)
+    # A handover is only as good as the authority that gives it: R names none, so B waits.
+    assert not await n.command(B, 1, 700.0)
+
+
+async def test_an_agent_is_enrolled_in_one_site() -> None:
+    n = make_node(site="lab")
+    before = n.caps()
+    assert not await n.command(OTHER_SITE, 1, 500.0)
+    assert n.agent.rejected["foreign_site"] == 1 and n.agent.authority is None
+    assert n.caps() == before  # untouched
+    # Enrolled by its first command when no site is configured, and kept.
+    m = make_node()
+    assert await m.command(A, 1, 500.0)
+    m.clock.advance(LEASE_S * 3)
+    assert not await m.command(OTHER_SITE, 1, 700.0)
+    assert m.agent.site == "lab"
+
+
+async def test_a_restart_keeps_the_authority_for_a_lease(tmp_path: Path) -> None:
+    n = make_node(state_dir=tmp_path)
+    assert await n.command(A, 1, 500.0, epoch=3)
+    kept = json.loads((tmp_path / "authority.json").read_text())
+    assert kept["authority"] == A.model_dump() and kept["epoch"] == 3 and kept["site"] == "lab"
+    again = make_node(state_dir=tmp_path)
+    await asyncio.to_thread(again.agent._load_state)
+    assert (again.agent.authority, again.agent.epoch, again.agent.site) == (A, 3, "lab")
+    # The one obeyed before the restart counts as alive for one lease from the start.
+    assert not await again.command(B, 1, 700.0)
+    assert not await again.command(A, 9, 700.0, epoch=2)  # a deposed leader of A: fenced
+    assert await again.command(A, 1, 450.0, epoch=4)
+    third = make_node(state_dir=tmp_path)
+    await asyncio.to_thread(third.agent._load_state)
+    third.clock.advance(LEASE_S)
+    assert await third.command(B, 1, 450.0)
+
+
+# -- every interleaving: no node takes turns between two authorities --------------------------
+
+Step = tuple[int, float, int, int]  # (which authority, seconds before, epoch, tick)
+
+
+@settings(
+    max_examples=300,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 2),
+            st.sampled_from([0.0, 0.1, 1.0, LEASE_S / 2, LEASE_S - 0.01, LEASE_S, 2 * LEASE_S]),
+            st.integers(0, 3),
+            st.integers(0, 6),
+        ),
+        min_size=1,
+        max_size=25,
+    ),
+    st.booleans(),
+)
+def test_no_node_alternates_between_authorities(steps: list[Step], handover: bool) -> None:
+    """Whatever two or three controllers send, in any order and timing: a command of another
+    authority than the one obeyed is applied only after the one obeyed has been silent for
+    its lease (or named it in a handover), and within one authority the (epoch, tick) of
+    applied commands only grows."""
+    authorities = (A, B, R)
+
+    async def run() -> None:
+        n = make_node()
+        obeyed: Authority | None = None
+        last_at = -float("inf")
+        last_key: tuple[int, int] | None = None
+        for who, dt, epoch, tick in steps:
+            n.clock.advance(dt)
+            a = authorities[who]
+            named = (R,) if handover and a == A else ()
+            applied = await n.command(a, tick, 500.0, epoch=epoch, handover=named)
+            now = n.clock.monotonic()
+            if not applied:
+                continue
+            if obeyed is not None and a != obeyed:
+                handed = handover and obeyed == A and a == R
+                assert handed or now >= last_at + LEASE_S, (obeyed, a, now - last_at)
+                last_key = None
+            elif last_key is not None:
+                assert (epoch, tick) > last_key or epoch > last_key[0]
+            obeyed, last_at, last_key = a, now, (epoch, tick)
+            assert n.agent.authority == a
+        if obeyed is not None:
+            assert n.agent.status_message().authority == obeyed
+        assert n.agent.state in (NodeState.STEERED, NodeState.STARTING)
+
+    asyncio.run(run())
