@@ -59,7 +59,7 @@ class Node:
             authority=authority,
             handover=list(handover),
             lease_s=LEASE_S,
-            caps={u: cap_w for u in self.uuids},
+            caps=dict.fromkeys(self.uuids, cap_w),
             failsafe_w=dict.fromkeys(self.uuids, 300.0),
             controller_id=controller,
         )
