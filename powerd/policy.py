@@ -209,6 +209,11 @@ class Control(_Strict):
 
 class PolicySpec(_Strict):
     version: int = Field(default=1, ge=1, le=1)
+    # The site's identity on the wire: agents enrolled in one site refuse commands for any
+    # other (docs/safety.md, "Authority"). Default: the facility's name.
+    site: str | None = Field(
+        default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:/-]+$"
+    )
     facility: FacilitySpec
     profiles: dict[str, ProfileSpec] = Field(min_length=1)
     classes: dict[str, ClassSpec] = Field(min_length=1)
@@ -253,6 +258,11 @@ class Policy:
     @property
     def control(self) -> Control:
         return self.spec.control
+
+    @property
+    def site(self) -> str:
+        """The site's identity on the wire: the policy's `site`, else the facility's name."""
+        return self.spec.site or self.groups[0].name
 
     @property
     def defaults(self) -> Defaults:

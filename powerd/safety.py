@@ -20,7 +20,7 @@ from numpy.typing import NDArray
 
 from powerd.policy import Policy
 from powerd.topology import FloatArray, IntArray, Topology
-from powerd.wire import CapCommand, GpuAck
+from powerd.wire import Authority, CapCommand, GpuAck
 
 BoolArray = NDArray[np.bool_]
 
@@ -105,11 +105,18 @@ class NodeCommand(NamedTuple):
     caps_w: dict[str, float]
     failsafe_w: dict[str, float]
 
-    def to_wire(self, ts: float = 0.0, controller_id: str = "", epoch: int = 0) -> CapCommand:
+    def to_wire(
+        self,
+        ts: float = 0.0,
+        controller_id: str = "",
+        epoch: int = 0,
+        authority: Authority | None = None,
+    ) -> CapCommand:
         return CapCommand(
             node_id=self.node,
             tick=self.tick,
             epoch=epoch,
+            authority=authority or Authority(),
             lease_s=self.lease_s,
             caps=self.caps_w,
             failsafe_w=self.failsafe_w,
@@ -405,6 +412,29 @@ class SafetyPlanner:
         self._hi[idx] = layout.max_cap_w[idx]
         self._lo[idx] = layout.min_cap_w[idx]
         self._events.append(SafetyEvent("node_offline", node=node))
+
+    def node_foreign(self, node: str) -> None:
+        """The node obeys another authority (docs/safety.md, "Authority"): whatever is in
+        force there is that authority's to change, so its GPUs count at their maximum, and
+        only an ack of a command of ours that the node takes later (after a handover, or the
+        other's silence) brings them back. What was known or sent before says nothing now:
+        readings keyed by the other's ticks, our unacknowledged commands (a node that takes
+        us over applies only a newer one). Call it every tick while the node is foreign."""
+        layout = self._require_layout()
+        k = self._node_index.get(node)
+        if k is None:
+            return
+        self._absorb()
+        idx = self._node_gpus[k]
+        self._hi[idx] = layout.max_cap_w[idx]
+        self._lo[idx] = layout.min_cap_w[idx]
+        self._key[idx] = NO_TICK
+        self._prior_hi[idx] = layout.max_cap_w[idx]
+        self._prior_tick[idx] = _UNSENT
+        self._pend_tick[idx] = -1
+        self._pend_hi[idx] = 0.0
+        self._pend_lo[idx] = np.inf
+        self._last_ack.pop(node, None)
 
     def _clear_queue(self) -> None:
         self._q_gpu: list[int] = []

@@ -258,6 +258,16 @@ class Topics:
     def all_controllers(self) -> str:
         return f"{self.prefix}/controller/+/status"
 
+    def parse_controller_topic(self, topic: str) -> str | None:
+        """`prefix/controller/{id}/status` → id; None if it is not one."""
+        head = self.prefix + "/controller/"
+        if not topic.startswith(head):
+            return None
+        rest = topic[len(head) :].split("/")
+        if len(rest) != 2 or not rest[0] or rest[1] != "status":
+            raise WireError("bad_topic", topic[:200])
+        return rest[0]
+
     def scope_budget(self, scope: str) -> str:
         return f"{self.prefix}/scopes/{scope}/budget"
 

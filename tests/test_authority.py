@@ -13,7 +13,10 @@ import asyncio
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
+from honest import NODES, HonestNode, policy_dict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,9 +24,20 @@ from powerd.agent.agent import Agent
 from powerd.agent.settings import AgentSettings
 from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
 from powerd.clock import ManualClock
+from powerd.controller.engine import TickEngine
+from powerd.policy import parse_policy
 from powerd.transport.base import Message
 from powerd.transport.memory import MemoryBroker
-from powerd.wire import Authority, CapCommand, NodeState, Topics, encode
+from powerd.wire import (
+    Authority,
+    CapCommand,
+    ControllerState,
+    ControllerStatus,
+    NodeState,
+    NodeStatus,
+    Topics,
+    encode,
+)
 
 NODE = "n1"
 TOPICS = Topics()
@@ -217,3 +231,116 @@ def test_no_node_alternates_between_authorities(steps: list[Step], handover: boo
         assert n.agent.state in (NodeState.STEERED, NodeState.STARTING)
 
     asyncio.run(run())
+
+
+# -- controllers: nodes that obey another authority count at their maximum --------------------
+
+
+def _site_of_two_authorities(
+    obeys: dict[str, int], ticks: int
+) -> tuple[list[TickEngine], dict[str, HonestNode], list[Any]]:
+    """Two controllers of the same policy on two stores, each sure it steers the whole site,
+    and nodes that each obey one of them (by `obeys`: 0 or 1). Every tick both decide and
+    send; a node applies only its own authority's commands, acks and reports with it."""
+    policy = parse_policy(policy_dict())
+    authorities = [
+        Authority(site="dc", store="store-a", domain="dc"),
+        Authority(site="dc", store="store-b", domain="dc"),
+    ]
+    engines = [TickEngine(policy), TickEngine(policy)]
+    for engine, authority in zip(engines, authorities, strict=True):
+        engine.authority = authority
+    nodes = {n: HonestNode(n) for n in NODES}
+    plans = []
+    wall0 = 1_700_000_000.0
+    for t in range(ticks):
+        now, wall = float(t), wall0 + t
+        for name, node in nodes.items():
+            mine = authorities[obeys[name]]
+            status = NodeStatus(
+                node_id=name,
+                state=NodeState.STEERED,
+                last_tick=node.last_tick,
+                caps_w=dict(node.caps),
+                authority=mine,
+            )
+            for engine in engines:
+                assert engine.on_status(name, status)
+                assert engine.on_telemetry(node.sample(wall), now)
+        for k, engine in enumerate(engines):
+            report, plan = engine.step(now, wall)
+            plans.append((k, report, plan))
+            for cmd in plan.commands:
+                if obeys[cmd.node] != k:
+                    continue  # refused by the agent: another authority's node
+                ack = nodes[cmd.node].apply_caps(cmd.tick, cmd.caps_w)
+                if ack is not None:
+                    ack = ack.model_copy(update={"authority": authorities[k]})
+                    for engine_ in engines:
+                        engine_.on_ack(cmd.node, ack)
+            # What the devices enforce fits every budget, whoever decided last.
+            topo = engine.shape.topology if engine.shape is not None else None
+            assert topo is not None
+            caps = np.array(
+                [nodes[n].caps[u] for u, n in zip(report.uuids, report.nodes, strict=True)]
+            )
+            assert (topo.group_sums(caps) + topo.overhead_w <= topo.budget_w + 1e-6).all()
+    return engines, nodes, plans
+
+
+@settings(max_examples=40, deadline=None, database=None)
+@given(st.lists(st.integers(0, 1), min_size=len(NODES), max_size=len(NODES)))
+def test_two_controllers_on_two_stores_never_exceed_a_budget(split: list[int]) -> None:
+    obeys = dict(zip(NODES, split, strict=True))
+    engines, _, plans = _site_of_two_authorities(obeys, ticks=6)
+    for k, engine in enumerate(engines):
+        foreign = {n for n, who in obeys.items() if who != k}
+        assert set(engine.foreign_nodes()) == foreign
+        if foreign:
+            assert "foreign_authority" in engine.alarms.active
+            assert "store-" in engine.alarms.active["foreign_authority"]
+    # A node of the other authority is counted at its maximum by each controller.
+    for k, report, plan in plans[-2:]:
+        for i, node in enumerate(report.nodes):
+            if obeys[node] != k:
+                assert plan.committed_w[i] == 700.0
+
+
+def _said(controller: str, state: ControllerState, authority: Authority) -> ControllerStatus:
+    return ControllerStatus(controller_id=controller, state=state, authority=authority)
+
+
+def test_a_controller_names_a_rival_that_leads_an_overlapping_domain() -> None:
+    policy = parse_policy(policy_dict())
+    engine = TickEngine(policy)
+    engine.authority = Authority(site="dc", store="store-a", domain="dc")
+    standby = ControllerStatus(
+        controller_id="twin", state=ControllerState.STANDBY, authority=engine.authority
+    )
+    engine.on_controller_status("twin", standby)
+    same_pair = ControllerStatus(
+        controller_id="twin", state=ControllerState.ACTIVE, authority=engine.authority
+    )
+    engine.on_controller_status("twin", same_pair)  # our own pair: no rival
+    rack = Authority(site="dc", store="store-c", domain="r1")
+    engine.on_controller_status(
+        "leftover",
+        ControllerStatus(controller_id="leftover", state=ControllerState.ACTIVE, authority=rack),
+    )
+    other_site = Authority(site="elsewhere", store="store-d", domain="dc")
+    engine.on_controller_status(
+        "far",
+        ControllerStatus(controller_id="far", state=ControllerState.ACTIVE, authority=other_site),
+    )
+    node = HonestNode(NODES[0])
+    engine.on_telemetry(node.sample(1.7e9), 0.0)
+    engine.step(0.0, 1.7e9)
+    message = engine.alarms.active["authority_conflict"]
+    assert "'leftover'" in message and "domain r1" in message and "'far'" not in message
+    # Its last will (offline) clears it.
+    engine.on_controller_status(
+        "leftover",
+        ControllerStatus(controller_id="leftover", state=ControllerState.OFFLINE, authority=rack),
+    )
+    engine.step(1.0, 1.7e9 + 1)
+    assert "authority_conflict" not in engine.alarms.active

@@ -43,6 +43,7 @@ from powerd.store import (
 from powerd.transport import ConnectionState, LastWill, Message, Transport, TransportError
 from powerd.transport.base import cancel_and_wait
 from powerd.wire import (
+    Authority,
     CapAck,
     ControllerState,
     ControllerStatus,
@@ -139,6 +140,16 @@ class Controller(AdminWrites):
         return self.engine.policy
 
     @property
+    def authority(self) -> Authority | None:
+        """The authority this controller commands for (main.py sets it: the policy's site,
+        the store's id, the lease's domain); None: commands carry the empty one."""
+        return self.engine.authority
+
+    @authority.setter
+    def authority(self, value: Authority | None) -> None:
+        self.engine.authority = value
+
+    @property
     def overrides(self) -> Overrides:
         return self.engine.overrides
 
@@ -222,6 +233,12 @@ class Controller(AdminWrites):
             log.exception("message_failed", topic=message.topic[:200])
 
     def _route(self, message: Message, now: float) -> None:
+        other = self.topics.parse_controller_topic(message.topic)
+        if other is not None:
+            if other != self.controller_id:
+                self.counters.received["controller_status"] += 1
+                self.engine.on_controller_status(other, decode(message.payload, ControllerStatus))
+            return
         scoped = self.topics.parse_scope_topic(message.topic)
         if scoped is not None:
             self._route_scope(*scoped, message, now)
@@ -365,7 +382,10 @@ class Controller(AdminWrites):
             return
         ts = self.clock.wall()
         batch = [
-            (self.topics.caps(cmd.node), encode(cmd.to_wire(ts, self.controller_id, self.epoch)))
+            (
+                self.topics.caps(cmd.node),
+                encode(cmd.to_wire(ts, self.controller_id, self.epoch, self.authority)),
+            )
             for cmd in plan.commands
         ]
         try:
@@ -472,6 +492,7 @@ class Controller(AdminWrites):
                 epoch=self.epoch
                 if lead is None or state is ControllerState.ACTIVE
                 else lead.leader_epoch,
+                authority=self.authority,
             )
         )
 
@@ -541,6 +562,8 @@ class Controller(AdminWrites):
         """Every node's messages; a scope's controller only its own nodes' (and the
         coordinator's budgets for it)."""
         kinds = (("telemetry", 0), ("ack", 1), ("status", 1))
+        # Every controller's status: another that leads an overlapping domain is an alarm.
+        await self.transport.subscribe(self.topics.all_controllers(), qos=1)
         if self.scope is None:
             for kind, qos in kinds:
                 await self.transport.subscribe(self.topics.all_nodes(kind), qos=qos)

@@ -36,7 +36,10 @@ from powerd.topology import N_LEVELS, Topology
 from powerd.wire import (
     CAP_TOLERANCE_W,
     MAX_TICK,
+    Authority,
     CapAck,
+    ControllerState,
+    ControllerStatus,
     NodeState,
     NodeStatus,
     NodeTelemetry,
@@ -216,6 +219,14 @@ class TickEngine:
         # lower one (statuses): a new leader's epoch must overtake what the agents have seen.
         self._node_epochs: dict[str, int] = {}
         self._node_fenced: dict[str, int] = {}
+        # The authority this engine commands for (docs/safety.md, "Authority"); None: none to
+        # compare with (the simulator, a shadow). Nodes that obey another one count at their
+        # GPUs' maximum (`_foreign`); another authority that our nodes refuse, or another
+        # controller that says it leads an overlapping domain, is an alarm that names it.
+        self.authority: Authority | None = None
+        self._foreign: dict[str, Authority] = {}
+        self._intruders: dict[str, tuple[Authority, str, int, float]] = {}
+        self._rivals: dict[str, tuple[ControllerStatus, float]] = {}
         self._outliers: tuple[str, ...] = ()
         self._message_error: str | None = None
         # GPUs whose agents set their limits back since the last tick (`cap_restored`):
@@ -288,6 +299,8 @@ class TickEngine:
             return False
         if before:
             self._note_restores(msg, before)
+        if msg.node_id in self._foreign:
+            return True  # its caps are another authority's: counted at their maximum
         # A GPU reported with an error carries its last known cap, not a reading.
         caps = {g.uuid: g.cap_w for g in msg.gpus if g.error is None}
         self.planner.on_telemetry(msg.node_id, caps, received_at=now, as_of_tick=msg.tick)
@@ -314,6 +327,8 @@ class TickEngine:
     def on_ack(self, node: str, ack: CapAck) -> bool:
         if node not in self.fleet.node_order:
             return False
+        if not self._obeys_us(node, ack.authority):
+            return True
         # Even an ack of a tick we did not send resolves our commands up to it: the agent
         # applies only newer ticks, so none of them can still land.
         self._tick_seen(node, ack.tick)
@@ -324,6 +339,10 @@ class TickEngine:
     def on_status(self, node: str, status: NodeStatus) -> bool:
         if node not in self.fleet.node_order:
             return False
+        self._note_refusals(node, status)
+        if not self._obeys_us(node, status.authority):
+            self.fleet.ingest_status(status)
+            return True
         if status.state is NodeState.STARTING and status.last_tick is None:
             self._node_ticks.pop(node, None)  # a new agent process applies any tick
         elif status.last_tick is not None:
@@ -336,6 +355,52 @@ class TickEngine:
         elif status.caps_w:
             self.planner.learn_status(node, status.caps_w, as_of_tick=status.last_tick)
         return True
+
+    def _obeys_us(self, node: str, authority: Authority | None) -> bool:
+        """Whether a node's message speaks for the authority we command for; a node that
+        obeys another is foreign until it says otherwise. None: an agent that obeys nobody
+        yet (or an older agent), which any command of ours may still take."""
+        ours = self.authority
+        if ours is None or authority is None or authority == ours:
+            if self._foreign.pop(node, None) is not None:
+                log.warning("node_obeys_us_again", node=node)
+            return True
+        if self._foreign.get(node) != authority:
+            log.warning("node_obeys_another_authority", node=node, authority=authority.label())
+        self._foreign[node] = authority
+        return False
+
+    def _note_refusals(self, node: str, status: NodeStatus) -> None:
+        """Another authority that a node of ours refuses (its refusals grew): an intruder."""
+        other = status.refused_authority
+        if self.authority is None or other is None or other == self.authority:
+            return
+        seen = self._intruders.get(node)
+        if seen is None or status.refused > seen[2]:
+            self._intruders[node] = (other, status.refused_controller, status.refused, self._now)
+
+    def on_controller_status(self, controller_id: str, status: ControllerStatus) -> None:
+        """Another controller's retained status: one that leads (or would) for another
+        authority over an overlapping domain is a rival, alarmed by name."""
+        ours = self.authority
+        other = status.authority
+        if ours is None or other is None or other == ours:
+            self._rivals.pop(controller_id, None)
+            return
+        names = {g.name for g in self.policy.groups} | {ours.domain}
+        overlaps = other.site == ours.site and other.domain in names
+        if status.state is ControllerState.ACTIVE and overlaps:
+            self._rivals[controller_id] = (status, self._now)
+        else:
+            self._rivals.pop(controller_id, None)
+
+    def foreign_nodes(self) -> dict[str, Authority]:
+        return dict(self._foreign)
+
+    def _count_foreign(self) -> None:
+        """Before planning: nodes that obey another authority count at their maximum."""
+        for node in self._foreign:
+            self.planner.node_foreign(node)
 
     def message_failed(self, error: str) -> None:
         """A message hit a fault of ours: the next tick raises an event with the last such."""
@@ -518,10 +583,41 @@ class TickEngine:
             else "nodes claiming ticks far above the others (not followed; their agents "
             "refuse our commands and stay at failsafe): " + ", ".join(self._outliers[:10]),
         )
+        self._alarm_authority()
         error, self._message_error = self._message_error, None
         if error is not None:
             self.alarms.once("message_failed", error, self._wall)
         self._event_restores()
+
+    def _alarm_authority(self) -> None:
+        """Hosts that disagree about who commands (docs/safety.md, "Authority"), by name."""
+        foreign = sorted(self._foreign.items())
+        self._alarm(
+            "foreign_authority",
+            None
+            if not foreign
+            else f"{len(foreign)} nodes obey another authority and count at their GPUs' "
+            "maximum: " + ", ".join(f"{n} ({a.label()})" for n, a in foreign[:ALARM_NAMES]),
+        )
+        recent = self.policy.control.lease_s * 3
+        others: dict[tuple[Authority, str], list[str]] = {}
+        for node, (auth, ctl, _, at) in sorted(self._intruders.items()):
+            if self._now - at <= recent:
+                others.setdefault((auth, ctl), []).append(node)
+        for cid, (st, _) in sorted(self._rivals.items()):
+            if st.authority is not None:
+                others.setdefault((st.authority, cid), [])
+        self._alarm(
+            "authority_conflict",
+            None
+            if not others
+            else "another authority commands (or leads) over our domain: "
+            + "; ".join(
+                f"controller {ctl!r} ({a.label()})"
+                + (f", refused by {len(nodes)} of our nodes" if nodes else ", says it leads")
+                for (a, ctl), nodes in list(others.items())[:ALARM_NAMES]
+            ),
+        )
 
     def _event_restores(self) -> None:
         """One event for the limits agents found above their own and set back: each tick,
@@ -629,6 +725,7 @@ class TickEngine:
             except Exception:
                 log.exception("fallback_budgets_failed", tick=tick)
                 budget_w = np.zeros(topo.n_groups)  # nothing may rise
+            self._count_foreign()
             plan = self.planner.plan(
                 tick,
                 now,
@@ -785,6 +882,7 @@ class TickEngine:
             # Nothing is sent, so nothing of ours or a predecessor's is on its way: the caps
             # in force are what the agents report.
             self.planner.assume_settled()
+        self._count_foreign()
         plan = self.planner.plan(
             tick,
             now,

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 from prometheus_client import CollectorRegistry
@@ -49,7 +51,7 @@ from powerd.sdnotify import Notifier
 from powerd.settings import SettingsError
 from powerd.store import Store, StoreWriter, WriterLimits, upgrade
 from powerd.transport import MqttTransport
-from powerd.wire import Topics
+from powerd.wire import Authority, Topics
 
 log = structlog.get_logger(__name__)
 
@@ -103,6 +105,7 @@ async def run_controller(settings: ControllerSettings) -> None:
         policy_path=str(settings.policy),
     )
     controller.engine.shadow = settings.shadow
+    controller.authority = await _authority(settings, policy, db)
     ledger = controller.ledger = Ledger(
         controller, store=store, state_file=state_file, schema_ready=db.ok
     )
@@ -256,12 +259,54 @@ class _DbAtStart:
     state: OperatorState | None
     revision: int
     caps: dict[str, float]
+    store_id: str | None = None
+
+
+async def _authority(
+    settings: ControllerSettings, policy: Policy, db: _DbAtStart
+) -> Authority | None:
+    """Whom this controller commands for: the policy's site, the store, the lease's domain.
+    None for a shadow, which commands nothing."""
+    if settings.shadow:
+        return None
+    store_id = await asyncio.to_thread(_store_id, db, settings.state_path())
+    authority = Authority(
+        site=policy.site, store=store_id, domain=settings.scope or policy.groups[0].name
+    )
+    log.info("authority", authority=authority.label(), store=store_id)
+    return authority
+
+
+def _store_id(db: _DbAtStart, state_path: Path) -> str:
+    """(worker thread) The store's id, kept beside the state file: a controller that starts
+    while its database is down commands for the store it last knew (agents refuse another
+    store's commands while this one's are alive). Never seen: an id of this host's own,
+    which agents obeying the real store refuse, as they should."""
+    cache = state_path.with_name(state_path.name + ".store-id")
+    if db.store_id is not None:
+        try:
+            if not cache.exists() or cache.read_text(encoding="ascii").strip() != db.store_id:
+                cache.write_text(db.store_id + "\n", encoding="ascii")
+        except OSError as exc:
+            log.warning("store_id_not_cached", path=str(cache), error=str(exc))
+        return db.store_id
+    try:
+        known = cache.read_text(encoding="ascii").strip()
+    except OSError:
+        known = ""
+    if known:
+        log.warning("store_id_from_cache", store=known, why="the database did not answer")
+        return known
+    made = "unreached-" + secrets.token_hex(8)
+    log.error("store_id_unknown", store=made, why="the database did not answer at start")
+    return made
 
 
 def _open_db(store: Store, url: str) -> _DbAtStart:
     """(worker thread) Migrate, then read the operators' state and the caps last stored."""
     try:
         upgrade(url)
+        store_id = store.store_id()
         row = store.latest_operator_state()
         caps = store.latest_caps()
     except Exception as exc:
@@ -273,7 +318,7 @@ def _open_db(store: Store, url: str) -> _DbAtStart:
             state = OperatorState.model_validate(row.state | {"revision": row.revision})
         except ValidationError as exc:
             log.error("operator_state_unreadable", where="database", error=str(exc)[:300])
-    return _DbAtStart(True, state, 0 if row is None else row.revision, caps)
+    return _DbAtStart(True, state, 0 if row is None else row.revision, caps, store_id)
 
 
 def _load_state_file(state_file: StateFile) -> OperatorState | None:

@@ -246,6 +246,19 @@ class ControllerMember(Base):
     seen_at: Mapped[float]
 
 
+class StoreIdentity(Base):
+    """The store's id, made once when the database is created (migration 0006): commands
+    name their store with it, so that agents tell two databases apart (docs/safety.md,
+    "Authority"). One row."""
+
+    __tablename__ = "store_identity"
+    __table_args__ = (CheckConstraint("id = 1", name="one_row"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    store_id: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[float]
+
+
 class GpuMinute(Base):
     """One GPU over one minute: raw samples are aggregated in memory and never stored."""
 

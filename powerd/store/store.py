@@ -44,6 +44,7 @@ from powerd.store.models import (
     Node,
     OperatorState,
     PolicyVersion,
+    StoreIdentity,
     Tick,
 )
 from powerd.store.records import EventRecord, Page
@@ -246,6 +247,14 @@ class Store:
             )
             result = conn.execute(stmt, {"revision": revision, "ts": ts, "state": dict(state)})
             return bool(result.rowcount)
+
+    def store_id(self) -> str:
+        """The id this database got when it was created (migration 0006): the store's name
+        in every command (docs/safety.md, "Authority"). LookupError on a store not migrated."""
+        row = self._one(select(StoreIdentity).where(StoreIdentity.id == 1))
+        if row is None:
+            raise LookupError("the store has no identity: run its migrations (powerd db upgrade)")
+        return row.store_id
 
     def latest_operator_state(self) -> OperatorState | None:
         """The highest revision of the operators' state; None before the first."""
