@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 from honest import NODES, HonestNode, policy_dict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -24,8 +26,21 @@ from powerd.agent.agent import Agent
 from powerd.agent.settings import AgentSettings
 from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
 from powerd.clock import ManualClock
+from powerd.controller.admin import Ledger
+from powerd.controller.controller import Controller
 from powerd.controller.engine import TickEngine
-from powerd.policy import parse_policy
+from powerd.controller.leadership import Leadership
+from powerd.controller.opstate import (
+    BudgetState,
+    OperatorState,
+    ScheduleState,
+    StateFile,
+    restore,
+)
+from powerd.policy import load_policy, parse_policy
+from powerd.store import Store, upgrade
+from powerd.store.db import make_engine
+from powerd.store.leases import Leases
 from powerd.transport.base import Message
 from powerd.transport.memory import MemoryBroker
 from powerd.wire import (
@@ -344,3 +359,142 @@ def test_a_controller_names_a_rival_that_leads_an_overlapping_domain() -> None:
     )
     engine.step(1.0, 1.7e9 + 1)
     assert "authority_conflict" not in engine.alarms.active
+
+
+# -- one configuration of record: the store's active policy version ----------------------------
+
+
+def _policy_file(path: Path, facility_w: int) -> Path:
+    data = policy_dict()
+    data["facility"]["budget_w"] = facility_w
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _member(url: str, name: str, policy_file: Path, tmp: Path) -> tuple[Controller, Leadership]:
+    controller = Controller(
+        load_policy(policy_file),
+        MemoryBroker().client(),
+        ManualClock(),
+        store=Store(url),
+        controller_id=name,
+        policy_path=str(policy_file),
+    )
+    controller.ledger = Ledger(
+        controller, store=controller.store, state_file=StateFile(tmp / f"{name}.json")
+    )
+    lead = Leadership(
+        Leases(make_engine(url, timeout_s=2.0)),
+        scope="dc",
+        holder=name,
+        lease_s=0.6,
+        renew_s=0.1,
+        margin_s=0.05,
+    )
+    lead.follow = controller.ledger.follow
+    lead.each_round = controller.ledger.follow_policy
+    return controller, lead
+
+
+async def test_a_standby_with_a_stale_policy_file_steers_the_policy_of_record(
+    tmp_path: Path,
+) -> None:
+    """Finding 3: the leader's file lowered to 6,000 W and stored; the standby's file still
+    7,000 W. The standby steers the stored 6,000 W (and says its file differs), also after
+    it takes over; a SIGHUP on any member stores its file for the whole pair."""
+    url = f"sqlite:///{tmp_path / 'powerd.db'}"
+    upgrade(url)
+    leader_file = _policy_file(tmp_path / "leader.yaml", 6000)
+    stale_file = _policy_file(tmp_path / "standby.yaml", 7000)
+    leader, lead_a = _member(url, "ctl-a", leader_file, tmp_path)
+    standby, lead_b = _member(url, "ctl-b", stale_file, tmp_path)
+    leader.policy_version = leader.store.record_policy_version(  # type: ignore[union-attr]
+        leader_file.read_text(), source=str(leader_file), author="controller", reason="start-up"
+    )
+    await lead_a.attempt()
+    assert lead_a.may_command()
+    await lead_b.attempt()
+    assert not lead_b.may_command()
+    assert standby.policy.groups[0].budget_w == 6000.0
+    assert standby.policy_version == leader.policy_version
+    assert "standby.yaml" in standby.alarms["policy_differs"]
+    assert "policy_differs" not in leader.alarms
+    # The leader dies; the standby takes over, still at the policy of record.
+    await _until_lapsed(lead_b.leases)
+    await lead_b.attempt()
+    assert lead_b.may_command()
+    assert standby.policy.groups[0].budget_w == 6000.0
+    # An operator stores the standby's file (SIGHUP there): the whole pair follows it.
+    stale_file.write_text(_policy_file(tmp_path / "x.yaml", 5000).read_text())
+    outcome = await standby.ledger.reload_policy_file()
+    assert outcome.applied and standby.policy.groups[0].budget_w == 5000.0
+    await standby.ledger.flush(5.0)
+    await lead_b.attempt()
+    assert "policy_differs" not in standby.alarms
+    await lead_a.attempt()  # the old leader, back as a standby
+    assert leader.policy.groups[0].budget_w == 5000.0
+    assert "leader.yaml" in leader.alarms["policy_differs"]
+
+
+async def _until_lapsed(leases: Leases) -> None:
+    for _ in range(200):
+        lease = leases.current("dc")
+        if lease is None or lease.lapsed:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the lease never lapsed")
+
+
+# -- time agrees or the host does not lead -----------------------------------------------------
+
+
+async def test_a_host_whose_clock_disagrees_with_its_database_does_not_lead(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite:///{tmp_path / 'powerd.db'}"
+    upgrade(url)
+    ahead = Leadership(
+        Leases(make_engine(url)),
+        scope="dc",
+        holder="ahead",
+        lease_s=0.6,
+        renew_s=0.1,
+        margin_s=0.05,
+        wall=lambda: time.time() + 3600.0,  # an hour ahead
+    )
+    await ahead.attempt()
+    assert not ahead.may_command() and ahead.leases.current("dc") is None
+    assert ahead.skew_s is not None and 3590 < ahead.skew_s < 3610
+    assert ahead.skew_error is not None and "+3600" in ahead.skew_error
+    # Once NTP has brought it back, it leads.
+    ahead.wall = time.time
+    await ahead.attempt()
+    assert ahead.may_command() and ahead.skew_error is None
+
+
+def test_a_standby_never_drops_a_window_by_its_own_clock() -> None:
+    """Finding 4: a standby an hour ahead followed the leader's state and dropped a grid
+    window still in force at the leader. Stored windows and cuts are kept whatever this
+    host's clock says; the tick judges them, on a clock checked against the database's."""
+    policy = parse_policy(policy_dict())
+    now = 1_700_000_000.0
+    window = ScheduleState(
+        id="grid",
+        group="dc",
+        budget_w=6000.0,
+        start=now + 10,
+        end=now + 600,
+        reason="grid",
+        actor="op",
+        created_at=now,
+    )
+    cut = BudgetState(
+        group="r1", budget_w=3000.0, expires_at=now + 600, reason="r", actor="op", created_at=now
+    )
+    state = OperatorState(revision=3, schedules=[window], budgets=[cut])
+    skewed = restore(state, policy, now + 3600.0, 50.0)
+    assert set(skewed.schedules) == {"grid"} and set(skewed.budgets) == {"r1"}
+    # Back on the true clock, the window binds as the leader's does.
+    true_clock = restore(state, policy, now, 50.0)
+    assert set(true_clock.schedules) == {"grid"}
+    assert true_clock.active_budgets(policy, now, 50.0)["r1"] == 3000.0

@@ -620,6 +620,56 @@ class Ledger:
         self.file_revision = row.revision
         return True
 
+    # ---- the policy of record: the store's active version ----
+
+    async def follow_policy(self) -> None:
+        """Every lease round, leader or standby: the store's active policy version is the
+        policy of record for every controller on the store. One that differs from the policy
+        in force (another member stored it: a SIGHUP there, or the API) is adopted; a policy
+        file that differs from it is the alarm `policy_differs`, never a silent replacement
+        (docs/operations.md, "Changing a pair's policy"). Raises when the database cannot
+        be read (the caller logs it)."""
+        store = self.store
+        ctl = self._ctl
+        if store is None or self.versions:
+            return  # a version of ours is on its way to the store: it is the newer word
+        row = await asyncio.to_thread(store.active_policy)
+        if row is None:
+            return
+        if row.version != ctl.policy_version and not self.versions:
+            try:
+                policy = load_policy_text(row.yaml_text, row.source)
+            except PolicyError as exc:
+                ctl._alarm(
+                    "policy_unreadable",
+                    f"stored policy version {row.version} is not valid here "
+                    f"({str(exc).splitlines()[0][:200]}); steering the policy in force",
+                )
+                return
+            ctl._alarm("policy_unreadable", None)
+            ctl._adopt(policy)
+            ctl.policy_version = row.version
+            log.warning(
+                "policy_followed",
+                version=row.version,
+                sha256=row.sha256[:12],
+                source=row.source,
+                author=row.author,
+            )
+        file_sha = await asyncio.to_thread(file_sha256, ctl.policy_path)
+        api = self.api_policy
+        unchanged_under_api = api is not None and api.sha256 == row.sha256
+        differs = file_sha is not None and file_sha != row.sha256 and not unchanged_under_api
+        ctl._alarm(
+            "policy_differs",
+            f"policy file {ctl.policy_path} (sha256 {file_sha[:12]}) differs from the stored "
+            f"policy of record, version {row.version} (sha256 {row.sha256[:12]}, "
+            f"{row.source}, by {row.author}), which this controller steers; store the file "
+            "with SIGHUP on any member (or replace the policy through the API)"
+            if differs and file_sha is not None
+            else None,
+        )
+
     # ---- the database (background) ----
 
     async def run(self, stop: asyncio.Event) -> None:

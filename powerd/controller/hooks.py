@@ -166,6 +166,7 @@ def leadership_hook(controller: Controller, metrics: ControllerMetrics) -> Round
         if lead is None:
             return
         v = lead.view()
+        controller._alarm("clock_skew", lead.skew_error)
         metrics.update_leadership(
             Leadership(
                 scope=v.scope,

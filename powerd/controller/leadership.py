@@ -41,6 +41,9 @@ STANDBY = "standby"
 
 # How much slower than the database's the leader's clock may run (docs/safety.md).
 CLOCK_RHO = 1e-3
+# How far a controller's wall clock may stand from its database's before it may not lead:
+# scheduled windows and temporary budgets bind on the wall clock (docs/safety.md, "Time").
+MAX_CLOCK_SKEW_S = 2.0
 
 
 def boot_clock() -> float:
@@ -150,6 +153,8 @@ class Leadership:
         mode: Mode = "lease",
         clock: Callable[[], float] = boot_clock,
         margin_s: float = 0.25,
+        wall: Callable[[], float] = time.time,
+        max_skew_s: float = MAX_CLOCK_SKEW_S,
     ) -> None:
         if not 0 < renew_s < lease_s:
             raise ValueError("renew_s must be positive and shorter than lease_s")
@@ -167,6 +172,12 @@ class Leadership:
         self.mode: Mode = mode
         self.clock = clock
         self.margin_s = margin_s
+        self.wall = wall
+        self.max_skew_s = max_skew_s
+        # Our wall clock minus the database's, as last measured (None: not yet), and why we
+        # may not lead while it is too large (None: it agrees).
+        self.skew_s: float | None = None
+        self.skew_error: str | None = None
         self.leading = mode == "alone"
         self.epoch = 0  # of the lease we hold or last held; 0 before the first
         self.leader: str | None = None
@@ -183,6 +194,8 @@ class Leadership:
         # and before the first command (a failure keeps us from commanding this round), and
         # at every round a standby makes (failures logged).
         self.follow: Callable[[], Awaitable[object]] | None = None
+        # Every round that reached the database, leading or not: the policy of record.
+        self.each_round: Callable[[], Awaitable[object]] | None = None
         self._ready = mode == "alone"
 
     # -- what the controller asks --------------------------------------------------------
@@ -284,12 +297,19 @@ class Leadership:
                 if self.leading and self.mode == "lease":
                     self._lost("another controller holds the lease")
                 await self._follow_quietly()
+            await self._each_round_quietly()
         if self.may_command() != was:
             self.changed.set()
 
     def _round(self, above: int) -> _Round:
-        """(worker thread) Take or renew, then note ourselves and read the members."""
-        lease = self.leases.acquire(self.scope, self.holder, self.lease_s, above=above)
+        """(worker thread) Check our clock against the database's; take or renew (only while
+        they agree), then note ourselves and read the members."""
+        agrees = self._check_clock()
+        lease = (
+            self.leases.acquire(self.scope, self.holder, self.lease_s, above=above)
+            if agrees
+            else None
+        )
         role = LEADER if lease is not None else STANDBY
         epoch = lease.epoch if lease is not None else 0
         current = lease
@@ -302,6 +322,28 @@ class Leadership:
         except Exception as exc:  # the lease itself is decided; the rest is for status
             log.warning("lease_members_unread", error=f"{type(exc).__name__}: {exc}"[:200])
         return _Round(lease, current, members)
+
+    def _check_clock(self) -> bool:
+        """(worker thread) Whether our wall clock agrees with the database's within
+        `max_skew_s`, net of the time the reading took. A host that disagrees does not take
+        or renew a lease: the windows it would enforce are judged on its wall clock."""
+        before = self.wall()
+        db_now = self.leases.db_time()
+        after = self.wall()
+        skew = (before + after) / 2 - db_now
+        self.skew_s = skew
+        if abs(skew) - (after - before) / 2 <= self.max_skew_s:
+            if self.skew_error is not None:
+                log.info("clock_skew_cleared", scope=self.scope, skew_s=round(skew, 3))
+            self.skew_error = None
+            return True
+        if self.skew_error is None:
+            log.error("clock_skew", scope=self.scope, skew_s=round(skew, 3))
+        self.skew_error = (
+            f"this host's wall clock is {skew:+.1f} s from its database's (at most "
+            f"{self.max_skew_s:g} s allowed): it does not lead until they agree (NTP)"
+        )
+        return False
 
     def _heard(self, got: _Round) -> None:
         if self.failures:
@@ -338,12 +380,22 @@ class Leadership:
         except Exception as exc:
             log.warning("standby_not_following", error=f"{type(exc).__name__}: {exc}"[:300])
 
-    async def _prepare(self) -> None:
-        if self.follow is None:
-            self._ready = True
+    async def _each_round_quietly(self) -> None:
+        if self.each_round is None:
             return
         try:
-            await self.follow()
+            await self.each_round()
+        except Exception as exc:
+            log.warning("round_hook_failed", error=f"{type(exc).__name__}: {exc}"[:300])
+
+    async def _prepare(self) -> None:
+        """Before a new leader's first command: the operators' state and the policy of
+        record as the database holds them."""
+        try:
+            if self.follow is not None:
+                await self.follow()
+            if self.each_round is not None:
+                await self.each_round()
         except Exception as exc:
             self.last_error = (
                 "holding the lease but not commanding: the operators' state could not be "

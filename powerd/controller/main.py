@@ -35,6 +35,7 @@ from powerd.controller.opstate import (
     StateFile,
     StateFileError,
     file_sha256,
+    sha256_text,
 )
 from powerd.controller.scope import ScopeLink
 from powerd.controller.settings import ControllerSettings
@@ -123,7 +124,13 @@ async def run_controller(settings: ControllerSettings) -> None:
         file_revision=0 if from_file is None else from_file.revision,
     )
     controller.policy_version = await _start_version(
-        ledger, store, file_text, policy, api_policy, db_ok=db.ok
+        ledger,
+        store,
+        file_text,
+        policy,
+        api_policy,
+        db_ok=db.ok,
+        of_record=leadership is not None and leadership.mode == "lease",
     )
     if leadership is not None and leadership.mode == "alone":
         await leadership.claim_alone()  # StartRefused: another controller holds the store
@@ -192,6 +199,7 @@ def _leadership(settings: ControllerSettings, policy: Policy, ledger: Ledger) ->
         mode=settings.leadership_mode(),
     )
     leadership.follow = ledger.follow
+    leadership.each_round = ledger.follow_policy
     return leadership
 
 
@@ -382,12 +390,24 @@ async def _start_version(
     api: ApiPolicy | None,
     *,
     db_ok: bool,
+    of_record: bool,
 ) -> int | None:
     """The policy in force as a stored version (the same text: the same version); queued
-    for the ledger when the database is down."""
+    for the ledger when the database is down. `of_record` (controllers of a pair, under a
+    lease): a store that already has an active version keeps it, and the controller steers
+    it; a file that differs is the alarm `policy_differs` (Ledger.follow_policy), not a
+    replacement: a standby started from a stale file must not overwrite the policy."""
     text = api.text if api is not None else file_text
     source = "api" if api is not None else policy.source
-    if db_ok:
+    if db_ok and of_record:
+        try:
+            active = await asyncio.to_thread(store.active_policy)
+        except Exception as exc:
+            log.error("policy_version_unread", error=f"{type(exc).__name__}: {exc}"[:300])
+            active = None
+        if active is not None:
+            # Adopted (and the file compared) by the first lease round, before any command.
+            return None if active.sha256 != sha256_text(text) else active.version
         try:
             return await asyncio.to_thread(
                 store.record_policy_version,

@@ -222,25 +222,21 @@ def restore(
         jobs=restore_jobs(state.jobs),
     )
     groups = {g.name for g in policy.groups}
+    # Nothing is dropped here for having ended by this host's wall clock: a standby whose
+    # clock runs ahead would drop a window still in force at the leader (and steer above it
+    # after a takeover). The tick judges time, on a clock checked against the database's.
     for b in state.budgets:
-        if b.expires_at is not None and b.expires_at <= now_wall:
-            log.info("budget_override_expired", group=b.group, budget_w=b.budget_w)
-            continue
         if b.group not in groups or not b.budget_w > 0:
             log.warning("operator_state_budget_dropped", group=b.group, budget_w=b.budget_w)
             continue
         mono = now_wall if now_mono is None else now_mono
         out.budgets[b.group] = BudgetOverride(**b.model_dump()).anchored(now_wall, mono)
     mono = now_wall if now_mono is None else now_mono
-    rates = policy.control.ramp_w_per_s
     budgets = {g.name: g.budget_w for g in policy.groups}
     for e in state.schedules:
         entry = ScheduledBudget(**e.model_dump()).on_monotonic(now_wall, mono)
         if e.group not in budgets or not e.budget_w > 0:
             log.warning("operator_state_schedule_dropped", id=e.id, group=e.group)
-            continue
-        if entry.done(mono, now_wall, budgets[e.group], rates):
-            log.info("budget_schedule_ended", id=e.id, group=e.group, budget_w=e.budget_w)
             continue
         out.schedules[e.id] = entry
     out.forget_policy_gaps(policy)

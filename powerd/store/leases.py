@@ -145,6 +145,12 @@ class Leases:
             return None
         return Lease(scope, row[0], *_floats(row[1:]))
 
+    def db_time(self) -> float:
+        """The database's wall clock now, in Unix seconds: what a controller's own clock is
+        checked against before it may take or renew a lease (docs/safety.md, "Time")."""
+        with self.engine.begin() as conn:
+            return float(conn.execute(sa.select(self._now)).scalar_one())
+
     # -- who is there: every controller of a scope says so at each attempt ----------------
 
     def heartbeat(self, scope: str, holder: str, role: str, epoch: int) -> None:
