@@ -110,6 +110,9 @@ class NodeTelemetry(_Msg):
     # The tick of the last command the agent applied when it sampled (None: none since it
     # started). The controller orders a node's readings by it, not by `ts`.
     tick: Tick | None = None
+    # The epoch of that command (None: an older agent): a tick of an older leader's says
+    # nothing of the order of a newer leader's.
+    epoch: Epoch | None = None
 
     @field_validator("gpus")
     @classmethod

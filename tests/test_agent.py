@@ -563,8 +563,8 @@ async def test_the_epoch_survives_a_restart_of_the_agent(
     # same (it is safe now; only a later restart would forget the epoch).
     lost = await start_agent(state_dir=tmp_path / "missing")
     with capture_logs() as logs:
-        await lost.apply(10**6 + 5, [430.0], epoch=4)
-    assert lost.agent.epoch == 4 and lost.caps()[0] == 430.0
+        await lost.apply(10**6 + 5, [380.0], epoch=4)
+    assert lost.agent.epoch == 4 and lost.caps()[0] == 380.0
     assert any(e["event"] == "authority_not_saved" for e in logs)
 
 

@@ -139,6 +139,9 @@ async def test_another_authority_takes_over_only_after_a_lease_of_silence() -> N
     n.clock.advance(0.02)  # A has been silent for its lease: the node is due at failsafe
     assert await n.command(B, 1, 650.0)
     assert n.agent.authority == B and n.agent.previous_authority == A
+    # A new authority's (or leader's) first command raises nothing; its next one may.
+    assert n.caps() == [500.0, 500.0]
+    assert await n.command(B, 2, 650.0)
     assert n.caps() == [650.0, 650.0]
     # Now A is the other one: refused while B is alive, whatever its epoch.
     assert not await n.command(A, 2, 200.0, epoch=7)

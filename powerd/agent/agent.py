@@ -245,7 +245,11 @@ class Agent:
         self.successors = tuple(cmd.handover)
         if newer_leader:
             await self._save_state(cmd.epoch, cmd.lease_s)
-        ack = self._apply(cmd)
+        # The first command of a new leader (or authority) never raises a cap: an old
+        # leader may have cut since the new one last heard this node, and the new one's
+        # hold on a cap it read would then be a raise nobody planned (docs/safety.md,
+        # "Steering through a database outage"). The ack says what was enforced.
+        ack = self._apply(cmd, hold=newer_leader)
         self.incumbent_until = self.lease_until
         self.commands += 1
         await self._send("ack", self.topics.ack(self.node_id), ack, qos=1)
@@ -361,8 +365,9 @@ class Agent:
         self.rejected[reason] += 1
         self.log.warning("input_rejected", reason=reason, detail=detail)
 
-    def _apply(self, cmd: CapCommand) -> CapAck:
-        """Apply a valid command: decreases first, so the node never sums above before/after."""
+    def _apply(self, cmd: CapCommand, *, hold: bool = False) -> CapAck:
+        """Apply a valid command: decreases first, so the node never sums above before/after.
+        `hold`: no cap rises (each GPU gets at most the limit it has)."""
         acks: dict[str, GpuAck] = {}
         plan: list[tuple[float, str, float, float]] = []  # (change, uuid, requested, target)
         for uuid, requested in cmd.caps.items():
@@ -373,6 +378,8 @@ class Agent:
                 continue
             target = min(max(requested, info.min_cap_w), info.max_cap_w)
             current = self.caps_w.get(uuid, info.max_cap_w)
+            if hold:
+                target = min(target, current)
             plan.append((target - current, uuid, requested, target))
         for _, uuid, requested, target in sorted(plan):
             mine, found = self.set_w.get(uuid), self._found_above(uuid)
@@ -573,6 +580,7 @@ class Agent:
             # Read with the sample (nothing awaits between): the controller orders readings
             # by the command they reflect.
             tick=self.last_tick,
+            epoch=None if self.last_tick is None else self.epoch,
         )
         self.seq += 1
         for hook in self.on_telemetry:

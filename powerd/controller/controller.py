@@ -360,6 +360,7 @@ class Controller(AdminWrites):
             self.epoch = lead.epoch
         else:
             self.epoch = max(lead.epoch, self.engine.agents_epoch())
+        self.engine.epoch = self.epoch
 
     def epoch_to_overtake(self) -> int:
         """For the lease: an epoch the agents report above ours (0 if none), which the

@@ -224,6 +224,14 @@ class TickEngine:
         # GPUs' maximum (`_foreign`); another authority that our nodes refuse, or another
         # controller that says it leads an overlapping domain, is an alarm that names it.
         self.authority: Authority | None = None
+        # The epoch our commands carry (the controller sets it each tick it leads). Within
+        # our authority, a node that reports a higher one obeys a newer leader (`_ahead`:
+        # counted at its maximum, like a foreign node); an ack of a lower one is an older
+        # leader's and resolves none of ours; `superseded_by`: the highest epoch another
+        # controller of our authority says it leads at (its retained status).
+        self.epoch = 0
+        self._ahead: dict[str, int] = {}
+        self.superseded_by = 0
         self._foreign: dict[str, Authority] = {}
         self._intruders: dict[str, tuple[Authority, str, int, float]] = {}
         self._rivals: dict[str, tuple[ControllerStatus, float]] = {}
@@ -301,9 +309,15 @@ class TickEngine:
             self._note_restores(msg, before)
         if msg.node_id in self._foreign:
             return True  # its caps are another authority's: counted at their maximum
+        if msg.epoch is not None and msg.epoch > self.epoch > 0:
+            self._ahead[msg.node_id] = msg.epoch
+            return True
         # A GPU reported with an error carries its last known cap, not a reading.
         caps = {g.uuid: g.cap_w for g in msg.gpus if g.error is None}
-        self.planner.on_telemetry(msg.node_id, caps, received_at=now, as_of_tick=msg.tick)
+        # A tick of an older leader's orders nothing of ours: the reading only widens.
+        older = msg.epoch is not None and msg.epoch < self.epoch
+        tick = None if older else msg.tick
+        self.planner.on_telemetry(msg.node_id, caps, received_at=now, as_of_tick=tick)
         return True
 
     def _note_restores(self, msg: NodeTelemetry, before: dict[str, int | None]) -> None:
@@ -327,7 +341,7 @@ class TickEngine:
     def on_ack(self, node: str, ack: CapAck) -> bool:
         if node not in self.fleet.node_order:
             return False
-        if not self._obeys_us(node, ack.authority):
+        if not self._obeys_us(node, ack.authority) or not self._our_epoch(node, ack.epoch):
             return True
         # Even an ack of a tick we did not send resolves our commands up to it: the agent
         # applies only newer ticks, so none of them can still land.
@@ -340,7 +354,9 @@ class TickEngine:
         if node not in self.fleet.node_order:
             return False
         self._note_refusals(node, status)
-        if not self._obeys_us(node, status.authority):
+        if not self._obeys_us(node, status.authority) or not self._our_epoch(
+            node, status.epoch, status=True
+        ):
             self.fleet.ingest_status(status)
             return True
         if status.state is NodeState.STARTING and status.last_tick is None:
@@ -353,7 +369,9 @@ class TickEngine:
         if status.state is NodeState.OFFLINE:
             self.planner.node_offline(node)
         elif status.caps_w:
-            self.planner.learn_status(node, status.caps_w, as_of_tick=status.last_tick)
+            # The ticks of an older leader's order nothing of ours: as readings, they widen.
+            tick = None if status.epoch < self.epoch else status.last_tick
+            self.planner.learn_status(node, status.caps_w, as_of_tick=tick)
         return True
 
     def _obeys_us(self, node: str, authority: Authority | None) -> bool:
@@ -370,6 +388,22 @@ class TickEngine:
         self._foreign[node] = authority
         return False
 
+    def _our_epoch(self, node: str, epoch: int, *, status: bool = False) -> bool:
+        """Whether a node's ack (or status) of `epoch` is news of our commands. A higher
+        epoch: the node obeys a newer leader of our authority (fenced away from us; counted
+        at its maximum: one node's word moves nothing else). A lower one: an older leader's
+        ack, which resolves none of ours (its ticks may even run above ours); a status of
+        a lower epoch still tells the caps in force, as readings."""
+        ours = self.epoch
+        if ours in (0, epoch):
+            self._ahead.pop(node, None)
+            return True
+        if epoch > ours:
+            self._ahead[node] = epoch
+            return False
+        self._ahead.pop(node, None)
+        return status
+
     def _note_refusals(self, node: str, status: NodeStatus) -> None:
         """Another authority that a node of ours refuses (its refusals grew): an intruder."""
         other = status.refused_authority
@@ -384,7 +418,14 @@ class TickEngine:
         authority over an overlapping domain is a rival, alarmed by name."""
         ours = self.authority
         other = status.authority
-        if ours is None or other is None or other == ours:
+        if ours is not None and other == ours:
+            self._rivals.pop(controller_id, None)
+            if status.state is ControllerState.ACTIVE and status.epoch is not None:
+                # A newer leader of our own authority: a leader steering through a
+                # database outage stops here (docs/safety.md).
+                self.superseded_by = max(self.superseded_by, status.epoch)
+            return
+        if ours is None or other is None:
             self._rivals.pop(controller_id, None)
             return
         names = {g.name for g in self.policy.groups} | {ours.domain}
@@ -398,8 +439,12 @@ class TickEngine:
         return dict(self._foreign)
 
     def _count_foreign(self) -> None:
-        """Before planning: nodes that obey another authority count at their maximum."""
-        for node in self._foreign:
+        """Before planning: nodes that obey another authority, or a newer leader of ours,
+        count at their maximum."""
+        for node, epoch in list(self._ahead.items()):
+            if epoch <= self.epoch:  # we lead at that epoch (or above) now
+                del self._ahead[node]
+        for node in (*self._foreign, *self._ahead):
             self.planner.node_foreign(node)
 
     def message_failed(self, error: str) -> None:
@@ -591,13 +636,14 @@ class TickEngine:
 
     def _alarm_authority(self) -> None:
         """Hosts that disagree about who commands (docs/safety.md, "Authority"), by name."""
-        foreign = sorted(self._foreign.items())
+        foreign = [(n, a.label()) for n, a in sorted(self._foreign.items())]
+        foreign += [(n, f"a newer leader, epoch {e}") for n, e in sorted(self._ahead.items())]
         self._alarm(
             "foreign_authority",
             None
             if not foreign
             else f"{len(foreign)} nodes obey another authority and count at their GPUs' "
-            "maximum: " + ", ".join(f"{n} ({a.label()})" for n, a in foreign[:ALARM_NAMES]),
+            "maximum: " + ", ".join(f"{n} ({a})" for n, a in foreign[:ALARM_NAMES]),
         )
         recent = self.policy.control.lease_s * 3
         others: dict[tuple[Authority, str], list[str]] = {}
