@@ -318,6 +318,7 @@ class TickEngine:
         # applies only newer ticks, so none of them can still land.
         self._tick_seen(node, ack.tick)
         self._epoch_seen(node, ack.epoch)
+        self.fleet.ack_heard(node)
         self.planner.on_ack(node, ack.tick, ack.gpus)
         return True
 

@@ -411,6 +411,15 @@ class FleetState:
         if (node.stopped or was[0]) and (node.stopped, node.status_caps_w) != was:
             self.stops += 1
 
+    def ack_heard(self, node_id: str) -> None:
+        """An ack from a node we believe stopped: an agent runs there again, so the caps it
+        stopped at no longer hold. Until its telemetry its caps are unknown (as after a will)."""
+        node = self.nodes.get(node_id)
+        if node is not None and node.stopped:
+            node.status_caps_w = {}
+            node.status_tick = None
+            self.stops += 1
+
     def _refresh_order(self) -> None:
         if self._order_version == self.version:
             return
