@@ -74,22 +74,20 @@ async def run_controller(settings: ControllerSettings) -> None:
             if settings.tokens_file is None
             else TokenStore.from_file(settings.tokens_file, dev=settings.dev)
         )
-    store = Store(settings.db)
+    # A shadow steers nothing, so it records nothing as if it did: its database (often the
+    # leader's) is opened read-only, enforced by the database itself, and it gets no writer,
+    # no state file to save and no ledger store. What it decides lives in memory (the API's
+    # allocation, /metrics, logs). Reads (operator state, caps, history) work as ever.
+    shadow = settings.shadow
+    store = Store(settings.db, read_only=shadow)
     # Migrations first: a controller never writes to a schema it does not know. Without
     # the database it steers anyway and the ledger migrates when the database returns.
-    db = await asyncio.to_thread(_open_db, store, settings.db)
+    db = await asyncio.to_thread(_open_db, store, settings.db, migrate=not shadow)
     state_file = StateFile(settings.state_path())
-    from_file = await asyncio.to_thread(_load_state_file, state_file)
+    from_file = await asyncio.to_thread(_load_state_file, state_file, move_aside=not shadow)
     state = _newer(from_file, db.state)
     policy, api_policy = _choose_policy(file_policy, file_sha, state)
-    writer = StoreWriter(
-        store,
-        retention=settings.retention(),
-        limits=WriterLimits(
-            cap_epsilon_w=settings.cap_epsilon_w, cap_interval_s=settings.cap_interval_s
-        ),
-    )
-    writer.seed_caps(db.caps)
+    writer = _writer(settings, store, db.caps)
     transport = MqttTransport(settings.mqtt_config())
     controller = Controller(
         policy,
@@ -102,9 +100,12 @@ async def run_controller(settings: ControllerSettings) -> None:
         topics=Topics(settings.topic_prefix),
         policy_path=str(settings.policy),
     )
-    controller.engine.shadow = settings.shadow
+    controller.engine.shadow = shadow
     ledger = controller.ledger = Ledger(
-        controller, store=store, state_file=state_file, schema_ready=db.ok
+        controller,
+        store=None if shadow else store,
+        state_file=None if shadow else state_file,
+        schema_ready=db.ok,
     )
     ledger.api_policy = api_policy
     controller.file_policy = file_policy
@@ -112,7 +113,7 @@ async def run_controller(settings: ControllerSettings) -> None:
         _scope(controller, settings.scope)
     # A shadow commands nothing: it takes no lease (it must not keep a real controller
     # from leading) and steers under none.
-    leadership = None if settings.shadow else _leadership(settings, policy, ledger)
+    leadership = None if shadow else _leadership(settings, policy, ledger)
     controller.leadership = leadership
     ledger.start_from(
         state,
@@ -120,7 +121,7 @@ async def run_controller(settings: ControllerSettings) -> None:
         file_revision=0 if from_file is None else from_file.revision,
     )
     controller.policy_version = await _start_version(
-        ledger, store, file_text, policy, api_policy, db_ok=db.ok
+        ledger, file_text, policy, api_policy, db_ok=db.ok
     )
     if leadership is not None and leadership.mode == "alone":
         await leadership.claim_alone()  # StartRefused: another controller holds the store
@@ -140,7 +141,8 @@ async def run_controller(settings: ControllerSettings) -> None:
         api = ApiServer(
             create_app(controller, tokens, registry=registry), settings.api_host, settings.api_port
         )
-    writer.start()  # last: nothing after it may fail before the finally that stops it
+    if writer is not None:
+        writer.start()  # last: nothing after it may fail before the finally that stops it
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -159,7 +161,32 @@ async def run_controller(settings: ControllerSettings) -> None:
             tg.create_task(controller.run(stop, learn_s=settings.learn_s), name="controller")
     finally:
         notifier.stopping()
-        await asyncio.to_thread(writer.stop)
+        await asyncio.to_thread(_close, writer, store)
+
+
+def _writer(
+    settings: ControllerSettings, store: Store, caps: dict[str, float]
+) -> StoreWriter | None:
+    """The writer of what the controller steers (ticks, caps, reasons, events, samples);
+    None for a shadow, which steers nothing and so records nothing as if it did."""
+    if settings.shadow:
+        return None
+    writer = StoreWriter(
+        store,
+        retention=settings.retention(),
+        limits=WriterLimits(
+            cap_epsilon_w=settings.cap_epsilon_w, cap_interval_s=settings.cap_interval_s
+        ),
+    )
+    writer.seed_caps(caps)
+    return writer
+
+
+def _close(writer: StoreWriter | None, store: Store) -> None:
+    """(worker thread) Flush what is queued, then let the database go."""
+    if writer is not None:
+        writer.stop()
+    store.close()
 
 
 def _no_tokens(dev: bool) -> TokenStore:
@@ -258,10 +285,11 @@ class _DbAtStart:
     caps: dict[str, float]
 
 
-def _open_db(store: Store, url: str) -> _DbAtStart:
+def _open_db(store: Store, url: str, *, migrate: bool = True) -> _DbAtStart:
     """(worker thread) Migrate, then read the operators' state and the caps last stored."""
     try:
-        upgrade(url)
+        if migrate:
+            upgrade(url)
         row = store.latest_operator_state()
         caps = store.latest_caps()
     except Exception as exc:
@@ -276,12 +304,16 @@ def _open_db(store: Store, url: str) -> _DbAtStart:
     return _DbAtStart(True, state, 0 if row is None else row.revision, caps)
 
 
-def _load_state_file(state_file: StateFile) -> OperatorState | None:
+def _load_state_file(state_file: StateFile, *, move_aside: bool = True) -> OperatorState | None:
     """(worker thread) The state file; an unreadable one is moved aside (and logged) so the
-    next write does not destroy what an operator may want to read."""
+    next write does not destroy what an operator may want to read (a shadow, which writes
+    none, leaves it where it is)."""
     try:
         return state_file.load()
     except StateFileError as exc:
+        if not move_aside:
+            log.error("operator_state_unreadable", where="file", error=str(exc)[:300])
+            return None
         aside = state_file.path.with_name(f"{state_file.path.name}.bad-{int(time.time())}")
         with contextlib.suppress(OSError):
             state_file.path.rename(aside)
@@ -331,7 +363,6 @@ def _choose_policy(
 
 async def _start_version(
     ledger: Ledger,
-    store: Store,
     file_text: str,
     policy: Policy,
     api: ApiPolicy | None,
@@ -339,7 +370,10 @@ async def _start_version(
     db_ok: bool,
 ) -> int | None:
     """The policy in force as a stored version (the same text: the same version); queued
-    for the ledger when the database is down."""
+    for the ledger when the database is down. None without a ledger store (a shadow)."""
+    store = ledger.store
+    if store is None:
+        return None
     text = api.text if api is not None else file_text
     source = "api" if api is not None else policy.source
     if db_ok:
