@@ -402,11 +402,13 @@ class SafetyPlanner:
     def node_offline(self, node: str) -> None:
         """The node's last will: its agent is gone, and with it any knowledge of its caps (a
         rebooted GPU comes back at its default limit). Its GPUs count at their maximum until
-        it reports again with a reading at least as new (by tick) as the last one we had."""
-        layout = self._require_layout()
+        it reports again with a reading at least as new (by tick) as the last one we had.
+        Before the first layout no node is known: nothing to forget (the caller replays what
+        it heard once the GPUs are laid out, as with the other messages)."""
         k = self._node_index.get(node)
         if k is None:
             return
+        layout = self._require_layout()
         self._absorb()
         idx = self._node_gpus[k]
         self._hi[idx] = layout.max_cap_w[idx]

@@ -129,7 +129,7 @@ class Controller(AdminWrites):
         self.policy_version: int | None = None
         self.engine = TickEngine(policy, solver=solver)
         self._stored_gpus: set[str] = set()
-        self._inventoried: tuple[int, int] | None = None  # the shape whose GPUs are stored
+        self._inventoried: tuple[int, int, int] | None = None  # the shape whose GPUs are stored
         # Operators' writes made durable (state file, database); main.py gives it a state file.
         self.ledger = Ledger(self, store=store)
 
@@ -584,7 +584,7 @@ class Controller(AdminWrites):
         await self.transport.wait_connected()
         await self.clock.sleep(control.stale_after_s if learn_s is None else learn_s)
         next_at = self.clock.monotonic()
-        frozen: tuple[int, int] | None = None
+        frozen: tuple[int, int, int] | None = None
         announced: bool | None = None
         while not stop.is_set():
             lead = self.leadership

@@ -183,9 +183,9 @@ class TickSummary:
 
 @dataclass
 class Shape:
-    """What is rebuilt only when the GPU set or the policy changes."""
+    """What is rebuilt only when the GPU set, the policy or a clean stop changes."""
 
-    version: tuple[int, int]
+    version: tuple[int, int, int]  # fleet GPU set, policy, clean stops
     topology: Topology
     tree: Tree
     layout: FleetLayout
@@ -347,6 +347,7 @@ class TickEngine:
         # applies only newer ticks, so none of them can still land.
         self._tick_seen(node, ack.tick)
         self._epoch_seen(node, ack.epoch)
+        self.fleet.ack_heard(node)
         self.planner.on_ack(node, ack.tick, ack.gpus)
         return True
 
@@ -366,9 +367,9 @@ class TickEngine:
         self._epoch_seen(node, status.epoch)
         self._node_fenced[node] = status.fenced
         self.fleet.ingest_status(status)
-        if status.state is NodeState.OFFLINE:
+        if status.state is NodeState.OFFLINE and not status.caps_w:
             self.planner.node_offline(node)
-        elif status.caps_w:
+        elif status.caps_w:  # a clean stop's `offline` too: the caps it left in force
             # The ticks of an older leader's order nothing of ours: as readings, they widen.
             tick = None if status.epoch < self.epoch else status.last_tick
             self.planner.learn_status(node, status.caps_w, as_of_tick=tick)
@@ -493,7 +494,7 @@ class TickEngine:
     # -- the tick ------------------------------------------------------------------------
 
     def _shape_for(self, arrays: FleetArrays, now: float) -> Shape:
-        version = (self.fleet.version, self._policy_epoch)
+        version = (self.fleet.version, self._policy_epoch, self.fleet.stops)
         if self.shape is not None and self.shape.version == version:
             return self.shape
         topology = Topology.build(self.policy, arrays.nodes)
@@ -517,7 +518,7 @@ class TickEngine:
             )
             if status and rec.status_newer:
                 self.planner.learn_status(node, status, as_of_tick=rec.status_tick)
-            if rec.state is NodeState.OFFLINE:
+            if rec.state is NodeState.OFFLINE and not rec.stopped:
                 self.planner.node_offline(node)
         known = np.bincount(topology.gpu_groups[:, -1], minlength=topology.n_groups)
         expected = np.array([g.gpus for g in self.policy.groups], dtype=np.float64)
@@ -533,11 +534,27 @@ class TickEngine:
             if node_rec is not None and node_rec.gone_max_cap_w > node_max[k]:
                 node_max[k] = node_rec.gone_max_cap_w
         reserve_node = missing * node_max
+        for k, caps_w in self._stopped_unseen(topology, missing).items():
+            reserve_node[k] -= len(caps_w) * node_max[k] - sum(caps_w)
         reserve = _push_up(topology, reserve_node)
         index = {u: i for i, u in enumerate(layout.uuids)}
         self.shape = Shape(version, topology, Tree(topology), layout, reserve, reserve_node, index)
         self._warm = None
         return self.shape
+
+    def _stopped_unseen(self, topology: Topology, missing: FloatArray) -> dict[int, list[float]]:
+        """Per node group: the caps a cleanly stopped node left on GPUs we have no telemetry
+        of (retained statuses at a start), the highest `missing` of them. They count at those
+        caps instead of the node's maximum: nothing sent can land on a stopped agent."""
+        index = {name: k for k, name in enumerate(topology.names)}
+        out: dict[int, list[float]] = {}
+        for name, rec in self.fleet.nodes.items():
+            k = index.get(name)
+            if not rec.stopped or k is None or missing[k] <= 0:
+                continue
+            unseen = [w for u, w in rec.status_caps_w.items() if u not in self.fleet.gpus]
+            out[k] = sorted(unseen, reverse=True)[: int(missing[k])]
+        return out
 
     def observe(self, now: float) -> None:
         """A standby's tick: keep the view warm without deciding or sending anything. The
@@ -615,12 +632,16 @@ class TickEngine:
             + ", ".join(f"{d.uuid} ({', '.join(sorted(d.seen))})" for d in disputes[:5]),
         )
         offline = fleet.offline_nodes()
-        self._alarm(
-            "nodes_offline",
-            None
-            if not offline
-            else "counted at their GPUs' maximum until they report: " + ", ".join(offline[:10]),
-        )
+        lost = [n for n in offline if not fleet.nodes[n].stopped]
+        stopped = [n for n in offline if fleet.nodes[n].stopped]
+        parts = []
+        if lost:
+            parts.append(
+                "counted at their GPUs' maximum until they report: " + ", ".join(lost[:10])
+            )
+        if stopped:
+            parts.append("stopped, counted at the caps they left: " + ", ".join(stopped[:10]))
+        self._alarm("nodes_offline", "; ".join(parts) or None)
         self._alarm(
             "tick_outliers",
             None

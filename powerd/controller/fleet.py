@@ -54,6 +54,13 @@ class FleetNode:
     gone_max_cap_w: float = 0.0  # the highest device maximum of GPUs it no longer has
     refused: int = 0  # GPUs in its last telemetry beyond its inventory (not taken)
 
+    @property
+    def stopped(self) -> bool:
+        """Stopped cleanly: its last word is an `offline` status with the caps it left in
+        force (a last will carries none). Its agent, gone with its MQTT session, applies
+        nothing more, so those caps hold until it starts again (and lowers them to failsafe)."""
+        return self.state is NodeState.OFFLINE and bool(self.status_caps_w)
+
 
 @dataclass
 class Dispute:
@@ -229,6 +236,7 @@ class FleetState:
         # GPU uuids named by more than one node: steered by none while that lasts.
         self.disputes: dict[str, Dispute] = {}
         self.version = 0  # bumps whenever the set of GPUs (or their order) changes
+        self.stops = 0  # bumps whenever a node stops cleanly, or reports again after a stop
         self._cols = _Columns()
         self._order: list[str] = []
         self._order_nodes: list[str] = []
@@ -324,6 +332,8 @@ class FleetState:
             self.unknown_nodes[node_id] = now
             return False
         node = self.node(node_id)
+        if node.stopped:
+            self.stops += 1
         node.seen_at = now
         node.seq = msg.seq
         node.agent_ts = msg.ts
@@ -387,11 +397,28 @@ class FleetState:
         if msg.node_id not in self.node_order:
             return
         node = self.node(msg.node_id)
+        was = (node.stopped, node.status_caps_w)
         node.state = msg.state
         if msg.caps_w:
             node.status_caps_w = dict(msg.caps_w)
             node.status_tick = msg.last_tick
             node.status_newer = True
+        elif msg.state is NodeState.OFFLINE:
+            # A last will: the caps the node had may not survive it (a rebooted GPU comes
+            # back at its default limit), so what it said before no longer counts.
+            node.status_caps_w = {}
+            node.status_tick = None
+        if (node.stopped or was[0]) and (node.stopped, node.status_caps_w) != was:
+            self.stops += 1
+
+    def ack_heard(self, node_id: str) -> None:
+        """An ack from a node we believe stopped: an agent runs there again, so the caps it
+        stopped at no longer hold. Until its telemetry its caps are unknown (as after a will)."""
+        node = self.nodes.get(node_id)
+        if node is not None and node.stopped:
+            node.status_caps_w = {}
+            node.status_tick = None
+            self.stops += 1
 
     def _refresh_order(self) -> None:
         if self._order_version == self.version:

@@ -66,8 +66,7 @@ async def run_controller(settings: ControllerSettings) -> None:
     file_policy = load_policy(settings.policy)
     # The allocator's compiled kernels: loaded (or compiled) before the first tick.
     await asyncio.to_thread(kernel.warm_up)
-    file_sha = await asyncio.to_thread(file_sha256, settings.policy)
-    file_text = await asyncio.to_thread(settings.policy.read_text, encoding="utf-8")
+    file_sha, file_text = await asyncio.to_thread(_policy_file, settings.policy)
     if settings.password is not None:
         check_secret(settings.password.get_secret_value(), "broker password", dev=settings.dev)
     tokens = None
@@ -77,22 +76,20 @@ async def run_controller(settings: ControllerSettings) -> None:
             if settings.tokens_file is None
             else TokenStore.from_file(settings.tokens_file, dev=settings.dev)
         )
-    store = Store(settings.db)
+    # A shadow steers nothing, so it records nothing as if it did: its database (often the
+    # leader's) is opened read-only, enforced by the database itself, and it gets no writer,
+    # no state file to save and no ledger store. What it decides lives in memory (the API's
+    # allocation, /metrics, logs). Reads (operator state, caps, history) work as ever.
+    shadow = settings.shadow
+    store = Store(settings.db, read_only=shadow)
     # Migrations first: a controller never writes to a schema it does not know. Without
     # the database it steers anyway and the ledger migrates when the database returns.
-    db = await asyncio.to_thread(_open_db, store, settings.db)
+    db = await asyncio.to_thread(_open_db, store, settings.db, migrate=not shadow)
     state_file = StateFile(settings.state_path())
-    from_file = await asyncio.to_thread(_load_state_file, state_file)
+    from_file = await asyncio.to_thread(_load_state_file, state_file, move_aside=not shadow)
     state = _newer(from_file, db.state)
     policy, api_policy = _choose_policy(file_policy, file_sha, state)
-    writer = StoreWriter(
-        store,
-        retention=settings.retention(),
-        limits=WriterLimits(
-            cap_epsilon_w=settings.cap_epsilon_w, cap_interval_s=settings.cap_interval_s
-        ),
-    )
-    writer.seed_caps(db.caps)
+    writer = _writer(settings, store, db.caps)
     transport = MqttTransport(settings.mqtt_config())
     controller = Controller(
         policy,
@@ -105,10 +102,13 @@ async def run_controller(settings: ControllerSettings) -> None:
         topics=Topics(settings.topic_prefix),
         policy_path=str(settings.policy),
     )
-    controller.engine.shadow = settings.shadow
+    controller.engine.shadow = shadow
     controller.authority = await _authority(settings, policy, db)
     ledger = controller.ledger = Ledger(
-        controller, store=store, state_file=state_file, schema_ready=db.ok
+        controller,
+        store=None if shadow else store,
+        state_file=None if shadow else state_file,
+        schema_ready=db.ok,
     )
     ledger.api_policy = api_policy
     controller.file_policy = file_policy
@@ -116,7 +116,7 @@ async def run_controller(settings: ControllerSettings) -> None:
         _scope(controller, settings.scope)
     # A shadow commands nothing: it takes no lease (it must not keep a real controller
     # from leading) and steers under none.
-    leadership = None if settings.shadow else _leadership(settings, policy, ledger)
+    leadership = None if shadow else _leadership(settings, policy, ledger)
     controller.leadership = leadership
     ledger.start_from(
         state,
@@ -125,7 +125,6 @@ async def run_controller(settings: ControllerSettings) -> None:
     )
     controller.policy_version = await _start_version(
         ledger,
-        store,
         file_text,
         policy,
         api_policy,
@@ -150,7 +149,8 @@ async def run_controller(settings: ControllerSettings) -> None:
         api = ApiServer(
             create_app(controller, tokens, registry=registry), settings.api_host, settings.api_port
         )
-    writer.start()  # last: nothing after it may fail before the finally that stops it
+    if writer is not None:
+        writer.start()  # last: nothing after it may fail before the finally that stops it
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -169,7 +169,37 @@ async def run_controller(settings: ControllerSettings) -> None:
             tg.create_task(controller.run(stop, learn_s=settings.learn_s), name="controller")
     finally:
         notifier.stopping()
-        await asyncio.to_thread(writer.stop)
+        await asyncio.to_thread(_close, writer, store)
+
+
+def _writer(
+    settings: ControllerSettings, store: Store, caps: dict[str, float]
+) -> StoreWriter | None:
+    """The writer of what the controller steers (ticks, caps, reasons, events, samples);
+    None for a shadow, which steers nothing and so records nothing as if it did."""
+    if settings.shadow:
+        return None
+    writer = StoreWriter(
+        store,
+        retention=settings.retention(),
+        limits=WriterLimits(
+            cap_epsilon_w=settings.cap_epsilon_w, cap_interval_s=settings.cap_interval_s
+        ),
+    )
+    writer.seed_caps(caps)
+    return writer
+
+
+def _close(writer: StoreWriter | None, store: Store) -> None:
+    """(worker thread) Flush what is queued, then let the database go."""
+    if writer is not None:
+        writer.stop()
+    store.close()
+
+
+def _policy_file(path: Path) -> tuple[str | None, str]:
+    """(worker thread) The policy file's sha256 and text."""
+    return file_sha256(path), path.read_text(encoding="utf-8")
 
 
 def _no_tokens(dev: bool) -> TokenStore:
@@ -285,6 +315,15 @@ async def _authority(
     return authority
 
 
+def _store_id_of(store: Store) -> str | None:
+    """(worker thread) The store's id; None for a database not migrated to it (a shadow
+    reads a database it does not migrate)."""
+    try:
+        return store.store_id()
+    except LookupError:
+        return None
+
+
 def _store_id(db: _DbAtStart, state_path: Path) -> str:
     """(worker thread) The store's id, kept beside the state file: a controller that starts
     while its database is down commands for the store it last knew (agents refuse another
@@ -310,11 +349,12 @@ def _store_id(db: _DbAtStart, state_path: Path) -> str:
     return made
 
 
-def _open_db(store: Store, url: str) -> _DbAtStart:
+def _open_db(store: Store, url: str, *, migrate: bool = True) -> _DbAtStart:
     """(worker thread) Migrate, then read the operators' state and the caps last stored."""
     try:
-        upgrade(url)
-        store_id = store.store_id()
+        if migrate:
+            upgrade(url)
+        store_id = _store_id_of(store)
         row = store.latest_operator_state()
         caps = store.latest_caps()
     except Exception as exc:
@@ -329,12 +369,16 @@ def _open_db(store: Store, url: str) -> _DbAtStart:
     return _DbAtStart(True, state, 0 if row is None else row.revision, caps, store_id)
 
 
-def _load_state_file(state_file: StateFile) -> OperatorState | None:
+def _load_state_file(state_file: StateFile, *, move_aside: bool = True) -> OperatorState | None:
     """(worker thread) The state file; an unreadable one is moved aside (and logged) so the
-    next write does not destroy what an operator may want to read."""
+    next write does not destroy what an operator may want to read (a shadow, which writes
+    none, leaves it where it is)."""
     try:
         return state_file.load()
     except StateFileError as exc:
+        if not move_aside:
+            log.error("operator_state_unreadable", where="file", error=str(exc)[:300])
+            return None
         aside = state_file.path.with_name(f"{state_file.path.name}.bad-{int(time.time())}")
         with contextlib.suppress(OSError):
             state_file.path.rename(aside)
@@ -384,7 +428,6 @@ def _choose_policy(
 
 async def _start_version(
     ledger: Ledger,
-    store: Store,
     file_text: str,
     policy: Policy,
     api: ApiPolicy | None,
@@ -393,10 +436,14 @@ async def _start_version(
     of_record: bool,
 ) -> int | None:
     """The policy in force as a stored version (the same text: the same version); queued
-    for the ledger when the database is down. `of_record` (controllers of a pair, under a
-    lease): a store that already has an active version keeps it, and the controller steers
-    it; a file that differs is the alarm `policy_differs` (Ledger.follow_policy), not a
-    replacement: a standby started from a stale file must not overwrite the policy."""
+    for the ledger when the database is down. None without a ledger store (a shadow).
+    `of_record` (controllers of a pair, under a lease): a store that already has an active
+    version keeps it, and the controller steers it; a file that differs is the alarm
+    `policy_differs` (Ledger.follow_policy), not a replacement: a standby started from a
+    stale file must not overwrite the policy."""
+    store = ledger.store
+    if store is None:
+        return None
     text = api.text if api is not None else file_text
     source = "api" if api is not None else policy.source
     if db_ok and of_record:
@@ -408,6 +455,7 @@ async def _start_version(
         if active is not None:
             # Adopted (and the file compared) by the first lease round, before any command.
             return None if active.sha256 != sha256_text(text) else active.version
+    if db_ok:
         try:
             return await asyncio.to_thread(
                 store.record_policy_version,

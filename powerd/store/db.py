@@ -34,32 +34,46 @@ def normalize_url(url: str | URL) -> URL:
     return parsed
 
 
-def make_engine(url: str | URL = DEFAULT_URL, *, timeout_s: float | None = None) -> Engine:
+def make_engine(
+    url: str | URL = DEFAULT_URL, *, timeout_s: float | None = None, read_only: bool = False
+) -> Engine:
     """An engine for `url`. `timeout_s`: every statement gives up after about this long,
     also against a database that stops answering mid-statement (PostgreSQL: connect,
     statement, lock and TCP timeouts; SQLite: the busy timeout) — for callers whose answer
-    is worthless late, such as a leader's lease."""
+    is worthless late, such as a leader's lease. `read_only`: the database itself refuses
+    every write on its connections (PostgreSQL: read-only transactions; SQLite: query_only),
+    whichever code path tries one."""
     parsed = normalize_url(url)
     connect_args: dict[str, Any] = {}
+    options: list[str] = []
     if parsed.get_backend_name() == "postgresql":
         connect_args["connect_timeout"] = PG_CONNECT_TIMEOUT_S
         if timeout_s is not None:
             ms = max(1, int(timeout_s * 1000))
             connect_args["connect_timeout"] = max(2, math.ceil(timeout_s))
-            connect_args["options"] = f"-c statement_timeout={ms} -c lock_timeout={ms}"
+            options += [f"-c statement_timeout={ms}", f"-c lock_timeout={ms}"]
             connect_args["tcp_user_timeout"] = ms
+        if read_only:
+            options.append("-c default_transaction_read_only=on")
+        if options:
+            connect_args["options"] = " ".join(options)
     engine = create_engine(parsed, pool_pre_ping=True, connect_args=connect_args)
     if parsed.get_backend_name() == "sqlite":
         busy_ms = 5000 if timeout_s is None else max(1, int(timeout_s * 1000))
-        event.listen(engine, "connect", partial(_sqlite_pragmas, busy_ms=busy_ms))
+        pragmas = partial(_sqlite_pragmas, busy_ms=busy_ms, read_only=read_only)
+        event.listen(engine, "connect", pragmas)
     return engine
 
 
-def _sqlite_pragmas(dbapi_conn: Any, _record: Any, *, busy_ms: int) -> None:
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any, *, busy_ms: int, read_only: bool) -> None:
     # WAL lets the admin API read while the writer thread writes; busy_timeout makes a
     # writer wait briefly for a lock instead of failing at once.
     cur = dbapi_conn.cursor()
-    cur.execute("PRAGMA journal_mode=WAL")
+    if read_only:
+        # Not even the journal mode: a reader changes nothing in someone else's file.
+        cur.execute("PRAGMA query_only=ON")
+    else:
+        cur.execute("PRAGMA journal_mode=WAL")
     cur.execute(f"PRAGMA busy_timeout={int(busy_ms)}")
     cur.close()
 

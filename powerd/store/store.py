@@ -93,10 +93,18 @@ class Pruned:
 
 
 class Store:
-    def __init__(self, url_or_engine: str | URL | Engine = DEFAULT_URL) -> None:
-        self.engine = (
-            url_or_engine if isinstance(url_or_engine, Engine) else make_engine(url_or_engine)
-        )
+    def __init__(
+        self, url_or_engine: str | URL | Engine = DEFAULT_URL, *, read_only: bool = False
+    ) -> None:
+        """`read_only`: a store whose database refuses every write (a shadow controller's
+        view of a database another controller steers by); only with a URL."""
+        if isinstance(url_or_engine, Engine):
+            if read_only:
+                raise ValueError("a read-only store is made from a URL, not an engine")
+            self.engine = url_or_engine
+        else:
+            self.engine = make_engine(url_or_engine, read_only=read_only)
+        self.read_only = read_only
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     def close(self) -> None:
