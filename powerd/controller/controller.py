@@ -346,8 +346,15 @@ class Controller(AdminWrites):
         self._stored_gpus.update(new)
 
     def leading(self) -> bool:
-        """Whether this controller may command now."""
-        return self.leadership is None or self.leadership.may_command()
+        """Whether this controller may command now: not once another controller of our
+        authority says it leads at a higher epoch (a leader steering through a database
+        outage stops there)."""
+        lead = self.leadership
+        if lead is None:
+            return True
+        if self.engine.superseded_by > lead.epoch:
+            lead.supersede(self.engine.superseded_by)
+        return lead.may_command()
 
     def _sync_epoch(self) -> None:
         """The epoch this tick's commands carry: the lease's; alone, at least the one the

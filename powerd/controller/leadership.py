@@ -174,6 +174,13 @@ class Leadership:
         self.margin_s = margin_s
         self.wall = wall
         self.max_skew_s = max_skew_s
+        # A leader that cannot reach its database keeps commanding past its deadline until
+        # it hears of a newer leader (`supersede`): safety rests on the epoch fence and on
+        # counting unacknowledged GPUs at their maximum, not on the lease's timing
+        # (docs/safety.md, "Steering through a database outage"). Controllers do; the
+        # coordinator keeps its deadline.
+        self.through_outage = False
+        self.outage_since: float | None = None  # on `clock`, while leading through one
         # Our wall clock minus the database's, as last measured (None: not yet), and why we
         # may not lead while it is too large (None: it agrees).
         self.skew_s: float | None = None
@@ -202,10 +209,18 @@ class Leadership:
 
     def may_command(self) -> bool:
         """True while this controller may send commands: alone, always; under a lease,
-        only while leading, ready, and before the local deadline."""
+        only while leading, ready, and before the local deadline, or past it while the
+        database cannot be reached (`through_outage`)."""
         if self.mode == "alone":
             return True
-        return self.leading and self._ready and self.clock() < self._deadline
+        in_time = self.clock() < self._deadline or self.outage_since is not None
+        return self.leading and self._ready and in_time
+
+    def supersede(self, epoch: int) -> None:
+        """Another controller of our authority leads at a higher `epoch`: stop at once."""
+        if self.mode == "lease" and self.leading and epoch > self.epoch:
+            self._lost(f"a newer leader commands (epoch {epoch} > {self.epoch})")
+            self.changed.set()
 
     def view(self) -> LeadershipView:
         leading = self.may_command()
@@ -346,6 +361,13 @@ class Leadership:
         return False
 
     def _heard(self, got: _Round) -> None:
+        if self.outage_since is not None:
+            log.warning(
+                "db_outage_over",
+                scope=self.scope,
+                steered_through_s=round(self.clock() - self.outage_since, 3),
+            )
+            self.outage_since = None
         if self.failures:
             log.info("lease_store_back", scope=self.scope, failures=self.failures)
         self.failures = 0
@@ -412,6 +434,7 @@ class Leadership:
 
     def _lost(self, why: str, *, leader_unknown: bool = False) -> None:
         self.leading = False
+        self.outage_since = None
         if leader_unknown:
             self.leader = None  # until the database answers again
         self._ready = self.mode == "alone"
@@ -432,13 +455,28 @@ class Leadership:
             else None,
         )
         if self.mode == "lease" and self.leading and self.clock() >= self._deadline:
+            if self.through_outage and self._ready:
+                if self.outage_since is None:
+                    self.outage_since = self.clock()
+                    log.error(
+                        "steering_through_db_outage",
+                        scope=self.scope,
+                        epoch=self.epoch,
+                        why="the lease could not be renewed; commanding until a newer "
+                        "leader is heard (the epoch fences it)",
+                    )
+                return
             self._lost("the lease could not be renewed in time", leader_unknown=True)
 
     def check_deadline(self) -> None:
-        """Step down once the deadline has passed without a renewal (called each tick)."""
-        if self.mode == "lease" and self.leading and self.clock() >= self._deadline:
-            self._lost("the lease could not be renewed in time", leader_unknown=True)
-            self.changed.set()
+        """Step down once the deadline has passed without a renewal (called each tick),
+        unless the database could not be reached and we steer through the outage."""
+        if self.mode != "lease" or not self.leading or self.clock() < self._deadline:
+            return
+        if self.outage_since is not None:
+            return
+        self._lost("the lease could not be renewed in time", leader_unknown=True)
+        self.changed.set()
 
     async def _step_down_cleanly(self) -> None:
         """A clean stop gives the lease up, so a standby need not wait for it to lapse."""

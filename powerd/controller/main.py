@@ -230,6 +230,7 @@ def _leadership(settings: ControllerSettings, policy: Policy, ledger: Ledger) ->
     )
     leadership.follow = ledger.follow
     leadership.each_round = ledger.follow_policy
+    leadership.through_outage = settings.through_outage
     return leadership
 
 

@@ -50,6 +50,10 @@ class ControllerSettings(BrokerSettings):
     # renewed every min(lease / 4, tick_s). A takeover completes within about lease +
     # renewal + one tick, which must fit the agents' lease_s (checked at start).
     leader_lease_s: float | None = Field(default=None, gt=0, le=3600)
+    # A leader that cannot reach its database keeps commanding past its lease until it
+    # hears a newer leader of its authority (docs/safety.md, "Steering through a database
+    # outage"); False: it stops at its lease deadline and the fleet falls to failsafe.
+    through_outage: bool = True
     # Listen this long before the first tick so retained status and telemetry teach the caps
     # in force; None: the policy's stale_after_s.
     learn_s: float | None = Field(default=None, ge=0, le=3600)
