@@ -34,6 +34,7 @@ WRITE = READ | {
     "400": "ErrorOut",
     "404": "WriteRefused",
     "409": "ErrorOut",
+    "413": "ErrorOut",
     "422": "WriteRefused",
     "503": "WriteRefused",
 }
@@ -299,7 +300,7 @@ OPERATIONS = [
         "replace_policy_api_v1_policy_put",
         "policy",
         "admin",
-        WRITE | {"413": "ErrorOut"},
+        WRITE,
         ("query:reason*",),
         "application/yaml:",
     ),

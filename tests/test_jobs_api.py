@@ -226,6 +226,28 @@ def test_the_gpus_named_across_all_jobs_are_bounded(
         assert put("b", 1).status_code == 200
 
 
+def test_gpus_given_a_class_by_uuid_are_bounded_in_all(
+    live: LiveApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Class assignments by uuid may name GPUs not heard yet, like jobs: each call names at
+    most 10,000, and their total is bounded too (they live in the state file)."""
+    monkeypatch.setattr("powerd.controller.overrides.MAX_CLASS_UUIDS", 5)
+
+    def assign(uuids: list[str]) -> httpx.Response:
+        body = {"class": "inference", "uuids": uuids, "reason": "x"}
+        return c.post("/api/v1/classes/assign", json=body)
+
+    with live.client("operator") as c:
+        assert assign([f"GPU-a-{i}" for i in range(4)]).status_code == 200
+        assert assign(["GPU-a-0", "GPU-a-1", "GPU-b-0"]).status_code == 200  # one new
+        r = assign(["GPU-b-1"])
+        assert r.status_code == 422 and "at most 5 GPUs have a class" in r.json()["detail"]
+        assert "GPU-b-1" not in c.get("/api/v1/overrides").json()["gpu_classes"]
+        body = {"uuids": ["GPU-a-3"], "reason": "x"}
+        assert c.post("/api/v1/classes/clear", json=body).status_code == 200
+        assert assign(["GPU-b-1"]).status_code == 200
+
+
 # ---- restarts: the controller process on SQLite and PostgreSQL ----
 
 

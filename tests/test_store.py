@@ -38,7 +38,8 @@ from powerd.store import (
 from powerd.store.aggregate import MinuteAggregator
 from powerd.store.db import make_engine, migrations_dir, normalize_url
 from powerd.store.models import Base, PolicyVersion
-from powerd.store.store import Batch
+from powerd.store.models import OperatorState as OperatorStateRow
+from powerd.store.store import KEEP_OPERATOR_STATES, Batch
 
 BACKENDS = ["sqlite", "postgresql"]
 T0 = 1_700_000_040.0  # the start of a minute (divisible by 60)
@@ -400,6 +401,19 @@ def test_prune_deletes_only_rows_past_their_retention(store: Store) -> None:
     assert [m.minute for m in store.gpu_history("GPU-a")] == [int(now - 20 * day)]
     assert [c.ts for c in store.cap_changes("GPU-a")] == [recent]
     assert store.events().total == 1  # events are not pruned
+
+
+def test_only_the_last_operator_states_are_kept(store: Store) -> None:
+    """Every revision holds every job's uuids: the table keeps the latest few, not one row
+    per write for ever, and the latest is what a start or a standby reads."""
+    for revision in range(1, KEEP_OPERATOR_STATES + 11):
+        assert store.save_operator_state(revision, float(revision), {"revision": revision})
+    store.save_operator_state(5, 5.0, {"revision": 5})  # an old one sent again: not kept
+    with store.engine.connect() as conn:
+        kept = sorted(conn.scalars(sa.select(OperatorStateRow.revision)))
+    assert kept == list(range(11, KEEP_OPERATOR_STATES + 11))
+    latest = store.latest_operator_state()
+    assert latest is not None and latest.state == {"revision": KEEP_OPERATOR_STATES + 10}
 
 
 def test_tick_series_is_the_window_oldest_first(store: Store) -> None:

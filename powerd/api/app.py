@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from powerd import __version__
 from powerd.api.errors import install_error_handlers
+from powerd.api.gate import MIB, BodyLimits, BodyRule, RequestGate, open_paths
 from powerd.api.routers import (
     classes,
     fleet,
@@ -31,6 +32,21 @@ from powerd.api.routers import (
 from powerd.api.views import Views
 from powerd.auth import TokenStore
 from powerd.controller.controller import Controller
+
+# What a request may send, by endpoint class (docs/api.md, "Request bodies"). Lists of GPUs
+# and nodes: the largest valid job (16,384 uuids and 2,048 nodes) or class assignment
+# (10,000 of each) with 128-character names is 2.6 MB of JSON. Every other write is a few
+# numbers and a reason of at most 500 characters; reads send nothing.
+POLICY_BODY_BYTES = policy.MAX_POLICY_BYTES
+LIST_BODY_BYTES = 3 * MIB
+BODY_LIMITS = BodyLimits(
+    rules=(
+        BodyRule("PUT", "/api/v1/policy", POLICY_BODY_BYTES),
+        BodyRule("PUT", "/api/v1/jobs/[^/]+", LIST_BODY_BYTES),
+        BodyRule("POST", "/api/v1/classes/(assign|clear)", LIST_BODY_BYTES),
+    ),
+    default_bytes=16 * 1024,
+)
 
 
 def create_app(
@@ -58,6 +74,16 @@ def create_app(
     app.state.views = Views(controller)
     app.state.registry = registry
     install_error_handlers(app)
+    # Probes, the live page's files (no data) and the API's own description need no token;
+    # everything else is refused before its body is read (powerd.api.gate).
+    public = ["/healthz", "/readyz", "/ui"]
+    if registry is not None and metrics_public:
+        public.append("/metrics")
+    docs = [app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url]
+    public += [u for u in docs if u is not None]
+    app.add_middleware(
+        RequestGate, tokens=tokens, is_open=open_paths(public, ["/ui/"]), limits=BODY_LIMITS
+    )
     app.include_router(health.router)
     if registry is not None:
         app.include_router(metrics.public_router if metrics_public else metrics.router)

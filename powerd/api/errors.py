@@ -33,6 +33,10 @@ WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
     **AUTH_ERRORS,
     400: error_doc("The body is not valid JSON"),
     404: error_doc("Unknown group, node or GPU; not applied, audited", WriteRefused),
+    413: error_doc(
+        'The body is over this endpoint\'s limit (docs/api.md, "Request bodies"): not read '
+        "further, nothing changed, not audited"
+    ),
     409: error_doc(
         "This controller stands by (another leads its scope): not applied; send writes "
         "to the leader named in the detail"

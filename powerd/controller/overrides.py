@@ -55,10 +55,15 @@ JOB_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 MAX_JOBS = 20_000
 MAX_JOB_GPUS = 16_384  # GPUs named by uuid
 MAX_JOB_NODES = 2_048
-# GPUs named by uuid across all jobs: each job may name MAX_JOB_GPUS and there may be
-# MAX_JOBS jobs (327 million uuids, kept, indexed on the loop at each job change and written
-# to the state file at each write). Ten times the largest fleet powerd is measured at.
-MAX_JOBS_UUIDS = 1_048_576
+# GPUs named by uuid across all jobs (and, apart, GPUs given a class by uuid). Every one is
+# held in memory, indexed again on the loop at each job change and written to the state
+# file and the database at every operator write: at the 1,048,576 allowed before, the state
+# file, the controller's memory and the time of every later write grew past what a daemon
+# may hold (docs/performance.md, "Jobs at their bounds"). 131,072 is more than every GPU of
+# the largest site measured (100,000) named one by one; a job that takes whole nodes names
+# the nodes, which count none.
+MAX_JOBS_UUIDS = 131_072
+MAX_CLASS_UUIDS = 131_072
 MAX_PROFILE_POINTS = 64
 _JOB_NAME_RE = re.compile(JOB_NAME_PATTERN)
 
@@ -430,6 +435,12 @@ class Overrides:
         bad = [n for n in nodes or [] if n not in known_nodes]
         if bad:
             raise OverrideError(f"unknown node(s): {', '.join(bad[:5])}")
+        new = len(set(uuids or []).difference(self.gpu_classes))
+        if len(self.gpu_classes) + new > MAX_CLASS_UUIDS:
+            raise OverrideError(
+                f"at most {MAX_CLASS_UUIDS} GPUs have a class by uuid "
+                f"({len(self.gpu_classes)} now); assign nodes, or clear GPUs gone"
+            )
         for uuid in uuids or []:
             self.gpu_classes[uuid] = cls
         for node in nodes or []:

@@ -30,6 +30,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, Field, ValidationError
 
+from powerd.api.gate import KIB, BodyLimits, RequestGate, open_paths
 from powerd.api.server import ApiServer
 from powerd.auth import Principal, Role, TokenStore
 from powerd.clock import SystemClock
@@ -462,9 +463,17 @@ async def _write(
     }
 
 
+# Its one write is a budget and a reason (at most 500 characters); reads send nothing.
+BODY_LIMITS = BodyLimits(default_bytes=16 * KIB)
+
+
 def create_app(coord: Coordinator, tokens: TokenStore) -> FastAPI:
     app = FastAPI(title="powerd coordinator", version="1")
     app.state.tokens = tokens
+    # As the controller's API: no token, no body read (powerd.api.gate).
+    docs = [app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url]
+    public = ["/healthz", "/readyz", *(u for u in docs if u is not None)]
+    app.add_middleware(RequestGate, tokens=tokens, is_open=open_paths(public), limits=BODY_LIMITS)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

@@ -56,6 +56,9 @@ M = TypeVar("M", bound=Base)
 DAY_S = 86_400.0
 # Two admins saving a policy at once both pick max+1; the loser retries with the next number.
 POLICY_VERSION_RETRIES = 3
+# Revisions of the operators' state kept in `operator_state`: a few behind the latest, for
+# a person looking at what changed just now; the audit log keeps every change.
+KEEP_OPERATOR_STATES = 16
 
 
 @dataclass
@@ -247,13 +250,23 @@ class Store:
         return len(new)
 
     def save_operator_state(self, revision: int, ts: float, state: Mapping[str, Any]) -> bool:
-        """Store one revision of the operators' state; False if that revision is stored
-        already (a re-send, or another controller wrote it)."""
+        """Store one revision of the operators' state, and keep only the last
+        KEEP_OPERATOR_STATES; False if that revision is stored already (a re-send, or
+        another controller wrote it)."""
         with self.engine.begin() as conn:
             stmt = _upsert_stmt(conn, OperatorState).on_conflict_do_nothing(  # type: ignore[attr-defined]
                 index_elements=["revision"]
             )
             result = conn.execute(stmt, {"revision": revision, "ts": ts, "state": dict(state)})
+            if result.rowcount:
+                # Only the latest revision is ever read (a start, a standby following); the
+                # audit log is the record of changes. Each row holds every job's uuids.
+                newest = conn.scalar(select(func.max(OperatorState.revision))) or revision
+                conn.execute(
+                    delete(OperatorState).where(
+                        OperatorState.revision <= newest - KEEP_OPERATOR_STATES
+                    )
+                )
             return bool(result.rowcount)
 
     def store_id(self) -> str:
