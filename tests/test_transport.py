@@ -1,4 +1,5 @@
-"""Transports: topic matching, the in-process broker, and MQTT against a real Mosquitto."""
+"""Transports: topic matching, the in-process broker, and MQTT against real brokers (Mosquitto,
+and amqtt as a second, independent implementation)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from amqttbroker import Broker
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
@@ -180,7 +182,7 @@ async def test_memory_broker_restart_reconnects_clients() -> None:
 # -- MQTT against a real broker ----------------------------------------------------------------
 
 
-def mqtt(broker: LocalMosquitto, **options: Any) -> MqttTransport:
+def mqtt(broker: Broker, **options: Any) -> MqttTransport:
     return MqttTransport(MqttConfig.from_url(broker.url, reconnect_max_s=0.3, **options))
 
 
@@ -190,8 +192,8 @@ async def connected(t: MqttTransport, **kw: Any) -> MqttTransport:
     return t
 
 
-async def test_mqtt_publish_subscribe_and_retained(mosquitto: LocalMosquitto) -> None:
-    async with await connected(mqtt(mosquitto)) as a, await connected(mqtt(mosquitto)) as b:
+async def test_mqtt_publish_subscribe_and_retained(broker: Broker) -> None:
+    async with await connected(mqtt(broker)) as a, await connected(mqtt(broker)) as b:
         await a.publish("powerd/v1/nodes/n1/status", b"steered", qos=1, retain=True)
         await b.subscribe("powerd/v1/nodes/+/status")
         assert await next_message(b) == Message("powerd/v1/nodes/n1/status", b"steered", True)
@@ -216,12 +218,10 @@ asyncio.run(main())
 """
 
 
-async def test_mqtt_last_will_when_the_process_dies(mosquitto: LocalMosquitto) -> None:
-    async with await connected(mqtt(mosquitto)) as watcher:
+async def test_mqtt_last_will_when_the_process_dies(broker: Broker) -> None:
+    async with await connected(mqtt(broker)) as watcher:
         await watcher.subscribe("powerd/v1/nodes/n9/status")
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", WILL_CLIENT, mosquitto.url
-        )
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", WILL_CLIENT, broker.url)
         try:
             assert await next_message(watcher) == Message("powerd/v1/nodes/n9/status", b"steered")
         finally:
@@ -231,10 +231,10 @@ async def test_mqtt_last_will_when_the_process_dies(mosquitto: LocalMosquitto) -
         assert will == Message("powerd/v1/nodes/n9/status", b"offline")
 
 
-async def test_mqtt_clean_disconnect_sends_no_will(mosquitto: LocalMosquitto) -> None:
-    async with await connected(mqtt(mosquitto)) as watcher:
+async def test_mqtt_clean_disconnect_sends_no_will(broker: Broker) -> None:
+    async with await connected(mqtt(broker)) as watcher:
         await watcher.subscribe("status/#")
-        leaving = await connected(mqtt(mosquitto), will=LastWill("status/leaving", b"offline"))
+        leaving = await connected(mqtt(broker), will=LastWill("status/leaving", b"offline"))
         await leaving.disconnect()
         await watcher.publish("status/marker", b"after", qos=1)
         # The next message is our marker: no will came before it.
@@ -242,7 +242,7 @@ async def test_mqtt_clean_disconnect_sends_no_will(mosquitto: LocalMosquitto) ->
 
 
 async def test_mqtt_reconnects_and_resubscribes_after_broker_restart(
-    mosquitto: LocalMosquitto, eventually: Any
+    broker: Broker, eventually: Any
 ) -> None:
     reconnections = 0
 
@@ -250,13 +250,13 @@ async def test_mqtt_reconnects_and_resubscribes_after_broker_restart(
         nonlocal reconnections
         reconnections += 1
 
-    async with await connected(mqtt(mosquitto), on_connect=on_connect) as t:
+    async with await connected(mqtt(broker), on_connect=on_connect) as t:
         await t.subscribe("a/#")
-        mosquitto.kill()
+        broker.kill()
         await eventually(lambda: t.state is not ConnectionState.CONNECTED, what="disconnect")
         with pytest.raises(TransportError):
             await t.publish("a/b", b"lost")
-        mosquitto.start()
+        broker.start()
         await asyncio.wait_for(t.wait_connected(), 10)
         assert reconnections == 2
         await t.publish("a/b", b"back", qos=1)
@@ -264,14 +264,14 @@ async def test_mqtt_reconnects_and_resubscribes_after_broker_restart(
 
 
 async def test_mqtt_starts_without_a_broker_and_connects_when_it_comes(
-    mosquitto: LocalMosquitto,
+    broker: Broker,
 ) -> None:
-    mosquitto.kill()
-    t = mqtt(mosquitto)
+    broker.kill()
+    t = mqtt(broker)
     await t.connect()
     await t.subscribe("a/#")
     assert t.state is not ConnectionState.CONNECTED
-    mosquitto.start()
+    broker.start()
     async with t:
         await asyncio.wait_for(t.wait_connected(), 10)
         await t.publish("a/b", b"hello", qos=1)
@@ -682,14 +682,14 @@ async def stream_at_qos1(
 
 
 async def test_mqtt_takes_a_stream_of_qos1_messages(
-    mosquitto: LocalMosquitto,
+    broker: Broker,
 ) -> None:
     # The broker sends at most 20 QoS 1 messages ahead of our PUBACKs: the 600 only all
     # arrive if our batched acknowledgements reach it.
     batch = [(f"powerd/v1/nodes/n{i}/ack", bytes([i % 251]) * (i * 7 % 5000)) for i in range(600)]
     async with (
-        await connected(mqtt(mosquitto, max_inflight_messages=0)) as sender,
-        await connected(mqtt(mosquitto)) as receiver,
+        await connected(mqtt(broker, max_inflight_messages=0)) as sender,
+        await connected(mqtt(broker)) as receiver,
     ):
         await stream_at_qos1(sender, receiver, batch)
         await receiver.publish("powerd/v1/nodes/n1/status", b"still talking", qos=1)
@@ -776,8 +776,8 @@ async def test_publish_many_keeps_to_the_window(mosquitto: LocalMosquitto, windo
         assert not sender._conn.unacked
 
 
-async def test_mqtt_publish_waits_for_the_puback(mosquitto: LocalMosquitto) -> None:
-    async with await connected(mqtt(mosquitto, max_inflight_messages=1)) as t:
+async def test_mqtt_publish_waits_for_the_puback(broker: Broker) -> None:
+    async with await connected(mqtt(broker, max_inflight_messages=1)) as t:
         await asyncio.gather(*(t.publish(f"a/{i}", b"x", qos=1) for i in range(10)))
         assert t._conn is not None
         assert not t._conn.unacked
