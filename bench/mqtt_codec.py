@@ -45,7 +45,7 @@ async def receive_path(reads: list[bytes], n: int, repeat: int) -> float:
     best = float("inf")
     for _ in range(repeat):
         transport = MqttTransport(MqttConfig("127.0.0.1", max_queued_messages=n))
-        conn = _Connection(transport._deliver, 0, 1 << 20, [])
+        conn = _Connection(transport._deliver, 0, 1 << 20, [], puback_timeout_s=5.0)
         conn.connection_made(NullSocket())
         t0 = time.perf_counter()
         for chunk in reads:

@@ -1,12 +1,15 @@
-"""Shared fixtures: a private Mosquitto per test, a clock the test moves, and a waiter."""
+"""Shared fixtures: a private broker per test (Mosquitto, or either of two independent
+brokers), a clock the test moves, and a waiter."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
+from amqttbroker import Broker, LocalAmqtt, amqtt_command
 
 from powerd.testing.mosquitto import MOSQUITTO, LocalMosquitto
 
@@ -80,3 +83,25 @@ def mosquitto(tmp_path: Path) -> Iterator[LocalMosquitto]:
         yield broker
     finally:
         broker.kill()
+
+
+@pytest.fixture(params=["mosquitto", "amqtt"])
+def broker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Broker]:
+    """A broker of this test's own, once Mosquitto and once amqtt (an independent
+    implementation of MQTT 3.1.1); `kill()` and `start()` it. CI installs both: there a
+    missing one fails the test instead of skipping it."""
+    b: Broker
+    if request.param == "mosquitto":
+        missing, b = not Path(MOSQUITTO).exists(), LocalMosquitto(tmp_path / "mosquitto")
+    else:
+        missing, b = not amqtt_command().exists(), LocalAmqtt(tmp_path / "amqtt")
+    if missing:
+        reason = f"{request.param} is not installed (pip install -c constraints.txt -e '.[test]')"
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    b.start()
+    try:
+        yield b
+    finally:
+        b.kill()

@@ -1,4 +1,5 @@
-"""Transports: topic matching, the in-process broker, and MQTT against a real Mosquitto."""
+"""Transports: topic matching, the in-process broker, and MQTT against real brokers (Mosquitto,
+and amqtt as a second, independent implementation), through a proxy that loses PUBACKs."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from amqttbroker import Broker
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mqttproxy import MqttProxy, Pubacks
 from structlog.testing import capture_logs
 
 from powerd.testing.mosquitto import MOSQUITTO, LocalMosquitto, free_port
@@ -30,13 +33,16 @@ from powerd.transport import (
     Message,
     MqttConfig,
     MqttTransport,
+    PublishTimeout,
+    PublishUnconfirmed,
     Transport,
     TransportError,
     topic_matches,
 )
-from powerd.transport.base import check_filter
+from powerd.transport.base import cancel_and_wait, check_filter
 from powerd.transport.codec import Decoder, Publish, encode_publish
 from powerd.transport.mqtt import (
+    MAX_ABANDONED_IDS,
     MAX_SEGMENT_BYTES,
     _Connection,
     backoff_delay,
@@ -180,7 +186,7 @@ async def test_memory_broker_restart_reconnects_clients() -> None:
 # -- MQTT against a real broker ----------------------------------------------------------------
 
 
-def mqtt(broker: LocalMosquitto, **options: Any) -> MqttTransport:
+def mqtt(broker: Broker | MqttProxy, **options: Any) -> MqttTransport:
     return MqttTransport(MqttConfig.from_url(broker.url, reconnect_max_s=0.3, **options))
 
 
@@ -190,8 +196,8 @@ async def connected(t: MqttTransport, **kw: Any) -> MqttTransport:
     return t
 
 
-async def test_mqtt_publish_subscribe_and_retained(mosquitto: LocalMosquitto) -> None:
-    async with await connected(mqtt(mosquitto)) as a, await connected(mqtt(mosquitto)) as b:
+async def test_mqtt_publish_subscribe_and_retained(broker: Broker) -> None:
+    async with await connected(mqtt(broker)) as a, await connected(mqtt(broker)) as b:
         await a.publish("powerd/v1/nodes/n1/status", b"steered", qos=1, retain=True)
         await b.subscribe("powerd/v1/nodes/+/status")
         assert await next_message(b) == Message("powerd/v1/nodes/n1/status", b"steered", True)
@@ -216,12 +222,10 @@ asyncio.run(main())
 """
 
 
-async def test_mqtt_last_will_when_the_process_dies(mosquitto: LocalMosquitto) -> None:
-    async with await connected(mqtt(mosquitto)) as watcher:
+async def test_mqtt_last_will_when_the_process_dies(broker: Broker) -> None:
+    async with await connected(mqtt(broker)) as watcher:
         await watcher.subscribe("powerd/v1/nodes/n9/status")
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", WILL_CLIENT, mosquitto.url
-        )
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", WILL_CLIENT, broker.url)
         try:
             assert await next_message(watcher) == Message("powerd/v1/nodes/n9/status", b"steered")
         finally:
@@ -231,10 +235,10 @@ async def test_mqtt_last_will_when_the_process_dies(mosquitto: LocalMosquitto) -
         assert will == Message("powerd/v1/nodes/n9/status", b"offline")
 
 
-async def test_mqtt_clean_disconnect_sends_no_will(mosquitto: LocalMosquitto) -> None:
-    async with await connected(mqtt(mosquitto)) as watcher:
+async def test_mqtt_clean_disconnect_sends_no_will(broker: Broker) -> None:
+    async with await connected(mqtt(broker)) as watcher:
         await watcher.subscribe("status/#")
-        leaving = await connected(mqtt(mosquitto), will=LastWill("status/leaving", b"offline"))
+        leaving = await connected(mqtt(broker), will=LastWill("status/leaving", b"offline"))
         await leaving.disconnect()
         await watcher.publish("status/marker", b"after", qos=1)
         # The next message is our marker: no will came before it.
@@ -242,7 +246,7 @@ async def test_mqtt_clean_disconnect_sends_no_will(mosquitto: LocalMosquitto) ->
 
 
 async def test_mqtt_reconnects_and_resubscribes_after_broker_restart(
-    mosquitto: LocalMosquitto, eventually: Any
+    broker: Broker, eventually: Any
 ) -> None:
     reconnections = 0
 
@@ -250,13 +254,13 @@ async def test_mqtt_reconnects_and_resubscribes_after_broker_restart(
         nonlocal reconnections
         reconnections += 1
 
-    async with await connected(mqtt(mosquitto), on_connect=on_connect) as t:
+    async with await connected(mqtt(broker), on_connect=on_connect) as t:
         await t.subscribe("a/#")
-        mosquitto.kill()
+        broker.kill()
         await eventually(lambda: t.state is not ConnectionState.CONNECTED, what="disconnect")
         with pytest.raises(TransportError):
             await t.publish("a/b", b"lost")
-        mosquitto.start()
+        broker.start()
         await asyncio.wait_for(t.wait_connected(), 10)
         assert reconnections == 2
         await t.publish("a/b", b"back", qos=1)
@@ -264,14 +268,14 @@ async def test_mqtt_reconnects_and_resubscribes_after_broker_restart(
 
 
 async def test_mqtt_starts_without_a_broker_and_connects_when_it_comes(
-    mosquitto: LocalMosquitto,
+    broker: Broker,
 ) -> None:
-    mosquitto.kill()
-    t = mqtt(mosquitto)
+    broker.kill()
+    t = mqtt(broker)
     await t.connect()
     await t.subscribe("a/#")
     assert t.state is not ConnectionState.CONNECTED
-    mosquitto.start()
+    broker.start()
     async with t:
         await asyncio.wait_for(t.wait_connected(), 10)
         await t.publish("a/b", b"hello", qos=1)
@@ -322,7 +326,11 @@ class ConnRig:
     def __init__(self, window: int = 0, max_packet_bytes: int = 1 << 20) -> None:
         self.got: list[tuple[bytes, bytes, bool]] = []
         self.conn = _Connection(
-            lambda t, p, r: self.got.append((t, p, r)), window, max_packet_bytes, []
+            lambda t, p, r: self.got.append((t, p, r)),
+            window,
+            max_packet_bytes,
+            [],
+            puback_timeout_s=60.0,
         )
         self.sock = FakeSocket()
         self.conn.connection_made(self.sock)
@@ -418,9 +426,10 @@ async def test_connection_reports_the_peer_closing_and_fails_waiters() -> None:
     rig.conn.send_qos1([(b"a", b"2")], False, second)  # held back by the window
     rig.conn.connection_lost(ConnectionResetError("reset by peer"))
     assert rig.conn.closed.done()
-    for waiter in (first, second):
-        with pytest.raises(TransportError, match="reset by peer"):
+    for waiter, sent in ((first, True), (second, False)):
+        with pytest.raises(PublishUnconfirmed, match="reset by peer") as lost:
             waiter.result()
+        assert lost.value.sent is sent
     assert not rig.conn.held
     assert not rig.conn.unacked
 
@@ -451,14 +460,14 @@ async def test_connection_window_holds_qos1_messages_until_pubacks_come() -> Non
 async def test_packet_ids_wrap_and_skip_those_in_use() -> None:
     rig = ConnRig()
     rig.conn._last_id = 65533
-    rig.conn.unacked[65535] = None
-    rig.conn.unacked[1] = None
+    rig.conn.unacked[65535] = (None, 0.0)
+    rig.conn.unacked[1] = (None, 0.0)
     assert [rig.conn.next_id() for _ in range(3)] == [65534, 2, 3]
 
 
 async def test_mqtt_drops_bad_topics_and_the_oldest_of_a_full_queue() -> None:
     t = MqttTransport(MqttConfig("127.0.0.1", max_queued_messages=3))
-    conn = _Connection(t._deliver, 0, 1 << 20, [])
+    conn = _Connection(t._deliver, 0, 1 << 20, [], puback_timeout_s=60.0)
     sock = FakeSocket()
     conn.connection_made(sock)
     with capture_logs() as logs:
@@ -477,7 +486,7 @@ async def test_mqtt_drops_bad_topics_and_the_oldest_of_a_full_queue() -> None:
 
 async def test_connection_refuses_what_no_packet_id_is_left_for() -> None:
     rig = ConnRig()
-    rig.conn.unacked.update(dict.fromkeys(range(1, 65535)))  # 65,534 ids in use
+    rig.conn.unacked.update(dict.fromkeys(range(1, 65535), (None, 0.0)))  # 65,534 ids in use
     assert rig.conn.send_qos1([(b"a", b"1"), (b"b", b"2"), (b"c", b"3")], False, None) == 2
     assert Decoder().feed(rig.written()) == [Publish(b"a", b"1", 1, False, False, 65535)]
 
@@ -682,14 +691,14 @@ async def stream_at_qos1(
 
 
 async def test_mqtt_takes_a_stream_of_qos1_messages(
-    mosquitto: LocalMosquitto,
+    broker: Broker,
 ) -> None:
     # The broker sends at most 20 QoS 1 messages ahead of our PUBACKs: the 600 only all
     # arrive if our batched acknowledgements reach it.
     batch = [(f"powerd/v1/nodes/n{i}/ack", bytes([i % 251]) * (i * 7 % 5000)) for i in range(600)]
     async with (
-        await connected(mqtt(mosquitto, max_inflight_messages=0)) as sender,
-        await connected(mqtt(mosquitto)) as receiver,
+        await connected(mqtt(broker, max_inflight_messages=0)) as sender,
+        await connected(mqtt(broker)) as receiver,
     ):
         await stream_at_qos1(sender, receiver, batch)
         await receiver.publish("powerd/v1/nodes/n1/status", b"still talking", qos=1)
@@ -776,8 +785,8 @@ async def test_publish_many_keeps_to_the_window(mosquitto: LocalMosquitto, windo
         assert not sender._conn.unacked
 
 
-async def test_mqtt_publish_waits_for_the_puback(mosquitto: LocalMosquitto) -> None:
-    async with await connected(mqtt(mosquitto, max_inflight_messages=1)) as t:
+async def test_mqtt_publish_waits_for_the_puback(broker: Broker) -> None:
+    async with await connected(mqtt(broker, max_inflight_messages=1)) as t:
         await asyncio.gather(*(t.publish(f"a/{i}", b"x", qos=1) for i in range(10)))
         assert t._conn is not None
         assert not t._conn.unacked
@@ -838,3 +847,245 @@ async def test_mqtt_over_tls_reads_every_message(
             "powerd/v1/nodes/n0/status", b"steered", True
         )
         await stream_at_qos1(sender, receiver, batch)
+
+
+# -- QoS 1, path by path: a real broker behind a proxy that loses PUBACKs on purpose ----------
+#
+# What a caller is promised (docs/decisions/0001-mqtt-qos1-timeouts.md): a message whose
+# PUBACK does not come is given up and never sent again; the error says whether it had left
+# (`sent`); its place in the window is free at once, its packet id once its PUBACK comes or
+# the connection ends.
+
+
+@contextlib.asynccontextmanager
+async def proxied(broker: Broker) -> Any:
+    proxy = MqttProxy(broker.port)
+    await proxy.start()
+    try:
+        yield proxy
+    finally:
+        await proxy.stop()
+
+
+async def received(t: MqttTransport, n: int) -> list[bytes]:
+    return [(await next_message(t)).payload for _ in range(n)]
+
+
+async def test_qos1_puback_confirms_the_publish(broker: Broker) -> None:
+    async with (
+        proxied(broker) as proxy,
+        await connected(mqtt(proxy)) as t,
+        await connected(mqtt(broker)) as watcher,
+    ):
+        await watcher.subscribe("q/#", qos=1)
+        await t.publish("q/a", b"one", qos=1)
+        assert t.in_flight == 0
+        assert [(p.topic, p.packet_id, p.dup) for p in proxy.published] == [("q/a", 1, False)]
+        assert await received(watcher, 1) == [b"one"]
+
+
+async def test_qos1_lost_pubacks_free_the_window(broker: Broker) -> None:
+    # A full window (agents use 20) of lost PUBACKs: before, every later QoS 1 publish on
+    # the connection was held back for good and reported as a timeout.
+    async with (
+        proxied(broker) as proxy,
+        await connected(mqtt(proxy, timeout_s=1.0)) as t,
+        await connected(mqtt(broker)) as watcher,
+    ):
+        await watcher.subscribe("q/#", qos=1)
+        proxy.pubacks = Pubacks.DROP
+        lost = await asyncio.gather(
+            *(t.publish(f"q/{i}", b"%d" % i, qos=1) for i in range(20)), return_exceptions=True
+        )
+        assert all(isinstance(e, PublishTimeout) and e.sent for e in lost)
+        assert t.in_flight == 0
+        assert sorted(proxy.dropped) == list(range(1, 21))
+        # Sent means the broker may have it: here it delivered every one.
+        assert sorted(await received(watcher, 20)) == sorted(b"%d" % i for i in range(20))
+
+        proxy.pubacks = Pubacks.PASS
+        await asyncio.gather(*(t.publish(f"q/{i}", b"again", qos=1) for i in range(20, 41)))
+        assert t.in_flight == 0
+        # Fresh ids: those of the lost PUBACKs stay taken, never reused on this connection.
+        assert proxy.packet_ids()[20:] == list(range(21, 42))
+        assert await received(watcher, 21) == [b"again"] * 21
+
+
+async def test_qos1_window_holds_messages_until_pubacks_come(
+    broker: Broker, eventually: Any
+) -> None:
+    async with (
+        proxied(broker) as proxy,
+        await connected(mqtt(proxy, max_inflight_messages=2)) as t,
+    ):
+        proxy.pubacks = Pubacks.HOLD
+        sends = [asyncio.create_task(t.publish(f"q/{i}", b"x", qos=1)) for i in range(3)]
+        await eventually(lambda: len(proxy.held_pubacks()) == 2, what="two PUBACKs held")
+        assert (t.in_flight, t.unwritten) == (2, 1)  # the third waits for a place
+        assert [p.topic for p in proxy.published] == ["q/0", "q/1"]
+        proxy.pubacks = Pubacks.PASS
+        await proxy.release_pubacks()
+        await asyncio.wait_for(asyncio.gather(*sends), 5)
+        assert [p.packet_id for p in proxy.published] == [1, 2, 3]
+        assert (t.in_flight, t.unwritten) == (0, 0)
+
+
+async def test_qos1_timed_out_while_held_back_is_never_sent(broker: Broker) -> None:
+    # The window is taken by publish_many's messages (given up timeout_s after they leave):
+    # the publish() behind them times out before a place frees, and is withdrawn.
+    async with (
+        proxied(broker) as proxy,
+        await connected(mqtt(proxy, max_inflight_messages=1, timeout_s=1.0)) as t,
+        await connected(mqtt(broker)) as watcher,
+    ):
+        await watcher.subscribe("q/#", qos=1)
+        proxy.pubacks = Pubacks.HOLD
+        assert await t.publish_many([("q/a", b"a"), ("q/b", b"b")], qos=1) == 0
+        with pytest.raises(PublishTimeout, match="never sent") as timed_out:
+            await t.publish("q/held", b"held", qos=1)
+        assert not timed_out.value.sent
+        assert t.unwritten == 0  # nothing of it left to go out later
+        proxy.pubacks = Pubacks.PASS
+        await proxy.release_pubacks()
+        await t.publish("q/after", b"after", qos=1)
+        assert [p.topic for p in proxy.published] == ["q/a", "q/b", "q/after"]
+        assert await received(watcher, 3) == [b"a", b"b", b"after"]
+
+
+async def test_qos1_late_puback_confirms_nothing_else(broker: Broker, eventually: Any) -> None:
+    # The second message must not run out of time while the test releases PUBACKs: a
+    # timeout of 2 s, to spare on a loaded machine.
+    async with (
+        proxied(broker) as proxy,
+        await connected(mqtt(proxy, timeout_s=2.0)) as t,
+    ):
+        proxy.pubacks = Pubacks.HOLD
+        with pytest.raises(PublishTimeout) as timed_out:
+            await t.publish("q/late", b"x", qos=1)
+        assert timed_out.value.sent
+        later = asyncio.create_task(t.publish("q/later", b"y", qos=1))
+        await eventually(lambda: proxy.held_pubacks() == [1, 2], what="both PUBACKs held")
+        with capture_logs() as logs:
+            await proxy.release_pubacks(packet_ids={1})
+            await eventually(lambda: any(e["event"] == "mqtt_late_puback" for e in logs))
+        assert [e["packet_id"] for e in logs if e["event"] == "mqtt_late_puback"] == [1]
+        assert not later.done()  # the late PUBACK of id 1 is not taken for message 2's
+        assert t.in_flight == 1
+        await proxy.release_pubacks()
+        await asyncio.wait_for(later, 5)
+        assert t.in_flight == 0
+
+
+async def test_qos1_publish_many_lost_pubacks_expire(broker: Broker, eventually: Any) -> None:
+    # Nobody waits on publish_many's messages; a lost PUBACK must still give its place up.
+    async with (
+        proxied(broker) as proxy,
+        await connected(mqtt(proxy, max_inflight_messages=2, timeout_s=1.0)) as t,
+    ):
+        proxy.pubacks = Pubacks.DROP
+        with capture_logs() as logs:
+            assert await t.publish_many([(f"q/{i}", b"x") for i in range(5)], qos=1) == 0
+            await eventually(lambda: len(proxy.dropped) == 5, what="all five sent")
+            await eventually(lambda: t.in_flight == 0, what="the last two given up")
+        given_up = [e["messages"] for e in logs if e["event"] == "mqtt_puback_timeout"]
+        assert sum(given_up) == 5
+        assert [p.packet_id for p in proxy.published] == [1, 2, 3, 4, 5]
+        proxy.pubacks = Pubacks.PASS
+        await t.publish("q/after", b"x", qos=1)
+
+
+async def test_qos1_in_flight_when_the_connection_drops_is_given_up(
+    broker: Broker, eventually: Any
+) -> None:
+    # A clean session: the broker forgets our session, and we send nothing again.
+    async with (
+        proxied(broker) as proxy,
+        await connected(mqtt(proxy, max_inflight_messages=2)) as t,
+        await connected(mqtt(broker)) as watcher,
+    ):
+        await watcher.subscribe("q/#", qos=1)
+        proxy.pubacks = Pubacks.HOLD
+        sends = [asyncio.create_task(t.publish(f"q/{i}", b"%d" % i, qos=1)) for i in range(3)]
+        await eventually(lambda: len(proxy.held_pubacks()) == 2, what="two in flight")
+        proxy.cut()
+        outcomes = await asyncio.gather(*sends, return_exceptions=True)
+        assert all(
+            isinstance(e, PublishUnconfirmed) and not isinstance(e, PublishTimeout)
+            for e in outcomes
+        )
+        assert [e.sent for e in outcomes if isinstance(e, PublishUnconfirmed)] == [
+            True,
+            True,
+            False,
+        ]
+        proxy.pubacks = Pubacks.PASS
+        await asyncio.wait_for(t.wait_connected(), 10)
+        assert (t.in_flight, t.unwritten) == (0, 0)
+        await t.publish("q/3", b"3", qos=1)
+        # Nothing again on the new connection: no DUP, no third message; ids start afresh.
+        assert [(p.topic, p.packet_id, p.dup) for p in proxy.published if p.connection == 2] == [
+            ("q/3", 1, False)
+        ]
+        assert await received(watcher, 3) == [b"0", b"1", b"3"]
+
+
+async def test_qos1_packet_ids_wrap_and_skip_one_given_up(
+    mosquitto: LocalMosquitto, eventually: Any
+) -> None:
+    # Id 1 is given up (its PUBACK held), 2..65535 go round; the next wraps past 1.
+    # Mosquitto only: 65,536 messages take amqtt minutes.
+    async with (
+        proxied(mosquitto) as proxy,
+        await connected(mqtt(proxy, max_inflight_messages=500, timeout_s=2.0)) as t,
+    ):
+        proxy.pubacks = Pubacks.HOLD
+        with pytest.raises(PublishTimeout):
+            await t.publish("q/first", b"x", qos=1)
+        proxy.pubacks = Pubacks.PASS
+        batch = [("q/many", b"x")] * 65_534
+        assert await t.publish_many(batch, qos=1) == 0
+        await eventually(lambda: t.in_flight == t.unwritten == 0, what="the batch through")
+        await t.publish("q/wrapped", b"x", qos=1)
+        ids = proxy.packet_ids()
+        assert ids[:2] == [1, 2]
+        assert ids[-2:] == [65535, 2]
+        assert len(ids) == 65_536
+
+
+async def test_qos1_a_broker_that_stopped_acknowledging_gets_a_new_session(
+    mosquitto: LocalMosquitto, eventually: Any
+) -> None:
+    # Ids of messages given up stay taken until their PUBACKs come; before they could run
+    # out on a live connection, a new clean session frees them.
+    async with (
+        proxied(mosquitto) as proxy,
+        await connected(mqtt(proxy, max_inflight_messages=0, timeout_s=1.0)) as t,
+    ):
+        proxy.pubacks = Pubacks.DROP
+        assert await t.publish_many([("q/lost", b"x")] * MAX_ABANDONED_IDS, qos=1) == 0
+        await eventually(lambda: proxy.connections == 2, what="a new connection")
+        proxy.pubacks = Pubacks.PASS
+        await asyncio.wait_for(t.wait_connected(), 10)
+        await t.publish("q/after", b"x", qos=1)
+        assert proxy.packet_ids(connection=2) == [1]
+
+
+async def test_qos1_cancelled_publish_withdraws_a_held_message(
+    broker: Broker, eventually: Any
+) -> None:
+    async with (
+        proxied(broker) as proxy,
+        await connected(mqtt(proxy, max_inflight_messages=1)) as t,
+    ):
+        proxy.pubacks = Pubacks.HOLD
+        first = asyncio.create_task(t.publish("q/first", b"x", qos=1))
+        second = asyncio.create_task(t.publish("q/second", b"x", qos=1))
+        await eventually(lambda: t.unwritten == 1, what="the second held back")
+        second.cancel()
+        await cancel_and_wait([second])
+        assert t.unwritten == 0
+        proxy.pubacks = Pubacks.PASS
+        await proxy.release_pubacks()
+        await asyncio.wait_for(first, 5)
+        await t.publish("q/third", b"x", qos=1)
+        assert [p.topic for p in proxy.published] == ["q/first", "q/third"]

@@ -23,6 +23,25 @@ class TransportError(Exception):
     """A publish or subscribe that could not be done (not connected, timed out, refused)."""
 
 
+class PublishUnconfirmed(TransportError):
+    """A QoS 1 message the broker did not acknowledge, given up for good: the transport
+    never sends it again (docs/decisions/0001-mqtt-qos1-timeouts.md).
+
+    `sent` says what may still happen to it. False: it never left this process (the window
+    held it back) and now never will, so nobody receives it. True: it was written to the
+    connection before the PUBACK failed to come, so the broker may have it and may deliver
+    it, even after this error is raised; only a reply from its receiver can tell.
+    """
+
+    def __init__(self, message: str, *, sent: bool) -> None:
+        super().__init__(message)
+        self.sent = sent
+
+
+class PublishTimeout(PublishUnconfirmed):
+    """No PUBACK within the transport's timeout (the connection itself may still be up)."""
+
+
 class ConnectionState(StrEnum):
     CONNECTING = "connecting"
     CONNECTED = "connected"

@@ -1,10 +1,15 @@
 """MQTT transport: powerd speaks MQTT 3.1.1 itself (codec.py) over an asyncio connection.
 
 One connection kept up with capped, jittered backoff; a clean session each time, so the
-broker keeps nothing for us across a drop: QoS 1 messages in flight or held back by the
-window when a connection drops are not sent again (the controller sends every command again
-each tick, an agent its telemetry each period). Subscriptions are made again on every
-connection.
+broker keeps nothing for us across a drop. Subscriptions are made again on every connection.
+
+A QoS 1 message whose PUBACK does not come (within `timeout_s`, or before its connection
+drops) is given up, never sent again: `publish` raises `PublishUnconfirmed` (a
+`PublishTimeout` on time), whose `sent` says whether it had left and so may still be
+delivered. Giving it up frees its place in the window at once, but its packet id only when
+its PUBACK comes or the connection ends, so a late PUBACK never confirms another message
+(docs/decisions/0001-mqtt-qos1-timeouts.md). powerd sends state, not events: the controller
+sends every command again each tick, an agent its status on every connection.
 
 Why our own client and not a library: powerd needs its socket options set before the
 handshake (TCP_MAXSEG, see MAX_SEGMENT_BYTES), QoS 1 batches written without waiting for
@@ -34,6 +39,8 @@ from powerd.transport.base import (
     LastWill,
     Message,
     OnConnect,
+    PublishTimeout,
+    PublishUnconfirmed,
     Transport,
     TransportError,
     cancel_and_wait,
@@ -75,6 +82,12 @@ DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
 # docs/performance.md, "Steering loop", earlier rounds).
 # Real networks' MSS (1,448 bytes; 8,948 with jumbo frames) is about this or below.
 MAX_SEGMENT_BYTES = 8192
+
+# Packet ids of messages given up without a PUBACK stay taken until it comes (MQTT 3.1.1,
+# 2.3.1). A broker that has left this many unanswered on one live connection has stopped
+# acknowledging; only a new (clean) session frees them, so the connection is dropped
+# before the ids run out and every QoS 1 publish is refused.
+MAX_ABANDONED_IDS = 0x8000
 
 
 @dataclass(frozen=True)
@@ -191,6 +204,7 @@ async def open_tcp(host: str, port: int, timeout_s: float) -> socket.socket:
 
 
 Deliver = Callable[[bytes, bytes, bool], None]  # (topic, payload, retain)
+Waiter = asyncio.Future[None] | None  # a publish() waiting for the PUBACK; None: publish_many
 
 
 class _Connection(asyncio.Protocol):
@@ -208,24 +222,30 @@ class _Connection(asyncio.Protocol):
         window: int,
         max_packet_bytes: int,
         on_written: list[Callable[[], None]],
+        *,
+        puback_timeout_s: float,
     ) -> None:
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._deliver = deliver
         self._decoder = Decoder(max_packet_bytes)
         self._window = window  # 0: no limit
+        self._puback_timeout_s = puback_timeout_s
         self._on_written = on_written
         self._transport: asyncio.Transport | None = None
         self.connack: asyncio.Future[Connack] = loop.create_future()
         self.closed: asyncio.Future[None] = loop.create_future()
         self.error = "connection closed"
         self.last_received = self.last_sent = self.last_ping = loop.time()
-        # Packet ids in use: QoS 1 messages sent and not yet acknowledged (with the future
-        # of a publish() that waits for it, or None), SUBSCRIBEs waiting for their SUBACK.
-        self.unacked: dict[int, asyncio.Future[None] | None] = {}
+        # Packet ids in use: QoS 1 messages sent and not yet acknowledged, oldest first (who
+        # waits, when written), SUBSCRIBEs waiting for their SUBACK, and messages given up
+        # whose PUBACK may still come (the module's docstring).
+        self.unacked: dict[int, tuple[Waiter, float]] = {}
         self.subscribing: dict[int, asyncio.Future[tuple[int, ...]]] = {}
+        self.abandoned: set[int] = set()
+        self._expiry: asyncio.TimerHandle | None = None  # for the oldest in `unacked`
         # QoS 1 messages held back by the window: (topic, payload, retain, waiter).
-        self.held: deque[tuple[bytes, bytes, bool, asyncio.Future[None] | None]] = deque()
+        self.held: deque[tuple[bytes, bytes, bool, Waiter]] = deque()
         self.qos2_in: set[int] = set()  # incoming QoS 2 delivered, PUBREL not yet come
         self._last_id = 0
 
@@ -272,9 +292,14 @@ class _Connection(asyncio.Protocol):
 
     def _acknowledged(self, packet_id: int) -> None:
         if packet_id not in self.unacked:
-            log.debug("mqtt_unknown_puback", packet_id=packet_id)
+            if packet_id in self.abandoned:
+                # Too late for its sender, who was told; now its id may be used again.
+                self.abandoned.discard(packet_id)
+                log.info("mqtt_late_puback", packet_id=packet_id)
+            else:
+                log.debug("mqtt_unknown_puback", packet_id=packet_id)
             return
-        waiter = self.unacked.pop(packet_id)
+        waiter, _ = self.unacked.pop(packet_id)
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
@@ -305,18 +330,30 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if exc is not None and self.error == "connection closed":
             self.error = str(exc) or type(exc).__name__
-        lost = TransportError(self.error)
-        for waiter in [*self.unacked.values(), *(h[3] for h in self.held)]:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        # Given up, not sent again on the next connection: see the module's docstring.
+        if self.unacked or self.held:
+            log.info("mqtt_qos1_given_up", sent=len(self.unacked), unsent=len(self.held))
+        for waiter, _ in self.unacked.values():
             if waiter is not None and not waiter.done():
-                waiter.set_exception(lost)
+                waiter.set_exception(
+                    PublishUnconfirmed(f"{self.error} before its PUBACK", sent=True)
+                )
+        for *_, waiter in self.held:
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(PublishUnconfirmed(f"{self.error}; never sent", sent=False))
+        lost = TransportError(self.error)
         for sub in self.subscribing.values():
             if not sub.done():
                 sub.set_exception(lost)
         if not self.connack.done():
             self.connack.set_exception(lost)
         self.unacked.clear()
-        self.held.clear()  # not sent again: see the module's docstring
+        self.held.clear()
         self.subscribing.clear()
+        self.abandoned.clear()
         if not self.closed.done():
             self.closed.set_result(None)
 
@@ -359,35 +396,37 @@ class _Connection(asyncio.Protocol):
     def next_id(self) -> int:
         """The next free packet id: 1..65535, wrapping, skipping those still in use."""
         for _ in range(0xFFFF):
-            self._last_id = self._last_id % 0xFFFF + 1
-            if self._last_id not in self.unacked and self._last_id not in self.subscribing:
-                return self._last_id
+            self._last_id = last = self._last_id % 0xFFFF + 1
+            if not (last in self.unacked or last in self.subscribing or last in self.abandoned):
+                return last
         raise TransportError("all 65,535 packet ids are in use")
 
-    def send_qos1(
-        self, messages: list[tuple[bytes, bytes]], retain: bool, waiter: asyncio.Future[None] | None
-    ) -> int:
+    def send_qos1(self, messages: list[tuple[bytes, bytes]], retain: bool, waiter: Waiter) -> int:
         """Send QoS 1 messages as far as the window lets, in one write, and hold back the rest;
         returns how many could not be taken (every packet id in use: the broker stopped
         acknowledging)."""
         out: list[bytes] = []
         refused = 0
+        now = self._loop.time()
         for i, (topic, payload) in enumerate(messages):
             if self.held or self._window_full():
                 self.held.append((topic, payload, retain, waiter))
                 continue
             try:
-                self._publish_one(topic, payload, retain, waiter, out)
+                self._publish_one(topic, payload, retain, waiter, out, now=now)
             except TransportError:
                 refused = len(messages) - i
                 break
         if out:
             self.write(b"".join(out))
+            self._arm_expiry()
         return refused
 
     def _release(self, out: list[bytes]) -> None:
+        now = self._loop.time()
         while self.held and not self._window_full():
-            self._publish_one(*self.held.popleft(), out)
+            self._publish_one(*self.held.popleft(), out, now=now)
+        self._arm_expiry()
 
     def _window_full(self) -> bool:
         return bool(self._window) and len(self.unacked) >= self._window
@@ -397,13 +436,74 @@ class _Connection(asyncio.Protocol):
         topic: bytes,
         payload: bytes,
         retain: bool,
-        waiter: asyncio.Future[None] | None,
+        waiter: Waiter,
         out: list[bytes],
+        *,
+        now: float,
     ) -> None:
         """One QoS 1 PUBLISH under a fresh packet id, appended to `out`."""
         packet_id = self.next_id()
-        self.unacked[packet_id] = waiter
+        self.unacked[packet_id] = (waiter, now)
         out.append(encode_publish(topic, payload, 1, retain, packet_id))
+
+    # -- PUBACKs that do not come --------------------------------------------------------
+
+    def _arm_expiry(self) -> None:
+        if self._expiry is None and self.unacked:
+            _, sent_at = next(iter(self.unacked.values()))
+            self._expiry = self._loop.call_at(sent_at + self._puback_timeout_s, self._expire)
+
+    def _expire(self) -> None:
+        """Give up every message whose PUBACK is overdue: publish_many's too, which nobody
+        waits for, or a lost PUBACK would hold its place in the window for good."""
+        self._expiry = None
+        cutoff = self._loop.time() - self._puback_timeout_s
+        overdue: list[int] = []
+        for packet_id, (_, sent_at) in self.unacked.items():
+            if sent_at > cutoff:
+                break  # oldest first: the rest are younger still
+            overdue.append(packet_id)
+        if overdue:
+            log.warning(
+                "mqtt_puback_timeout",
+                messages=len(overdue),
+                packet_ids=overdue[:10],
+                timeout_s=self._puback_timeout_s,
+            )
+            self._give_up(overdue)
+        self._arm_expiry()
+
+    def _give_up(self, packet_ids: list[int]) -> None:
+        """Give up sent messages: their places in the window go to held ones now, their ids
+        stay taken until their PUBACKs come (a late one then confirms nothing else)."""
+        for packet_id in packet_ids:
+            waiter, _ = self.unacked.pop(packet_id)
+            self.abandoned.add(packet_id)
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(
+                    PublishTimeout(f"no PUBACK within {self._puback_timeout_s} s", sent=True)
+                )
+        if len(self.abandoned) >= MAX_ABANDONED_IDS:
+            self.fail(f"{len(self.abandoned)} PUBACKs never came")
+            return
+        out: list[bytes] = []
+        self._release(out)
+        if out:
+            self.write(b"".join(out))
+
+    def withdraw(self, waiter: asyncio.Future[None], *, sent_too: bool) -> bool:
+        """Give up the message of one publish(): taken from the window's queue if it is still
+        there (False: it never leaves), else given up in flight if `sent_too` (True: it
+        left, and the broker may have it). Nobody reads `waiter` after this."""
+        waiter.cancel()
+        for i, (*_, w) in enumerate(self.held):
+            if w is waiter:
+                del self.held[i]
+                return False
+        if sent_too:
+            found = [pid for pid, (w, _) in self.unacked.items() if w is waiter]
+            self._give_up(found)
+        return True
 
 
 class MqttTransport(Transport):
@@ -437,6 +537,11 @@ class MqttTransport(Transport):
     def unwritten(self) -> int:
         """QoS 1 messages held back by the window plus bytes not yet given to the socket."""
         return self._conn.unwritten if self._conn is not None else 0
+
+    @property
+    def in_flight(self) -> int:
+        """QoS 1 messages sent and waiting for their PUBACK: the places taken in the window."""
+        return len(self._conn.unacked) if self._conn is not None else 0
 
     def _set_state(self, state: ConnectionState) -> None:
         self._state = state
@@ -519,7 +624,11 @@ class MqttTransport(Transport):
         try:
             _, conn = await loop.create_connection(
                 lambda: _Connection(
-                    self._deliver, c.max_inflight_messages, c.max_packet_bytes, self.on_written
+                    self._deliver,
+                    c.max_inflight_messages,
+                    c.max_packet_bytes,
+                    self.on_written,
+                    puback_timeout_s=c.timeout_s,
                 ),
                 sock=sock,
                 ssl=self._ssl,
@@ -616,8 +725,11 @@ class MqttTransport(Transport):
         self._queue.put_nowait(message)
 
     async def publish(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False) -> None:
-        """QoS 0: written at once. QoS 1: returns once the broker's PUBACK is in (TransportError
-        after `timeout_s`). QoS 2 is not offered (nothing in powerd needs it)."""
+        """QoS 0: written at once. QoS 1: returns once the broker's PUBACK is in; if it is not in
+        within `timeout_s`, or the connection drops first, the message is given up and
+        `PublishUnconfirmed` says whether it had left (see its `sent`); any other
+        TransportError means it was not taken at all. A cancelled call withdraws its message
+        if it has not left yet. QoS 2 is not offered (nothing in powerd needs it)."""
         check_topic(topic)
         if qos not in (0, 1):
             raise ValueError(f"QoS {qos}: this transport publishes at QoS 0 or 1")
@@ -631,13 +743,23 @@ class MqttTransport(Transport):
         if conn.send_qos1([(topic.encode(), payload)], retain, acked):
             raise TransportError(f"publish to {topic}: all 65,535 packet ids are in use")
         try:
-            await asyncio.wait_for(acked, self.config.timeout_s)
-        except TimeoutError:
-            raise TransportError(
+            # asyncio.wait, not wait_for: on time it leaves `acked` alone, so what happened
+            # to the message is still ours to settle.
+            await asyncio.wait([acked], timeout=self.config.timeout_s)
+        except asyncio.CancelledError:
+            conn.withdraw(acked, sent_too=False)
+            raise
+        if not acked.done():
+            sent = conn.withdraw(acked, sent_too=True)
+            raise PublishTimeout(
                 f"publish to {topic}: no PUBACK within {self.config.timeout_s} s"
-            ) from None
-        except TransportError as exc:
-            raise TransportError(f"publish to {topic} failed: {exc}") from exc
+                + ("" if sent else "; never sent"),
+                sent=sent,
+            )
+        try:
+            acked.result()
+        except PublishUnconfirmed as exc:
+            raise type(exc)(f"publish to {topic}: {exc}", sent=exc.sent) from None
 
     async def publish_many(
         self, messages: Sequence[tuple[str, bytes]], qos: int = 1, retain: bool = False
