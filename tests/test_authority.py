@@ -340,6 +340,10 @@ def test_a_controller_names_a_rival_that_leads_an_overlapping_domain() -> None:
         controller_id="twin", state=ControllerState.ACTIVE, authority=engine.authority
     )
     engine.on_controller_status("twin", same_pair)  # our own pair: no rival
+    assert engine.superseded_by == 0  # it says no epoch
+    newer = same_pair.model_copy(update={"epoch": 5})
+    engine.on_controller_status("twin", newer)
+    assert engine.superseded_by == 5  # a leader through an outage stops on this
     rack = Authority(site="dc", store="store-c", domain="r1")
     engine.on_controller_status(
         "leftover",

@@ -130,3 +130,44 @@ async def _until_lapsed(leases: Leases) -> None:
             return
         await asyncio.sleep(0.05)
     pytest.fail("the lease never lapsed")
+
+
+async def test_a_leader_steers_through_a_database_outage_until_a_newer_one_is_heard(
+    db: str, tmp_path: Path
+) -> None:
+    """docs/safety.md, "Steering through a database outage": past its deadline a leader
+    whose database does not answer keeps commanding; a newer leader of its authority ends
+    that at once; a leader whose renewals merely stopped (paused) still stops."""
+    clock = Hand()
+    a = leadership(db, "ctl-a", clock)
+    a.through_outage = True
+    await a.attempt()
+    assert a.may_command() and a.epoch == 1
+    lock = sqlite3.connect(tmp_path / "powerd.db", isolation_level=None)
+    lock.execute("BEGIN EXCLUSIVE")
+    clock.t += LEASE_S * 3  # far past its deadline, the database still locked
+    await a.attempt()
+    a.check_deadline()
+    assert a.may_command() and a.outage_since is not None and a.leading
+    # The database is back: the same holder renews its own lease, the outage is over.
+    lock.execute("ROLLBACK")
+    await a.attempt()
+    assert a.may_command() and a.outage_since is None and a.epoch == 1
+    # Another controller of the authority leads at a higher epoch: stop at once.
+    lock.execute("BEGIN EXCLUSIVE")
+    clock.t += LEASE_S * 3
+    await a.attempt()
+    assert a.may_command()
+    a.supersede(2)
+    assert not a.may_command() and not a.leading and a.stepped_down == 1
+    lock.execute("ROLLBACK")
+    lock.close()
+    # Renewals that stop without a failure (a paused host): the deadline holds.
+    b = leadership(db, "ctl-b", clock)
+    b.through_outage = True
+    await _until_lapsed(b.leases)
+    await b.attempt()
+    assert b.may_command()
+    clock.t += LEASE_S
+    b.check_deadline()
+    assert not b.may_command()
