@@ -152,6 +152,22 @@ def cmd_solve(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_db_id(args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from powerd.store import Store
+
+    try:
+        print(Store(args.db).store_id())
+    except (SQLAlchemyError, LookupError) as exc:
+        print(
+            f"powerd db id: {args.db}: {exc.__class__.__name__}: {str(exc).splitlines()[0]}",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    return EXIT_OK
+
+
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
@@ -441,6 +457,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: $POWERD_DB or %(default)s)",
     )
     up.set_defaults(handler=cmd_db_upgrade)
+    ident = db_sub.add_parser(
+        "id", help="print the store's id (an authority's `store`, for `powerd handover`)"
+    )
+    ident.add_argument("--db", default=os.environ.get("POWERD_DB", DEFAULT_DB_URL))
+    ident.set_defaults(handler=cmd_db_id)
     return parser
 
 

@@ -111,12 +111,14 @@ class NodeCommand(NamedTuple):
         controller_id: str = "",
         epoch: int = 0,
         authority: Authority | None = None,
+        handover: Sequence[Authority] = (),
     ) -> CapCommand:
         return CapCommand(
             node_id=self.node,
             tick=self.tick,
             epoch=epoch,
             authority=authority or Authority(),
+            handover=list(handover),
             lease_s=self.lease_s,
             caps=self.caps_w,
             failsafe_w=self.failsafe_w,
@@ -414,6 +416,19 @@ class SafetyPlanner:
         self._hi[idx] = layout.max_cap_w[idx]
         self._lo[idx] = layout.min_cap_w[idx]
         self._events.append(SafetyEvent("node_offline", node=node))
+
+    def count_at_max(self, node: str) -> None:
+        """Count the node's GPUs at their maximum from now until a command of ours sent
+        after this call is acknowledged (a handover in progress: the successor may raise
+        them any time). What is known of the caps in force stays: commands hold or cut."""
+        layout = self._require_layout()
+        k = self._node_index.get(node)
+        if k is None:
+            return
+        self._absorb()
+        idx = self._node_gpus[k]
+        self._prior_hi[idx] = layout.max_cap_w[idx]
+        self._prior_tick[idx] = _UNSENT
 
     def node_foreign(self, node: str) -> None:
         """The node obeys another authority (docs/safety.md, "Authority"): whatever is in

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import yaml
 from honest import NODES, HonestNode, policy_dict
 from hypothesis import HealthCheck, given, settings
@@ -37,6 +38,7 @@ from powerd.controller.opstate import (
     StateFile,
     restore,
 )
+from powerd.controller.overrides import NotFound, OverrideError
 from powerd.policy import load_policy, parse_policy
 from powerd.store import Store, upgrade
 from powerd.store.db import make_engine
@@ -505,3 +507,61 @@ def test_a_standby_never_drops_a_window_by_its_own_clock() -> None:
     true_clock = restore(state, policy, now, 50.0)
     assert set(true_clock.schedules) == {"grid"}
     assert true_clock.active_budgets(policy, now, 50.0)["r1"] == 3000.0
+
+
+# -- a deliberate handover: no failsafe gap, nothing raised on a guess -------------------------
+
+
+async def test_a_handover_moves_nodes_without_a_failsafe_gap() -> None:
+    """A row re-scoped into a rack (or a move to a new database): the leader names the
+    successor in every command; each agent obeys the successor's first command at once
+    (no lease of silence at failsafe), and the old leader counts every GPU at its maximum
+    meanwhile, so it only holds or cuts."""
+    policy = parse_policy(policy_dict())
+    broker = MemoryBroker()
+    old = Controller(policy, broker.client("old"), ManualClock(), controller_id="old")
+    old.authority = Authority(site="dc", store="store-a", domain="dc")
+    successor = Authority(site="dc", store="store-a", domain="r1")
+    heard: list[CapCommand] = []
+    tap = broker.client("tap")
+    await tap.connect()
+    await tap.subscribe(TOPICS.all_nodes("caps"))
+    await old.transport.connect()
+    nodes = {n: HonestNode(n) for n in NODES}
+    wall = 1_700_000_000.0
+    for t in range(4):
+        for node in nodes.values():
+            old.engine.on_telemetry(node.sample(wall + t), float(t))
+        _, plan = old.engine.step(float(t), wall + t)
+        for cmd in plan.commands:
+            ack = nodes[cmd.node].apply_caps(cmd.tick, cmd.caps_w)
+            if ack is not None:
+                old.engine.on_ack(cmd.node, ack.model_copy(update={"authority": old.authority}))
+    with pytest.raises(OverrideError, match="site"):
+        old.hand_over([Authority(site="far", store="s", domain="dc")], actor="a", reason="r")
+    with pytest.raises(OverrideError, match="another authority"):
+        old.hand_over([Authority(domain="dc")], actor="a", reason="r")  # ourselves
+    old.hand_over([Authority(domain="r1")], actor="admin", reason="re-scope")  # our site, store
+    assert old.overrides.handover == (successor,)
+    before = {u: w for n in nodes.values() for u, w in n.caps.items()}
+    _, plan = old.engine.step(4.0, wall + 4)
+    assert (plan.committed_w == 700.0).all()  # every GPU at its maximum meanwhile
+    for cmd in plan.commands:
+        for u, w in cmd.caps_w.items():
+            assert w <= before[u] + 1e-6  # holds or cuts, never a raise
+    await old.publish_plan(plan)
+    await asyncio.sleep(0)
+    async for message in tap.messages():
+        heard.append(CapCommand.model_validate_json(message.payload))
+        if len(heard) == len(plan.commands):
+            break
+    assert all(c.handover == [successor] and c.authority == old.authority for c in heard)
+    # A real agent that obeys the old leader takes the successor's first command at once.
+    n = make_node()
+    assert await n.command(old.authority, 1, 500.0, handover=(successor,))
+    assert await n.command(successor, 1, 450.0)
+    assert n.agent.authority == successor and n.agent.previous_authority == old.authority
+    # Cancelled, the handover is gone from the commands and the counting.
+    old.cancel_handover(actor="admin", reason="done")
+    with pytest.raises(NotFound):
+        old.cancel_handover(actor="admin", reason="again")

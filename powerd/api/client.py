@@ -13,7 +13,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
@@ -107,6 +107,12 @@ class Client:
 
     def undrain(self, node: str, reason: str) -> dict[str, Any]:
         return dict(self.call("DELETE", f"{V1}/nodes/{node}/drain", params={"reason": reason}))
+
+    def hand_over(self, to: Sequence[Mapping[str, str]], reason: str) -> dict[str, Any]:
+        return dict(self.call("PUT", f"{V1}/handover", json={"to": list(to), "reason": reason}))
+
+    def cancel_handover(self, reason: str) -> dict[str, Any]:
+        return dict(self.call("DELETE", f"{V1}/handover", params={"reason": reason}))
 
     def assign_class(
         self, cls: str, reason: str, *, uuids: Sequence[str] = (), nodes: Sequence[str] = ()
@@ -477,6 +483,16 @@ def cmd_unpin(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     return _run(args, lambda c: c.unpin(args.uuid, args.reason), out)
 
 
+def cmd_handover(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    if args.cancel:
+        return _run(args, lambda c: c.cancel_handover(args.reason), out)
+    if not args.domain:
+        print("powerd handover: name --domain (repeatable), or --cancel", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    to = [{"site": args.site, "store": args.store, "domain": d} for d in args.domain]
+    return _run(args, lambda c: c.hand_over(to, args.reason), out)
+
+
 def cmd_drain(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     return _run(args, lambda c: c.drain(args.node, args.reason), out)
 
@@ -641,6 +657,20 @@ def add_commands(sub: Any) -> None:
     unpin = sub.add_parser("unpin", parents=[common, why], help="release a pinned GPU")
     unpin.add_argument("uuid")
     unpin.set_defaults(handler=cmd_unpin)
+
+    handover = sub.add_parser(
+        "handover",
+        parents=[common, why],
+        help="hand this controller's nodes to other authorities, without a failsafe gap",
+        description="Name successors in every command (docs/operations.md, 'Handing nodes "
+        "over'): --site and --store default to this site and store ids; --domain is the "
+        "successor's lease domain (the policy's root, or its --scope), repeatable.",
+    )
+    handover.add_argument("--site", required=False, default="", help="the site (policy `site`)")
+    handover.add_argument("--store", default="", help="the successor's store (`powerd db id`)")
+    handover.add_argument("--domain", action="append", default=[], help="a successor's domain")
+    handover.add_argument("--cancel", action="store_true", help="stop naming successors")
+    handover.set_defaults(handler=cmd_handover)
 
     drain = sub.add_parser("drain", parents=[common, why], help="hold a node at its minimum")
     drain.add_argument("node")

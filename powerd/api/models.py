@@ -15,7 +15,7 @@ from powerd.controller.overrides import (
     MAX_JOB_NODES,
     MAX_PROFILE_POINTS,
 )
-from powerd.wire import MAX_SANE_WATTS, NODE_ID_PATTERN, UUID_PATTERN
+from powerd.wire import MAX_SANE_WATTS, NODE_ID_PATTERN, UUID_PATTERN, Authority
 
 T = TypeVar("T")
 
@@ -350,6 +350,7 @@ class OverridesOut(_Out):
     drained: list[str]
     gpu_classes: dict[str, str]
     node_classes: dict[str, str]
+    handover: list[Authority] = Field(default_factory=list)
 
 
 # ---- writes ----
@@ -472,6 +473,17 @@ class PinIn(BaseModel):
 class ReasonIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    reason: Reason
+
+
+class HandoverIn(BaseModel):
+    """The authorities to hand this controller's nodes to (docs/operations.md, "Handing
+    nodes over"): in the same site; `store` from `powerd db id`, `domain` the successor's
+    lease domain (the policy's root, or its --scope)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    to: list[Authority] = Field(min_length=1, max_length=4)
     reason: Reason
 
 

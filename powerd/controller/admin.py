@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import random
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +42,7 @@ from powerd.controller.opstate import (
     sha256_text,
 )
 from powerd.controller.overrides import (
+    MAX_HANDOVER,
     BudgetOverride,
     Job,
     NotFound,
@@ -51,6 +52,7 @@ from powerd.controller.overrides import (
 )
 from powerd.policy import Policy, PolicyError, load_policy_text
 from powerd.store import Store, upgrade
+from powerd.wire import Authority
 
 if TYPE_CHECKING:
     from powerd.controller.engine import TickEngine
@@ -317,6 +319,51 @@ class AdminWrites:
             raise NotFound(f"node '{node}' is not drained")
         self.engine.overrides.drained.discard(node)
         self.ledger.journal("node.undrain", node, {}, actor=actor, role=role, reason=reason)
+
+    def hand_over(
+        self,
+        to: Sequence[Authority],
+        *,
+        actor: str,
+        reason: str,
+        role: str = "admin",
+    ) -> None:
+        """Name the authorities this controller hands its nodes to: every command names
+        them, so an agent obeys their first command at once (no failsafe gap), and every
+        GPU counts at its maximum here meanwhile. An empty site or store is ours.
+        OverrideError for a handover that leaves the site, names this authority, names no
+        domain, or names more than MAX_HANDOVER."""
+        ours = self.engine.authority
+        if ours is None:
+            raise OverrideError("this controller commands for no authority (a shadow)")
+        if not 0 < len(to) <= MAX_HANDOVER:
+            raise OverrideError(f"name 1 to {MAX_HANDOVER} authorities")
+        named = [
+            Authority(site=a.site or ours.site, store=a.store or ours.store, domain=a.domain)
+            for a in to
+        ]
+        for a in named:
+            if a.site != ours.site:
+                raise OverrideError(f"a handover stays in site {ours.site!r}, not {a.site!r}")
+            if not a.domain:
+                raise OverrideError("name the domain of each authority")
+            if a == ours:
+                raise OverrideError("a handover names another authority than this one")
+        to = named
+        self.engine.overrides.handover = tuple(named)
+        payload = {"to": [a.model_dump() for a in to]}
+        self.ledger.journal(
+            "authority.handover", ours.domain, payload, actor=actor, role=role, reason=reason
+        )
+
+    def cancel_handover(self, *, actor: str, reason: str, role: str = "admin") -> None:
+        if not self.engine.overrides.handover:
+            raise NotFound("no handover in progress")
+        self.engine.overrides.handover = ()
+        domain = "" if self.engine.authority is None else self.engine.authority.domain
+        self.ledger.journal(
+            "authority.handover_cancel", domain, {}, actor=actor, role=role, reason=reason
+        )
 
 
 class Ledger:

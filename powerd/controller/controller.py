@@ -389,10 +389,11 @@ class Controller(AdminWrites):
             log.warning("commands_withheld", tick=plan.tick, commands=len(plan.commands))
             return
         ts = self.clock.wall()
+        handover = self.overrides.handover
         batch = [
             (
                 self.topics.caps(cmd.node),
-                encode(cmd.to_wire(ts, self.controller_id, self.epoch, self.authority)),
+                encode(cmd.to_wire(ts, self.controller_id, self.epoch, self.authority, handover)),
             )
             for cmd in plan.commands
         ]

@@ -447,6 +447,10 @@ class TickEngine:
                 del self._ahead[node]
         for node in (*self._foreign, *self._ahead):
             self.planner.node_foreign(node)
+        if self.overrides.handover:
+            # Handing over: the successor may command any node from its first command on.
+            for node in self.fleet.node_order:
+                self.planner.count_at_max(node)
 
     def message_failed(self, error: str) -> None:
         """A message hit a fault of ours: the next tick raises an event with the last such."""

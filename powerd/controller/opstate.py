@@ -21,6 +21,7 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from powerd.controller.overrides import (
+    MAX_HANDOVER,
     MAX_SCHEDULES,
     BudgetOverride,
     Job,
@@ -29,6 +30,7 @@ from powerd.controller.overrides import (
     ScheduledBudget,
 )
 from powerd.policy import Policy
+from powerd.wire import Authority
 
 log = structlog.get_logger(__name__)
 
@@ -152,6 +154,7 @@ class OperatorState(_Model):
     gpu_classes: dict[str, str] = Field(default_factory=dict)
     node_classes: dict[str, str] = Field(default_factory=dict)
     jobs: list[JobState] = Field(default_factory=list)
+    handover: list[Authority] = Field(default_factory=list, max_length=MAX_HANDOVER)
     api_policy: ApiPolicy | None = None
     # Only in the file: what the database has not acknowledged yet.
     pending_audit: list[AuditRow] = Field(default_factory=list)
@@ -202,6 +205,7 @@ def capture(overrides: Overrides) -> dict[str, Any]:
         "gpu_classes": dict(overrides.gpu_classes),
         "node_classes": dict(overrides.node_classes),
         "jobs": _job_states(overrides.jobs),
+        "handover": list(overrides.handover),
     }
 
 
@@ -220,6 +224,7 @@ def restore(
         gpu_classes=dict(state.gpu_classes),
         node_classes=dict(state.node_classes),
         jobs=restore_jobs(state.jobs),
+        handover=tuple(state.handover),
     )
     groups = {g.name for g in policy.groups}
     # Nothing is dropped here for having ended by this host's wall clock: a standby whose

@@ -26,10 +26,12 @@ import structlog
 from powerd.policy import Policy, RampRates
 from powerd.profile import Profile, ProfileError
 from powerd.ramp import window_ceiling_w, window_done
+from powerd.wire import Authority
 
 # Scheduled budgets: at most this many at once, starting at most this far back (a request's
 # own transit; a start further in the past is refused) or this far ahead, lasting at most this.
 MAX_SCHEDULES = 64
+MAX_HANDOVER = 4  # authorities a handover names (the wire's bound)
 START_GRACE_S = 60.0
 MAX_AHEAD_S = 366 * 86400.0
 MAX_WINDOW_S = 31 * 86400.0
@@ -288,6 +290,9 @@ class Overrides:
     pins: dict[str, float] = field(default_factory=dict)  # uuid → W
     drained: set[str] = field(default_factory=set)  # nodes held at their GPUs' minimum
     jobs: Jobs = field(default_factory=Jobs)  # replaced on change, never changed in place
+    # Authorities this controller hands its nodes over to (docs/operations.md, "Handing
+    # nodes over"): named in every command; meanwhile every GPU counts at its maximum.
+    handover: tuple[Authority, ...] = ()
 
     def put_job(
         self,

@@ -21,13 +21,14 @@ from typing import Any, Literal, TypedDict
 from fastapi import APIRouter
 from pydantic import BaseModel
 
-from powerd.api.deps import V1, ControllerDep, Operator, ReasonQuery, Viewer
+from powerd.api.deps import V1, Admin, ControllerDep, Operator, ReasonQuery, Viewer
 from powerd.api.errors import AUTH_ERRORS, WRITE_ERRORS
 from powerd.api.models import (
     BudgetIn,
     BudgetOut,
     ClassAssignIn,
     ClassClearIn,
+    HandoverIn,
     OverridesOut,
     PinIn,
     ReasonIn,
@@ -67,6 +68,7 @@ async def overrides(_: Viewer, controller: ControllerDep) -> OverridesOut:
         drained=sorted(o.drained),
         gpu_classes=dict(o.gpu_classes),
         node_classes=dict(o.node_classes),
+        handover=list(o.handover),
     )
 
 
@@ -165,6 +167,8 @@ class OverrideWrite:
     """The body field a refused value (422) is blamed on."""
     lowers_power: bool | Callable[[Controller, WriteRequest], bool] = False
     """Applied even when the state file cannot be written (safety wins the tie)."""
+    admin: bool = False
+    """Only an admin token may (an operator's otherwise)."""
 
 
 def _key(w: WriteRequest) -> str:
@@ -300,6 +304,33 @@ OVERRIDE_WRITES: tuple[OverrideWrite, ...] = (
         lowers_power=True,
     ),
     OverrideWrite(
+        "hand_over",
+        "PUT",
+        "/handover",
+        body=HandoverIn,
+        action="authority.handover",
+        target=lambda w: ",".join(f"{a.store}/{a.domain}" for a in w.body.to),
+        change=lambda c, w: partial(c.hand_over, w.body.to, **w.who),
+        doc="""Hand this controller's nodes to other authorities of the site (a row
+        re-scoped into racks, a move to a new database): every command names them, so each
+        agent obeys their first command at once, without a failsafe gap; meanwhile every
+        GPU counts at its maximum here (this controller only holds or cuts). Stop this
+        controller once the nodes obey the successors (`foreign_authority` lists them).""",
+        field="to",
+        admin=True,
+    ),
+    OverrideWrite(
+        "cancel_handover",
+        "DELETE",
+        "/handover",
+        body=None,
+        action="authority.handover_cancel",
+        target=lambda w: "",
+        change=lambda c, w: partial(c.cancel_handover, **w.who),
+        doc="Stop naming successors (nodes that already obey one stay with it).",
+        admin=True,
+    ),
+    OverrideWrite(
         "undrain",
         "DELETE",
         "/nodes/{node}/drain",
@@ -344,7 +375,11 @@ def _endpoint(row: OverrideWrite) -> Callable[..., Awaitable[WriteOut]]:
     )
     # FastAPI reads the inputs from the signature (inspect.signature honours __signature__).
     endpoint.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-        [*inputs, param("p", annotation=Operator), param("controller", annotation=ControllerDep)],
+        [
+            *inputs,
+            param("p", annotation=Admin if row.admin else Operator),
+            param("controller", annotation=ControllerDep),
+        ],
         return_annotation=WriteOut,
     )
     endpoint.__name__ = endpoint.__qualname__ = row.name
