@@ -266,7 +266,18 @@ def print_leadership(lead: dict[str, Any], out: TextIO) -> None:
         line += f" [answered by standby {lead['controller']}]"
     if lead["last_error"]:
         line += f"; lease store failing ({lead['db_failures']}x): {lead['last_error']}"
+    if lead.get("outage_s") is not None:
+        line += f"; steering through a database outage for {lead['outage_s']:.0f} s"
     print(line, file=out)
+    authority = lead.get("authority")
+    if authority:
+        print(
+            f"  authority: site {authority['site']}, store {authority['store']}, "
+            f"domain {authority['domain']}; policy version {lead.get('policy_version') or '-'}",
+            file=out,
+        )
+    if lead.get("policy_differs"):
+        print(f"  policy differs: {lead['policy_differs']}", file=out)
 
 
 def _w(x: float | None) -> str:

@@ -123,6 +123,22 @@ class LeadershipOut(_Out):
     withheld: int = Field(description="Commands not sent: the lease ran out first.")
     db_failures: int = Field(description="Lease attempts failed in a row.")
     last_error: str | None
+    authority: Authority | None = Field(
+        default=None, description="Whom it commands for: the site, the store's id, the domain."
+    )
+    policy_version: int | None = Field(
+        default=None, description="The stored policy version in force (the policy of record)."
+    )
+    policy_differs: str | None = Field(
+        default=None, description="Set when the policy file differs from the policy of record."
+    )
+    clock_skew_s: float | None = Field(
+        default=None, description="This host's wall clock minus its database's, as measured."
+    )
+    outage_s: float | None = Field(
+        default=None,
+        description="Leading through a database outage for this long (None: not in one).",
+    )
 
 
 class FleetSummary(_Out):

@@ -76,6 +76,11 @@ def leadership_out(controller: Controller) -> LeadershipOut | None:
         withheld=controller.counters.withheld,
         db_failures=v.db_failures,
         last_error=v.last_error,
+        authority=controller.authority,
+        policy_version=controller.policy_version,
+        policy_differs=controller.alarms.get("policy_differs"),
+        clock_skew_s=None if lead.skew_s is None else round(lead.skew_s, 3),
+        outage_s=None if lead.outage_since is None else round(lead.clock() - lead.outage_since, 3),
     )
 
 
