@@ -467,7 +467,7 @@ def test_state_file_round_trip_is_atomic_and_refuses_garbage(tmp_path: Path) -> 
         sf.load()
 
 
-def test_restore_drops_expired_budgets_and_groups_gone_and_keeps_redundant_cuts() -> None:
+def test_restore_keeps_expired_budgets_for_the_tick_drops_groups_gone_keeps_redundant() -> None:
     policy = load_policy_text(POLICY, "p.yaml")
     now = 1.7e9
     budget = {"reason": "DR", "actor": "grid", "created_at": now - 100}
@@ -483,7 +483,13 @@ def test_restore_drops_expired_budgets_and_groups_gone_and_keeps_redundant_cuts(
         node_classes={"rack-2-n1": "inference", "rack-2-n2": "no-such-class"},
     )
     o = restore(state, policy, now)
-    assert list(o.budgets) == ["site", "rack-2"] and o.budgets["site"].expires_at == now + 60
-    assert o.active_budgets(policy, now)["rack-2"] == 2000.0  # the lower of the two
+    # An expired cut is kept as stored: a host's wall clock decides nothing at a restore (a
+    # standby an hour ahead once dropped windows still in force); the tick ends it.
+    assert list(o.budgets) == ["site", "rack-1", "rack-2"]
+    assert o.budgets["site"].expires_at == now + 60
+    active = o.active_budgets(policy, now)
+    assert active["rack-2"] == 2000.0  # the lower of the two
+    assert "rack-1" not in active
+    assert list(o.budgets) == ["site", "rack-2"]  # ended by the tick's clock
     assert o.drained == {"rack-1-n1"}
     assert o.node_classes == {"rack-2-n1": "inference"}
