@@ -610,6 +610,29 @@ def scoped(policy: Policy, name: str) -> Policy:
     return sub
 
 
+def overlapping_domains(policy: Policy, name: str) -> tuple[str, ...]:
+    """The lease domains that overlap domain `name` (the policy's root, or a row or rack
+    scope): the groups above it and the rows and racks below it, which a controller could
+    steer too. The scope registry lets only one of them lead at a time."""
+    groups = policy.groups
+    k = next((i for i, g in enumerate(groups) if g.name == name), None)
+    if k is None:
+        return ()
+    above = []
+    parent = groups[k].parent
+    while parent >= 0:
+        above.append(groups[parent].name)
+        parent = groups[parent].parent
+    below: list[str] = []
+    inside = {k}
+    for i in range(k + 1, len(groups)):  # parents come before children
+        if groups[i].parent in inside:
+            inside.add(i)
+            if groups[i].level not in (0, len(LEVELS) - 1):
+                below.append(groups[i].name)
+    return (*above, *below)
+
+
 def failsafe_budget_w(policy: Policy, name: str) -> float:
     """What the failsafe caps of the scope's GPUs and its overhead take: its budget when
     the coordinator is silent (capped by the last budget it gave)."""

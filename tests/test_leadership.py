@@ -171,3 +171,76 @@ async def test_a_leader_steers_through_a_database_outage_until_a_newer_one_is_he
     clock.t += LEASE_S
     b.check_deadline()
     assert not b.may_command()
+
+
+async def test_overlapping_scopes_do_not_lead_together_unless_handed_over(db: str) -> None:
+    """The scope registry: a rack's controller does not lead while its row is led (and the
+    other way round) on one store, unless the row's leader hands the rack over to it."""
+    clock = Hand()
+
+    def member(holder: str, scope: str, overlaps: tuple[str, ...]) -> Leadership:
+        lead = Leadership(
+            Leases(make_engine(db, timeout_s=0.2)),
+            scope=scope,
+            holder=holder,
+            lease_s=LEASE_S,
+            renew_s=RENEW_S,
+            clock=clock,
+            margin_s=MARGIN_S,
+        )
+        lead.overlaps = overlaps
+        return lead
+
+    row = member("ctl-row", "r1", ("dc", "k1", "k2"))
+    rack = member("ctl-rack", "k1", ("dc", "r1"))
+    await row.attempt()
+    assert row.may_command()
+    await rack.attempt()
+    assert not rack.may_command() and rack.leases.current("k1") is None
+    assert rack.overlap_error is not None and "r1 (led by ctl-row)" in rack.overlap_error
+    # The row's leader hands k1 over: the rack's controller may lead beside it.
+    row.handing_to = lambda: ("k1",)
+    await row.attempt()
+    await rack.attempt()
+    assert rack.may_command() and rack.overlap_error is None
+    # The row, which led first, is not refused by a scope that came after it.
+    await row.attempt()
+    assert row.may_command() and row.overlap_error is None
+    # Without a handover, a second row controller would not take the lease either way.
+    whole = member("ctl-all", "dc", ("r1", "k1", "k2"))
+    await whole.attempt()
+    assert not whole.may_command() and "r1" in (whole.overlap_error or "")
+
+
+def test_the_domains_that_overlap_a_scope_are_above_and_below_it() -> None:
+    from powerd.policy import overlapping_domains, parse_policy
+
+    policy = parse_policy(
+        {
+            "facility": {
+                "name": "dc",
+                "budget_w": 7000,
+                "rows": [
+                    {
+                        "name": "r{1..2}",
+                        "racks": [
+                            {"name": "{row}-k{1..2}", "nodes": [{"name": "{rack}-n1", "gpus": 2}]}
+                        ],
+                    }
+                ],
+            },
+            "profiles": {"p": {"points": [[200, 0.4], [700, 1.0]]}},
+            "classes": {"c": {"weight": 1, "profile": "p"}},
+            "defaults": {"class": "c", "failsafe_w": 200},
+        }
+    )
+    assert overlapping_domains(policy, "r1") == ("dc", "r1-k1", "r1-k2")
+    assert overlapping_domains(policy, "r2-k1") == ("r2", "dc")
+    assert set(overlapping_domains(policy, "dc")) == {
+        "r1",
+        "r2",
+        "r1-k1",
+        "r1-k2",
+        "r2-k1",
+        "r2-k2",
+    }

@@ -167,6 +167,7 @@ def leadership_hook(controller: Controller, metrics: ControllerMetrics) -> Round
             return
         v = lead.view()
         controller._alarm("clock_skew", lead.skew_error)
+        controller._alarm("scope_overlap", lead.overlap_error)
         metrics.update_leadership(
             Leadership(
                 scope=v.scope,

@@ -180,6 +180,13 @@ class Leadership:
         # (docs/safety.md, "Steering through a database outage"). Controllers do; the
         # coordinator keeps its deadline.
         self.through_outage = False
+        # The scope registry (docs/operations.md, "Scopes"): the lease domains that overlap
+        # ours (the groups above and below our scope). While one of them is led, and its
+        # leader does not hand its nodes to us, we do not take our lease (`overlap_error`).
+        self.overlaps: tuple[str, ...] = ()
+        self.handing_to: Callable[[], tuple[str, ...]] = tuple
+        self.overlap_error: str | None = None
+        self._acquired_at: float | None = None  # our lease's, on the database's clock
         self.outage_since: float | None = None  # on `clock`, while leading through one
         # Our wall clock minus the database's, as last measured (None: not yet), and why we
         # may not lead while it is too large (None: it agrees).
@@ -319,7 +326,7 @@ class Leadership:
     def _round(self, above: int) -> _Round:
         """(worker thread) Check our clock against the database's; take or renew (only while
         they agree), then note ourselves and read the members."""
-        agrees = self._check_clock()
+        agrees = self._check_clock() and self._check_overlap()
         lease = (
             self.leases.acquire(self.scope, self.holder, self.lease_s, above=above)
             if agrees
@@ -330,7 +337,8 @@ class Leadership:
         current = lease
         members: tuple[Member, ...] = self.members
         try:
-            self.leases.heartbeat(self.scope, self.holder, role, epoch)
+            handing = ",".join(self.handing_to()) if lease is not None else ""
+            self.leases.heartbeat(self.scope, self.holder, role, epoch, handing or None)
             members = tuple(self.leases.members(self.scope, within_s=3 * self.lease_s))
             if lease is None:
                 current = self.leases.current(self.scope)
@@ -357,6 +365,31 @@ class Leadership:
         self.skew_error = (
             f"this host's wall clock is {skew:+.1f} s from its database's (at most "
             f"{self.max_skew_s:g} s allowed): it does not lead until they agree (NTP)"
+        )
+        return False
+
+    def _check_overlap(self) -> bool:
+        """(worker thread) Whether no overlapping scope is led by another controller that
+        took its lease before ours (or while we hold none) and does not hand over to us."""
+        if not self.overlaps:
+            return True
+        mine = self._acquired_at if self.leading else None
+        blockers = [
+            o
+            for o in self.leases.overlapping(self.overlaps)
+            if self.scope not in o.handing_to and (mine is None or o.acquired_at <= mine)
+        ]
+        if not blockers:
+            if self.overlap_error is not None:
+                log.info("scope_overlap_cleared", scope=self.scope)
+            self.overlap_error = None
+            return True
+        named = ", ".join(f"{o.scope} (led by {process_name(o.holder)})" for o in blockers[:5])
+        if self.overlap_error is None:
+            log.error("scope_overlap", scope=self.scope, overlapping=named)
+        self.overlap_error = (
+            f"scope {self.scope!r} overlaps {named} on this store: it does not lead while "
+            "they do (re-scope with a handover: docs/operations.md)"
         )
         return False
 
@@ -392,6 +425,7 @@ class Leadership:
             )
         self.leading = True
         self.epoch = lease.epoch
+        self._acquired_at = lease.acquired_at
         self.leader, self.leader_epoch = self.holder, lease.epoch
 
     async def _follow_quietly(self) -> None:

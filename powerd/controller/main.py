@@ -47,6 +47,7 @@ from powerd.policy import (
     failsafe_budget_w,
     load_policy,
     load_policy_text,
+    overlapping_domains,
 )
 from powerd.sdnotify import Notifier
 from powerd.settings import SettingsError
@@ -116,7 +117,7 @@ async def run_controller(settings: ControllerSettings) -> None:
         _scope(controller, settings.scope)
     # A shadow commands nothing: it takes no lease (it must not keep a real controller
     # from leading) and steers under none.
-    leadership = None if shadow else _leadership(settings, policy, ledger)
+    leadership = None if shadow else _leadership(settings, policy, controller, ledger)
     controller.leadership = leadership
     ledger.start_from(
         state,
@@ -218,7 +219,9 @@ def _no_tokens(dev: bool) -> TokenStore:
     return TokenStore([])
 
 
-def _leadership(settings: ControllerSettings, policy: Policy, ledger: Ledger) -> Leadership:
+def _leadership(
+    settings: ControllerSettings, policy: Policy, controller: Controller, ledger: Ledger
+) -> Leadership:
     """The lease this controller leads under: its scope's, or the policy root's."""
     leadership = for_daemon(
         settings.db,
@@ -231,6 +234,12 @@ def _leadership(settings: ControllerSettings, policy: Policy, ledger: Ledger) ->
     leadership.follow = ledger.follow
     leadership.each_round = ledger.follow_policy
     leadership.through_outage = settings.through_outage
+    leadership.overlaps = overlapping_domains(policy, leadership.scope)
+    leadership.handing_to = lambda: tuple(
+        a.domain
+        for a in controller.overrides.handover
+        if controller.authority is not None and a.store == controller.authority.store
+    )
     return leadership
 
 

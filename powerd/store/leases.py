@@ -153,24 +153,45 @@ class Leases:
 
     # -- who is there: every controller of a scope says so at each attempt ----------------
 
-    def heartbeat(self, scope: str, holder: str, role: str, epoch: int) -> None:
-        """Note that `holder` runs for `scope` now, as `role` ("leader" or "standby")."""
+    def heartbeat(
+        self, scope: str, holder: str, role: str, epoch: int, handing_to: str | None = None
+    ) -> None:
+        """Note that `holder` runs for `scope` now, as `role` ("leader" or "standby"), and
+        the domains it hands its nodes to (comma-separated; None: none)."""
         values = {
             "scope": scope,
             "holder": holder,
             "role": role,
             "epoch": epoch,
             "seen_at": self._now,
+            "handing_to": handing_to,
         }
         insert = (
             sqlite_insert(_M) if self.engine.dialect.name == "sqlite" else pg_insert(_M)
         ).values(**values)
         upsert = insert.on_conflict_do_update(
             index_elements=[_M.c.scope, _M.c.holder],
-            set_={"role": role, "epoch": epoch, "seen_at": self._now},
+            set_={"role": role, "epoch": epoch, "seen_at": self._now, "handing_to": handing_to},
         )
         with self.engine.begin() as conn:
             conn.execute(upsert)
+
+    def overlapping(self, scopes: Sequence[str]) -> list[Overlap]:
+        """The running leases of `scopes` (not lapsed by the database's clock), with the
+        domains their holders say they hand over to: the scope registry's question."""
+        if not scopes:
+            return []
+        member = sa.and_(_M.c.scope == _T.c.scope, _M.c.holder == _T.c.holder)
+        with self.engine.begin() as conn:
+            rows = conn.execute(
+                sa.select(_T.c.scope, _T.c.holder, _T.c.acquired_at, _M.c.handing_to)
+                .select_from(_T.outerjoin(_M, member))
+                .where(_T.c.scope.in_(list(scopes)), _T.c.expires_at > self._now)
+            ).all()
+        return [
+            Overlap(str(s), str(h), float(a), tuple(filter(None, (t or "").split(","))))
+            for s, h, a, t in rows
+        ]
 
     def members(self, scope: str, within_s: float) -> list[Member]:
         """The controllers of `scope` heard from in the last `within_s` seconds (by the
@@ -188,6 +209,16 @@ class Leases:
         """A controller that stops cleanly leaves the list at once."""
         with self.engine.begin() as conn:
             conn.execute(sa.delete(_M).where(_M.c.scope == scope, _M.c.holder == holder))
+
+
+@dataclass(frozen=True, slots=True)
+class Overlap:
+    """A running lease of a scope that overlaps ours, and whom its holder hands over to."""
+
+    scope: str
+    holder: str
+    acquired_at: float  # on the database's clock
+    handing_to: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -244,6 +244,9 @@ class ControllerMember(Base):
     role: Mapped[str] = mapped_column(String(16))
     epoch: Mapped[int] = mapped_column(BigInteger)
     seen_at: Mapped[float]
+    # The domains a leader hands its nodes to, comma-separated (None: none): an overlapping
+    # scope may lead beside it only then (migration 0007).
+    handing_to: Mapped[str | None] = mapped_column(String(1024))
 
 
 class StoreIdentity(Base):
