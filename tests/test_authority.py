@@ -565,3 +565,13 @@ async def test_a_handover_moves_nodes_without_a_failsafe_gap() -> None:
     old.cancel_handover(actor="admin", reason="done")
     with pytest.raises(NotFound):
         old.cancel_handover(actor="admin", reason="again")
+
+
+async def test_an_upgrade_from_a_controller_without_authorities_costs_no_failsafe() -> None:
+    """Agents that obey a controller of an earlier release (commands without an authority:
+    the empty one) take the upgraded controller's first command at once."""
+    n = make_node()
+    assert await n.command(Authority(), 1, 500.0)
+    assert await n.command(A, 1, 450.0, epoch=2)
+    assert n.agent.authority == A
+    assert not await n.command(Authority(), 2, 700.0)  # and not back

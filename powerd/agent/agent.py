@@ -62,6 +62,8 @@ from powerd.wire import (
 
 log = structlog.get_logger(__name__)
 
+LEGACY = Authority()  # what commands of a controller older than authorities carry
+
 _TELEMETRY_STATE: dict[NodeState, Literal["steered", "failsafe", "starting"]] = {
     NodeState.STARTING: "starting",
     NodeState.STEERED: "steered",
@@ -240,7 +242,7 @@ class Agent:
                 self.previous_authority = self.authority
                 self.last_tick = None
             self.authority = cmd.authority
-            if self.site is None:
+            if self.site is None and cmd.authority.site:  # enrolled by its first site
                 self.site = cmd.authority.site
         self.successors = tuple(cmd.handover)
         if newer_leader:
@@ -268,7 +270,9 @@ class Agent:
             return "first"
         if a == self.authority:
             return "same"
-        if a in self.successors:
+        if a in self.successors or self.authority == LEGACY:
+            # Named by the one obeyed; or that one is a controller of a release before
+            # authorities (the empty one): an upgrade must not cost a lease at failsafe.
             return "handover"
         if self.clock.monotonic() < self.incumbent_until:
             self._refuse(

@@ -47,6 +47,10 @@ from powerd.wire import (
 
 log = structlog.get_logger(__name__)
 
+# The authority of commands from a controller older than authorities: a node that obeys one
+# is taken over by the first command of ours (its agent treats it as handing over).
+LEGACY = Authority()
+
 # A restarted controller's first tick lies this far above the newest it has heard of: its
 # predecessor may have sent ticks nobody reported yet, and agents apply only newer ticks, so
 # ours must overtake all of them (ticks are plain numbers: 1,000 is minutes of a run at 1 s).
@@ -380,7 +384,7 @@ class TickEngine:
         obeys another is foreign until it says otherwise. None: an agent that obeys nobody
         yet (or an older agent), which any command of ours may still take."""
         ours = self.authority
-        if ours is None or authority is None or authority == ours:
+        if ours is None or authority is None or authority in (ours, LEGACY):
             if self._foreign.pop(node, None) is not None:
                 log.warning("node_obeys_us_again", node=node)
             return True
