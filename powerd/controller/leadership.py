@@ -224,8 +224,10 @@ class Leadership:
         return self.leading and self._ready and in_time
 
     def supersede(self, epoch: int) -> None:
-        """Another controller of our authority leads at a higher `epoch`: stop at once."""
-        if self.mode == "lease" and self.leading and epoch > self.epoch:
+        """Another controller of our authority says it leads at a higher `epoch`: stop at
+        once if we lead through a database outage. With the database answering, the lease
+        decides (a stale retained status of a dead controller must not stop a leader)."""
+        if self.outage_since is not None and self.leading and epoch > self.epoch:
             self._lost(f"a newer leader commands (epoch {epoch} > {self.epoch})")
             self.changed.set()
 
