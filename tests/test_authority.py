@@ -22,6 +22,7 @@ import yaml
 from honest import NODES, HonestNode, policy_dict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from structlog.testing import capture_logs
 
 from powerd.agent.agent import Agent
 from powerd.agent.settings import AgentSettings
@@ -561,6 +562,15 @@ async def test_a_handover_moves_nodes_without_a_failsafe_gap() -> None:
     assert await n.command(old.authority, 1, 500.0, handover=(successor,))
     assert await n.command(successor, 1, 450.0)
     assert n.agent.authority == successor and n.agent.previous_authority == old.authority
+    # The successor's controller says so, once: the node came over from the old authority.
+    new = TickEngine(policy)
+    new.authority = successor
+    status = n.agent.status_message().model_copy(update={"node_id": NODES[0]})
+    with capture_logs():
+        new.on_status(NODES[0], status)
+        new.on_status(NODES[0], status)
+    changes = [c for c in new.alarms.take() if c.kind == "authority_changed"]
+    assert len(changes) == 1 and "domain dc" in (changes[0].message or "")
     # Cancelled, the handover is gone from the commands and the counting.
     old.cancel_handover(actor="admin", reason="done")
     with pytest.raises(NotFound):

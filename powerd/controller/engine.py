@@ -239,6 +239,7 @@ class TickEngine:
         self._foreign: dict[str, Authority] = {}
         self._intruders: dict[str, tuple[Authority, str, int, float]] = {}
         self._rivals: dict[str, tuple[ControllerStatus, float]] = {}
+        self._came_over: dict[str, Authority] = {}  # node → the authority it left (events)
         self._outliers: tuple[str, ...] = ()
         self._message_error: str | None = None
         # GPUs whose agents set their limits back since the last tick (`cap_restored`):
@@ -359,6 +360,7 @@ class TickEngine:
         if node not in self.fleet.node_order:
             return False
         self._note_refusals(node, status)
+        self._note_came_over(node, status)
         if not self._obeys_us(node, status.authority) or not self._our_epoch(
             node, status.epoch, status=True
         ):
@@ -408,6 +410,25 @@ class TickEngine:
             return False
         self._ahead.pop(node, None)
         return status
+
+    def _note_came_over(self, node: str, status: NodeStatus) -> None:
+        """A node that obeys us now and obeyed another authority before (after that one's
+        silence, or a handover): an event naming the one it left, once per change."""
+        prev = status.previous_authority
+        ours = self.authority
+        if ours is None or status.authority != ours or prev in (None, LEGACY, ours):
+            return
+        assert prev is not None
+        if self._came_over.get(node) == prev:
+            return
+        self._came_over[node] = prev
+        self.alarms.once(
+            "authority_changed",
+            f"node {node} now obeys this controller; it obeyed {prev.label()} before",
+            self._wall,
+            severity=Severity.WARNING,
+            data={"node": node, "previous": prev.model_dump()},
+        )
 
     def _note_refusals(self, node: str, status: NodeStatus) -> None:
         """Another authority that a node of ours refuses (its refusals grew): an intruder."""
