@@ -28,7 +28,7 @@ from powerd.agent.agent import Agent
 from powerd.agent.settings import AgentSettings
 from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
 from powerd.clock import ManualClock
-from powerd.controller.admin import Ledger
+from powerd.controller.admin import Ledger, PolicyVersionToStore
 from powerd.controller.controller import Controller
 from powerd.controller.engine import TickEngine
 from powerd.controller.leadership import Leadership
@@ -585,3 +585,75 @@ async def test_an_upgrade_from_a_controller_without_authorities_costs_no_failsaf
     assert await n.command(A, 1, 450.0, epoch=2)
     assert n.agent.authority == A
     assert not await n.command(Authority(), 2, 700.0)  # and not back
+
+
+async def test_two_authorities_that_name_each_other_do_not_flip_a_node() -> None:
+    """A handed to B while B names A (a hand-back without cancelling): the node moves once,
+    and back only after a lease, not at every command."""
+    n = make_node()
+    assert await n.command(A, 1, 500.0, handover=(B,))
+    flips = 0
+    for t in range(2, 40):
+        who, names = (A, (B,)) if t % 2 else (B, (A,))
+        before = n.agent.authority
+        await n.command(who, t, 500.0, handover=names)
+        flips += n.agent.authority != before
+        n.clock.advance(0.1)
+    assert flips == 1 and n.agent.authority == B  # 3.8 s of commands, a 10 s lease
+    n.clock.advance(LEASE_S)
+    assert await n.command(A, 99, 500.0, handover=(B,))  # and back, a lease later
+
+
+async def test_a_member_started_while_its_database_is_down_never_replaces_the_policy(
+    tmp_path: Path,
+) -> None:
+    """Attack finding: a standby started with a stale file while its database was down
+    queued the file as a start-up version, stored it as active when the database came
+    back, and the leader followed it (+33 %). A start-up version under a lease is stored
+    only into an empty store; once the store answers, the policy of record is followed."""
+    url = f"sqlite:///{tmp_path / 'powerd.db'}"
+    upgrade(url)
+    leader_file = _policy_file(tmp_path / "leader.yaml", 6000)
+    stale_file = _policy_file(tmp_path / "standby.yaml", 7000)
+    leader, lead_a = _member(url, "ctl-a", leader_file, tmp_path)
+    standby, lead_b = _member(url, "ctl-b", stale_file, tmp_path)
+    store = leader.store
+    assert store is not None
+    leader.policy_version = store.record_policy_version(
+        leader_file.read_text(), source=str(leader_file), author="controller", reason="start-up"
+    )
+    # What a start during the outage queued (controller/main.py, _start_version).
+    standby.ledger.versions.append(
+        PolicyVersionToStore(
+            stale_file.read_text(), str(stale_file), "controller", "start-up", 0.0, True
+        )
+    )
+    await lead_a.attempt()
+    await lead_b.attempt()  # the database answers again
+    assert standby.policy.groups[0].budget_w == 6000.0
+    assert standby.ledger.versions == []
+    await standby.ledger.flush(5.0)
+    active = store.active_policy()
+    assert active is not None and active.version == leader.policy_version
+    # Directly: a start-up version never replaces another active one.
+    assert (
+        store.record_policy_version(
+            stale_file.read_text(), source="x", author="c", reason="start-up", unless_active=True
+        )
+        is None
+    )
+    assert store.active_policy().version == leader.policy_version  # type: ignore[union-attr]
+
+
+def test_a_store_id_guessed_at_a_start_during_an_outage_is_replaced_before_leading(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite:///{tmp_path / 'powerd.db'}"
+    upgrade(url)
+    ctl, lead = _member(url, "ctl-a", _policy_file(tmp_path / "p.yaml", 6000), tmp_path)
+    ctl.authority = Authority(site="dc", store="unreached-0123", domain="dc")
+    ctl.leadership = lead
+    lead.store_id = lead.leases.store_id()
+    assert lead.store_id and lead.store_id == Store(url).store_id()
+    ctl._learn_store_id(lead)
+    assert ctl.authority == Authority(site="dc", store=lead.store_id, domain="dc")

@@ -108,6 +108,7 @@ class Agent:
         self.refused_authority: Authority | None = None
         self.refused_controller = ""
         self._refusal_published_at = -math.inf
+        self._handed_until = -math.inf  # no handover back to the previous one before this
         # Site, authority and epoch survive a restart here (written before a command that
         # changes them is applied); `epoch` is the file of earlier releases (epoch only).
         state_dir = settings.state_dir
@@ -241,6 +242,7 @@ class Agent:
                 )
                 self.previous_authority = self.authority
                 self.last_tick = None
+                self._handed_until = self.clock.monotonic() + cmd.lease_s
             self.authority = cmd.authority
             if self.site is None and cmd.authority.site:  # enrolled by its first site
                 self.site = cmd.authority.site
@@ -270,11 +272,15 @@ class Agent:
             return "first"
         if a == self.authority:
             return "same"
-        if a in self.successors or self.authority == LEGACY:
+        now = self.clock.monotonic()
+        back_too_soon = a == self.previous_authority and now < self._handed_until
+        if (a in self.successors and not back_too_soon) or self.authority == LEGACY:
             # Named by the one obeyed; or that one is a controller of a release before
             # authorities (the empty one): an upgrade must not cost a lease at failsafe.
+            # Not straight back to the one just left (two authorities naming each other
+            # would flip the node at every command): that waits one lease.
             return "handover"
-        if self.clock.monotonic() < self.incumbent_until:
+        if now < self.incumbent_until:
             self._refuse(
                 cmd, "other_authority", f"{a.label()} while {self.authority.label()} is alive"
             )

@@ -103,6 +103,9 @@ class PolicyVersionToStore:
     author: str
     reason: str
     ts: float
+    # A controller's start-up under a lease: stored only if the store has no active
+    # version yet (the policy of record is never replaced by a start).
+    unless_active: bool = False
 
 
 @dataclass
@@ -678,11 +681,14 @@ class Ledger:
         be read (the caller logs it)."""
         store = self.store
         ctl = self._ctl
-        if store is None or self.versions:
-            return  # a version of ours is on its way to the store: it is the newer word
+        if store is None or any(not v.unless_active for v in self.versions):
+            return  # an operator's version is on its way to the store: the newer word
         row = await asyncio.to_thread(store.active_policy)
         if row is None:
             return
+        # A start-up version queued while the database was down never replaces the one
+        # of record (it would be stored only into an empty store): it is moot now.
+        self.versions = [v for v in self.versions if not v.unless_active]
         if row.version != ctl.policy_version and not self.versions:
             try:
                 policy = load_policy_text(row.yaml_text, row.source)
@@ -810,7 +816,8 @@ class Ledger:
             return False
         written = {r.key for r in rows}
         self.pending = [r for r in self.pending if r.key not in written]
-        self.versions = self.versions[len(versions) :]
+        # By identity: follow_policy may have dropped moot start-up versions meanwhile.
+        self.versions = [v for v in self.versions if all(v is not w for w in versions)]
         if state is not None:
             self.db_revision = max(self.db_revision, revision)
             if revision > state.revision:  # renumbered above the database's: the file too
@@ -849,7 +856,12 @@ class Ledger:
         version = None
         for v in versions:
             version = store.record_policy_version(
-                v.text, source=v.source, author=v.author, reason=v.reason, ts=v.ts
+                v.text,
+                source=v.source,
+                author=v.author,
+                reason=v.reason,
+                ts=v.ts,
+                unless_active=v.unless_active,
             )
         store.record_audit_rows([r.model_dump() for r in rows])
         revision = 0

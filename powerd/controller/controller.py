@@ -369,6 +369,16 @@ class Controller(AdminWrites):
             self.epoch = max(lead.epoch, self.engine.agents_epoch())
         self.engine.epoch = self.epoch
 
+    def _learn_store_id(self, lead: Leadership) -> None:
+        """Under a lease, the store's id as its database says: one guessed (or cached) at a
+        start during a database outage is replaced before this controller leads (no lease
+        is taken before the id is read)."""
+        authority = self.authority
+        known = lead.store_id
+        if lead.mode == "lease" and authority is not None and known and authority.store != known:
+            log.warning("store_id_learned", was=authority.store, store=known)
+            self.authority = authority.model_copy(update={"store": known})
+
     def epoch_to_overtake(self) -> int:
         """For the lease: an epoch the agents report above ours (0 if none), which the
         next lease's epoch must exceed (a database recreated, or restored from a backup)."""
@@ -599,6 +609,7 @@ class Controller(AdminWrites):
             if lead is not None:
                 lead.changed.clear()  # a change from here on wakes the sleep below
                 lead.check_deadline()
+                self._learn_store_id(lead)
             leading = self.leading() and self._scope_budget()
             if leading != announced:
                 announced = leading

@@ -187,6 +187,9 @@ class Leadership:
         self.handing_to: Callable[[], tuple[str, ...]] = tuple
         self.overlap_error: str | None = None
         self._acquired_at: float | None = None  # our lease's, on the database's clock
+        # The store's id as its database says (under a lease, no lease without it: the
+        # authority we would command for names it; a start during an outage only guessed).
+        self.store_id: str | None = None
         self.outage_since: float | None = None  # on `clock`, while leading through one
         # Our wall clock minus the database's, as last measured (None: not yet), and why we
         # may not lead while it is too large (None: it agrees).
@@ -319,7 +322,11 @@ class Leadership:
                     await self._prepare()
             else:
                 if self.leading and self.mode == "lease":
-                    self._lost("another controller holds the lease")
+                    self._lost(
+                        self.skew_error
+                        or self.overlap_error
+                        or "another controller holds the lease"
+                    )
                 await self._follow_quietly()
             await self._each_round_quietly()
         if self.may_command() != was:
@@ -328,7 +335,10 @@ class Leadership:
     def _round(self, above: int) -> _Round:
         """(worker thread) Check our clock against the database's; take or renew (only while
         they agree), then note ourselves and read the members."""
-        agrees = self._check_clock() and self._check_overlap()
+        if self.store_id is None:
+            self.store_id = self.leases.store_id()
+        known = self.mode == "alone" or self.store_id is not None
+        agrees = known and self._check_clock() and self._check_overlap()
         lease = (
             self.leases.acquire(self.scope, self.holder, self.lease_s, above=above)
             if agrees

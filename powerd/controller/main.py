@@ -35,7 +35,6 @@ from powerd.controller.opstate import (
     StateFile,
     StateFileError,
     file_sha256,
-    sha256_text,
 )
 from powerd.controller.scope import ScopeLink
 from powerd.controller.settings import ControllerSettings
@@ -448,23 +447,15 @@ async def _start_version(
     """The policy in force as a stored version (the same text: the same version); queued
     for the ledger when the database is down. None without a ledger store (a shadow).
     `of_record` (controllers of a pair, under a lease): a store that already has an active
-    version keeps it, and the controller steers it; a file that differs is the alarm
-    `policy_differs` (Ledger.follow_policy), not a replacement: a standby started from a
-    stale file must not overwrite the policy."""
+    version keeps it, also when the database answers only later, and the controller steers
+    it (the first lease round adopts it, before any command); a file that differs is the
+    alarm `policy_differs` (Ledger.follow_policy), not a replacement: a standby started
+    from a stale file must not overwrite the policy of record."""
     store = ledger.store
     if store is None:
         return None
     text = api.text if api is not None else file_text
     source = "api" if api is not None else policy.source
-    if db_ok and of_record:
-        try:
-            active = await asyncio.to_thread(store.active_policy)
-        except Exception as exc:
-            log.error("policy_version_unread", error=f"{type(exc).__name__}: {exc}"[:300])
-            active = None
-        if active is not None:
-            # Adopted (and the file compared) by the first lease round, before any command.
-            return None if active.sha256 != sha256_text(text) else active.version
     if db_ok:
         try:
             return await asyncio.to_thread(
@@ -473,10 +464,13 @@ async def _start_version(
                 source=source,
                 author="controller",
                 reason="start-up",
+                unless_active=of_record,
             )
         except Exception as exc:
             log.error("policy_version_not_stored", error=f"{type(exc).__name__}: {exc}"[:300])
     ledger.versions.append(
-        PolicyVersionToStore(text, source, "controller", "start-up", time.time())
+        PolicyVersionToStore(
+            text, source, "controller", "start-up", time.time(), unless_active=of_record
+        )
     )
     return None

@@ -145,6 +145,15 @@ class Leases:
             return None
         return Lease(scope, row[0], *_floats(row[1:]))
 
+    def store_id(self) -> str | None:
+        """The store's id (migration 0006); None before its migrations have run."""
+        with self.engine.begin() as conn:
+            if not sa.inspect(conn).has_table("store_identity"):
+                return None
+            row = conn.execute(sa.text("SELECT store_id FROM store_identity WHERE id = 1"))
+            value = row.scalar_one_or_none()
+        return None if value is None else str(value)
+
     def db_time(self) -> float:
         """The database's wall clock now, in Unix seconds: what a controller's own clock is
         checked against before it may take or renew a lease (docs/safety.md, "Time")."""

@@ -199,11 +199,14 @@ class Store:
         reason: str,
         activate: bool = True,
         ts: float | None = None,
-    ) -> int:
+        unless_active: bool = False,
+    ) -> int | None:
         """Store a policy's text as the next version (active by default); return its number.
 
         Saving the text that is already active (a SIGHUP reload of an unchanged file)
-        returns the active version instead of adding an identical one.
+        returns the active version instead of adding an identical one. `unless_active` (a
+        controller's start-up under a lease): an active version of another text stays the
+        policy of record, nothing is stored, and the answer is None.
         """
         sha = hashlib.sha256(yaml_text.encode()).hexdigest()
         for attempt in range(POLICY_VERSION_RETRIES):
@@ -212,6 +215,8 @@ class Store:
                     active = session.scalar(select(PolicyVersion).where(PolicyVersion.active))
                     if activate and active is not None and active.sha256 == sha:
                         return active.version
+                    if unless_active and active is not None:
+                        return None
                     number = (session.scalar(select(func.max(PolicyVersion.version))) or 0) + 1
                     if activate and active is not None:
                         active.active = False
