@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 from amqttbroker import Broker, LocalAmqtt, amqtt_command
 
 from powerd.testing.mosquitto import MOSQUITTO, LocalMosquitto
@@ -105,3 +106,12 @@ def broker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Broker]:
         yield b
     finally:
         b.kill()
+
+
+@pytest.fixture(autouse=True)
+def _structlog_as_it_was() -> Iterator[None]:
+    """A test that runs a command in-process (`powerd ... --log-level warning`) configures
+    structlog for the whole process; later tests that capture info events would see none."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)

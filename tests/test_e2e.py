@@ -175,7 +175,13 @@ class Monitor:
                 self.ticks.append(cmd.tick)
                 # The agent drops what it has passed: older epochs, and older ticks.
                 if (cmd.epoch, cmd.tick) > (view.epoch, view.applied):
-                    view.pending[(cmd.epoch, cmd.tick)] = dict(cmd.caps)
+                    caps = dict(cmd.caps)
+                    if cmd.epoch > view.epoch and all(k[0] != cmd.epoch for k in view.pending):
+                        # The first command of a newer leader raises no cap (the agent's
+                        # rule, docs/safety.md): at most what may be in force now.
+                        now = view.committed()
+                        caps = {u: min(w, now.get(u, w)) for u, w in caps.items()}
+                    view.pending[(cmd.epoch, cmd.tick)] = caps
                 if self._cut is not None and cmd.tick >= self._cut[1]:
                     self.budget_w = self._cut[0]
                     self._cut = None

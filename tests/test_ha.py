@@ -5,8 +5,8 @@ committed cap from the messages alone and checks every budget after every messag
 Through one run: the leader killed with SIGKILL (the standby leads, commands within two
 ticks of the lease lapsing, no node reaches failsafe), the new leader paused with SIGSTOP
 past its lease and resumed (nothing of its lands: agents refuse its epoch), and PostgreSQL
-cut off under the leader (it stops commanding before its lease could lapse; the standby
-takes over). Also: a standby refuses writes and names the leader; a controller with the
+cut off under the leader (it steers through the outage; the standby takes over and the old
+leader stops when it hears the new one lead). Also: a standby refuses writes and names the leader; a controller with the
 database down at start stands by until it holds the lease; a second controller on an
 SQLite store refuses to start.
 """
@@ -288,25 +288,24 @@ async def test_a_standby_pair_keeps_every_budget_through_kill_pause_and_db_loss(
     assert p.failsafe_nodes() == []
     assert mon.breaches == []
 
-    # -- PostgreSQL cut off under the leader: it stops before the lease could lapse -------
+    # -- PostgreSQL cut off under the leader: it steers through the outage until it hears
+    # -- the standby lead at a higher epoch (docs/safety.md, "Steering through a database
+    # -- outage"); both command for a moment, and every budget holds ----------------------
     renewed = p.lease()
     assert renewed is not None and process_name(renewed.holder) == "ctl-a"
     p.ctls["ctl-a"].proxy.close()
-    cut_at = time.time()
     late_s = await _takeover(p, "ctl-a", "ctl-b", renewed)
     last = p.lease()
     assert last is not None and process_name(last.holder) == "ctl-b"
-    # ctl-a's last renewal may have landed between our read and the cut: its lease then
-    # ran until at most one lease after the cut. Its last command came before that, and
-    # before ctl-b's first.
-    a_last = max(at for at, c in p.commands_of("ctl-a"))
-    b_first = min(at for at, c in p.commands_of("ctl-b") if c.epoch == last.epoch)
-    assert a_last < b_first
-    assert a_last <= cut_at + 1.2 + 0.1  # the default lease: 0.4 × the agents' 3 s
-    assert late_s <= 1.2 + 2 * TICK_S
+    assert late_s <= 1.2 + 2 * TICK_S  # the default lease: 0.4 × the agents' 3 s
     await _steady(p, "ctl-b", ask=("ctl-b",))
+    # ctl-a stopped once ctl-b's retained status said it leads: within a few ticks of
+    # ctl-b's first command, not at its own lease deadline.
+    b_first = min(at for at, c in p.commands_of("ctl-b") if c.epoch == last.epoch)
+    a_last = max(at for at, c in p.commands_of("ctl-a"))
+    assert a_last <= b_first + 3 * TICK_S + 1.0
     cut_off = p.leadership("ctl-a") or {}
-    assert (cut_off.get("role"), cut_off.get("leader")) == ("standby", None)
+    assert cut_off.get("role") == "standby"
     assert cut_off["db_failures"] > 0 and cut_off["last_error"]
     assert p.failsafe_nodes() == []
     assert mon.breaches == []

@@ -301,7 +301,7 @@ def test_ramp_rates_are_validated() -> None:
         parse_policy(d)
 
 
-def test_restore_converts_wall_times_again_and_drops_finished_windows() -> None:
+def test_restore_converts_wall_times_again_and_the_tick_drops_finished_windows() -> None:
     policy = ramp_policy()
     engine = TickEngine(policy)
     o = engine.overrides
@@ -315,10 +315,13 @@ def test_restore_converts_wall_times_again_and_drops_finished_windows() -> None:
         )
     state = OperatorState(**capture(o))
     # A new process, 100 s later by the wall clock, its monotonic clock elsewhere: "old"
-    # has ended and ramped out (2,000 W at 150 W/s); "live" is anchored anew.
+    # has ended and ramped out (2,000 W at 150 W/s); "live" is anchored anew. A restore
+    # keeps both (a standby's clock decides nothing); the tick's budgets drop "old".
     back = restore(
         OperatorState.model_validate_json(state.model_dump_json()), policy, WALL0 + 100, 1e6
     )
+    assert set(back.schedules) == {"live", "old"}
+    back.scheduled_budgets(policy, 1e6, WALL0 + 100, 1.0)
     assert set(back.schedules) == {"live"}
     live = back.schedules["live"]
     assert (live.start, live.end) == (WALL0 + 100, WALL0 + 200)
