@@ -18,7 +18,7 @@ from powerd.allocator import kernel
 from powerd.api.app import create_app
 from powerd.api.server import ApiServer
 from powerd.auth import TokenStore, check_secret
-from powerd.clock import SystemClock
+from powerd.clock import Clock, SystemClock
 from powerd.controller.admin import Ledger, PolicyVersionToStore, WriteFailed
 from powerd.controller.controller import Controller
 from powerd.controller.hooks import (
@@ -57,8 +57,10 @@ from powerd.wire import Authority, Topics
 log = structlog.get_logger(__name__)
 
 
-async def run_controller(settings: ControllerSettings) -> None:
+async def run_controller(settings: ControllerSettings, clock: Clock | None = None) -> None:
     """Run until SIGTERM/SIGINT. PolicyError for a bad policy; SIGHUP reloads the policy.
+    `clock`: the system's unless given (the chaos harness steps a standby's wall clock,
+    powerd/chaos/controller.py); the lease's clock check reads the same wall clock.
 
     The database may be down: the controller then starts from its policy file and state
     file, steers, raises an alarm and catches up (migrations, policy version, queued audit
@@ -94,7 +96,7 @@ async def run_controller(settings: ControllerSettings) -> None:
     controller = Controller(
         policy,
         transport,
-        SystemClock(),
+        clock or SystemClock(),
         store=store,
         writer=writer,
         solver=settings.solver,
@@ -116,7 +118,7 @@ async def run_controller(settings: ControllerSettings) -> None:
         _scope(controller, settings.scope)
     # A shadow commands nothing: it takes no lease (it must not keep a real controller
     # from leading) and steers under none.
-    leadership = None if shadow else _leadership(settings, policy, ledger)
+    leadership = None if shadow else _leadership(settings, policy, ledger, controller.clock)
     controller.leadership = leadership
     ledger.start_from(
         state,
@@ -218,8 +220,11 @@ def _no_tokens(dev: bool) -> TokenStore:
     return TokenStore([])
 
 
-def _leadership(settings: ControllerSettings, policy: Policy, ledger: Ledger) -> Leadership:
-    """The lease this controller leads under: its scope's, or the policy root's."""
+def _leadership(
+    settings: ControllerSettings, policy: Policy, ledger: Ledger, clock: Clock
+) -> Leadership:
+    """The lease this controller leads under: its scope's, or the policy root's; its clock
+    check compares the wall clock the controller judges windows by with the database's."""
     leadership = for_daemon(
         settings.db,
         scope=settings.scope or policy.groups[0].name,
@@ -227,6 +232,7 @@ def _leadership(settings: ControllerSettings, policy: Policy, ledger: Ledger) ->
         control=policy.control,
         lease_s=settings.leader_lease_s,
         mode=settings.leadership_mode(),
+        wall=clock.wall,
     )
     leadership.follow = ledger.follow
     leadership.each_round = ledger.follow_policy
