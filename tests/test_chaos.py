@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pg import pg_database
 
 from powerd.chaos.run import ChaosReport, run_schedule
 from powerd.chaos.schedule import PAIR_FAULTS, FaultKind, kinds_for, short_schedule, soak_schedule
@@ -179,3 +181,66 @@ def test_a_switchover_keeps_the_fleet_steered(report: ChaosReport) -> None:
     rec = next(r for r in report.records if r.fault.kind is FaultKind.DB_SWITCHOVER)
     assert rec.fleet_failsafe_s == 0.0
     assert rec.facility_min_w > len(CONFIG.nodes) * (CONFIG.gpus * CONFIG.failsafe_w + 100)
+
+
+# -- a standby pair on PostgreSQL: the faults of members that disagree ------------------
+
+PAIR_KINDS = [FaultKind.STALE_STANDBY, FaultKind.SKEWED_STANDBY_CLOCK, FaultKind.DB_SWITCHOVER]
+
+
+@pytest.fixture(scope="module")
+def pair_report(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosReport]:
+    if not Path(MOSQUITTO).exists():
+        pytest.skip(f"{MOSQUITTO} is not installed")
+    workdir = tmp_path_factory.mktemp("chaos-pair")
+    with pg_database() as url:
+        config = SiteConfig(db="postgresql", pg_url=url, pair=True)
+
+        async def run() -> ChaosReport:
+            site = Site(workdir, config)
+            try:
+                await site.start()
+                schedule = short_schedule(site.nodes, "rack-1", pair=True)
+                return await run_schedule(site, [f for f in schedule if f.kind in PAIR_KINDS])
+            finally:
+                await site.close()
+
+        result = asyncio.run(run())
+    print(f"chaos run (pair) in {workdir}:\n{result.render()}")
+    yield result
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        FaultKind.STALE_STANDBY,
+        FaultKind.SKEWED_STANDBY_CLOCK,
+        # Not strict: a race, lost in 5 of 7 outages of the seed-1 soak. The deterministic
+        # reproduction is tests/test_leadership.py (strict xfail); strict here once fixed.
+        pytest.param(
+            FaultKind.DB_SWITCHOVER,
+            marks=pytest.mark.xfail(
+                strict=False,
+                reason="a tick between the lease deadline and the next failed renewal steps "
+                "the leader down: the fleet falls to failsafe (Leadership.check_deadline)",
+            ),
+        ),
+    ],
+)
+def test_a_pair_whose_members_disagree_holds_every_budget(
+    pair_report: ChaosReport, kind: FaultKind
+) -> None:
+    print(pair_report.render())
+    rec = next(r for r in pair_report.records if r.fault.kind is kind)
+    breaches = [
+        f"{b.group} +{b.worst_w:.2f} W for {b.duration_s * 1000:.1f} ms" for b in rec.breaches
+    ]
+    assert breaches == [], f"{rec.fault.describe()}: budget breached: {breaches}"
+    assert rec.findings == [], f"{rec.fault.describe()}: {rec.findings}"
+    assert rec.recovered_s is not None, f"{rec.fault.describe()}: {rec.notes}"
+    if kind is FaultKind.SKEWED_STANDBY_CLOCK:
+        # Nobody may lead while the only live member's clock is an hour off: the fleet
+        # falls to failsafe (safe), and it did so for a while, or the fault did not bite.
+        assert rec.fleet_failsafe_s > 0.0
+    if kind is FaultKind.DB_SWITCHOVER:
+        assert rec.fleet_failsafe_s == 0.0

@@ -597,9 +597,14 @@ async def run_fault(site: Site, fault: Fault, recover_timeout_s: float) -> Fault
     return rec
 
 
+# Database faults a leader steers through (`through_outage`; alone on SQLite, always): no
+# node may fall to failsafe while one is held.
+_STEERED_THROUGH = frozenset({FaultKind.DB_LOCK, FaultKind.DB_OUTAGE, FaultKind.DB_SWITCHOVER})
+
+
 def _judge_windows(site: Site, records: list[FaultRecord], check: BudgetCheck) -> None:
     """Per fault: the facility's lowest point and time at failsafe while it was held, nodes
-    that switched authority in its window, and a switchover that sent nodes to failsafe."""
+    that switched authority in its window, and a database fault that sent nodes to failsafe."""
     c = site.config
     fleet_failsafe_w = len(site.nodes) * (c.gpus * c.failsafe_w + NODE_OVERHEAD_W)
     for r in records:
@@ -613,12 +618,12 @@ def _judge_windows(site: Site, records: list[FaultRecord], check: BudgetCheck) -
                 r.findings.append(
                     f"{s.node} switched authority: {s.before.label()} -> {s.after.label()}"
                 )
-        if r.fault.kind is FaultKind.DB_SWITCHOVER:
+        if r.fault.kind in _STEERED_THROUGH:
             fell = sorted(
                 {n for t, n in site.watcher.failsafe_entries if r.injected_s <= t < r.restored_s}
             )
             if fell:
-                r.findings.append(f"nodes fell to failsafe during the switchover: {fell}")
+                r.findings.append(f"nodes fell to failsafe while the store was down: {fell}")
 
 
 def _restart_the_dead(site: Site, rec: FaultRecord) -> None:
