@@ -196,6 +196,17 @@ class ChaosReport:
                 }
                 for b in self.breaches
             ],
+            "fault_list": [
+                {
+                    "fault": r.fault.describe(),
+                    "recovery_s": None if r.recovery_s is None else round(r.recovery_s, 2),
+                    "facility_min_w": round(r.facility_min_w, 1),
+                    "fleet_failsafe_s": round(r.fleet_failsafe_s, 2),
+                    "survived": r.survived,
+                }
+                for r in self.records
+                if r.injected
+            ],
             "findings": [f"{r.fault.describe()}: {f}" for r in self.records for f in r.findings],
             "notes": [f"{r.fault.describe()}: {n}" for r in self.records for n in r.notes],
         }
