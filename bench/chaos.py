@@ -56,7 +56,11 @@ async def main(args: argparse.Namespace) -> int:
     site = Site(workdir, config)
     print(f"site in {workdir} ({config.db}); starting", flush=True)
     t_start = time.monotonic()
-    await site.start()
+    try:
+        await site.start()
+    except BaseException:
+        await site.close()  # a start that fails leaves no processes behind
+        raise
     print(f"steered after {time.monotonic() - t_start:.1f} s; faults begin", flush=True)
     # Only budgeted groups can be cut (a row without a budget has none to lower).
     groups = [g.name for g in site.policy.groups if g.budget_w != float("inf")]
