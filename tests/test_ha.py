@@ -6,9 +6,9 @@ Through one run: the leader killed with SIGKILL (the standby leads, commands wit
 ticks of the lease lapsing, no node reaches failsafe), the new leader paused with SIGSTOP
 past its lease and resumed (nothing of its lands: agents refuse its epoch), and PostgreSQL
 cut off under the leader (it steers through the outage; the standby takes over and the old
-leader stops when it hears the new one lead). Also: a standby refuses writes and names the leader; a controller with the
-database down at start stands by until it holds the lease; a second controller on an
-SQLite store refuses to start.
+leader stops when it hears the new one lead). Also: a standby refuses writes and names the
+leader; a controller with the database down at start stands by until it holds the lease; a
+second controller on an SQLite store refuses to start.
 """
 
 from __future__ import annotations

@@ -29,6 +29,13 @@ class FaultKind(StrEnum):
     EVIL_FOREIGN_UUID = "evil_foreign_uuid"  # telemetry with another node's GPUs at 200 W
     EVIL_TS_AHEAD = "evil_ts_ahead"  # telemetry an hour ahead claiming 200 W caps
     EVIL_OFFLINE_WILL = "evil_offline_will"  # the node's offline last will, node alive
+    # Hosts that disagree (issue 27): real controllers where none should be, or a pair whose
+    # members disagree with each other. Hold times count from the intruder being up.
+    SECOND_STORE = "second_store"  # a 2nd controller, same policy, a SQLite store of its own
+    OVERLAPPING_SCOPE = "overlapping_scope"  # a leftover `--scope <target>` on its own store
+    STALE_STANDBY = "stale_standby"  # pair: leader's file lowered + SIGHUP; kill -9 the leader
+    SKEWED_STANDBY_CLOCK = "skewed_standby_clock"  # pair: standby +1 h, a window; kill leader
+    DB_SWITCHOVER = "db_switchover"  # the store unreachable for 10–30 s under the leader
 
 
 NODE_FAULTS = frozenset(FaultKind) - {
@@ -37,10 +44,23 @@ NODE_FAULTS = frozenset(FaultKind) - {
     FaultKind.DB_LOCK,
     FaultKind.DB_OUTAGE,
     FaultKind.BUDGET_CUT,
+    FaultKind.SECOND_STORE,
+    FaultKind.OVERLAPPING_SCOPE,
+    FaultKind.STALE_STANDBY,
+    FaultKind.SKEWED_STANDBY_CLOCK,
+    FaultKind.DB_SWITCHOVER,
 }
+# Faults of a standby pair (two controllers on one PostgreSQL store): SiteConfig(pair=True).
+PAIR_FAULTS = frozenset({FaultKind.STALE_STANDBY, FaultKind.SKEWED_STANDBY_CLOCK})
 
 CLOCK_STEP_S = 600.0
 CUT_SHARE = 0.7  # a demand-response event takes this share of the group's budget
+SKEW_S = 3600.0  # a standby's wall clock an hour ahead
+
+
+def kinds_for(pair: bool) -> list[FaultKind]:
+    """The kinds a site can suffer: a pair's only where there is a pair."""
+    return [k for k in FaultKind if pair or k not in PAIR_FAULTS]
 
 
 @dataclass(frozen=True)
@@ -55,8 +75,11 @@ class Fault:
         return f"{self.kind}{target} for {self.hold_s:.1f} s"
 
 
-def short_schedule(nodes: list[str], group: str) -> list[Fault]:
-    """Every kind once, back to back: the test suite's run (about a minute of faults)."""
+def short_schedule(
+    nodes: list[str], group: str, scope: str = "rack-1", pair: bool = False
+) -> list[Fault]:
+    """Every kind the site can suffer once, back to back: the test suite's run (about two
+    minutes of faults)."""
     victim = nodes[1]  # a training node in the first rack
     holds = {
         FaultKind.CONTROLLER_KILL: 1.0,
@@ -68,12 +91,26 @@ def short_schedule(nodes: list[str], group: str) -> list[Fault]:
         FaultKind.DB_LOCK: 3.0,
         FaultKind.DB_OUTAGE: 7.0,  # past SQLite's 5 s busy_timeout: writes fail
         FaultKind.BUDGET_CUT: 3.0,
+        FaultKind.SECOND_STORE: 4.0,
+        FaultKind.OVERLAPPING_SCOPE: 4.0,
+        FaultKind.STALE_STANDBY: 5.0,
+        FaultKind.SKEWED_STANDBY_CLOCK: 6.0,
+        FaultKind.DB_SWITCHOVER: 10.0,
     }
     faults = []
-    for kind in FaultKind:
-        target = victim if kind in NODE_FAULTS else group if kind is FaultKind.BUDGET_CUT else ""
-        faults.append(Fault(0.0, kind, target, holds.get(kind, 2.0)))
+    for kind in kinds_for(pair):
+        faults.append(Fault(0.0, kind, _target(kind, victim, group, scope), holds.get(kind, 2.0)))
     return faults
+
+
+def _target(kind: FaultKind, node: str, group: str, scope: str) -> str:
+    if kind in NODE_FAULTS:
+        return node
+    if kind is FaultKind.BUDGET_CUT:
+        return group
+    if kind is FaultKind.OVERLAPPING_SCOPE:
+        return scope
+    return ""
 
 
 _HOLD_RANGE_S = {
@@ -86,14 +123,28 @@ _HOLD_RANGE_S = {
     FaultKind.DB_LOCK: (1.0, 4.0),
     FaultKind.DB_OUTAGE: (6.0, 12.0),
     FaultKind.BUDGET_CUT: (3.0, 10.0),
+    FaultKind.SECOND_STORE: (4.0, 10.0),
+    FaultKind.OVERLAPPING_SCOPE: (4.0, 10.0),
+    FaultKind.STALE_STANDBY: (4.0, 10.0),
+    FaultKind.SKEWED_STANDBY_CLOCK: (5.0, 12.0),
+    FaultKind.DB_SWITCHOVER: (10.0, 30.0),  # a PostgreSQL switchover
 }
 
 
-def soak_schedule(duration_s: float, seed: int, nodes: list[str], groups: list[str]) -> list[Fault]:
-    """Random faults for `duration_s`: every kind in turn (shuffled rounds), random targets,
-    holds and gaps; the same seed gives the same list."""
+def soak_schedule(
+    duration_s: float,
+    seed: int,
+    nodes: list[str],
+    groups: list[str],
+    scopes: list[str],
+    *,
+    pair: bool = False,
+) -> list[Fault]:
+    """Random faults for `duration_s`: every kind the site can suffer in turn (shuffled
+    rounds), random targets (`scopes`: rows and racks), holds and gaps; the same seed gives
+    the same list."""
     rng = random.Random(seed)
-    kinds = list(FaultKind)
+    kinds = kinds_for(pair)
     faults: list[Fault] = []
     t = 3.0
     while t < duration_s:
@@ -102,11 +153,7 @@ def soak_schedule(duration_s: float, seed: int, nodes: list[str], groups: list[s
             if t >= duration_s:
                 break
             lo, hi = _HOLD_RANGE_S.get(kind, (1.0, 4.0))
-            target = ""
-            if kind in NODE_FAULTS:
-                target = rng.choice(nodes)
-            elif kind is FaultKind.BUDGET_CUT:
-                target = rng.choice(groups)
+            target = _target(kind, rng.choice(nodes), rng.choice(groups), rng.choice(scopes))
             faults.append(Fault(round(t, 1), kind, target, round(rng.uniform(lo, hi), 1)))
             t += rng.uniform(2.0, 6.0)
     return faults

@@ -1,10 +1,10 @@
 """A small site of real processes, and the faults it can suffer.
 
 Mosquitto (`LocalMosquitto`), one `powerd controller` (SQLite, or PostgreSQL through a
-loopback proxy), and an agent per node (`python -m powerd.chaos.agent`: `powerd agent`
-with a wall clock to step) with mock GPUs that journal every cap in force, each agent
-reaching the broker through its own loopback proxy (to partition it). Everything listens
-on 127.0.0.1 only.
+loopback proxy) or a standby pair on PostgreSQL (`pair`), and an agent per node
+(`python -m powerd.chaos.agent`: `powerd agent` with a wall clock to step) with mock GPUs
+that journal every cap in force, each agent reaching the broker through its own loopback
+proxy (to partition it). Everything listens on 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import httpx
 import yaml
 from sqlalchemy.engine import make_url
 
+import powerd
 from powerd.auth import Role, new_token_entry
 from powerd.chaos.agent import write_offset
 from powerd.chaos.proxy import LOOPBACK, TcpProxy
@@ -34,6 +35,9 @@ from powerd.transport import MqttConfig, MqttTransport
 from powerd.wire import Topics
 
 HUGE_TICK = 100000000000000000000000000000
+NODE_OVERHEAD_W = 100.0
+# The processes run the powerd this harness imports (a worktree's, not an installed one).
+_SOURCE = str(Path(powerd.__file__).resolve().parents[1])
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,13 @@ class SiteConfig:
     db: Literal["sqlite", "postgresql"] = "sqlite"
     pg_url: str | None = None  # an empty database of the site's own, for "postgresql"
     reconnect_max_s: float = 2.0  # the daemons' reconnect backoff cap (default 30 s)
+    # Two controllers on the one PostgreSQL store, each with its own policy file and wall
+    # clock (python -m powerd.chaos.controller): the leader and a standby.
+    pair: bool = False
+
+    def __post_init__(self) -> None:
+        if self.pair and self.db != "postgresql":
+            raise ValueError("a standby pair needs db=postgresql (SQLite is for one controller)")
 
     @property
     def nodes(self) -> list[str]:
@@ -79,7 +90,7 @@ class SiteConfig:
                                     {
                                         "name": f"rack-{r}-n{{1..{self.nodes_per_rack}}}",
                                         "budget_w": 625 * self.gpus,
-                                        "overhead_w": 100,
+                                        "overhead_w": NODE_OVERHEAD_W,
                                     }
                                 ],
                             }
@@ -123,7 +134,7 @@ class Proc:
                 argv,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": _SOURCE, **env},
             )
 
     @property
@@ -133,6 +144,21 @@ class Proc:
     @property
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.popen is not None:
+            self.popen.send_signal(sig)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM, as an operator stops a unit; SIGKILL if it does not end in time."""
+        if self.popen is not None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+            self.popen = None
 
     def kill(self) -> None:
         """SIGKILL: no failsafe on the way out, no clean goodbye to the broker."""
@@ -160,20 +186,42 @@ class Site:
         self.proxies = {n: TcpProxy(self.broker.port) for n in self.nodes}
         self.agents = {n: Proc(n, workdir) for n in self.nodes}
         self.controller = Proc("controller", workdir)
+        # The pair's other member; `controller` is always the one that leads (`swap`).
+        self.standby = Proc("standby", workdir) if self.config.pair else None
+        self.members = [self.controller, *([self.standby] if self.standby else [])]
+        # Per member (by process name, which stays with it across swaps): its own policy
+        # file (a copy: a standby's file may go stale), wall clock and admin API.
+        self.member_policy = {
+            m.name: self.policy_file if m is self.controller else workdir / f"{m.name}.policy.yaml"
+            for m in self.members
+        }
+        self.member_clock = {m.name: workdir / f"{m.name}.wall-offset" for m in self.members}
+        self.member_port = {m.name: free_port() for m in self.members}
         self.journals = {n: workdir / f"{n}.journal" for n in self.nodes}
         self.clock_files = {n: workdir / f"{n}.wall-offset" for n in self.nodes}
-        self.api_port = free_port()
-        self.api = f"http://{LOOPBACK}:{self.api_port}"
         self.token, entry = new_token_entry("chaos", Role.OPERATOR)
         self.tokens_file = workdir / "tokens.toml"
         self.tokens_file.write_text(entry)
+        for m in self.members:
+            self.member_policy[m.name].write_text(self.policy_file.read_text())
         self.db_proxy: TcpProxy | None = None
         self.db_url = f"sqlite:///{workdir / 'powerd.db'}"
         self.watcher = Watcher(self.policy, self.journals, self.broker.url, self.topics)
-        self.http = httpx.AsyncClient(
-            base_url=self.api, timeout=5.0, headers={"Authorization": f"Bearer {self.token}"}
-        )
+        self.clients = {m.name: self.client(self.member_port[m.name]) for m in self.members}
+        self.intruders: list[Proc] = []  # controllers that should not be there (faults)
         self._lock_holder: asyncio.subprocess.Process | None = None
+
+    def client(self, port: int) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            base_url=f"http://{LOOPBACK}:{port}",
+            timeout=5.0,
+            headers={"Authorization": f"Bearer {self.token}"},
+        )
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        """The admin API of the controller that leads (as last found)."""
+        return self.clients[self.controller.name]
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -201,22 +249,31 @@ class Site:
             if time.monotonic() - t0 > timeout_s:
                 raise TimeoutError(f"the site did not steer within {timeout_s:g} s")
             await asyncio.sleep(0.1)
+        if self.standby is not None:
+            # Once the first leads, so that the roles are known from the start.
+            self.start_controller(self.standby)
+            while await self.role(self.standby) != "standby":
+                self.check_started()
+                if time.monotonic() - t0 > timeout_s:
+                    raise TimeoutError(f"the standby did not stand by within {timeout_s:g} s")
+                await asyncio.sleep(0.2)
         self.watcher.arm()
 
     def check_started(self) -> None:
-        for proc in [self.controller, *self.agents.values()]:
-            if not proc.alive:
+        for proc in [*self.members, *self.agents.values()]:
+            if proc.lives and not proc.alive:  # started (a standby starts second) and gone
                 raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
 
     async def close(self) -> None:
         await self.watcher.stop()
-        for proc in [self.controller, *self.agents.values()]:
+        for proc in [*self.members, *self.intruders, *self.agents.values()]:
             proc.kill()
         await self.release_db_lock()
         for proxy in [*self.proxies.values(), *([self.db_proxy] if self.db_proxy else [])]:
             await proxy.close()
         self.broker.kill()
-        await self.http.aclose()
+        for client in self.clients.values():
+            await client.aclose()
 
     # -- processes -----------------------------------------------------------------------
 
@@ -237,24 +294,115 @@ class Site:
         argv = [sys.executable, "-m", "powerd.chaos.agent", str(self.clock_files[node])]
         self.agents[node].start(argv, env)
 
-    def start_controller(self) -> None:
-        argv = [
+    def start_controller(self, member: Proc | None = None) -> None:
+        """Start a member of the site's control (default: the one that leads). Alone:
+        `powerd controller` itself. A pair: `python -m powerd.chaos.controller`, the same
+        controller with a wall clock the harness can step, settings from the environment."""
+        proc = member or self.controller
+        ident = f"chaos-ctl-{proc.lives + 1}" if not self.config.pair else None
+        if ident is not None:
+            argv = [
+                *self.controller_argv(self.member_policy[proc.name], self.db_url, ident),
+                f"--api-port={self.member_port[proc.name]}",
+                f"--state-file={self.workdir / f'{proc.name}.state.json'}",
+            ]
+            env = {"POWERD_RECONNECT_MAX_S": str(self.config.reconnect_max_s)}
+        else:
+            argv = [
+                sys.executable,
+                "-m",
+                "powerd.chaos.controller",
+                str(self.member_clock[proc.name]),
+            ]
+            env = {
+                "POWERD_POLICY": str(self.member_policy[proc.name]),
+                "POWERD_BROKER": self.broker.url,
+                "POWERD_DB": self.db_url,
+                "POWERD_CONTROLLER_ID": f"chaos-{proc.name}-{proc.lives + 1}",
+                "POWERD_LEARN_S": str(2 * self.config.tick_s),
+                "POWERD_API_PORT": str(self.member_port[proc.name]),
+                "POWERD_TOKENS_FILE": str(self.tokens_file),
+                # Each member's state file beside its own policy: two processes never
+                # share one (the store is what they share).
+                "POWERD_STATE_FILE": str(self.workdir / f"{proc.name}.state.json"),
+                "POWERD_RECONNECT_MAX_S": str(self.config.reconnect_max_s),
+            }
+        proc.start(argv, env)
+
+    def controller_argv(self, policy: Path, db_url: str, ident: str) -> list[str]:
+        return [
             sys.executable,
             "-m",
             "powerd.cli",
             "--log-format",
             "json",
             "controller",
-            f"--policy={self.policy_file}",
+            f"--policy={policy}",
             f"--broker={self.broker.url}",
-            f"--db={self.db_url}",
-            f"--controller-id=chaos-ctl-{self.controller.lives + 1}",
+            f"--db={db_url}",
+            f"--controller-id={ident}",
             f"--learn-s={2 * self.config.tick_s}",
-            f"--api-port={self.api_port}",
             f"--tokens-file={self.tokens_file}",
         ]
-        env = {"POWERD_RECONNECT_MAX_S": str(self.config.reconnect_max_s)}
-        self.controller.start(argv, env)
+
+    def start_intruder(self, scope: str | None, api_port: int) -> Proc:
+        """A `powerd controller` that should not be there: the site's policy on a SQLite
+        store of its own (a copied unit without POWERD_DB), optionally with `--scope`."""
+        n = len(self.intruders) + 1
+        home = self.workdir / f"intruder-{n}"
+        home.mkdir(exist_ok=True)
+        proc = Proc(f"intruder-{n}", self.workdir)
+        argv = [
+            *self.controller_argv(self.policy_file, f"sqlite:///{home / 'powerd.db'}", proc.name),
+            f"--api-port={api_port}",
+            *([f"--scope={scope}"] if scope else []),
+        ]
+        proc.start(argv, {"POWERD_RECONNECT_MAX_S": str(self.config.reconnect_max_s)})
+        self.intruders.append(proc)
+        return proc
+
+    # -- a pair ----------------------------------------------------------------------------
+
+    async def role(self, member: Proc) -> str | None:
+        """ "leader" or "standby" as the member's /leadership says; None: no answer."""
+        if not member.alive:
+            return None
+        try:
+            r = await self.clients[member.name].get("/api/v1/leadership")
+        except httpx.HTTPError:
+            return None
+        return str(r.json().get("role")) if r.status_code == 200 else None
+
+    def swap(self) -> None:
+        """The standby leads now: it becomes `controller` (and its API the site's)."""
+        assert self.standby is not None
+        self.controller, self.standby = self.standby, self.controller
+
+    async def follow_leader(self) -> None:
+        """Swap the roles when the standby says it leads and the other does not."""
+        if self.standby is None:
+            return
+        if await self.role(self.standby) == "leader" and await self.role(self.controller) != (
+            "leader"
+        ):
+            self.swap()
+
+    async def alarms(self, client: httpx.AsyncClient) -> dict[str, str]:
+        """The alarms a controller's API shows active ({} when it does not answer)."""
+        try:
+            r = await client.get("/api/v1/alarms")
+        except httpx.HTTPError:
+            return {}
+        return {a["kind"]: a["message"] for a in r.json()} if r.status_code == 200 else {}
+
+    async def budget_in_force(self, client: httpx.AsyncClient, group: str) -> float | None:
+        try:
+            r = await client.get("/api/v1/groups", params={"limit": 1000})
+        except httpx.HTTPError:
+            return None
+        if r.status_code != 200:
+            return None
+        return next((g["budget_w"] for g in r.json()["items"] if g["name"] == group), None)
 
     # -- liveness ------------------------------------------------------------------------
 
@@ -271,6 +419,9 @@ class Site:
 
     def step_clock(self, node: str, offset_s: float) -> None:
         write_offset(self.clock_files[node], offset_s)
+
+    def step_member_clock(self, member: Proc, offset_s: float) -> None:
+        write_offset(self.member_clock[member.name], offset_s)
 
     async def partition(self, node: str) -> None:
         await self.proxies[node].cut()

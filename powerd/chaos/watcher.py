@@ -29,7 +29,16 @@ from typing import Literal
 
 from powerd.policy import GroupDef, Policy, subtree_totals
 from powerd.transport import Message, MqttConfig, MqttTransport
-from powerd.wire import CapAck, CapCommand, NodeState, NodeStatus, Topics, WireError, decode
+from powerd.wire import (
+    Authority,
+    CapAck,
+    CapCommand,
+    NodeState,
+    NodeStatus,
+    Topics,
+    WireError,
+    decode,
+)
 
 # Budgets are floats summed in different orders by the allocator and by us.
 TOL_W = 0.01
@@ -90,6 +99,9 @@ class BudgetCheck:
         # ∫ committed dt per group since arming: a site held safe but starved shows here.
         self._committed_ws = [0.0] * len(groups)
         self._armed_s = math.nan
+        # The root's Σ caps + overhead at each change (a step function), to read a fault's
+        # lowest point and its time at failsafe back from.
+        self.root_trace: list[tuple[float, float]] = []
 
     def arm(self, t_s: float) -> None:
         self.armed = True
@@ -133,6 +145,8 @@ class BudgetCheck:
         self.committed_w = [s + o for s, o in zip(sums, self.overhead_w, strict=True)]
         if not self.armed:
             return
+        if not self.root_trace or self.root_trace[-1][1] != self.committed_w[0]:
+            self.root_trace.append((t_s, self.committed_w[0]))
         self.checks += 1
         for i, g in enumerate(self.groups):
             over = self.committed_w[i] - self.budget_w[i]
@@ -151,6 +165,19 @@ class BudgetCheck:
 
     def group_committed_w(self, name: str) -> float:
         return self.committed_w[self.index[name]]
+
+    def root_between(self, t0_s: float, t1_s: float, level_w: float) -> tuple[float, float]:
+        """(the root's lowest Σ caps + overhead from t0 to t1, seconds of that span at or
+        below `level_w`), from the step function of its changes since arming."""
+        lowest, below_s = math.inf, 0.0
+        for i, (t, w) in enumerate(self.root_trace):
+            end = self.root_trace[i + 1][0] if i + 1 < len(self.root_trace) else self.t_s
+            if t > t1_s or end <= t0_s:
+                continue
+            lowest = min(lowest, w)
+            if w <= level_w + TOL_W:
+                below_s += min(end, t1_s) - max(t, t0_s)
+        return lowest, below_s
 
 
 class JournalTail:
@@ -189,6 +216,17 @@ class NodeContext:
     last_ack_tick: int = -1
     last_ack_at: float = -math.inf  # watcher's monotonic time of arrival
     acks: int = 0
+    authority: Authority | None = None  # the one its status says it obeys
+
+
+@dataclass(frozen=True)
+class AuthoritySwitch:
+    """A node's status named another authority than before (an alarm on both sides)."""
+
+    t_s: float
+    node: str
+    before: Authority
+    after: Authority
 
 
 class Watcher:
@@ -217,6 +255,8 @@ class Watcher:
         self.messages: Counter[str] = Counter()
         self.undecodable: Counter[str] = Counter()
         self._cuts: list[tuple[str, float, int]] = []  # (group, W, strict from tick)
+        self.switches: list[AuthoritySwitch] = []
+        self.failsafe_entries: list[tuple[float, str]] = []  # (arrival, node) of each fall
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -249,6 +289,10 @@ class Watcher:
         """A temporary budget took effect after `after_tick` (the API's answer): it binds
         once commands of tick after_tick + 1 + CUT_GRACE_TICKS are seen."""
         self._cuts.append((group, watts, after_tick + 1 + CUT_GRACE_TICKS))
+
+    def cut_pending(self) -> bool:
+        """A cut is waiting for the tick it binds from."""
+        return bool(self._cuts)
 
     def clear(self, group: str) -> None:
         """A temporary budget ends now (call before the API call that ends it)."""
@@ -327,7 +371,16 @@ class Watcher:
                 ctx.last_ack_tick, ctx.last_ack_at = ack.tick, now
                 ctx.acks += 1
             elif kind == "status" and ctx is not None:
-                ctx.state = decode(message.payload, NodeStatus, topic_node=node).state
+                status = decode(message.payload, NodeStatus, topic_node=node)
+                if status.state is NodeState.FAILSAFE and ctx.state is not NodeState.FAILSAFE:
+                    self.failsafe_entries.append((now, node))
+                ctx.state = status.state
+                if status.authority is not None:
+                    if ctx.authority is not None and status.authority != ctx.authority:
+                        self.switches.append(
+                            AuthoritySwitch(now, node, ctx.authority, status.authority)
+                        )
+                    ctx.authority = status.authority
         except WireError as exc:
             self.undecodable[f"{kind}:{exc.reason}"] += 1
 

@@ -71,6 +71,7 @@ def for_daemon(
     lease_s: float | None,
     mode: Mode,
     setting: str = "leader_lease_s",
+    wall: Callable[[], float] = time.time,
 ) -> Leadership:
     """The leadership of a daemon (controller or coordinator) with the default timings:
     a lease of `lease_s` (default 0.4 × the policy's lease_s) renewed every min(lease / 4,
@@ -102,6 +103,7 @@ def for_daemon(
         renew_s=renew_s,
         mode=mode,
         margin_s=min(0.25, lease / 10),
+        wall=wall,
     )
 
 

@@ -18,7 +18,7 @@ from powerd.allocator import kernel
 from powerd.api.app import create_app
 from powerd.api.server import ApiServer
 from powerd.auth import TokenStore, check_secret
-from powerd.clock import SystemClock
+from powerd.clock import Clock, SystemClock
 from powerd.controller.admin import Ledger, PolicyVersionToStore, WriteFailed
 from powerd.controller.controller import Controller
 from powerd.controller.hooks import (
@@ -57,8 +57,10 @@ from powerd.wire import Authority, Topics
 log = structlog.get_logger(__name__)
 
 
-async def run_controller(settings: ControllerSettings) -> None:
+async def run_controller(settings: ControllerSettings, clock: Clock | None = None) -> None:
     """Run until SIGTERM/SIGINT. PolicyError for a bad policy; SIGHUP reloads the policy.
+    `clock`: the system's unless given (the chaos harness steps a standby's wall clock,
+    powerd/chaos/controller.py); the lease's clock check reads the same wall clock.
 
     The database may be down: the controller then starts from its policy file and state
     file, steers, raises an alarm and catches up (migrations, policy version, queued audit
@@ -94,7 +96,7 @@ async def run_controller(settings: ControllerSettings) -> None:
     controller = Controller(
         policy,
         transport,
-        SystemClock(),
+        clock or SystemClock(),
         store=store,
         writer=writer,
         solver=settings.solver,
@@ -221,7 +223,8 @@ def _no_tokens(dev: bool) -> TokenStore:
 def _leadership(
     settings: ControllerSettings, policy: Policy, controller: Controller, ledger: Ledger
 ) -> Leadership:
-    """The lease this controller leads under: its scope's, or the policy root's."""
+    """The lease this controller leads under: its scope's, or the policy root's; its clock
+    check compares the wall clock the controller judges windows by with the database's."""
     leadership = for_daemon(
         settings.db,
         scope=settings.scope or policy.groups[0].name,
@@ -229,6 +232,7 @@ def _leadership(
         control=policy.control,
         lease_s=settings.leader_lease_s,
         mode=settings.leadership_mode(),
+        wall=controller.clock.wall,
     )
     leadership.follow = ledger.follow
     leadership.each_round = ledger.follow_policy
