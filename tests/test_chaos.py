@@ -215,16 +215,8 @@ def pair_report(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosRepor
     [
         FaultKind.STALE_STANDBY,
         FaultKind.SKEWED_STANDBY_CLOCK,
-        # Not strict: a race, lost in 5 of 7 outages of the seed-1 soak. The deterministic
-        # reproduction is tests/test_leadership.py (strict xfail); strict here once fixed.
-        pytest.param(
-            FaultKind.DB_SWITCHOVER,
-            marks=pytest.mark.xfail(
-                strict=False,
-                reason="a tick between the lease deadline and the next failed renewal steps "
-                "the leader down: the fleet falls to failsafe (Leadership.check_deadline)",
-            ),
-        ),
+        # The leader steers through: no node at failsafe (a finding otherwise).
+        FaultKind.DB_SWITCHOVER,
     ],
 )
 def test_a_pair_whose_members_disagree_holds_every_budget(

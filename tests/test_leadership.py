@@ -132,12 +132,6 @@ async def _until_lapsed(leases: Leases) -> None:
     pytest.fail("the lease never lapsed")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="check_deadline steps down when the deadline passes between two failed renewals: "
-    "only a failure *after* the deadline enters the outage, so a tick that comes first ends "
-    "leadership (chaos soak: db_outage on a pair, the fleet at failsafe, 4,400 W of 8,000 W)",
-)
 async def test_a_leader_whose_renewals_fail_before_its_deadline_steers_through(
     db: str, tmp_path: Path
 ) -> None:

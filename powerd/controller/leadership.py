@@ -225,8 +225,27 @@ class Leadership:
         database cannot be reached (`through_outage`)."""
         if self.mode == "alone":
             return True
-        in_time = self.clock() < self._deadline or self.outage_since is not None
+        in_time = self.clock() < self._deadline or self._through_outage()
         return self.leading and self._ready and in_time
+
+    def _through_outage(self) -> bool:
+        """Past the deadline: whether we steer on because the database failed us (its last
+        attempt failed, before the deadline or after it), as opposed to renewals that
+        merely stopped (a paused host), which end leadership at the deadline."""
+        if self.outage_since is not None:
+            return True
+        if not (self.through_outage and self._ready and self.leading and self.failures > 0):
+            return False
+        self.outage_since = self.clock()
+        log.error(
+            "steering_through_db_outage",
+            scope=self.scope,
+            epoch=self.epoch,
+            failures=self.failures,
+            why="the lease could not be renewed; commanding until a newer leader is heard "
+            "(the epoch fences it)",
+        )
+        return True
 
     def supersede(self, epoch: int) -> None:
         """Another controller of our authority says it leads at a higher `epoch`: stop at
@@ -503,16 +522,7 @@ class Leadership:
             else None,
         )
         if self.mode == "lease" and self.leading and self.clock() >= self._deadline:
-            if self.through_outage and self._ready:
-                if self.outage_since is None:
-                    self.outage_since = self.clock()
-                    log.error(
-                        "steering_through_db_outage",
-                        scope=self.scope,
-                        epoch=self.epoch,
-                        why="the lease could not be renewed; commanding until a newer "
-                        "leader is heard (the epoch fences it)",
-                    )
+            if self._through_outage():
                 return
             self._lost("the lease could not be renewed in time", leader_unknown=True)
 
@@ -521,7 +531,7 @@ class Leadership:
         unless the database could not be reached and we steer through the outage."""
         if self.mode != "lease" or not self.leading or self.clock() < self._deadline:
             return
-        if self.outage_since is not None:
+        if self._through_outage():
             return
         self._lost("the lease could not be renewed in time", leader_unknown=True)
         self.changed.set()
