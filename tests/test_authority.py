@@ -657,3 +657,47 @@ def test_a_store_id_guessed_at_a_start_during_an_outage_is_replaced_before_leadi
     assert lead.store_id and lead.store_id == Store(url).store_id()
     ctl._learn_store_id(lead)
     assert ctl.authority == Authority(site="dc", store=lead.store_id, domain="dc")
+
+
+def test_a_coordinator_names_a_scope_controller_that_overlaps_its_scopes(tmp_path: Path) -> None:
+    """Finding 2's other side: a leftover `--scope row` controller beside the coordinator's
+    racks reported to it and was dropped as `unknown_scope`, unnamed. Now it is named."""
+    from typing import cast
+
+    from powerd.coordinator.engine import CoordinatorEngine
+    from powerd.coordinator.main import Coordinator
+    from powerd.wire import ScopeReport
+
+    data = policy_dict()
+    policy = parse_policy(data)
+    engine = CoordinatorEngine(policy, scope_level="rack")
+    assert set(engine.scopes) == {"r1", "r2"}
+    coord = Coordinator(
+        engine,
+        cast(Any, None),
+        cast(Any, None),
+        coordinator_id="coord",
+        topics=TOPICS,
+        state_file=tmp_path / "coord.json",
+        store=cast(Any, None),
+    )
+
+    def report(scope: str) -> bytes:
+        msg = ScopeReport(
+            scope=scope,
+            controller_id="leftover",
+            tick=1,
+            budget_w=4000.0,
+            committed_w=3000.0,
+            failsafe_w=1600.0,
+            lo_w=1600.0,
+            hi_w=5600.0,
+        )
+        return encode(msg)
+
+    with capture_logs() as logs:
+        coord.handle(TOPICS.scope_report("row"), report("row"))
+        coord.handle(TOPICS.scope_report("elsewhere"), report("elsewhere"))
+    assert coord.overlapping == {"row": "leftover"}
+    assert coord.dropped == {"overlapping_scope": 1, "unknown_scope": 1}
+    assert any(e["event"] == "scope_overlap" and e["scope"] == "row" for e in logs)

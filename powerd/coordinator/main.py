@@ -45,7 +45,7 @@ from powerd.controller.opstate import (
 )
 from powerd.controller.overrides import BudgetOverride, NotFound, OverrideError
 from powerd.coordinator.engine import CoordinatorEngine, CoordinatorReport, ScopeBudgetPlan
-from powerd.policy import load_policy
+from powerd.policy import load_policy, overlapping_domains
 from powerd.sdnotify import Notifier
 from powerd.settings import BrokerSettings, SettingsError
 from powerd.store import Store, upgrade
@@ -108,6 +108,10 @@ class Coordinator:
         self.epoch = 0
         self.sent = 0
         self.dropped: dict[str, int] = {}
+        # Scope controllers that report a scope overlapping ours (a leftover --scope r1
+        # beside k1 and k2): scope → its controller, shown in the status and logged. The
+        # agents keep each node with one authority; this names the misconfiguration.
+        self.overlapping: dict[str, str] = {}
 
     def handle(self, topic: str, payload: bytes) -> None:
         try:
@@ -118,13 +122,32 @@ class Coordinator:
             if msg.scope != parsed[0]:
                 raise WireError("scope_mismatch", f"{msg.scope!r} on {topic[:200]!r}")
             if not self.engine.on_report(msg, self.clock.monotonic(), self.epoch):
-                raise WireError("unknown_scope", msg.scope)
+                self._unknown_scope(msg)
         except WireError as exc:
             self.dropped[exc.reason] = self.dropped.get(exc.reason, 0) + 1
             log.warning("report_dropped", topic=topic[:200], reason=exc.reason)
         except Exception:
             self.dropped["internal_error"] = self.dropped.get("internal_error", 0) + 1
             log.exception("report_failed", topic=topic[:200])
+
+    def _unknown_scope(self, msg: ScopeReport) -> None:
+        """A report of a scope we do not divide: overlapping one of ours is a
+        misconfiguration, named (`scope_overlap`); otherwise it is dropped as unknown."""
+        ours = set(self.engine.scopes)
+        hit = sorted(ours & set(overlapping_domains(self.engine.policy, msg.scope)))
+        if not hit:
+            raise WireError("unknown_scope", msg.scope)
+        if self.overlapping.get(msg.scope) != msg.controller_id:
+            log.error(
+                "scope_overlap",
+                scope=msg.scope,
+                controller=msg.controller_id,
+                overlaps=hit,
+                why="a controller steers a scope that overlaps this coordinator's scopes; "
+                "its nodes obey one authority each, but stop the one that should not run",
+            )
+        self.overlapping[msg.scope] = msg.controller_id
+        raise WireError("overlapping_scope", msg.scope)
 
     async def run(self, stop: asyncio.Event, learn_s: float) -> None:
         await self.transport.connect()
@@ -432,6 +455,9 @@ def _scopes_view(coord: Coordinator) -> dict[str, object]:
         ],
         "scopes": [] if r is None else [_scope_row(coord, p) for p in r.budgets],
         "waiting": [] if r is None else list(r.waiting),
+        "overlapping_scopes": [
+            {"scope": s, "controller": c} for s, c in sorted(coord.overlapping.items())
+        ],
     }
 
 
