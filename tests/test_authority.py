@@ -48,6 +48,7 @@ from powerd.transport.base import Message
 from powerd.transport.memory import MemoryBroker
 from powerd.wire import (
     Authority,
+    CapAck,
     CapCommand,
     ControllerState,
     ControllerStatus,
@@ -701,3 +702,32 @@ def test_a_coordinator_names_a_scope_controller_that_overlaps_its_scopes(tmp_pat
     assert coord.overlapping == {"row": "leftover"}
     assert coord.dropped == {"overlapping_scope": 1, "unknown_scope": 1}
     assert any(e["event"] == "scope_overlap" and e["scope"] == "row" for e in logs)
+
+
+def test_a_standby_that_led_before_keeps_its_view_warm() -> None:
+    """Chaos soak: a controller that had led at epoch 5 stood by while another led at 7; it
+    took the leader's nodes for a newer leader's (its own epoch still 5), heard none of
+    their caps, and when it took over at 8 the fleet sat at its minimums for a minute."""
+    policy = parse_policy(policy_dict())
+    engine = TickEngine(policy)
+    engine.authority = Authority(site="dc", store="s", domain="dc")
+    nodes = {n: HonestNode(n) for n in NODES}
+    wall = 1_700_000_000.0
+    engine.epoch = 5  # it led at epoch 5 once
+    for t in range(4):  # now the other controller leads at 7; this one stands by
+        for name, node in nodes.items():
+            node.apply_caps(100 + t, dict.fromkeys(node.uuids, 450.0))
+            msg = node.sample(wall + t).model_copy(update={"epoch": 7})
+            engine.on_telemetry(msg, float(t))
+            engine.on_ack(
+                name,
+                CapAck(node_id=name, tick=100 + t, epoch=7, authority=engine.authority, gpus={}),
+            )
+        engine.observe(float(t))
+    assert engine.foreign_nodes() == {}
+    engine.epoch = 8  # it takes over
+    _, plan = engine.step(4.0, wall + 4)
+    assert plan.waiting_nodes == () and {c.node for c in plan.commands} == set(NODES)
+    assert "foreign_authority" not in engine.alarms.active
+    # Its first commands hold the caps in force (450 W), not every GPU's minimum.
+    assert all(w == 450.0 for c in plan.commands for w in c.caps_w.values())

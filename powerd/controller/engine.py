@@ -589,7 +589,14 @@ class TickEngine:
         """A standby's tick: keep the view warm without deciding or sending anything. The
         fleet's shape is built and the planner folds in what it heard (caps in force from
         telemetry, statuses and the leader's acks), so a takeover's first tick commands at
-        once from the caps in force."""
+        once from the caps in force.
+
+        A standby commands nothing, so no epoch is ours: the leader's messages are news of
+        the caps in force (a standby that led before must not take the epoch it led at for
+        its own, or it would take the leader's nodes for a newer leader's and hear none
+        of them)."""
+        self.epoch = 0
+        self._ahead.clear()
         control = self.policy.control
         if self.fleet.forget(now, control.forget_after_s, dispute_s=control.stale_after_s):
             self.shape = None
