@@ -611,11 +611,14 @@ class Controller(AdminWrites):
                 lead.check_deadline()
                 self._learn_store_id(lead)
             leading = self.leading() and self._scope_budget()
+            if leading:
+                # Before the announcement: the retained status must carry the epoch we
+                # lead at, which is what stops a leader steering through an outage.
+                self._sync_epoch()
             if leading != announced:
                 announced = leading
                 await self._announce(leading)
             if leading:
-                self._sync_epoch()
                 try:
                     await self.tick_once()
                 except Exception:
