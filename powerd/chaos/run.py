@@ -390,9 +390,12 @@ async def _stale_standby(site: Site, fault: Fault, rec: FaultRecord) -> Undo:
     followed = await _wait("standby follows", follows, 10)
     if not followed:
         rec.findings.append("the standby did not follow the stored (lowered) policy in 10 s")
-    differs = await site.alarms(site.clients[standby.name])
-    if "policy_differs" not in differs:
-        rec.findings.append(f"the standby raised no policy_differs ({sorted(differs)})")
+    async def differs() -> bool:
+        return "policy_differs" in await site.alarms(site.clients[standby.name])
+
+    if not await _wait("policy_differs", differs, 5):
+        alarms = sorted(await site.alarms(site.clients[standby.name]))
+        rec.findings.append(f"the standby raised no policy_differs ({alarms})")
     await _wait("cut binds", _cut_bound(site), 10)
     leader.kill()
 

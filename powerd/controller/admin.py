@@ -683,7 +683,10 @@ class Ledger:
         ctl = self._ctl
         if store is None or any(not v.unless_active for v in self.versions):
             return  # an operator's version is on its way to the store: the newer word
-        row = await asyncio.to_thread(store.active_policy)
+        path = ctl.policy_path
+        # One read of both: the adoption and the alarm then happen together, no await
+        # between (a reader never sees the one without the other).
+        row, file_sha = await asyncio.to_thread(lambda: (store.active_policy(), file_sha256(path)))
         if row is None:
             return
         # A start-up version queued while the database was down never replaces the one
@@ -709,7 +712,6 @@ class Ledger:
                 source=row.source,
                 author=row.author,
             )
-        file_sha = await asyncio.to_thread(file_sha256, ctl.policy_path)
         api = self.api_policy
         unchanged_under_api = api is not None and api.sha256 == row.sha256
         differs = file_sha is not None and file_sha != row.sha256 and not unchanged_under_api
