@@ -421,14 +421,9 @@ class SafetyPlanner:
         """Count the node's GPUs at their maximum from now until a command of ours sent
         after this call is acknowledged (a handover in progress: the successor may raise
         them any time). What is known of the caps in force stays: commands hold or cut."""
-        layout = self._require_layout()
-        k = self._node_index.get(node)
-        if k is None:
-            return
-        self._absorb()
-        idx = self._node_gpus[k]
-        self._prior_hi[idx] = layout.max_cap_w[idx]
-        self._prior_tick[idx] = _UNSENT
+        idx = self._absorbed_gpus(node)
+        if idx is not None:
+            self._count_at_max(idx)
 
     def node_foreign(self, node: str) -> None:
         """The node obeys another authority (docs/safety.md, "Authority"): whatever is in
@@ -437,21 +432,32 @@ class SafetyPlanner:
         other's silence) brings them back. What was known or sent before says nothing now:
         readings keyed by the other's ticks, our unacknowledged commands (a node that takes
         us over applies only a newer one). Call it every tick while the node is foreign."""
-        layout = self._require_layout()
-        k = self._node_index.get(node)
-        if k is None:
+        idx = self._absorbed_gpus(node)
+        if idx is None:
             return
-        self._absorb()
-        idx = self._node_gpus[k]
+        layout = self._require_layout()
+        self._count_at_max(idx)
         self._hi[idx] = layout.max_cap_w[idx]
         self._lo[idx] = layout.min_cap_w[idx]
         self._key[idx] = NO_TICK
-        self._prior_hi[idx] = layout.max_cap_w[idx]
-        self._prior_tick[idx] = _UNSENT
         self._pend_tick[idx] = -1
         self._pend_hi[idx] = 0.0
         self._pend_lo[idx] = np.inf
         self._last_ack.pop(node, None)
+
+    def _absorbed_gpus(self, node: str) -> IntArray | None:
+        """The node's GPUs (None: not in the layout), with the queued messages folded in."""
+        self._require_layout()
+        k = self._node_index.get(node)
+        if k is None:
+            return None
+        self._absorb()
+        return self._node_gpus[k]
+
+    def _count_at_max(self, idx: IntArray) -> None:
+        layout = self._require_layout()
+        self._prior_hi[idx] = layout.max_cap_w[idx]
+        self._prior_tick[idx] = _UNSENT
 
     def _clear_queue(self) -> None:
         self._q_gpu: list[int] = []

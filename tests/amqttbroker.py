@@ -9,36 +9,21 @@ the Python that runs the tests. POWERD_TEST_AMQTT names another one.
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
-from types import TracebackType
-from typing import Self
 
-from powerd.testing.mosquitto import LocalMosquitto, free_port
+from powerd.testing.mosquitto import BrokerProcess, LocalMosquitto
 
 
 def amqtt_command() -> Path:
     return Path(os.environ.get("POWERD_TEST_AMQTT") or Path(sys.executable).parent / "amqtt")
 
 
-class LocalAmqtt:
+class LocalAmqtt(BrokerProcess):
+    name = "amqtt"
+
     def __init__(self, workdir: Path, port: int | None = None) -> None:
-        self.workdir = workdir
-        self.port = port or free_port()
-        self.config_file = workdir / "amqtt.yaml"
-        self.log_file = workdir / "amqtt.log"
-        self._proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"mqtt://127.0.0.1:{self.port}"
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        super().__init__(workdir, port, workdir / "amqtt.yaml", workdir / "amqtt.log")
 
     def start(self, timeout_s: float = 30.0) -> None:
         if self.running:
@@ -54,45 +39,7 @@ class LocalAmqtt:
             "  amqtt.plugins.authentication.AnonymousAuthPlugin:\n"
             "    allow_anonymous: true\n"
         )
-        with self.log_file.open("ab") as log:
-            self._proc = subprocess.Popen(
-                [str(amqtt_command()), "-c", str(self.config_file)], stdout=log, stderr=log
-            )
-        deadline = time.monotonic() + timeout_s
-        while not self._accepts_connections():
-            if self._proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(
-                    f"amqtt did not start on port {self.port}: "
-                    + self.log_file.read_text(errors="replace")[-2000:]
-                )
-            time.sleep(0.05)
-
-    def _accepts_connections(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                return True
-        except OSError:
-            return False
-
-    def kill(self) -> None:
-        """Die at once, like a crashed broker: no clean goodbye to any client."""
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.wait()
-            self._proc = None
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.kill()
+        self._launch([str(amqtt_command()), "-c", str(self.config_file)], timeout_s, 0.05)
 
 
 Broker = LocalMosquitto | LocalAmqtt  # what the `broker` fixture gives

@@ -390,6 +390,7 @@ async def _stale_standby(site: Site, fault: Fault, rec: FaultRecord) -> Undo:
     followed = await _wait("standby follows", follows, 10)
     if not followed:
         rec.findings.append("the standby did not follow the stored (lowered) policy in 10 s")
+
     async def differs() -> bool:
         return "policy_differs" in await site.alarms(site.clients[standby.name])
 

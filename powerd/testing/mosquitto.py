@@ -21,20 +21,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class LocalMosquitto:
-    def __init__(
-        self,
-        workdir: Path,
-        port: int | None = None,
-        binary: str = MOSQUITTO,
-        extra_config: str = "",
-    ) -> None:
+class BrokerProcess:
+    """A broker as a process of its own on a loopback port: started (waiting until it
+    accepts connections), killed like a crashed broker, started again on the same port."""
+
+    name = "broker"
+
+    def __init__(self, workdir: Path, port: int | None, config_file: Path, log_file: Path):
         self.workdir = workdir
-        self.extra_config = extra_config  # more mosquitto.conf lines (limits, ...)
         self.port = port or free_port()
-        self.binary = binary
-        self.config_file = workdir / "mosquitto.conf"
-        self.log_file = workdir / "mosquitto.log"
+        self.config_file = config_file
+        self.log_file = log_file
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -46,29 +43,20 @@ class LocalMosquitto:
         return self._proc is not None and self._proc.poll() is None
 
     def start(self, timeout_s: float = 10.0) -> None:
-        if self.running:
-            return
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.config_file.write_text(
-            f"listener {self.port} 127.0.0.1\n"
-            "allow_anonymous true\n"
-            "persistence false\n"
-            "set_tcp_nodelay true\n"
-            "log_dest stderr\n" + self.extra_config
-        )
+        raise NotImplementedError  # each broker writes its own configuration
+
+    def _launch(self, argv: list[str], timeout_s: float, poll_s: float) -> None:
         with self.log_file.open("ab") as log:
-            self._proc = subprocess.Popen(
-                [self.binary, "-c", str(self.config_file)], stdout=log, stderr=log
-            )
+            self._proc = subprocess.Popen(argv, stdout=log, stderr=log)
         deadline = time.monotonic() + timeout_s
         while not self._accepts_connections():
             if self._proc.poll() is not None or time.monotonic() > deadline:
                 self.kill()
                 raise RuntimeError(
-                    f"mosquitto did not start on port {self.port}: "
+                    f"{self.name} did not start on port {self.port}: "
                     + self.log_file.read_text(errors="replace")[-2000:]
                 )
-            time.sleep(0.02)
+            time.sleep(poll_s)
 
     def _accepts_connections(self) -> bool:
         try:
@@ -95,3 +83,31 @@ class LocalMosquitto:
         tb: TracebackType | None,
     ) -> None:
         self.kill()
+
+
+class LocalMosquitto(BrokerProcess):
+    name = "mosquitto"
+
+    def __init__(
+        self,
+        workdir: Path,
+        port: int | None = None,
+        binary: str = MOSQUITTO,
+        extra_config: str = "",
+    ) -> None:
+        super().__init__(workdir, port, workdir / "mosquitto.conf", workdir / "mosquitto.log")
+        self.extra_config = extra_config  # more mosquitto.conf lines (limits, ...)
+        self.binary = binary
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        if self.running:
+            return
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config_file.write_text(
+            f"listener {self.port} 127.0.0.1\n"
+            "allow_anonymous true\n"
+            "persistence false\n"
+            "set_tcp_nodelay true\n"
+            "log_dest stderr\n" + self.extra_config
+        )
+        self._launch([self.binary, "-c", str(self.config_file)], timeout_s, 0.02)
