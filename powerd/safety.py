@@ -417,13 +417,13 @@ class SafetyPlanner:
         self._lo[idx] = layout.min_cap_w[idx]
         self._events.append(SafetyEvent("node_offline", node=node))
 
-    def count_at_max(self, node: str) -> None:
-        """Count the node's GPUs at their maximum from now until a command of ours sent
-        after this call is acknowledged (a handover in progress: the successor may raise
-        them any time). What is known of the caps in force stays: commands hold or cut."""
-        idx = self._absorbed_gpus(node)
-        if idx is not None:
-            self._count_at_max(idx)
+    def count_at_max(self) -> None:
+        """Count every GPU at its maximum from now until a command of ours sent after this
+        call is acknowledged (a handover in progress: the successors may raise any of them
+        any time). What is known of the caps in force stays: commands hold or cut."""
+        layout = self._require_layout()
+        self._absorb()
+        self._count_at_max(np.arange(layout.n_gpus))
 
     def node_foreign(self, node: str) -> None:
         """The node obeys another authority (docs/safety.md, "Authority"): whatever is in

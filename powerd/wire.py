@@ -141,6 +141,12 @@ class Authority(BaseModel):
         return f"site {self.site or '?'} store {self.store[:12] or '?'} domain {self.domain or '?'}"
 
 
+# What the commands of a controller older than authorities carry: agents that obey it take
+# the first command of a real authority at once (an upgrade costs no lease at failsafe),
+# and controllers do not count its nodes as foreign.
+LEGACY_AUTHORITY = Authority()
+
+
 class CapCommand(_Msg):
     tick: Tick
     epoch: Epoch = 0  # the leader's; absent (an older controller): 0

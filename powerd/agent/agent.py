@@ -44,6 +44,7 @@ from powerd.transport.base import (
 from powerd.transport.mqtt import MqttTransport
 from powerd.wire import (
     CAP_TOLERANCE_W,
+    LEGACY_AUTHORITY,
     MAX_TICK,
     AckError,
     Authority,
@@ -62,7 +63,6 @@ from powerd.wire import (
 
 log = structlog.get_logger(__name__)
 
-LEGACY = Authority()  # what commands of a controller older than authorities carry
 
 _TELEMETRY_STATE: dict[NodeState, Literal["steered", "failsafe", "starting"]] = {
     NodeState.STARTING: "starting",
@@ -274,7 +274,7 @@ class Agent:
             return "same"
         now = self.clock.monotonic()
         back_too_soon = a == self.previous_authority and now < self._handed_until
-        if (a in self.successors and not back_too_soon) or self.authority == LEGACY:
+        if (a in self.successors and not back_too_soon) or self.authority == LEGACY_AUTHORITY:
             # Named by the one obeyed; or that one is a controller of a release before
             # authorities (the empty one): an upgrade must not cost a lease at failsafe.
             # Not straight back to the one just left (two authorities naming each other

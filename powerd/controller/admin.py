@@ -352,9 +352,8 @@ class AdminWrites:
                 raise OverrideError("name the domain of each authority")
             if a == ours:
                 raise OverrideError("a handover names another authority than this one")
-        to = named
         self.engine.overrides.handover = tuple(named)
-        payload = {"to": [a.model_dump() for a in to]}
+        payload = {"to": [a.model_dump() for a in named]}
         self.ledger.journal(
             "authority.handover", ours.domain, payload, actor=actor, role=role, reason=reason
         )

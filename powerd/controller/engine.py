@@ -29,12 +29,13 @@ from powerd.controller.fleet import FleetArrays, FleetGpu, FleetState
 from powerd.controller.jobs import GpuPlaces, JobView
 from powerd.controller.overrides import Overrides
 from powerd.controller.why import Decided, WhyFrame, why_frame
-from powerd.policy import LEVELS, Policy, scoped
+from powerd.policy import LEVELS, Policy, overlapping_domains, scoped
 from powerd.ramp import BudgetRamp, lead_s
 from powerd.safety import FleetLayout, OverloadRule, SafePlan, SafetyPlanner
 from powerd.topology import N_LEVELS, Topology
 from powerd.wire import (
     CAP_TOLERANCE_W,
+    LEGACY_AUTHORITY,
     MAX_TICK,
     Authority,
     CapAck,
@@ -46,10 +47,6 @@ from powerd.wire import (
 )
 
 log = structlog.get_logger(__name__)
-
-# The authority of commands from a controller older than authorities: a node that obeys one
-# is taken over by the first command of ours (its agent treats it as handing over).
-LEGACY = Authority()
 
 # A restarted controller's first tick lies this far above the newest it has heard of: its
 # predecessor may have sent ticks nobody reported yet, and agents apply only newer ticks, so
@@ -238,7 +235,7 @@ class TickEngine:
         self.superseded_by = 0
         self._foreign: dict[str, Authority] = {}
         self._intruders: dict[str, tuple[Authority, str, int, float]] = {}
-        self._rivals: dict[str, tuple[ControllerStatus, float]] = {}
+        self._rivals: dict[str, ControllerStatus] = {}  # controller id → its status
         self._came_over: dict[str, Authority] = {}  # node → the authority it left (events)
         self._outliers: tuple[str, ...] = ()
         self._message_error: str | None = None
@@ -386,7 +383,7 @@ class TickEngine:
         obeys another is foreign until it says otherwise. None: an agent that obeys nobody
         yet (or an older agent), which any command of ours may still take."""
         ours = self.authority
-        if ours is None or authority is None or authority in (ours, LEGACY):
+        if ours is None or authority is None or authority in (ours, LEGACY_AUTHORITY):
             if self._foreign.pop(node, None) is not None:
                 log.warning("node_obeys_us_again", node=node)
             return True
@@ -416,7 +413,7 @@ class TickEngine:
         silence, or a handover): an event naming the one it left, once per change."""
         prev = status.previous_authority
         ours = self.authority
-        if ours is None or status.authority != ours or prev in (None, LEGACY, ours):
+        if ours is None or status.authority != ours or prev in (None, LEGACY_AUTHORITY, ours):
             return
         assert prev is not None
         if self._came_over.get(node) == prev:
@@ -454,10 +451,10 @@ class TickEngine:
         if ours is None or other is None:
             self._rivals.pop(controller_id, None)
             return
-        names = {g.name for g in self.policy.groups} | {ours.domain}
-        overlaps = other.site == ours.site and other.domain in names
+        domains = {ours.domain, *overlapping_domains(self.policy, ours.domain)}
+        overlaps = other.site == ours.site and other.domain in domains
         if status.state is ControllerState.ACTIVE and overlaps:
-            self._rivals[controller_id] = (status, self._now)
+            self._rivals[controller_id] = status
         else:
             self._rivals.pop(controller_id, None)
 
@@ -474,8 +471,7 @@ class TickEngine:
             self.planner.node_foreign(node)
         if self.overrides.handover:
             # Handing over: the successor may command any node from its first command on.
-            for node in self.fleet.node_order:
-                self.planner.count_at_max(node)
+            self.planner.count_at_max()
 
     def message_failed(self, error: str) -> None:
         """A message hit a fault of ours: the next tick raises an event with the last such."""
@@ -707,7 +703,7 @@ class TickEngine:
         for node, (auth, ctl, _, at) in sorted(self._intruders.items()):
             if self._now - at <= recent:
                 others.setdefault((auth, ctl), []).append(node)
-        for cid, (st, _) in sorted(self._rivals.items()):
+        for cid, st in sorted(self._rivals.items()):
             if st.authority is not None:
                 others.setdefault((st.authority, cid), [])
         self._alarm(
