@@ -158,13 +158,17 @@ def cmd_db_id(args: argparse.Namespace) -> int:
     from powerd.store import Store
 
     try:
-        print(Store(args.db).store_id())
-    except (SQLAlchemyError, LookupError) as exc:
+        store_id = Store(args.db).store_id()
+    except SQLAlchemyError as exc:
         print(
             f"powerd db id: {args.db}: {exc.__class__.__name__}: {str(exc).splitlines()[0]}",
             file=sys.stderr,
         )
         return EXIT_FAILED
+    if store_id is None:
+        print(f"powerd db id: {args.db} has no id yet: run `powerd db upgrade`", file=sys.stderr)
+        return EXIT_FAILED
+    print(store_id)
     return EXIT_OK
 
 

@@ -85,6 +85,16 @@ def test_db_upgrade_is_idempotent(tmp_path: Path) -> None:
     assert "already at" in second.stdout
 
 
+def test_db_id_prints_the_store_id_once_migrated(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'p.db'}"
+    before = powerd("db", "id", "--db", url)
+    assert before.returncode == 1 and "run `powerd db upgrade`" in before.stderr
+    assert powerd("db", "upgrade", "--db", url).returncode == 0
+    first, again = powerd("db", "id", "--db", url), powerd("db", "id", "--db", url)
+    assert first.returncode == 0 and len(first.stdout.strip()) == 32
+    assert again.stdout == first.stdout  # made once, when the database was created
+
+
 def test_bad_broker_url_is_a_clear_error() -> None:
     out = powerd("agent", "--node-id", "n1", "--broker", "http://x", "--backend", "mock")
     assert out.returncode == 2

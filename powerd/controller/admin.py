@@ -685,13 +685,18 @@ class Ledger:
         path = ctl.policy_path
         # One read of both: the adoption and the alarm then happen together, no await
         # between (a reader never sees the one without the other).
-        row, file_sha = await asyncio.to_thread(lambda: (store.active_policy(), file_sha256(path)))
-        if row is None:
+        head, file_sha = await asyncio.to_thread(
+            lambda: (store.active_policy_head(), file_sha256(path))
+        )
+        if head is None:
             return
         # A start-up version queued while the database was down never replaces the one
         # of record (it would be stored only into an empty store): it is moot now.
         self.versions = [v for v in self.versions if not v.unless_active]
-        if row.version != ctl.policy_version and not self.versions:
+        if head.version != ctl.policy_version and not self.versions:
+            row = await asyncio.to_thread(store.policy_version, head.version)
+            if row is None or self.versions:
+                return  # replaced meanwhile, or an operator's write came: the next round
             try:
                 policy = load_policy_text(row.yaml_text, row.source)
             except PolicyError as exc:
@@ -712,13 +717,13 @@ class Ledger:
                 author=row.author,
             )
         api = self.api_policy
-        unchanged_under_api = api is not None and api.sha256 == row.sha256
-        differs = file_sha is not None and file_sha != row.sha256 and not unchanged_under_api
+        unchanged_under_api = api is not None and api.sha256 == head.sha256
+        differs = file_sha is not None and file_sha != head.sha256 and not unchanged_under_api
         ctl._alarm(
             "policy_differs",
             f"policy file {ctl.policy_path} (sha256 {file_sha[:12]}) differs from the stored "
-            f"policy of record, version {row.version} (sha256 {row.sha256[:12]}, "
-            f"{row.source}, by {row.author}), which this controller steers; store the file "
+            f"policy of record, version {head.version} (sha256 {head.sha256[:12]}, "
+            f"{head.source}, by {head.author}), which this controller steers; store the file "
             "with SIGHUP on any member (or replace the policy through the API)"
             if differs and file_sha is not None
             else None,

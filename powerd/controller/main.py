@@ -328,15 +328,6 @@ async def _authority(
     return authority
 
 
-def _store_id_of(store: Store) -> str | None:
-    """(worker thread) The store's id; None for a database not migrated to it (a shadow
-    reads a database it does not migrate)."""
-    try:
-        return store.store_id()
-    except LookupError:
-        return None
-
-
 def _store_id(db: _DbAtStart, state_path: Path) -> str:
     """(worker thread) The store's id, kept beside the state file: a controller that starts
     while its database is down commands for the store it last knew (agents refuse another
@@ -367,7 +358,7 @@ def _open_db(store: Store, url: str, *, migrate: bool = True) -> _DbAtStart:
     try:
         if migrate:
             upgrade(url)
-        store_id = _store_id_of(store)
+        store_id = store.store_id()
         row = store.latest_operator_state()
         caps = store.latest_caps()
     except Exception as exc:

@@ -25,7 +25,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 
-from powerd.store.models import ControllerMember, LeaderLease
+from powerd.store.models import ControllerMember, LeaderLease, StoreIdentity
 from powerd.wire import MAX_EPOCH
 
 _T: sa.Table = LeaderLease.__table__  # type: ignore[assignment]
@@ -147,12 +147,7 @@ class Leases:
 
     def store_id(self) -> str | None:
         """The store's id (migration 0006); None before its migrations have run."""
-        with self.engine.begin() as conn:
-            if not sa.inspect(conn).has_table("store_identity"):
-                return None
-            row = conn.execute(sa.text("SELECT store_id FROM store_identity WHERE id = 1"))
-            value = row.scalar_one_or_none()
-        return None if value is None else str(value)
+        return read_store_id(self.engine)
 
     def db_time(self) -> float:
         """The database's wall clock now, in Unix seconds: what a controller's own clock is
@@ -218,6 +213,17 @@ class Leases:
         """A controller that stops cleanly leaves the list at once."""
         with self.engine.begin() as conn:
             conn.execute(sa.delete(_M).where(_M.c.scope == scope, _M.c.holder == holder))
+
+
+def read_store_id(engine: Engine) -> str | None:
+    """The id a database got when it was created (migration 0006): the store's name in every
+    command (docs/safety.md, "Authority"). None before its migrations have run."""
+    table: sa.Table = StoreIdentity.__table__  # type: ignore[assignment]
+    with engine.begin() as conn:
+        if not sa.inspect(conn).has_table(table.name):
+            return None
+        value = conn.execute(sa.select(table.c.store_id).where(table.c.id == 1)).scalar()
+    return None if value is None else str(value)
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,7 @@ from sqlalchemy.orm import sessionmaker
 
 from powerd.alarms import Severity
 from powerd.store.db import DEFAULT_URL, make_engine
+from powerd.store.leases import read_store_id
 from powerd.store.models import (
     AuditEntry,
     Base,
@@ -44,10 +45,20 @@ from powerd.store.models import (
     Node,
     OperatorState,
     PolicyVersion,
-    StoreIdentity,
     Tick,
 )
 from powerd.store.records import EventRecord, Page
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyHead:
+    """A stored policy version's number, hash and origin, without its text."""
+
+    version: int
+    sha256: str
+    source: str
+    author: str
+
 
 log = structlog.get_logger(__name__)
 
@@ -274,13 +285,10 @@ class Store:
                 )
             return bool(result.rowcount)
 
-    def store_id(self) -> str:
+    def store_id(self) -> str | None:
         """The id this database got when it was created (migration 0006): the store's name
-        in every command (docs/safety.md, "Authority"). LookupError on a store not migrated."""
-        row = self._one(select(StoreIdentity).where(StoreIdentity.id == 1))
-        if row is None:
-            raise LookupError("the store has no identity: run its migrations (powerd db upgrade)")
-        return row.store_id
+        in every command (docs/safety.md, "Authority"). None before its migrations."""
+        return read_store_id(self.engine)
 
     def latest_operator_state(self) -> OperatorState | None:
         """The highest revision of the operators' state; None before the first."""
@@ -367,6 +375,20 @@ class Store:
 
     def active_policy(self) -> PolicyVersion | None:
         return self._one(select(PolicyVersion).where(PolicyVersion.active))
+
+    def active_policy_head(self) -> PolicyHead | None:
+        """The active version without its text: what a controller compares every lease
+        round (the text, which may be large, is read only when the version changed)."""
+        with self._sessions() as session:
+            row = session.execute(
+                select(
+                    PolicyVersion.version,
+                    PolicyVersion.sha256,
+                    PolicyVersion.source,
+                    PolicyVersion.author,
+                ).where(PolicyVersion.active)
+            ).first()
+        return None if row is None else PolicyHead(*row)
 
     def policy_version(self, version: int) -> PolicyVersion | None:
         return self._one(select(PolicyVersion).where(PolicyVersion.version == version))
