@@ -23,6 +23,7 @@ from honest import NODES, HonestNode, policy_dict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
+from test_leadership import _until_lapsed
 
 from powerd.agent.agent import Agent
 from powerd.agent.settings import AgentSettings
@@ -407,21 +408,42 @@ def _member(url: str, name: str, policy_file: Path, tmp: Path) -> tuple[Controll
     return controller, lead
 
 
-async def test_a_standby_with_a_stale_policy_file_steers_the_policy_of_record(
-    tmp_path: Path,
-) -> None:
-    """Finding 3: the leader's file lowered to 6,000 W and stored; the standby's file still
-    7,000 W. The standby steers the stored 6,000 W (and says its file differs), also after
-    it takes over; a SIGHUP on any member stores its file for the whole pair."""
+@dataclass
+class StalePair:
+    """A pair on one SQLite store: the leader's file at 6,000 W (stored as the policy of
+    record), the standby's a stale one at 7,000 W."""
+
+    leader: Controller
+    lead_a: Leadership
+    standby: Controller
+    lead_b: Leadership
+    stale_file: Path
+
+
+def _stale_pair(tmp_path: Path) -> StalePair:
     url = f"sqlite:///{tmp_path / 'powerd.db'}"
     upgrade(url)
     leader_file = _policy_file(tmp_path / "leader.yaml", 6000)
     stale_file = _policy_file(tmp_path / "standby.yaml", 7000)
     leader, lead_a = _member(url, "ctl-a", leader_file, tmp_path)
     standby, lead_b = _member(url, "ctl-b", stale_file, tmp_path)
-    leader.policy_version = leader.store.record_policy_version(  # type: ignore[union-attr]
+    store = leader.store
+    assert store is not None
+    leader.policy_version = store.record_policy_version(
         leader_file.read_text(), source=str(leader_file), author="controller", reason="start-up"
     )
+    return StalePair(leader, lead_a, standby, lead_b, stale_file)
+
+
+async def test_a_standby_with_a_stale_policy_file_steers_the_policy_of_record(
+    tmp_path: Path,
+) -> None:
+    """Finding 3: the leader's file lowered to 6,000 W and stored; the standby's file still
+    7,000 W. The standby steers the stored 6,000 W (and says its file differs), also after
+    it takes over; a SIGHUP on any member stores its file for the whole pair."""
+    p = _stale_pair(tmp_path)
+    leader, lead_a, standby, lead_b = p.leader, p.lead_a, p.standby, p.lead_b
+    stale_file = p.stale_file
     await lead_a.attempt()
     assert lead_a.may_command()
     await lead_b.attempt()
@@ -445,15 +467,6 @@ async def test_a_standby_with_a_stale_policy_file_steers_the_policy_of_record(
     await lead_a.attempt()  # the old leader, back as a standby
     assert leader.policy.groups[0].budget_w == 5000.0
     assert "leader.yaml" in leader.alarms["policy_differs"]
-
-
-async def _until_lapsed(leases: Leases) -> None:
-    for _ in range(200):
-        lease = leases.current("dc")
-        if lease is None or lease.lapsed:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("the lease never lapsed")
 
 
 # -- time agrees or the host does not lead -----------------------------------------------------
@@ -612,17 +625,10 @@ async def test_a_member_started_while_its_database_is_down_never_replaces_the_po
     queued the file as a start-up version, stored it as active when the database came
     back, and the leader followed it (+33 %). A start-up version under a lease is stored
     only into an empty store; once the store answers, the policy of record is followed."""
-    url = f"sqlite:///{tmp_path / 'powerd.db'}"
-    upgrade(url)
-    leader_file = _policy_file(tmp_path / "leader.yaml", 6000)
-    stale_file = _policy_file(tmp_path / "standby.yaml", 7000)
-    leader, lead_a = _member(url, "ctl-a", leader_file, tmp_path)
-    standby, lead_b = _member(url, "ctl-b", stale_file, tmp_path)
-    store = leader.store
+    p = _stale_pair(tmp_path)
+    leader, lead_a, standby, lead_b = p.leader, p.lead_a, p.standby, p.lead_b
+    stale_file, store = p.stale_file, p.leader.store
     assert store is not None
-    leader.policy_version = store.record_policy_version(
-        leader_file.read_text(), source=str(leader_file), author="controller", reason="start-up"
-    )
     # What a start during the outage queued (controller/main.py, _start_version).
     standby.ledger.versions.append(
         PolicyVersionToStore(
