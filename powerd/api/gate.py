@@ -25,12 +25,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import structlog
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from powerd.auth import TokenStore
+from powerd.auth import Principal, TokenStore
 
 log = structlog.get_logger(__name__)
 
+PRINCIPAL = "principal"  # where the gate leaves the caller in the request's state
 KIB = 1024
 MIB = 1024 * KIB
 
@@ -95,11 +97,13 @@ class RequestGate:
         declared = _content_length(headers)
         has_body = bool(declared) or (declared is None and "transfer-encoding" in headers)
         if not self.is_open(path):
-            why = self._unauthenticated(headers.get("authorization"))
-            if why is not None:
+            principal, why = self._authenticate(headers.get("authorization"))
+            if principal is None:
                 log.warning("api_unauthorized", path=path[:200], method=method, body_bytes=declared)
                 await _refuse(send, 401, why, close=has_body, bearer=True)
                 return
+            # The endpoints check the role of the caller found here (`authenticated`).
+            scope.setdefault("state", {})[PRINCIPAL] = principal
         limit = self.limits.for_request(method, path)
         if declared is not None and declared > limit:
             log.warning(
@@ -113,16 +117,20 @@ class RequestGate:
             return
         await _Limited(self.app, limit, path, method)(scope, receive, send)
 
-    def _unauthenticated(self, authorization: str | None) -> str | None:
-        """Why the request is not authenticated; None if its bearer token is known."""
+    def _authenticate(self, authorization: str | None) -> tuple[Principal | None, str]:
+        """The caller its bearer token names, or None and why not."""
         if authorization is None:
-            return "missing bearer token"
+            return None, "missing bearer token"
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            return "missing bearer token"
-        if self.tokens.authenticate(token.strip()) is None:
-            return "unknown or revoked token"
-        return None
+            return None, "missing bearer token"
+        principal = self.tokens.authenticate(token.strip())
+        return principal, "unknown or revoked token"
+
+
+def authenticated(request: Request) -> Principal | None:
+    """The caller the gate authenticated for this request (None on an open path)."""
+    return getattr(request.state, PRINCIPAL, None)
 
 
 class _Limited:

@@ -30,7 +30,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, Field, ValidationError
 
-from powerd.api.gate import KIB, BodyLimits, RequestGate, open_paths
+from powerd.api.gate import KIB, BodyLimits, RequestGate, authenticated, open_paths
 from powerd.api.server import ApiServer
 from powerd.auth import Principal, Role, TokenStore
 from powerd.clock import SystemClock
@@ -356,7 +356,12 @@ def _role(role: Role):  # type: ignore[no-untyped-def]
         cred: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
     ) -> Principal:
         tokens: TokenStore = request.app.state.tokens
-        p = None if cred is None else tokens.authenticate(cred.credentials)
+        # The gate authenticated the caller before the body was read (powerd.api.gate).
+        p = (
+            None
+            if cred is None
+            else authenticated(request) or tokens.authenticate(cred.credentials)
+        )
         if p is None:
             raise HTTPException(401, "missing or unknown bearer token")
         if p.role < role:
