@@ -20,7 +20,7 @@ from numpy.typing import NDArray
 
 from powerd.policy import Policy
 from powerd.topology import FloatArray, IntArray, Topology
-from powerd.wire import Authority, CapCommand, GpuAck
+from powerd.wire import LEGACY_AUTHORITY, Authority, CapCommand, GpuAck
 
 BoolArray = NDArray[np.bool_]
 
@@ -117,7 +117,7 @@ class NodeCommand(NamedTuple):
             node_id=self.node,
             tick=self.tick,
             epoch=epoch,
-            authority=authority or Authority(),
+            authority=authority or LEGACY_AUTHORITY,
             handover=list(handover),
             lease_s=self.lease_s,
             caps=self.caps_w,
@@ -407,12 +407,10 @@ class SafetyPlanner:
         it reports again with a reading at least as new (by tick) as the last one we had.
         Before the first layout no node is known: nothing to forget (the caller replays what
         it heard once the GPUs are laid out, as with the other messages)."""
-        k = self._node_index.get(node)
-        if k is None:
+        idx = self._absorbed_gpus(node)
+        if idx is None:
             return
         layout = self._require_layout()
-        self._absorb()
-        idx = self._node_gpus[k]
         self._hi[idx] = layout.max_cap_w[idx]
         self._lo[idx] = layout.min_cap_w[idx]
         self._events.append(SafetyEvent("node_offline", node=node))
@@ -446,8 +444,8 @@ class SafetyPlanner:
         self._last_ack.pop(node, None)
 
     def _absorbed_gpus(self, node: str) -> IntArray | None:
-        """The node's GPUs (None: not in the layout), with the queued messages folded in."""
-        self._require_layout()
+        """The node's GPUs (None: not in the layout, or no layout yet), with the queued
+        messages folded in."""
         k = self._node_index.get(node)
         if k is None:
             return None
