@@ -183,18 +183,22 @@ class Leases:
     def overlapping(self, scopes: Sequence[str]) -> list[Overlap]:
         """The running leases of `scopes` (not lapsed by the database's clock), with the
         domains their holders say they hand over to: the scope registry's question."""
-        if not scopes:
+        wanted = set(scopes)
+        if not wanted:
             return []
+        # The running leases are few (one a scope that leads); the domains that overlap
+        # ours may be thousands (every rack of a hall): filter here, not in an IN list.
         member = sa.and_(_M.c.scope == _T.c.scope, _M.c.holder == _T.c.holder)
         with self.engine.begin() as conn:
             rows = conn.execute(
                 sa.select(_T.c.scope, _T.c.holder, _T.c.acquired_at, _M.c.handing_to)
                 .select_from(_T.outerjoin(_M, member))
-                .where(_T.c.scope.in_(list(scopes)), _T.c.expires_at > self._now)
+                .where(_T.c.expires_at > self._now)
             ).all()
         return [
             Overlap(str(s), str(h), float(a), tuple(filter(None, (t or "").split(","))))
             for s, h, a, t in rows
+            if s in wanted
         ]
 
     def members(self, scope: str, within_s: float) -> list[Member]:
