@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from powerd.controller.engine import TickEngine
 from powerd.policy import Overload, PolicyError, overload_reaction_s, parse_policy, with_overload
 from powerd.safety import OverloadRule
-from powerd.sim.engine import simulate
+from powerd.sim.run import simulate
 from powerd.sim.scenario import parse_scenario
 from powerd.sim.site import build_mix, build_site
 from powerd.testing.synthetic import policy_dict as synthetic_policy
@@ -274,3 +274,35 @@ def test_a_scope_root_keeps_the_strict_rule_under_its_coordinator() -> None:
     by_name = {g.name: g for g in scope.groups}
     assert by_name["dc"].overload is None and by_name["r1"].overload is None
     assert by_name["r1-n1"].overload is not None
+
+
+def test_the_room_below_the_target_is_lent_once_per_reading() -> None:
+    """Ticks that heard no telemetry since the last (ticks faster than the agents report, or
+    a simulator's catch-up ticks) lend no more than the reading did: the limit holds, the
+    caps do not climb toward the rating on one old reading."""
+    policy = parse_policy(rated_policy(pct=40.0))  # a rating the lending stays below
+    engine = TickEngine(policy)
+    nodes = {n: HungryNode(n) for n in NODES}
+    for k, node in enumerate(nodes.values()):
+        node.demand = dict.fromkeys(node.uuids, 300.0 if k % 2 else 700.0)
+
+    def step(t: int, *, hear: bool) -> float:
+        if hear:
+            for node in nodes.values():
+                engine.on_telemetry(node.sample(1e9 + t), float(t))
+        report, plan = engine.step(float(t), 1e9 + t)
+        for cmd in plan.commands:
+            ack = nodes[cmd.node].apply_caps(cmd.tick, cmd.caps_w)
+            if ack is not None:
+                engine.on_ack(cmd.node, ack)
+        assert report.group_limit_w is not None
+        return float(report.group_limit_w[0])
+
+    for t in range(3):
+        step(t, hear=True)
+    heard = step(3, hear=True)
+    assert policy.groups[0].budget_w < heard < policy.groups[0].rating_w
+    # Within stale_after_s (3 s) of the reading: without the rule each tick lent its room
+    # again (7,190 → 7,480 → 7,770 → 7,890 W on this site).
+    lent = [step(4 + k, hear=False) for k in range(3)]
+    assert max(lent) <= heard + TOL

@@ -17,7 +17,7 @@ from test_sim import small_policy
 
 from powerd.backends.mock import GpuFleetModel
 from powerd.policy import parse_policy
-from powerd.sim.engine import STATIC, simulate
+from powerd.sim.run import STATIC, simulate
 from powerd.sim.scenario import ScenarioError, parse_scenario
 from powerd.sim.site import build_mix, build_site
 from powerd.sim.traces import TraceError, read_nvidia_smi_csv

@@ -268,6 +268,10 @@ class TickEngine:
         # ramp's step down is not `budget_over` while the cut that follows it is on its way).
         self._last_budget: dict[str, float] = {}
         self._immediate_w: FloatArray | None = None
+        # Telemetry messages heard (of nodes that obey us), and the overload limits of the
+        # last tick with the count they were computed at (`_commit_limits`).
+        self._heard = 0
+        self._last_limit: tuple[int, Shape, FloatArray] | None = None
         self.adopt(policy)
 
     def set_scope(self, name: str) -> None:
@@ -314,6 +318,7 @@ class TickEngine:
         if msg.epoch is not None and msg.epoch > self.epoch > 0:
             self._ahead[msg.node_id] = msg.epoch
             return True
+        self._heard += 1
         # A GPU reported with an error carries its last known cap, not a reading.
         caps = {g.uuid: g.cap_w for g in msg.gpus if g.error is None}
         # A tick of an older leader's orders nothing of ours: the reading only widens.
@@ -884,9 +889,17 @@ class TickEngine:
         fresh = ~arrays.stale & np.isfinite(arrays.power_w)
         power = np.where(fresh, arrays.power_w, committed)
         base = topo.overhead_w + shape.reserve_w
-        return rule.limits_w(
+        limit = rule.limits_w(
             budget_w, topo.group_sums(committed) + base, topo.group_sums(power) + base
         )
+        # The room between draw and target is granted once per reading: a tick that heard
+        # no telemetry since the last one (ticks faster than the agents report) would
+        # otherwise grant the same room again on top of what it already committed.
+        last = self._last_limit
+        if last is not None and last[0] == self._heard and last[1] is shape:
+            limit = np.maximum(np.minimum(limit, last[2]), budget_w)
+        self._last_limit = (self._heard, shape, limit)
+        return limit
 
     def _budgets_in_force(
         self, topo: Topology, now: float, wall: float, most_w: FloatArray | None = None

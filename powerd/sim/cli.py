@@ -22,10 +22,10 @@ from powerd.api.client import parse_time
 from powerd.argtypes import positive_float
 from powerd.errors import InputError
 from powerd.policy import Overload, Policy, load_policy, with_overload
-from powerd.sim.engine import POLICIES, STATIC
 from powerd.sim.learning import learning_study, plot_learning
 from powerd.sim.recorded import read_recording
 from powerd.sim.report import Report, text, to_json, write_outputs
+from powerd.sim.run import POLICIES, STATIC
 from powerd.sim.scenario import Scenario, ScenarioError, check_against_policy, load_scenario
 from powerd.sim.site import Site, build_mix, site_for
 from powerd.sim.study import (

@@ -22,7 +22,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from powerd.profile import Profile
-from powerd.sim.engine import simulate
+from powerd.sim.run import simulate
 from powerd.sim.scenario import HOUR_S, Scenario
 from powerd.sim.site import Mix, Site, workload_profile
 

@@ -17,7 +17,7 @@ from typing import Any
 import structlog
 
 from powerd.policy import Policy
-from powerd.sim.engine import STATIC, RunResult, simulate
+from powerd.sim.run import STATIC, RunResult, simulate
 from powerd.sim.scenario import Scenario
 from powerd.sim.site import Mix, Site, build_mix, build_site
 

@@ -1,22 +1,24 @@
-"""One simulated run: the real allocator and safety planner steering mock GPUs in virtual time.
+"""One simulated run: the shipped tick (TickEngine) steering mock GPUs in virtual time.
 
 Each tick (virtual time, nothing sleeps, no broker):
 1. scheduled workload changes take effect (idle windows);
-2. telemetry: the planner hears every node's enforced caps, the allocator sees the model's
-   draws and the caps that may be in force (as the controller builds its Fleet);
-3. the allocator computes targets; the planner turns them into commands; the agents' part is
-   played here: clamp to the device limits, apply, acknowledge with the enforced value. Cuts
-   are admitted at once but raises only once the cuts paying for them are acknowledged, so
-   the planner runs a second round at the same instant (a real controller, ticking every
-   second, does this within the first seconds of a simulated minute);
-4. the GPU model advances by the tick, and measured draw is checked against every budget.
+2. the controller's tick: every node's telemetry (powerd.sim.agents plays the agents), then
+   `TickEngine.step`, which decides as the controller does (budgets in force and their
+   ramps, overload ratings, jobs, learning, the allocator, the safety planner); its commands
+   are applied and acknowledged at once. Cuts are admitted at once but raises only once the
+   cuts paying for them are acknowledged, so while raises wait the engine ticks again at
+   the same instant, a few times at most (a real controller, ticking every second, does
+   this within the first seconds of a simulated tick);
+3. the GPU model advances by the tick, and measured draw is checked against every budget.
 
-`static` does no steering at all: every GPU keeps its TDP as its cap, as provisioned today.
+The engine runs the policy with its tick set to the simulation's (a controller that ticks
+that often: a scheduled cut is in force two of them ahead) and with telemetry never stale
+(every steer hears every node). `static` does no steering at all: every GPU keeps its TDP
+as its cap, as provisioned today.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -26,16 +28,17 @@ import numpy as np
 import structlog
 from numpy.typing import NDArray
 
-from powerd.allocator import Allocation, ClassTable, Fleet, Tree, allocate_arrays
-from powerd.allocator.learn import ProfileLearner, learner_for
+from powerd.allocator import ClassTable, Tree
 from powerd.backends.mock import GpuFleetModel, MockGpuSpec
+from powerd.controller.engine import TickEngine, TickReport
+from powerd.controller.overrides import OverrideError, ScheduledBudget
 from powerd.policy import LEVELS, Policy, RampRates
 from powerd.profile import Profile
-from powerd.ramp import lead_s, window_ceiling_w
-from powerd.safety import FleetLayout, NodeCommand, OverloadRule, SafetyPlanner
+from powerd.ramp import window_ceiling_w
+from powerd.safety import SafePlan
+from powerd.sim.agents import SimAgents
 from powerd.sim.scenario import HOUR_S, Scenario, ScenarioError
 from powerd.sim.site import Mix, Site
-from powerd.wire import GpuAck
 
 log = structlog.get_logger(__name__)
 
@@ -44,14 +47,17 @@ IntArray = NDArray[np.int64]
 STATIC = "static"
 STEERED = ("fast", "uniform", "priority-bands")
 POLICIES = (*STEERED, STATIC)
-# Planner rounds per tick: cuts, then the raises they pay for (acks are instant here).
-ROUNDS = 2
+# Controller ticks per steer at most: cuts, then the raises they pay for (acks are instant
+# here), while raises wait.
+MAX_ROUNDS = 6
 # Measured draw above a budget by more than this counts as an excess (float noise below).
 EXCESS_TOL_W = 1e-3
 # A GPU counts as held below its floor when its cap is this far under it and it wants more.
 FLOOR_TOL_W = 0.5
 
 Progress = Callable[[int], None]
+# Called with every engine tick's report and plan as the controller would publish them.
+Trace = Callable[["TickReport", "SafePlan"], None]
 
 
 @dataclass
@@ -133,24 +139,6 @@ class RunResult:
         }
 
 
-class _Nodes:
-    """GPU index ranges per node (GPUs are contiguous per node in a Site)."""
-
-    def __init__(self, site: Site, uuids: list[str]) -> None:
-        names: list[str] = []
-        bounds = [0]
-        for i, node in enumerate(site.gpu_nodes):
-            if not names or names[-1] != node:
-                if names:
-                    bounds.append(i)
-                names.append(node)
-        bounds.append(site.n_gpus)
-        self.names = names
-        self.ranges = list(itertools.pairwise(bounds))
-        self.uuids = [uuids[a:b] for a, b in self.ranges]
-        self.index = {name: k for k, name in enumerate(names)}
-
-
 class _Run:
     """The state of one run and its accounting; `simulate` drives it tick by tick."""
 
@@ -163,8 +151,10 @@ class _Run:
         *,
         learn: bool = False,
         profiles: Mapping[str, Profile] | None = None,
+        trace: Trace | None = None,
     ) -> None:
         spec = scenario.spec
+        self.trace = trace
         self.site = site
         self.mix = mix
         self.policy_name = policy_name
@@ -177,30 +167,19 @@ class _Run:
             spec=MockGpuSpec(
                 min_cap_w=site.min_cap_w,
                 max_cap_w=site.tdp_w,
-                default_cap_w=site.tdp_w if policy_name == STATIC else _start_cap_w(site),
+                default_cap_w=site.tdp_w if policy_name == STATIC else start_cap_w(site),
             ),
             seed=spec.seed,
             uuid_prefix="GPU-sim",
         )
         model = self.model
-        self.nodes = _Nodes(site, model.uuids)
-        # `profiles`: class curves to steer by instead of the policy's (an oracle's run).
-        self.profiles = dict(profiles or {})
-        self.classes = classes = ClassTable.from_policy(policy, self.profiles)
-        # Online learning as the controller does it (TickEngine._learn): from every GPU's
-        # (draw, perf) with perf from its true curve, the one the model delivers.
-        self.learner = (
-            _sim_learner(policy, spec.tick_s) if learn and policy_name in STEERED else None
-        )
+        # The classes as the policy has them (the accounting's weights and floors).
+        self.classes = classes = ClassTable.from_policy(policy)
         self.tree = Tree(topo)
         self.budget = topo.budget_w.copy()
         self.windows = _windows(scenario, site)
-        self.rates: RampRates | None = spec.ramp_w_per_s or policy.control.ramp_w_per_s
-        self.lead_s = lead_s(policy.control.tick_s)
+        self.rates = spec.ramp_w_per_s or policy.control.ramp_w_per_s
         self.tick_s = spec.tick_s
-        # Groups rated for an overload: their caps may commit above the budget while their
-        # draw is steered below it (OverloadRule, as the controller applies it).
-        self.overload = OverloadRule.from_policy(policy) if policy_name != STATIC else None
         self.finite = np.isfinite(self.budget)
         self.ratio_budget = np.where(self.finite & (self.budget > 0), self.budget, np.inf)
         cls = mix.class_index
@@ -214,18 +193,17 @@ class _Run:
         self.floors_fit = bool(
             np.all(topo.group_sums(floor_lo)[f] + topo.overhead_w[f] <= self.budget[f])
         )
-        self.planner = None if policy_name == STATIC else self._planner(scenario)
-        self.no_pin = np.full(n, np.nan)
-        self.not_stale = np.zeros(n, dtype=np.bool_)
-        self.uuids = tuple(model.uuids)
-        self.warm: Allocation | None = None
-        # The last ack per GPU and what it said (NaN: none yet).
-        # Placeholders: NaN in ack_req marks every GPU as changed on its first command.
-        self.acks: list[GpuAck] = [GpuAck(requested_w=site.tdp_w)] * n
-        self.ack_req = np.full(n, np.nan)
-        self.ack_enf = np.full(n, np.nan)
+        self.engine: TickEngine | None = None
+        self.agents: SimAgents | None = None
+        if policy_name != STATIC:
+            self.agents = SimAgents(
+                model,
+                site.gpu_nodes,
+                [classes.names[c] for c in cls.tolist()],
+                period_s=spec.tick_s,
+            )
+            self.engine = self._engine(scenario, learn=learn, profiles=profiles or {})
         self.level_masks = [topo.level == lv for lv in range(len(LEVELS))]
-        self.plan_tick = 0
         n_classes = len(classes.names)
         n_levels = len(LEVELS)
         # Accounting.
@@ -243,114 +221,59 @@ class _Run:
         self.below_floor_s = np.zeros(n_classes)
         self.step_peak = np.zeros(n_levels)
 
-    def _planner(self, scenario: Scenario) -> SafetyPlanner:
-        """The safety planner, taught the caps the fleet starts at."""
-        site, model = self.site, self.model
-        policy = site.policy
-        planner = SafetyPlanner(
-            _planner_policy(policy, scenario.duration_s),
-            FleetLayout.build(
-                policy, model.uuids, list(site.gpu_nodes), model.min_cap_w, model.max_cap_w
-            ),
+    def _engine(
+        self, scenario: Scenario, *, learn: bool, profiles: Mapping[str, Profile]
+    ) -> TickEngine:
+        """The shipped tick, set up as a controller starting over this site: the policy as
+        it runs here, the scenario's schedule as scheduled budgets, and the agents' first
+        telemetry heard (no earlier controller has commands on their way)."""
+        site, agents = self.site, self.agents
+        assert agents is not None
+        policy = engine_policy(
+            site.policy, scenario, learn=learn, profiles=profiles, rates=self.rates
         )
-        # The agents' first telemetry: from then on acks keep the planner's knowledge exact.
-        caps_now = model.cap_w.tolist()
-        for name, (a, b), ids in zip(
-            self.nodes.names, self.nodes.ranges, self.nodes.uuids, strict=True
-        ):
-            planner.on_telemetry(name, dict(zip(ids, caps_now[a:b], strict=True)), received_at=0.0)
+        engine = TickEngine(policy, solver=self.policy_name)
+        for k, (g, budget_w, start, end) in enumerate(self.windows):
+            entry = ScheduledBudget(
+                f"sim-{k}", site.topology.names[g], budget_w, start, end, "scenario", "sim", 0.0
+            )
+            try:
+                engine.overrides.add_schedule(policy, entry.on_monotonic(0.0, 0.0), 0.0)
+            except OverrideError as exc:
+                raise ScenarioError(scenario.source, [(f"schedule[{k}]", str(exc))]) from exc
+        for msg in agents.telemetry(0.0):
+            engine.on_telemetry(msg, 0.0)
+        engine.observe(0.0)
         # The simulation starts the fleet: no earlier controller has commands on their way.
-        planner.assume_settled()
-        return planner
+        engine.planner.assume_settled()
+        return engine
 
     def steer(self, now: float) -> None:
-        """One controller tick: allocate from fresh telemetry, plan, apply, acknowledge."""
-        planner = self.planner
-        assert planner is not None
-        model = self.model
-        if self.learner is not None:
-            self._learn(now)
-        committed = planner.committed_w()
-        fleet = Fleet(
-            uuids=self.uuids,
-            topology=self.site.topology,
-            min_cap_w=model.min_cap_w,
-            max_cap_w=model.max_cap_w,
-            power_w=model.power_w.copy(),
-            # The damping term steers toward the caps that may be in force.
-            cap_w=np.minimum(committed, model.max_cap_w),
-            class_index=self.mix.class_index,
-            stale=self.not_stale,
-            pinned_w=self.no_pin,
-        )
-        limit = budget = self._budget_at(now)
-        if self.overload is not None:
-            topo = self.site.topology
-            limit = self.overload.limits_w(
-                budget,
-                topo.group_sums(committed) + topo.overhead_w,
-                topo.group_sums(model.power_w) + topo.overhead_w,
-            )
-        alloc = allocate_arrays(
-            fleet,
-            self.site.policy,
-            self.policy_name,
-            budget_w=limit,
-            warm=self.warm,
-            classes=self.classes,
-            tree=self.tree,
-        )
-        self.warm = alloc
-        self.statuses[alloc.status] = self.statuses.get(alloc.status, 0) + 1
-        self.solve_ms.append(alloc.solve_ms)
-        for round_no in range(ROUNDS):
-            self.plan_tick += 1
-            plan = planner.plan(
-                self.plan_tick, now, alloc.caps_w, budget_w=limit, priority=self.weight
-            )
-            self._apply(plan.commands, plan.sent_w, now)
-            if round_no == ROUNDS - 1 or not plan.withheld.any():
+        """One controller tick: every node's telemetry, the engine's decisions, the agents
+        applying and acknowledging them; while raises wait on the cuts that pay for them,
+        the engine ticks again at the same instant (acks are instant here), up to
+        MAX_ROUNDS ticks."""
+        engine, agents = self.engine, self.agents
+        assert engine is not None and agents is not None
+        for msg in agents.telemetry(now):
+            engine.on_telemetry(msg, now)
+        for _ in range(MAX_ROUNDS):
+            report, plan = engine.step(now, now)
+            if self.trace is not None:
+                self.trace(report, plan)
+            self.statuses[report.status] = self.statuses.get(report.status, 0) + 1
+            self.solve_ms.append(report.solve_ms)
+            for ack in agents.apply(plan.commands, now):
+                engine.on_ack(ack.node_id, ack)
+            # Committed caps once the tick's commands are acknowledged: above a budget (or
+            # a rated group's limit) would be a planner bug.
+            layout = engine.planner.layout
+            topo = layout.topology if layout is not None else self.site.topology
+            limit = report.group_budget_w if report.group_limit_w is None else report.group_limit_w
+            after = topo.group_sums(engine.planner.committed_w()) + topo.overhead_w
+            self.committed_over += int((after > limit + 1e-6).any())
+            if not plan.withheld.any():
                 break
-        # Committed caps once the tick's commands are acknowledged: above a budget (or a
-        # rated group's limit) would be a planner bug.
-        topo = self.site.topology
-        after = topo.group_sums(planner.committed_w()) + topo.overhead_w
-        self.committed_over += int((after > limit + 1e-6).any())
-
-    def _learn(self, now: float) -> None:
-        learner = self.learner
-        assert learner is not None
-        model = self.model
-        learner.observe(
-            now,
-            self.mix.class_index,
-            model.power_w,
-            model.throughput(),
-            np.ones(model.power_w.size, dtype=np.bool_),
-            min_w=model.min_cap_w,
-        )
-        if learner.due() and learner.refit_next(now):
-            learned = {**learner.profiles(), **self.profiles}
-            self.classes = ClassTable.from_policy(self.site.policy, learned)
-
-    def _budget_at(self, now: float) -> FloatArray:
-        """The budgets until the next steer (a tick on): the policy's, lowered by each
-        scheduled window to the least its ramp reaches over the tick (a controller ticking
-        every second follows the ramp within it)."""
-        if not self.windows:
-            return self.budget
-        out = self.budget.copy()
-        t1 = now + self.tick_s
-        for g, budget_w, start, end in self.windows:
-            if start - self.lead_s < t1 and now < end:
-                least = budget_w  # the window (or its lead) falls within the tick
-            else:
-                least = min(
-                    window_ceiling_w(budget_w, start, end, t, self.rates, lead_s=self.lead_s)
-                    for t in (now, t1)
-                )
-            out[g] = min(out[g], least)
-        return out
 
     def grid_budget(self, t: float) -> FloatArray:
         """The budgets the feeds hold the site to at `t`: the policy's, and each scheduled
@@ -363,38 +286,10 @@ class _Run:
         return out
 
     def committed_facility_w(self) -> float:
-        planner = self.planner
-        assert planner is not None
+        engine = self.engine
+        assert engine is not None
         topo = self.site.topology
-        return float(topo.group_sums(planner.committed_w())[0] + topo.overhead_w[0])
-
-    def _apply(self, commands: list[NodeCommand], sent_w: FloatArray, now: float) -> None:
-        """The agents' part: clamp each command's caps to the device, apply, acknowledge.
-
-        Agents apply decreases before increases; here every cap changes at the same instant
-        of virtual time (the model's draw then moves with its lag), so order cannot show.
-        """
-        model = self.model
-        idx = np.flatnonzero(~np.isnan(sent_w))
-        target = np.clip(sent_w[idx], model.min_cap_w[idx], model.max_cap_w[idx])
-        # GpuFleetModel.set_cap for many GPUs at once.
-        model.requested_cap_w[idx] = target
-        model.cap_w[idx] = np.minimum(target, model.override_w[idx])
-        # Most GPUs are sent what they were sent last time: their ack is the same object.
-        changed = idx[(sent_w[idx] != self.ack_req[idx]) | (model.cap_w[idx] != self.ack_enf[idx])]
-        for i, r, e in zip(
-            changed.tolist(), sent_w[changed].tolist(), model.cap_w[changed].tolist(), strict=True
-        ):
-            self.acks[i] = GpuAck(requested_w=r, enforced_w=e)
-        self.ack_req[changed] = sent_w[changed]
-        self.ack_enf[changed] = model.cap_w[changed]
-        nodes = self.nodes
-        assert self.planner is not None
-        for cmd in commands:
-            k = nodes.index[cmd.node]
-            a, b = nodes.ranges[k]
-            acks = dict(zip(nodes.uuids[k], self.acks[a:b], strict=True))
-            self.planner.on_ack(cmd.node, self.plan_tick, acks)
+        return float(engine.planner.committed_w().sum() + topo.overhead_w[0])
 
     def advance(self, dt: float, t_end: float) -> None:
         """Move the GPUs on by dt (to `t_end`) with the caps in force, and account for the
@@ -441,12 +336,46 @@ class _Run:
             self.below_floor_s += np.bincount(cls[held], minlength=self.below_floor_s.size) * dt
 
 
-def _sim_learner(policy: Policy, tick_s: float) -> ProfileLearner | None:
-    """The policy's learner with learning on (classes that say `learn: false` stay off)."""
-    ctl = policy.spec.control
-    on = ctl.model_copy(update={"learn": ctl.learn.model_copy(update={"enabled": True})})
-    return learner_for(
-        replace(policy, spec=policy.spec.model_copy(update={"control": on})), tick_s=tick_s
+def engine_policy(
+    policy: Policy,
+    scenario: Scenario,
+    *,
+    learn: bool,
+    profiles: Mapping[str, Profile],
+    rates: RampRates | None,
+) -> Policy:
+    """The policy as the engine runs it here: ticking every simulated tick (a scheduled cut
+    is then in force two of them ahead, and the learner is fed at that pace), the scenario's
+    ramp rates, telemetry never stale or forgotten (every steer hears every node), learning
+    on exactly when `learn` is (classes that say `learn: false` stay off), and `profiles`
+    in place of the named classes' curves (those do not learn)."""
+    spec = policy.spec
+    ctl = spec.control
+    duration_s = scenario.duration_s
+    tick_s = scenario.spec.tick_s
+    control = ctl.model_copy(
+        update={
+            "tick_s": tick_s,
+            "lease_s": max(ctl.lease_s, 2 * tick_s),
+            "stale_after_s": max(ctl.stale_after_s, 2 * duration_s + tick_s),
+            "forget_after_s": max(ctl.forget_after_s, 4 * duration_s + tick_s),
+            "ramp_w_per_s": rates,
+            "learn": ctl.learn.model_copy(update={"enabled": learn}),
+        }
+    )
+    classes = {}
+    for name, cls in spec.classes.items():
+        update: dict[str, object] = {}
+        if not learn and cls.learn:
+            update["learn"] = None
+        if name in profiles:
+            update |= {"profile": f"sim:{name}", "learn": False}
+        classes[name] = cls.model_copy(update=update) if update else cls
+    curves = {**policy.profiles, **{f"sim:{c}": prof for c, prof in profiles.items()}}
+    return replace(
+        policy,
+        spec=spec.model_copy(update={"control": control, "classes": classes}),
+        profiles=curves,
     )
 
 
@@ -480,7 +409,7 @@ def _rates(series: FloatArray, dt: float) -> tuple[float, float]:
     return max(0.0, float(steps.max())), max(0.0, float(-steps.min()))
 
 
-def _start_cap_w(site: Site) -> float:
+def start_cap_w(site: Site) -> float:
     """Agents start at their failsafe cap before the first command; where the failsafe caps
     do not fit the budgets (a site grown past its policy's failsafe), at the device minimum."""
     failsafe = min(max(site.policy.defaults.failsafe_w, site.min_cap_w), site.tdp_w)
@@ -488,16 +417,6 @@ def _start_cap_w(site: Site) -> float:
     finite = np.isfinite(topo.budget_w)
     committed = topo.group_sums(np.full(site.n_gpus, failsafe)) + topo.overhead_w
     return failsafe if bool(np.all(committed[finite] <= topo.budget_w[finite])) else site.min_cap_w
-
-
-def _planner_policy(policy: Policy, duration_s: float) -> Policy:
-    """The policy as the planner sees it here: telemetry is never late in the simulation
-    (acks carry every enforced cap), so GPUs never go stale."""
-    control = policy.spec.control
-    relaxed = control.model_copy(
-        update={"stale_after_s": max(control.stale_after_s, 2 * duration_s)}
-    )
-    return replace(policy, spec=policy.spec.model_copy(update={"control": relaxed}))
 
 
 def simulate(
@@ -509,18 +428,20 @@ def simulate(
     progress: Progress | None = None,
     learn: bool = False,
     profiles: Mapping[str, Profile] | None = None,
+    trace: Trace | None = None,
 ) -> RunResult:
     """Run the scenario on the site under one policy (a solver name, or `static`).
 
     `learn`: steer by curves learned online from the GPUs' perf (docs/simulator.md,
     "Learning profiles"); `profiles`: steer these classes by these curves instead of the
-    policy's (e.g. the workloads' true curves: the best the allocator can do)."""
+    policy's (e.g. the workloads' true curves: the best the allocator can do); `trace`: called
+    with every engine tick's report and plan."""
     if policy_name not in POLICIES:
         raise ValueError(f"unknown policy '{policy_name}'; valid: {', '.join(POLICIES)}")
     t_start = time.perf_counter()
     tick_s = scenario.spec.tick_s
     n_ticks = scenario.ticks
-    run = _Run(scenario, site, mix, policy_name, learn=learn, profiles=profiles)
+    run = _Run(scenario, site, mix, policy_name, learn=learn, profiles=profiles, trace=trace)
     # The controller reacts to a change of demand within its own tick (1 s by default), far
     # inside a simulated tick: the first control tick of every step is simulated as such.
     react_s = min(site.policy.control.tick_s, tick_s / 2)
@@ -542,7 +463,7 @@ def simulate(
         work_before = float(run.work.sum())
         weighted_before = run.weighted_work
         run.step_peak[:] = -np.inf
-        if run.planner is not None:
+        if run.engine is not None:
             if k == 0:
                 # The window opens on a site already under powerd: steer before time passes.
                 run.steer(now)
