@@ -14,8 +14,8 @@ import yaml
 
 from powerd.cli import main as powerd_main
 from powerd.policy import Policy, parse_policy
-from powerd.sim.run import STATIC, simulate
 from powerd.sim.report import Report, text, to_json, write_outputs
+from powerd.sim.run import STATIC, simulate
 from powerd.sim.scenario import (
     Scenario,
     ScenarioError,

@@ -14,8 +14,8 @@ from test_sim import small_policy
 
 from powerd.cli import main as powerd_main
 from powerd.policy import load_policy, parse_policy
-from powerd.sim.run import simulate
 from powerd.sim.report import Report, text, to_json
+from powerd.sim.run import simulate
 from powerd.sim.scenario import ScenarioError, load_scenario, parse_scenario
 from powerd.sim.site import build_mix, build_site, site_for
 
