@@ -153,9 +153,9 @@ def test_the_watcher_checked_a_site_that_used_its_budget(report: ChaosReport) ->
     assert report.steady_breaches == []
 
 
-# Every kind breached or killed the controller of 8c407c6 in some runs (figures in
-# docs/performance.md, "Chaos soak"); on the fixed controller none has in three short runs
-# of every kind and a 300 s soak of 52 faults. A breach here is a real one: no marks.
+# Every kind breached or killed the controller of 8c407c6 in some runs (the first soak's
+# figures: git show 5fd3983:docs/performance.md); none has in the soaks since
+# (docs/performance.md, "Chaos soak"). A breach here is a real one: no marks.
 
 
 @pytest.mark.parametrize("kind", kinds_for(pair=False))

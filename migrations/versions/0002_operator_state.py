@@ -4,7 +4,7 @@ outage and re-sent after a restart is written once.
 
 Revision ID: 0002
 Revises: 0001
-Create Date: 2027-01-12
+Create Date: 2026-12-03
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ when, on the database's clock.
 
 Revision ID: 0003
 Revises: 0002
-Create Date: 2027-02-02
+Create Date: 2026-12-03
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ said so, on the database's clock.
 
 Revision ID: 0004
 Revises: 0003
-Create Date: 2027-02-03
+Create Date: 2026-12-03
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Cap reasons: why each stored cap change was what it was (`powerd why`, docs/api.md).
 
-Revision ID: 0005_cap_reasons
+Revision ID: 0005
 Revises: 0004
 Create Date: 2026-12-03
 """

@@ -41,7 +41,8 @@ REFERENCE_UP_TO = 4096
 # A group counts as full (or over) within this share of its capacity.
 ACTIVE_TOL = 1e-12
 # The relaxed problem's roots, jobs.py's start, are found to this share of each capacity
-# (its Newton steps take it from there): 100k GPUs, ~1.5 ms less per round than kernel.REL_TOL.
+# only: jobs.py's Newton steps refine them anyway, so kernel.REL_TOL there would be wasted
+# steps in every group.
 ROUGH_TOL = 1e-7
 # Caps in force this close to a budget (share) say it bound when they were set.
 FULL_SHARE = 1e-6
@@ -144,8 +145,8 @@ def _tree_solve(
     # relaxed to its parts on each node if that has the lower dual value (with the laminar
     # jobs kept whole its Newton steps can zigzag for a hundred iterations). A part answers
     # as its GPUs would if free where their caps in force are equal (a steered job's are;
-    # bounds and class they share), in a third of the units at 70 % of GPUs in jobs: 100k
-    # GPUs, 12 -> 7.5 ms.
+    # bounds and class they share), and a job's parts are far fewer units than its GPUs, so
+    # this start is also the cheaper one (docs/performance.md, "With jobs").
     def start() -> FloatArray:
         return _tree_solve(problem, warm, rough=True)[1]
 

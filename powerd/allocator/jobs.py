@@ -46,15 +46,15 @@ MAX_SEARCH = 16
 MAX_BENDS = 8
 # Each step minimises D(μ) + ½ Σ_g w_g (μ_g − μ_now,g)² along its direction, w_g this share of
 # group g's curvature were every GPU under it to answer: the steps stay where Newton's model
-# holds. 100k GPUs cold: 29-45 passes -> 9-11; 10k GPUs under tight budgets: cycles (the
-# same point every few steps, certified gaps to 8 %) -> converged.
+# holds. Without it the steps overshoot where most GPUs sit at a kink, cold solves take
+# several times the passes, and tight budgets can make the iterates cycle.
 PROXIMAL = 1e-6
 # Iterations without the residual halving before chord steps join in.
 CHORD_AFTER = 2
-# Passes over the GPUs one solve may take (each ~1 ms at 100k GPUs, compiled): a tick's
-# solve stays bounded (under 1 s at 100k with its Newton systems), and where it has not
-# converged by then the caller gets the caps repaired to every budget and the certificate
-# (gap) says how far they may be from the best.
+# Passes over the GPUs one solve may take: a tick's solve stays bounded (its cost at 100k
+# GPUs: docs/performance.md, "With jobs"), and where it has not converged by then the caller
+# gets the caps repaired to every budget and the certificate (gap) says how far they may be
+# from the best.
 MAX_PASSES = 400
 # A group is solved when its sum is this close to its capacity (relative). Tighter (1e-12)
 # is below the noise of sums over 1e5 caps: the method then idles at the optimum.
@@ -66,8 +66,8 @@ CG_ITERATIONS = 100
 CG_RTOL = 1e-6
 # Diagonal shift of the Newton system: relative to each group's curvature were every GPU
 # under it to answer (a job alone under several groups leaves directions almost free), and
-# to the largest entry. At 1e-4 it slowed the last iterations to a linear rate (the
-# residual falling ~5× a step where Newton's falls quadratically).
+# to the largest entry. Kept small: a larger shift turns Newton's quadratic convergence in
+# the last iterations into a linear one.
 REGULARISE_REL = 1e-6
 REGULARISE = 1e-12
 # Sufficient decrease for the search along the projected arc.

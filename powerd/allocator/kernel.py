@@ -47,10 +47,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 # Relative residual at which a group counts as solved: sums of 1e5 caps carry ~1e-12.
 REL_TOL = 1e-13
 MAX_STEPS = 200
-# kernel._root bisects where this many steps in a row moved the same end of its bracket
-# (false position creeping from an end whose residual is near tol; at 200 steps with only
-# the bisection every four steps, a nested budget 1e-9 below its child's was left 2 W
-# short, found by an attack).
+# kernel._root bisects where this many steps in a row moved the same end of its bracket:
+# false position creeps from an end whose residual is near tol, and a budget nested just
+# below its child's could otherwise use up MAX_STEPS and be left watts short
+# (tests/test_allocator_attack.py).
 SAME_END = 3
 # Median steps while more units than this can change slope (kernel._root).
 MEDIAN_ABOVE = 512
@@ -1026,8 +1026,8 @@ def newton_cg(
 ) -> FloatArray:
     """jobs.py's Newton system (H + diag(shift)) d = rhs on the working set (`work`, per
     group; rhs and shift per group), by conjugate gradients preconditioned with the
-    diagonal, H applied without being built (a pass over nodes and jobs' pairs: ~0.1 ms at
-    100k GPUs, where a sparse factorisation of a few thousand groups took 140 ms). Stops at
+    diagonal, H applied without being built (one pass over nodes and jobs' pairs, far
+    cheaper than factorising a sparse H of thousands of groups). Stops at
     max_iter or where the residual is rtol of rhs: an inexact Newton direction, still one
     of descent, which the exact search then follows."""
     n_groups = rhs.size

@@ -3,10 +3,13 @@
 Two modes (docs/operations.md, "A standby pair"):
 
 - **lease** (PostgreSQL, the default there): any number of controllers run for a scope; the
-  one holding the lease commands, the others stand by with a warm view. A leader that cannot
-  renew stops commanding at a deadline of its own, before the lease could lapse on the
-  database's clock (docs/safety.md has the timing argument); a standby takes the lease only
-  once it has lapsed, under a higher epoch that agents use to refuse the old leader.
+  one holding the lease commands, the others stand by with a warm view. A leader whose
+  renewals merely stop (a paused host) stops commanding at a deadline of its own, before
+  the lease could lapse on the database's clock (docs/safety.md has the timing argument);
+  one whose renewals fail (the database unreachable) steers on until a newer leader is
+  heard (`through_outage`). A standby takes the lease only once it has lapsed, under a
+  higher epoch that agents use to refuse the old leader
+  (docs/decisions/0004-leases-epochs-failsafe.md).
 - **alone** (SQLite, the embedded default): one controller, which commands whether or not the
   database answers (a lone controller keeps steering from its policy file through an outage).
   It still holds the lease, so that a second controller on the same store refuses to start.

@@ -295,7 +295,7 @@ class StateFile:
 
     def save(self, state: OperatorState) -> None:
         """Replace the file atomically: a crash leaves the old file or the new one, whole."""
-        # Compact: indented, every uuid of a job took a line of its own (48 bytes, not 43).
+        # Compact: indented, every uuid of a job would take a line of its own (48 bytes, not 43).
         data = state.model_dump_json().encode()
         directory = self.path.parent
         try:

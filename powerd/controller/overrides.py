@@ -59,11 +59,10 @@ MAX_JOB_GPUS = 16_384  # GPUs named by uuid
 MAX_JOB_NODES = 2_048
 # GPUs named by uuid across all jobs (and, apart, GPUs given a class by uuid). Every one is
 # held in memory, indexed again on the loop at each job change and written to the state
-# file and the database at every operator write: at the 1,048,576 allowed before, the state
-# file, the controller's memory and the time of every later write grew past what a daemon
-# may hold (docs/performance.md, "Jobs at their bounds"). 131,072 is more than every GPU of
-# the largest site measured (100,000) named one by one; a job that takes whole nodes names
-# the nodes, which count none.
+# file and the database at every operator write, so the state file, the controller's
+# memory and the time of every write grow with this total (docs/performance.md, "Jobs at
+# their bounds"). 131,072 is more than every GPU of the largest site measured (100,000)
+# named one by one; a job that takes whole nodes names the nodes, which count none.
 MAX_JOBS_UUIDS = 131_072
 MAX_CLASS_UUIDS = 131_072
 MAX_PROFILE_POINTS = 64

@@ -15,8 +15,8 @@ Why our own client and not a library: powerd needs its socket options set before
 handshake (TCP_MAXSEG, see MAX_SEGMENT_BYTES), QoS 1 batches written without waiting for
 each acknowledgement, and incoming messages handed over without a task or an object graph
 each. paho's and aiomqtt's public APIs give none of these, and reaching into their private
-parts broke on upgrades; the protocol part a client needs is small (docs/performance.md,
-"MQTT transport: own codec").
+parts broke on upgrades; the protocol part a client needs is small
+(docs/decisions/0002-own-mqtt-client.md).
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
 # that arrive: a broker that has only had small packets from us advertises less than one
 # such segment. Once a burst leaves a backlog, the kernel queues it in full-size segments
 # that never fit that window, and the connection crawls on zero-window probes (the
-# controller's commands stalled for seconds, Mosquitto on the same host; the figures:
-# docs/performance.md, "Steering loop", earlier rounds).
+# controller's commands stalled for seconds, Mosquitto on the same host:
+# docs/decisions/0002-own-mqtt-client.md).
 # Real networks' MSS (1,448 bytes; 8,948 with jumbo frames) is about this or below.
 MAX_SEGMENT_BYTES = 8192
 
