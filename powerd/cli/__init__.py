@@ -587,6 +587,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
 
-
-if __name__ == "__main__":
-    sys.exit(main())
