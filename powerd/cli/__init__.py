@@ -15,12 +15,11 @@ from collections.abc import Callable, Sequence
 
 from powerd import __version__
 from powerd.api.client import add_commands as add_api_commands
-from powerd.cli import daemons, db, policy
+from powerd.cli import daemons, db, policy, sim
 from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_OK
 from powerd.errors import InputError
 from powerd.logs import configure_logging
 from powerd.profilefit import add_profile_parser
-from powerd.sim.cli import add_sim_parser
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -49,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     policy.add_parser(sub)
     daemons.add_parser(sub)
     add_api_commands(sub)
-    add_sim_parser(sub)
+    sim.add_parser(sub)
     add_profile_parser(sub)
     db.add_parser(sub)
     return parser
