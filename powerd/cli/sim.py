@@ -1,7 +1,7 @@
 """`powerd sim`: a scenario on a policy's site, the policies side by side, sweeps and plots.
 
-`powerd/cli.py` calls `add_sim_parser(subparsers)` (this module imports nothing of the CLI's:
-the dependency goes one way); the handler returns the exit status: 0 success, 1 a steered
+The command's flags, progress bar and output; the simulator itself is `powerd.sim` (the
+handler calls its studies). The handler returns the exit status: 0 success, 1 a steered
 policy exceeded a budget (a bug), 2 bad input.
 """
 
@@ -20,6 +20,7 @@ import structlog
 
 from powerd.api.client import parse_time
 from powerd.argtypes import positive_float
+from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from powerd.errors import InputError
 from powerd.policy import Overload, Policy, load_policy, with_overload
 from powerd.sim.learning import learning_study, plot_learning
@@ -42,9 +43,6 @@ from powerd.sim.study import (
 
 log = structlog.get_logger(__name__)
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
 MAX_DEFAULT_JOBS = 4
 
 
@@ -78,8 +76,8 @@ def _policies(text_: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def add_sim_parser(subparsers: Any) -> None:
-    """Register `powerd sim` on the top-level subparsers (handler in `handler`)."""
+def add_parser(subparsers: Any) -> None:
+    """Register `powerd sim` on the top-level subparsers."""
     sim = subparsers.add_parser(
         "sim",
         help="simulate a scenario: powerd against baselines, budget sweeps, how many GPUs fit",
@@ -97,6 +95,14 @@ def add_sim_parser(subparsers: Any) -> None:
     sim.add_argument("--seed", type=int, help="override the scenario's seed")
     sim.add_argument("--duration-h", type=positive_float, help="override the simulated duration")
     sim.add_argument("--tick-s", type=positive_float, help="override the simulated tick")
+    _add_study_arguments(sim)
+    _add_recording_arguments(sim)
+    _add_output_arguments(sim)
+    sim.set_defaults(handler=cmd_sim)
+
+
+def _add_study_arguments(sim: argparse.ArgumentParser) -> None:
+    """What to study beyond the comparison: a budget sweep, the oversubscription search."""
     sim.add_argument(
         "--budget-sweep",
         nargs="?",
@@ -137,6 +143,10 @@ def add_sim_parser(subparsers: Any) -> None:
         default=DEFAULT_POINTS,
         help="site sizes on the oversubscription grid (default %(default)s)",
     )
+
+
+def _add_recording_arguments(sim: argparse.ArgumentParser) -> None:
+    """A controller's recorded draw as the demand, and overload ratings on the policy."""
     sim.add_argument(
         "--from-db",
         help="replay the per-minute draw a controller recorded in this database (SQLAlchemy "
@@ -153,6 +163,10 @@ def add_sim_parser(subparsers: Any) -> None:
         help="rate every budgeted group for PCT %% above its budget for SECONDS (policy key "
         "`overload`): caps commit above the budgets, draw is steered below them",
     )
+
+
+def _add_output_arguments(sim: argparse.ArgumentParser) -> None:
+    """The learning study instead, what is printed and written, and how the runs run."""
     sim.add_argument(
         "--learning",
         action="store_true",
@@ -174,7 +188,6 @@ def add_sim_parser(subparsers: Any) -> None:
         default="auto",
         help="progress bar on stderr (auto: when stderr is a terminal)",
     )
-    sim.set_defaults(handler=cmd_sim)
 
 
 class ProgressBar:
