@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 from pydantic import ValidationError
@@ -368,12 +368,48 @@ class AdminWrites:
         )
 
 
+class LedgerHost(Protocol):
+    """What the ledger needs of the controller whose operators' writes it keeps (the
+    Controller is one): the policy and overrides in force, to snapshot, restore and roll
+    back; the alarms it raises; the clock its rows are stamped with."""
+
+    overrides: Overrides
+    policy_version: int | None  # the policy in force as stored (None: not yet, or no store)
+
+    @property
+    def clock(self) -> Clock: ...
+
+    @property
+    def policy(self) -> Policy: ...
+
+    @property
+    def file_policy(self) -> Policy | None: ...
+
+    @property
+    def policy_path(self) -> str | None: ...
+
+    def adopt_policy(self, policy: Policy) -> None: ...
+
+    def set_alarm(self, kind: str, message: str | None) -> None: ...
+
+    def replace_policy(
+        self,
+        text: str,
+        *,
+        actor: str,
+        reason: str,
+        role: str = "admin",
+        source: str = "api",
+        file_sha256: str | None = None,
+    ) -> Policy: ...
+
+
 class Ledger:
     """The durable side of operators' writes: state file, database, audit queue, alarms."""
 
     def __init__(
         self,
-        controller: Any,  # the Controller (typed loosely: it imports this module)
+        controller: LedgerHost,
         *,
         store: Store | None = None,
         state_file: StateFile | None = None,
@@ -635,14 +671,14 @@ class Ledger:
             # Read, but not a state this release understands (a newer powerd's, a hand
             # edit): waiting would leave the lease held and nothing commanding. Keep ours,
             # say so, and steer.
-            self._ctl._alarm(
+            self._ctl.set_alarm(
                 "operator_state_unreadable",
                 f"operator state revision {row.revision} in the database is not valid "
                 f"here ({str(exc).splitlines()[0][:200]}); steering from the state "
                 f"followed last (revision {self.revision})",
             )
             return False
-        self._ctl._alarm("operator_state_unreadable", None)
+        self._ctl.set_alarm("operator_state_unreadable", None)
         mine = self.state(row.revision)
         if row.revision == self.revision and state.for_db() | {"ts": 0} == mine.for_db() | {
             "ts": 0
@@ -653,9 +689,9 @@ class Ledger:
         if api_policy is not None and (
             self.api_policy is None or api is None or api.sha256 != self.api_policy.sha256
         ):
-            ctl._adopt(api_policy)
+            ctl.adopt_policy(api_policy)
         elif api is None and self.api_policy is not None and ctl.file_policy is not None:
-            ctl._adopt(ctl.file_policy)
+            ctl.adopt_policy(ctl.file_policy)
         self.api_policy = api
         ctl.overrides = restore(state, ctl.policy, ctl.clock.wall(), ctl.clock.monotonic())
         self.revision = self.db_revision = row.revision
@@ -700,14 +736,14 @@ class Ledger:
             try:
                 policy = load_policy_text(row.yaml_text, row.source)
             except PolicyError as exc:
-                ctl._alarm(
+                ctl.set_alarm(
                     "policy_unreadable",
                     f"stored policy version {row.version} is not valid here "
                     f"({str(exc).splitlines()[0][:200]}); steering the policy in force",
                 )
                 return
-            ctl._alarm("policy_unreadable", None)
-            ctl._adopt(policy)
+            ctl.set_alarm("policy_unreadable", None)
+            ctl.adopt_policy(policy)
             ctl.policy_version = row.version
             log.warning(
                 "policy_followed",
@@ -719,7 +755,7 @@ class Ledger:
         api = self.api_policy
         unchanged_under_api = api is not None and api.sha256 == head.sha256
         differs = file_sha is not None and file_sha != head.sha256 and not unchanged_under_api
-        ctl._alarm(
+        ctl.set_alarm(
             "policy_differs",
             f"policy file {ctl.policy_path} (sha256 {file_sha[:12]}) differs from the stored "
             f"policy of record, version {head.version} (sha256 {head.sha256[:12]}, "
@@ -884,7 +920,7 @@ class Ledger:
             if not self.schema_ready:
                 owed.append("the migrations")
             message = f"not yet in the database: {', '.join(owed)}; {self.last_error}"
-        self._ctl._alarm("audit_queued", message)
+        self._ctl.set_alarm("audit_queued", message)
 
     # ---- the state file ----
 
@@ -901,10 +937,10 @@ class Ledger:
             except StateFileError as exc:
                 error = str(exc)[:MAX_ERROR_LEN]
                 log.error("state_file_write_failed", path=str(self.state_file.path), error=error)
-                self._ctl._alarm("state_not_durable", f"operator state not saved: {error}")
+                self._ctl.set_alarm("state_not_durable", f"operator state not saved: {error}")
                 return error
             self.file_revision = state.revision
-            self._ctl._alarm("state_not_durable", None)
+            self._ctl.set_alarm("state_not_durable", None)
             return None
 
     def _before(self) -> _Before:
@@ -923,14 +959,14 @@ class Ledger:
     def _roll_forward(self, after: _Before) -> None:
         """Put a change taken back by `_roll_back` in force again (its snapshot)."""
         if self._ctl.policy is not after.policy:
-            self._ctl._adopt(after.policy)
+            self._ctl.adopt_policy(after.policy)
         self._ctl.overrides = after.overrides
         self.api_policy = after.api_policy
         self.versions = list(after.versions)
 
     def _roll_back(self, before: _Before) -> None:
         if self._ctl.policy is not before.policy:
-            self._ctl._adopt(before.policy)
+            self._ctl.adopt_policy(before.policy)
         self._ctl.overrides = before.overrides
         self.api_policy = before.api_policy
         kept = {id(v) for v in before.versions}

@@ -182,10 +182,12 @@ class Controller(AdminWrites):
         """Active alarms: kind → message."""
         return self.engine.alarms.active
 
-    def _adopt(self, policy: Policy) -> None:
+    def adopt_policy(self, policy: Policy) -> None:
+        """Steer by this policy from the next tick, with no audit row (the ledger's restores
+        and roll-backs; an operator's replacement is `replace_policy`)."""
         self.engine.adopt(policy)
 
-    def _alarm(self, kind: str, message: str | None) -> None:
+    def set_alarm(self, kind: str, message: str | None) -> None:
         """Raise (message) or clear (None) an alarm; recorded only on a change."""
         self.engine.alarms.set(kind, message, self.clock.wall())
         self._record_alarms()
@@ -452,7 +454,7 @@ class Controller(AdminWrites):
             health = self.writer.health()
             # Before its first flush the writer is not yet "connected", but nothing failed.
             failing = not health.connected and health.last_error is not None
-            self._alarm(
+            self.set_alarm(
                 "store_unreachable",
                 f"store unreachable: {health.last_error}; backlog {health.backlog}, "
                 f"dropped {health.dropped}"
