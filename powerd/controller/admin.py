@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -617,12 +618,18 @@ class Ledger:
         )
 
     def start_from(
-        self, state: OperatorState | None, *, db_revision: int, file_revision: int
+        self,
+        state: OperatorState | None,
+        *,
+        api_policy: ApiPolicy | None = None,
+        db_revision: int,
+        file_revision: int,
     ) -> None:
         """Take a stored state at start (before the first tick): its overrides, checked
-        against the policy in force, its revision and its queued audit rows. Set
-        `api_policy` first: a stored API policy it no longer has (the file won) makes a
-        new revision, which `run()` saves."""
+        against the policy in force, its revision and its queued audit rows. `api_policy`:
+        the stored API policy still in force; one the state has that is not (the file
+        won) makes a new revision, which `run()` saves."""
+        self.api_policy = api_policy
         self.db_revision = db_revision
         self.file_revision = file_revision
         self.revision = max(db_revision, file_revision)
@@ -645,6 +652,39 @@ class Ledger:
             jobs=len(o.jobs),
             api_policy=self.api_policy is not None,
             queued_audit=len(self.pending),
+        )
+
+    async def store_start_version(
+        self, text: str, source: str, *, db_ok: bool, of_record: bool
+    ) -> None:
+        """The policy in force at start as a stored version (the same text: the same
+        version), the controller's `policy_version`; queued for `run()` when the database
+        is down. Nothing without a store (a shadow). `of_record` (controllers of a pair,
+        under a lease): a store that already has an active version keeps it, also when the
+        database answers only later, and the controller steers it (the first lease round
+        adopts it, before any command); a file that differs is the alarm `policy_differs`
+        (`follow_policy`), not a replacement: a standby started from a stale file must not
+        overwrite the policy of record."""
+        store = self.store
+        if store is None:
+            return
+        if db_ok:
+            try:
+                self._ctl.policy_version = await asyncio.to_thread(
+                    store.record_policy_version,
+                    text,
+                    source=source,
+                    author="controller",
+                    reason="start-up",
+                    unless_active=of_record,
+                )
+                return
+            except Exception as exc:
+                log.error("policy_version_not_stored", error=f"{type(exc).__name__}: {exc}"[:300])
+        self.versions.append(
+            PolicyVersionToStore(
+                text, source, "controller", "start-up", time.time(), unless_active=of_record
+            )
         )
 
     # ---- a standby follows the leader's state ----
