@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from powerd.clock import SystemClock
-from powerd.controller.admin import Ledger
-from powerd.controller.controller import Controller
+from powerd.controller.build import build_controller
 from powerd.controller.opstate import StateFile
 from powerd.controller.overrides import MAX_JOB_GPUS, MAX_JOBS_UUIDS
 from powerd.store import Store, upgrade
@@ -54,9 +53,15 @@ async def run(
     db_url = f"sqlite:///{workdir / 'powerd.db'}"
     await asyncio.to_thread(upgrade, db_url)
     store = Store(db_url)
-    controller = Controller(policy, MemoryBroker().client("controller"), SystemClock(), store=store)
     state_path = workdir / "powerd-state.json"
-    ledger = controller.ledger = Ledger(controller, store=store, state_file=StateFile(state_path))
+    controller = build_controller(
+        policy,
+        MemoryBroker().client("controller"),
+        SystemClock(),
+        store=store,
+        state_file=StateFile(state_path),
+    )
+    ledger = controller.ledger
     cls = next(iter(policy.classes))
     stop = asyncio.Event()
     rss_start = rss_mib()

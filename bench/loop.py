@@ -1,10 +1,10 @@
 """Bench: the steering loop at fleet scale, over a real Mosquitto.
 
 This process is the controller: `Controller` with an `MqttTransport`, the fast solver and a
-SQLite store, exactly as `powerd controller` assembles them (powerd/controller/main.py).
-A private Mosquitto runs on a free port, and bench/fleetsim.py, in a separate process, plays
-every node (telemetry each period, a CapAck and a NodeStatus for every command). After the
-fleet is known and a warm-up, it measures for `--duration` seconds:
+SQLite store, built by `build_controller` (powerd/controller/build.py) as for `powerd
+controller`. A private Mosquitto runs on a free port, and bench/fleetsim.py, in a separate
+process, plays every node (telemetry each period, a CapAck and a NodeStatus for every
+command). After the fleet is known and a warm-up, it measures for `--duration` seconds:
 
 - per tick, `TickReport.duration_ms`: tick start → last CapCommand handed to the MQTT
   client, with its parts: solve, safety plan, publish; and tick start → the last command
@@ -41,7 +41,7 @@ from typing import Any
 import yaml
 
 from powerd.clock import SystemClock
-from powerd.controller.controller import Controller
+from powerd.controller.build import ControllerOptions, build_controller
 from powerd.controller.engine import TickReport
 from powerd.controller.settings import ControllerSettings
 from powerd.logs import configure_logging
@@ -134,14 +134,13 @@ class Run:
         )
         transport = MqttTransport(config)
         self.transport = transport
-        self.controller = Controller(
+        self.controller = build_controller(
             self.policy,
             transport,
             SystemClock(),
+            ControllerOptions(controller_id="bench", policy_path=str(policy_file)),
             store=store,
             writer=self.writer,
-            controller_id="bench",
-            policy_path=str(policy_file),
         )
         self.measuring = False
         # Per measured tick, the figures only: a TickReport holds ~0.75 MB of per-GPU arrays at

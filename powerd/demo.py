@@ -24,6 +24,7 @@ from powerd.agent.agent import Agent
 from powerd.agent.settings import AgentSettings
 from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
 from powerd.clock import Clock, SystemClock
+from powerd.controller.build import ControllerOptions, build_controller
 from powerd.controller.controller import Controller
 from powerd.controller.engine import TickReport
 from powerd.numeric import finite_or_none
@@ -325,13 +326,13 @@ async def run_demo(
         agents.append(Agent(settings, backend, transport(f"agent-{name}"), clock))
         start += count
 
-    controller = Controller(
+    controller = build_controller(
         policy,
         transport("controller"),
         clock,
+        ControllerOptions(controller_id="powerd-demo"),
         store=store,
         writer=writer,
-        controller_id="powerd-demo",
     )
     stats = DemoStats()
     server = (

@@ -22,7 +22,7 @@ from powerd.api.server import ApiServer
 from powerd.auth import TokenStore, new_token_entry
 from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
 from powerd.clock import SystemClock
-from powerd.controller.admin import Ledger
+from powerd.controller.build import StartState, build_controller
 from powerd.controller.controller import Controller
 from powerd.controller.hooks import metrics_hook
 from powerd.controller.leadership import for_daemon
@@ -148,6 +148,7 @@ class LiveApi:
         policy = load_policy_text(self.policy_text, "test-policy.yaml")
         store: Store | None = None
         writer: StoreWriter | None = None
+        version: int | None = None  # the policy's, as stored
         if self.with_store:
             await asyncio.to_thread(upgrade, self.db_url)
             store = Store(self.db_url)
@@ -185,16 +186,10 @@ class LiveApi:
             )
             for k, name in enumerate(NODES)
         ]
-        controller = Controller(policy, transport("controller"), clock, store=store, writer=writer)
-        if store is not None:
-            controller.policy_version = version
-        if self.state_file is not None:
-            controller.ledger = Ledger(
-                controller, store=store, state_file=StateFile(self.state_file)
-            )
+        leadership = None
         if self.leadership:
             assert self.with_store
-            controller.leadership = for_daemon(
+            leadership = for_daemon(
                 self.db_url,
                 scope=policy.groups[0].name,
                 holder="ctl-test",
@@ -202,7 +197,18 @@ class LiveApi:
                 lease_s=None,
                 mode="alone",
             )
-            await controller.leadership.claim_alone()
+        controller = build_controller(
+            policy,
+            transport("controller"),
+            clock,
+            store=store,
+            writer=writer,
+            state_file=None if self.state_file is None else StateFile(self.state_file),
+            leadership=leadership,
+            start=StartState(policy_version=version),
+        )
+        if leadership is not None:
+            await leadership.claim_alone()
         registry = CollectorRegistry()
         controller.on_tick.append(metrics_hook(controller, ControllerMetrics(registry)))
         tokens = TokenStore.from_file(self.workdir / "tokens.toml")

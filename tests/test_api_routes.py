@@ -23,7 +23,7 @@ from test_api import POLICY
 from powerd.api.app import create_app
 from powerd.auth import TokenStore, new_token_entry
 from powerd.clock import ManualClock
-from powerd.controller.controller import Controller
+from powerd.controller.build import build_controller
 from powerd.policy import load_policy_text
 from powerd.transport import MemoryBroker
 
@@ -341,7 +341,7 @@ def build(tmp_path: Path, **kwargs: Any) -> Api:
         tokens[role], entry = new_token_entry(f"{role}-user", role)
         entries.append(entry)
     (tmp_path / "tokens.toml").write_text("\n".join(entries))
-    controller = Controller(
+    controller = build_controller(
         load_policy_text(POLICY, "test-policy.yaml"),
         MemoryBroker().client("controller"),
         ManualClock(),

@@ -21,7 +21,7 @@ import json
 from test_hostile import HOSTILE, NODES, TOPICS, HonestNode, gpu_dict, policy_dict
 
 from powerd.clock import ManualClock
-from powerd.controller.controller import Controller
+from powerd.controller.build import build_controller
 from powerd.policy import parse_policy
 from powerd.transport import MemoryBroker, Message
 
@@ -30,7 +30,7 @@ VICTIM = "r2-n2"
 
 def test_a_node_naming_a_neighbours_gpus_first_gets_none_of_them() -> None:
     clock = ManualClock(start=100.0)
-    c = Controller(parse_policy(policy_dict()), MemoryBroker().client("c"), clock)
+    c = build_controller(parse_policy(policy_dict()), MemoryBroker().client("c"), clock)
     honest = {n: HonestNode(n) for n in NODES if n != HOSTILE}
     stolen = honest[VICTIM].uuids
     seq = 0

@@ -30,6 +30,7 @@ import yaml
 from test_hostile import policy_dict
 
 from powerd.clock import ManualClock
+from powerd.controller.build import StartState, build_controller
 from powerd.controller.controller import Controller
 from powerd.policy import parse_policy
 from powerd.transport import MemoryBroker
@@ -49,8 +50,10 @@ def test_a_restart_forgets_a_cut_the_policy_made_redundant_for_a_while() -> None
     clock = ManualClock(start=1_000.0)
     normal, breaker_work = policy_text(3800), policy_text(3000)
 
-    def controller(text: str) -> Controller:
-        return Controller(parse_policy(yaml.safe_load(text)), MemoryBroker().client("c"), clock)
+    def controller(text: str, start: StartState | None = None) -> Controller:
+        policy = parse_policy(yaml.safe_load(text))
+        transport = MemoryBroker().client("c")
+        return build_controller(policy, transport, clock, start=start or StartState())
 
     kept = controller(normal)
     kept.set_budget("r1", 3500, expires_at=clock.wall() + 7200, actor="grid", reason="DR-7")
@@ -60,9 +63,9 @@ def test_a_restart_forgets_a_cut_the_policy_made_redundant_for_a_while() -> None
 
     # kill -9, restart: the policy file is unchanged, so the API's policy stays in force.
     clock.advance(60)
-    restarted = controller(breaker_work)
-    restarted.ledger.api_policy = state.api_policy
-    restarted.ledger.start_from(state, db_revision=0, file_revision=state.revision)
+    restarted = controller(
+        breaker_work, StartState(state, state.api_policy, file_revision=state.revision)
+    )
 
     # The breaker work is over: the admin puts the normal policy back, on both.
     clock.advance(60)

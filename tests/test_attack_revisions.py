@@ -33,7 +33,7 @@ import pytest
 from test_hostile import policy_dict
 
 from powerd.clock import ManualClock
-from powerd.controller.admin import Ledger
+from powerd.controller.build import build_controller
 from powerd.controller.controller import Controller
 from powerd.controller.main import _newer
 from powerd.controller.opstate import OperatorState, StateFile, restore
@@ -53,9 +53,9 @@ async def test_a_start_without_file_and_database_reuses_revisions_and_loses_them
     policy = parse_policy(policy_dict())
 
     def controller(state_file: StateFile) -> Controller:
-        c = Controller(policy, MemoryBroker().client("c"), clock, store=store)
-        c.ledger = Ledger(c, store=store, state_file=state_file)
-        return c
+        return build_controller(
+            policy, MemoryBroker().client("c"), clock, store=store, state_file=state_file
+        )
 
     a = controller(StateFile(tmp_path / "a" / "state.json"))
     await a.ledger.commit(lambda: a.drain("r2-n2", actor="ops", reason="PSU"), lowers_power=True)

@@ -33,7 +33,8 @@ import pytest
 from test_hostile import NODES, TOPICS, HonestNode, policy_dict
 
 from powerd.clock import ManualClock
-from powerd.controller.admin import Ledger, WriteFailed
+from powerd.controller.admin import WriteFailed
+from powerd.controller.build import build_controller
 from powerd.controller.controller import Controller
 from powerd.controller.opstate import OperatorState, StateFile, StateFileError
 from powerd.controller.overrides import BudgetOverride
@@ -80,9 +81,10 @@ async def test_a_rolled_back_budget_clear_was_in_force_while_the_state_file_hung
     tmp_path: Path,
 ) -> None:
     clock = ManualClock(start=100.0)
-    c = Controller(parse_policy(policy_dict()), MemoryBroker().client("c"), clock)
     state_file = HangingStateFile(tmp_path / "state.json")
-    c.ledger = Ledger(c, state_file=state_file)
+    c = build_controller(
+        parse_policy(policy_dict()), MemoryBroker().client("c"), clock, state_file=state_file
+    )
     nodes = {n: HonestNode(n) for n in NODES}
     for n in nodes.values():
         c.handle(Message(TOPICS.telemetry(n.name), n.telemetry(clock.wall())), clock.monotonic())

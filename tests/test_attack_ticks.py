@@ -28,6 +28,7 @@ from __future__ import annotations
 from test_hostile import HOSTILE, NODES, TOPICS, HonestNode, policy_dict
 
 from powerd.clock import ManualClock
+from powerd.controller.build import build_controller
 from powerd.controller.controller import Controller
 from powerd.policy import parse_policy
 from powerd.transport import MemoryBroker, Message
@@ -35,7 +36,7 @@ from powerd.wire import MAX_TICK, NodeState, NodeStatus, encode
 
 
 def _controller(clock: ManualClock) -> Controller:
-    return Controller(parse_policy(policy_dict()), MemoryBroker().client("c"), clock)
+    return build_controller(parse_policy(policy_dict()), MemoryBroker().client("c"), clock)
 
 
 def _run(c: Controller, clock: ManualClock, honest: dict[str, HonestNode], ticks: int) -> int:

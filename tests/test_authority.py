@@ -29,7 +29,7 @@ from powerd.agent.agent import Agent
 from powerd.agent.settings import AgentSettings
 from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
 from powerd.clock import ManualClock
-from powerd.controller.admin import Ledger, PolicyVersionToStore
+from powerd.controller.build import ControllerOptions, build_controller
 from powerd.controller.controller import Controller
 from powerd.controller.engine import TickEngine
 from powerd.controller.leadership import Leadership
@@ -383,18 +383,9 @@ def _policy_file(path: Path, facility_w: int) -> Path:
     return path
 
 
-def _member(url: str, name: str, policy_file: Path, tmp: Path) -> tuple[Controller, Leadership]:
-    controller = Controller(
-        load_policy(policy_file),
-        MemoryBroker().client(),
-        ManualClock(),
-        store=Store(url),
-        controller_id=name,
-        policy_path=str(policy_file),
-    )
-    controller.ledger = Ledger(
-        controller, store=controller.store, state_file=StateFile(tmp / f"{name}.json")
-    )
+def _member(
+    url: str, name: str, policy_file: Path, tmp: Path, authority: Authority | None = None
+) -> tuple[Controller, Leadership]:
     lead = Leadership(
         Leases(make_engine(url, timeout_s=2.0)),
         scope="dc",
@@ -403,8 +394,16 @@ def _member(url: str, name: str, policy_file: Path, tmp: Path) -> tuple[Controll
         renew_s=0.1,
         margin_s=0.05,
     )
-    lead.follow = controller.ledger.follow
-    lead.each_round = controller.ledger.follow_policy
+    controller = build_controller(
+        load_policy(policy_file),
+        MemoryBroker().client(),
+        ManualClock(),
+        ControllerOptions(controller_id=name, policy_path=str(policy_file)),
+        store=Store(url),
+        state_file=StateFile(tmp / f"{name}.json"),
+        authority=authority,
+        leadership=lead,
+    )
     return controller, lead
 
 
@@ -420,18 +419,18 @@ class StalePair:
     stale_file: Path
 
 
-def _stale_pair(tmp_path: Path) -> StalePair:
+async def _stale_pair(tmp_path: Path) -> StalePair:
     url = f"sqlite:///{tmp_path / 'powerd.db'}"
     upgrade(url)
     leader_file = _policy_file(tmp_path / "leader.yaml", 6000)
     stale_file = _policy_file(tmp_path / "standby.yaml", 7000)
     leader, lead_a = _member(url, "ctl-a", leader_file, tmp_path)
     standby, lead_b = _member(url, "ctl-b", stale_file, tmp_path)
-    store = leader.store
-    assert store is not None
-    leader.policy_version = store.record_policy_version(
-        leader_file.read_text(), source=str(leader_file), author="controller", reason="start-up"
+    # The leader started first, on a store with no policy yet: its file is of record.
+    await leader.ledger.store_start_version(
+        leader_file.read_text(), str(leader_file), db_ok=True, of_record=True
     )
+    assert leader.policy_version is not None
     return StalePair(leader, lead_a, standby, lead_b, stale_file)
 
 
@@ -441,7 +440,7 @@ async def test_a_standby_with_a_stale_policy_file_steers_the_policy_of_record(
     """Finding 3: the leader's file lowered to 6,000 W and stored; the standby's file still
     7,000 W. The standby steers the stored 6,000 W (and says its file differs), also after
     it takes over; a SIGHUP on any member stores its file for the whole pair."""
-    p = _stale_pair(tmp_path)
+    p = await _stale_pair(tmp_path)
     leader, lead_a, standby, lead_b = p.leader, p.lead_a, p.standby, p.lead_b
     stale_file = p.stale_file
     await lead_a.attempt()
@@ -534,8 +533,13 @@ async def test_a_handover_moves_nodes_without_a_failsafe_gap() -> None:
     meanwhile, so it only holds or cuts."""
     policy = parse_policy(policy_dict())
     broker = MemoryBroker()
-    old = Controller(policy, broker.client("old"), ManualClock(), controller_id="old")
-    old.authority = Authority(site="dc", store="store-a", domain="dc")
+    old = build_controller(
+        policy,
+        broker.client("old"),
+        ManualClock(),
+        ControllerOptions(controller_id="old"),
+        authority=Authority(site="dc", store="store-a", domain="dc"),
+    )
     successor = Authority(site="dc", store="store-a", domain="r1")
     heard: list[CapCommand] = []
     tap = broker.client("tap")
@@ -625,16 +629,15 @@ async def test_a_member_started_while_its_database_is_down_never_replaces_the_po
     queued the file as a start-up version, stored it as active when the database came
     back, and the leader followed it (+33 %). A start-up version under a lease is stored
     only into an empty store; once the store answers, the policy of record is followed."""
-    p = _stale_pair(tmp_path)
+    p = await _stale_pair(tmp_path)
     leader, lead_a, standby, lead_b = p.leader, p.lead_a, p.standby, p.lead_b
     stale_file, store = p.stale_file, p.leader.store
     assert store is not None
-    # What a start during the outage queued (controller/main.py, _start_version).
-    standby.ledger.versions.append(
-        PolicyVersionToStore(
-            stale_file.read_text(), str(stale_file), "controller", "start-up", 0.0, True
-        )
+    # What a start during the outage queues (controller/main.py, as a member of a pair).
+    await standby.ledger.store_start_version(
+        stale_file.read_text(), str(stale_file), db_ok=False, of_record=True
     )
+    assert [v.unless_active for v in standby.ledger.versions] == [True]
     await lead_a.attempt()
     await lead_b.attempt()  # the database answers again
     assert standby.policy.groups[0].budget_w == 6000.0
@@ -657,9 +660,10 @@ def test_a_store_id_guessed_at_a_start_during_an_outage_is_replaced_before_leadi
 ) -> None:
     url = f"sqlite:///{tmp_path / 'powerd.db'}"
     upgrade(url)
-    ctl, lead = _member(url, "ctl-a", _policy_file(tmp_path / "p.yaml", 6000), tmp_path)
-    ctl.authority = Authority(site="dc", store="unreached-0123", domain="dc")
-    ctl.leadership = lead
+    guessed = Authority(site="dc", store="unreached-0123", domain="dc")
+    policy_file = _policy_file(tmp_path / "p.yaml", 6000)
+    ctl, lead = _member(url, "ctl-a", policy_file, tmp_path, authority=guessed)
+    assert ctl.leadership is lead and ctl.authority == guessed
     lead.store_id = lead.leases.store_id()
     assert lead.store_id and lead.store_id == Store(url).store_id()
     ctl._learn_store_id(lead)

@@ -19,6 +19,7 @@ from conftest import SteppedClock
 from powerd.agent.agent import Agent
 from powerd.agent.settings import AgentSettings
 from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
+from powerd.controller.build import ControllerOptions, build_controller
 from powerd.controller.controller import Controller
 from powerd.controller.engine import TickReport
 from powerd.controller.overrides import OverrideError
@@ -108,14 +109,13 @@ class Site:
         if self.writer is not None and not self.writer_started:
             self.writer.start()
             self.writer_started = True
-        ctl = Controller(
+        ctl = build_controller(
             self.policy,
             self.broker.client(name),
             self.clock,
+            ControllerOptions(controller_id=name, solver=solver),
             store=self.store,
             writer=self.writer,
-            solver=solver,
-            controller_id=name,
         )
         ctl.on_tick.append(self.reports.append)
         self.controller = ctl

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from powerd.clock import ManualClock
+from powerd.controller.build import build_controller
 from powerd.controller.controller import Controller
 from powerd.controller.overrides import BudgetOverride
 from powerd.policy import parse_policy
@@ -180,7 +181,7 @@ def test_a_hostile_node_cannot_stop_the_controller_or_breach_a_budget(
     attacks: list[list[tuple[str, bytes]]], order: Any
 ) -> None:
     clock = ManualClock(start=100.0)
-    c = Controller(parse_policy(policy_dict()), MemoryBroker().client("c"), clock)
+    c = build_controller(parse_policy(policy_dict()), MemoryBroker().client("c"), clock)
     honest = {n: HonestNode(n) for n in NODES if n != HOSTILE}
     hostile = HonestNode(HOSTILE)  # starts honest: it is steered before it turns
 
@@ -227,7 +228,7 @@ def test_a_hostile_node_cannot_stop_the_controller_or_breach_a_budget(
 
 def test_a_tick_that_fails_still_ends_with_safe_caps_and_an_alarm() -> None:
     clock = ManualClock(start=100.0)
-    c = Controller(parse_policy(policy_dict()), MemoryBroker().client("c"), clock)
+    c = build_controller(parse_policy(policy_dict()), MemoryBroker().client("c"), clock)
     nodes = {n: HonestNode(n) for n in NODES}
 
     def exchange(plan_commands: list[Any]) -> None:
@@ -275,7 +276,7 @@ def test_unknown_gpus_above_their_nodes_budget_floor_only_that_node() -> None:
     allocator once got the reserves already summed up the tree and added them up again:
     every GPU of the site went to its minimum, 3,200 W of a 7,000 W facility.)"""
     clock = ManualClock(start=100.0)
-    c = Controller(parse_policy(policy_dict()), MemoryBroker().client("c"), clock)
+    c = build_controller(parse_policy(policy_dict()), MemoryBroker().client("c"), clock)
     nodes = {n: HonestNode(n) for n in NODES}
 
     def cycle(spoof: bool = False) -> None:

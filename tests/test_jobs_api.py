@@ -27,7 +27,7 @@ from test_durable import Site
 
 from powerd.api.client import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from powerd.clock import SystemClock
-from powerd.controller.admin import Ledger
+from powerd.controller.build import ControllerOptions, build_controller
 from powerd.controller.controller import Controller
 from powerd.controller.opstate import StateFile
 from powerd.policy import load_policy_text
@@ -524,9 +524,14 @@ def test_a_standby_follows_the_leaders_jobs(db_url: str, tmp_path: Path) -> None
     clock = SystemClock()
 
     def controller(name: str) -> Controller:
-        c = Controller(policy, broker.client(name), clock, store=store, controller_id=name)
-        c.ledger = Ledger(c, store=store, state_file=StateFile(tmp_path / f"{name}.json"))
-        return c
+        return build_controller(
+            policy,
+            broker.client(name),
+            clock,
+            ControllerOptions(controller_id=name),
+            store=store,
+            state_file=StateFile(tmp_path / f"{name}.json"),
+        )
 
     leader, standby = controller("a"), controller("b")
 

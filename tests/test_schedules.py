@@ -22,7 +22,7 @@ from test_durable import Site
 
 from powerd.api.client import EXIT_BAD_INPUT, EXIT_OK, add_commands
 from powerd.clock import ManualClock
-from powerd.controller.admin import Ledger
+from powerd.controller.build import build_controller
 from powerd.controller.controller import Controller
 from powerd.controller.opstate import StateFile
 from powerd.policy import load_policy_text
@@ -285,9 +285,13 @@ async def test_a_standby_follows_schedules_on_its_own_clock(tmp_path: Path, back
         standby_clock = ManualClock(start=5_000.0, wall_offset=WALL0 - 4_900.0)
 
         def controller(name: str, clock: ManualClock) -> Controller:
-            c = Controller(policy, MemoryBroker().client(name), clock, store=store)
-            c.ledger = Ledger(c, store=store, state_file=StateFile(tmp_path / name / "s.json"))
-            return c
+            return build_controller(
+                policy,
+                MemoryBroker().client(name),
+                clock,
+                store=store,
+                state_file=StateFile(tmp_path / name / "s.json"),
+            )
 
         leader, standby = controller("a", leader_clock), controller("b", standby_clock)
         start = WALL0 + 100.0 + 600.0

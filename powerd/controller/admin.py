@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 from pydantic import ValidationError
@@ -368,12 +369,48 @@ class AdminWrites:
         )
 
 
+class LedgerHost(Protocol):
+    """What the ledger needs of the controller whose operators' writes it keeps (the
+    Controller is one): the policy and overrides in force, to snapshot, restore and roll
+    back; the alarms it raises; the clock its rows are stamped with."""
+
+    overrides: Overrides
+    policy_version: int | None  # the policy in force as stored (None: not yet, or no store)
+
+    @property
+    def clock(self) -> Clock: ...
+
+    @property
+    def policy(self) -> Policy: ...
+
+    @property
+    def file_policy(self) -> Policy | None: ...
+
+    @property
+    def policy_path(self) -> str | None: ...
+
+    def adopt_policy(self, policy: Policy) -> None: ...
+
+    def set_alarm(self, kind: str, message: str | None) -> None: ...
+
+    def replace_policy(
+        self,
+        text: str,
+        *,
+        actor: str,
+        reason: str,
+        role: str = "admin",
+        source: str = "api",
+        file_sha256: str | None = None,
+    ) -> Policy: ...
+
+
 class Ledger:
     """The durable side of operators' writes: state file, database, audit queue, alarms."""
 
     def __init__(
         self,
-        controller: Any,  # the Controller (typed loosely: it imports this module)
+        controller: LedgerHost,
         *,
         store: Store | None = None,
         state_file: StateFile | None = None,
@@ -581,12 +618,18 @@ class Ledger:
         )
 
     def start_from(
-        self, state: OperatorState | None, *, db_revision: int, file_revision: int
+        self,
+        state: OperatorState | None,
+        *,
+        api_policy: ApiPolicy | None = None,
+        db_revision: int,
+        file_revision: int,
     ) -> None:
         """Take a stored state at start (before the first tick): its overrides, checked
-        against the policy in force, its revision and its queued audit rows. Set
-        `api_policy` first: a stored API policy it no longer has (the file won) makes a
-        new revision, which `run()` saves."""
+        against the policy in force, its revision and its queued audit rows. `api_policy`:
+        the stored API policy still in force; one the state has that is not (the file
+        won) makes a new revision, which `run()` saves."""
+        self.api_policy = api_policy
         self.db_revision = db_revision
         self.file_revision = file_revision
         self.revision = max(db_revision, file_revision)
@@ -609,6 +652,39 @@ class Ledger:
             jobs=len(o.jobs),
             api_policy=self.api_policy is not None,
             queued_audit=len(self.pending),
+        )
+
+    async def store_start_version(
+        self, text: str, source: str, *, db_ok: bool, of_record: bool
+    ) -> None:
+        """The policy in force at start as a stored version (the same text: the same
+        version), the controller's `policy_version`; queued for `run()` when the database
+        is down. Nothing without a store (a shadow). `of_record` (controllers of a pair,
+        under a lease): a store that already has an active version keeps it, also when the
+        database answers only later, and the controller steers it (the first lease round
+        adopts it, before any command); a file that differs is the alarm `policy_differs`
+        (`follow_policy`), not a replacement: a standby started from a stale file must not
+        overwrite the policy of record."""
+        store = self.store
+        if store is None:
+            return
+        if db_ok:
+            try:
+                self._ctl.policy_version = await asyncio.to_thread(
+                    store.record_policy_version,
+                    text,
+                    source=source,
+                    author="controller",
+                    reason="start-up",
+                    unless_active=of_record,
+                )
+                return
+            except Exception as exc:
+                log.error("policy_version_not_stored", error=f"{type(exc).__name__}: {exc}"[:300])
+        self.versions.append(
+            PolicyVersionToStore(
+                text, source, "controller", "start-up", time.time(), unless_active=of_record
+            )
         )
 
     # ---- a standby follows the leader's state ----
@@ -635,14 +711,14 @@ class Ledger:
             # Read, but not a state this release understands (a newer powerd's, a hand
             # edit): waiting would leave the lease held and nothing commanding. Keep ours,
             # say so, and steer.
-            self._ctl._alarm(
+            self._ctl.set_alarm(
                 "operator_state_unreadable",
                 f"operator state revision {row.revision} in the database is not valid "
                 f"here ({str(exc).splitlines()[0][:200]}); steering from the state "
                 f"followed last (revision {self.revision})",
             )
             return False
-        self._ctl._alarm("operator_state_unreadable", None)
+        self._ctl.set_alarm("operator_state_unreadable", None)
         mine = self.state(row.revision)
         if row.revision == self.revision and state.for_db() | {"ts": 0} == mine.for_db() | {
             "ts": 0
@@ -653,9 +729,9 @@ class Ledger:
         if api_policy is not None and (
             self.api_policy is None or api is None or api.sha256 != self.api_policy.sha256
         ):
-            ctl._adopt(api_policy)
+            ctl.adopt_policy(api_policy)
         elif api is None and self.api_policy is not None and ctl.file_policy is not None:
-            ctl._adopt(ctl.file_policy)
+            ctl.adopt_policy(ctl.file_policy)
         self.api_policy = api
         ctl.overrides = restore(state, ctl.policy, ctl.clock.wall(), ctl.clock.monotonic())
         self.revision = self.db_revision = row.revision
@@ -700,14 +776,14 @@ class Ledger:
             try:
                 policy = load_policy_text(row.yaml_text, row.source)
             except PolicyError as exc:
-                ctl._alarm(
+                ctl.set_alarm(
                     "policy_unreadable",
                     f"stored policy version {row.version} is not valid here "
                     f"({str(exc).splitlines()[0][:200]}); steering the policy in force",
                 )
                 return
-            ctl._alarm("policy_unreadable", None)
-            ctl._adopt(policy)
+            ctl.set_alarm("policy_unreadable", None)
+            ctl.adopt_policy(policy)
             ctl.policy_version = row.version
             log.warning(
                 "policy_followed",
@@ -719,7 +795,7 @@ class Ledger:
         api = self.api_policy
         unchanged_under_api = api is not None and api.sha256 == head.sha256
         differs = file_sha is not None and file_sha != head.sha256 and not unchanged_under_api
-        ctl._alarm(
+        ctl.set_alarm(
             "policy_differs",
             f"policy file {ctl.policy_path} (sha256 {file_sha[:12]}) differs from the stored "
             f"policy of record, version {head.version} (sha256 {head.sha256[:12]}, "
@@ -884,7 +960,7 @@ class Ledger:
             if not self.schema_ready:
                 owed.append("the migrations")
             message = f"not yet in the database: {', '.join(owed)}; {self.last_error}"
-        self._ctl._alarm("audit_queued", message)
+        self._ctl.set_alarm("audit_queued", message)
 
     # ---- the state file ----
 
@@ -901,10 +977,10 @@ class Ledger:
             except StateFileError as exc:
                 error = str(exc)[:MAX_ERROR_LEN]
                 log.error("state_file_write_failed", path=str(self.state_file.path), error=error)
-                self._ctl._alarm("state_not_durable", f"operator state not saved: {error}")
+                self._ctl.set_alarm("state_not_durable", f"operator state not saved: {error}")
                 return error
             self.file_revision = state.revision
-            self._ctl._alarm("state_not_durable", None)
+            self._ctl.set_alarm("state_not_durable", None)
             return None
 
     def _before(self) -> _Before:
@@ -923,14 +999,14 @@ class Ledger:
     def _roll_forward(self, after: _Before) -> None:
         """Put a change taken back by `_roll_back` in force again (its snapshot)."""
         if self._ctl.policy is not after.policy:
-            self._ctl._adopt(after.policy)
+            self._ctl.adopt_policy(after.policy)
         self._ctl.overrides = after.overrides
         self.api_policy = after.api_policy
         self.versions = list(after.versions)
 
     def _roll_back(self, before: _Before) -> None:
         if self._ctl.policy is not before.policy:
-            self._ctl._adopt(before.policy)
+            self._ctl.adopt_policy(before.policy)
         self._ctl.overrides = before.overrides
         self.api_policy = before.api_policy
         kept = {id(v) for v in before.versions}

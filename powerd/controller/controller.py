@@ -26,6 +26,7 @@ from powerd.controller.admin import AdminWrites, Ledger
 from powerd.controller.engine import TickEngine, TickReport, TickSummary
 from powerd.controller.fleet import FleetState
 from powerd.controller.leadership import Leadership
+from powerd.controller.opstate import ApiPolicy, OperatorState, StateFile
 from powerd.controller.overrides import Overrides
 from powerd.controller.scope import ScopeLink
 from powerd.numeric import finite_or_none
@@ -82,56 +83,99 @@ class ControllerHealth:
     ready: bool
 
 
+@dataclass(frozen=True)
+class ControllerOptions:
+    """What a controller's settings say of it (main.py reads them from ControllerSettings);
+    the defaults are a test's, the demo's."""
+
+    controller_id: str = "powerd-controller"
+    solver: str = "fast"  # the allocator's (powerd.allocator)
+    topics: Topics = field(default_factory=Topics)
+    policy_path: str | None = None  # the policy file (SIGHUP reloads it); None: none
+    # Decide every tick as if commanding and send nothing (docs/operations.md, "Shadow mode").
+    shadow: bool = False
+    scope: str | None = None  # steer this group's subtree under a coordinator
+    history: int = 600  # ticks kept in memory for the API
+
+
+@dataclass(frozen=True)
+class StartState:
+    """What a controller finds at start (main.py reads it: the policy file, the state file,
+    the database); the defaults are a fresh start's, with nothing stored."""
+
+    state: OperatorState | None = None  # the operators' state to restore
+    api_policy: ApiPolicy | None = None  # a policy replaced through the API, still in force
+    db_revision: int = 0  # of the operators' state in the database
+    file_revision: int = 0  # in the state file
+    schema_ready: bool = True  # False: the database was not migrated (down at start)
+    file_policy: Policy | None = None  # the policy file's, when the API's is in force
+    policy_version: int | None = None  # the policy in force as stored, when known
+
+
 class Controller(AdminWrites):
     """The steering daemon: a `TickEngine` fed from the transport, its plans published.
-    Operators' writes (`AdminWrites`) live in controller/admin.py."""
+    Operators' writes (`AdminWrites`) live in controller/admin.py, made durable by its
+    `Ledger`. `build_controller` (controller/build.py) builds one, engine and lease with it."""
 
     def __init__(
         self,
-        policy: Policy,
+        engine: TickEngine,
         transport: Transport,
         clock: Clock,
+        options: ControllerOptions,
         *,
-        store: Store | None = None,
-        writer: StoreWriter | None = None,
-        solver: str = "fast",
-        controller_id: str = "powerd-controller",
-        topics: Topics | None = None,
-        policy_path: str | None = None,
-        history: int = 600,
+        store: Store | None,
+        writer: StoreWriter | None,
+        state_file: StateFile | None,
+        scope: ScopeLink | None,
+        leadership: Leadership | None,
+        start: StartState,
     ) -> None:
+        self.engine = engine
         self.transport = transport
         self.clock = clock
         self.store = store
         self.writer = writer
-        self.controller_id = controller_id
+        self.controller_id = options.controller_id
         # The leader epoch every command carries: agents refuse commands of a lower epoch
         # than one they have seen. Set each tick from `leadership` (none: stays as set).
         self.epoch = 0
         # Whether this controller may command (a lease in the database); None: it always
-        # may (tests, the simulator's loop). main.py gives every daemon one.
-        self.leadership: Leadership | None = None
+        # may (tests, the simulator's loop). main.py gives one to every daemon but a shadow.
+        self.leadership = leadership
         # Called once per round of the loop with whether this controller led in it: a
         # standby never ticks, but systemd's watchdog and the metrics still hear from it.
         self.on_round: list[Callable[[bool], None]] = []
         # The policy from the file (a standby that follows the leader back from an API
-        # policy to the file's); main.py sets it.
-        self.file_policy: Policy | None = None
+        # policy to the file's).
+        self.file_policy = start.file_policy
         # Steering one scope under a coordinator (controller/scope.py); None: the whole
         # policy, on its own budgets.
-        self.scope: ScopeLink | None = None
-        self.topics = topics or Topics()
-        self.policy_path = policy_path
+        self.scope = scope
+        self.topics = options.topics
+        self.policy_path = options.policy_path
         self.counters = Counters()
-        self.history: deque[TickSummary] = deque(maxlen=history)
+        self.history: deque[TickSummary] = deque(maxlen=options.history)
         self.last_tick: TickReport | None = None
         self.on_tick: list[Callable[[TickReport], None]] = []  # metrics, live view, watchdog
-        self.policy_version: int | None = None
-        self.engine = TickEngine(policy, solver=solver)
+        self.policy_version = start.policy_version
         self._stored_gpus: set[str] = set()
         self._inventoried: tuple[int, int, int] | None = None  # the shape whose GPUs are stored
-        # Operators' writes made durable (state file, database); main.py gives it a state file.
-        self.ledger = Ledger(self, store=store)
+        # Operators' writes made durable (state file, database), from the state found at
+        # start. A shadow steers nothing, so it records nothing as if it did: no ledger
+        # store, no state file to save.
+        self.ledger = Ledger(
+            self,
+            store=None if engine.shadow else store,
+            state_file=None if engine.shadow else state_file,
+            schema_ready=start.schema_ready,
+        )
+        self.ledger.start_from(
+            start.state,
+            api_policy=start.api_policy,
+            db_revision=start.db_revision,
+            file_revision=start.file_revision,
+        )
 
     # -- the engine's state, as the admin writes, the API and metrics see it -------------
 
@@ -141,8 +185,8 @@ class Controller(AdminWrites):
 
     @property
     def authority(self) -> Authority | None:
-        """The authority this controller commands for (main.py sets it: the policy's site,
-        the store's id, the lease's domain); None: commands carry the empty one."""
+        """The authority this controller commands for (main.py's: the policy's site, the
+        store's id, the lease's domain); None: commands carry the empty one."""
         return self.engine.authority
 
     @authority.setter
@@ -182,10 +226,12 @@ class Controller(AdminWrites):
         """Active alarms: kind → message."""
         return self.engine.alarms.active
 
-    def _adopt(self, policy: Policy) -> None:
+    def adopt_policy(self, policy: Policy) -> None:
+        """Steer by this policy from the next tick, with no audit row (the ledger's restores
+        and roll-backs; an operator's replacement is `replace_policy`)."""
         self.engine.adopt(policy)
 
-    def _alarm(self, kind: str, message: str | None) -> None:
+    def set_alarm(self, kind: str, message: str | None) -> None:
         """Raise (message) or clear (None) an alarm; recorded only on a change."""
         self.engine.alarms.set(kind, message, self.clock.wall())
         self._record_alarms()
@@ -387,6 +433,14 @@ class Controller(AdminWrites):
         ours = lead.epoch if lead is not None and lead.leading else 0
         return seen if seen > ours else 0
 
+    def handing_to(self) -> tuple[str, ...]:
+        """For the lease's scope registry: the domains of our store this controller hands
+        its nodes to (`hand_over`), which may lead meanwhile though they overlap ours."""
+        ours = self.authority
+        return tuple(
+            a.domain for a in self.overrides.handover if ours is not None and a.store == ours.store
+        )
+
     async def publish_plan(self, plan: SafePlan) -> None:
         if self.engine.shadow:
             # Stored and shown as what would have been sent (the tick's record); never sent.
@@ -452,7 +506,7 @@ class Controller(AdminWrites):
             health = self.writer.health()
             # Before its first flush the writer is not yet "connected", but nothing failed.
             failing = not health.connected and health.last_error is not None
-            self._alarm(
+            self.set_alarm(
                 "store_unreachable",
                 f"store unreachable: {health.last_error}; backlog {health.backlog}, "
                 f"dropped {health.dropped}"

@@ -166,8 +166,8 @@ def leadership_hook(controller: Controller, metrics: ControllerMetrics) -> Round
         if lead is None:
             return
         v = lead.view()
-        controller._alarm("clock_skew", lead.skew_error)
-        controller._alarm("scope_overlap", lead.overlap_error)
+        controller.set_alarm("clock_skew", lead.skew_error)
+        controller.set_alarm("scope_overlap", lead.overlap_error)
         metrics.update_leadership(
             Leadership(
                 scope=v.scope,

@@ -19,7 +19,8 @@ from powerd.api.app import create_app
 from powerd.api.server import ApiServer
 from powerd.auth import TokenStore, check_secret
 from powerd.clock import Clock, SystemClock
-from powerd.controller.admin import Ledger, PolicyVersionToStore, WriteFailed
+from powerd.controller.admin import WriteFailed
+from powerd.controller.build import ControllerOptions, StartState, build_controller
 from powerd.controller.controller import Controller
 from powerd.controller.hooks import (
     RoundHook,
@@ -36,14 +37,12 @@ from powerd.controller.opstate import (
     StateFileError,
     file_sha256,
 )
-from powerd.controller.scope import ScopeLink
 from powerd.controller.settings import ControllerSettings
 from powerd.metrics import ControllerMetrics
 from powerd.policy import (
     Policy,
     PolicyError,
     ScopeError,
-    failsafe_budget_w,
     load_policy,
     load_policy_text,
     overlapping_domains,
@@ -93,43 +92,44 @@ async def run_controller(settings: ControllerSettings, clock: Clock | None = Non
     policy, api_policy = _choose_policy(file_policy, file_sha, state)
     writer = _writer(settings, store, db.caps)
     transport = MqttTransport(settings.mqtt_config())
-    controller = Controller(
-        policy,
-        transport,
-        clock or SystemClock(),
-        store=store,
-        writer=writer,
-        solver=settings.solver,
-        controller_id=settings.controller_id,
-        topics=Topics(settings.topic_prefix),
-        policy_path=str(settings.policy),
-    )
-    controller.engine.shadow = shadow
-    controller.authority = await _authority(settings, policy, db)
-    ledger = controller.ledger = Ledger(
-        controller,
-        store=None if shadow else store,
-        state_file=None if shadow else state_file,
-        schema_ready=db.ok,
-    )
-    ledger.api_policy = api_policy
-    controller.file_policy = file_policy
-    if settings.scope is not None:
-        _scope(controller, settings.scope)
+    clock = clock or SystemClock()
+    authority = await _authority(settings, policy, db)
     # A shadow commands nothing: it takes no lease (it must not keep a real controller
     # from leading) and steers under none.
-    leadership = None if shadow else _leadership(settings, policy, controller, ledger)
-    controller.leadership = leadership
-    ledger.start_from(
-        state,
-        db_revision=db.revision,
-        file_revision=0 if from_file is None else from_file.revision,
-    )
-    controller.policy_version = await _start_version(
-        ledger,
-        file_text,
-        policy,
-        api_policy,
+    leadership = None if shadow else _leadership(settings, policy, clock)
+    try:
+        controller = build_controller(
+            policy,
+            transport,
+            clock,
+            ControllerOptions(
+                controller_id=settings.controller_id,
+                solver=settings.solver,
+                topics=Topics(settings.topic_prefix),
+                policy_path=str(settings.policy),
+                shadow=shadow,
+                scope=settings.scope,
+            ),
+            store=store,
+            writer=writer,
+            state_file=state_file,
+            authority=authority,
+            leadership=leadership,
+            start=StartState(
+                state,
+                api_policy,
+                db_revision=db.revision,
+                file_revision=0 if from_file is None else from_file.revision,
+                schema_ready=db.ok,
+                file_policy=file_policy,
+            ),
+        )
+    except ScopeError as exc:
+        raise SettingsError("controller settings", [("scope", str(exc))]) from exc
+    ledger = controller.ledger
+    await ledger.store_start_version(
+        api_policy.text if api_policy is not None else file_text,
+        "api" if api_policy is not None else policy.source,
         db_ok=db.ok,
         of_record=leadership is not None and leadership.mode == "lease",
     )
@@ -220,11 +220,10 @@ def _no_tokens(dev: bool) -> TokenStore:
     return TokenStore([])
 
 
-def _leadership(
-    settings: ControllerSettings, policy: Policy, controller: Controller, ledger: Ledger
-) -> Leadership:
+def _leadership(settings: ControllerSettings, policy: Policy, clock: Clock) -> Leadership:
     """The lease this controller leads under: its scope's, or the policy root's; its clock
-    check compares the wall clock the controller judges windows by with the database's."""
+    check compares the wall clock the controller judges windows by with the database's.
+    `build_controller` wires what it follows (the ledger) and hands over (the overrides)."""
     leadership = for_daemon(
         settings.db,
         scope=settings.scope or policy.groups[0].name,
@@ -232,33 +231,11 @@ def _leadership(
         control=policy.control,
         lease_s=settings.leader_lease_s,
         mode=settings.leadership_mode(),
-        wall=controller.clock.wall,
+        wall=clock.wall,
     )
-    leadership.follow = ledger.follow
-    leadership.each_round = ledger.follow_policy
     leadership.through_outage = settings.through_outage
     leadership.overlaps = overlapping_domains(policy, leadership.scope)
-    leadership.handing_to = lambda: tuple(
-        a.domain
-        for a in controller.overrides.handover
-        if controller.authority is not None and a.store == controller.authority.store
-    )
     return leadership
-
-
-def _scope(controller: Controller, name: str) -> None:
-    """Steer one scope: its subtree, under the coordinator's budget (controller/scope.py)."""
-    policy = controller.policy
-    try:
-        controller.engine.set_scope(name)
-    except ScopeError as exc:
-        raise SettingsError("controller settings", [("scope", str(exc))]) from exc
-    controller.scope = ScopeLink(
-        name,
-        failsafe_budget_w(policy, name),
-        lease_s=policy.control.lease_s,
-        started_at=controller.clock.monotonic(),
-    )
 
 
 def _ready_once(notifier: Notifier, controller: Controller) -> RoundHook:
@@ -428,44 +405,3 @@ def _choose_policy(
         at=api.ts,
     )
     return policy, api
-
-
-async def _start_version(
-    ledger: Ledger,
-    file_text: str,
-    policy: Policy,
-    api: ApiPolicy | None,
-    *,
-    db_ok: bool,
-    of_record: bool,
-) -> int | None:
-    """The policy in force as a stored version (the same text: the same version); queued
-    for the ledger when the database is down. None without a ledger store (a shadow).
-    `of_record` (controllers of a pair, under a lease): a store that already has an active
-    version keeps it, also when the database answers only later, and the controller steers
-    it (the first lease round adopts it, before any command); a file that differs is the
-    alarm `policy_differs` (Ledger.follow_policy), not a replacement: a standby started
-    from a stale file must not overwrite the policy of record."""
-    store = ledger.store
-    if store is None:
-        return None
-    text = api.text if api is not None else file_text
-    source = "api" if api is not None else policy.source
-    if db_ok:
-        try:
-            return await asyncio.to_thread(
-                store.record_policy_version,
-                text,
-                source=source,
-                author="controller",
-                reason="start-up",
-                unless_active=of_record,
-            )
-        except Exception as exc:
-            log.error("policy_version_not_stored", error=f"{type(exc).__name__}: {exc}"[:300])
-    ledger.versions.append(
-        PolicyVersionToStore(
-            text, source, "controller", "start-up", time.time(), unless_active=of_record
-        )
-    )
-    return None
