@@ -21,16 +21,17 @@ DOCS = ROOT / "docs"
 MIGRATIONS = ROOT / "migrations" / "versions"
 
 # The ways code raises an alarm or records an event: `Alarms.set` / `Alarms.once` on an
-# `alarms` attribute, and the `_alarm(kind, message)` helpers that forward to them.
+# `alarms` attribute, and the `_alarm(kind, message)` / `set_alarm` helpers that forward
+# to them.
 ALARM_METHODS = {"set", "once"}
-ALARM_HELPER = "_alarm"
+ALARM_HELPERS = {"_alarm", "set_alarm"}
 
 
 def _is_alarm_call(call: ast.Call) -> bool:
     func = call.func
     if not isinstance(func, ast.Attribute):
         return False
-    if func.attr == ALARM_HELPER:
+    if func.attr in ALARM_HELPERS:
         return bool(call.args)  # a helper without arguments raises a constant kind inside
     receiver = func.value
     return (
@@ -45,7 +46,7 @@ def _forwards_own_parameter(call: ast.Call, function: ast.FunctionDef | None) ->
     first = call.args[0]
     return (
         function is not None
-        and function.name == ALARM_HELPER
+        and function.name in ALARM_HELPERS
         and isinstance(first, ast.Name)
         and first.id in {a.arg for a in function.args.args}
     )
