@@ -31,7 +31,6 @@ from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
 from powerd.clock import ManualClock
 from powerd.controller.build import ControllerOptions, build_controller
 from powerd.controller.controller import Controller
-from powerd.controller.engine import TickEngine
 from powerd.controller.leadership import Leadership
 from powerd.controller.opstate import (
     BudgetState,
@@ -41,6 +40,7 @@ from powerd.controller.opstate import (
     restore,
 )
 from powerd.controller.overrides import NotFound, OverrideError
+from powerd.controller.tick import TickEngine
 from powerd.policy import load_policy, parse_policy
 from powerd.store import Store, upgrade
 from powerd.store.db import make_engine

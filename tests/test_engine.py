@@ -12,14 +12,14 @@ import pytest
 from honest import GPUS, NODES, HonestNode, policy_dict
 from test_layers import IO_LIBRARIES
 
-from powerd.controller.engine import TickEngine, TickReport
+from powerd.controller.tick import TickEngine, TickReport
 from powerd.policy import parse_policy
 from powerd.wire import NodeState, NodeStatus
 
 TOL = 1e-6
 
 PURE_CORE = (
-    "powerd.controller.engine",
+    "powerd.controller.tick",
     "powerd.safety",
     "powerd.allocator",
     "powerd.policy",

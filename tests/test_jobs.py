@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 from honest import NODES, HonestNode, policy_dict
 
-import powerd.controller.engine as engine_module
+import powerd.controller.tick as engine_module
 from powerd.allocator import Fleet, allocate
 from powerd.allocator.api import fleet_from_snapshot
-from powerd.controller.engine import TickEngine
 from powerd.controller.jobs import GpuPlaces, JobView
 from powerd.controller.opstate import OperatorState, StateFile, capture, restore
 from powerd.controller.overrides import (
@@ -27,6 +26,7 @@ from powerd.controller.overrides import (
     OverrideError,
     Overrides,
 )
+from powerd.controller.tick import TickEngine
 from powerd.policy import Policy, parse_policy
 from powerd.snapshot import SnapshotError, load_snapshot, parse_snapshot
 from powerd.topology import Topology

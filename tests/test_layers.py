@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "powerd.alarms",
             "powerd.ramp",
             "powerd.backends.base",
-            "powerd.controller.engine",
+            "powerd.controller.tick",
             "powerd.controller.fleet",
             "powerd.controller.overrides",
             "powerd.controller.jobs",

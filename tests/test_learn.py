@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 from powerd.allocator import ClassTable, allocate_arrays
 from powerd.allocator.learn import ProfileLearner, bin_points, fit_curve, learner_for
 from powerd.allocator.model import build_problem
-from powerd.controller.engine import TickEngine
+from powerd.controller.tick import TickEngine
 from powerd.policy import Learn, parse_policy
 from powerd.profile import Profile
 from powerd.testing.synthetic import make_policy, random_fleet

@@ -28,7 +28,7 @@ from powerd.agent.agent import Agent
 from powerd.agent.settings import AgentSettings
 from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
 from powerd.clock import ManualClock
-from powerd.controller.engine import TickEngine
+from powerd.controller.tick import TickEngine
 from powerd.policy import parse_policy
 from powerd.topology import Topology
 from powerd.transport.base import Message

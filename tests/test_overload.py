@@ -16,7 +16,7 @@ from honest import GPUS, NODES, HonestNode, policy_dict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from powerd.controller.engine import TickEngine
+from powerd.controller.tick import TickEngine
 from powerd.policy import Overload, PolicyError, overload_reaction_s, parse_policy, with_overload
 from powerd.safety import OverloadRule
 from powerd.sim.run import simulate

@@ -15,7 +15,6 @@ from honest import NODES, HonestNode, policy_dict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from powerd.controller.engine import TickEngine
 from powerd.controller.opstate import OperatorState, capture, restore
 from powerd.controller.overrides import (
     BudgetOverride,
@@ -23,6 +22,7 @@ from powerd.controller.overrides import (
     OverrideError,
     ScheduledBudget,
 )
+from powerd.controller.tick import TickEngine
 from powerd.policy import PolicyError, RampRates, parse_policy
 from powerd.ramp import BudgetRamp, ramp_down_from, window_ceiling_w
 

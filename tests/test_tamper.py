@@ -25,7 +25,7 @@ from test_api import GPUS_PER_NODE, NODES, LiveApi, wait_until
 from powerd.alarms import Alarms, Severity
 from powerd.backends.base import NoPermission
 from powerd.backends.mock import GpuFleetModel
-from powerd.controller.engine import TickEngine
+from powerd.controller.tick import TickEngine
 from powerd.policy import parse_policy
 from powerd.testing.mosquitto import LocalMosquitto
 from powerd.wire import NodeTelemetry

@@ -56,7 +56,7 @@ from powerd.store import Store, upgrade
 from powerd.wire import Authority
 
 if TYPE_CHECKING:
-    from powerd.controller.engine import TickEngine
+    from powerd.controller.tick import TickEngine
 
 log = structlog.get_logger(__name__)
 

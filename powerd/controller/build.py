@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from powerd.clock import Clock
 from powerd.controller.controller import Controller, ControllerOptions, StartState
-from powerd.controller.engine import TickEngine
 from powerd.controller.leadership import Leadership
 from powerd.controller.opstate import StateFile
 from powerd.controller.scope import ScopeLink
+from powerd.controller.tick import TickEngine
 from powerd.policy import Policy, failsafe_budget_w
 from powerd.store import Store, StoreWriter
 from powerd.transport import Transport

@@ -23,12 +23,12 @@ from pydantic import ValidationError
 from powerd.allocator import ClassTable
 from powerd.clock import Clock
 from powerd.controller.admin import AdminWrites, Ledger
-from powerd.controller.engine import TickEngine, TickReport, TickSummary
 from powerd.controller.fleet import FleetState
 from powerd.controller.leadership import Leadership
 from powerd.controller.opstate import ApiPolicy, OperatorState, StateFile
 from powerd.controller.overrides import Overrides
 from powerd.controller.scope import ScopeLink
+from powerd.controller.tick import TickEngine, TickReport, TickSummary
 from powerd.numeric import finite_or_none
 from powerd.policy import Policy
 from powerd.safety import SafePlan, SafetyPlanner

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Generic, TypeVar
 
 from powerd.alarms import Severity
-from powerd.controller.engine import TickSummary
+from powerd.controller.tick import TickSummary
 
 T = TypeVar("T")
 

@@ -26,8 +26,8 @@ from powerd.api.models import (
     Page,
 )
 from powerd.controller.controller import Controller
-from powerd.controller.engine import TickReport
 from powerd.controller.fleet import is_stale
+from powerd.controller.tick import TickReport
 from powerd.numeric import finite_or_none
 from powerd.policy import LEVELS
 
