@@ -1,6 +1,7 @@
 """The OpenAPI documents of both HTTP APIs, pinned whole: the controller's admin API and the
 coordinator's. Generated clients and the CLI read them; a refactor must leave them as they
-are, to the byte (key order included: the documents are served in that order).
+are, to the byte (key order included: the documents are served in that order). And the
+words each API refuses a caller with, which differ between the two.
 
 The snapshots in tests/data/ were generated from the code; when a change to an API is
 intended, regenerate them (`python tests/test_api_openapi.py`) and review the diff with the
@@ -10,17 +11,20 @@ change. tests/test_api_routes.py pins each operation of the controller's API pie
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 from typing import Any, cast
 
 import httpx
-from fastapi import FastAPI
+import pytest
+from fastapi import Depends, FastAPI
 from prometheus_client import CollectorRegistry
 from test_api_routes import build
 
-from powerd.auth import TokenStore, new_token_entry
+from powerd.api.app import create_coordinator_app
+from powerd.api.deps import CONTROLLER_AUTH, COORDINATOR_AUTH, BearerAuth
+from powerd.auth import Role, TokenStore, new_token_entry
 from powerd.coordinator.main import Coordinator
-from powerd.coordinator.main import create_app as create_coordinator_app
 
 DATA = Path(__file__).resolve().parent / "data"
 VERSION = "<powerd version>"  # the controller's document names the release: not pinned
@@ -35,7 +39,7 @@ def coordinator_app(tmp_path: Path, entry: str | None = None) -> FastAPI:
     (tmp_path / "coordinator-tokens.toml").write_text(entry)
     tokens = TokenStore.from_file(tmp_path / "coordinator-tokens.toml")
     # The document is built from the routes alone: no coordinator is asked anything.
-    return create_coordinator_app(cast(Coordinator, None), tokens)
+    return create_coordinator_app(cast(Coordinator, None), tokens, CollectorRegistry())
 
 
 def text(doc: dict[str, Any]) -> str:
@@ -60,6 +64,46 @@ def test_the_controllers_openapi_document_is_unchanged(tmp_path: Path) -> None:
 def test_the_coordinators_openapi_document_is_unchanged(tmp_path: Path) -> None:
     snapshot = (DATA / "openapi-coordinator.json").read_text(encoding="utf-8")
     assert coordinator_doc(tmp_path) == snapshot, "see this file's docstring"
+
+
+CONTROLLER_WORDS = [
+    (401, "missing bearer token", "Bearer"),
+    (401, "unknown or revoked token", "Bearer"),
+    (403, "the operator role is required; 'v' is viewer", None),
+]
+COORDINATOR_WORDS = [
+    (401, "missing or unknown bearer token", None),
+    (401, "missing or unknown bearer token", None),
+    (403, "the operator role is required", None),
+]
+
+
+@pytest.mark.parametrize(
+    ("auth", "words"),
+    [(CONTROLLER_AUTH, CONTROLLER_WORDS), (COORDINATOR_AUTH, COORDINATOR_WORDS)],
+    ids=["controller", "coordinator"],
+)
+async def test_each_apis_role_check_keeps_its_words(
+    auth: BearerAuth, words: list[tuple[int, str, str | None]]
+) -> None:
+    """The role check alone, without the gate in front (which answers most 401s itself):
+    no token, a token nobody holds, a viewer's token where an operator's is needed."""
+    viewer, entry = new_token_entry("v", "viewer")
+    app = FastAPI()
+    app.state.tokens = TokenStore.from_config(tomllib.loads(entry))
+
+    @app.get("/write", dependencies=[Depends(auth.at_least(Role.OPERATOR))])
+    async def write() -> str:
+        return "written"
+
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
+        got = []
+        for token in (None, "pwd_nobody_holds_this_token", viewer):
+            headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+            r = await client.get("/write", headers=headers)
+            got.append((r.status_code, r.json()["detail"], r.headers.get("www-authenticate")))
+    assert got == words
 
 
 async def test_the_coordinators_api_refuses_in_its_own_words(tmp_path: Path) -> None:
