@@ -252,6 +252,9 @@ class _Standby:
         def view() -> Any:
             return type("View", (), {"leader": "coord-b"})()
 
+    async def set_budget(self, *_: object) -> bool:
+        raise AssertionError("a standby's endpoint changed a budget")
+
 
 class Served:
     """An ASGI app under uvicorn (ApiServer) in a thread with its own event loop."""

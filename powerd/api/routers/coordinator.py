@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
+from functools import partial
 
 import structlog
 from fastapi import APIRouter, HTTPException, Request, Response
@@ -105,14 +106,8 @@ async def put_budget(
     group: str, body: BudgetIn, p: CoordinatorOperator, coord: CoordinatorDep
 ) -> dict[str, object]:
     """A temporary budget on a group above the scopes (only lowers; `ttl_s`: expiry)."""
-    return await _write(
-        coord,
-        lambda: coord.set_budget(group, body.budget_w, body.ttl_s, p.name, body.reason),
-        actor=p.name,
-        action="budget.set",
-        target=group,
-        reason=body.reason,
-    )
+    change = partial(coord.set_budget, group, body.budget_w, body.ttl_s, p.name, body.reason)
+    return await _write(coord, change, p.name, "budget.set", group, body.reason)
 
 
 @router.delete("/api/v1/budgets/{group}")
@@ -121,19 +116,13 @@ async def delete_budget(
 ) -> dict[str, object]:
     """End a temporary budget."""
     return await _write(
-        coord,
-        lambda: coord.clear_budget(group),
-        actor=p.name,
-        action="budget.clear",
-        target=group,
-        reason=reason,
+        coord, partial(coord.clear_budget, group), p.name, "budget.clear", group, reason
     )
 
 
 async def _write(
     coord: Coordinator,
     change: Callable[[], Awaitable[bool]],
-    *,
     actor: str,
     action: str,
     target: str,
