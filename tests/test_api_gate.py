@@ -21,15 +21,16 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
+from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 from test_api import LiveApi
 
-from powerd.api.app import LIST_BODY_BYTES, POLICY_BODY_BYTES
+from powerd.api.app import LIST_BODY_BYTES, POLICY_BODY_BYTES, create_coordinator_app
 from powerd.api.models import ClassAssignIn, JobIn
 from powerd.api.server import ApiServer
 from powerd.auth import TokenStore, new_token_entry
 from powerd.controller.overrides import MAX_JOB_GPUS, MAX_JOB_NODES, MAX_PROFILE_POINTS
-from powerd.coordinator.main import Coordinator, create_app
+from powerd.coordinator.main import Coordinator
 
 HUGE = 180 * 1024 * 1024  # the size the attack sent
 CHUNK = 64 * 1024
@@ -251,6 +252,9 @@ class _Standby:
         def view() -> Any:
             return type("View", (), {"leader": "coord-b"})()
 
+    async def set_budget(self, *_: object) -> bool:
+        raise AssertionError("a standby's endpoint changed a budget")
+
 
 class Served:
     """An ASGI app under uvicorn (ApiServer) in a thread with its own event loop."""
@@ -281,7 +285,8 @@ class Served:
 def coordinator_api(tmp_path: Path) -> Iterator[tuple[str, str]]:
     token, entry = new_token_entry("op", "operator")
     (tmp_path / "tokens.toml").write_text(entry)
-    app = create_app(cast(Coordinator, _Standby()), TokenStore.from_file(tmp_path / "tokens.toml"))
+    tokens = TokenStore.from_file(tmp_path / "tokens.toml")
+    app = create_coordinator_app(cast(Coordinator, _Standby()), tokens, CollectorRegistry())
     with Served(ApiServer(app, "127.0.0.1", 0)) as served:
         yield served.url, token
 

@@ -7,6 +7,9 @@ pool, where a slow database delays nobody else. `/metrics` renders in that pool 
 
 The endpoints live in `powerd.api.routers`, one module per resource; what they depend on
 (the controller, the caller's role) in `powerd.api.deps`, read from `app.state`.
+
+The coordinator's API (`create_coordinator_app`) is built the same way, from its own router
+(`powerd.api.routers.coordinator`), behind the same gate.
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ from prometheus_client import CollectorRegistry
 
 from powerd import __version__
 from powerd.api.errors import install_error_handlers
-from powerd.api.gate import MIB, BodyLimits, BodyRule, RequestGate, open_paths
+from powerd.api.gate import KIB, MIB, BodyLimits, BodyRule, RequestGate, open_paths
 from powerd.api.routers import (
     classes,
+    coordinator,
     fleet,
     health,
     history,
@@ -32,6 +36,7 @@ from powerd.api.routers import (
 from powerd.api.views import Views
 from powerd.auth import TokenStore
 from powerd.controller.controller import Controller
+from powerd.coordinator.main import Coordinator
 
 # What a request may send, by endpoint class (docs/api.md, "Request bodies"). Lists of GPUs
 # and nodes: the largest valid job (16,384 uuids and 2,048 nodes) or class assignment
@@ -45,8 +50,10 @@ BODY_LIMITS = BodyLimits(
         BodyRule("PUT", "/api/v1/jobs/[^/]+", LIST_BODY_BYTES),
         BodyRule("POST", "/api/v1/classes/(assign|clear)", LIST_BODY_BYTES),
     ),
-    default_bytes=16 * 1024,
+    default_bytes=16 * KIB,
 )
+# The coordinator's one write is a budget and a reason (at most 500 characters).
+COORDINATOR_BODY_LIMITS = BodyLimits(default_bytes=16 * KIB)
 
 
 def create_app(
@@ -79,8 +86,7 @@ def create_app(
     public = ["/healthz", "/readyz", "/ui"]
     if registry is not None and metrics_public:
         public.append("/metrics")
-    docs = [app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url]
-    public += [u for u in docs if u is not None]
+    public += _docs_paths(app)
     app.add_middleware(
         RequestGate, tokens=tokens, is_open=open_paths(public, ["/ui/"]), limits=BODY_LIMITS
     )
@@ -96,3 +102,26 @@ def create_app(
     app.include_router(ui.router)
     app.include_router(why.router)
     return app
+
+
+def create_coordinator_app(
+    coord: Coordinator, tokens: TokenStore, registry: CollectorRegistry
+) -> FastAPI:
+    """The coordinator's API over `coord`; `/metrics` serves `registry` to a viewer token.
+    `/healthz`, `/readyz` and the API's own description are open."""
+    app = FastAPI(title="powerd coordinator", version="1")
+    app.state.coordinator = coord
+    app.state.tokens = tokens
+    app.state.registry = registry
+    public = ["/healthz", "/readyz", *_docs_paths(app)]
+    app.add_middleware(
+        RequestGate, tokens=tokens, is_open=open_paths(public), limits=COORDINATOR_BODY_LIMITS
+    )
+    app.include_router(coordinator.router)
+    return app
+
+
+def _docs_paths(app: FastAPI) -> list[str]:
+    """Where FastAPI serves the API's own description (the OpenAPI document, its pages)."""
+    docs = [app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url]
+    return [u for u in docs if u is not None]

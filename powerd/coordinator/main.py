@@ -5,7 +5,8 @@ Each scope (a row or rack of the policy) is steered by its own `powerd controlle
 (and the rows', when the scopes are racks) from their demand curves every tick, and sends
 each scope its budget (CoordinatorEngine: coordinator/engine.py). It leads under the same
 kind of lease as a controller (scope `<facility>/coordinator` in its database): run two
-for a pair. Its admin API sets temporary budgets on the groups above the scopes.
+for a pair. Its admin API (powerd.api.routers.coordinator) shows the split and sets
+temporary budgets on the groups above the scopes.
 """
 
 from __future__ import annotations
@@ -16,23 +17,19 @@ import math
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import asdict
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import structlog
-from fastapi import Depends, FastAPI, HTTPException, Request, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import Field, ValidationError
 
-from powerd.api.gate import KIB, BodyLimits, RequestGate, authenticated, open_paths
 from powerd.api.server import ApiServer
-from powerd.auth import Principal, Role, TokenStore
+from powerd.auth import TokenStore
 from powerd.clock import SystemClock
 from powerd.controller.admin import store_operator_state
 from powerd.controller.leadership import Leadership, for_daemon, mode_for
@@ -43,8 +40,8 @@ from powerd.controller.opstate import (
     StateFileError,
     restore,
 )
-from powerd.controller.overrides import BudgetOverride, NotFound, OverrideError
-from powerd.coordinator.engine import CoordinatorEngine, CoordinatorReport, ScopeBudgetPlan
+from powerd.controller.overrides import BudgetOverride
+from powerd.coordinator.engine import CoordinatorEngine, CoordinatorReport
 from powerd.policy import load_policy, overlapping_domains
 from powerd.sdnotify import Notifier
 from powerd.settings import BrokerSettings, SettingsError
@@ -338,55 +335,7 @@ class Coordinator:
             self._adopt(newest)
 
 
-# -- the admin API -------------------------------------------------------------------------
-
-
-class BudgetIn(BaseModel):
-    budget_w: float = Field(gt=0, allow_inf_nan=False)
-    ttl_s: float | None = Field(default=None, gt=0, le=30 * 86400)
-    reason: str = Field(min_length=1, max_length=500)
-
-
-_bearer = HTTPBearer(auto_error=False)
-
-
-def _role(role: Role):  # type: ignore[no-untyped-def]
-    async def check(
-        request: Request,
-        cred: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-    ) -> Principal:
-        tokens: TokenStore = request.app.state.tokens
-        # The gate authenticated the caller before the body was read (powerd.api.gate).
-        p = (
-            None
-            if cred is None
-            else authenticated(request) or tokens.authenticate(cred.credentials)
-        )
-        if p is None:
-            raise HTTPException(401, "missing or unknown bearer token")
-        if p.role < role:
-            raise HTTPException(403, f"the {role.label} role is required")
-        return p
-
-    return check
-
-
-# At module level: the endpoints' annotations are resolved from the module's names.
-Viewer = Annotated[Principal, Depends(_role(Role.VIEWER))]
-Operator = Annotated[Principal, Depends(_role(Role.OPERATOR))]
-
-
-def _scope_row(coord: Coordinator, plan: ScopeBudgetPlan) -> dict[str, object]:
-    """A scope's budget this tick, and who leads it (from its latest report)."""
-    state = coord.engine.scopes[plan.scope]
-    r = state.report
-    return asdict(plan) | {
-        "leader": None if r is None else r.controller_id,
-        "leader_epoch": None if r is None else r.epoch,
-        "enforced_w": None if r is None else r.budget_w,
-        "reported_committed_w": None if r is None else r.committed_w,
-        "failsafe_w": state.failsafe_w,
-    }
+# -- its metrics, served by its API (powerd.api.routers.coordinator) --------------------
 
 
 class _Metrics(Collector):
@@ -439,123 +388,6 @@ class _Metrics(Collector):
         )
 
 
-def _scopes_view(coord: Coordinator) -> dict[str, object]:
-    r = coord.last
-    v = coord.leadership.view()
-    return {
-        "leadership": {
-            "role": v.role,
-            "leader": v.leader,
-            "epoch": v.epoch,
-            "members": [m.holder for m in v.members],
-        },
-        "tick": None if r is None else r.tick,
-        "solve_ms": None if r is None else r.solve_ms,
-        "exact": None if r is None else r.exact,
-        "groups": []
-        if r is None
-        else [
-            {"name": n, "budget_w": b if math.isfinite(b) else None, "committed_w": c}
-            for n, b, c in zip(r.group_names, r.group_budget_w, r.group_committed_w, strict=True)
-        ],
-        "scopes": [] if r is None else [_scope_row(coord, p) for p in r.budgets],
-        "waiting": [] if r is None else list(r.waiting),
-        "overlapping_scopes": [
-            {"scope": s, "controller": c} for s, c in sorted(coord.overlapping.items())
-        ],
-    }
-
-
-async def _write(
-    coord: Coordinator,
-    change: Callable[[], Awaitable[bool]],
-    *,
-    actor: str,
-    action: str,
-    target: str,
-    reason: str,
-) -> dict[str, object]:
-    """A write on the leader only (409 on a standby), in its state file before the answer."""
-    if not coord.leadership.may_command():
-        raise HTTPException(409, f"standing by; the leader is {coord.leadership.view().leader!r}")
-    try:
-        stored = await change()
-    except NotFound as exc:
-        raise HTTPException(404, str(exc)) from None
-    except OverrideError as exc:
-        raise HTTPException(422, str(exc)) from None
-    log.info("admin_action", actor=actor, action=action, target=target, reason=reason)
-    # durable: in the state file; shared: in the database, where a standby finds it.
-    return {
-        "applied": True,
-        "durable": True,
-        "shared": stored,
-        "after_tick": coord.engine.tick_no,
-    }
-
-
-# Its one write is a budget and a reason (at most 500 characters); reads send nothing.
-BODY_LIMITS = BodyLimits(default_bytes=16 * KIB)
-
-
-def create_app(coord: Coordinator, tokens: TokenStore) -> FastAPI:
-    app = FastAPI(title="powerd coordinator", version="1")
-    app.state.tokens = tokens
-    # As the controller's API: no token, no body read (powerd.api.gate).
-    docs = [app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url]
-    public = ["/healthz", "/readyz", *(u for u in docs if u is not None)]
-    app.add_middleware(RequestGate, tokens=tokens, is_open=open_paths(public), limits=BODY_LIMITS)
-
-    @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
-
-    registry = CollectorRegistry()
-    registry.register(_Metrics(coord))
-
-    @app.get("/metrics")
-    async def metrics(_: Viewer) -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/readyz")
-    async def readyz(response: Response) -> dict[str, bool]:
-        ready = coord.leadership.may_command() and coord.last is not None
-        if not ready:
-            response.status_code = 503
-        return {"ready": ready}
-
-    @app.get("/api/v1/scopes")
-    async def scopes(_: Viewer) -> dict[str, object]:
-        """The split: each scope's budget, target, what it may draw, who leads it."""
-        return _scopes_view(coord)
-
-    @app.put("/api/v1/budgets/{group}")
-    async def put_budget(group: str, body: BudgetIn, p: Operator) -> dict[str, object]:
-        """A temporary budget on a group above the scopes (only lowers; `ttl_s`: expiry)."""
-        return await _write(
-            coord,
-            lambda: coord.set_budget(group, body.budget_w, body.ttl_s, p.name, body.reason),
-            actor=p.name,
-            action="budget.set",
-            target=group,
-            reason=body.reason,
-        )
-
-    @app.delete("/api/v1/budgets/{group}")
-    async def delete_budget(group: str, reason: str, p: Operator) -> dict[str, object]:
-        """End a temporary budget."""
-        return await _write(
-            coord,
-            lambda: coord.clear_budget(group),
-            actor=p.name,
-            action="budget.clear",
-            target=group,
-            reason=reason,
-        )
-
-    return app
-
-
 async def run_coordinator(settings: CoordinatorSettings) -> None:
     policy = load_policy(settings.policy)
     engine = CoordinatorEngine(policy, settings.scope_level)
@@ -587,8 +419,14 @@ async def run_coordinator(settings: CoordinatorSettings) -> None:
     if settings.api_port is not None:
         if settings.tokens_file is None:
             raise SettingsError(settings.kind, [("tokens_file", "the admin API needs one")])
+        # Imported here: the API's routers import this module (its Coordinator).
+        from powerd.api.app import create_coordinator_app
+
         tokens = TokenStore.from_file(settings.tokens_file, dev=settings.dev)
-        api = ApiServer(create_app(coord, tokens), settings.api_host, settings.api_port)
+        registry = CollectorRegistry()
+        registry.register(_Metrics(coord))
+        app = create_coordinator_app(coord, tokens, registry)
+        api = ApiServer(app, settings.api_host, settings.api_port)
     notifier = Notifier()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

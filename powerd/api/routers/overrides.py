@@ -1,25 +1,21 @@
-"""Operators' overrides of the policy: temporary budgets, class assignments, pins and
-drains, and the read of those in force.
+"""Operators' overrides of the policy: temporary and scheduled budgets, class assignments,
+pins, drains and hand-overs, and the read of those in force.
 
-The eight writes are rows of one table, `OVERRIDE_WRITES`; `add_override_routes` makes each
-row an endpoint. A row says what the endpoint reads (its path's one parameter, then a JSON
-body or a `reason` query parameter) and what it does with it (the controller call); what
-every write does after that (the ledger, refusals, the answer) is powerd.api.writes.
+Each write is a plain endpoint, like every other in the API: its path, body and role read
+off its signature, its controller call type-checked. They were once rows of a table that
+generated the endpoints; that saved about three lines an endpoint, and cost a synthesized
+signature, bodies typed `Any` and a second way to read an endpoint. What every write does
+once its request is read (the ledger, audited refusals, the answer) is powerd.api.writes.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
-import re
 import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Literal, TypedDict
+from typing import Any, TypedDict
 
 from fastapi import APIRouter
-from pydantic import BaseModel
 
 from powerd.api.deps import V1, Admin, ControllerDep, Operator, ReasonQuery, Viewer
 from powerd.api.errors import AUTH_ERRORS, WRITE_ERRORS
@@ -37,7 +33,6 @@ from powerd.api.models import (
     WriteOut,
 )
 from powerd.api.writes import Attempt, write
-from powerd.auth import Principal
 from powerd.controller.controller import Controller
 from powerd.numeric import finite_or_none
 from powerd.ramp import lead_s, ramp_down_from
@@ -119,6 +114,9 @@ def _schedules(controller: Controller) -> list[ScheduleOut]:
 
 # ---- the writes ----
 
+# What every write answers, and the errors it documents.
+_WRITE_ROUTE: dict[str, Any] = {"response_model": WriteOut, "responses": WRITE_ERRORS}
+
 
 class Who(TypedDict):
     """Who asks and why: the controller's keyword arguments for the audit row."""
@@ -128,275 +126,136 @@ class Who(TypedDict):
     role: str
 
 
-@dataclass(frozen=True)
-class WriteRequest:
-    """One override write as its endpoint received it."""
-
-    key: str
-    """The path's parameter ({group}, {uuid} or {node}); "" when the path has none."""
-    body: Any
-    """The row's body model, validated; None when the reason is a query parameter."""
-    who: Who
-    token: str = field(default_factory=lambda: "s-" + uuid.uuid4().hex[:12])
-    """A fresh id for what this request creates (a scheduled budget's)."""
+def _who(attempt: Attempt) -> Who:
+    p = attempt.principal
+    return Who(actor=p.name, reason=attempt.reason, role=p.role.label)
 
 
-Change = Callable[[], object]
-
-
-@dataclass(frozen=True)
-class OverrideWrite:
-    """One row of the table: an endpoint that changes an override."""
-
-    name: str
-    """The endpoint's name, from which FastAPI derives its operationId and summary."""
-    method: Literal["PUT", "POST", "DELETE"]
-    path: str
-    """Under /api/v1; at most one {parameter}, which becomes `WriteRequest.key`."""
-    body: type[BaseModel] | None
-    """The JSON body, which carries the reason; None: `reason` is a query parameter."""
-    action: str
-    """The audit log's name for it."""
-    target: Callable[[WriteRequest], str]
-    """What the audit log and the answer name as changed."""
-    change: Callable[[Controller, WriteRequest], Change]
-    """The controller call, bound when the request comes; the ledger runs it."""
-    doc: str | None = None
-    """The endpoint's description in the OpenAPI document."""
-    field: str | None = None
-    """The body field a refused value (422) is blamed on."""
-    lowers_power: bool | Callable[[Controller, WriteRequest], bool] = False
-    """Applied even when the state file cannot be written (safety wins the tie)."""
-    admin: bool = False
-    """Only an admin token may (an operator's otherwise)."""
-
-
-def _key(w: WriteRequest) -> str:
-    return w.key
-
-
-def _listed(w: WriteRequest) -> str:
-    return ",".join(w.body.uuids + w.body.nodes)
-
-
-def _set_budget(c: Controller, w: WriteRequest) -> Change:
-    body: BudgetIn = w.body
+@router.put("/budgets/{group}", **_WRITE_ROUTE)
+async def set_budget(
+    group: str, body: BudgetIn, p: Operator, controller: ControllerDep
+) -> WriteOut:
+    """Lower a group's budget for a while (a grid demand-response event). A temporary
+    budget can only lower: the policy's budget is the breaker or contract rating."""
+    attempt = Attempt(controller, p, "budget.set", group, body.reason)
     # A ttl counts from the request, not from when the ledger gets to the change.
-    expires_at = body.expires_at if body.ttl_s is None else c.clock.wall() + body.ttl_s
-    return partial(c.set_budget, w.key, body.budget_w, expires_at=expires_at, **w.who)
-
-
-def _schedule(c: Controller, w: WriteRequest) -> Change:
-    body: ScheduleIn = w.body
-    return partial(
-        c.schedule_budget, w.token, w.key, body.budget_w, start=body.start, end=body.end, **w.who
+    expires_at = body.expires_at if body.ttl_s is None else controller.clock.wall() + body.ttl_s
+    change = partial(
+        controller.set_budget, group, body.budget_w, expires_at=expires_at, **_who(attempt)
     )
-
-
-def _token(w: WriteRequest) -> str:
-    return w.token
-
-
-def _lowers_budget(c: Controller, w: WriteRequest) -> bool:
     # Applied even when the state file fails, if it lowers what is in force now.
-    return bool(w.body.budget_w <= c.budget_in_force_w(w.key))
+    lowers = body.budget_w <= controller.budget_in_force_w(group)
+    return await write(attempt, change, "budget_w", lowers_power=lowers)
 
 
-OVERRIDE_WRITES: tuple[OverrideWrite, ...] = (
-    OverrideWrite(
-        "set_budget",
-        "PUT",
-        "/budgets/{group}",
-        body=BudgetIn,
-        action="budget.set",
-        target=_key,
-        change=_set_budget,
-        doc="""Lower a group's budget for a while (a grid demand-response event). A temporary
-        budget can only lower: the policy's budget is the breaker or contract rating.""",
-        field="budget_w",
-        lowers_power=_lowers_budget,
-    ),
-    OverrideWrite(
-        "clear_budget",
-        "DELETE",
-        "/budgets/{group}",
-        body=None,
-        action="budget.clear",
-        target=_key,
-        change=lambda c, w: partial(c.clear_budget, w.key, **w.who),
-        doc="End a temporary budget now (the policy's applies from the next tick).",
-    ),
-    OverrideWrite(
-        "schedule_budget",
-        "POST",
-        "/budgets/{group}/schedule",
-        body=ScheduleIn,
-        action="budget.schedule",
-        target=_token,
-        change=_schedule,
-        doc="""Lower a group's budget over a future window (a grid operator's load target).
-        The budget in force ramps down early enough to reach it by `start` and back up from
-        `end`, no faster than the policy's `control.ramp_w_per_s`. The answer's `target` is
-        the schedule's id, to cancel it. A refusal's `detail` says which field is wrong.""",
-    ),
-    OverrideWrite(
-        "cancel_schedule",
-        "DELETE",
-        "/schedules/{schedule_id}",
-        body=None,
-        action="budget.unschedule",
-        target=_key,
-        change=lambda c, w: partial(c.cancel_schedule, w.key, **w.who),
-        doc="Cancel a scheduled budget (its window, or the rest of it): the budget in force "
-        "ramps back up.",
-    ),
-    OverrideWrite(
-        "assign_class",
-        "POST",
-        "/classes/assign",
-        body=ClassAssignIn,
-        action="class.assign",
-        target=_listed,
-        change=lambda c, w: partial(
-            c.assign_class, w.body.class_, uuids=w.body.uuids, nodes=w.body.nodes, **w.who
-        ),
-        doc="Steer GPUs or whole nodes as a workload class (a scheduler's job prolog).",
-    ),
-    OverrideWrite(
-        "clear_class",
-        "POST",
-        "/classes/clear",
-        body=ClassClearIn,
-        action="class.clear",
-        target=_listed,
-        change=lambda c, w: partial(c.clear_class, uuids=w.body.uuids, nodes=w.body.nodes, **w.who),
-        doc="Drop class assignments (the job epilog): the workload's own report applies again.",
-    ),
-    OverrideWrite(
-        "pin",
-        "PUT",
-        "/gpus/{uuid}/pin",
-        body=PinIn,
-        action="gpu.pin",
-        target=_key,
-        change=lambda c, w: partial(c.pin, w.key, w.body.watts, **w.who),
-        doc="Hold one GPU at a fixed cap (within its limits) until unpinned.",
-        field="watts",
-    ),
-    OverrideWrite(
-        "unpin",
-        "DELETE",
-        "/gpus/{uuid}/pin",
-        body=None,
-        action="gpu.unpin",
-        target=_key,
-        change=lambda c, w: partial(c.unpin, w.key, **w.who),
-    ),
-    OverrideWrite(
-        "drain",
-        "PUT",
-        "/nodes/{node}/drain",
-        body=ReasonIn,
-        action="node.drain",
-        target=_key,
-        change=lambda c, w: partial(c.drain, w.key, **w.who),
-        doc="Hold every GPU of a node at its minimum (maintenance, a suspect PSU).",
-        lowers_power=True,
-    ),
-    OverrideWrite(
-        "hand_over",
-        "PUT",
-        "/handover",
-        body=HandoverIn,
-        action="authority.handover",
-        target=lambda w: ",".join(f"{a.store}/{a.domain}" for a in w.body.to),
-        change=lambda c, w: partial(c.hand_over, w.body.to, **w.who),
-        doc="""Hand this controller's nodes to other authorities of the site (a row
-        re-scoped into racks, a move to a new database): every command names them, so each
-        agent obeys their first command at once, without a failsafe gap; meanwhile every
-        GPU counts at its maximum here (this controller only holds or cuts). Stop this
-        controller once the nodes obey the successors (`foreign_authority` lists them).""",
-        field="to",
-        admin=True,
-    ),
-    OverrideWrite(
-        "cancel_handover",
-        "DELETE",
-        "/handover",
-        body=None,
-        action="authority.handover_cancel",
-        target=lambda w: "",
-        change=lambda c, w: partial(c.cancel_handover, **w.who),
-        doc="Stop naming successors (nodes that already obey one stay with it).",
-        admin=True,
-    ),
-    OverrideWrite(
-        "undrain",
-        "DELETE",
-        "/nodes/{node}/drain",
-        body=None,
-        action="node.undrain",
-        target=_key,
-        change=lambda c, w: partial(c.undrain, w.key, **w.who),
-    ),
+@router.delete("/budgets/{group}", **_WRITE_ROUTE)
+async def clear_budget(
+    group: str, reason: ReasonQuery, p: Operator, controller: ControllerDep
+) -> WriteOut:
+    """End a temporary budget now (the policy's applies from the next tick)."""
+    attempt = Attempt(controller, p, "budget.clear", group, reason)
+    return await write(attempt, partial(controller.clear_budget, group, **_who(attempt)))
+
+
+@router.post("/budgets/{group}/schedule", **_WRITE_ROUTE)
+async def schedule_budget(
+    group: str, body: ScheduleIn, p: Operator, controller: ControllerDep
+) -> WriteOut:
+    """Lower a group's budget over a future window (a grid operator's load target).
+    The budget in force ramps down early enough to reach it by `start` and back up from
+    `end`, no faster than the policy's `control.ramp_w_per_s`. The answer's `target` is
+    the schedule's id, to cancel it. A refusal's `detail` says which field is wrong."""
+    schedule_id = "s-" + uuid.uuid4().hex[:12]
+    attempt = Attempt(controller, p, "budget.schedule", schedule_id, body.reason)
+    change = partial(
+        controller.schedule_budget,
+        schedule_id,
+        group,
+        body.budget_w,
+        start=body.start,
+        end=body.end,
+        **_who(attempt),
+    )
+    return await write(attempt, change)
+
+
+@router.delete(
+    "/schedules/{schedule_id}",
+    # One line in the API's document, longer than a docstring's line may be.
+    description="Cancel a scheduled budget (its window, or the rest of it): the budget in "
+    "force ramps back up.",
+    **_WRITE_ROUTE,
 )
+async def cancel_schedule(
+    schedule_id: str, reason: ReasonQuery, p: Operator, controller: ControllerDep
+) -> WriteOut:
+    attempt = Attempt(controller, p, "budget.unschedule", schedule_id, reason)
+    return await write(attempt, partial(controller.cancel_schedule, schedule_id, **_who(attempt)))
 
 
-def _endpoint(row: OverrideWrite) -> Callable[..., Awaitable[WriteOut]]:
-    """The endpoint of one row, with the signature FastAPI reads its inputs from."""
-    keys = re.findall(r"{(\w+)}", row.path)
-    if len(keys) > 1:
-        raise ValueError(f"{row.path}: an override write takes at most one path parameter")
-    key = keys[0] if keys else None
-
-    async def endpoint(controller: Controller, p: Principal, **inputs: Any) -> WriteOut:
-        body = inputs.get("body")
-        reason: str = inputs["reason"] if body is None else body.reason
-        w = WriteRequest(
-            key=inputs[key] if key else "",
-            body=body,
-            who=Who(actor=p.name, reason=reason, role=p.role.label),
-        )
-        return await write(
-            Attempt(controller, p, row.action, row.target(w), reason),
-            row.change(controller, w),
-            row.field,
-            lowers_power=row.lowers_power(controller, w)
-            if callable(row.lowers_power)
-            else row.lowers_power,
-        )
-
-    param = partial(inspect.Parameter, kind=inspect.Parameter.KEYWORD_ONLY)
-    inputs = [param(key, annotation=str)] if key else []
-    inputs.append(
-        param("reason", annotation=ReasonQuery)
-        if row.body is None
-        else param("body", annotation=row.body)
+@router.post("/classes/assign", **_WRITE_ROUTE)
+async def assign_class(body: ClassAssignIn, p: Operator, controller: ControllerDep) -> WriteOut:
+    """Steer GPUs or whole nodes as a workload class (a scheduler's job prolog)."""
+    listed = ",".join(body.uuids + body.nodes)
+    attempt = Attempt(controller, p, "class.assign", listed, body.reason)
+    change = partial(
+        controller.assign_class, body.class_, uuids=body.uuids, nodes=body.nodes, **_who(attempt)
     )
-    # FastAPI reads the inputs from the signature (inspect.signature honours __signature__).
-    endpoint.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-        [
-            *inputs,
-            param("p", annotation=Admin if row.admin else Operator),
-            param("controller", annotation=ControllerDep),
-        ],
-        return_annotation=WriteOut,
-    )
-    endpoint.__name__ = endpoint.__qualname__ = row.name
-    endpoint.__doc__ = row.doc
-    return endpoint
+    return await write(attempt, change)
 
 
-def add_override_routes(router: APIRouter, rows: tuple[OverrideWrite, ...]) -> None:
-    for row in rows:
-        router.add_api_route(
-            row.path,
-            _endpoint(row),
-            methods=[row.method],
-            name=row.name,
-            response_model=WriteOut,
-            responses=WRITE_ERRORS,
-        )
+@router.post("/classes/clear", **_WRITE_ROUTE)
+async def clear_class(body: ClassClearIn, p: Operator, controller: ControllerDep) -> WriteOut:
+    """Drop class assignments (the job epilog): the workload's own report applies again."""
+    listed = ",".join(body.uuids + body.nodes)
+    attempt = Attempt(controller, p, "class.clear", listed, body.reason)
+    change = partial(controller.clear_class, uuids=body.uuids, nodes=body.nodes, **_who(attempt))
+    return await write(attempt, change)
 
 
-add_override_routes(router, OVERRIDE_WRITES)
+@router.put("/gpus/{uuid}/pin", **_WRITE_ROUTE)
+async def pin(uuid: str, body: PinIn, p: Operator, controller: ControllerDep) -> WriteOut:
+    """Hold one GPU at a fixed cap (within its limits) until unpinned."""
+    attempt = Attempt(controller, p, "gpu.pin", uuid, body.reason)
+    return await write(attempt, partial(controller.pin, uuid, body.watts, **_who(attempt)), "watts")
+
+
+@router.delete("/gpus/{uuid}/pin", **_WRITE_ROUTE)
+async def unpin(uuid: str, reason: ReasonQuery, p: Operator, controller: ControllerDep) -> WriteOut:
+    attempt = Attempt(controller, p, "gpu.unpin", uuid, reason)
+    return await write(attempt, partial(controller.unpin, uuid, **_who(attempt)))
+
+
+@router.put("/nodes/{node}/drain", **_WRITE_ROUTE)
+async def drain(node: str, body: ReasonIn, p: Operator, controller: ControllerDep) -> WriteOut:
+    """Hold every GPU of a node at its minimum (maintenance, a suspect PSU)."""
+    attempt = Attempt(controller, p, "node.drain", node, body.reason)
+    change = partial(controller.drain, node, **_who(attempt))
+    return await write(attempt, change, lowers_power=True)
+
+
+@router.put("/handover", **_WRITE_ROUTE)
+async def hand_over(body: HandoverIn, p: Admin, controller: ControllerDep) -> WriteOut:
+    """Hand this controller's nodes to other authorities of the site (a row
+    re-scoped into racks, a move to a new database): every command names them, so each
+    agent obeys their first command at once, without a failsafe gap; meanwhile every
+    GPU counts at its maximum here (this controller only holds or cuts). Stop this
+    controller once the nodes obey the successors (`foreign_authority` lists them)."""
+    successors = ",".join(f"{a.store}/{a.domain}" for a in body.to)
+    attempt = Attempt(controller, p, "authority.handover", successors, body.reason)
+    return await write(attempt, partial(controller.hand_over, body.to, **_who(attempt)), "to")
+
+
+@router.delete("/handover", **_WRITE_ROUTE)
+async def cancel_handover(reason: ReasonQuery, p: Admin, controller: ControllerDep) -> WriteOut:
+    """Stop naming successors (nodes that already obey one stay with it)."""
+    attempt = Attempt(controller, p, "authority.handover_cancel", "", reason)
+    return await write(attempt, partial(controller.cancel_handover, **_who(attempt)))
+
+
+@router.delete("/nodes/{node}/drain", **_WRITE_ROUTE)
+async def undrain(
+    node: str, reason: ReasonQuery, p: Operator, controller: ControllerDep
+) -> WriteOut:
+    attempt = Attempt(controller, p, "node.undrain", node, reason)
+    return await write(attempt, partial(controller.undrain, node, **_who(attempt)))
