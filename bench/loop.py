@@ -42,8 +42,8 @@ import yaml
 
 from powerd.clock import SystemClock
 from powerd.controller.build import ControllerOptions, build_controller
+from powerd.controller.report import TickReport
 from powerd.controller.settings import ControllerSettings
-from powerd.controller.tick import TickReport
 from powerd.logs import configure_logging
 from powerd.policy import load_policy
 from powerd.safety import SafePlan

@@ -26,7 +26,7 @@ from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
 from powerd.clock import Clock, SystemClock
 from powerd.controller.build import ControllerOptions, build_controller
 from powerd.controller.controller import Controller
-from powerd.controller.tick import TickReport
+from powerd.controller.report import TickReport
 from powerd.numeric import finite_or_none
 from powerd.policy import Policy, load_policy, load_policy_text
 from powerd.store import Store, StoreWriter, upgrade

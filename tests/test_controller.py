@@ -22,8 +22,8 @@ from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
 from powerd.controller.build import ControllerOptions, build_controller
 from powerd.controller.controller import Controller
 from powerd.controller.overrides import OverrideError
+from powerd.controller.report import TickReport
 from powerd.controller.settings import ControllerSettings
-from powerd.controller.tick import TickReport
 from powerd.policy import Policy, PolicyError, parse_policy
 from powerd.settings import SettingsError
 from powerd.store import Retention, Store, StoreWriter, upgrade

@@ -21,24 +21,25 @@ DOCS = ROOT / "docs"
 MIGRATIONS = ROOT / "migrations" / "versions"
 
 # The ways code raises an alarm or records an event: `Alarms.set` / `Alarms.once` on an
-# `alarms` attribute, and the `_alarm(kind, message)` / `set_alarm` helpers that forward
-# to them.
+# `alarms` attribute or parameter, and the helpers that forward to them (`_alarm(kind,
+# message)`, `set_alarm`, a stage's `alarm` callback).
 ALARM_METHODS = {"set", "once"}
 ALARM_HELPERS = {"_alarm", "set_alarm"}
 
 
 def _is_alarm_call(call: ast.Call) -> bool:
     func = call.func
+    if isinstance(func, ast.Name):  # an `alarm(kind, message)` callback a stage is given
+        return func.id == "alarm" and bool(call.args)
     if not isinstance(func, ast.Attribute):
         return False
     if func.attr in ALARM_HELPERS:
         return bool(call.args)  # a helper without arguments raises a constant kind inside
     receiver = func.value
-    return (
-        func.attr in ALARM_METHODS
-        and isinstance(receiver, ast.Attribute)
-        and receiver.attr == "alarms"
+    named = (isinstance(receiver, ast.Attribute) and receiver.attr == "alarms") or (
+        isinstance(receiver, ast.Name) and receiver.id == "alarms"
     )
+    return func.attr in ALARM_METHODS and named
 
 
 def _forwards_own_parameter(call: ast.Call, function: ast.FunctionDef | None) -> bool:

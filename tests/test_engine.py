@@ -12,7 +12,8 @@ import pytest
 from honest import GPUS, NODES, HonestNode, policy_dict
 from test_layers import IO_LIBRARIES
 
-from powerd.controller.tick import TickEngine, TickReport
+from powerd.controller.report import TickReport
+from powerd.controller.tick import TickEngine
 from powerd.policy import parse_policy
 from powerd.wire import NodeState, NodeStatus
 

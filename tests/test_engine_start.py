@@ -10,7 +10,8 @@ from honest import GPUS, NODES, HonestNode, policy_dict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from powerd.controller.tick import TickEngine, TickReport
+from powerd.controller.report import TickReport
+from powerd.controller.tick import TickEngine
 from powerd.policy import parse_policy
 from powerd.wire import CapAck, GpuAck, NodeState, NodeStatus
 

@@ -255,7 +255,7 @@ def test_a_tick_that_fails_still_ends_with_safe_caps_and_an_alarm() -> None:
     def broken(*_: Any) -> Any:
         raise RuntimeError("a fault inside the tick")
 
-    c.engine._class_indices = broken  # type: ignore[method-assign]
+    c.engine.targets.class_indices = broken  # type: ignore[method-assign]
     report, plan = c.step()
     assert report.status == "tick_failed" and "tick_failed" in c.alarms
     assert {cmd.node for cmd in plan.commands} == set(NODES)  # every lease renewed
@@ -265,7 +265,7 @@ def test_a_tick_that_fails_still_ends_with_safe_caps_and_an_alarm() -> None:
     total = sum(w for n in nodes.values() for w in n.caps.values())
     assert total + 0.0 <= 4000.0 + TOL
     assert any(n.caps[u] < steered[u] for n in nodes.values() for u in n.uuids)
-    del c.engine._class_indices  # the fault goes away: so does the alarm
+    del c.engine.targets.class_indices  # the fault goes away: so does the alarm
     report, _ = c.step()
     assert report.status != "tick_failed" and "tick_failed" not in c.alarms
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from honest import NODES, HonestNode, policy_dict
 
-import powerd.controller.tick as engine_module
+import powerd.controller.targets as targets_module
 from powerd.allocator import Fleet, allocate
 from powerd.allocator.api import fleet_from_snapshot
 from powerd.controller.jobs import GpuPlaces, JobView
@@ -166,14 +166,14 @@ class Spy:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.fleets: list[Fleet] = []
         self.policies: list[Policy] = []
-        real = engine_module.allocate_arrays
+        real = targets_module.allocate_arrays
 
         def spy(fleet: Fleet, policy: Policy, *args: Any, **kwargs: Any) -> Any:
             self.fleets.append(fleet)
             self.policies.append(policy)
             return real(fleet, policy, *args, **kwargs)
 
-        monkeypatch.setattr(engine_module, "allocate_arrays", spy)
+        monkeypatch.setattr(targets_module, "allocate_arrays", spy)
 
 
 def run_ticks(engine: TickEngine, nodes: dict[str, HonestNode], ticks: range) -> Any:
@@ -258,9 +258,9 @@ def test_the_engine_fills_job_index_and_steers_members_as_the_jobs_class(
     assert policy.classes.keys() == {"c", "batch"}  # the operators' policy is untouched
 
     # Nothing changed: the view and the per-GPU index are reused, not rebuilt.
-    view, index = engine._jobs, engine._job_index
+    view, index = engine.targets.jobs, engine.targets.job_index
     run_ticks(engine, nodes, range(4, 5))
-    assert engine._jobs is view and engine._job_index is index
+    assert engine.targets.jobs is view and engine.targets.job_index is index
     # A job deleted: the next tick has one job left, the GPUs back to their own class.
     o.delete_job("train-7")
     o.delete_job("train-8")

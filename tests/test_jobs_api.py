@@ -111,7 +111,7 @@ def test_put_get_delete_a_job_across_racks(live: LiveApi) -> None:
 
         wait_until(steered, "the job's GPUs steered as its class")
         assert live.controller is not None
-        view = live.controller.engine._jobs
+        view = live.controller.engine.targets.jobs
         assert view is not None and view.names == ("4242",)
 
         # Re-PUT replaces: the node is dropped, the uuid kept.

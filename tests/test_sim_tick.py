@@ -15,7 +15,8 @@ from test_sim import small_policy
 from powerd.allocator import ClassTable
 from powerd.backends.mock import GpuFleetModel, MockGpuSpec
 from powerd.controller.overrides import ScheduledBudget
-from powerd.controller.tick import TickEngine, TickReport
+from powerd.controller.report import TickReport
+from powerd.controller.tick import TickEngine
 from powerd.policy import Overload, parse_policy, with_overload
 from powerd.safety import SafePlan
 from powerd.sim.run import MAX_ROUNDS, engine_policy, simulate, start_cap_w

@@ -20,7 +20,7 @@ from sqlalchemy.exc import IntegrityError
 from structlog.testing import capture_logs
 
 from powerd.clock import ManualClock
-from powerd.controller.tick import TickSummary
+from powerd.controller.report import TickSummary
 from powerd.store import (
     EventRecord,
     GpuRecord,

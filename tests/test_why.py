@@ -14,7 +14,8 @@ from honest import NODES, HonestNode, policy_dict
 from pg import pg_database
 
 from powerd.clock import ManualClock
-from powerd.controller.tick import TickEngine, TickReport
+from powerd.controller.report import TickReport
+from powerd.controller.tick import TickEngine
 from powerd.controller.why import tightest_groups
 from powerd.policy import parse_policy
 from powerd.safety import SafePlan

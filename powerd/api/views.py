@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from powerd.controller.controller import Controller
-from powerd.controller.tick import TickReport
+from powerd.controller.report import TickReport
 from powerd.policy import LEVELS, Policy
 
 

@@ -27,8 +27,9 @@ from powerd.controller.fleet import FleetState
 from powerd.controller.leadership import Leadership
 from powerd.controller.opstate import ApiPolicy, OperatorState, StateFile
 from powerd.controller.overrides import Overrides
+from powerd.controller.report import TickReport, TickSummary
 from powerd.controller.scope import ScopeLink
-from powerd.controller.tick import TickEngine, TickReport, TickSummary
+from powerd.controller.tick import TickEngine
 from powerd.numeric import finite_or_none
 from powerd.policy import Policy
 from powerd.safety import SafePlan, SafetyPlanner

@@ -15,7 +15,7 @@ import numpy as np
 
 from powerd.controller.controller import Controller
 from powerd.controller.fleet import FleetGpu
-from powerd.controller.tick import TickReport
+from powerd.controller.report import TickReport
 from powerd.metrics import ControllerMetrics, GpuSnapshot, Leadership
 from powerd.policy import LEVELS
 from powerd.sdnotify import Notifier

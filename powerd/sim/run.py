@@ -31,7 +31,8 @@ from numpy.typing import NDArray
 from powerd.allocator import ClassTable, Tree
 from powerd.backends.mock import GpuFleetModel, MockGpuSpec
 from powerd.controller.overrides import OverrideError, ScheduledBudget
-from powerd.controller.tick import TickEngine, TickReport
+from powerd.controller.report import TickReport
+from powerd.controller.tick import TickEngine
 from powerd.policy import LEVELS, Policy, RampRates
 from powerd.profile import Profile
 from powerd.ramp import window_ceiling_w

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Generic, TypeVar
 
 from powerd.alarms import Severity
-from powerd.controller.tick import TickSummary
+from powerd.controller.report import TickSummary
 
 T = TypeVar("T")
 

@@ -27,7 +27,7 @@ from powerd.api.models import (
 )
 from powerd.controller.controller import Controller
 from powerd.controller.fleet import is_stale
-from powerd.controller.tick import TickReport
+from powerd.controller.report import TickReport
 from powerd.numeric import finite_or_none
 from powerd.policy import LEVELS
 

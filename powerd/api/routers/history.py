@@ -21,7 +21,7 @@ from powerd.api.models import (
     Page,
     TickOut,
 )
-from powerd.controller.tick import TickSummary
+from powerd.controller.report import TickSummary
 from powerd.numeric import finite_or_none
 from powerd.store.models import Tick
 

@@ -1,0 +1,139 @@
+"""The tick's budgets stage: per group, the budget in force this tick and the limit
+committed caps may reach under it (docs/safety.md, "Ramps" and "Overload").
+
+In force: the policy's budget, or a lower temporary one (expired ones end here), or a
+scheduled one's ramp, or at a scope's root the coordinator's if lower; a rise is ramped at
+the policy's rate (powerd.ramp). The limit: the budget, or above it where a group is rated
+for an overload and its GPUs do not draw their reservation (OverloadRule), the room lent
+once per reading.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from powerd.allocator.api import group_values
+from powerd.controller.fleet import FleetArrays
+from powerd.controller.overrides import Overrides
+from powerd.controller.shape import Shape
+from powerd.policy import Policy
+from powerd.ramp import BudgetRamp, lead_s
+from powerd.safety import OverloadRule
+from powerd.topology import Topology
+
+FloatArray = NDArray[np.float64]
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """This tick's budgets: in force (`budget_w`) and what committed caps may reach
+    (`limit_w`: the budget, or above it for a rated group)."""
+
+    budget_w: FloatArray
+    limit_w: FloatArray
+
+
+@dataclass(frozen=True)
+class ScopeBudget:
+    """A scope's root and the coordinator's budget there (None: none given)."""
+
+    group: int
+    budget_w: float | None
+
+
+class BudgetsInForce:
+    """The state the budgets keep from tick to tick: the ramp's, last tick's budgets (for
+    the grace a ramp's step down gets) and the overload limit lent on the last reading."""
+
+    def __init__(self) -> None:
+        self.ramp = BudgetRamp()
+        # Per group: the budgets of the last tick, and this tick's before any schedule (a
+        # ramp's step down is not `budget_over` while the cut that follows it is on its way).
+        self._last_budget: dict[str, float] = {}
+        self._immediate_w: FloatArray | None = None
+        # The overload limits of the last tick, with the telemetry count and shape they
+        # were computed at.
+        self._last_limit: tuple[int, Shape, FloatArray] | None = None
+
+    def in_force(
+        self,
+        policy: Policy,
+        overrides: Overrides,
+        topo: Topology,
+        now: float,
+        wall: float,
+        *,
+        most_w: FloatArray | None = None,
+        scope: ScopeBudget | None = None,
+    ) -> FloatArray:
+        """Per group: the policy's budget, or a lower temporary one (expired ones end here),
+        or a scheduled one's ramp, or at a scope's root the coordinator's if lower. Given
+        `most_w` (what each group's committed caps could reach), a rise is ramped at the
+        policy's rate (powerd.ramp): the ramp's state moves only then."""
+        budgets = overrides.active_budgets(policy, wall, now)
+        out = group_values(topo, budgets, topo.budget_w) if budgets else topo.budget_w
+        self._immediate_w = out
+        control = policy.control
+        scheduled = overrides.scheduled_budgets(policy, now, wall, lead_s(control.tick_s))
+        if scheduled:
+            out = np.minimum(out, group_values(topo, scheduled, np.full(topo.n_groups, np.inf)))
+        if most_w is not None:
+            out = self.ramp.step(topo.names, out, now, control.ramp_w_per_s, most_w)
+        if scope is not None and scope.budget_w is not None and scope.budget_w < out[scope.group]:
+            out = out.copy()
+            out[scope.group] = scope.budget_w
+            self._immediate_w = np.minimum(self._immediate_w, out)
+        return out
+
+    def held(self, topo: Topology, budget_w: FloatArray) -> FloatArray:
+        """The budgets, none above where the ramp stood at its last step (a tick that could
+        not step it: the fallback)."""
+        return self.ramp.hold(topo.names, budget_w)
+
+    def limits(
+        self,
+        rule: OverloadRule | None,
+        budget_w: FloatArray,
+        committed: FloatArray,
+        arrays: FleetArrays,
+        shape: Shape,
+        *,
+        heard: int,
+    ) -> FloatArray:
+        """Per group, what committed caps may reach (OverloadRule): the budget, unless the
+        group is rated. Draw and committed count alike: overhead, the reserve for GPUs not
+        heard, and GPUs without fresh telemetry at their committed caps. `heard`: how many
+        telemetry messages the tick has heard, ever."""
+        if rule is None:
+            return budget_w
+        topo = shape.topology
+        fresh = ~arrays.stale & np.isfinite(arrays.power_w)
+        power = np.where(fresh, arrays.power_w, committed)
+        base = topo.overhead_w + shape.reserve_w
+        limit = rule.limits_w(
+            budget_w, topo.group_sums(committed) + base, topo.group_sums(power) + base
+        )
+        # The room between draw and target is lent once per reading: a tick that heard no
+        # telemetry since the last one (ticks faster than the agents report) would
+        # otherwise lend the same room again on top of what it already committed.
+        last = self._last_limit
+        if last is not None and last[0] == heard and last[1] is shape:
+            limit = np.maximum(np.minimum(limit, last[2]), budget_w)
+        self._last_limit = (heard, shape, limit)
+        return limit
+
+    def ramp_grace(self, topo: Topology, budget_w: FloatArray) -> FloatArray:
+        """Per group, what committed caps may still be while a ramp's step down is on its way:
+        last tick's budget where only a schedule's ramp lowered it since (an immediate cut
+        gets no grace: `budget_over` until its acks, as ever)."""
+        last = np.fromiter(
+            (self._last_budget.get(n, -np.inf) for n in topo.names),
+            dtype=np.float64,
+            count=topo.n_groups,
+        )
+        self._last_budget = dict(zip(topo.names, budget_w.tolist(), strict=True))
+        immediate = budget_w if self._immediate_w is None else self._immediate_w
+        return np.maximum(budget_w, np.minimum(last, immediate))
