@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from test_api import LiveApi, wait_until
 
-from powerd.api.client import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, add_commands, parse_duration
 from powerd.auth import Principal, Role, TokenStore
+from powerd.cli.admin import add_parser, parse_duration
+from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 
 
 @pytest.fixture
@@ -27,7 +28,7 @@ def live(tmp_path: Path) -> Iterator[LiveApi]:
 
 def run(argv: list[str]) -> tuple[int, str]:
     parser = argparse.ArgumentParser(prog="powerd")
-    add_commands(parser.add_subparsers(dest="command", required=True))
+    add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     out = io.StringIO()
     return args.handler(args, out), out.getvalue()

@@ -16,7 +16,7 @@ from pg import pg_database
 from test_api import LiveApi, wait_until
 from test_api_client import run
 
-from powerd.api.client import EXIT_BAD_INPUT, EXIT_OK
+from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_OK
 from powerd.store import WriterLimits
 
 # Every cap move stored (the default keeps one a GPU a minute), written every 0.2 s.

@@ -25,7 +25,7 @@ from test_api_client import run
 from test_api_schema import CHECKS, fuzz
 from test_durable import Site
 
-from powerd.api.client import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
+from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from powerd.clock import SystemClock
 from powerd.controller.build import ControllerOptions, build_controller
 from powerd.controller.controller import Controller

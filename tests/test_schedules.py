@@ -20,7 +20,8 @@ from pg import pg_database
 from test_api import POLICY, LiveApi, wait_until
 from test_durable import Site
 
-from powerd.api.client import EXIT_BAD_INPUT, EXIT_OK, add_commands
+from powerd.cli.admin import add_parser
+from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_OK
 from powerd.clock import ManualClock
 from powerd.controller.build import build_controller
 from powerd.controller.controller import Controller
@@ -152,7 +153,7 @@ def test_bad_schedules_are_refused_and_audited(live: LiveApi) -> None:
 
 def run(argv: list[str]) -> tuple[int, str]:
     parser = argparse.ArgumentParser(prog="powerd")
-    add_commands(parser.add_subparsers(dest="command", required=True))
+    add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     out = io.StringIO()
     return args.handler(args, out), out.getvalue()

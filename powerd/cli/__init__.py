@@ -1,7 +1,7 @@
 """The `powerd` command line: one module per group of commands, each with its `add_parser`.
 
 `policy` (policy check, solve), `daemons` (demo, agent, controller, coordinator), the admin
-API's client (`powerd.api.client`: status, why, budget, pin, drain, handover, class, job,
+API's commands (`admin`: status, why, budget, pin, drain, handover, class, job,
 token), `sim`, `profile` (`powerd.profilefit`) and `db`. Each subcommand builds its settings
 and parts, then runs them; its handler returns the exit status (`exits`).
 """
@@ -14,8 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from powerd import __version__
-from powerd.api.client import add_commands as add_api_commands
-from powerd.cli import daemons, db, policy, sim
+from powerd.cli import admin, daemons, db, policy, sim
 from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_OK
 from powerd.errors import InputError
 from powerd.logs import configure_logging
@@ -47,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     policy.add_parser(sub)
     daemons.add_parser(sub)
-    add_api_commands(sub)
+    admin.add_parser(sub)
     sim.add_parser(sub)
     add_profile_parser(sub)
     db.add_parser(sub)

@@ -18,8 +18,8 @@ from typing import Any, TextIO
 
 import structlog
 
-from powerd.api.client import parse_time
 from powerd.argtypes import positive_float
+from powerd.cli.admin import parse_time
 from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from powerd.errors import InputError
 from powerd.policy import Overload, Policy, load_policy, with_overload
