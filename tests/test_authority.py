@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
-from honest import NODES, HonestNode, policy_dict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
+from support.honest import NODES, HonestNode, policy_dict
 from test_leadership import _until_lapsed
 
 from powerd.agent.agent import Agent

@@ -13,6 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "policies" / "example.yaml"
 SNAPSHOT = ROOT / "policies" / "example-snapshot.json"
 
+pytestmark = pytest.mark.process  # every test runs `python -m powerd.cli`
+
 
 def powerd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(

@@ -18,6 +18,8 @@ from powerd.testing.mosquitto import LocalMosquitto, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
+pytestmark = pytest.mark.process  # every test starts `python -m powerd.cli`
+
 
 @pytest.fixture
 def notify(tmp_path: Path) -> Iterator[tuple[socket.socket, str]]:

@@ -16,9 +16,9 @@ from typing import Any
 
 import httpx
 import pytest
-from pg import pg_database
 from sqlalchemy.engine import make_url
-from tcpproxy import TcpProxy
+from support.pg import pg_database
+from support.tcpproxy import TcpProxy
 from test_api import POLICY, LiveApi, wait_until
 
 from powerd.auth import new_token_entry
@@ -178,6 +178,7 @@ def overrides(c: httpx.Client) -> dict[str, Any]:
     return body
 
 
+@pytest.mark.process
 def test_restart_keeps_operators_state_and_an_api_policy_until_the_file_is_edited(
     sqlite_site: Site,
 ) -> None:
@@ -258,6 +259,7 @@ def test_restart_keeps_operators_state_and_an_api_policy_until_the_file_is_edite
     assert restored["revision"] == 7
 
 
+@pytest.mark.process
 def test_sighup_reload_logs_applied_and_stored(sqlite_site: Site) -> None:
     site = sqlite_site
     with site.start() as c:
@@ -284,6 +286,8 @@ def pg_site(tmp_path: Path, mosquitto: LocalMosquitto) -> Iterator[tuple[Site, T
             proxy.close()
 
 
+@pytest.mark.postgres
+@pytest.mark.process
 def test_postgres_down_at_start_steers_alarms_and_catches_up(
     pg_site: tuple[Site, TcpProxy],
 ) -> None:

@@ -19,14 +19,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from pg import pg_database
 
 from powerd.policy import GroupDef, Policy, load_policy, subtree_totals
 from powerd.store import Store
@@ -48,8 +47,8 @@ CAP_TOL_W = 1.0
 WAIT_S = 60.0  # generous: six Python processes share the CPUs with whatever else runs
 TOPICS = Topics()
 
-# Real processes for a minute or more: left out of the quick loop (pytest -m "not slow").
-pytestmark = pytest.mark.slow
+# A minute or more of powerd processes (the broker and the database come by the fixtures).
+pytestmark = [pytest.mark.slow, pytest.mark.process]
 
 
 def site_policy(rack_1_w: float = 4400, node_w: float = 2500) -> dict[str, Any]:
@@ -380,20 +379,6 @@ class Site:
 
     def all_steered_since(self, tick: int, controller: str) -> bool:
         return all(self.steered_since(n, tick, controller) for n in NODES)
-
-
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    with pg_database() as url:
-        yield url
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'powerd.db'}"
-    url: str = request.getfixturevalue("pg_url")
-    return url
 
 
 @pytest.fixture

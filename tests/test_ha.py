@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,9 +26,8 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from pg import pg_database
 from sqlalchemy.engine import make_url
-from tcpproxy import TcpProxy
+from support.tcpproxy import TcpProxy
 from test_e2e import (
     NODES,
     TICK_S,
@@ -46,7 +45,8 @@ from powerd.store.leases import Lease, Leases
 from powerd.testing.mosquitto import LocalMosquitto, free_port
 from powerd.wire import CapCommand, NodeState
 
-pytestmark = pytest.mark.slow
+# Controllers, agents and tools as processes, for half a minute and more a test.
+pytestmark = [pytest.mark.slow, pytest.mark.process]
 
 SCOPE = "dc"  # the policy's root: a controller's lease covers what it steers
 
@@ -161,12 +161,6 @@ class ArrivalMonitor(Monitor):
             else:
                 self.arrivals.append((time.time(), cmd))
         super().handle(message)
-
-
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    with pg_database() as url:
-        yield url
 
 
 @pytest.fixture

@@ -15,9 +15,9 @@ import math
 from typing import Any
 
 import numpy as np
-from honest import GPUS, NODES, HonestNode, policy_dict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.honest import GPUS, NODES, HonestNode, policy_dict
 
 from powerd.clock import ManualClock
 from powerd.controller.controller import Controller

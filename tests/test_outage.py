@@ -20,9 +20,9 @@ import asyncio
 from typing import Any
 
 import numpy as np
-from honest import NODES, policy_dict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.honest import NODES, policy_dict
 
 from powerd.agent.agent import Agent
 from powerd.agent.settings import AgentSettings

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from honest import NODES, HonestNode, policy_dict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.honest import NODES, HonestNode, policy_dict
 
 from powerd.controller.engine import TickEngine
 from powerd.controller.opstate import OperatorState, capture, restore

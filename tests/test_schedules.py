@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from pg import pg_database
+from support.pg import BACKENDS, pg_database
 from test_api import POLICY, LiveApi, wait_until
 from test_durable import Site
 
@@ -245,6 +245,7 @@ def restart_keeps(site: Site, *extra: str, drop_state_file: bool = False) -> Non
         assert c.get("/api/v1/schedules").json() == []
 
 
+@pytest.mark.process
 def test_a_schedule_survives_a_restart_sqlite(tmp_path: Path, mosquitto: LocalMosquitto) -> None:
     site = Site(tmp_path, mosquitto, f"sqlite:///{tmp_path / 'powerd.db'}")
     site.policy.write_text(RAMP_POLICY)
@@ -254,6 +255,8 @@ def test_a_schedule_survives_a_restart_sqlite(tmp_path: Path, mosquitto: LocalMo
         site.close()
 
 
+@pytest.mark.postgres
+@pytest.mark.process
 def test_a_schedule_survives_a_restart_from_postgres_alone(
     tmp_path: Path, mosquitto: LocalMosquitto
 ) -> None:
@@ -267,7 +270,7 @@ def test_a_schedule_survives_a_restart_from_postgres_alone(
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+@pytest.mark.parametrize("backend", BACKENDS)
 async def test_a_standby_follows_schedules_on_its_own_clock(tmp_path: Path, backend: str) -> None:
     """The leader schedules and cancels; a standby on the same database adopts the window
     by its wall times, anchored to its own monotonic clock (another process's readings mean

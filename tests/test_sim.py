@@ -234,6 +234,7 @@ def test_idle_windows_idle_the_gpus(scenario: Scenario, site: Site) -> None:
     assert sum(idx.size for _, idx, _ in starts) == 12  # 3 of 8 nodes × 4 GPUs train
 
 
+@pytest.mark.process  # the parallel runs are worker processes
 def test_same_seed_same_results_sequential_or_parallel(
     scenario: Scenario, site: Site, runs: dict[str, Any]
 ) -> None:
