@@ -62,6 +62,7 @@ def fuzz(
     call()
 
 
+@pytest.mark.slow  # seconds of CPU: every operation fuzzed
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 def test_every_operation_conforms_to_the_schema(live_api: LiveApi, mode: GenerationMode) -> None:
     schema = schemathesis.openapi.from_url(f"{live_api.url}/openapi.json")

@@ -356,6 +356,7 @@ def test_postgres_down_at_start_steers_alarms_and_catches_up(
 # ---- in one process (the API helper of test_api.py): faults the test holds itself ----
 
 
+@pytest.mark.slow  # seconds of real time: a lock
 def test_a_locked_database_delays_the_audit_not_the_ticks(tmp_path: Path) -> None:
     """The attack that hung the loop 29 s: the SQLite database locked by another connection
     while `PUT /budgets` is in flight. The answer says the change is applied and durable,

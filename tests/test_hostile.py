@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.honest import GPUS, NODES, HonestNode, policy_dict
@@ -171,6 +172,7 @@ SETTINGS = settings(
 )
 
 
+@pytest.mark.slow  # seconds of CPU: many runs of 12 ticks
 @SETTINGS
 @given(
     attacks=st.lists(st.lists(hostile_message(), max_size=4), min_size=12, max_size=12),

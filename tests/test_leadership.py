@@ -75,6 +75,7 @@ async def test_a_leader_that_cannot_renew_stops_before_its_lease_could_lapse(
     lock.close()
 
 
+@pytest.mark.slow  # seconds of real time: a lease
 async def test_a_standby_leads_only_after_the_lapse_under_a_higher_epoch(db: str) -> None:
     clock = Hand()
     a, b = leadership(db, "ctl-a", clock), leadership(db, "ctl-b", clock)
@@ -160,6 +161,7 @@ async def test_a_leader_whose_renewals_fail_before_its_deadline_steers_through(
         lock.close()
 
 
+@pytest.mark.slow  # seconds of real time: a lease
 async def test_a_leader_steers_through_a_database_outage_until_a_newer_one_is_heard(
     db: str, tmp_path: Path
 ) -> None:

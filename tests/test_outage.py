@@ -20,6 +20,7 @@ import asyncio
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.honest import NODES, policy_dict
@@ -141,6 +142,7 @@ class Site:
 Action = tuple[str, int]
 
 
+@pytest.mark.slow  # seconds of CPU: many outages
 @settings(
     max_examples=60,
     deadline=None,

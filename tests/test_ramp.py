@@ -85,6 +85,7 @@ def warm(site: Site, ticks: int = 8) -> None:
     assert site.committed[-1] == pytest.approx(FACILITY_W, abs=1.0)
 
 
+@pytest.mark.slow  # seconds of CPU: many ramps
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     target=st.floats(3600.0, 6800.0),

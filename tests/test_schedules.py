@@ -53,6 +53,7 @@ def facility(c: httpx.Client) -> dict[str, Any]:
     return fac
 
 
+@pytest.mark.slow  # seconds of real time: a ramp
 def test_a_scheduled_cut_ramps_in_on_time_and_out_after_cancel(live: LiveApi) -> None:
     with live.client("operator") as c:
         wait_until(lambda: facility(c)["budget_w"] == 4000, "the policy budget in force")
@@ -115,6 +116,7 @@ def test_a_scheduled_cut_ramps_in_on_time_and_out_after_cancel(live: LiveApi) ->
         assert ("budget.unschedule", sid, f"refused: no scheduled budget '{sid}'") in actions
 
 
+@pytest.mark.slow  # seconds of real time: waits for ticks
 def test_bad_schedules_are_refused_and_audited(live: LiveApi) -> None:
     now = time.time()
     with live.client("operator") as c:

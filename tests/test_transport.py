@@ -629,6 +629,7 @@ async def test_mqtt_keepalive_gives_up_on_a_silent_broker(eventually: Any) -> No
         await broker.stop()
 
 
+@pytest.mark.slow  # seconds of real time: keepalives
 async def test_mqtt_keepalive_keeps_a_quiet_connection_up(eventually: Any) -> None:
     broker = FakeBroker()
 
