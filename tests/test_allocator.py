@@ -28,6 +28,8 @@ TOL_W = 1e-6
 # Hypothesis settings: how many examples a property test tries (not the `slow` mark).
 EXAMPLES = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FEW_EXAMPLES = settings(EXAMPLES, max_examples=25)
+# Small cases: .ci/run also runs them as plain Python (NUMBA_DISABLE_JIT=1, docs/allocator.md).
+pytestmark = pytest.mark.plain_python
 
 
 @lru_cache(maxsize=64)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +24,8 @@ from tests.test_safety import ack_all, simple_fleet, teach
 
 TOL_W = 1e-6
 CASES = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Small cases: .ci/run also runs them as plain Python (NUMBA_DISABLE_JIT=1, docs/allocator.md).
+pytestmark = pytest.mark.plain_python
 
 
 @st.composite
