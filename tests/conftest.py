@@ -15,6 +15,7 @@ import pytest
 import structlog
 from support.amqttbroker import Broker, LocalAmqtt, amqtt_command
 from support.clock import SteppedClock
+from support.live_api import LiveApi
 from support.needs import NEEDS, Guard, complaint, marks_from_fixtures
 from support.pg import pg_database
 
@@ -152,6 +153,17 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return f"sqlite:///{tmp_path / 'powerd.db'}"
     url: str = request.getfixturevalue("pg_url")
     return url
+
+
+@pytest.fixture
+def live(tmp_path: Path) -> Iterator[LiveApi]:
+    """The in-process controller and its API on the default test policy (support/live_api.py);
+    modules that need another policy or a state file define their own `live`."""
+    api = LiveApi(tmp_path).start()
+    try:
+        yield api
+    finally:
+        api.close()
 
 
 @pytest.fixture(autouse=True)

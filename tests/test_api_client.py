@@ -3,34 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import tomllib
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from test_api import LiveApi, wait_until
+from support.live_api import LiveApi, run, wait_until
 
-from powerd.api.client import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, add_commands, parse_duration
+from powerd.api.client import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, parse_duration
 from powerd.auth import Principal, Role, TokenStore
-
-
-@pytest.fixture
-def live(tmp_path: Path) -> Iterator[LiveApi]:
-    api = LiveApi(tmp_path).start()
-    try:
-        yield api
-    finally:
-        api.close()
-
-
-def run(argv: list[str]) -> tuple[int, str]:
-    parser = argparse.ArgumentParser(prog="powerd")
-    add_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    out = io.StringIO()
-    return args.handler(args, out), out.getvalue()
 
 
 def test_status_prints_budget_table(live: LiveApi) -> None:

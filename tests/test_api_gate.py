@@ -22,7 +22,7 @@ from typing import Any, cast
 
 import pytest
 from structlog.testing import capture_logs
-from test_api import LiveApi
+from support.live_api import LiveApi
 
 from powerd.api.app import LIST_BODY_BYTES, POLICY_BODY_BYTES
 from powerd.api.models import ClassAssignIn, JobIn

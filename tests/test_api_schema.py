@@ -26,7 +26,7 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
-from test_api import LiveApi
+from support.live_api import LiveApi
 
 EXAMPLES = int(os.environ.get("POWERD_SCHEMATHESIS_EXAMPLES", "15"))
 CHECKS = [

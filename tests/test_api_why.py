@@ -12,9 +12,8 @@ from typing import Any
 
 import httpx
 import pytest
+from support.live_api import LiveApi, run, wait_until
 from support.pg import BACKENDS, pg_database
-from test_api import LiveApi, wait_until
-from test_api_client import run
 
 from powerd.api.client import EXIT_BAD_INPUT, EXIT_OK
 from powerd.store import WriterLimits

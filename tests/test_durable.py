@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 from sqlalchemy.engine import make_url
+from support.live_api import POLICY, LiveApi, wait_until
 from support.pg import pg_database
 from support.tcpproxy import TcpProxy
-from test_api import POLICY, LiveApi, wait_until
 
 from powerd.auth import new_token_entry
 from powerd.controller.opstate import (

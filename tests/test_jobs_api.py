@@ -19,9 +19,8 @@ import httpx
 import pytest
 import schemathesis
 from schemathesis import GenerationMode
+from support.live_api import POLICY, LiveApi, run, wait_until
 from support.pg import BACKENDS, pg_database
-from test_api import POLICY, LiveApi, wait_until
-from test_api_client import run
 from test_api_schema import CHECKS, fuzz
 from test_durable import Site
 

@@ -4,9 +4,7 @@ standby following them (SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import io
 import itertools
 import time
 from collections.abc import Iterator
@@ -16,11 +14,11 @@ from typing import Any
 
 import httpx
 import pytest
+from support.live_api import POLICY, LiveApi, run, wait_until
 from support.pg import BACKENDS, pg_database
-from test_api import POLICY, LiveApi, wait_until
 from test_durable import Site
 
-from powerd.api.client import EXIT_BAD_INPUT, EXIT_OK, add_commands
+from powerd.api.client import EXIT_BAD_INPUT, EXIT_OK
 from powerd.clock import ManualClock
 from powerd.controller.admin import Ledger
 from powerd.controller.controller import Controller
@@ -150,14 +148,6 @@ def test_bad_schedules_are_refused_and_audited(live: LiveApi) -> None:
         assert c.delete("/api/v1/schedules/s-x", params={"reason": "x"}).status_code == 403
     with live.client(None) as c:
         assert c.get("/api/v1/schedules").status_code == 401
-
-
-def run(argv: list[str]) -> tuple[int, str]:
-    parser = argparse.ArgumentParser(prog="powerd")
-    add_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    out = io.StringIO()
-    return args.handler(args, out), out.getvalue()
 
 
 def test_cli_schedules_lists_and_cancels(live: LiveApi, capsys: pytest.CaptureFixture[str]) -> None:

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support.honest import NODES as HONEST_NODES
 from support.honest import HonestNode, policy_dict
-from test_api import GPUS_PER_NODE, NODES, LiveApi, wait_until
+from support.live_api import GPUS_PER_NODE, NODES, LiveApi, wait_until
 
 from powerd.alarms import Alarms, Severity
 from powerd.backends.base import NoPermission

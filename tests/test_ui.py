@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
-from test_api import NODES, LiveApi, wait_until
+from support.live_api import NODES, LiveApi, wait_until
 
 from powerd.api.routers.history import bucketed
 from powerd.api.routers.ui import TYPES, asset
