@@ -1,24 +1,28 @@
 """Shared fixtures: a private broker per test (Mosquitto, or either of two independent
-brokers), a throwaway PostgreSQL database, a clock the test moves, and a waiter; and the
-marks that say what a test needs, given by the fixtures it uses and proved by a guard
-(tests/support/needs.py)."""
+brokers), a throwaway PostgreSQL database, the in-process live API, a standby pair of
+controller processes, a clock the test moves, and a waiter; and the marks that say what a
+test needs, given by the fixtures it uses and proved by a guard (tests/support/needs.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import structlog
+import yaml
 from support.amqttbroker import Broker, LocalAmqtt, amqtt_command
 from support.clock import SteppedClock
+from support.e2e import Procs, site_policy
+from support.ha import ArrivalMonitor, Pair
 from support.live_api import LiveApi
 from support.needs import NEEDS, Guard, complaint, marks_from_fixtures
 from support.pg import pg_database
 
+from powerd.policy import load_policy
 from powerd.testing.mosquitto import MOSQUITTO, LocalMosquitto
 
 GUARD = Guard()
@@ -164,6 +168,23 @@ def live(tmp_path: Path) -> Iterator[LiveApi]:
         yield api
     finally:
         api.close()
+
+
+@pytest.fixture
+async def pair(mosquitto: LocalMosquitto, pg_url: str, tmp_path: Path) -> AsyncIterator[Pair]:
+    """Two controllers on one fresh database, agents and a monitor (support/ha.py)."""
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text(yaml.safe_dump(site_policy()))
+    monitor = ArrivalMonitor(mosquitto.url, load_policy(policy_file))
+    await monitor.start()
+    procs = Procs(tmp_path, mosquitto.url)
+    p = Pair(procs, monitor, policy_file, pg_url, tmp_path)
+    try:
+        yield p
+    finally:
+        procs.close()
+        p.close()
+        await monitor.stop()
 
 
 @pytest.fixture(autouse=True)

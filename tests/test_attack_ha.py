@@ -17,9 +17,9 @@ import httpx
 import psycopg
 import pytest
 import yaml
+from support.e2e import NODES, TICK_S, Procs, site_policy
+from support.ha import Pair
 from support.pg import pg_database
-from test_e2e import NODES, TICK_S, Procs, site_policy
-from test_ha import Pair, pair  # noqa: F401  (a fixture)
 
 from powerd.auth import new_token_entry
 from powerd.controller.leadership import Leadership, for_daemon, process_name
@@ -144,7 +144,7 @@ async def test_a_scope_report_with_extreme_prices_does_not_stop_the_coordinator(
 @pytest.mark.slow
 @pytest.mark.process
 async def test_a_bad_operator_state_row_does_not_leave_the_site_without_a_leader(
-    pair: Pair,  # noqa: F811
+    pair: Pair,
 ) -> None:
     p = pair
     for node in NODES:
@@ -188,7 +188,7 @@ async def test_a_bad_operator_state_row_does_not_leave_the_site_without_a_leader
 
 @pytest.mark.slow
 @pytest.mark.process
-async def test_two_controllers_with_one_id_do_not_both_lead(pair: Pair) -> None:  # noqa: F811
+async def test_two_controllers_with_one_id_do_not_both_lead(pair: Pair) -> None:
     p = pair
     for node in NODES:
         p.procs.agent(node)

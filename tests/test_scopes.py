@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from support.e2e import LEASE_S, NODES, TICK_S, TOL_W, WAIT_S, Monitor, Procs, site_policy
 from support.pg import pg_database
-from test_e2e import LEASE_S, NODES, TICK_S, TOL_W, WAIT_S, Monitor, Procs, site_policy
 
 from powerd.auth import new_token_entry
 from powerd.policy import Policy, failsafe_budget_w, load_policy

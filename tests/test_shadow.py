@@ -15,8 +15,8 @@ import httpx
 import pytest
 import sqlalchemy as sa
 import yaml
+from support.e2e import NODES, TICK_S, WAIT_S, Monitor, Procs, site_policy
 from support.pg import BACKENDS, pg_database
-from test_e2e import NODES, TICK_S, WAIT_S, Monitor, Procs, site_policy
 
 from powerd.auth import new_token_entry
 from powerd.policy import load_policy
