@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support.daemons import stop
 
 from powerd.testing.mosquitto import LocalMosquitto, free_port
 
@@ -52,15 +52,6 @@ def receive_until(sock: socket.socket, wanted: bytes) -> list[bytes]:
     while not any(wanted in m for m in seen):
         seen.append(sock.recv(4096))
     return seen
-
-
-def stop(proc: subprocess.Popen[bytes]) -> int:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 def test_agent_notifies_ready_then_pings_the_watchdog(

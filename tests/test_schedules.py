@@ -14,9 +14,9 @@ from typing import Any
 
 import httpx
 import pytest
+from support.daemons import Site
 from support.live_api import POLICY, LiveApi, run, wait_until
 from support.pg import BACKENDS, pg_database
-from test_durable import Site
 
 from powerd.api.client import EXIT_BAD_INPUT, EXIT_OK
 from powerd.clock import ManualClock
