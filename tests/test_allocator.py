@@ -4,12 +4,12 @@ monotonicity in budget, permutation, fast = cvxpy, and where power is left unall
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import lru_cache
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.allocator import policy_for
 
 from powerd.allocator import (
     FLOORS_DROPPED,
@@ -21,7 +21,7 @@ from powerd.allocator import (
     build_problem,
 )
 from powerd.policy import Policy, parse_policy
-from powerd.testing.synthetic import policy_dict, random_fleet
+from powerd.testing.synthetic import random_fleet
 from powerd.topology import Topology
 
 TOL_W = 1e-6
@@ -30,19 +30,6 @@ EXAMPLES = settings(max_examples=40, deadline=None, suppress_health_check=[Healt
 FEW_EXAMPLES = settings(EXAMPLES, max_examples=25)
 # Small cases: .ci/run also runs them as plain Python (NUMBA_DISABLE_JIT=1, docs/allocator.md).
 pytestmark = pytest.mark.plain_python
-
-
-@lru_cache(maxsize=64)
-def policy_for(
-    shape: tuple[int, int, int, int],
-    fractions: tuple[float, float, float, float],
-    damping: float,
-    slew_w: float | None,
-    leftover: str,
-) -> Policy:
-    data = policy_dict(*shape, fractions=fractions, damping=damping, slew_w=slew_w)
-    data["control"]["leftover"] = leftover
-    return parse_policy(data, "<synthetic>")
 
 
 @dataclass(frozen=True)

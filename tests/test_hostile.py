@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.honest import GPUS, NODES, HonestNode, policy_dict
+from support.hostile import HOSTILE, TOPICS, gpu_dict
 
 from powerd.clock import ManualClock
 from powerd.controller.controller import Controller
@@ -28,31 +29,10 @@ from powerd.transport import MemoryBroker, Message
 from powerd.wire import (
     NodeState,
     NodeStatus,
-    Topics,
     encode,
 )
 
-HOSTILE = "r1-n1"
-TOPICS = Topics()
 TOL = 1e-6
-
-
-def gpu_dict(uuid: str, index: int, **over: Any) -> dict[str, Any]:
-    base = {
-        "uuid": uuid,
-        "index": index,
-        "power_w": 300.0,
-        "energy_j": 1.0,
-        "cap_w": 300.0,
-        "min_cap_w": 200.0,
-        "max_cap_w": 700.0,
-        "default_cap_w": 700.0,
-        "temp_c": 40.0,
-        "util_pct": 50.0,
-        "sm_clock_mhz": 1000.0,
-    }
-    base.update(over)
-    return base
 
 
 huge = st.sampled_from([10**29, 2**63, 2**64 + 1, -1, 2**53, 2**53 - 1])

@@ -22,7 +22,7 @@ from schemathesis import GenerationMode
 from support.daemons import Site
 from support.live_api import POLICY, LiveApi, run, wait_until
 from support.pg import BACKENDS, pg_database
-from test_api_schema import CHECKS, fuzz
+from support.schema import CHECKS, fuzz
 
 from powerd.api.client import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from powerd.clock import SystemClock

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
-from test_cli import EXAMPLE, powerd
+from support.cli import EXAMPLE, powerd
 
 from powerd.policy import parse_policy
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_sim import small_policy
+from support.sim import small_policy
 
 from powerd.backends.mock import GpuFleetModel
 from powerd.policy import parse_policy
