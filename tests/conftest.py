@@ -1,53 +1,88 @@
 """Shared fixtures: a private broker per test (Mosquitto, or either of two independent
-brokers), a clock the test moves, and a waiter."""
+brokers), a throwaway PostgreSQL database, the in-process live API, a standby pair of
+controller processes, a clock the test moves, and a waiter; and the marks that say what a
+test needs, given by the fixtures it uses and proved by a guard (tests/support/needs.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
-from amqttbroker import Broker, LocalAmqtt, amqtt_command
+import yaml
+from support.amqttbroker import Broker, LocalAmqtt, amqtt_command
+from support.clock import SteppedClock
+from support.e2e import Procs, site_policy
+from support.ha import ArrivalMonitor, Pair
+from support.live_api import LiveApi
+from support.needs import NEEDS, Guard, complaint, marks_from_fixtures
+from support.pg import pg_database
 
+from powerd.policy import load_policy
 from powerd.testing.mosquitto import MOSQUITTO, LocalMosquitto
 
+GUARD = Guard()
+UNUSED = pytest.StashKey[dict[str, set[str]]]()  # nodeid → needs marked but not used
+PASSED = pytest.StashKey[bool]()
 
-class SteppedClock:
-    """Virtual time for code that sleeps: `sleep` waits until the test `advance`s past it.
 
-    Unlike ManualClock (whose sleep moves time itself), several loops can sleep at once and
-    the test decides when each period passes, while real I/O (the broker) runs freely.
-    """
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--unused-needs",
+        action="store_true",
+        help="list the passed tests marked with a need (broker, postgres, ...) they did not use",
+    )
 
-    def __init__(self, start: float = 1000.0, wall_offset: float = 1.7e9) -> None:
-        self.now = start
-        self.wall_offset = wall_offset
-        self._sleepers: list[tuple[float, asyncio.Future[None]]] = []
 
-    def monotonic(self) -> float:
-        return self.now
+def pytest_configure(config: pytest.Config) -> None:
+    GUARD.install()
+    config.stash[UNUSED] = {}
 
-    def wall(self) -> float:
-        return self.now + self.wall_offset
 
-    async def sleep(self, seconds: float) -> None:
-        if seconds <= 0:
-            await asyncio.sleep(0)
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._sleepers.append((self.now + seconds, fut))
-        await fut
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the marks given here
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test by the fixtures it uses; a test that needs nothing and is not slow
+    is `quick`."""
+    for item in items:
+        for need in sorted(marks_from_fixtures(item.fixturenames)):
+            item.add_marker(need)
+        if not any(item.get_closest_marker(name) for name in (*NEEDS, "slow")):
+            item.add_marker("quick")
 
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-        due = [(d, f) for d, f in self._sleepers if d <= self.now + 1e-9]
-        self._sleepers = [(d, f) for d, f in self._sleepers if d > self.now + 1e-9]
-        for _, fut in due:
-            if not fut.done():
-                fut.set_result(None)
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    GUARD.begin(item)  # first of the setup hooks' work: fixtures start after it
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
+    """At teardown, fail a test that used what it is not marked for."""
+    report: pytest.TestReport = yield
+    if call.when == "call":
+        item.stash[PASSED] = report.passed
+    if call.when != "teardown":
+        return report
+    unmarked, unused = GUARD.end()
+    if unmarked:
+        report.outcome = "failed"
+        report.longrepr = complaint(item.nodeid, unmarked)
+    elif unused and item.stash.get(PASSED, False):
+        item.config.stash[UNUSED][item.nodeid] = unused
+    return report
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    if not config.getoption("unused_needs"):
+        return
+    unused = config.stash[UNUSED]
+    terminalreporter.section(f"marked with needs they did not use: {len(unused)}")
+    for nodeid, needs in sorted(unused.items()):
+        terminalreporter.write_line(f"{nodeid}: {', '.join(sorted(needs))}")
 
 
 Condition = Callable[[], bool]
@@ -106,6 +141,50 @@ def broker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Broker]:
         yield b
     finally:
         b.kill()
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """The URL of a new, empty PostgreSQL database of this test's own (support/pg.py)."""
+    with pg_database() as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The store's URL, once a SQLite file and once a database of `pg_url`."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'powerd.db'}"
+    url: str = request.getfixturevalue("pg_url")
+    return url
+
+
+@pytest.fixture
+def live(tmp_path: Path) -> Iterator[LiveApi]:
+    """The in-process controller and its API on the default test policy (support/live_api.py);
+    modules that need another policy or a state file define their own `live`."""
+    api = LiveApi(tmp_path).start()
+    try:
+        yield api
+    finally:
+        api.close()
+
+
+@pytest.fixture
+async def pair(mosquitto: LocalMosquitto, pg_url: str, tmp_path: Path) -> AsyncIterator[Pair]:
+    """Two controllers on one fresh database, agents and a monitor (support/ha.py)."""
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text(yaml.safe_dump(site_policy()))
+    monitor = ArrivalMonitor(mosquitto.url, load_policy(policy_file))
+    await monitor.start()
+    procs = Procs(tmp_path, mosquitto.url)
+    p = Pair(procs, monitor, policy_file, pg_url, tmp_path)
+    try:
+        yield p
+    finally:
+        procs.close()
+        p.close()
+        await monitor.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -38,6 +38,8 @@ PASSWORDS = {
     "node-b": "node-b-secret-0123456789abcdef",
 }
 
+pytestmark = pytest.mark.process  # the broker's password file is made by `mosquitto_passwd`
+
 
 class SecuredBroker:
     def __init__(self, workdir: Path) -> None:

@@ -4,12 +4,12 @@ monotonicity in budget, permutation, fast = cvxpy, and where power is left unall
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import lru_cache
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.allocator import policy_for
 
 from powerd.allocator import (
     FLOORS_DROPPED,
@@ -21,25 +21,15 @@ from powerd.allocator import (
     build_problem,
 )
 from powerd.policy import Policy, parse_policy
-from powerd.testing.synthetic import policy_dict, random_fleet
+from powerd.testing.synthetic import random_fleet
 from powerd.topology import Topology
 
 TOL_W = 1e-6
-FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-SLOW = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-@lru_cache(maxsize=64)
-def policy_for(
-    shape: tuple[int, int, int, int],
-    fractions: tuple[float, float, float, float],
-    damping: float,
-    slew_w: float | None,
-    leftover: str,
-) -> Policy:
-    data = policy_dict(*shape, fractions=fractions, damping=damping, slew_w=slew_w)
-    data["control"]["leftover"] = leftover
-    return parse_policy(data, "<synthetic>")
+# Hypothesis settings: how many examples a property test tries (not the `slow` mark).
+EXAMPLES = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FEW_EXAMPLES = settings(EXAMPLES, max_examples=25)
+# Small cases: .ci/run also runs them as plain Python (NUMBA_DISABLE_JIT=1, docs/allocator.md).
+pytestmark = pytest.mark.plain_python
 
 
 @dataclass(frozen=True)
@@ -97,7 +87,7 @@ def device_bounds(case: Case, alloc: Allocation) -> None:
     assert np.all(caps[stale] <= np.maximum(f.cap_w[stale], f.min_cap_w[stale]) + TOL_W)
 
 
-@FAST
+@EXAMPLES
 @given(cases(), st.sampled_from([s for s in SOLVERS if s != "cvxpy"]))
 def test_every_budget_and_bound_holds(case: Case, solver: str) -> None:
     alloc = allocate_arrays(case.fleet, case.policy, solver)
@@ -110,7 +100,7 @@ def test_every_budget_and_bound_holds(case: Case, solver: str) -> None:
     assert alloc.caps_w.shape == (case.fleet.n,)
 
 
-@FAST
+@EXAMPLES
 @given(cases(odd_gpus=False, slew=False))
 def test_floors_are_honoured_when_they_fit(case: Case) -> None:
     alloc = allocate_arrays(case.fleet, case.policy)
@@ -130,7 +120,7 @@ def test_floors_are_honoured_when_they_fit(case: Case) -> None:
         assert np.all(floor[dropped] > 0)
 
 
-@FAST
+@EXAMPLES
 @given(cases(odd_gpus=False, slew=False), st.floats(1.0, 1.5), st.integers(0, 10_000))
 def test_more_budget_never_lowers_the_objective(case: Case, factor: float, pick: int) -> None:
     topo = case.fleet.topology
@@ -167,7 +157,7 @@ def permuted(fleet: Fleet, order: np.ndarray) -> Fleet:
     )
 
 
-@FAST
+@EXAMPLES
 @given(cases(), st.sampled_from(["fast", "uniform", "priority-bands"]), st.integers(0, 2**32))
 def test_permuting_gpus_permutes_caps(case: Case, solver: str, seed: int) -> None:
     order = np.random.default_rng(seed).permutation(case.fleet.n)
@@ -178,7 +168,7 @@ def test_permuting_gpus_permutes_caps(case: Case, solver: str, seed: int) -> Non
     assert sorted(b.dropped_floors) == sorted(a.dropped_floors)
 
 
-@SLOW
+@FEW_EXAMPLES
 @given(cases(damping=st.sampled_from([0.001, 0.01, 0.1])))
 def test_fast_agrees_with_cvxpy(case: Case) -> None:
     fast = allocate_arrays(case.fleet, case.policy, "fast")
@@ -190,7 +180,7 @@ def test_fast_agrees_with_cvxpy(case: Case) -> None:
         assert excess_w(case.fleet, ref.caps_w) <= TOL_W
 
 
-@FAST
+@EXAMPLES
 @given(cases())
 def test_a_gpu_sits_below_its_maximum_only_under_a_full_group(case: Case) -> None:
     alloc = allocate_arrays(case.fleet, case.policy)
@@ -202,7 +192,7 @@ def test_a_gpu_sits_below_its_maximum_only_under_a_full_group(case: Case) -> Non
     assert np.all(under_full[below])
 
 
-@SLOW
+@FEW_EXAMPLES
 @given(cases(damping=st.sampled_from([0.01])))
 def test_baselines_never_beat_the_optimum(case: Case) -> None:
     best = allocate_arrays(case.fleet, case.policy, "fast").objective
@@ -216,7 +206,7 @@ def peak_w(case: Case) -> np.ndarray:
     return np.array([case.policy.class_profile(c).peak_w for c in names])[case.fleet.class_index]
 
 
-@FAST
+@EXAMPLES
 @given(cases(leftover=st.just("peak")))
 def test_no_gpu_gets_power_past_its_peak(case: Case) -> None:
     f = case.fleet
@@ -239,7 +229,7 @@ def test_no_gpu_gets_power_past_its_peak(case: Case) -> None:
             assert np.all(full | (alloc.caps_w >= problem.hi * 1000.0 - 1e-3))
 
 
-@FAST
+@EXAMPLES
 @given(cases(odd_gpus=False, slew=False, leftover=st.just("peak")))
 def test_leftover_max_only_adds_power_past_the_peaks(case: Case) -> None:
     """Same fleet, leftover: max: the power past the peaks is handed out, so no less power in
@@ -252,7 +242,7 @@ def test_leftover_max_only_adds_power_past_the_peaks(case: Case) -> None:
     assert maxed.unused_w <= peak.unused_w + 1e-6
 
 
-@SLOW
+@FEW_EXAMPLES
 @given(
     cases(damping=st.sampled_from([0.001, 0.01, 0.1])),
     st.integers(0, 2**32),

@@ -25,6 +25,8 @@ from powerd.testing.synthetic import make_policy, policy_dict, random_fleet, to_
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "policies" / "example.yaml"
 NODE = "row-1-rack-1-node-01"
+# Small cases: .ci/run also runs them as plain Python (NUMBA_DISABLE_JIT=1, docs/allocator.md).
+pytestmark = pytest.mark.plain_python
 
 
 @pytest.fixture(scope="module")

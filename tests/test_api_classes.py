@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_api import POLICY, LiveApi, wait_until
+from support.live_api import POLICY, LiveApi, wait_until
 
 LEARNING = (
     POLICY

@@ -3,35 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import tomllib
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from test_api import LiveApi, wait_until
+from support.live_api import LiveApi, run, wait_until
 
 from powerd.auth import Principal, Role, TokenStore
-from powerd.cli.admin import add_parser, parse_duration
+from powerd.cli.admin import parse_duration
 from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
-
-
-@pytest.fixture
-def live(tmp_path: Path) -> Iterator[LiveApi]:
-    api = LiveApi(tmp_path).start()
-    try:
-        yield api
-    finally:
-        api.close()
-
-
-def run(argv: list[str]) -> tuple[int, str]:
-    parser = argparse.ArgumentParser(prog="powerd")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    out = io.StringIO()
-    return args.handler(args, out), out.getvalue()
 
 
 def test_status_prints_budget_table(live: LiveApi) -> None:

@@ -23,7 +23,7 @@ from typing import Any, cast
 import pytest
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
-from test_api import LiveApi
+from support.live_api import LiveApi
 
 from powerd.api.app import LIST_BODY_BYTES, POLICY_BODY_BYTES, create_coordinator_app
 from powerd.api.models import ClassAssignIn, JobIn

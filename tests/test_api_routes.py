@@ -18,7 +18,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
-from test_api import POLICY
+from support.live_api import POLICY
 
 from powerd.api.app import create_app
 from powerd.auth import TokenStore, new_token_entry

@@ -9,33 +9,14 @@ does not work with pytest 9, so the test drives its Hypothesis strategies direct
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
-from schemathesis import Case, GenerationMode
-from schemathesis.checks import not_a_server_error
-from schemathesis.schemas import APIOperation
-from schemathesis.specs.openapi.checks import (
-    content_type_conformance,
-    response_headers_conformance,
-    response_schema_conformance,
-    status_code_conformance,
-)
-from test_api import LiveApi
-
-EXAMPLES = int(os.environ.get("POWERD_SCHEMATHESIS_EXAMPLES", "15"))
-CHECKS = [
-    not_a_server_error,
-    status_code_conformance,
-    content_type_conformance,
-    response_headers_conformance,
-    response_schema_conformance,
-]
+from schemathesis import GenerationMode
+from support.live_api import LiveApi
+from support.schema import CHECKS, fuzz
 
 
 @pytest.fixture(scope="module")
@@ -47,21 +28,7 @@ def live_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveApi]:
         api.close()
 
 
-def fuzz(
-    operation: APIOperation,
-    mode: GenerationMode,
-    url: str,
-    headers: dict[str, str],
-    checks: list[Any],
-) -> None:
-    @given(case=operation.as_strategy(generation_mode=mode))
-    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
-    def call(case: Case) -> None:
-        case.call_and_validate(base_url=url, headers=headers, checks=checks)
-
-    call()
-
-
+@pytest.mark.slow  # seconds of CPU: every operation fuzzed
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 def test_every_operation_conforms_to_the_schema(live_api: LiveApi, mode: GenerationMode) -> None:
     schema = schemathesis.openapi.from_url(f"{live_api.url}/openapi.json")

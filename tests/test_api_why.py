@@ -12,9 +12,8 @@ from typing import Any
 
 import httpx
 import pytest
-from pg import pg_database
-from test_api import LiveApi, wait_until
-from test_api_client import run
+from support.live_api import LiveApi, run, wait_until
+from support.pg import BACKENDS, pg_database
 
 from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_OK
 from powerd.store import WriterLimits
@@ -23,7 +22,7 @@ from powerd.store import WriterLimits
 LIMITS = WriterLimits(cap_interval_s=0.0, flush_interval_s=0.2)
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=BACKENDS)
 def live(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LiveApi]:
     if request.param == "sqlite":
         api = LiveApi(tmp_path, limits=LIMITS).start()

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 
-from test_hostile import HOSTILE, NODES, TOPICS, HonestNode, gpu_dict, policy_dict
+from support.honest import NODES, HonestNode, policy_dict
+from support.hostile import HOSTILE, TOPICS, gpu_dict
 
 from powerd.clock import ManualClock
 from powerd.controller.build import build_controller

@@ -17,9 +17,9 @@ import httpx
 import psycopg
 import pytest
 import yaml
-from pg import pg_database
-from test_e2e import NODES, TICK_S, Procs, site_policy
-from test_ha import Pair, pair, pg_url  # noqa: F401  (fixtures)
+from support.e2e import NODES, TICK_S, Procs, site_policy
+from support.ha import Pair
+from support.pg import pg_database
 
 from powerd.auth import new_token_entry
 from powerd.controller.leadership import Leadership, for_daemon, process_name
@@ -27,9 +27,6 @@ from powerd.coordinator.main import CoordinatorSettings
 from powerd.policy import parse_policy
 from powerd.store import upgrade
 from powerd.testing.mosquitto import LocalMosquitto, free_port
-
-pytestmark = pytest.mark.slow
-
 
 # -- 1. a ScopeReport with extreme (valid) prices kills the coordinator's tick loop ------
 
@@ -81,6 +78,9 @@ def coord_db() -> Iterator[str]:
         yield url
 
 
+@pytest.mark.slow
+@pytest.mark.postgres
+@pytest.mark.process
 async def test_a_scope_report_with_extreme_prices_does_not_stop_the_coordinator(
     mosquitto: LocalMosquitto, coord_db: str, tmp_path: Path
 ) -> None:
@@ -141,8 +141,10 @@ async def test_a_scope_report_with_extreme_prices_does_not_stop_the_coordinator(
 # -- 2. an operator-state row that does not validate: the new leader never commands -------
 
 
+@pytest.mark.slow
+@pytest.mark.process
 async def test_a_bad_operator_state_row_does_not_leave_the_site_without_a_leader(
-    pair: Pair,  # noqa: F811
+    pair: Pair,
 ) -> None:
     p = pair
     for node in NODES:
@@ -184,7 +186,9 @@ async def test_a_bad_operator_state_row_does_not_leave_the_site_without_a_leader
 # -- 3. two controllers with one controller id both lead, under one epoch -----------------
 
 
-async def test_two_controllers_with_one_id_do_not_both_lead(pair: Pair) -> None:  # noqa: F811
+@pytest.mark.slow
+@pytest.mark.process
+async def test_two_controllers_with_one_id_do_not_both_lead(pair: Pair) -> None:
     p = pair
     for node in NODES:
         p.procs.agent(node)
@@ -205,6 +209,7 @@ async def test_two_controllers_with_one_id_do_not_both_lead(pair: Pair) -> None:
     )
 
 
+@pytest.mark.postgres
 async def test_two_coordinators_with_one_id_do_not_both_lead(coord_db: str) -> None:
     """`powerd coordinator` run twice with one id (a copied config, or the old constant
     default): the second process must not renew the first's lease and lead with it."""

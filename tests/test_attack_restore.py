@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 import yaml
-from test_hostile import policy_dict
+from support.honest import policy_dict
 
 from powerd.clock import ManualClock
 from powerd.controller.build import StartState, build_controller

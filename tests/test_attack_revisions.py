@@ -30,7 +30,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_hostile import policy_dict
+from support.honest import policy_dict
 
 from powerd.clock import ManualClock
 from powerd.controller.build import build_controller

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_hostile import NODES, TOPICS, HonestNode, policy_dict
+from support.honest import NODES, HonestNode, policy_dict
+from support.hostile import TOPICS
 
 from powerd.clock import ManualClock
 from powerd.controller.admin import WriteFailed

@@ -25,7 +25,8 @@ max(non-outlier ticks, stored tick) + gap); keep the last tick in the store/stat
 
 from __future__ import annotations
 
-from test_hostile import HOSTILE, NODES, TOPICS, HonestNode, policy_dict
+from support.honest import NODES, HonestNode, policy_dict
+from support.hostile import HOSTILE, TOPICS
 
 from powerd.clock import ManualClock
 from powerd.controller.build import build_controller

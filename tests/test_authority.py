@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
-from honest import NODES, HonestNode, policy_dict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
-from test_leadership import _until_lapsed
+from support.honest import NODES, HonestNode, policy_dict
+from support.leases import until_lapsed
 
 from powerd.agent.agent import Agent
 from powerd.agent.settings import AgentSettings
@@ -452,7 +452,7 @@ async def test_a_standby_with_a_stale_policy_file_steers_the_policy_of_record(
     assert "standby.yaml" in standby.alarms["policy_differs"]
     assert "policy_differs" not in leader.alarms
     # The leader dies; the standby takes over, still at the policy of record.
-    await _until_lapsed(lead_b.leases)
+    await until_lapsed(lead_b.leases)
     await lead_b.attempt()
     assert lead_b.may_command()
     assert standby.policy.groups[0].budget_w == 6000.0

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pg import pg_database
+from support.pg import pg_database
 
 from powerd.chaos.run import ChaosReport, run_schedule
 from powerd.chaos.schedule import PAIR_FAULTS, FaultKind, kinds_for, short_schedule, soak_schedule
@@ -29,9 +29,6 @@ from powerd.policy import parse_policy
 from powerd.testing.mosquitto import MOSQUITTO
 
 CONFIG = SiteConfig()
-
-# Real processes for a minute or more: left out of the quick loop (pytest -m "not slow").
-pytestmark = pytest.mark.slow
 
 
 def test_budget_check_finds_a_breach_with_its_worst_overshoot_and_duration() -> None:
@@ -145,6 +142,9 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> ChaosReport:
     return result
 
 
+@pytest.mark.slow
+@pytest.mark.broker
+@pytest.mark.process
 def test_the_watcher_checked_a_site_that_used_its_budget(report: ChaosReport) -> None:
     # Not an idle check: thousands of changes checked, and every fault ran.
     assert report.checks > 300
@@ -158,6 +158,9 @@ def test_the_watcher_checked_a_site_that_used_its_budget(report: ChaosReport) ->
 # (docs/performance.md, "Chaos soak"). A breach here is a real one: no marks.
 
 
+@pytest.mark.slow
+@pytest.mark.broker
+@pytest.mark.process
 @pytest.mark.parametrize("kind", kinds_for(pair=False))
 def test_no_budget_breached_and_the_controller_lives_through(
     report: ChaosReport, kind: FaultKind
@@ -175,6 +178,9 @@ def test_no_budget_breached_and_the_controller_lives_through(
     assert rec.findings == [], f"{rec.fault.describe()}: {rec.findings}"
 
 
+@pytest.mark.slow
+@pytest.mark.broker
+@pytest.mark.process
 def test_a_switchover_keeps_the_fleet_steered(report: ChaosReport) -> None:
     # SQLite has no server to switch over: the store is locked past the writer's
     # busy_timeout for 10 s, and the controller (alone) steers through it.
@@ -210,6 +216,10 @@ def pair_report(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosRepor
     yield result
 
 
+@pytest.mark.slow
+@pytest.mark.broker
+@pytest.mark.postgres
+@pytest.mark.process
 @pytest.mark.parametrize(
     "kind",
     [

@@ -3,26 +3,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.cli import EXAMPLE, ROOT, powerd
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "policies" / "example.yaml"
 SNAPSHOT = ROOT / "policies" / "example-snapshot.json"
 
-
-def powerd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "powerd.cli", "--log-format", "json", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        check=False,
-    )
+pytestmark = pytest.mark.process  # every test runs `python -m powerd.cli`
 
 
 def test_policy_check_summarises_the_example() -> None:

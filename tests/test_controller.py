@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import SteppedClock
+from support.clock import SteppedClock
 
 from powerd.agent.agent import Agent
 from powerd.agent.settings import AgentSettings

@@ -280,6 +280,7 @@ class LateScope:
         )
 
 
+@pytest.mark.slow  # seconds of CPU: a thousand examples
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     events=st.lists(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -13,10 +12,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support.daemons import stop
 
 from powerd.testing.mosquitto import LocalMosquitto, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.process  # every test starts `python -m powerd.cli`
 
 
 @pytest.fixture
@@ -50,15 +52,6 @@ def receive_until(sock: socket.socket, wanted: bytes) -> list[bytes]:
     while not any(wanted in m for m in seen):
         seen.append(sock.recv(4096))
     return seen
-
-
-def stop(proc: subprocess.Popen[bytes]) -> int:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 def test_agent_notifies_ready_then_pings_the_watchdog(

@@ -5,23 +5,20 @@ proxy the test closes and opens), driven over real HTTP."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sqlite3
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from pg import pg_database
 from sqlalchemy.engine import make_url
-from tcpproxy import TcpProxy
-from test_api import POLICY, LiveApi, wait_until
+from support.daemons import Site
+from support.live_api import POLICY, LiveApi, wait_until
+from support.pg import pg_database
+from support.tcpproxy import TcpProxy
 
-from powerd.auth import new_token_entry
 from powerd.controller.opstate import (
     BudgetState,
     OperatorState,
@@ -30,130 +27,7 @@ from powerd.controller.opstate import (
     restore,
 )
 from powerd.policy import load_policy_text
-from powerd.testing.mosquitto import LocalMosquitto, free_port
-
-NODE = "rack-1-n1"
-
-
-def popen(args: list[str], workdir: Path, name: str) -> subprocess.Popen[bytes]:
-    log = (workdir / f"{name}.log").open("ab")
-    return subprocess.Popen(
-        [sys.executable, "-m", "powerd.cli", "--log-format", "json", *args],
-        env=os.environ.copy(),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=workdir,
-    )
-
-
-def stop(proc: subprocess.Popen[bytes]) -> int:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
-class Site:
-    """A policy file, tokens, a state file, one mock agent; controllers started and
-    stopped at will against the same files and database."""
-
-    def __init__(self, workdir: Path, broker: LocalMosquitto, db: str) -> None:
-        self.workdir = workdir
-        self.broker = broker
-        self.db = db
-        self.policy = workdir / "policy.yaml"
-        self.policy.write_text(POLICY)
-        self.state_file = workdir / "state" / "powerd-state.json"
-        token, entry = new_token_entry("alice", "admin")
-        self.token = token
-        (workdir / "tokens.toml").write_text(entry)
-        self.port = free_port()
-        self.controller: subprocess.Popen[bytes] | None = None
-        self.agent = popen(
-            [
-                "agent",
-                "--node-id",
-                NODE,
-                "--broker",
-                broker.url,
-                "--backend",
-                "mock",
-                "--mock-gpus",
-                "2",
-                "--period",
-                "0.2",
-            ],
-            workdir,
-            "agent",
-        )
-
-    def start(self, *extra: str) -> httpx.Client:
-        self.controller = popen(
-            [
-                "controller",
-                "--policy",
-                str(self.policy),
-                "--broker",
-                self.broker.url,
-                "--db",
-                self.db,
-                "--state-file",
-                str(self.state_file),
-                "--learn-s",
-                "0.5",
-                "--api-port",
-                str(self.port),
-                "--tokens-file",
-                str(self.workdir / "tokens.toml"),
-                *extra,
-            ],
-            self.workdir,
-            "controller",
-        )
-        with self.client() as c:
-            wait_until(lambda: self._gpus(c) == 2, "the controller to steer the agent's GPUs")
-        return self.client()
-
-    def client(self) -> httpx.Client:
-        return httpx.Client(
-            base_url=f"http://127.0.0.1:{self.port}",
-            headers={"Authorization": f"Bearer {self.token}"},
-            timeout=30,
-        )
-
-    def _gpus(self, c: httpx.Client) -> int:
-        assert self.controller is not None
-        if self.controller.poll() is not None:
-            pytest.fail(f"controller exited {self.controller.returncode}: {self.log()[-2000:]}")
-        try:
-            fleet = c.get("/api/v1/fleet")
-        except httpx.HTTPError:
-            return 0
-        return int(fleet.json()["gpus"]) if fleet.status_code == 200 else 0
-
-    def stop(self) -> None:
-        assert self.controller is not None
-        assert stop(self.controller) == 0
-        self.controller = None
-
-    def close(self) -> None:
-        if self.controller is not None:
-            stop(self.controller)
-        stop(self.agent)
-
-    def log(self) -> str:
-        return (self.workdir / "controller.log").read_text()
-
-    def events(self, name: str) -> list[dict[str, Any]]:
-        out = []
-        for line in self.log().splitlines():
-            if f'"{name}"' in line:
-                ev = json.loads(line)
-                if ev.get("event") == name:
-                    out.append(ev)
-        return out
+from powerd.testing.mosquitto import LocalMosquitto
 
 
 @pytest.fixture
@@ -178,6 +52,7 @@ def overrides(c: httpx.Client) -> dict[str, Any]:
     return body
 
 
+@pytest.mark.process
 def test_restart_keeps_operators_state_and_an_api_policy_until_the_file_is_edited(
     sqlite_site: Site,
 ) -> None:
@@ -258,6 +133,7 @@ def test_restart_keeps_operators_state_and_an_api_policy_until_the_file_is_edite
     assert restored["revision"] == 7
 
 
+@pytest.mark.process
 def test_sighup_reload_logs_applied_and_stored(sqlite_site: Site) -> None:
     site = sqlite_site
     with site.start() as c:
@@ -284,6 +160,8 @@ def pg_site(tmp_path: Path, mosquitto: LocalMosquitto) -> Iterator[tuple[Site, T
             proxy.close()
 
 
+@pytest.mark.postgres
+@pytest.mark.process
 def test_postgres_down_at_start_steers_alarms_and_catches_up(
     pg_site: tuple[Site, TcpProxy],
 ) -> None:
@@ -352,6 +230,7 @@ def test_postgres_down_at_start_steers_alarms_and_catches_up(
 # ---- in one process (the API helper of test_api.py): faults the test holds itself ----
 
 
+@pytest.mark.slow  # seconds of real time: a lock
 def test_a_locked_database_delays_the_audit_not_the_ticks(tmp_path: Path) -> None:
     """The attack that hung the loop 29 s: the SQLite database locked by another connection
     while `PUT /budgets` is in flight. The answer says the change is applied and durable,

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from honest import GPUS, NODES, HonestNode, policy_dict
+from support.honest import GPUS, NODES, HonestNode, policy_dict
 from test_layers import IO_LIBRARIES
 
 from powerd.controller.report import TickReport
@@ -28,6 +28,7 @@ PURE_CORE = (
 )
 
 
+@pytest.mark.process
 def test_the_pure_core_imports_no_io_library() -> None:
     for module in PURE_CORE:
         code = (

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from honest import GPUS, NODES, HonestNode, policy_dict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.honest import GPUS, NODES, HonestNode, policy_dict
 
 from powerd.controller.report import TickReport
 from powerd.controller.tick import TickEngine

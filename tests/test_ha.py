@@ -18,171 +18,20 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 import yaml
-from pg import pg_database
-from sqlalchemy.engine import make_url
-from tcpproxy import TcpProxy
-from test_e2e import (
-    NODES,
-    TICK_S,
-    WAIT_S,
-    Monitor,
-    Procs,
-    site_policy,
-)
+from support.e2e import NODES, TICK_S, WAIT_S, site_policy
+from support.ha import SCOPE, Pair
 
-from powerd.auth import new_token_entry
 from powerd.controller.leadership import process_name
-from powerd.policy import load_policy
 from powerd.store.db import make_engine
 from powerd.store.leases import Lease, Leases
-from powerd.testing.mosquitto import LocalMosquitto, free_port
-from powerd.wire import CapCommand, NodeState
+from powerd.testing.mosquitto import LocalMosquitto
 
-pytestmark = pytest.mark.slow
-
-SCOPE = "dc"  # the policy's root: a controller's lease covers what it steers
-
-
-@dataclass
-class Ctl:
-    name: str
-    port: int
-    proxy: TcpProxy  # between this controller and PostgreSQL: cut it to lose the database
-
-
-class Pair:
-    """Controllers, agents, the monitor, and a way to ask each controller who leads."""
-
-    def __init__(
-        self, procs: Procs, monitor: Monitor, policy: Path, pg_url: str, workdir: Path
-    ) -> None:
-        self.procs = procs
-        self.monitor = monitor
-        self.policy = policy
-        self.pg = make_url(pg_url)
-        self.workdir = workdir
-        token, entry = new_token_entry("watcher", "admin")
-        self.token = token
-        (workdir / "tokens.toml").write_text(entry)
-        self.ctls: dict[str, Ctl] = {}
-        self.leases = Leases(make_engine(pg_url))
-
-    def start(self, name: str, *extra: str) -> Ctl:
-        ctl = self.ctls.get(name)
-        if ctl is None:
-            proxy = TcpProxy(self.pg.port or 5432, self.pg.host or "127.0.0.1")
-            proxy.open()
-            ctl = self.ctls[name] = Ctl(name, free_port(), proxy)
-        db = self.pg.set(port=ctl.proxy.port).render_as_string(hide_password=False)
-        self.procs.start(
-            name,
-            "controller",
-            f"--policy={self.policy}",
-            f"--broker={self.procs.broker_url}",
-            f"--db={db}",
-            f"--state-file={self.workdir / f'{name}-state.json'}",
-            f"--controller-id={name}",
-            f"--learn-s={TICK_S * 2}",
-            f"--api-port={ctl.port}",
-            f"--tokens-file={self.workdir / 'tokens.toml'}",
-            *extra,
-        )
-        return ctl
-
-    def api(self, name: str) -> httpx.Client:
-        return httpx.Client(
-            base_url=f"http://127.0.0.1:{self.ctls[name].port}",
-            headers={"Authorization": f"Bearer {self.token}"},
-            timeout=10,
-        )
-
-    def leadership(self, name: str) -> dict[str, Any] | None:
-        try:
-            with self.api(name) as c:
-                r = c.get("/api/v1/leadership")
-        except httpx.HTTPError:
-            return None
-        return r.json() if r.status_code == 200 else None
-
-    def lease(self) -> Lease | None:
-        return self.leases.current(SCOPE)
-
-    async def until(self, cond: Any, what: str) -> None:
-        deadline = time.monotonic() + WAIT_S
-        while not cond():
-            self.procs.check_alive()
-            if time.monotonic() > deadline:
-                views = {n: self.leadership(n) for n in self.ctls if n in self.procs.running}
-                pytest.fail(
-                    f"timed out waiting until {what}; breaches: {self.monitor.breaches}; "
-                    f"controllers: {views}"
-                )
-            await asyncio.sleep(0.02)
-
-    def commands_of(self, name: str) -> list[tuple[float, CapCommand]]:
-        return [(at, c) for at, c in self.monitor.arrivals if c.controller_id == name]
-
-    def failsafe_nodes(self) -> list[str]:
-        return [
-            n
-            for n in NODES
-            if any(s.state is NodeState.FAILSAFE for s in self.monitor.nodes[n].statuses)
-        ]
-
-    def close(self) -> None:
-        self.leases.engine.dispose()
-        for ctl in self.ctls.values():
-            ctl.proxy.close()
-
-
-class ArrivalMonitor(Monitor):
-    """The e2e monitor, also noting when each command arrived (this machine's wall clock,
-    the one PostgreSQL's lease times are on)."""
-
-    def __init__(self, broker_url: str, policy: Any) -> None:
-        super().__init__(broker_url, policy)
-        self.arrivals: list[tuple[float, CapCommand]] = []
-
-    def handle(self, message: Any) -> None:
-        parts = message.topic.split("/")
-        if len(parts) == 5 and parts[4] == "caps":
-            try:
-                cmd = CapCommand.model_validate_json(message.payload)
-            except ValueError:
-                pass
-            else:
-                self.arrivals.append((time.time(), cmd))
-        super().handle(message)
-
-
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    with pg_database() as url:
-        yield url
-
-
-@pytest.fixture
-async def pair(mosquitto: LocalMosquitto, pg_url: str, tmp_path: Path) -> AsyncIterator[Pair]:
-    policy_file = tmp_path / "policy.yaml"
-    policy_file.write_text(yaml.safe_dump(site_policy()))
-    monitor = ArrivalMonitor(mosquitto.url, load_policy(policy_file))
-    await monitor.start()
-    procs = Procs(tmp_path, mosquitto.url)
-    p = Pair(procs, monitor, policy_file, pg_url, tmp_path)
-    try:
-        yield p
-    finally:
-        procs.close()
-        p.close()
-        await monitor.stop()
+# Controllers, agents and tools as processes, for half a minute and more a test.
+pytestmark = [pytest.mark.slow, pytest.mark.process]
 
 
 async def _steady(p: Pair, leader: str, *, ask: tuple[str, ...] | None = None) -> None:

@@ -15,9 +15,11 @@ import math
 from typing import Any
 
 import numpy as np
-from honest import GPUS, NODES, HonestNode, policy_dict
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.honest import GPUS, NODES, HonestNode, policy_dict
+from support.hostile import HOSTILE, TOPICS, gpu_dict
 
 from powerd.clock import ManualClock
 from powerd.controller.build import build_controller
@@ -28,31 +30,10 @@ from powerd.transport import MemoryBroker, Message
 from powerd.wire import (
     NodeState,
     NodeStatus,
-    Topics,
     encode,
 )
 
-HOSTILE = "r1-n1"
-TOPICS = Topics()
 TOL = 1e-6
-
-
-def gpu_dict(uuid: str, index: int, **over: Any) -> dict[str, Any]:
-    base = {
-        "uuid": uuid,
-        "index": index,
-        "power_w": 300.0,
-        "energy_j": 1.0,
-        "cap_w": 300.0,
-        "min_cap_w": 200.0,
-        "max_cap_w": 700.0,
-        "default_cap_w": 700.0,
-        "temp_c": 40.0,
-        "util_pct": 50.0,
-        "sm_clock_mhz": 1000.0,
-    }
-    base.update(over)
-    return base
 
 
 huge = st.sampled_from([10**29, 2**63, 2**64 + 1, -1, 2**53, 2**53 - 1])
@@ -172,6 +153,7 @@ SETTINGS = settings(
 )
 
 
+@pytest.mark.slow  # seconds of CPU: many runs of 12 ticks
 @SETTINGS
 @given(
     attacks=st.lists(st.lists(hostile_message(), max_size=4), min_size=12, max_size=12),

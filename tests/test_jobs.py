@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from honest import NODES, HonestNode, policy_dict
+from support.honest import NODES, HonestNode, policy_dict
 
 import powerd.controller.targets as targets_module
 from powerd.allocator import Fleet, allocate

@@ -12,17 +12,20 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from support.planner import ack_all, simple_fleet, teach
 
 from powerd.allocator import SOLVERS, Fleet, allocate_arrays, build_problem
 from powerd.policy import Policy
 from powerd.safety import SafetyPlanner
 from powerd.testing.synthetic import make_policy, random_fleet, with_jobs
-from tests.test_safety import ack_all, simple_fleet, teach
 
 TOL_W = 1e-6
 CASES = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Small cases: .ci/run also runs them as plain Python (NUMBA_DISABLE_JIT=1, docs/allocator.md).
+pytestmark = pytest.mark.plain_python
 
 
 @st.composite

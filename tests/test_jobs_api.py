@@ -18,12 +18,11 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
-from pg import pg_database
 from schemathesis import GenerationMode
-from test_api import POLICY, LiveApi, wait_until
-from test_api_client import run
-from test_api_schema import CHECKS, fuzz
-from test_durable import Site
+from support.daemons import Site
+from support.live_api import POLICY, LiveApi, run, wait_until
+from support.pg import BACKENDS, pg_database
+from support.schema import CHECKS, fuzz
 
 from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from powerd.clock import SystemClock
@@ -251,7 +250,7 @@ def test_gpus_given_a_class_by_uuid_are_bounded_in_all(
 # ---- restarts: the controller process on SQLite and PostgreSQL ----
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=BACKENDS)
 def site(
     request: pytest.FixtureRequest, tmp_path: Path, mosquitto: LocalMosquitto
 ) -> Iterator[Site]:
@@ -270,6 +269,7 @@ def site(
             s.close()
 
 
+@pytest.mark.process
 def test_jobs_survive_a_restart_and_a_lost_state_file(site: Site) -> None:
     # Alone: one controller, no lease to lose to a busy machine (a standby refuses writes;
     # leadership has its own tests).
@@ -432,6 +432,7 @@ class Slurm:
         )
 
 
+@pytest.mark.process
 def test_slurm_prolog_registers_and_epilog_deletes(live: LiveApi, tmp_path: Path) -> None:
     slurm = Slurm(tmp_path, live.url, live.tokens["operator"])
     # A two-node job: held by whole nodes.
@@ -464,6 +465,7 @@ def test_slurm_prolog_registers_and_epilog_deletes(live: LiveApi, tmp_path: Path
         assert c.get("/api/v1/jobs").json()["total"] == 0
 
 
+@pytest.mark.process
 def test_slurm_scripts_never_fail_the_job(tmp_path: Path) -> None:
     """powerd down (nothing listens), a bad config, a missing one: exit 0, fast, logged."""
     slurm = Slurm(tmp_path, f"http://127.0.0.1:{free_port()}", "t")
@@ -505,15 +507,6 @@ def test_job_endpoints_conform_to_the_schema(live: LiveApi, mode: GenerationMode
 
 
 # ---- a standby follows the leader's jobs ----
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'powerd.db'}"
-        return
-    with pg_database() as url:
-        yield url
 
 
 def test_a_standby_follows_the_leaders_jobs(db_url: str, tmp_path: Path) -> None:

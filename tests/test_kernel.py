@@ -13,7 +13,7 @@ from powerd.allocator.model import TOL_KW, FloatArray, IntArray, objective, repa
 from powerd.testing.synthetic import make_policy, random_fleet, with_jobs
 from powerd.topology import N_LEVELS
 
-FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+EXAMPLES = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _group(seed: int, n: int) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray, FloatArray]:
@@ -41,7 +41,7 @@ def _total(
     return float(np.sum(m * (lo + np.clip(a - xi, 0.0, ln).sum(axis=1))))
 
 
-@FAST
+@EXAMPLES
 @given(
     st.integers(0, 2**32 - 1),
     st.integers(600, 3000),
@@ -62,7 +62,7 @@ def test_large_group_root_is_exact(seed: int, n: int, share: float, guess: float
     assert abs(_total(a, ln, lo, m, fl, exact) - cap) <= 1e-9 * cap
 
 
-@FAST
+@EXAMPLES
 @given(st.integers(0, 2**32 - 1), st.integers(300, 4000), st.floats(0.05, 0.95))
 def test_sample_root_starts_a_large_group_near_its_root(seed: int, n: int, share: float) -> None:
     """A large group with no guess looks first where F of a sample of its units meets the
@@ -133,7 +133,7 @@ def test_tree_first_gpus_and_node_paths_match_numpy() -> None:
     assert np.array_equal(rows, row.ravel())
 
 
-@FAST
+@EXAMPLES
 @given(st.integers(0, 2**32 - 1), st.floats(0.0, 1.0), st.floats(0.0, 1.0))
 def test_job_setup_matches_numpy(seed: int, share: float, scattered: float) -> None:
     """The jobs' (group, GPUs) pairs, their parts on each node and the groups one job holds
@@ -181,7 +181,7 @@ def _cut_numpy(
     return p
 
 
-@FAST
+@EXAMPLES
 @given(st.integers(0, 2**32 - 1), st.floats(0.3, 1.2))
 def test_budget_cuts_match_numpy_and_hold(seed: int, scale: float) -> None:
     """kernel.cut_to_budgets cuts as the numpy reference does, and after it every group is
@@ -228,7 +228,7 @@ def test_gap_reuses_the_last_pass_only_at_its_prices() -> None:
     assert max(fresh, 0.0) <= 1e-6 + TOL_KW
 
 
-@FAST
+@EXAMPLES
 @given(st.integers(0, 2**32 - 1), st.floats(0.05, 1.0), st.floats(0.0, 1.0))
 def test_newton_matrix_matches_numpy(seed: int, share: float, inside: float) -> None:
     """jobs.py's generalised Hessian on a working set: Σ over units inside a segment of
@@ -255,7 +255,7 @@ def test_newton_matrix_matches_numpy(seed: int, share: float, inside: float) -> 
     assert np.allclose(h, ref, rtol=1e-12, atol=1e-9)
 
 
-@FAST
+@EXAMPLES
 @given(st.integers(0, 2**32 - 1), st.floats(0.0, 1.2))
 def test_objective_matches_numpy_interpolation(seed: int, top: float) -> None:
     """model.objective (compiled: kernel.objective_value) is the numpy formula: each class's

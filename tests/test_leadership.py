@@ -3,12 +3,12 @@ when a leader stops commanding, when a standby may start, and who may start alon
 
 from __future__ import annotations
 
-import asyncio
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.leases import until_lapsed
 
 from powerd.controller.leadership import CLOCK_RHO, Leadership, StartRefused
 from powerd.store import upgrade
@@ -75,6 +75,7 @@ async def test_a_leader_that_cannot_renew_stops_before_its_lease_could_lapse(
     lock.close()
 
 
+@pytest.mark.slow  # seconds of real time: a lease
 async def test_a_standby_leads_only_after_the_lapse_under_a_higher_epoch(db: str) -> None:
     clock = Hand()
     a, b = leadership(db, "ctl-a", clock), leadership(db, "ctl-b", clock)
@@ -84,7 +85,7 @@ async def test_a_standby_leads_only_after_the_lapse_under_a_higher_epoch(db: str
     assert (b.view().leader, b.view().epoch) == ("ctl-a", 1)
     assert [m.holder for m in b.view().members] == ["ctl-a", "ctl-b"]
     # ctl-a stops renewing (paused, killed); the database's clock runs its lease out.
-    await _until_lapsed(a.leases)
+    await until_lapsed(a.leases)
     await b.attempt()
     assert b.may_command() and b.epoch == 2 and b.takeovers == 1
     # The old leader comes back: it cannot renew, it stands by.
@@ -118,18 +119,9 @@ async def test_a_lone_controller_takes_over_a_dead_predecessors_lapsed_lease(db:
     dead = Leases(make_engine(db))
     assert dead.acquire("dc", "ctl-old", lease_s=0.3) is not None
     b = leadership(db, "ctl-b", clock, mode="alone")
-    await _until_lapsed(dead)
+    await until_lapsed(dead)
     await b.claim_alone(wait_s=0.0)
     assert b.epoch == 2
-
-
-async def _until_lapsed(leases: Leases) -> None:
-    for _ in range(200):
-        lease = leases.current("dc")
-        if lease is None or lease.lapsed:
-            return
-        await asyncio.sleep(0.05)
-    pytest.fail("the lease never lapsed")
 
 
 async def test_a_leader_whose_renewals_fail_before_its_deadline_steers_through(
@@ -160,6 +152,7 @@ async def test_a_leader_whose_renewals_fail_before_its_deadline_steers_through(
         lock.close()
 
 
+@pytest.mark.slow  # seconds of real time: a lease
 async def test_a_leader_steers_through_a_database_outage_until_a_newer_one_is_heard(
     db: str, tmp_path: Path
 ) -> None:
@@ -195,7 +188,7 @@ async def test_a_leader_steers_through_a_database_outage_until_a_newer_one_is_he
     # Renewals that stop without a failure (a paused host): the deadline holds.
     b = leadership(db, "ctl-b", clock)
     b.through_outage = True
-    await _until_lapsed(b.leases)
+    await until_lapsed(b.leases)
     await b.attempt()
     assert b.may_command()
     clock.t += LEASE_S

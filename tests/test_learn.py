@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from honest import GPUS, NODES, HonestNode, policy_dict
 from structlog.testing import capture_logs
+from support.honest import GPUS, NODES, HonestNode, policy_dict
 
 from powerd.allocator import ClassTable, allocate_arrays
 from powerd.allocator.learn import ProfileLearner, bin_points, fit_curve, learner_for

@@ -9,13 +9,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pg import pg_database
+from support.pg import BACKENDS, pg_database
 
 from powerd.store import upgrade
 from powerd.store.db import make_engine
 from powerd.store.leases import Leases
-
-BACKENDS = ["sqlite", "postgresql"]
 
 
 @pytest.fixture(params=BACKENDS)

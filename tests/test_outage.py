@@ -20,9 +20,10 @@ import asyncio
 from typing import Any
 
 import numpy as np
-from honest import NODES, policy_dict
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.honest import NODES, policy_dict
 
 from powerd.agent.agent import Agent
 from powerd.agent.settings import AgentSettings
@@ -141,6 +142,7 @@ class Site:
 Action = tuple[str, int]
 
 
+@pytest.mark.slow  # seconds of CPU: many outages
 @settings(
     max_examples=60,
     deadline=None,

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from honest import GPUS, NODES, HonestNode, policy_dict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.honest import GPUS, NODES, HonestNode, policy_dict
 
 from powerd.controller.tick import TickEngine
 from powerd.policy import Overload, PolicyError, overload_reaction_s, parse_policy, with_overload

@@ -8,6 +8,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -38,6 +40,7 @@ def test_the_live_page_ships_as_package_data() -> None:
         assert any(fnmatch.fnmatch(rel, pat) for pat in patterns), f"{rel} would not ship"
 
 
+@pytest.mark.process
 def test_the_command_line_and_the_allocator_load_numba_only_to_solve() -> None:
     """Agents start through powerd.cli and never solve: numba (~0.5 s, ~75 MB) must load
     with the first solve only."""
@@ -51,6 +54,7 @@ def test_the_command_line_and_the_allocator_load_numba_only_to_solve() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+@pytest.mark.process
 def test_commands_run_blas_single_threaded_unless_told_otherwise() -> None:
     """powerd sets OpenBLAS and MKL to one thread before numpy loads (powerd/__init__.py):
     with two BLAS threads on a busy two-core host a Newton system of 400 groups took 94 ms

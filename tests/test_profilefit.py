@@ -8,12 +8,14 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
-from test_cli import EXAMPLE, powerd
+from support.cli import EXAMPLE, powerd
 
 from powerd.policy import parse_policy
 
 # A noisy sweep: 175 W lies under its neighbours' chord, 300 W dips after the peak at 250 W.
 SWEEP = [(100, 50.0), (150, 80.0), (175, 82.0), (200, 90.0), (250, 95.0), (300, 92.0)]
+
+pytestmark = pytest.mark.process  # every test runs `python -m powerd.cli`
 
 
 def write_csv(path: Path, header: str, rows: list[str]) -> Path:

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from honest import NODES, HonestNode, policy_dict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.honest import NODES, HonestNode, policy_dict
 
 from powerd.controller.opstate import OperatorState, capture, restore
 from powerd.controller.overrides import (
@@ -85,6 +85,7 @@ def warm(site: Site, ticks: int = 8) -> None:
     assert site.committed[-1] == pytest.approx(FACILITY_W, abs=1.0)
 
 
+@pytest.mark.slow  # seconds of CPU: many ramps
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     target=st.floats(3600.0, 6800.0),

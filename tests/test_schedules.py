@@ -4,9 +4,7 @@ standby following them (SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import io
 import itertools
 import time
 from collections.abc import Iterator
@@ -16,11 +14,10 @@ from typing import Any
 
 import httpx
 import pytest
-from pg import pg_database
-from test_api import POLICY, LiveApi, wait_until
-from test_durable import Site
+from support.daemons import Site
+from support.live_api import POLICY, LiveApi, run, wait_until
+from support.pg import BACKENDS, pg_database
 
-from powerd.cli.admin import add_parser
 from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_OK
 from powerd.clock import ManualClock
 from powerd.controller.build import build_controller
@@ -54,6 +51,7 @@ def facility(c: httpx.Client) -> dict[str, Any]:
     return fac
 
 
+@pytest.mark.slow  # seconds of real time: a ramp
 def test_a_scheduled_cut_ramps_in_on_time_and_out_after_cancel(live: LiveApi) -> None:
     with live.client("operator") as c:
         wait_until(lambda: facility(c)["budget_w"] == 4000, "the policy budget in force")
@@ -116,6 +114,7 @@ def test_a_scheduled_cut_ramps_in_on_time_and_out_after_cancel(live: LiveApi) ->
         assert ("budget.unschedule", sid, f"refused: no scheduled budget '{sid}'") in actions
 
 
+@pytest.mark.slow  # seconds of real time: waits for ticks
 def test_bad_schedules_are_refused_and_audited(live: LiveApi) -> None:
     now = time.time()
     with live.client("operator") as c:
@@ -149,14 +148,6 @@ def test_bad_schedules_are_refused_and_audited(live: LiveApi) -> None:
         assert c.delete("/api/v1/schedules/s-x", params={"reason": "x"}).status_code == 403
     with live.client(None) as c:
         assert c.get("/api/v1/schedules").status_code == 401
-
-
-def run(argv: list[str]) -> tuple[int, str]:
-    parser = argparse.ArgumentParser(prog="powerd")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    out = io.StringIO()
-    return args.handler(args, out), out.getvalue()
 
 
 def test_cli_schedules_lists_and_cancels(live: LiveApi, capsys: pytest.CaptureFixture[str]) -> None:
@@ -246,6 +237,7 @@ def restart_keeps(site: Site, *extra: str, drop_state_file: bool = False) -> Non
         assert c.get("/api/v1/schedules").json() == []
 
 
+@pytest.mark.process
 def test_a_schedule_survives_a_restart_sqlite(tmp_path: Path, mosquitto: LocalMosquitto) -> None:
     site = Site(tmp_path, mosquitto, f"sqlite:///{tmp_path / 'powerd.db'}")
     site.policy.write_text(RAMP_POLICY)
@@ -255,6 +247,8 @@ def test_a_schedule_survives_a_restart_sqlite(tmp_path: Path, mosquitto: LocalMo
         site.close()
 
 
+@pytest.mark.postgres
+@pytest.mark.process
 def test_a_schedule_survives_a_restart_from_postgres_alone(
     tmp_path: Path, mosquitto: LocalMosquitto
 ) -> None:
@@ -268,7 +262,7 @@ def test_a_schedule_survives_a_restart_from_postgres_alone(
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+@pytest.mark.parametrize("backend", BACKENDS)
 async def test_a_standby_follows_schedules_on_its_own_clock(tmp_path: Path, backend: str) -> None:
     """The leader schedules and cancels; a standby on the same database adopts the window
     by its wall times, anchored to its own monotonic clock (another process's readings mean

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from test_allocator import policy_for
+from support.allocator import policy_for
 
 from powerd.allocator import Fleet, allocate_arrays, build_problem
 from powerd.allocator.model import Problem, objective

@@ -21,14 +21,15 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from pg import pg_database
-from test_e2e import LEASE_S, NODES, TICK_S, TOL_W, WAIT_S, Monitor, Procs, site_policy
+from support.e2e import LEASE_S, NODES, TICK_S, TOL_W, WAIT_S, Monitor, Procs, site_policy
+from support.pg import pg_database
 
 from powerd.auth import new_token_entry
 from powerd.policy import Policy, failsafe_budget_w, load_policy
 from powerd.testing.mosquitto import LocalMosquitto, free_port
 
-pytestmark = pytest.mark.slow
+# Controllers, a coordinator and agents as processes for minutes, a database each.
+pytestmark = [pytest.mark.slow, pytest.mark.process, pytest.mark.postgres]
 
 SCOPES = ("rack-1", "rack-2")
 

@@ -15,15 +15,13 @@ import httpx
 import pytest
 import sqlalchemy as sa
 import yaml
-from pg import pg_database
-from test_e2e import NODES, TICK_S, WAIT_S, Monitor, Procs, site_policy
+from support.e2e import NODES, TICK_S, WAIT_S, Monitor, Procs, site_policy
+from support.pg import BACKENDS, pg_database
 
 from powerd.auth import new_token_entry
 from powerd.policy import load_policy
 from powerd.store import Store, upgrade
 from powerd.testing.mosquitto import LocalMosquitto, free_port
-
-pytestmark = pytest.mark.slow
 
 
 def api_get(port: int, token: str, path: str) -> Any:
@@ -35,6 +33,8 @@ def api_get(port: int, token: str, path: str) -> Any:
         return c.get(path).json()
 
 
+@pytest.mark.slow
+@pytest.mark.process
 async def test_a_shadow_decides_shows_and_sends_nothing(
     mosquitto: LocalMosquitto, tmp_path: Path
 ) -> None:
@@ -165,7 +165,9 @@ async def run_beside(
         await monitor.stop()
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+@pytest.mark.slow
+@pytest.mark.process
+@pytest.mark.parametrize("backend", BACKENDS)
 async def test_a_shadow_on_the_leaders_database_leaves_it_unchanged(
     mosquitto: LocalMosquitto, tmp_path: Path, backend: str
 ) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
+from support.sim import scenario_dict, small_policy
 
 from powerd.cli import main as powerd_main
 from powerd.policy import Policy, parse_policy
@@ -29,47 +30,6 @@ from powerd.testing.synthetic import policy_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = ROOT / "policies" / "scenarios"
-
-
-def small_policy() -> dict[str, Any]:
-    """2 rows × 2 racks × 2 nodes × 4 GPUs; every level binds (synthetic fractions)."""
-    return policy_dict(2, 2, 2, 4, overhead_w=400.0)
-
-
-def scenario_dict(**changes: Any) -> dict[str, Any]:
-    data: dict[str, Any] = {
-        "name": "small",
-        "duration_h": 1,
-        "tick_s": 60,
-        "seed": 7,
-        "workloads": [
-            {
-                "name": "serving",
-                "class": "inference",
-                "share": 0.5,
-                "pattern": "inference",
-                "low_w": 250,
-                "high_w": 600,
-                "day_h": 2,
-                "peak_hour": 0.5,
-                "bursts": {"extra_w": 100, "probability": 0.2, "slot_s": 60},
-            },
-            {
-                "name": "train",
-                "class": "training",
-                "share": 0.375,
-                "pattern": "training",
-                "jobs": 2,
-                "high_w": 690,
-                "low_w": 300,
-                "period_s": 600,
-                "idle": [{"start_h": 0.5, "end_h": 0.75}],
-            },
-            {"name": "batch", "class": "batch", "share": 0.125, "pattern": "steady"},
-        ],
-    }
-    data.update(changes)
-    return data
 
 
 @pytest.fixture(scope="module")
@@ -234,6 +194,7 @@ def test_idle_windows_idle_the_gpus(scenario: Scenario, site: Site) -> None:
     assert sum(idx.size for _, idx, _ in starts) == 12  # 3 of 8 nodes × 4 GPUs train
 
 
+@pytest.mark.process  # the parallel runs are worker processes
 def test_same_seed_same_results_sequential_or_parallel(
     scenario: Scenario, site: Site, runs: dict[str, Any]
 ) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import yaml
 from sqlalchemy.orm import Session
-from test_sim import scenario_dict, small_policy
+from support.sim import scenario_dict, small_policy
 
 from powerd.cli import main as powerd_main
 from powerd.policy import parse_policy

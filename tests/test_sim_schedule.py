@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
-from test_sim import small_policy
+from support.sim import small_policy
 
 from powerd.cli import main as powerd_main
 from powerd.policy import load_policy, parse_policy

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_sim import small_policy
+from support.sim import small_policy
 
 from powerd.backends.mock import GpuFleetModel
 from powerd.policy import parse_policy
@@ -96,6 +96,7 @@ def test_bad_trace_references_are_clear(tmp_path: Path) -> None:
         build_mix(sc, build_site(parse_policy(small_policy())))
 
 
+@pytest.mark.process
 def test_an_agents_recording_is_a_trace_the_simulator_reads(
     tmp_path: Path, mosquitto: LocalMosquitto
 ) -> None:

@@ -15,9 +15,9 @@ import pytest
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from pg import create_database, pg_database, unique_name, url_for
 from sqlalchemy.exc import IntegrityError
 from structlog.testing import capture_logs
+from support.pg import BACKENDS, create_database, pg_database, unique_name, url_for
 
 from powerd.clock import ManualClock
 from powerd.controller.report import TickSummary
@@ -41,7 +41,6 @@ from powerd.store.models import Base, PolicyVersion
 from powerd.store.models import OperatorState as OperatorStateRow
 from powerd.store.store import KEEP_OPERATOR_STATES, Batch
 
-BACKENDS = ["sqlite", "postgresql"]
 T0 = 1_700_000_040.0  # the start of a minute (divisible by 60)
 assert T0 % 60 == 0
 
@@ -721,7 +720,7 @@ def test_writer_thread_writes_everything_by_stop(store: Store) -> None:
 
 
 def test_pg_tests_fail_loudly_when_the_server_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
-    import pg
+    from support import pg
 
     monkeypatch.setattr(pg, "ADMIN_URL", f"postgresql://postgres@127.0.0.1:{_closed_port()}/x")
     with pytest.raises(pytest.fail.Exception, match="PostgreSQL is not reachable"):

@@ -111,6 +111,7 @@ def _verify_copy(unit: str, tmp_path: Path) -> Path:
     return out
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("unit", UNITS)
 def test_unit_passes_systemd_analyze_verify(unit: str, tmp_path: Path) -> None:
     analyze = shutil.which("systemd-analyze")
@@ -136,6 +137,7 @@ def test_unit_passes_systemd_analyze_verify(unit: str, tmp_path: Path) -> None:
 EXPOSURE_LIMIT = {"powerd-controller.service": 20, "powerd-agent.service": 30}
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("unit", UNITS)
 def test_unit_exposure_stays_low(unit: str, tmp_path: Path) -> None:
     analyze = shutil.which("systemd-analyze")

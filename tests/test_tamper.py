@@ -16,11 +16,10 @@ from typing import Any
 
 import httpx
 import pytest
-from honest import NODES as HONEST_NODES
-from honest import HonestNode, policy_dict
-from pg import pg_database
 from prometheus_client.parser import text_string_to_metric_families
-from test_api import GPUS_PER_NODE, NODES, LiveApi, wait_until
+from support.honest import NODES as HONEST_NODES
+from support.honest import HonestNode, policy_dict
+from support.live_api import GPUS_PER_NODE, NODES, LiveApi, wait_until
 
 from powerd.alarms import Alarms, Severity
 from powerd.backends.base import NoPermission
@@ -31,15 +30,6 @@ from powerd.testing.mosquitto import LocalMosquitto
 from powerd.wire import NodeTelemetry
 
 V1 = "/api/v1"
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'powerd.db'}"
-        return
-    with pg_database() as url:
-        yield url
 
 
 @pytest.fixture

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from amqttbroker import Broker
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mqttproxy import MqttProxy, Pubacks
 from structlog.testing import capture_logs
+from support.amqttbroker import Broker
+from support.mqttproxy import MqttProxy, Pubacks
 
 from powerd.testing.mosquitto import MOSQUITTO, LocalMosquitto, free_port
 from powerd.transport import (
@@ -222,6 +222,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.process
 async def test_mqtt_last_will_when_the_process_dies(broker: Broker) -> None:
     async with await connected(mqtt(broker)) as watcher:
         await watcher.subscribe("powerd/v1/nodes/n9/status")
@@ -628,6 +629,7 @@ async def test_mqtt_keepalive_gives_up_on_a_silent_broker(eventually: Any) -> No
         await broker.stop()
 
 
+@pytest.mark.slow  # seconds of real time: keepalives
 async def test_mqtt_keepalive_keeps_a_quiet_connection_up(eventually: Any) -> None:
     broker = FakeBroker()
 
@@ -826,6 +828,8 @@ def tls_mosquitto() -> Iterator[tuple[LocalMosquitto, Path]]:
             broker.kill()
 
 
+@pytest.mark.broker
+@pytest.mark.process
 async def test_mqtt_over_tls_reads_every_message(
     tls_mosquitto: tuple[LocalMosquitto, Path],
 ) -> None:

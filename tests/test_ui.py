@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
-from test_api import NODES, LiveApi, wait_until
+from support.live_api import NODES, LiveApi, wait_until
 
 from powerd.api.routers.history import bucketed
 from powerd.api.routers.ui import TYPES, asset
@@ -319,6 +319,7 @@ def test_history_intervals_keep_cuts_and_peaks() -> None:
     assert bucketed([], since=0.0, step_s=1.0) == []
 
 
+@pytest.mark.process
 def test_demo_serves_the_live_page(browser: Any, tmp_path: Path) -> None:
     """`powerd demo --ui 0` prints a sign-in link to the page, which shows the example site."""
     args = ["demo", "--nodes", "16", "--duration", "90", "--ui", "0"]

@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from honest import NODES, HonestNode, policy_dict
-from pg import pg_database
+from support.honest import NODES, HonestNode, policy_dict
+from support.pg import BACKENDS, pg_database
 
 from powerd.clock import ManualClock
 from powerd.controller.report import TickReport
@@ -222,7 +222,7 @@ def test_a_failed_solve_explains_the_failsafe_caps() -> None:
 # ---- storage: one explanation per stored cap change, on both backends ----
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=BACKENDS)
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path / 'powerd.db'}"

@@ -9,6 +9,7 @@ PostgreSQL.
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,18 +19,25 @@ import pytest
 from psycopg import sql
 from sqlalchemy.engine import make_url
 
+from support.needs import POSTGRES_EVENT
+
 ADMIN_URL = os.environ.get("POWERD_TEST_PG_URL") or "postgresql://postgres@127.0.0.1:5432/postgres"
+
+# The two stores, as parameters of a fixture or a test: the PostgreSQL one marked `postgres`.
+BACKENDS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
 
 
 def _admin() -> psycopg.Connection[tuple[object, ...]]:
     try:
-        return psycopg.connect(ADMIN_URL, autocommit=True, connect_timeout=5)
+        conn = psycopg.connect(ADMIN_URL, autocommit=True, connect_timeout=5)
     except psycopg.OperationalError as exc:
         pytest.fail(
             f"PostgreSQL is not reachable at {ADMIN_URL} ({exc}). These tests need a real "
             "server: start one (CI does) or point $POWERD_TEST_PG_URL at one.",
             pytrace=False,
         )
+    sys.audit(POSTGRES_EVENT, ADMIN_URL)  # the marks' guard (support/needs.py) sees it
+    return conn
 
 
 def unique_name() -> str:
