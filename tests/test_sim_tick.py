@@ -19,7 +19,7 @@ from powerd.controller.report import TickReport
 from powerd.controller.tick import TickEngine
 from powerd.policy import Overload, parse_policy, with_overload
 from powerd.safety import SafePlan
-from powerd.sim.run import MAX_ROUNDS, engine_policy, simulate, start_cap_w
+from powerd.sim.run import engine_policy, rounds_per_steer, simulate, start_cap_w
 from powerd.sim.scenario import Scenario, parse_scenario
 from powerd.sim.site import Mix, Site, build_mix, build_site
 from powerd.wire import CapAck, GpuAck, GpuTelemetry, NodeTelemetry
@@ -111,7 +111,7 @@ def direct(sc: Scenario, site: Site, mix: Mix, solver: str, *, learn: bool = Fal
 
     def steer(now: float) -> None:
         telemetry(now)
-        for _ in range(MAX_ROUNDS):
+        for _ in range(rounds_per_steer(site.policy, sc.spec.tick_s)):
             _, plan = engine.step(now, now)
             out.append((plan.tick, {u: w for c in plan.commands for u, w in c.caps_w.items()}))
             for cmd in plan.commands:

@@ -18,7 +18,7 @@ from numpy.typing import NDArray
 
 from powerd.backends.mock import GpuFleetModel
 from powerd.safety import NodeCommand
-from powerd.wire import CapAck, GpuAck, GpuTelemetry, NodeTelemetry
+from powerd.wire import CapAck, GpuAck, NodeTelemetry
 
 FloatArray = NDArray[np.float64]
 IntArray = NDArray[np.int64]
@@ -83,45 +83,25 @@ class SimAgents:
             self.workloads,
             strict=True,
         )
-        gpus = [
-            GpuTelemetry(
-                uuid=u,
-                index=k,
-                name="sim",
-                power_w=p,
-                energy_j=e,
-                cap_w=c,
-                min_cap_w=lo,
-                max_cap_w=hi,
-                default_cap_w=d,
-                temp_c=t,
-                util_pct=util,
-                sm_clock_mhz=clock,
-                throttle=[],
-                workload=w,
-                perf=perf,
-                error=None,
-                set_w=None,
-                restores=0,
-                found_w=None,
+        keys = (
+            "uuid", "index", "power_w", "energy_j", "cap_w", "min_cap_w", "max_cap_w",
+            "default_cap_w", "temp_c", "util_pct", "sm_clock_mhz", "perf", "workload",
+        )  # fmt: skip
+        gpus = [dict(zip(keys, row, strict=True)) for row in columns]
+        # One validation per node, of plain values (cheaper than a model per GPU).
+        return [
+            NodeTelemetry.model_validate(
+                {
+                    "node_id": name,
+                    "ts": ts,
+                    "seq": self.seq,
+                    "period_s": self.period_s,
+                    "gpus": gpus[a:b],
+                    "tick": self.applied[name],
+                }
             )
-            for u, k, p, e, c, lo, hi, d, t, util, clock, perf, w in columns
+            for name, (a, b) in zip(self.names, self.ranges, strict=True)
         ]
-        out = []
-        for name, (a, b) in zip(self.names, self.ranges, strict=True):
-            out.append(
-                NodeTelemetry(
-                    node_id=name,
-                    ts=ts,
-                    seq=self.seq,
-                    period_s=self.period_s,
-                    gpus=gpus[a:b],
-                    state="steered",
-                    tick=self.applied[name],
-                    epoch=None,
-                )
-            )
-        return out
 
     def apply(self, commands: Sequence[NodeCommand], ts: float) -> list[CapAck]:
         """Apply each command's caps (clamped to the device) and acknowledge them.

@@ -49,8 +49,16 @@ STATIC = "static"
 STEERED = ("fast", "uniform", "priority-bands")
 POLICIES = (*STEERED, STATIC)
 # Controller ticks per steer at most: cuts, then the raises they pay for (acks are instant
-# here), while raises wait.
+# here), while raises wait; never more than the controller makes in a simulated tick.
 MAX_ROUNDS = 6
+
+
+def rounds_per_steer(policy: Policy, tick_s: float) -> int:
+    """How many times the engine may tick in one steer: as often as the controller ticks
+    (`control.tick_s`) within a simulated tick, at least once, at most MAX_ROUNDS."""
+    return max(1, min(MAX_ROUNDS, math.floor(tick_s / policy.control.tick_s + 1e-9)))
+
+
 # Measured draw above a budget by more than this counts as an excess (float noise below).
 EXCESS_TOL_W = 1e-3
 # A GPU counts as held below its floor when its cap is this far under it and it wants more.
@@ -181,6 +189,7 @@ class _Run:
         self.windows = _windows(scenario, site)
         self.rates = spec.ramp_w_per_s or policy.control.ramp_w_per_s
         self.tick_s = spec.tick_s
+        self.rounds = rounds_per_steer(policy, spec.tick_s)
         self.finite = np.isfinite(self.budget)
         self.ratio_budget = np.where(self.finite & (self.budget > 0), self.budget, np.inf)
         cls = mix.class_index
@@ -252,13 +261,13 @@ class _Run:
     def steer(self, now: float) -> None:
         """One controller tick: every node's telemetry, the engine's decisions, the agents
         applying and acknowledging them; while raises wait on the cuts that pay for them,
-        the engine ticks again at the same instant (acks are instant here), up to
-        MAX_ROUNDS ticks."""
+        the engine ticks again at the same instant (acks are instant here), as many times
+        as the controller ticks in a simulated tick (`rounds_per_steer`)."""
         engine, agents = self.engine, self.agents
         assert engine is not None and agents is not None
         for msg in agents.telemetry(now):
             engine.on_telemetry(msg, now)
-        for _ in range(MAX_ROUNDS):
+        for _ in range(self.rounds):
             report, plan = engine.step(now, now)
             if self.trace is not None:
                 self.trace(report, plan)
