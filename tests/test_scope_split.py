@@ -192,11 +192,14 @@ def test_split_of_exact_curves_is_the_global_optimum(site: Site) -> None:
 @given(sites(), st.sampled_from([8, 16]))
 def test_short_curves_reach_the_optimum_in_steady_state(site: Site, points: int) -> None:
     """With few points per curve the first split is approximate; each tick the scopes
-    centre their exact window on the last split, and the split settles on the optimum."""
+    centre their exact window on the last split, and the split settles on the optimum.
+    The window is narrow with so few points, so the split may walk there over several ticks
+    (a two-scope site with 8 points took 9: each tick moved it a little, monotonically);
+    the shipped curves have 256 points."""
     assume(same_bounds(site))
     around: list[float | None] = [None] * len(site.scopes)
     budgets = np.full(len(site.scopes), np.nan)
-    for _ in range(8):
+    for _ in range(16):
         curves = [s.curve(points, around_w=a) for s, a in zip(site.scopes, around, strict=True)]
         split = split_budgets(site.upper, curves)
         if split.exact and np.allclose(split.budget_w, budgets, rtol=1e-12, atol=1e-6):
@@ -204,7 +207,7 @@ def test_short_curves_reach_the_optimum_in_steady_state(site: Site, points: int)
         budgets = split.budget_w
         around = list(budgets)
     else:
-        raise AssertionError(f"no steady state after 8 ticks: {budgets}")
+        raise AssertionError(f"no steady state after 16 ticks: {budgets}")
     caps = combined_caps(site, budgets)
     assert gap(site, caps) <= REL_GAP
     assert excess_w(site.fleet, caps) <= TOL_W
