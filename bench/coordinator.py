@@ -2,7 +2,7 @@
 
 Builds a site of `--scopes` racks (16 racks a row, 2 nodes × 8 GPUs a rack) from
 powerd.testing.synthetic, computes each rack's demand curve from a random fleet (256
-points, as scope controllers send), and times `CoordinatorEngine.step` (the split, the
+points, as scope controllers send), and times `BudgetSplitter.step` (the split, the
 planner, the report) over `--ticks` ticks after every scope has confirmed a budget, and
 decoding one tick's reports from JSON. Prints medians and maxima.
 
@@ -17,7 +17,7 @@ import time
 
 from powerd.allocator import build_problem
 from powerd.allocator.scopes import demand_curve
-from powerd.coordinator.engine import CoordinatorEngine
+from powerd.coordinator.split import BudgetSplitter
 from powerd.testing.synthetic import make_policy, random_fleet
 from powerd.wire import ScopeReport, decode, encode
 
@@ -36,7 +36,7 @@ def main() -> None:
     problem = build_problem(fleet, policy)
     topo = fleet.topology
     racks = [int(g) for g in topo.groups_at(2)]
-    engine = CoordinatorEngine(policy, "rack")
+    splitter = BudgetSplitter(policy, "rack")
     reports = {}
     for g in racks:
         curve = demand_curve(problem, g, POINTS)
@@ -57,11 +57,11 @@ def main() -> None:
     wire = [encode(r) for r in reports.values()]
     now = 0.0
     for r in reports.values():
-        engine.on_report(r, now, EPOCH)
+        splitter.on_report(r, now, EPOCH)
     steps, decodes = [], []
     for k in range(args.ticks):
         t0 = time.perf_counter()
-        plan = engine.step(now, now, 1.0)
+        plan = splitter.step(now, now, 1.0)
         steps.append((time.perf_counter() - t0) * 1000.0)
         t0 = time.perf_counter()
         for payload in wire:
@@ -72,7 +72,7 @@ def main() -> None:
         for p in plan.budgets:
             r = reports[p.scope]
             b = p.budget_w if p.budget_w is not None else r.budget_w
-            engine.on_report(
+            splitter.on_report(
                 r.model_copy(
                     update={
                         "budget_epoch": EPOCH,
@@ -90,7 +90,7 @@ def main() -> None:
     print(
         f"{args.scopes} scopes ({len(fleet.uuids)} GPUs), {POINTS}-point curves, "
         f"{args.ticks} ticks\n"
-        f"CoordinatorEngine.step: median {statistics.median(steps):.2f} ms, "
+        f"BudgetSplitter.step: median {statistics.median(steps):.2f} ms, "
         f"max {max(steps):.2f} ms\n"
         f"decoding one tick's reports: median {statistics.median(decodes):.2f} ms "
         f"({size / 1024:.1f} KiB a report)\n"

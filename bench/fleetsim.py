@@ -4,7 +4,7 @@ A thousand agent processes (or a thousand MQTT clients in one process) would mea
 load generator more than the controller. This process plays every node instead, speaking
 the wire protocol exactly as `powerd agent` does, from one connection:
 
-- one `GpuFleetModel` (powerd/backends/mock.py) holds every GPU: draw follows min(cap,
+- one `SimulatedGpus` (powerd/backends/mock.py) holds every GPU: draw follows min(cap,
   demand) with a lag, energy integrates, demand follows a job's pattern (a quarter of the
   nodes serve inference, a fifth run batch jobs, the rest train, phases staggered per node);
 - every period each node's `NodeTelemetry` is published (QoS 0), spread evenly over the
@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from powerd.backends.mock import GpuFleetModel, Workload
+from powerd.backends.mock import SimulatedGpus, Workload
 from powerd.logs import configure_logging
 from powerd.policy import load_policy
 from powerd.transport import Message, MqttConfig, MqttTransport, TransportError
@@ -71,7 +71,7 @@ class FleetSim:
             else:
                 w = Workload.training(phase_s=phase)
             workloads += [w] * gpus
-        self.model = GpuFleetModel(
+        self.model = SimulatedGpus(
             n, workloads, seed=seed, start_s=time.monotonic(), uuid_prefix="GPU-sim"
         )
         self.index = {u: i for i, u in enumerate(self.model.uuids)}

@@ -1,4 +1,4 @@
-"""How often jobs.py reaches the optimum on its own, measured against cvxpy.
+"""How often coupled_newton.py reaches the optimum on its own, measured against cvxpy.
 
     .venv/bin/python bench/jobs_sites.py                   # 1,000 random small sites
     .venv/bin/python bench/jobs_sites.py --sites 3000 --first 1000
@@ -6,7 +6,7 @@
 
 Random sites (1-2 rows, 1-3 racks, 1-3 nodes of 1-4 GPUs, budgets at 50-100 % of their
 GPUs' maximum, damping 0.01-1, jobs of 2-8 GPUs on 30-100 % of the GPUs, a random share of
-them scattered): for each, jobs.py from the relaxed problem's prices (as `fast` calls it
+them scattered): for each, coupled_newton.py from the relaxed problem's prices (as `fast` calls it
 with no warm start) and from the previous fleet's prices, without the reference `fast`
 falls back to on sites this small. It prints how many did not converge and how many missed
 cvxpy's objective by more than 1e-6 (relative).
@@ -23,8 +23,15 @@ import time
 import warnings
 from dataclasses import replace
 
-from powerd.allocator import ClassTable, Tree, allocate_arrays, build_problem, fast, jobs
-from powerd.allocator.model import FloatArray, Problem, objective, repair
+from powerd.allocator import (
+    ClassTable,
+    Tree,
+    allocate_arrays,
+    build_problem,
+    coupled_newton,
+    tree_solver,
+)
+from powerd.allocator.problem import FloatArray, Problem, objective, repair
 from powerd.testing.synthetic import Drift, make_policy, random_fleet, random_job_site, with_jobs
 
 
@@ -42,15 +49,15 @@ def sites(first: int, count: int) -> None:
             continue
         counts["sites"] += 1
         ref = allocate_arrays(fleet, policy, "cvxpy")
-        start = fast._tree_solve(problem, None, rough=True)[1]  # as fast starts it cold
-        p, _, done = jobs.solve_checked(problem, None, start)
+        start = tree_solver._tree_solve(problem, None, rough=True)[1]  # as fast starts it cold
+        p, _, done = coupled_newton.solve_checked(problem, None, start)
         counts["cold_unconverged"] += not done
         counts["cold_wrong"] += not _right(problem, p, ref.objective)
         # The next tick, from the prices fast found for this one.
         now = replace(fleet, cap_w=ref.caps_w)
         problem2 = build_problem(now, policy)
-        warm = fast._usable_warm(problem2, allocate_arrays(fleet, policy, "fast").prices)
-        p2, _, _ = jobs.solve_checked(problem2, warm, None)
+        warm = tree_solver._usable_warm(problem2, allocate_arrays(fleet, policy, "fast").prices)
+        p2, _, _ = coupled_newton.solve_checked(problem2, warm, None)
         ref2 = allocate_arrays(now, policy, "cvxpy")
         counts["warm_wrong"] += not _right(problem2, p2, ref2.objective)
         if (seed - first + 1) % 250 == 0:

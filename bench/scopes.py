@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from powerd.allocator import allocate_arrays, build_problem
-from powerd.allocator.model import objective
+from powerd.allocator.problem import objective
 from powerd.allocator.scopes import DemandCurve, UpperTree, demand_curve, split_budgets
 from powerd.policy import Policy
 from powerd.testing.synthetic import make_policy, random_fleet, scope_fleet

@@ -35,7 +35,7 @@ from powerd.controller.why import (
     tightest_groups,
     why_frame,
 )
-from powerd.safety import FleetLayout, SafetyPlanner
+from powerd.safety import GpuLayout, SafetyPlanner
 from powerd.testing.synthetic import Drift, make_policy, random_fleet
 
 GPUS_PER_ROW = 8 * 8 * 16
@@ -53,7 +53,7 @@ class Ticks:
         self.drift = Drift.start(self.fleet, seed=seed)
         topo = self.fleet.topology
         self.nodes = [topo.names[g] for g in topo.gpu_groups[:, -1].tolist()]
-        layout = FleetLayout.build(
+        layout = GpuLayout.build(
             self.policy, self.fleet.uuids, self.nodes, self.fleet.min_cap_w, self.fleet.max_cap_w
         )
         self.planner = SafetyPlanner(self.policy, layout)
@@ -123,7 +123,7 @@ class Ticks:
 
 
 class _Arrays:
-    """The two FleetArrays fields a frame reads besides the Fleet's (nodes, sample ages)."""
+    """The two FleetArrays fields a frame reads besides the GpuArrays' (nodes, sample ages)."""
 
     def __init__(self, nodes: list[str], age_s: np.ndarray, cap_w: np.ndarray) -> None:
         self.nodes = nodes

@@ -39,7 +39,7 @@ import numpy as np
 import scipy.sparse as sp
 import yaml
 
-from powerd.allocator import ClassTable, Fleet, Tree, allocate_arrays
+from powerd.allocator import ClassTable, GpuArrays, Tree, allocate_arrays
 from powerd.policy import Policy, parse_policy
 from powerd.profilefit import Fit, fit, read_sweeps, to_yaml
 from powerd.testing.synthetic import policy_dict
@@ -56,7 +56,7 @@ class Site:
     name: str
     fits: list[Fit]
     policy: dict[str, Policy]  # by leftover setting
-    fleet: Fleet
+    fleet: GpuArrays
     measured: list[tuple[np.ndarray, np.ndarray]]  # per class: power, relative throughput
 
 
@@ -85,7 +85,7 @@ def build_site(path: Path, rows: int, seed: int) -> Site:
     gpu_nodes = [n for n in nodes for _ in range(GPUS)]
     topology = Topology.build(policy, gpu_nodes)
     n = len(gpu_nodes)
-    fleet = Fleet(
+    fleet = GpuArrays(
         uuids=tuple(f"GPU-{i:05d}" for i in range(n)),
         topology=topology,
         min_cap_w=np.full(n, lo),
@@ -174,7 +174,7 @@ def steer(site: Site, leftover: str, budget_w: np.ndarray) -> tuple[np.ndarray, 
         )
         moved = float(np.max(np.abs(alloc.caps_w - fleet.cap_w)))
         # Training at full speed draws its cap: every GPU wants its maximum.
-        fleet = Fleet(**{**fleet.__dict__, "cap_w": alloc.caps_w, "power_w": alloc.caps_w})
+        fleet = GpuArrays(**{**fleet.__dict__, "cap_w": alloc.caps_w, "power_w": alloc.caps_w})
         if moved < 1e-3:
             break
     assert alloc is not None

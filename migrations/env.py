@@ -13,7 +13,7 @@ from alembic import context
 from sqlalchemy import Connection
 
 from powerd.store.db import DEFAULT_URL, make_engine, normalize_url
-from powerd.store.models import Base
+from powerd.store.tables import Base
 
 config = context.config
 target_metadata = Base.metadata

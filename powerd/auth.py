@@ -29,7 +29,7 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
-from powerd.errors import InputError
+from powerd.input_errors import InputError
 
 TOKEN_PREFIX = "pwd_"  # recognisable in logs and by secret scanners
 MIN_SECRET_LEN = 32

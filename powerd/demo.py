@@ -22,7 +22,7 @@ import numpy as np
 
 from powerd.agent.agent import Agent
 from powerd.agent.settings import AgentSettings
-from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
+from powerd.backends.mock import MockBackend, SimulatedGpus, Workload
 from powerd.clock import Clock, SystemClock
 from powerd.controller.build import ControllerOptions, build_controller
 from powerd.controller.controller import Controller
@@ -290,7 +290,7 @@ async def run_demo(
     counts = [groups[n].gpus for n in node_names]
     tick_s = policy.control.tick_s
     per_gpu = [workload_mix(policy, k, tick_s) for k, c in enumerate(counts) for _ in range(c)]
-    model = GpuFleetModel(
+    model = SimulatedGpus(
         len(per_gpu), per_gpu, seed=seed, start_s=clock.monotonic(), uuid_prefix="GPU-demo"
     )
 

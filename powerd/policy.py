@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from powerd.errors import InputError, parse_yaml, read_text, validation_problems
+from powerd.input_errors import InputError, parse_yaml, read_text, validation_problems
 from powerd.profile import Profile, ProfileError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")

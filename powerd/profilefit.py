@@ -24,7 +24,7 @@ import numpy as np
 import yaml
 
 from powerd.argtypes import positive_float
-from powerd.errors import InputError
+from powerd.input_errors import InputError
 from powerd.profile import FloatArray, Profile, ProfileError, concave_envelope
 
 # Two distinct power limits are the least that says how throughput moves with power.

@@ -42,7 +42,7 @@ _SOURCES = ("status", "telemetry", "ack")
 
 
 @dataclass(frozen=True)
-class FleetLayout:
+class GpuLayout:
     """The GPUs the planner steers, in the topology's GPU order."""
 
     topology: Topology
@@ -60,7 +60,7 @@ class FleetLayout:
         nodes: Sequence[str],
         min_cap_w: Sequence[float] | FloatArray,
         max_cap_w: Sequence[float] | FloatArray,
-    ) -> FleetLayout:
+    ) -> GpuLayout:
         n = len(uuids)
         lo = np.asarray(min_cap_w, dtype=np.float64)
         hi = np.asarray(max_cap_w, dtype=np.float64)
@@ -155,7 +155,7 @@ class SafetyPlanner:
     status as it arrives, and call `plan` once per tick with strictly increasing ticks.
     """
 
-    def __init__(self, policy: Policy, layout: FleetLayout | None = None) -> None:
+    def __init__(self, policy: Policy, layout: GpuLayout | None = None) -> None:
         self.policy = policy
         self._events: list[SafetyEvent] = []
         self._last_tick = -1
@@ -166,7 +166,7 @@ class SafetyPlanner:
     # ---- layout -------------------------------------------------------------------------
 
     def _set_empty(self) -> None:
-        self.layout: FleetLayout | None = None
+        self.layout: GpuLayout | None = None
         self._index: dict[str, int] = {}
         self._node_names: list[str] = []
         self._node_index: dict[str, int] = {}
@@ -182,7 +182,7 @@ class SafetyPlanner:
         self._node_bounds: list[int] = [0]
         self._clear_queue()
 
-    def set_layout(self, layout: FleetLayout) -> None:
+    def set_layout(self, layout: GpuLayout) -> None:
         """Adopt a new GPU set; what is known about GPUs that stay (same uuid, same node) stays."""
         old = self.layout
         if old is not None:
@@ -264,7 +264,7 @@ class SafetyPlanner:
             self._pend_lo,
         )
 
-    def _require_layout(self) -> FleetLayout:
+    def _require_layout(self) -> GpuLayout:
         if self.layout is None:
             raise RuntimeError("SafetyPlanner.set_layout must be called before planning")
         return self.layout
@@ -558,7 +558,7 @@ class SafetyPlanner:
 
     def _alarm_above(
         self,
-        layout: FleetLayout,
+        layout: GpuLayout,
         rows: NDArray[np.int64],
         *,
         gpu: NDArray[np.int64],

@@ -12,7 +12,7 @@ import yaml
 from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
-from powerd.errors import InputError, validation_problems
+from powerd.input_errors import InputError, validation_problems
 from powerd.transport.mqtt import MqttConfig
 from powerd.wire import DEFAULT_PREFIX
 

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from powerd.errors import InputError, validation_problems
+from powerd.input_errors import InputError, validation_problems
 from powerd.policy import Policy
 
 Watts = Annotated[float, Field(ge=0, allow_inf_nan=False)]

@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 
 from powerd.agent import Agent, AgentSettings, SettingsError, build_backend
 from powerd.backends.base import NoPermission
-from powerd.backends.mock import GpuFleetModel, MockBackend, Pattern, Workload
+from powerd.backends.mock import MockBackend, Pattern, SimulatedGpus, Workload
 from powerd.testing.mosquitto import LocalMosquitto
 from powerd.transport import ConnectionState, MqttConfig, MqttTransport
 from powerd.wire import (
@@ -39,7 +39,7 @@ class Harness:
     """One agent on 4 mock GPUs, and a controller-side client that sends and listens."""
 
     def __init__(
-        self, agent: Agent, fleet: GpuFleetModel, backend: MockBackend, clock: Any, eventually: Any
+        self, agent: Agent, fleet: SimulatedGpus, backend: MockBackend, clock: Any, eventually: Any
     ):
         self.eventually = eventually
         self.agent = agent
@@ -132,7 +132,7 @@ async def start_agent(
     running: list[tuple[asyncio.Event, asyncio.Task[None], asyncio.Task[None], Harness]] = []
 
     async def start(
-        prepare: Callable[[GpuFleetModel], None] | None = None, **overrides: Any
+        prepare: Callable[[SimulatedGpus], None] | None = None, **overrides: Any
     ) -> Harness:
         defaults: dict[str, Any] = {
             "node_id": NODE,
@@ -143,7 +143,7 @@ async def start_agent(
             "reconnect_max_s": 0.3,
         }
         settings = AgentSettings(**{**defaults, **overrides})
-        fleet = GpuFleetModel(
+        fleet = SimulatedGpus(
             4, Workload.steady(650.0), start_s=stepped_clock.monotonic(), uuid_prefix="GPU-t"
         )
         if prepare is not None:
@@ -233,7 +233,7 @@ async def test_unknown_gpu_gets_an_error_in_the_ack(start_agent: StartAgent) -> 
 
 
 async def test_device_faults_are_reported_per_gpu(start_agent: StartAgent) -> None:
-    def faults(fleet: GpuFleetModel) -> None:
+    def faults(fleet: SimulatedGpus) -> None:
         fleet.override(0, 450.0)
         fleet.fail_set(1, NoPermission)
 

@@ -17,7 +17,7 @@ import pytest
 
 from powerd.agent import Agent, AgentSettings, SettingsError
 from powerd.agent.perf import PerfConfig, PerfSource, parse_file, parse_prometheus
-from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
+from powerd.backends.mock import MockBackend, SimulatedGpus, Workload
 from powerd.clock import ManualClock
 from powerd.transport import MemoryBroker
 
@@ -230,7 +230,7 @@ async def test_the_agent_sends_the_sources_perf_and_its_loop_never_waits_on_it(
     exporter: Exporter,
 ) -> None:
     clock = ManualClock()
-    model = GpuFleetModel(2, [Workload.steady(level_w=400.0)] * 2, seed=1, uuid_prefix="GPU-p")
+    model = SimulatedGpus(2, [Workload.steady(level_w=400.0)] * 2, seed=1, uuid_prefix="GPU-p")
     broker = MemoryBroker()
     settings = AgentSettings(node_id="n1", backend="mock", period_s=1.0)
     agent = Agent(settings, MockBackend(model, clock, 0, 2), broker.client("a"), clock)

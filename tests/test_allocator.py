@@ -16,7 +16,7 @@ from powerd.allocator import (
     OPTIMAL,
     SOLVERS,
     Allocation,
-    Fleet,
+    GpuArrays,
     allocate_arrays,
     build_problem,
 )
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.plain_python
 @dataclass(frozen=True)
 class Case:
     policy: Policy
-    fleet: Fleet
+    fleet: GpuArrays
 
 
 fraction = st.floats(0.75, 1.0).map(lambda f: round(f, 3))
@@ -72,7 +72,7 @@ def cases(
     return Case(policy, fleet)
 
 
-def excess_w(fleet: Fleet, caps_w: np.ndarray) -> float:
+def excess_w(fleet: GpuArrays, caps_w: np.ndarray) -> float:
     topo = fleet.topology
     return float(np.max(topo.group_sums(caps_w) + topo.overhead_w - topo.budget_w))
 
@@ -133,7 +133,7 @@ def test_more_budget_never_lowers_the_objective(case: Case, factor: float, pick:
         assert after.objective >= before.objective - 1e-9 * abs(before.objective)
 
 
-def permuted(fleet: Fleet, order: np.ndarray) -> Fleet:
+def permuted(fleet: GpuArrays, order: np.ndarray) -> GpuArrays:
     t = fleet.topology
     topo = Topology(
         names=t.names,

@@ -1,4 +1,4 @@
-"""Inputs found by attacking the fast solver (tree solver, active set, jobs.py fallback):
+"""Inputs found by attacking the fast solver (tree solver, active set, coupled_newton.py fallback):
 each was a fault, or is one still (xfail, strict, with the reason)."""
 
 from __future__ import annotations
@@ -9,8 +9,16 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from powerd.allocator import Allocation, Fleet, Tree, allocate_arrays, build_problem, fast, jobs
-from powerd.allocator.model import FloatArray, Problem, objective, repair
+from powerd.allocator import (
+    Allocation,
+    GpuArrays,
+    Tree,
+    allocate_arrays,
+    build_problem,
+    coupled_newton,
+    tree_solver,
+)
+from powerd.allocator.problem import FloatArray, Problem, objective, repair
 from powerd.policy import Policy, parse_policy
 from powerd.testing.synthetic import (
     make_policy,
@@ -22,7 +30,7 @@ from powerd.testing.synthetic import (
 from powerd.topology import Topology
 
 
-def agree(policy: Policy, fleet: Fleet, warm: Allocation | None = None) -> None:
+def agree(policy: Policy, fleet: GpuArrays, warm: Allocation | None = None) -> None:
     """fast (warm-started) lands on cvxpy's optimum and breaks no budget."""
     fast = allocate_arrays(fleet, policy, "fast", warm=warm)
     ref = allocate_arrays(fleet, policy, "cvxpy")
@@ -36,12 +44,12 @@ def agree(policy: Policy, fleet: Fleet, warm: Allocation | None = None) -> None:
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("bad", [1e300, np.nan])
 def test_absurd_warm_prices_with_coupled_jobs(seed: int, bad: float) -> None:
-    """Scattered jobs under binding rack budgets take the jobs.py path, which started from
+    """Scattered jobs under binding rack budgets take the coupled_newton.py path, which started from
     the warm prices as given: one price of 1e300 (a corrupt or foreign warm start) left
     every job at its lower bound (objective 14.3 against 22.3, gap 4.5e300). fast now clips
     warm prices into [0, the price past which every GPU sits at its lower bound], and drops
-    a warm start that is not finite (NaN held before too, jobs.py then starting from 0: now
-    it starts from the tree solver's prices)."""
+    a warm start that is not finite (NaN held before too, coupled_newton.py then starting from 0:
+    now it starts from the tree solver's prices)."""
     policy = make_policy(1, 2, 2, 4, fractions=(1.0, 1.0, 0.8, 0.9), damping=0.01)
     fleet = random_fleet(policy, seed, limited_share=0.9)
     fleet = with_jobs(fleet, seed, share=1.0, sizes=(2, 3), scattered=1.0)
@@ -53,7 +61,7 @@ def test_absurd_warm_prices_with_coupled_jobs(seed: int, bad: float) -> None:
     agree(policy, now, replace(last, prices=prices))
 
 
-def _stalled_site() -> tuple[Policy, Fleet, Allocation]:
+def _stalled_site() -> tuple[Policy, GpuArrays, Allocation]:
     """9 GPUs (one per node), two scattered jobs, damping 1, slew 150 W, leftover max, at
     the caps of the last tick with its prices (found by a random search)."""
     data = policy_dict(1, 3, 3, 1, fractions=(1.0, 0.9, 0.75, 0.6), damping=1.0, slew_w=150.0)
@@ -62,7 +70,7 @@ def _stalled_site() -> tuple[Policy, Fleet, Allocation]:
     nodes = [g.name for g in policy.groups if g.level == 3 for _ in range(g.gpus or 0)]
     hi_c, lo_c = 372.49999756957436, 215.375002430423
     cap = np.array([hi_c, lo_c, lo_c, lo_c, lo_c, hi_c, hi_c, 200.0, hi_c])
-    fleet = Fleet(
+    fleet = GpuArrays(
         uuids=tuple(f"GPU-{i}" for i in range(9)),
         topology=Topology.build(policy, nodes),
         min_cap_w=np.array([200.0, 200, 150, 200, 200, 200, 200, 200, 200]),
@@ -90,22 +98,22 @@ def test_stalled_site_cold() -> None:
 
 
 def test_stalled_site_warm_reaches_the_optimum() -> None:
-    """jobs.py stalled here: rack-3 is met by units all at their bounds with 5e-9 kW slack,
-    and _Dual.step moved only that 'flat' group (by its scaled gradient, 3e-9); D's fall
+    """coupled_newton.py stalled here: rack-3 is met by units all at their bounds with 5e-9 kW
+    slack, and _Dual.step moved only that 'flat' group (by its scaled gradient, 3e-9); D's fall
     along it was below rounding, the search could not stretch it, and row-1 never got its
     Newton step (gap 3 %: 21.668 against cvxpy's 21.864; the reference answered on a site
     this small). Flat groups now move by their scaled gradient alongside Newton's step on
-    the others: jobs.py reaches the optimum on its own (its last 5 µW of complementarity
+    the others: coupled_newton.py reaches the optimum on its own (its last 5 µW of complementarity
     lie below D's rounding, so it may still call itself unconverged, and fast then asks
     the reference on a site this small)."""
     policy, fleet, warm = _stalled_site()
     problem = build_problem(fleet, policy)
     assert warm.prices is not None
-    p, prices, _ = jobs.solve_checked(problem, warm.prices, None)
+    p, prices, _ = coupled_newton.solve_checked(problem, warm.prices, None)
     ref = allocate_arrays(fleet, policy, "cvxpy")
     caps = repair(problem, p)
     assert abs(objective(problem, caps) - ref.objective) <= 1e-6 * abs(ref.objective)
-    assert jobs.gap(problem, caps, prices) <= 1e-6
+    assert coupled_newton.gap(problem, caps, prices) <= 1e-6
     agree(policy, fleet, warm)
 
 
@@ -173,7 +181,7 @@ def test_group_barely_over_its_budget_is_filled(over_w: float) -> None:
     nodes = [g.name for g in policy.groups if g.level == 3 for _ in range(g.gpus or 0)]
     topo = Topology.build(policy, nodes)
     cap = np.array([307.003549777038, 689.742880659865])
-    fleet = Fleet(
+    fleet = GpuArrays(
         uuids=("g0", "g1"), topology=topo,
         min_cap_w=np.full(2, 200.0), max_cap_w=np.full(2, 700.0),
         power_w=cap * 0.99, cap_w=cap,
@@ -187,13 +195,13 @@ def test_group_barely_over_its_budget_is_filled(over_w: float) -> None:
     assert -1e-6 <= unused_w <= 0.01  # the node's budget filled to within 10 mW
 
 
-def _jobs_alone(policy: Policy, fleet: Fleet) -> tuple[Problem, FloatArray, FloatArray, bool]:
-    """jobs.py on its own (no reference to fall back on), started as fast starts it cold:
+def _jobs_alone(policy: Policy, fleet: GpuArrays) -> tuple[Problem, FloatArray, FloatArray, bool]:
+    """coupled_newton.py on its own (no reference to fall back on), started as fast starts it cold:
     the problem, the repaired caps, the prices, and whether it converged."""
     problem = build_problem(fleet, policy)
     assert problem.jobs is not None
-    start = fast._tree_solve(problem, None, rough=True)[1]
-    p, prices, done = jobs.solve_checked(problem, None, start)
+    start = tree_solver._tree_solve(problem, None, rough=True)[1]
+    p, prices, done = coupled_newton.solve_checked(problem, None, start)
     return problem, repair(problem, p), prices, done
 
 
@@ -201,11 +209,11 @@ def _jobs_alone(policy: Policy, fleet: Fleet) -> tuple[Problem, FloatArray, Floa
 def test_newton_by_conjugate_gradients_reaches_the_optimum(
     seed: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where many groups bind (tight node or rack budgets at scale) jobs.py solves its Newton
-    system by conjugate gradients on H applied without building it (a sparse factorisation
+    """Where many groups bind (tight node or rack budgets at scale) coupled_newton.py solves its
+    Newton system by conjugate gradients on H applied without building it (a sparse factorisation
     took 140 ms a step at 100k GPUs, a bad start 10 s a solve). Forced on small coupled
     sites, it lands on cvxpy's optimum as the dense solve does."""
-    monkeypatch.setattr(jobs, "DENSE_MAX", 0)
+    monkeypatch.setattr(coupled_newton, "DENSE_MAX", 0)
     policy = make_policy(2, 2, 3, 4, fractions=(1.0, 0.9, 0.8, 0.7), damping=0.01)
     fleet = random_fleet(policy, seed, limited_share=0.5)
     fleet = with_jobs(fleet, seed, share=0.8, sizes=(2, 3, 4, 8), scattered=0.5)
@@ -213,7 +221,7 @@ def test_newton_by_conjugate_gradients_reaches_the_optimum(
     ref = allocate_arrays(fleet, policy, "cvxpy")
     assert done
     assert abs(objective(problem, caps) - ref.objective) <= 1e-6 * abs(ref.objective)
-    assert jobs.gap(problem, caps, prices) <= 1e-6
+    assert coupled_newton.gap(problem, caps, prices) <= 1e-6
 
 
 @pytest.mark.parametrize("seed", [33, 165, 262, 316])
@@ -224,17 +232,17 @@ def test_arc_that_bends_on_is_cut_short_by_a_jump(
     along one step: followed bend by bend (64 at most, a pass each) a search spent most of
     the solve's 400 passes and the caps ended 3.0 % short of cvxpy's. After MAX_BENDS the
     search jumps to the projected minimum of the ray from the last bend (1.8 % short there).
-    With a jump after the first bend (these sites bend on), jobs.py still lands on cvxpy's
+    With a jump after the first bend (these sites bend on), coupled_newton.py still lands on cvxpy's
     optimum."""
-    monkeypatch.setattr(jobs, "MAX_BENDS", 1)
+    monkeypatch.setattr(coupled_newton, "MAX_BENDS", 1)
     tried = []
-    prox_value = jobs._prox_value
+    prox_value = coupled_newton._prox_value
 
     def counted(*args: object) -> float:
         tried.append(1)
         return prox_value(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(jobs, "_prox_value", counted)
+    monkeypatch.setattr(coupled_newton, "_prox_value", counted)
     policy, fleet = random_job_site(seed)
     problem, caps, _, done = _jobs_alone(policy, fleet)
     assert tried  # the jump was weighed
@@ -245,7 +253,7 @@ def test_arc_that_bends_on_is_cut_short_by_a_jump(
 
 def test_certificate_of_reference_prices_counts_every_budget() -> None:
     """Budgets within rounding of their children's sum (exact-fit, perturbed by 1e-13 to
-    1e-9): jobs.py stalls 2e-8 kW short of complementarity and fast asks the reference,
+    1e-9): coupled_newton.py stalls 2e-8 kW short of complementarity and fast asks the reference,
     whose prices price every budget, the row left out of the exact solvers too. The gap
     was then taken over the budgets the exact solvers hold, dropping the row's price: 6 %
     certified for caps equal to cvxpy's (allocation_inexact raised for nothing). It is

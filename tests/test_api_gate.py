@@ -26,7 +26,7 @@ from structlog.testing import capture_logs
 from support.live_api import LiveApi
 
 from powerd.api.app import LIST_BODY_BYTES, POLICY_BODY_BYTES, create_coordinator_app
-from powerd.api.models import ClassAssignIn, JobIn
+from powerd.api.bodies import ClassAssignIn, JobIn
 from powerd.api.server import ApiServer
 from powerd.auth import TokenStore, new_token_entry
 from powerd.controller.overrides import MAX_JOB_GPUS, MAX_JOB_NODES, MAX_PROFILE_POINTS

@@ -27,7 +27,7 @@ from support.leases import until_lapsed
 
 from powerd.agent.agent import Agent
 from powerd.agent.settings import AgentSettings
-from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
+from powerd.backends.mock import MockBackend, SimulatedGpus, Workload
 from powerd.clock import ManualClock
 from powerd.controller.build import ControllerOptions, build_controller
 from powerd.controller.controller import Controller
@@ -72,7 +72,7 @@ OTHER_SITE = Authority(site="elsewhere", store="store-a", domain="lab")
 class Node:
     agent: Agent
     clock: ManualClock
-    fleet: GpuFleetModel
+    fleet: SimulatedGpus
 
     async def command(
         self,
@@ -113,7 +113,7 @@ def make_node(state_dir: Path | None = None, site: str | None = None) -> Node:
     settings = AgentSettings(
         node_id=NODE, backend="mock", period_s=1.0, failsafe_w=400.0, state_dir=state_dir, site=site
     )
-    fleet = GpuFleetModel(2, Workload.steady(650.0), start_s=clock.monotonic(), uuid_prefix="G")
+    fleet = SimulatedGpus(2, Workload.steady(650.0), start_s=clock.monotonic(), uuid_prefix="G")
     agent = Agent(settings, MockBackend(fleet, clock), MemoryBroker().client(), clock)
     return Node(agent, clock, fleet)
 
@@ -675,16 +675,16 @@ def test_a_coordinator_names_a_scope_controller_that_overlaps_its_scopes(tmp_pat
     racks reported to it and was dropped as `unknown_scope`, unnamed. Now it is named."""
     from typing import cast
 
-    from powerd.coordinator.engine import CoordinatorEngine
     from powerd.coordinator.main import Coordinator
+    from powerd.coordinator.split import BudgetSplitter
     from powerd.wire import ScopeReport
 
     data = policy_dict()
     policy = parse_policy(data)
-    engine = CoordinatorEngine(policy, scope_level="rack")
-    assert set(engine.scopes) == {"r1", "r2"}
+    splitter = BudgetSplitter(policy, scope_level="rack")
+    assert set(splitter.scopes) == {"r1", "r2"}
     coord = Coordinator(
-        engine,
+        splitter,
         cast(Any, None),
         cast(Any, None),
         coordinator_id="coord",

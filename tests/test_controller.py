@@ -18,7 +18,7 @@ from support.clock import SteppedClock
 
 from powerd.agent.agent import Agent
 from powerd.agent.settings import AgentSettings
-from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
+from powerd.backends.mock import MockBackend, SimulatedGpus, Workload
 from powerd.controller.build import ControllerOptions, build_controller
 from powerd.controller.controller import Controller
 from powerd.controller.overrides import OverrideError
@@ -83,7 +83,7 @@ class Site:
             for k in range(len(nodes))
             for _ in range(GPUS)
         ]
-        self.model = GpuFleetModel(len(workloads), workloads, seed=1, start_s=clock.now)
+        self.model = SimulatedGpus(len(workloads), workloads, seed=1, start_s=clock.now)
         self.agents: dict[str, Agent] = {}
         self.stops: dict[str, asyncio.Event] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
@@ -343,7 +343,7 @@ async def test_bad_messages_are_counted_and_dropped(site: Site) -> None:
 
 async def test_unknown_node_is_never_raised(site: Site, stepped_clock: SteppedClock) -> None:
     ctl = site.start_controller()
-    rogue_model = GpuFleetModel(
+    rogue_model = SimulatedGpus(
         2, Workload.training(), start_s=stepped_clock.now, uuid_prefix="GPU-rogue"
     )
     settings = AgentSettings(node_id="rogue", backend="mock", period_s=TICK, failsafe_w=250)

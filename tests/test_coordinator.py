@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from powerd.controller.overrides import BudgetOverride
 from powerd.controller.scope import ScopeLink
-from powerd.coordinator.engine import CoordinatorEngine
 from powerd.coordinator.main import Coordinator
+from powerd.coordinator.split import BudgetSplitter
 from powerd.policy import Policy, failsafe_budget_w, parse_policy, scoped
 from powerd.testing.synthetic import TRAIN_AND_INFER
 from powerd.wire import ScopeBudget, ScopeReport
@@ -85,9 +85,9 @@ def report(
     )
 
 
-def settled() -> CoordinatorEngine:
+def settled() -> BudgetSplitter:
     """Both racks at 5000 W, confirmed under our epoch (tick 1)."""
-    eng = CoordinatorEngine(site(), "rack")
+    eng = BudgetSplitter(site(), "rack")
     for s in ("rack-1", "rack-2"):
         eng.on_report(report(s, budget_w=5000, committed_w=5000), 0.0, EPOCH)
     eng.step(0.0, 0.0, TICK_S)
@@ -101,7 +101,7 @@ def sent(plan: object) -> dict[str, float | None]:
 
 
 def test_unheard_scopes_get_nothing_and_unconfirmed_ones_only_holds_or_cuts() -> None:
-    eng = CoordinatorEngine(site(), "rack")
+    eng = BudgetSplitter(site(), "rack")
     first = eng.step(0.0, 0.0, TICK_S)
     assert sent(first) == {"rack-1": None, "rack-2": None}
     assert set(first.waiting) == {"rack-1", "rack-2"}
@@ -174,7 +174,7 @@ def test_the_coordinators_state_keeps_an_operators_budget_in_its_stored_form() -
     eng = settled()
     override = BudgetOverride("dc", 6000.0, 2000.0, "grid", "alice", created_at=1.0)
     eng.overrides.set_budget(eng.policy, override.anchored(now_wall=1.0, now_mono=50.0))
-    owner = SimpleNamespace(revision=3, clock=SimpleNamespace(wall=lambda: 10.0), engine=eng)
+    owner = SimpleNamespace(revision=3, clock=SimpleNamespace(wall=lambda: 10.0), splitter=eng)
     state = Coordinator._state(owner)  # type: ignore[arg-type]
     assert [(b.group, b.budget_w, b.expires_at) for b in state.budgets] == [("dc", 6000.0, 2000.0)]
     assert state.revision == 3
@@ -300,7 +300,7 @@ def test_budgets_above_the_scopes_hold_through_late_budgets_acks_and_reports(
     back, what the scopes may draw (their caps, and the budgets in flight to them) never
     exceeds the facility's budget once it has fit under it (a cut, once obeyed, stays
     obeyed), and never rises above what it was when the budget last changed."""
-    eng = CoordinatorEngine(site(), "rack")
+    eng = BudgetSplitter(site(), "rack")
     scopes = [LateScope(f"rack-{k}", 5000.0, draw_w=5000.0) for k in (1, 2)]
     cap = 10_000.0
     fitted = True  # Σ draw has fit the current budget since it last changed

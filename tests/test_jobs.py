@@ -13,8 +13,8 @@ import pytest
 from support.honest import NODES, HonestNode, policy_dict
 
 import powerd.controller.targets as targets_module
-from powerd.allocator import Fleet, allocate
-from powerd.allocator.api import fleet_from_snapshot
+from powerd.allocator import GpuArrays, allocate
+from powerd.allocator.solve import fleet_from_snapshot
 from powerd.controller.jobs import GpuPlaces, JobView
 from powerd.controller.opstate import OperatorState, StateFile, capture, restore
 from powerd.controller.overrides import (
@@ -161,14 +161,14 @@ def test_jobs_round_trip_through_the_state_file(tmp_path: Path) -> None:
 
 
 class Spy:
-    """Records the Fleet each tick hands the allocator (the real allocator still runs)."""
+    """Records the GpuArrays each tick hands the allocator (the real allocator still runs)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.fleets: list[Fleet] = []
+        self.fleets: list[GpuArrays] = []
         self.policies: list[Policy] = []
         real = targets_module.allocate_arrays
 
-        def spy(fleet: Fleet, policy: Policy, *args: Any, **kwargs: Any) -> Any:
+        def spy(fleet: GpuArrays, policy: Policy, *args: Any, **kwargs: Any) -> Any:
             self.fleets.append(fleet)
             self.policies.append(policy)
             return real(fleet, policy, *args, **kwargs)

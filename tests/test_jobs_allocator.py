@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from support.planner import ack_all, simple_fleet, teach
 
-from powerd.allocator import SOLVERS, Fleet, allocate_arrays, build_problem
+from powerd.allocator import SOLVERS, GpuArrays, allocate_arrays, build_problem
 from powerd.policy import Policy
 from powerd.safety import SafetyPlanner
 from powerd.testing.synthetic import make_policy, random_fleet, with_jobs
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.plain_python
 
 
 @st.composite
-def sites_with_jobs(draw: st.DrawFn, exact_fit: bool = False) -> tuple[Policy, Fleet]:
+def sites_with_jobs(draw: st.DrawFn, exact_fit: bool = False) -> tuple[Policy, GpuArrays]:
     shape = (
         draw(st.integers(1, 2)),
         draw(st.integers(1, 3)),
@@ -64,7 +64,7 @@ def sites_with_jobs(draw: st.DrawFn, exact_fit: bool = False) -> tuple[Policy, F
     return policy, fleet
 
 
-def one_cap_per_job(fleet: Fleet, caps_w: np.ndarray, split: tuple[str, ...]) -> None:
+def one_cap_per_job(fleet: GpuArrays, caps_w: np.ndarray, split: tuple[str, ...]) -> None:
     assert fleet.job_index is not None
     for j, name in enumerate(fleet.job_names):
         members = np.flatnonzero(fleet.job_index == j)
@@ -72,7 +72,7 @@ def one_cap_per_job(fleet: Fleet, caps_w: np.ndarray, split: tuple[str, ...]) ->
             assert np.ptp(caps_w[members]) == 0.0, name
 
 
-def budgets_and_bounds(policy: Policy, fleet: Fleet, caps_w: np.ndarray) -> None:
+def budgets_and_bounds(policy: Policy, fleet: GpuArrays, caps_w: np.ndarray) -> None:
     problem = build_problem(fleet, policy)
     topo = fleet.topology
     over = topo.group_sums(caps_w) / 1000.0 - problem.capacity
@@ -85,7 +85,7 @@ def budgets_and_bounds(policy: Policy, fleet: Fleet, caps_w: np.ndarray) -> None
 
 @CASES
 @given(sites_with_jobs())
-def test_fast_agrees_with_cvxpy_with_jobs(site: tuple[Policy, Fleet]) -> None:
+def test_fast_agrees_with_cvxpy_with_jobs(site: tuple[Policy, GpuArrays]) -> None:
     policy, fleet = site
     fast = allocate_arrays(fleet, policy, "fast")
     ref = allocate_arrays(fleet, policy, "cvxpy")
@@ -100,7 +100,7 @@ def test_fast_agrees_with_cvxpy_with_jobs(site: tuple[Policy, Fleet]) -> None:
 
 @CASES
 @given(sites_with_jobs(exact_fit=True))
-def test_budgets_their_childrens_imply_are_left_to_them(site: tuple[Policy, Fleet]) -> None:
+def test_budgets_their_childrens_imply_are_left_to_them(site: tuple[Policy, GpuArrays]) -> None:
     """A budget set to the sum of its children's binds only when they all do, and then
     adds nothing: the exact solvers leave it out (Problem.solver_capacity), so that no
     price can wander between it and them. The answer is cvxpy's (which holds every budget),
@@ -121,11 +121,11 @@ def test_budgets_their_childrens_imply_are_left_to_them(site: tuple[Policy, Flee
 
 @CASES
 @given(sites_with_jobs())
-def test_the_start_relaxes_jobs_to_their_parts_on_each_node(site: tuple[Policy, Fleet]) -> None:
-    """jobs.py's cold start is the tree solver's answer with each job cut into its parts on
-    each node (JobMap.parts), one unit per part: where a job's caps in force are equal (a
+def test_the_start_relaxes_jobs_to_their_parts_on_each_node(site: tuple[Policy, GpuArrays]) -> None:
+    """coupled_newton.py's cold start is the tree solver's answer with each job cut into its parts
+    on each node (JobMap.parts), one unit per part: where a job's caps in force are equal (a
     steered job's are), that is the problem with every member free, in fewer units."""
-    from powerd.allocator import fast, objective
+    from powerd.allocator import objective, tree_solver
 
     policy, fleet = site
     problem = build_problem(fleet, policy)
@@ -146,9 +146,9 @@ def test_the_start_relaxes_jobs_to_their_parts_on_each_node(site: tuple[Policy, 
     steered = replace(fleet, cap_w=jobs.max(fleet.cap_w))
     problem = build_problem(steered, policy)
     assume(problem.jobs is not None)
-    caps, _ = fast._tree_solve(problem, None, rough=True)
+    caps, _ = tree_solver._tree_solve(problem, None, rough=True)
     free = replace(problem, jobs=None)
-    caps_free, _ = fast._tree_solve(free, None, rough=True)
+    caps_free, _ = tree_solver._tree_solve(free, None, rough=True)
     over = problem.tree.sums(caps) - problem.solver_capacity
     assert np.all(over <= np.maximum(1e-9, 1e-7 * np.abs(problem.solver_capacity)))
     a, b = objective(free, caps), objective(free, caps_free)
@@ -158,7 +158,7 @@ def test_the_start_relaxes_jobs_to_their_parts_on_each_node(site: tuple[Policy, 
 @CASES
 @given(sites_with_jobs(), st.sampled_from([s for s in SOLVERS if s != "cvxpy"]))
 def test_every_solver_gives_a_job_one_cap_within_every_budget(
-    site: tuple[Policy, Fleet], solver: str
+    site: tuple[Policy, GpuArrays], solver: str
 ) -> None:
     policy, fleet = site
     alloc = allocate_arrays(fleet, policy, solver)
@@ -167,7 +167,7 @@ def test_every_solver_gives_a_job_one_cap_within_every_budget(
         budgets_and_bounds(policy, fleet, alloc.caps_w)
 
 
-def small_site(job: list[int], **fleet_changes: object) -> tuple[Policy, Fleet]:
+def small_site(job: list[int], **fleet_changes: object) -> tuple[Policy, GpuArrays]:
     policy = make_policy(1, 1, 2, 4, fractions=(1.0, 1.0, 1.0, 0.8))
     fleet = random_fleet(policy, 7, limited_share=1.0)
     fleet = replace(

@@ -8,8 +8,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from powerd.allocator import Tree, allocate_arrays, build_problem, jobs, kernel
-from powerd.allocator.model import TOL_KW, FloatArray, IntArray, objective, repair
+from powerd.allocator import Tree, allocate_arrays, build_problem, coupled_newton, kernel
+from powerd.allocator.problem import TOL_KW, FloatArray, IntArray, objective, repair
 from powerd.testing.synthetic import make_policy, random_fleet, with_jobs
 from powerd.topology import N_LEVELS
 
@@ -139,7 +139,7 @@ def test_job_setup_matches_numpy(seed: int, share: float, scattered: float) -> N
     """The jobs' (group, GPUs) pairs, their parts on each node and the groups one job holds
     alone, compiled, equal what numpy's sorts give (fleets with some GPUs in no job, jobs
     on one node or scattered, jobs renumbered after others were dissolved)."""
-    from powerd.allocator.model import JobMap, _single_job_groups
+    from powerd.allocator.problem import JobMap, _single_job_groups
 
     rng = np.random.default_rng(seed)
     policy = make_policy(2, 3, 4, int(rng.choice([1, 2, 8])))
@@ -205,7 +205,7 @@ def test_budget_cuts_match_numpy_and_hold(seed: int, scale: float) -> None:
 
 
 def test_gap_reuses_the_last_pass_only_at_its_prices() -> None:
-    """jobs.gap takes D from the last pass where the prices are those it was made at (the
+    """coupled_newton.gap takes D from the last pass where the prices are those it was made at (the
     solve's answer) and evaluates D afresh elsewhere: the same certificate either way."""
     policy = make_policy(1, 4, 4, 8, fractions=(0.9, 0.9, 0.9, 0.85))
     fleet = with_jobs(random_fleet(policy, 3), 3, share=0.7, scattered=0.5)
@@ -213,15 +213,15 @@ def test_gap_reuses_the_last_pass_only_at_its_prices() -> None:
     problem = build_problem(fleet, policy)
     assert problem.jobs is not None and alloc.prices is not None
     caps = repair(problem, alloc.caps_w / 1000.0)
-    fresh = jobs.gap(problem, caps, alloc.prices)  # a new problem: no pass made yet
-    dual = jobs._dual_of(problem, problem.jobs)
+    fresh = coupled_newton.gap(problem, caps, alloc.prices)  # a new problem: no pass made yet
+    dual = coupled_newton._dual_of(problem, problem.jobs)
     assert dual.last is not None and np.array_equal(
         dual.last[0], np.where(dual.finite, np.maximum(alloc.prices, 0.0), 0.0)
     )
-    again = jobs.gap(problem, caps, alloc.prices)  # from the stored pass
+    again = coupled_newton.gap(problem, caps, alloc.prices)  # from the stored pass
     assert again == fresh
     other = alloc.prices * 1.5
-    assert jobs.gap(problem, caps, other) >= 0.0
+    assert coupled_newton.gap(problem, caps, other) >= 0.0
     assert dual.last is not None and np.array_equal(
         dual.last[0], np.where(dual.finite, np.maximum(other, 0.0), 0.0)
     )
@@ -231,7 +231,7 @@ def test_gap_reuses_the_last_pass_only_at_its_prices() -> None:
 @EXAMPLES
 @given(st.integers(0, 2**32 - 1), st.floats(0.05, 1.0), st.floats(0.0, 1.0))
 def test_newton_matrix_matches_numpy(seed: int, share: float, inside: float) -> None:
-    """jobs.py's generalised Hessian on a working set: Σ over units inside a segment of
+    """coupled_newton.py's generalised Hessian on a working set: Σ over units inside a segment of
     inv/m · c cᵀ, c a unit's GPUs per group (a job's pairs, a free GPU's path), as numpy
     builds it from each GPU's groups."""
     rng = np.random.default_rng(seed)
@@ -239,7 +239,7 @@ def test_newton_matrix_matches_numpy(seed: int, share: float, inside: float) -> 
     fleet = with_jobs(random_fleet(policy, seed % 1000), seed % 1000, share=0.7, scattered=0.5)
     problem = build_problem(fleet, policy)
     assert problem.jobs is not None
-    dual = jobs._Dual(problem, problem.jobs)
+    dual = coupled_newton._Dual(problem, problem.jobs)
     tree = problem.tree
     partial = rng.random(dual.n_units) < inside
     work = np.flatnonzero(rng.random(tree.n_groups) < share)
@@ -258,7 +258,7 @@ def test_newton_matrix_matches_numpy(seed: int, share: float, inside: float) -> 
 @EXAMPLES
 @given(st.integers(0, 2**32 - 1), st.floats(0.0, 1.2))
 def test_objective_matches_numpy_interpolation(seed: int, top: float) -> None:
-    """model.objective (compiled: kernel.objective_value) is the numpy formula: each class's
+    """problem.objective (compiled: kernel.objective_value) is the numpy formula: each class's
     profile interpolated at min(cap, demand), clamped at the table's ends, plus the linear
     and damping terms."""
     policy = make_policy(1, 2, 3, 4)

@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "powerd.snapshot",
             "powerd.profile",
             "powerd.clock",
-            "powerd.errors",
+            "powerd.input_errors",
             "powerd.numeric",
             "powerd.argtypes",
             "powerd.data",  # the embedded example policy (a file, no code)

@@ -12,7 +12,7 @@ from support.honest import GPUS, NODES, HonestNode, policy_dict
 
 from powerd.allocator import ClassTable, allocate_arrays
 from powerd.allocator.learn import ProfileLearner, bin_points, fit_curve, learner_for
-from powerd.allocator.model import build_problem
+from powerd.allocator.problem import build_problem
 from powerd.controller.tick import TickEngine
 from powerd.policy import Learn, parse_policy
 from powerd.profile import Profile

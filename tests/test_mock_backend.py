@@ -12,16 +12,16 @@ from powerd.backends.base import GpuLost, InvalidArgument, NoPermission, Unknown
 from powerd.backends.mock import (
     IDLE_W,
     CapJournal,
-    GpuFleetModel,
     MockBackend,
     MockGpuSpec,
+    SimulatedGpus,
     Workload,
 )
 from powerd.clock import ManualClock
 
 
-def quiet(n: int, workload: Workload, **kw: float) -> GpuFleetModel:
-    return GpuFleetModel(n, workload, spec=MockGpuSpec(noise_frac=0.0, **kw))
+def quiet(n: int, workload: Workload, **kw: float) -> SimulatedGpus:
+    return SimulatedGpus(n, workload, spec=MockGpuSpec(noise_frac=0.0, **kw))
 
 
 def test_draw_follows_the_cap_through_an_exact_first_order_lag() -> None:
@@ -48,7 +48,7 @@ def test_one_long_step_equals_many_short_ones() -> None:
 
 
 def test_draw_is_min_of_cap_and_demand_and_heats_the_gpu() -> None:
-    f = GpuFleetModel(2, Workload.steady(450.0))
+    f = SimulatedGpus(2, Workload.steady(450.0))
     f.set_cap(0, 300.0)
     f.advance(5.0)
     assert f.power_w[0] == pytest.approx(300.0, rel=0.02)
@@ -86,15 +86,15 @@ def test_training_jobs_swing_together_and_apart() -> None:
 def test_inference_demand_is_deterministic_per_seed() -> None:
     w = Workload.inference(high_w=500.0, low_w=200.0, burst_w=150.0, burst_prob=0.3)
     times = np.arange(0.0, 600.0, 2.0)
-    a = np.array([GpuFleetModel(64, w, seed=7).demand_at(t) for t in times])
-    b = np.array([GpuFleetModel(64, w, seed=7).demand_at(t) for t in times])
-    c = np.array([GpuFleetModel(64, w, seed=8).demand_at(t) for t in times])
+    a = np.array([SimulatedGpus(64, w, seed=7).demand_at(t) for t in times])
+    b = np.array([SimulatedGpus(64, w, seed=7).demand_at(t) for t in times])
+    c = np.array([SimulatedGpus(64, w, seed=8).demand_at(t) for t in times])
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c)
     bursting = a > 200.0 + 1.0  # daily curve is near its low at t ≈ 0
     assert 0.2 < bursting.mean() < 0.4
     # The daily curve peaks half a day in.
-    noon = GpuFleetModel(1, Workload.inference(burst_prob=0.0)).demand_at(43_200.0)[0]
+    noon = SimulatedGpus(1, Workload.inference(burst_prob=0.0)).demand_at(43_200.0)[0]
     assert noon == pytest.approx(550.0)
 
 
@@ -117,7 +117,7 @@ def test_workloads_can_change_at_run_time() -> None:
 
 def test_backend_is_a_lazy_view_on_a_slice_of_the_fleet() -> None:
     clock = ManualClock(start=100.0)
-    fleet = GpuFleetModel(16, Workload.steady(600.0), start_s=100.0, uuid_prefix="GPU-x")
+    fleet = SimulatedGpus(16, Workload.steady(600.0), start_s=100.0, uuid_prefix="GPU-x")
     node = MockBackend(fleet, clock, start=8, count=8)
     gpus = node.gpus()
     assert [g.index for g in gpus] == list(range(8))
@@ -145,7 +145,7 @@ def test_backend_is_a_lazy_view_on_a_slice_of_the_fleet() -> None:
 def test_journal_records_every_change_and_outlives_the_process(tmp_path: Path) -> None:
     journal = tmp_path / "caps.journal"
     clock = ManualClock(start=50.0)
-    node = MockBackend(GpuFleetModel(2, Workload.steady(600.0)), clock, journal=journal)
+    node = MockBackend(SimulatedGpus(2, Workload.steady(600.0)), clock, journal=journal)
     a, b = (g.uuid for g in node.gpus())
     clock.advance(1.0)
     node.set_power_limit_w(a, 300.0)
@@ -165,7 +165,7 @@ def test_journal_records_every_change_and_outlives_the_process(tmp_path: Path) -
     # A new agent process on the same GPUs: the limits are where the last one left them
     # (a driver keeps them), and the journal goes on.
     clock.advance(2.0)
-    again = MockBackend(GpuFleetModel(2, Workload.steady(600.0)), clock, journal=journal)
+    again = MockBackend(SimulatedGpus(2, Workload.steady(600.0)), clock, journal=journal)
     assert [again.read(u).cap_w for u in (a, b)] == [300.0, 450.0]
     assert CapJournal.read(journal)[-2:] == [(53.5, "start", a, 300.0), (53.5, "start", b, 450.0)]
     with journal.open("a") as f:
@@ -188,7 +188,7 @@ def test_agent_settings_name_the_journal(monkeypatch: pytest.MonkeyPatch, tmp_pa
 
 def test_injected_faults() -> None:
     clock = ManualClock()
-    fleet = GpuFleetModel(3, Workload.steady(600.0))
+    fleet = SimulatedGpus(3, Workload.steady(600.0))
     node = MockBackend(fleet, clock)
     a, b, c = (g.uuid for g in node.gpus())
 
@@ -214,8 +214,8 @@ def test_injected_faults() -> None:
 
 def test_rejects_a_fleet_that_cannot_exist() -> None:
     with pytest.raises(ValueError, match="workloads for"):
-        GpuFleetModel(3, [Workload.idle()])
+        SimulatedGpus(3, [Workload.idle()])
     with pytest.raises(ValueError, match="default_cap_w"):
         MockGpuSpec(default_cap_w=800.0)
     with pytest.raises(ValueError, match="not all in a fleet"):
-        MockBackend(GpuFleetModel(4), ManualClock(), start=2, count=4)
+        MockBackend(SimulatedGpus(4), ManualClock(), start=2, count=4)

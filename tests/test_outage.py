@@ -27,7 +27,7 @@ from support.honest import NODES, policy_dict
 
 from powerd.agent.agent import Agent
 from powerd.agent.settings import AgentSettings
-from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
+from powerd.backends.mock import MockBackend, SimulatedGpus, Workload
 from powerd.clock import ManualClock
 from powerd.controller.tick import TickEngine
 from powerd.policy import parse_policy
@@ -56,12 +56,12 @@ class Site:
         self.policy = parse_policy(policy_dict())
         self.clock = ManualClock(start=1000.0)
         self.agents: dict[str, Agent] = {}
-        self.fleets: dict[str, GpuFleetModel] = {}
+        self.fleets: dict[str, SimulatedGpus] = {}
         # (to: "agent", or an engine's index as "0" / "1", message): each engine hears each
         # node message on its own, in its own order, or not at all (QoS 0, a reconnect).
         self.queue: list[tuple[str, Any]] = []
         for k, name in enumerate(NODES):
-            fleet = GpuFleetModel(
+            fleet = SimulatedGpus(
                 4,
                 # Every GPU on its own phase: power moves between GPUs, nodes and racks.
                 [Workload.training(phase_s=1.7 * (4 * k + i), period_s=5.0) for i in range(4)],

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from support.planner import FAILSAFE_W, ack_all, policy_dict, simple_fleet, teach
 
 from powerd.policy import parse_policy
-from powerd.safety import FleetLayout, NodeCommand, SafePlan, SafetyPlanner
+from powerd.safety import GpuLayout, NodeCommand, SafePlan, SafetyPlanner
 from powerd.wire import AckError, GpuAck
 
 TOL = 1e-6
@@ -305,7 +305,7 @@ def test_fleet_change_keeps_what_is_known_about_gpus_that_stay() -> None:
     planner.plan(1, 0.0, np.array([180.0, 250.0]))
     uuids = ("g1-0", "new", "g0-0")
     nodes = ("n1", "n1", "n0")
-    grown = FleetLayout.build(policy, uuids, nodes, np.full(3, 100.0), np.full(3, 400.0))
+    grown = GpuLayout.build(policy, uuids, nodes, np.full(3, 100.0), np.full(3, 400.0))
     planner.set_layout(grown)
     assert planner.committed_w().tolist() == [250.0, 400.0, 200.0]
     plan = planner.plan(2, 0.0, np.array([250.0, 200.0, 180.0]))
@@ -391,7 +391,7 @@ def random_policy(rng: random.Random) -> dict:
     return policy_dict(nodes, budgets=budgets)
 
 
-def fitting(targets: np.ndarray, layout: FleetLayout, budget: np.ndarray) -> np.ndarray:
+def fitting(targets: np.ndarray, layout: GpuLayout, budget: np.ndarray) -> np.ndarray:
     """Targets scaled down (above minimum) until every group fits, as an allocator's would."""
     topo = layout.topology
     out = targets.copy()
@@ -416,7 +416,7 @@ class World:
         uuids = [f"{node}-g{i}" for i, node in enumerate(nodes)]
         lo = np.array([self.rng.choice([100.0, 120.0]) for _ in nodes])
         hi = np.array([self.rng.choice([300.0, 400.0]) for _ in nodes])
-        self.layout = FleetLayout.build(self.policy, uuids, nodes, lo, hi)
+        self.layout = GpuLayout.build(self.policy, uuids, nodes, lo, hi)
         self.topo = self.layout.topology
         self.budget = self.topo.budget_w.copy()
         self.true = self.layout.failsafe_w.copy()  # the caps in force on the devices

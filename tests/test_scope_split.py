@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from support.allocator import policy_for
 
-from powerd.allocator import Fleet, allocate_arrays, build_problem
-from powerd.allocator.model import Problem, objective
+from powerd.allocator import GpuArrays, allocate_arrays, build_problem
+from powerd.allocator.problem import Problem, objective
 from powerd.allocator.scopes import (
     DemandCurve,
     UpperTree,
@@ -32,7 +32,7 @@ EXAMPLES = settings(max_examples=30, deadline=None, suppress_health_check=[Healt
 class Scope:
     name: str
     policy: Policy
-    fleet: Fleet
+    fleet: GpuArrays
     gpus: np.ndarray  # indices in the site's fleet
     root: int  # the scope's group in its own topology
 
@@ -51,7 +51,7 @@ class Scope:
 @dataclass(frozen=True)
 class Site:
     policy: Policy
-    fleet: Fleet
+    fleet: GpuArrays
     upper: UpperTree
     scopes: tuple[Scope, ...]
 
@@ -131,7 +131,7 @@ def gap(site: Site, caps_w: np.ndarray) -> float:
     return (best.objective - value) / max(abs(best.objective), 1.0)
 
 
-def excess_w(fleet: Fleet, caps_w: np.ndarray) -> float:
+def excess_w(fleet: GpuArrays, caps_w: np.ndarray) -> float:
     topo = fleet.topology
     return float(np.max(topo.group_sums(caps_w) + topo.overhead_w - topo.budget_w))
 

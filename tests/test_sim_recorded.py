@@ -20,7 +20,7 @@ from powerd.sim.scenario import parse_scenario
 from powerd.sim.site import build_mix, build_site
 from powerd.sim.traces import TraceError
 from powerd.store import Store, upgrade
-from powerd.store.models import Gpu, GpuMinute
+from powerd.store.tables import Gpu, GpuMinute
 
 T0 = 1_796_000_000 // 60 * 60  # a minute boundary
 

@@ -13,7 +13,7 @@ import pytest
 from test_sim import small_policy
 
 from powerd.allocator import ClassTable
-from powerd.backends.mock import GpuFleetModel, MockGpuSpec
+from powerd.backends.mock import MockGpuSpec, SimulatedGpus
 from powerd.controller.overrides import ScheduledBudget
 from powerd.controller.report import TickReport
 from powerd.controller.tick import TickEngine
@@ -59,7 +59,7 @@ def direct(sc: Scenario, site: Site, mix: Mix, solver: str, *, learn: bool = Fal
     steer before time starts, then each tick a steer one control tick in."""
     policy = engine_policy(site.policy, sc, learn=learn, profiles={}, rates=sc.spec.ramp_w_per_s)
     engine = TickEngine(policy, solver=solver)
-    model = GpuFleetModel(
+    model = SimulatedGpus(
         site.n_gpus,
         list(mix.workloads),
         spec=MockGpuSpec(

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from support.sim import small_policy
 
-from powerd.backends.mock import GpuFleetModel
+from powerd.backends.mock import SimulatedGpus
 from powerd.policy import parse_policy
 from powerd.sim.run import STATIC, simulate
 from powerd.sim.scenario import ScenarioError, parse_scenario
@@ -54,7 +54,7 @@ def test_each_gpu_replays_a_recorded_one_and_nodes_are_out_of_step(tmp_path: Pat
     }
     serving = np.flatnonzero(mix.workload_index == 0)
     assert {w.pattern.value for w in mix.workloads} == {"trace"}
-    model = GpuFleetModel(len(mix.workloads), list(mix.workloads))
+    model = SimulatedGpus(len(mix.workloads), list(mix.workloads))
     times = np.arange(0.0, 900.0, 2.0)
     demand = np.array([model.demand_at(t) for t in times])
     assert demand[:, serving].mean() == pytest.approx(recorded["serve.csv"], rel=0.05)

@@ -37,9 +37,9 @@ from powerd.store import (
 )
 from powerd.store.aggregate import MinuteAggregator
 from powerd.store.db import make_engine, migrations_dir, normalize_url
-from powerd.store.models import Base, PolicyVersion
-from powerd.store.models import OperatorState as OperatorStateRow
 from powerd.store.store import KEEP_OPERATOR_STATES, Batch
+from powerd.store.tables import Base, PolicyVersion
+from powerd.store.tables import OperatorState as OperatorStateRow
 
 T0 = 1_700_000_040.0  # the start of a minute (divisible by 60)
 assert T0 % 60 == 0

@@ -23,7 +23,7 @@ from support.live_api import GPUS_PER_NODE, NODES, LiveApi, wait_until
 
 from powerd.alarms import Alarms, Severity
 from powerd.backends.base import NoPermission
-from powerd.backends.mock import GpuFleetModel
+from powerd.backends.mock import SimulatedGpus
 from powerd.controller.tick import TickEngine
 from powerd.policy import parse_policy
 from powerd.testing.mosquitto import LocalMosquitto
@@ -174,7 +174,7 @@ def test_limits_powerd_did_not_set_are_alarmed_and_cleared(site: LiveApi) -> Non
 
 
 def test_a_gpu_back_from_a_reset_gets_its_cap_again_and_is_reported(site: LiveApi) -> None:
-    model: GpuFleetModel | None = site.model
+    model: SimulatedGpus | None = site.model
     assert model is not None
     uuids = model.uuids
     k = 4

@@ -665,9 +665,9 @@ def build_backend(settings: AgentSettings, clock: Clock) -> GpuBackend:
         from powerd.backends.nvml import NvmlBackend
 
         return NvmlBackend(clock)
-    from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
+    from powerd.backends.mock import MockBackend, SimulatedGpus, Workload
 
-    fleet = GpuFleetModel(
+    fleet = SimulatedGpus(
         settings.mock_gpus,
         Workload.of(settings.mock_workload),
         seed=settings.mock_seed,

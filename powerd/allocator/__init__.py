@@ -1,30 +1,30 @@
 """The allocator: a fleet snapshot and a policy in, one power cap per GPU out.
 
-`allocate` takes a Snapshot; `allocate_arrays` takes per-GPU arrays (`Fleet`) for hot loops.
+`allocate` takes a Snapshot; `allocate_arrays` takes per-GPU arrays (`GpuArrays`) for hot loops.
 Solvers: `fast` (exact, exploits the tree of budgets), `cvxpy` (the reference formulation),
 and the baselines `uniform` and `priority-bands`. See docs/allocator.md.
 """
 
-from powerd.allocator.api import (
-    SOLVERS,
-    allocate,
-    allocate_arrays,
-    fleet_from_snapshot,
-    group_values,
-)
-from powerd.allocator.model import (
+from powerd.allocator.problem import (
     FLOORS_DROPPED,
     INFEASIBLE_MIN,
     OPTIMAL,
     Allocation,
     ClassTable,
-    Fleet,
+    GpuArrays,
     Problem,
     SolverFailed,
     Tree,
     build_problem,
     class_names,
     objective,
+)
+from powerd.allocator.solve import (
+    SOLVERS,
+    allocate,
+    allocate_arrays,
+    fleet_from_snapshot,
+    group_values,
 )
 
 __all__ = [
@@ -34,7 +34,7 @@ __all__ = [
     "SOLVERS",
     "Allocation",
     "ClassTable",
-    "Fleet",
+    "GpuArrays",
     "Problem",
     "SolverFailed",
     "Tree",

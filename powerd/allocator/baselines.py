@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from powerd.allocator.model import FloatArray, Problem
+from powerd.allocator.problem import FloatArray, Problem
 from powerd.topology import N_LEVELS
 
 # Bisection on the common cap stops at this width (kW): far below a watt.

@@ -6,7 +6,7 @@ scaled price u (kW, u = λ / 2ε) it takes
 
     p_i(u) = lo_i + Σ_k clip(a_ik − u, 0, len_ik)
 
-(fast.py derives the segments). For a group g, let M_i be the highest price at which a group
+(tree_solver.py derives the segments). For a group g, let M_i be the highest price at which a group
 strictly between unit i and g binds (0 if none). Below M_i that group holds its GPUs at its
 budget, so g sees F_g(u) = Σ_i m_i p_i(max(u, M_i)) over the units under it: continuous,
 non-increasing, piecewise linear. g's own price U_g is 0 if F_g(0) fits its capacity, else
@@ -18,10 +18,10 @@ Each root is exact. Groups of up to KINKS_UP_TO units are solved from their kink
 (`_root_kinks`, quickselect on F's breakpoints); larger ones by false position inside a
 shrinking bracket, at the median of a sample of the kinks still inside it where a step did
 not halve the residual (`_root`). A group's first look is at `guess` (last tick's U, or
-where the caps in force put it). The caller decides which groups are held (fast.py's
+where the caps in force put it). The caller decides which groups are held (tree_solver.py's
 active set).
 
-`unit_dual`, `incidence_hessian` and `ray_minimum` are jobs.py's pass over its units, its
+`unit_dual`, `incidence_hessian` and `ray_minimum` are coupled_newton.py's pass over its units, its
 Newton system and its line search.
 
 numba compiles these functions on first use and caches the machine code next to this file
@@ -37,7 +37,7 @@ import numba
 import numpy as np
 from numpy.typing import NDArray
 
-from powerd.allocator.model import work_arrays
+from powerd.allocator.problem import work_arrays
 
 FloatArray = NDArray[np.float64]
 IntArray = NDArray[np.int64]
@@ -100,7 +100,7 @@ def _segment_row(
     delta: float,
     inv: float,
 ) -> None:
-    """Row j of a and len for one unit of class c (model._segments, in closed form): its
+    """Row j of a and len for one unit of class c (problem._segments, in closed form): its
     profile's pieces cut to [lo, flat], then [flat, hi] flat."""
     n_knots = knots.shape[1]
     start = lo
@@ -505,7 +505,7 @@ _Views = tuple[
 def _views(
     n: int, n_groups: int, n_k: int, work_i: IntArray, work_f: FloatArray, work_k: FloatArray
 ) -> _Views:
-    """The prepared units' arrays, as views into the workspace (model.work_arrays; rows 2
+    """The prepared units' arrays, as views into the workspace (problem.work_arrays; rows 2
     and 3 of work_f are solve_groups' floors and caps)."""
     base = n_groups + 1 + n
     return (
@@ -700,7 +700,7 @@ def ray_minimum(
     partial0: BoolArray,
     curv: float = 0.0,
 ) -> float:
-    """The step α in [0, alpha_max] that minimises jobs.py's dual along a ray μ + αd: the
+    """The step α in [0, alpha_max] that minimises coupled_newton.py's dual along a ray μ + αd: the
     root of its slope g, continuous, non-decreasing and piecewise linear in α (a unit at
     mean price λ_u moving at rate e_u answers x_u(λ_u + α e_u); g0 = d·∇D(μ)). Newton
     steps inside a shrinking bracket, false position (Illinois) where one would leave it,
@@ -879,7 +879,7 @@ def unit_dual(
     eps: float,
     inv: float,
 ) -> tuple[FloatArray, FloatArray, BoolArray, float, FloatArray]:
-    """jobs.py's dual at multipliers mu (per kW), over units rather than GPUs: each unit's
+    """coupled_newton.py's dual at multipliers mu (per kW), over units rather than GPUs: each unit's
     cap, the group sums, units inside a segment, D(mu), and each unit's price (its GPUs'
     mean path price). Units are the free GPUs (`free_node`: each one's row of node_path),
     then the jobs (their (group, members) pairs); a, ln, slopes are (units, K)."""
@@ -941,7 +941,7 @@ def incidence_response_sums(
     inv: float,
     n_groups: int,
 ) -> tuple[FloatArray, FloatArray, BoolArray]:
-    """The caps jobs.py's units take at their prices `price` (per kW), their group sums,
+    """The caps coupled_newton.py's units take at their prices `price` (per kW), their group sums,
     and which units are inside a segment."""
     x = np.empty(price.size)
     partial = np.empty(price.size, dtype=np.bool_)
@@ -1024,7 +1024,7 @@ def newton_cg(
     max_iter: int,
     rtol: float,
 ) -> FloatArray:
-    """jobs.py's Newton system (H + diag(shift)) d = rhs on the working set (`work`, per
+    """coupled_newton.py's Newton system (H + diag(shift)) d = rhs on the working set (`work`, per
     group; rhs and shift per group), by conjugate gradients preconditioned with the
     diagonal, H applied without being built (one pass over nodes and jobs' pairs, far
     cheaper than factorising a sparse H of thousands of groups). Stops at
@@ -1103,7 +1103,7 @@ def incidence_hessian(
     n_work: int,
     inv: float,
 ) -> FloatArray:
-    """jobs.py's generalised Hessian on the working set (`col`: each group's row there, -1
+    """coupled_newton.py's generalised Hessian on the working set (`col`: each group's row there, -1
     outside), dense: inv per free GPU inside a segment on its path's pairs, inv / m times
     the outer product of its GPUs per group for a job of m GPUs inside a segment."""
     n_nodes, depth = node_path.shape
@@ -1154,7 +1154,7 @@ def unit_value(
     delta: float,
     eps: float,
 ) -> float:
-    """jobs.py's primal objective at the units' caps x: Σ_u m_u (gain along its segments
+    """coupled_newton.py's primal objective at the units' caps x: Σ_u m_u (gain along its segments
     + δx − ε(x − prev)²)."""
     value = 0.0
     for u in range(size.size):
@@ -1183,7 +1183,7 @@ def unit_rows(
     delta: float,
     inv: float,
 ) -> tuple[FloatArray, FloatArray, FloatArray]:
-    """jobs.py's segments, one row per unit (its GPU rep[u]; prev per unit): a, len (as
+    """coupled_newton.py's segments, one row per unit (its GPU rep[u]; prev per unit): a, len (as
     _segment_row) and each segment's slope (weight included; 0 past flat)."""
     n_units = rep.size
     n_k = knots.shape[1] + 1
@@ -1214,7 +1214,7 @@ def objective_value(
     delta: float,
     eps: float,
 ) -> float:
-    """model.objective in one pass: Σ w·profile(min(p, demand)) + δΣp − εΣ(p − prev)², the
+    """problem.objective in one pass: Σ w·profile(min(p, demand)) + δΣp − εΣ(p − prev)², the
     profile interpolated in ClassTable.value_table (class c's curve at c·offset_w)."""
     n_t = table_w.size
     total = 0.0
@@ -1254,7 +1254,7 @@ def cut_to_budgets(
     deepest_first: IntArray,
     target: FloatArray,
 ) -> None:
-    """model.repair's cuts, in place: level by level from the nodes up, each group over
+    """problem.repair's cuts, in place: level by level from the nodes up, each group over
     `target` cut in proportion to its GPUs' room above lo (never below the sum of lo).
 
     A cut scales the room of every GPU below the group by one factor, so each group's room
@@ -1342,7 +1342,7 @@ def job_incidence(
     n_groups: int,
     n_jobs: int,
 ) -> tuple[IntArray, IntArray, FloatArray]:
-    """model.JobMap.incidence: each job's groups (ascending) and its GPUs under each, as
+    """problem.JobMap.incidence: each job's groups (ascending) and its GPUs under each, as
     (job_ptr, group, count); `members` are the member GPUs grouped by job in ascending job
     order, each run from starts[r] (a count per group in scratch, not a sort of every
     (job, group) key). A job without members gets no pairs."""
@@ -1383,7 +1383,7 @@ def job_incidence(
 def job_parts(
     job: IntArray, members: IntArray, starts: IntArray, node_of_gpu: IntArray, n_groups: int
 ) -> tuple[IntArray, FloatArray, IntArray]:
-    """model.JobMap.parts: each GPU's unit (free GPUs first, in GPU order, then each job's
+    """problem.JobMap.parts: each GPU's unit (free GPUs first, in GPU order, then each job's
     parts by ascending node), each unit's GPU count and its lowest-numbered GPU; `members`
     grouped by job, in GPU order within each (a stable sort)."""
     n = job.size
@@ -1428,7 +1428,7 @@ def job_parts(
 
 @_jit
 def job_units(job: IntArray, n_jobs: int) -> tuple[IntArray, FloatArray, IntArray]:
-    """model.JobMap.units: each GPU's unit (free GPUs first, in GPU order, then the jobs),
+    """problem.JobMap.units: each GPU's unit (free GPUs first, in GPU order, then the jobs),
     each unit's GPU count and its lowest-numbered GPU."""
     n = job.size
     n_free = 0
@@ -1453,7 +1453,7 @@ def job_units(job: IntArray, n_jobs: int) -> tuple[IntArray, FloatArray, IntArra
 
 @_jit
 def single_job_groups(job: IntArray, gpu_groups: IntArray, n_groups: int) -> BoolArray:
-    """model._single_job_groups: the groups whose GPUs all belong to one job."""
+    """problem._single_job_groups: the groups whose GPUs all belong to one job."""
     owner = np.full(n_groups, -2, dtype=np.int64)  # -2: no GPU seen yet
     mixed = np.zeros(n_groups, dtype=np.bool_)
     for i in range(job.shape[0]):

@@ -5,7 +5,7 @@ is no faster per call here (docs/allocator.md, "Measurements behind the design")
 problem is stated in kW, each level's budgets as one sparse 0/1 matrix, the utility as the
 minimum of its affine pieces (concave, so DCP). Clarabel runs with tightened tolerances;
 SCS is the fallback on a solver error. The caller verifies and repairs whatever comes
-back (api.allocate_arrays).
+back (solve.allocate_arrays).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import cvxpy as _cvxpy
 import numpy as np
 import scipy.sparse as sp
 
-from powerd.allocator.model import FloatArray, IntArray, Problem, SolverFailed
+from powerd.allocator.problem import FloatArray, IntArray, Problem, SolverFailed
 from powerd.topology import N_LEVELS
 
 # cvxpy's own annotations are partial (atoms are re-exported untyped); treat it as dynamic.

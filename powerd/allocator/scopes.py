@@ -5,7 +5,7 @@ subtree; a coordinator splits the budgets above the scopes between them from eac
 **demand curve**: the power its subtree takes as a function of the price charged at its
 root, inner budgets respected, the root's own budget not applied.
 
-The price frame. The exact solver (fast.py) charges u = λ/2ε at a GPU and its response is
+The price frame. The exact solver (tree_solver.py) charges u = λ/2ε at a GPU and its response is
 lo + Σ_k clip(a_k − u, 0, len_k) with a_k = prev − start_k + (slope_k + δ)/2ε. The δ term
 depends on which GPUs are in the problem (δ = 2ε·(max(hi − prev) + 1 kW)), so a scope's δ_s
 differs from the whole site's δ. Written in the net price ν = λ − δ (per kW) the response
@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from powerd.allocator.model import BoolArray, FloatArray, IntArray, Problem
+from powerd.allocator.problem import BoolArray, FloatArray, IntArray, Problem
 from powerd.topology import N_LEVELS, Topology
 
 # np.argsort(kind="stable") is a radix sort for integers of 16 bits or less.

@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import SQLAlchemyError
 
-from powerd.api.models import ErrorOut, Problem, WriteRefused
+from powerd.api.bodies import ErrorOut, Problem, WriteRefused
 
 log = structlog.get_logger(__name__)
 

@@ -12,8 +12,8 @@ from typing import NoReturn
 import structlog
 from fastapi import HTTPException
 
+from powerd.api.bodies import Problem, WriteOut, WriteRefused
 from powerd.api.errors import rejected
-from powerd.api.models import Problem, WriteOut, WriteRefused
 from powerd.auth import Principal
 from powerd.controller.admin import WriteFailed, WriteOutcome
 from powerd.controller.controller import Controller

@@ -1,6 +1,6 @@
 """A simulated GPU fleet with a physical power model, and a `GpuBackend` view on it.
 
-`GpuFleetModel` holds every GPU's state in numpy arrays, so one model drives a node's mock
+`SimulatedGpus` holds every GPU's state in numpy arrays, so one model drives a node's mock
 backend, an in-process demo of hundreds of GPUs and a simulator of thousands in virtual time.
 
 Physics per GPU, integrated exactly over each step (the target is held over the step):
@@ -225,7 +225,7 @@ class MockGpuSpec:
 DEFAULT_SPEC = MockGpuSpec()
 
 
-class GpuFleetModel:
+class SimulatedGpus:
     """State of n simulated GPUs as arrays; `advance(dt_s)` integrates them exactly.
 
     Public arrays (index = GPU): power_w (reported draw, with noise), energy_j, cap_w
@@ -518,7 +518,7 @@ class MockBackend(GpuBackend):
 
     def __init__(
         self,
-        fleet: GpuFleetModel,
+        fleet: SimulatedGpus,
         clock: Clock,
         start: int = 0,
         count: int | None = None,

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from powerd import __version__
 from powerd.cli import admin, daemons, db, policy, sim
 from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_OK
-from powerd.errors import InputError
+from powerd.input_errors import InputError
 from powerd.logs import configure_logging
 from powerd.profilefit import add_profile_parser
 

@@ -21,7 +21,7 @@ import structlog
 from powerd.argtypes import positive_float
 from powerd.cli.admin import parse_time
 from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
-from powerd.errors import InputError
+from powerd.input_errors import InputError
 from powerd.policy import Overload, Policy, load_policy, with_overload
 from powerd.sim.learning import learning_study, plot_learning
 from powerd.sim.recorded import read_recording

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from powerd.allocator.api import group_values
+from powerd.allocator.solve import group_values
 from powerd.controller.fleet import FleetArrays
 from powerd.controller.overrides import Overrides
 from powerd.controller.shape import Shape

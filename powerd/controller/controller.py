@@ -1,6 +1,6 @@
 """The daemon around the tick engine: messages in, the plan out, the records kept.
 
-`TickEngine` (engine.py) decides; this shell does the I/O around it: it subscribes and
+`TickEngine` (tick.py) decides; this shell does the I/O around it: it subscribes and
 routes each message to the engine (decoded; bad ones counted and dropped), runs the tick
 timer, publishes each tick's plan, hands the report to the store writer, metrics and the
 live view off the tick's path, keeps the controller's status and last will, and hosts the

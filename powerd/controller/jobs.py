@@ -83,7 +83,7 @@ class JobView:
     """The jobs compiled against one policy."""
 
     jobs: Jobs
-    names: tuple[str, ...]  # job index → name (Fleet.job_names)
+    names: tuple[str, ...]  # job index → name (GpuArrays.job_names)
     job_class: IntArray  # job index → class index in `classes`
     policy: Policy  # the policy with the jobs' own classes added (the allocator's)
     classes: ClassTable  # of `policy`: the policy's classes first, in their order

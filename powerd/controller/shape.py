@@ -19,7 +19,7 @@ from numpy.typing import NDArray
 from powerd.allocator import Tree
 from powerd.controller.fleet import FleetArrays, FleetState
 from powerd.policy import LEVELS, Policy
-from powerd.safety import FleetLayout, SafetyPlanner
+from powerd.safety import GpuLayout, SafetyPlanner
 from powerd.topology import Topology
 from powerd.wire import NodeState
 
@@ -33,7 +33,7 @@ class Shape:
     version: tuple[int, int, int]  # fleet GPU set, policy, clean stops
     topology: Topology
     tree: Tree
-    layout: FleetLayout
+    layout: GpuLayout
     reserve_w: FloatArray  # per group: unknown GPUs below it counted at their maximum
     # per group: the same, only those of the group itself (nodes): what the allocator
     # takes, adding them up the tree itself
@@ -53,9 +53,7 @@ def build_shape(
     """The shape of the fleet heard now; the planner gets its layout and learns what was
     heard of the GPUs it did not know."""
     topology = Topology.build(policy, arrays.nodes)
-    layout = FleetLayout.build(
-        policy, arrays.uuids, arrays.nodes, arrays.min_cap_w, arrays.max_cap_w
-    )
+    layout = GpuLayout.build(policy, arrays.uuids, arrays.nodes, arrays.min_cap_w, arrays.max_cap_w)
     planner.set_layout(layout)
     _teach(fleet, planner, now)
     reserve_node = _reserve_per_node(policy, fleet, topology, arrays)

@@ -18,9 +18,9 @@ import numpy as np
 import structlog
 from numpy.typing import NDArray
 
-from powerd.allocator import Allocation, ClassTable, Fleet, allocate_arrays, class_names
+from powerd.allocator import Allocation, ClassTable, GpuArrays, allocate_arrays, class_names
 from powerd.allocator.learn import ProfileLearner, learner_for
-from powerd.allocator.model import build_problem
+from powerd.allocator.problem import build_problem
 from powerd.allocator.scopes import DemandCurve, demand_curve
 from powerd.controller.fleet import FleetArrays
 from powerd.controller.jobs import GpuPlaces, JobView
@@ -46,7 +46,7 @@ CURVE_POINTS = 256
 class Targets:
     """The allocation stage's output: the allocator's input and what it decided."""
 
-    fleet: Fleet  # as the allocator saw it
+    fleet: GpuArrays  # as the allocator saw it
     targets_w: FloatArray  # per GPU; NaN: hold the committed cap (a GPU that refuses)
     status: str  # allocator status, or "fallback"
     objective: float
@@ -108,7 +108,7 @@ class TargetStage:
         # the rest: one that refused its last cap.
         if held.any():
             pinned = np.where(held, np.minimum(committed_w, arrays.max_cap_w), pinned)
-        fleet = Fleet(
+        fleet = GpuArrays(
             uuids=tuple(arrays.uuids),
             topology=shape.topology,
             min_cap_w=arrays.min_cap_w,
@@ -220,7 +220,7 @@ class TargetStage:
             log.exception("learning_failed", tick=tick)
 
     def allocate(
-        self, tick: int, fleet: Fleet, limit_w: FloatArray, shape: Shape, alarm: Alarm
+        self, tick: int, fleet: GpuArrays, limit_w: FloatArray, shape: Shape, alarm: Alarm
     ) -> tuple[FloatArray, str, float, float, float]:
         """(targets, status, objective, solve_ms, unused_w); any solver failure steers to the
         failsafe caps with an alarm, so a tick never ends without caps."""
@@ -256,7 +256,12 @@ class TargetStage:
         return alloc.caps_w, alloc.status, alloc.objective, alloc.solve_ms, alloc.unused_w
 
     def curve(
-        self, fleet: Fleet, budget_w: FloatArray, shape: Shape, group: int, given_w: float | None
+        self,
+        fleet: GpuArrays,
+        budget_w: FloatArray,
+        shape: Shape,
+        group: int,
+        given_w: float | None,
     ) -> tuple[DemandCurve, float] | None:
         """A scope's demand curve and its offset (what the root's budget holds besides its
         GPUs' caps: overhead, unknown GPUs' reserve): the allocation's problem with the

@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from powerd.allocator import Allocation, ClassTable, Fleet
-from powerd.allocator.model import CAP_LIMITED_SHARE
+from powerd.allocator import Allocation, ClassTable, GpuArrays
+from powerd.allocator.problem import CAP_LIMITED_SHARE
 from powerd.controller.fleet import FleetArrays
 from powerd.policy import LEVELS
 from powerd.safety import SafePlan, SafetyPlanner
@@ -143,7 +143,7 @@ class Decided:
 def why_frame(
     decided: Decided,
     *,
-    fleet: Fleet,
+    fleet: GpuArrays,
     arrays: FleetArrays,
     index: Mapping[str, int],
     alloc: Allocation | None,
@@ -413,7 +413,7 @@ def explain_many(
             "budget": dict(groups[g]),
             "demand": {
                 "demand_w": _num(r.demand[k]),
-                # The allocator's own rule (model.demand_w): near its cap, it wants its max.
+                # The allocator's own rule (problem.demand_w): near its cap, it wants its max.
                 "cap_limited": r.power[k] >= CAP_LIMITED_SHARE * prev,
                 "peak_w": _num(r.peak[k]),
                 "power_w": _num(r.power[k]),

@@ -3,7 +3,7 @@
 Each scope (a row or rack of the policy) is steered by its own `powerd controller --scope`
 (with its standbys); the coordinator hears their reports, splits the facility's budget
 (and the rows', when the scopes are racks) from their demand curves every tick, and sends
-each scope its budget (CoordinatorEngine: coordinator/engine.py). It leads under the same
+each scope its budget (BudgetSplitter: coordinator/split.py). It leads under the same
 kind of lease as a controller (scope `<facility>/coordinator` in its database): run two
 for a pair. Its admin API (powerd.api.routers.coordinator) shows the split and sets
 temporary budgets on the groups above the scopes.
@@ -41,7 +41,7 @@ from powerd.controller.opstate import (
     restore,
 )
 from powerd.controller.overrides import BudgetOverride
-from powerd.coordinator.engine import CoordinatorEngine, CoordinatorReport
+from powerd.coordinator.split import BudgetSplitter, CoordinatorReport
 from powerd.policy import load_policy, overlapping_domains
 from powerd.sdnotify import Notifier
 from powerd.settings import BrokerSettings, SettingsError
@@ -78,11 +78,11 @@ class CoordinatorSettings(BrokerSettings):
 
 
 class Coordinator:
-    """The daemon around CoordinatorEngine: reports in, budgets out, under a lease."""
+    """The daemon around BudgetSplitter: reports in, budgets out, under a lease."""
 
     def __init__(
         self,
-        engine: CoordinatorEngine,
+        splitter: BudgetSplitter,
         transport: MqttTransport,
         leadership: Leadership,
         *,
@@ -91,7 +91,7 @@ class Coordinator:
         state_file: Path,
         store: Store,
     ) -> None:
-        self.engine = engine
+        self.splitter = splitter
         self.transport = transport
         self.leadership = leadership
         self.coordinator_id = coordinator_id
@@ -118,7 +118,7 @@ class Coordinator:
             msg = decode(payload, ScopeReport)
             if msg.scope != parsed[0]:
                 raise WireError("scope_mismatch", f"{msg.scope!r} on {topic[:200]!r}")
-            if not self.engine.on_report(msg, self.clock.monotonic(), self.epoch):
+            if not self.splitter.on_report(msg, self.clock.monotonic(), self.epoch):
                 self._unknown_scope(msg)
         except WireError as exc:
             self.dropped[exc.reason] = self.dropped.get(exc.reason, 0) + 1
@@ -130,8 +130,8 @@ class Coordinator:
     def _unknown_scope(self, msg: ScopeReport) -> None:
         """A report of a scope we do not divide: overlapping one of ours is a
         misconfiguration, named (`scope_overlap`); otherwise it is dropped as unknown."""
-        ours = set(self.engine.scopes)
-        hit = sorted(ours & set(overlapping_domains(self.engine.policy, msg.scope)))
+        ours = set(self.splitter.scopes)
+        hit = sorted(ours & set(overlapping_domains(self.splitter.policy, msg.scope)))
         if not hit:
             raise WireError("unknown_scope", msg.scope)
         if self.overlapping.get(msg.scope) != msg.controller_id:
@@ -152,8 +152,8 @@ class Coordinator:
         log.info(
             "coordinator_started",
             coordinator=self.coordinator_id,
-            scopes=sorted(self.engine.scopes),
-            scope_level=self.engine.scope_level,
+            scopes=sorted(self.splitter.scopes),
+            scope_level=self.splitter.scope_level,
         )
         async with asyncio.TaskGroup() as tg:
             listen = tg.create_task(self._listen())
@@ -170,7 +170,7 @@ class Coordinator:
     async def _ticks(self, stop: asyncio.Event, learn_s: float) -> None:
         await self.transport.wait_connected()
         await asyncio.sleep(learn_s)
-        tick_s = self.engine.policy.control.tick_s
+        tick_s = self.splitter.policy.control.tick_s
         next_at = time.monotonic()
         while not stop.is_set():
             lead = self.leadership
@@ -179,13 +179,13 @@ class Coordinator:
             if lead.may_command():
                 if lead.epoch != self.epoch:
                     self.epoch = lead.epoch  # a new epoch: earlier confirmations are void
-                    self.engine.forget_confirmations()
+                    self.splitter.forget_confirmations()
                 try:
                     await self.tick_once()
                 except Exception:
                     # Nothing of this tick is sent; the scopes hold their budgets until
                     # their leases lapse to min(budget, failsafe). The next tick tries again.
-                    log.exception("tick_lost", tick=self.engine.tick_no)
+                    log.exception("tick_lost", tick=self.splitter.tick_no)
             next_at += tick_s
             now = time.monotonic()
             next_at = max(next_at, now)
@@ -193,7 +193,7 @@ class Coordinator:
                 await asyncio.wait_for(lead.changed.wait(), next_at - now)
 
     async def tick_once(self) -> CoordinatorReport:
-        report = self.engine.step(self.clock.monotonic(), self.clock.wall(), self._tick_s())
+        report = self.splitter.step(self.clock.monotonic(), self.clock.wall(), self._tick_s())
         self.last, self.last_at = report, self.clock.monotonic()
         if not self.leadership.may_command():
             log.warning("budgets_withheld", tick=report.tick)
@@ -207,7 +207,7 @@ class Coordinator:
                         budget_w=p.budget_w,
                         tick=report.tick,
                         epoch=self.epoch,
-                        lease_s=self.engine.policy.control.lease_s,
+                        lease_s=self.splitter.policy.control.lease_s,
                         ts=self.clock.wall(),
                         coordinator_id=self.coordinator_id,
                     )
@@ -229,14 +229,14 @@ class Coordinator:
         lease's epoch goes above it (a recreated database must not leave every scope
         refusing us)."""
         seen = max(
-            (s.report.budget_epoch or 0 for s in self.engine.scopes.values() if s.report),
+            (s.report.budget_epoch or 0 for s in self.splitter.scopes.values() if s.report),
             default=0,
         )
         ours = self.leadership.epoch if self.leadership.leading else 0
         return seen if seen > ours else 0
 
     def _tick_s(self) -> float:
-        return self.engine.policy.control.tick_s
+        return self.splitter.policy.control.tick_s
 
     # -- operators' budgets: in the database (both coordinators of a pair read it) and a
     # state file (the database may be down), before the API answers --------------------
@@ -245,8 +245,8 @@ class Coordinator:
         self, group: str, budget_w: float, ttl_s: float | None, who: str, reason: str
     ) -> bool:
         now = self.clock.wall()
-        self.engine.overrides.set_budget(
-            self.engine.policy,
+        self.splitter.overrides.set_budget(
+            self.splitter.policy,
             BudgetOverride(
                 group=group,
                 budget_w=budget_w,
@@ -259,14 +259,14 @@ class Coordinator:
         return await self._save()
 
     async def clear_budget(self, group: str) -> bool:
-        self.engine.overrides.clear_budget(group)
+        self.splitter.overrides.clear_budget(group)
         return await self._save()
 
     def _state(self) -> OperatorState:
         return OperatorState(
             revision=self.revision,
             ts=self.clock.wall(),
-            budgets=[BudgetState.of(b) for b in self.engine.overrides.budgets.values()],
+            budgets=[BudgetState.of(b) for b in self.splitter.overrides.budgets.values()],
         )
 
     async def _save(self) -> bool:
@@ -304,12 +304,12 @@ class Coordinator:
         self._adopt(state)
 
     def _adopt(self, state: OperatorState) -> None:
-        self.engine.overrides = restore(state, self.engine.policy, self.clock.wall())
+        self.splitter.overrides = restore(state, self.splitter.policy, self.clock.wall())
         self.revision = state.revision
         log.info(
             "budgets_restored",
             revision=state.revision,
-            groups=sorted(self.engine.overrides.budgets),
+            groups=sorted(self.splitter.overrides.budgets),
         )
 
     def load(self) -> None:
@@ -377,7 +377,7 @@ class _Metrics(Collector):
             if p.budget_w is not None:
                 budget.add_metric([p.scope], p.budget_w)
             committed.add_metric([p.scope], p.committed_w)
-            rep = c.engine.scopes[p.scope].report
+            rep = c.splitter.scopes[p.scope].report
             if rep is not None:
                 epochs.add_metric([p.scope, rep.controller_id], float(rep.epoch))
         yield budget
@@ -390,7 +390,7 @@ class _Metrics(Collector):
 
 async def run_coordinator(settings: CoordinatorSettings) -> None:
     policy = load_policy(settings.policy)
-    engine = CoordinatorEngine(policy, settings.scope_level)
+    splitter = BudgetSplitter(policy, settings.scope_level)
     url = settings.db
     await asyncio.to_thread(upgrade, url)
     mode = mode_for(settings.leadership, url)
@@ -405,7 +405,7 @@ async def run_coordinator(settings: CoordinatorSettings) -> None:
     if mode == "alone":
         await leadership.claim_alone()
     coord = Coordinator(
-        engine,
+        splitter,
         MqttTransport(settings.mqtt_config()),
         leadership,
         coordinator_id=settings.coordinator_id,

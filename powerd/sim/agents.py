@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from powerd.backends.mock import GpuFleetModel
+from powerd.backends.mock import SimulatedGpus
 from powerd.safety import NodeCommand
 from powerd.wire import CapAck, GpuAck, NodeTelemetry
 
@@ -30,7 +30,7 @@ class SimAgents:
 
     def __init__(
         self,
-        model: GpuFleetModel,
+        model: SimulatedGpus,
         gpu_nodes: Sequence[str],
         workloads: Sequence[str],
         *,
@@ -122,7 +122,7 @@ class SimAgents:
         idx = np.asarray(idx_list, dtype=np.int64)
         req = np.asarray(req_list, dtype=np.float64)
         target = np.clip(req, m.min_cap_w[idx], m.max_cap_w[idx])
-        # GpuFleetModel.set_cap for many GPUs at once.
+        # SimulatedGpus.set_cap for many GPUs at once.
         m.requested_cap_w[idx] = target
         m.cap_w[idx] = np.minimum(target, m.override_w[idx])
         enforced = m.cap_w[idx]

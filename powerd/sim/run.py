@@ -29,7 +29,7 @@ import structlog
 from numpy.typing import NDArray
 
 from powerd.allocator import ClassTable, Tree
-from powerd.backends.mock import GpuFleetModel, MockGpuSpec
+from powerd.backends.mock import MockGpuSpec, SimulatedGpus
 from powerd.controller.overrides import OverrideError, ScheduledBudget
 from powerd.controller.report import TickReport
 from powerd.controller.tick import TickEngine
@@ -170,7 +170,7 @@ class _Run:
         policy = site.policy
         topo = site.topology
         n = site.n_gpus
-        self.model = GpuFleetModel(
+        self.model = SimulatedGpus(
             n,
             list(mix.workloads),
             spec=MockGpuSpec(

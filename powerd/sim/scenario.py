@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from powerd.errors import InputError, parse_yaml, read_text, validation_problems
+from powerd.input_errors import InputError, parse_yaml, read_text, validation_problems
 from powerd.policy import Policy, ProfileSpec, RampRates
 
 Watts = Annotated[float, Field(gt=0, allow_inf_nan=False)]

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import NDArray
 
-from powerd.errors import InputError
+from powerd.input_errors import InputError
 
 FloatArray = NDArray[np.float64]
 

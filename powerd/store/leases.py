@@ -25,7 +25,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 
-from powerd.store.models import ControllerMember, LeaderLease, StoreIdentity
+from powerd.store.tables import ControllerMember, LeaderLease, StoreIdentity
 from powerd.wire import MAX_EPOCH
 
 _T: sa.Table = LeaderLease.__table__  # type: ignore[assignment]

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from powerd.controller.why import summary
-from powerd.store.models import CapReason
+from powerd.store.tables import CapReason
 
 # (column, section of the explanation or None for its top level, key there)
 _COLUMNS = (

@@ -34,7 +34,8 @@ from sqlalchemy.orm import sessionmaker
 from powerd.alarms import Severity
 from powerd.store.db import DEFAULT_URL, make_engine
 from powerd.store.leases import read_store_id
-from powerd.store.models import (
+from powerd.store.records import EventRecord, Page
+from powerd.store.tables import (
     AuditEntry,
     Base,
     CapChange,
@@ -47,7 +48,6 @@ from powerd.store.models import (
     PolicyVersion,
     Tick,
 )
-from powerd.store.records import EventRecord, Page
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,10 +30,10 @@ from powerd.store.aggregate import (
     Floats,
     MinuteAggregator,
 )
-from powerd.store.models import Tick
 from powerd.store.reasons import reason_row
 from powerd.store.records import EventRecord, GpuRecord, NodeRecord, StoreHealth, TickRecord
 from powerd.store.store import Batch, Store, event_row
+from powerd.store.tables import Tick
 
 log = structlog.get_logger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from powerd.allocator.model import Fleet, FloatArray, IntArray, class_names
+from powerd.allocator.problem import FloatArray, GpuArrays, IntArray, class_names
 from powerd.policy import Policy, parse_policy
 from powerd.snapshot import GpuState, Snapshot
 from powerd.topology import Topology
@@ -128,7 +128,7 @@ def random_fleet(
     stale_share: float = 0.0,
     pinned_share: float = 0.0,
     limited_share: float = 0.5,
-) -> Fleet:
+) -> GpuArrays:
     """Every GPU the policy's nodes declare, with random classes, limits, caps and draws.
 
     About `limited_share` of the GPUs draw at their cap (they want more); the rest draw less,
@@ -151,7 +151,7 @@ def random_fleet(
     power = np.where(limited, cap * rng.uniform(0.96, 1.0, n), cap * rng.uniform(0.3, 0.93, n))
     power = np.where(idle & ~limited, rng.uniform(60.0, 100.0, n), power)
     pinned = rng.random(n) < pinned_share
-    return Fleet(
+    return GpuArrays(
         uuids=tuple(f"GPU-{seed:x}-{i:06d}" for i in range(n)),
         topology=topology,
         min_cap_w=min_cap,
@@ -168,13 +168,13 @@ JOB_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 def with_jobs(
-    fleet: Fleet,
+    fleet: GpuArrays,
     seed: int,
     *,
     share: float = 0.7,
     sizes: tuple[int, ...] = JOB_SIZES,
     scattered: float = 0.2,
-) -> Fleet:
+) -> GpuArrays:
     """The fleet with about `share` of its GPUs in jobs of the given sizes, as a scheduler
     places them: most jobs on consecutive nodes (so large ones span racks and rows), a
     `scattered` share on GPUs picked anywhere. Members take their job's class."""
@@ -215,7 +215,7 @@ def with_jobs(
     )
 
 
-def to_snapshot(fleet: Fleet, policy: Policy) -> Snapshot:
+def to_snapshot(fleet: GpuArrays, policy: Policy) -> Snapshot:
     """The fleet as the Snapshot the controller would freeze (for the Snapshot API)."""
     names = class_names(policy)
     topo = fleet.topology
@@ -240,19 +240,19 @@ def to_snapshot(fleet: Fleet, policy: Policy) -> Snapshot:
 class Drift:
     """Successive ticks: each GPU's wanted power wanders; it draws min(want, cap)."""
 
-    fleet: Fleet
+    fleet: GpuArrays
     want_w: FloatArray
     rng: np.random.Generator
     step_share: float = 0.03
 
     @classmethod
-    def start(cls, fleet: Fleet, seed: int) -> Drift:
+    def start(cls, fleet: GpuArrays, seed: int) -> Drift:
         rng = np.random.default_rng(seed)
         limited = fleet.power_w >= 0.95 * fleet.cap_w
         want = np.where(limited, fleet.max_cap_w * rng.uniform(0.9, 1.1, fleet.n), fleet.power_w)
         return cls(fleet=fleet, want_w=want, rng=rng)
 
-    def tick(self, caps_w: FloatArray) -> Fleet:
+    def tick(self, caps_w: FloatArray) -> GpuArrays:
         """The fleet one tick later, with `caps_w` in force."""
         n = self.fleet.n
         self.want_w = np.clip(
@@ -265,7 +265,7 @@ class Drift:
         return self.fleet
 
 
-def scope_fleet(fleet: Fleet, policy: Policy, name: str) -> tuple[Policy, Fleet, IntArray]:
+def scope_fleet(fleet: GpuArrays, policy: Policy, name: str) -> tuple[Policy, GpuArrays, IntArray]:
     """One scope of a fleet: its policy (Policy.scope), its GPUs placed in that policy's
     tree, and their indices in `fleet` (to put the scope's caps back in place)."""
     topo = fleet.topology
@@ -273,7 +273,7 @@ def scope_fleet(fleet: Fleet, policy: Policy, name: str) -> tuple[Policy, Fleet,
     gpus = topo.subtree_gpus(group)
     scope_policy = policy.scope(name)
     nodes = [topo.names[int(g)] for g in topo.gpu_groups[gpus, -1]]
-    part = Fleet(
+    part = GpuArrays(
         uuids=tuple(fleet.uuids[int(i)] for i in gpus),
         topology=Topology.build(scope_policy, nodes),
         min_cap_w=fleet.min_cap_w[gpus],
@@ -287,7 +287,7 @@ def scope_fleet(fleet: Fleet, policy: Policy, name: str) -> tuple[Policy, Fleet,
     return scope_policy, part, gpus
 
 
-def random_job_site(seed: int) -> tuple[Policy, Fleet]:
+def random_job_site(seed: int) -> tuple[Policy, GpuArrays]:
     """A small random site with jobs (bench/jobs_sites.py's draw): 1-2 rows, 1-3 racks,
     1-3 nodes of 1-4 GPUs, budgets at 50-100 % of their GPUs' maximum, damping 0.01-1, jobs
     of 2-8 GPUs on 30-100 % of the GPUs, a random share of them scattered."""

@@ -23,7 +23,7 @@ from powerd.agent.settings import AgentSettings
 from powerd.api.app import create_app
 from powerd.api.server import ApiServer
 from powerd.auth import TokenStore, new_token_entry
-from powerd.backends.mock import GpuFleetModel, MockBackend, Workload
+from powerd.backends.mock import MockBackend, SimulatedGpus, Workload
 from powerd.cli.admin import add_parser
 from powerd.clock import SystemClock
 from powerd.controller.build import StartState, build_controller
@@ -102,7 +102,7 @@ class LiveApi:
         # A real broker (Mosquitto) at this URL; None: the in-process one.
         self.broker_url = broker_url
         self.db_url = db_url or f"sqlite:///{workdir / 'powerd.db'}"
-        self.model: GpuFleetModel | None = None
+        self.model: SimulatedGpus | None = None
         self.tokens: dict[str, str] = {}
         entries = []
         for role in ("viewer", "operator", "admin"):
@@ -178,7 +178,7 @@ class LiveApi:
                 MqttConfig.from_url(self.broker_url, client_id=client_id, reconnect_max_s=0.3)
             )
 
-        model = self.model = GpuFleetModel(
+        model = self.model = SimulatedGpus(
             GPUS_PER_NODE * len(NODES),
             [Workload.steady(level_w=650.0), Workload.training(period_s=4.0)] * len(NODES),
             seed=1,

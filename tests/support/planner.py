@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from powerd.policy import Policy, parse_policy
-from powerd.safety import FleetLayout, SafePlan, SafetyPlanner
+from powerd.safety import GpuLayout, SafePlan, SafetyPlanner
 from powerd.wire import GpuAck
 
 FAILSAFE_W = 150.0
@@ -55,7 +55,7 @@ def policy_dict(nodes: list[dict[str, Any]], *, budgets: dict[str, float] | None
 
 def simple_fleet(
     gpus_per_node: list[int], node_budget: float | None = None, facility: float | None = None
-) -> tuple[Policy, FleetLayout]:
+) -> tuple[Policy, GpuLayout]:
     nodes = [
         {"name": f"n{k}", "gpus": g, **({"budget_w": node_budget} if node_budget else {})}
         for k, g in enumerate(gpus_per_node)
@@ -67,14 +67,14 @@ def simple_fleet(
             uuids.append(f"g{k}-{j}")
             names.append(f"n{k}")
     n = len(uuids)
-    return policy, FleetLayout.build(policy, uuids, names, np.full(n, 100.0), np.full(n, 400.0))
+    return policy, GpuLayout.build(policy, uuids, names, np.full(n, 100.0), np.full(n, 400.0))
 
 
-def node_caps(layout: FleetLayout, node: str, values: np.ndarray) -> dict[str, float]:
+def node_caps(layout: GpuLayout, node: str, values: np.ndarray) -> dict[str, float]:
     return {u: float(values[i]) for i, u in enumerate(layout.uuids) if layout.nodes[i] == node}
 
 
-def teach(planner: SafetyPlanner, layout: FleetLayout, caps: np.ndarray, at: float) -> None:
+def teach(planner: SafetyPlanner, layout: GpuLayout, caps: np.ndarray, at: float) -> None:
     """Telemetry from every node reporting `caps`, fresh at `at`."""
     for node in dict.fromkeys(layout.nodes):
         planner.on_telemetry(node, node_caps(layout, node, caps), received_at=at)

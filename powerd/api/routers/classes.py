@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from powerd.api.bodies import ClassOut, LearningOut
 from powerd.api.deps import V1, ControllerDep, Viewer
 from powerd.api.errors import AUTH_ERRORS
-from powerd.api.models import ClassOut, LearningOut
 
 router = APIRouter(prefix=V1, tags=["classes"])
 

@@ -20,15 +20,15 @@ from pydantic import BaseModel, Field
 
 from powerd.api.deps import CoordinatorDep, CoordinatorOperator, CoordinatorViewer
 from powerd.controller.overrides import NotFound, OverrideError
-from powerd.coordinator.engine import ScopeBudgetPlan
 from powerd.coordinator.main import Coordinator
+from powerd.coordinator.split import ScopeBudgetPlan
 
 log = structlog.get_logger(__name__)
 
 router = APIRouter()
 
 
-# A temporary budget on a group above the scopes. Not powerd.api.models.BudgetIn, though
+# A temporary budget on a group above the scopes. Not powerd.api.bodies.BudgetIn, though
 # both documents name it so (no docstring: it would become the schema's description). This
 # one takes no `expires_at`, ignores unknown fields, bounds neither the watts above nor a
 # blank reason, and refuses an infinite `ttl_s` as too long rather than as not finite; a
@@ -90,7 +90,7 @@ async def scopes(_: CoordinatorViewer, coord: CoordinatorDep) -> dict[str, objec
 
 def _scope_row(coord: Coordinator, plan: ScopeBudgetPlan) -> dict[str, object]:
     """A scope's budget this tick, and who leads it (from its latest report)."""
-    state = coord.engine.scopes[plan.scope]
+    state = coord.splitter.scopes[plan.scope]
     r = state.report
     return asdict(plan) | {
         "leader": None if r is None else r.controller_id,
@@ -143,5 +143,5 @@ async def _write(
         "applied": True,
         "durable": True,
         "shared": stored,
-        "after_tick": coord.engine.tick_no,
+        "after_tick": coord.splitter.tick_no,
     }

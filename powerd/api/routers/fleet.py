@@ -10,9 +10,7 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from fastapi import APIRouter, Query
 
-from powerd.api.deps import V1, ControllerDep, Limit, NameQuery, Offset, Viewer, ViewsDep
-from powerd.api.errors import AUTH_ERRORS, error_doc, rejected
-from powerd.api.models import (
+from powerd.api.bodies import (
     AllocationOut,
     FleetSummary,
     GpuCap,
@@ -25,6 +23,8 @@ from powerd.api.models import (
     NodeStateName,
     Page,
 )
+from powerd.api.deps import V1, ControllerDep, Limit, NameQuery, Offset, Viewer, ViewsDep
+from powerd.api.errors import AUTH_ERRORS, error_doc, rejected
 from powerd.controller.controller import Controller
 from powerd.controller.fleet import is_stale
 from powerd.controller.report import TickReport

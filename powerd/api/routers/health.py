@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response
 
+from powerd.api.bodies import Liveness, Readiness
 from powerd.api.deps import ControllerDep
-from powerd.api.models import Liveness, Readiness
 
 router = APIRouter(tags=["health"])
 

@@ -10,9 +10,7 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from fastapi import APIRouter, Query
 
-from powerd.api.deps import V1, ControllerDep, Limit, NameQuery, Offset, Viewer, store_or_503
-from powerd.api.errors import AUTH_ERRORS, STORE_ERRORS
-from powerd.api.models import (
+from powerd.api.bodies import (
     AlarmOut,
     AuditOut,
     EventOut,
@@ -21,9 +19,11 @@ from powerd.api.models import (
     Page,
     TickOut,
 )
+from powerd.api.deps import V1, ControllerDep, Limit, NameQuery, Offset, Viewer, store_or_503
+from powerd.api.errors import AUTH_ERRORS, STORE_ERRORS
 from powerd.controller.report import TickSummary
 from powerd.numeric import finite_or_none
-from powerd.store.models import Tick
+from powerd.store.tables import Tick
 
 router = APIRouter(prefix=V1)
 

@@ -12,9 +12,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Path
 
+from powerd.api.bodies import JobDeleted, JobIn, JobOut, JobWriteOut, Page, WriteRefused
 from powerd.api.deps import V1, ControllerDep, Limit, Offset, Operator, ReasonQuery, Viewer
 from powerd.api.errors import AUTH_ERRORS, WRITE_ERRORS, error_doc, rejected
-from powerd.api.models import JobDeleted, JobIn, JobOut, JobWriteOut, Page, WriteRefused
 from powerd.api.writes import Attempt, write
 from powerd.controller.admin import JobPut
 from powerd.controller.controller import Controller

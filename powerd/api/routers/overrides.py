@@ -17,9 +17,7 @@ from typing import Any, TypedDict
 
 from fastapi import APIRouter
 
-from powerd.api.deps import V1, Admin, ControllerDep, Operator, ReasonQuery, Viewer
-from powerd.api.errors import AUTH_ERRORS, WRITE_ERRORS
-from powerd.api.models import (
+from powerd.api.bodies import (
     BudgetIn,
     BudgetOut,
     ClassAssignIn,
@@ -32,6 +30,8 @@ from powerd.api.models import (
     ScheduleOut,
     WriteOut,
 )
+from powerd.api.deps import V1, Admin, ControllerDep, Operator, ReasonQuery, Viewer
+from powerd.api.errors import AUTH_ERRORS, WRITE_ERRORS
 from powerd.api.writes import Attempt, write
 from powerd.controller.controller import Controller
 from powerd.numeric import finite_or_none

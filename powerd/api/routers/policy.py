@@ -6,12 +6,12 @@ import structlog
 from fastapi import APIRouter, Request
 from sqlalchemy.exc import SQLAlchemyError
 
+from powerd.api.bodies import PolicyOut, PolicyReplaced
 from powerd.api.deps import V1, Admin, ControllerDep, ReasonQuery, Viewer
 from powerd.api.errors import AUTH_ERRORS, WRITE_ERRORS
-from powerd.api.models import PolicyOut, PolicyReplaced
 from powerd.api.writes import Attempt, done, failed, leader_only, refuse
 from powerd.controller.admin import WriteFailed
-from powerd.errors import InputError
+from powerd.input_errors import InputError
 
 log = structlog.get_logger(__name__)
 

@@ -9,9 +9,9 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query
 from pydantic import AwareDatetime
 
+from powerd.api.bodies import WhyOut
 from powerd.api.deps import V1, ControllerDep, Viewer, store_or_503
 from powerd.api.errors import AUTH_ERRORS, error_doc, rejected
-from powerd.api.models import WhyOut
 from powerd.store.reasons import reason_doc
 from powerd.wire import UUID_PATTERN
 

@@ -12,11 +12,11 @@ multiplier is zero or the root of a monotone piecewise-linear equation: kernel.p
 them from the nodes up, compiled.
 
 Jobs (every member one cap): a job with m members answers like one GPU of multiplicity m
-whose price is the mean of its members' path prices (jobs.py). Where every group that holds
-some of a job's GPUs holds all of them, or only them (build_problem made that a bound on
+whose price is the mean of its members' path prices (coupled_newton.py). Where every group that
+holds some of a job's GPUs holds all of them, or only them (build_problem made that a bound on
 the job's cap), the job's price is a chain of multipliers like a GPU's: it is one more unit
 of the tree solver, hung at the deepest group that holds it whole (*laminar*). A job spread
-over groups shared with others couples their prices; then jobs.py (semismooth Newton on
+over groups shared with others couples their prices; then coupled_newton.py (semismooth Newton on
 the multipliers) answers, started from last tick's multipliers or, where those do not lead
 to the optimum soon (or there are none), this solver's prices for the same problem with
 every job relaxed to its parts on each node (a part's GPUs share one cap, parts of a job
@@ -30,25 +30,26 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from powerd.allocator import jobs as _jobs
-from powerd.allocator.model import TOL_KW, FloatArray, IntArray, JobMap, Problem
+from powerd.allocator import coupled_newton
+from powerd.allocator.problem import TOL_KW, FloatArray, IntArray, JobMap, Problem
 from powerd.topology import N_LEVELS
 
-# Rounds of the active set before a solve with every group (fast._tree_solve).
+# Rounds of the active set before a solve with every group (tree_solver._tree_solve).
 ACTIVE_ROUNDS = 4
-# Where jobs.py does not converge on a site of at most this many GPUs, the reference answers.
+# Where coupled_newton.py does not converge on a site of at most this many GPUs, the reference
+# answers.
 REFERENCE_UP_TO = 4096
 # A group counts as full (or over) within this share of its capacity.
 ACTIVE_TOL = 1e-12
-# The relaxed problem's roots, jobs.py's start, are found to this share of each capacity
-# only: jobs.py's Newton steps refine them anyway, so kernel.REL_TOL there would be wasted
+# The relaxed problem's roots, coupled_newton.py's start, are found to this share of each capacity
+# only: coupled_newton.py's Newton steps refine them anyway, so kernel.REL_TOL there would be wasted
 # steps in every group.
 ROUGH_TOL = 1e-7
 # Caps in force this close to a budget (share) say it bound when they were set.
 FULL_SHARE = 1e-6
 
 
-_Work = tuple[IntArray, FloatArray, FloatArray]  # the tree's workspace (model.work_arrays)
+_Work = tuple[IntArray, FloatArray, FloatArray]  # the tree's workspace (problem.work_arrays)
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ def _tree_solve(
 ) -> tuple[FloatArray, FloatArray]:
     """Caps (kW, per GPU) and multipliers (per kW, per group); `rough`: the problem with
     every job relaxed to its parts on each node (free of one another), every root to
-    ROUGH_TOL of its capacity instead of kernel.REL_TOL: jobs.py's start.
+    ROUGH_TOL of its capacity instead of kernel.REL_TOL: coupled_newton.py's start.
 
     Most budgets do not bind at the optimum: a group whose own price is below an
     ancestor's leaves room. So the solve first holds only the groups that bound last tick
@@ -99,7 +100,7 @@ def _tree_solve(
 
     Jobs are units of the tree solver while they are laminar for the budgets held. Once a
     held budget holds part of a job (a job crossing a rack's or a row's edge, under a
-    budget that binds), the prices couple: jobs.py solves the problem, from last tick's
+    budget that binds), the prices couple: coupled_newton.py solves the problem, from last tick's
     multipliers or this solver's answer with every job's GPUs free."""
 
     tree = problem.tree
@@ -122,7 +123,7 @@ def _tree_solve(
             held = np.where(active, capacity, np.inf)
             units = parts if parts is not None else _held_units(problem, held)
             if units is None:
-                coupled = True  # jobs.py answers: this loop's caps would go unused
+                coupled = True  # coupled_newton.py answers: this loop's caps would go unused
                 break
             if work is None:
                 n_k = problem.classes.knots_kw.shape[1] + 1
@@ -140,7 +141,7 @@ def _tree_solve(
     if not coupled:
         return p, _multipliers(problem, u)
 
-    # jobs.py starts from last tick's multipliers; where they do not lead to the optimum
+    # coupled_newton.py starts from last tick's multipliers; where they do not lead to the optimum
     # within a few iterations (or there are none), from the tree's answer with every job
     # relaxed to its parts on each node if that has the lower dual value (with the laminar
     # jobs kept whole its Newton steps can zigzag for a hundred iterations). A part answers
@@ -150,7 +151,9 @@ def _tree_solve(
     def start() -> FloatArray:
         return _tree_solve(problem, warm, rough=True)[1]
 
-    p, mu, done = _jobs.solve_checked(problem, warm, start if warm is not None else start())
+    p, mu, done = coupled_newton.solve_checked(
+        problem, warm, start if warm is not None else start()
+    )
     if done or problem.n > REFERENCE_UP_TO:
         return p, mu  # where not done, Allocation.gap says how far from the best
     # Newton stalled (its dual is piecewise, and some sites make it zigzag): on a site this
@@ -162,7 +165,7 @@ def _tree_solve(
 
 def _held_units(problem: Problem, held: FloatArray) -> _Units | None:
     """The units for a solve holding the budgets of `held` (+inf elsewhere), or None where a
-    job is not laminar for those budgets (its price couples theirs: jobs.py answers)."""
+    job is not laminar for those budgets (its price couples theirs: coupled_newton.py answers)."""
     from powerd.allocator import kernel  # numba: loaded by the first solve, not at import
 
     jobs = problem.jobs
@@ -252,7 +255,7 @@ def _multipliers(problem: Problem, u: FloatArray) -> FloatArray:
 def _usable_warm(problem: Problem, warm: FloatArray | None) -> FloatArray | None:
     """Last tick's multipliers if they can serve as a start: one finite number per group,
     clipped into [0, the price past which every GPU sits at its lower bound]. No optimal
-    multiplier lies above that price, and jobs.py starts from `warm` as given: from a
+    multiplier lies above that price, and coupled_newton.py starts from `warm` as given: from a
     price like 1e300 it cannot walk back within its passes."""
     if warm is None or warm.size != problem.tree.n_groups or not np.all(np.isfinite(warm)):
         return None

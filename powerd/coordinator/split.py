@@ -96,7 +96,7 @@ class CoordinatorReport:
     exact: bool = False
 
 
-class CoordinatorEngine:
+class BudgetSplitter:
     def __init__(self, policy: Policy, scope_level: str = "row") -> None:
         self.scope_level = LEVELS.index(scope_level)
         if self.scope_level not in (1, 2):

@@ -46,7 +46,7 @@ class SolverFailed(RuntimeError):
 
 
 @dataclass(frozen=True, eq=False)
-class Fleet:
+class GpuArrays:
     """Per-GPU arrays for one allocation: the hot-loop input (no pydantic objects).
 
     `class_index` indexes `class_names(policy)`; `pinned_w` is NaN where a GPU is not pinned.
@@ -243,7 +243,7 @@ class Tree:
     @cached_property
     def node_paths(self) -> tuple[IntArray, IntArray]:
         """Each node's path of groups once, in node order, and each GPU's row there
-        (jobs.py's compiled passes)."""
+        (coupled_newton.py's compiled passes)."""
         # (np.unique's answer, without its sort: nodes in id order, each one's first GPU.)
         has = np.bincount(self.node_of_gpu, minlength=self.n_groups) > 0
         row = (np.cumsum(has) - 1)[self.node_of_gpu]
@@ -293,7 +293,7 @@ class JobMap:
         self._parts: tuple[Tree, tuple[IntArray, FloatArray, IntArray]] | None = None
 
     @classmethod
-    def of(cls, fleet: Fleet) -> JobMap | None:
+    def of(cls, fleet: GpuArrays) -> JobMap | None:
         """The fleet's jobs (None when no GPU is in one); names outside job_names are none."""
         if fleet.job_index is None:
             return None
@@ -348,7 +348,7 @@ class JobMap:
 
     @cached_property
     def units(self) -> tuple[IntArray, FloatArray, IntArray]:
-        """jobs.py's units: free GPUs, then jobs. Each GPU's unit, each unit's GPU count,
+        """coupled_newton.py's units: free GPUs, then jobs. Each GPU's unit, each unit's GPU count,
         and a GPU of each unit (its first)."""
         from powerd.allocator import kernel  # numba: loaded by the first solve
 
@@ -402,7 +402,7 @@ class Problem:
     device bounds do not overlap); their GPUs are allocated as free GPUs.
     """
 
-    fleet: Fleet
+    fleet: GpuArrays
     classes: ClassTable
     tree: Tree
     lo: FloatArray
@@ -447,7 +447,7 @@ class Problem:
 
     @cached_property
     def memo(self) -> dict[str, object]:
-        """What solvers derive from this problem and share (jobs.py's dual)."""
+        """What solvers derive from this problem and share (coupled_newton.py's dual)."""
         return {}
 
     @cached_property
@@ -484,7 +484,7 @@ class Problem:
         return OPTIMAL
 
 
-def demand_w(fleet: Fleet, headroom_w: float) -> FloatArray:
+def demand_w(fleet: GpuArrays, headroom_w: float) -> FloatArray:
     """What each GPU could use: its maximum when its cap holds it back, else draw + headroom."""
     limited = fleet.power_w >= CAP_LIMITED_SHARE * fleet.cap_w
     return np.where(limited, fleet.max_cap_w, fleet.power_w + headroom_w)
@@ -558,7 +558,7 @@ def _single_job_room(
     return np.where(jobs.member, per_job[np.maximum(jobs.job, 0)], np.inf)
 
 
-def _fleet_jobs(tree: Tree, fleet: Fleet) -> tuple[JobMap | None, BoolArray | None]:
+def _fleet_jobs(tree: Tree, fleet: GpuArrays) -> tuple[JobMap | None, BoolArray | None]:
     """The fleet's jobs and the groups each holds alone: kept on the tree while the
     fleet's job of every GPU stays the same (a scheduler changes them seldom, a tick is
     every second)."""
@@ -575,7 +575,7 @@ def _fleet_jobs(tree: Tree, fleet: Fleet) -> tuple[JobMap | None, BoolArray | No
 
 
 def _job_bounds(
-    fleet: Fleet, tree: Tree, capacity: FloatArray, lo: FloatArray, hi: FloatArray
+    fleet: GpuArrays, tree: Tree, capacity: FloatArray, lo: FloatArray, hi: FloatArray
 ) -> tuple[JobMap | None, list[str], FloatArray, FloatArray, BoolArray | None]:
     """Jobs and each GPU's device bounds with its job's applied.
 
@@ -584,7 +584,7 @@ def _job_bounds(
     meet, or that mixes classes, is split: its GPUs are allocated as free GPUs, and it is
     reported. A group whose GPUs all belong to one job becomes a bound on that job's cap
     (room / count): the same feasible set, and the solver no longer has to price a group
-    that only one job answers to (jobs.py). Those groups are returned too.
+    that only one job answers to (coupled_newton.py). Those groups are returned too.
     """
     jobs, single = _fleet_jobs(tree, fleet)
     if jobs is None or single is None:
@@ -606,7 +606,7 @@ def _job_bounds(
     return jobs, split, lo, hi, single
 
 
-def _tree_for(fleet: Fleet, tree: Tree | None) -> Tree:
+def _tree_for(fleet: GpuArrays, tree: Tree | None) -> Tree:
     """The tree given (checked against the fleet's topology: a tree kept from another one
     would mis-sum every budget), or one built for the fleet."""
     if tree is None:
@@ -620,7 +620,7 @@ def _tree_for(fleet: Fleet, tree: Tree | None) -> Tree:
 
 
 def build_problem(
-    fleet: Fleet,
+    fleet: GpuArrays,
     policy: Policy,
     *,
     classes: ClassTable | None = None,
@@ -818,7 +818,7 @@ class Allocation:
     each budget's shadow price). `lo_w`/`hi_w` are the bounds each cap was given and
     `demand_w` the demand estimate (build_problem's): what explains a cap (controller/why.py).
     `gap` bounds how far from the optimum the caps can be, relative (with jobs, from the
-    dual bound: jobs.gap; 0 without jobs, where `fast` is exact).
+    dual bound: coupled_newton.gap; 0 without jobs, where `fast` is exact).
     """
 
     status: str

@@ -7,13 +7,13 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from powerd.allocator import baselines, fast, jobs
-from powerd.allocator.model import (
+from powerd.allocator import baselines, coupled_newton, tree_solver
+from powerd.allocator.problem import (
     TOL_KW,
     Allocation,
     ClassTable,
-    Fleet,
     FloatArray,
+    GpuArrays,
     Problem,
     SolverFailed,
     Tree,
@@ -38,7 +38,7 @@ def _reference(problem: Problem, warm: FloatArray | None) -> tuple[FloatArray, N
 
 
 _SOLVERS: dict[str, Solver] = {
-    "fast": fast.solve,
+    "fast": tree_solver.solve,
     "cvxpy": _reference,
     "uniform": baselines.uniform,
     "priority-bands": baselines.priority_bands,
@@ -48,7 +48,7 @@ SOLVERS = ("fast", "cvxpy", "uniform", "priority-bands")
 
 def fleet_from_snapshot(
     snapshot: Snapshot, policy: Policy, topology: Topology | None = None
-) -> Fleet:
+) -> GpuArrays:
     """Per-GPU arrays of a validated snapshot (see snapshot.check_snapshot)."""
     gpus = snapshot.gpus
     if topology is None:
@@ -70,7 +70,7 @@ def fleet_from_snapshot(
         count=n,
     )
 
-    return Fleet(
+    return GpuArrays(
         uuids=tuple(g.uuid for g in gpus),
         topology=topology,
         min_cap_w=column(lambda i: gpus[i].min_cap_w),
@@ -131,7 +131,7 @@ def allocate(
 
 
 def allocate_arrays(
-    fleet: Fleet,
+    fleet: GpuArrays,
     policy: Policy,
     solver: str = "fast",
     *,
@@ -158,7 +158,7 @@ def allocate_arrays(
     _verify(problem, p)
     gap = 0.0
     if problem.jobs is not None and solver == "fast" and prices is not None:
-        gap = jobs.gap(problem, p, prices)
+        gap = coupled_newton.gap(problem, p, prices)
     elapsed_ms = (time.perf_counter() - t0) * 1000.0
     uuids = fleet.uuids
     names = fleet.topology.names

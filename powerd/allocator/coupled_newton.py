@@ -4,7 +4,7 @@ A job's m GPUs share one cap q. Its utility is m times one member's, its damping
 Σ ε(q − prev_i)² is m·ε(q − mean prev)² plus a constant, and a price μ_g on group g charges
 it n_jg·q, n_jg being its members under g. So at prices μ a job answers like one GPU whose
 price is the mean of its members' path prices, with the closed-form response of the tree
-solver (fast.py): q(λ) = lo + Σ_k clip(a_k − λ/2ε, 0, len_k). A job that spans groups
+solver (tree_solver.py): q(λ) = lo + Σ_k clip(a_k − λ/2ε, 0, len_k). A job that spans groups
 couples them, so the tree solver's level-by-level root finding no longer applies.
 
 The dual D(μ) = max_p L(p, μ) is convex and piecewise quadratic, with gradient C − S(μ)
@@ -18,12 +18,12 @@ multiplier reaches 0. Where the residual stops halving, a search along the chord
 last two steps breaks the zigzag between two faces of D. It starts from last tick's
 multipliers and, where those do not converge within WARM_ITERATIONS (or there are none),
 from the tree solver's prices for the same problem with each job relaxed to its parts on
-each node (fast._tree_solve, rough).
+each node (tree_solver._tree_solve, rough).
 The passes go over units (free GPUs, then jobs by their (group, GPUs under it) pairs), not
 GPUs. Groups made of one job's GPUs alone become a bound on that job's
 cap in build_problem, which removes the dual's worst degeneracy (a job alone on several
 nodes leaves a price direction free). The caller repairs and verifies the caps as for
-every solver (api.allocate_arrays).
+every solver (solve.allocate_arrays).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from powerd.allocator.model import TOL_KW, BoolArray, FloatArray, JobMap, Problem
+from powerd.allocator.problem import TOL_KW, BoolArray, FloatArray, JobMap, Problem
 
 MAX_ITERATIONS = 200
 # Iterations (and passes) from last tick's multipliers before the relaxed problem's are
