@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from numpy.typing import NDArray
 from support.honest import GPUS, NODES, HonestNode, policy_dict
 
 from powerd.controller.tick import TickEngine
@@ -25,6 +26,7 @@ from powerd.sim.site import build_mix, build_site
 from powerd.testing.synthetic import policy_dict as synthetic_policy
 
 TOL = 1e-6
+FloatArray = NDArray[np.float64]
 PCT = 10.0
 FACILITY_W = 7000.0
 
@@ -163,14 +165,7 @@ def test_caps_lent_while_draw_is_low_come_back_at_once_when_it_is_not() -> None:
     dc = policy.groups[0]
 
     def tick(t: int) -> tuple[float, float]:
-        for node in nodes.values():
-            engine.on_telemetry(node.sample(1e9 + t), float(t))
-        report, plan = engine.step(float(t), 1e9 + t)
-        for cmd in plan.commands:
-            ack = nodes[cmd.node].apply_caps(cmd.tick, cmd.caps_w)
-            if ack is not None:
-                engine.on_ack(cmd.node, ack)
-        assert report.group_limit_w is not None
+        exchange(engine, nodes, t)
         caps = sum(sum(n.caps.values()) for n in nodes.values())
         draw = sum(sum(n.draw().values()) for n in nodes.values())
         return caps, draw
@@ -190,6 +185,23 @@ def test_caps_lent_while_draw_is_low_come_back_at_once_when_it_is_not() -> None:
     assert sum(sum(n.draw().values()) for n in nodes.values()) <= dc.rating_w + TOL
     caps, draw = tick(12)
     assert caps <= dc.budget_w + TOL and draw <= dc.budget_w + TOL
+
+
+def exchange(
+    engine: TickEngine, nodes: dict[str, HungryNode], t: int, *, hear: bool = True
+) -> FloatArray:
+    """One tick at second `t`: the nodes' telemetry (unless not `hear`), the engine's step,
+    every command applied and acknowledged. Returns the tick's group limits."""
+    if hear:
+        for node in nodes.values():
+            engine.on_telemetry(node.sample(1e9 + t), float(t))
+    report, plan = engine.step(float(t), 1e9 + t)
+    for cmd in plan.commands:
+        ack = nodes[cmd.node].apply_caps(cmd.tick, cmd.caps_w)
+        if ack is not None:
+            engine.on_ack(cmd.node, ack)
+    assert report.group_limit_w is not None
+    return report.group_limit_w
 
 
 def check_draw(nodes: dict[str, HungryNode], budget_w: float, rating_w: float) -> None:
@@ -287,16 +299,7 @@ def test_the_room_below_the_target_is_lent_once_per_reading() -> None:
         node.demand = dict.fromkeys(node.uuids, 300.0 if k % 2 else 700.0)
 
     def step(t: int, *, hear: bool) -> float:
-        if hear:
-            for node in nodes.values():
-                engine.on_telemetry(node.sample(1e9 + t), float(t))
-        report, plan = engine.step(float(t), 1e9 + t)
-        for cmd in plan.commands:
-            ack = nodes[cmd.node].apply_caps(cmd.tick, cmd.caps_w)
-            if ack is not None:
-                engine.on_ack(cmd.node, ack)
-        assert report.group_limit_w is not None
-        return float(report.group_limit_w[0])
+        return float(exchange(engine, nodes, t, hear=hear)[0])
 
     for t in range(3):
         step(t, hear=True)
