@@ -272,7 +272,7 @@ def _site_of_two_authorities(
     ]
     engines = [TickEngine(policy), TickEngine(policy)]
     for engine, authority in zip(engines, authorities, strict=True):
-        engine.authority = authority
+        engine.obedience.authority = authority
     nodes = {n: HonestNode(n) for n in NODES}
     plans = []
     wall0 = 1_700_000_000.0
@@ -336,19 +336,19 @@ def _said(controller: str, state: ControllerState, authority: Authority) -> Cont
 def test_a_controller_names_a_rival_that_leads_an_overlapping_domain() -> None:
     policy = parse_policy(policy_dict())
     engine = TickEngine(policy)
-    engine.authority = Authority(site="dc", store="store-a", domain="dc")
+    engine.obedience.authority = Authority(site="dc", store="store-a", domain="dc")
     standby = ControllerStatus(
-        controller_id="twin", state=ControllerState.STANDBY, authority=engine.authority
+        controller_id="twin", state=ControllerState.STANDBY, authority=engine.obedience.authority
     )
     engine.on_controller_status("twin", standby)
     same_pair = ControllerStatus(
-        controller_id="twin", state=ControllerState.ACTIVE, authority=engine.authority
+        controller_id="twin", state=ControllerState.ACTIVE, authority=engine.obedience.authority
     )
     engine.on_controller_status("twin", same_pair)  # our own pair: no rival
-    assert engine.superseded_by == 0  # it says no epoch
+    assert engine.obedience.superseded_by == 0  # it says no epoch
     newer = same_pair.model_copy(update={"epoch": 5})
     engine.on_controller_status("twin", newer)
-    assert engine.superseded_by == 5  # a leader through an outage stops on this
+    assert engine.obedience.superseded_by == 5  # a leader through an outage stops on this
     rack = Authority(site="dc", store="store-c", domain="r1")
     engine.on_controller_status(
         "leftover",
@@ -582,7 +582,7 @@ async def test_a_handover_moves_nodes_without_a_failsafe_gap() -> None:
     assert n.agent.authority == successor and n.agent.previous_authority == old.authority
     # The successor's controller says so, once: the node came over from the old authority.
     new = TickEngine(policy)
-    new.authority = successor
+    new.obedience.authority = successor
     status = n.agent.status_message().model_copy(update={"node_id": NODES[0]})
     with capture_logs():
         new.on_status(NODES[0], status)
@@ -720,10 +720,10 @@ def test_a_standby_that_led_before_keeps_its_view_warm() -> None:
     their caps, and when it took over at 8 the fleet sat at its minimums for a minute."""
     policy = parse_policy(policy_dict())
     engine = TickEngine(policy)
-    engine.authority = Authority(site="dc", store="s", domain="dc")
+    engine.obedience.authority = Authority(site="dc", store="s", domain="dc")
     nodes = {n: HonestNode(n) for n in NODES}
     wall = 1_700_000_000.0
-    engine.epoch = 5  # it led at epoch 5 once
+    engine.obedience.epoch = 5  # it led at epoch 5 once
     for t in range(4):  # now the other controller leads at 7; this one stands by
         for name, node in nodes.items():
             node.apply_caps(100 + t, dict.fromkeys(node.uuids, 450.0))
@@ -731,11 +731,17 @@ def test_a_standby_that_led_before_keeps_its_view_warm() -> None:
             engine.on_telemetry(msg, float(t))
             engine.on_ack(
                 name,
-                CapAck(node_id=name, tick=100 + t, epoch=7, authority=engine.authority, gpus={}),
+                CapAck(
+                    node_id=name,
+                    tick=100 + t,
+                    epoch=7,
+                    authority=engine.obedience.authority,
+                    gpus={},
+                ),
             )
         engine.observe(float(t))
     assert engine.foreign_nodes() == {}
-    engine.epoch = 8  # it takes over
+    engine.obedience.epoch = 8  # it takes over
     _, plan = engine.step(4.0, wall + 4)
     assert plan.waiting_nodes == () and {c.node for c in plan.commands} == set(NODES)
     assert "foreign_authority" not in engine.alarms.active

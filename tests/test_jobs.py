@@ -250,7 +250,7 @@ def test_the_engine_fills_job_index_and_steers_members_as_the_jobs_class(
     made = allocator_policy.classes[own]
     assert (made.weight, made.floor_w) == (0.5, 250)
     assert allocator_policy.class_profile(own).peak_w == 500.0
-    names = engine.classes.names
+    names = engine.targets.classes.names
     in_train = [i for i, u in enumerate(f.uuids) if members.get(u) in ("train-7", "train-8")]
     assert {names[c] for c in f.class_index[in_train].tolist()} == {own}
     assert {report.classes[i] for i in in_train} == {"batch"}

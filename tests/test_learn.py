@@ -219,9 +219,9 @@ def learning_engine() -> TickEngine:
 
 def test_the_engine_learns_a_class_curve_from_telemetry_and_steers_by_it() -> None:
     engine = learning_engine()
-    assert engine.learner is not None
+    assert engine.targets.learner is not None
     nodes = {n: PerfNode(n) for n in NODES}
-    before = engine.classes
+    before = engine.targets.classes
     for t in range(120):
         now = float(t)
         for node in nodes.values():
@@ -235,10 +235,10 @@ def test_the_engine_learns_a_class_curve_from_telemetry_and_steers_by_it() -> No
         # Learning never moves a cap outside the device's bounds, nor a budget.
         assert np.all((report.targets_w >= 200 - 1e-6) & (report.targets_w <= 700 + 1e-6))
         assert not (plan.group_over & ~plan.group_settling).any()
-    state = engine.learner.states()[0]
+    state = engine.targets.learner.states()[0]
     assert state.in_use, state.reason
-    assert engine.classes is not before
-    learned = engine.classes.profiles[0]
+    assert engine.targets.classes is not before
+    learned = engine.targets.classes.profiles[0]
     grid = np.linspace(250, 640, 20)
     assert np.max(np.abs(learned.value(grid) - TRUE.value(grid))) < 0.06
     assert len(report.uuids) == GPUS * len(NODES)
@@ -248,12 +248,12 @@ def test_a_fault_in_learning_never_costs_a_tick_its_caps(monkeypatch: pytest.Mon
     d = policy_dict()
     d["control"]["learn"] = {"enabled": True}
     engine = TickEngine(parse_policy(d))
-    assert engine.learner is not None
+    assert engine.targets.learner is not None
 
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("bug in learning")
 
-    monkeypatch.setattr(engine.learner, "observe", broken)
+    monkeypatch.setattr(engine.targets.learner, "observe", broken)
     nodes = {n: PerfNode(n) for n in NODES}
     for node in nodes.values():
         engine.on_telemetry(node.sample(1e9), 0.0)
@@ -284,7 +284,7 @@ def test_one_lying_node_cannot_bend_its_classes_curve_for_the_other_nodes() -> N
     every node, would be held near 200 W (no power past a peak). A bin now needs samples
     from two nodes and its point is no higher than a second node saw there."""
     engine = learning_engine()
-    assert engine.learner is not None
+    assert engine.targets.learner is not None
     liar = NODES[-1]
     nodes = {n: (LyingPerfNode(n) if n == liar else PerfNode(n)) for n in NODES}
     used = 0
@@ -298,13 +298,13 @@ def test_one_lying_node_cannot_bend_its_classes_curve_for_the_other_nodes() -> N
             ack = nodes[cmd.node].apply_caps(cmd.tick, cmd.caps_w)
             if ack is not None:
                 engine.on_ack(cmd.node, ack)
-        learned = engine.learner.profiles().get("c")
+        learned = engine.targets.learner.profiles().get("c")
         if learned is not None:  # whenever a learned curve steers, it is the honest one
             used += 1
             assert learned.peak_w > 600, f"tick {t}: peak at {learned.peak_w:.0f} W"
             grid = np.linspace(250, 600, 15)
             assert np.max(np.abs(learned.value(grid) - TRUE.value(grid))) < 0.1
-    assert used > 0, engine.learner.states()[0].reason
+    assert used > 0, engine.targets.learner.states()[0].reason
 
 
 def test_bins_need_two_nodes_and_one_node_cannot_lift_a_bin_above_the_next() -> None:

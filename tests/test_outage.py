@@ -80,7 +80,7 @@ class Site:
             self.agents[name], self.fleets[name] = agent, fleet
         self.engines = [TickEngine(self.policy), TickEngine(self.policy)]
         for engine in self.engines:
-            engine.authority = SITE
+            engine.obedience.authority = SITE
         self.topology = Topology.build(
             self.policy, [n for n in NODES for _ in range(4)]
         )  # GPUs in node order, as `caps_now` lists them
@@ -110,7 +110,7 @@ class Site:
 
     def tick(self, k: int, epoch: int) -> None:
         engine = self.engines[k]
-        engine.epoch = epoch
+        engine.obedience.epoch = epoch
         now = self.clock.monotonic()
         _, plan = engine.step(now, self.clock.wall())
         for cmd in plan.commands:

@@ -38,7 +38,7 @@ def site(tmp_path: Path, mosquitto: LocalMosquitto, db_url: str) -> Iterator[Liv
     # These tests follow every change of the alarms; their hold-down has a test of its own.
     assert api.controller is not None
     controller = api.controller
-    api.call(lambda: setattr(controller.engine, "alarm_hold_s", 0.0))
+    api.call(lambda: setattr(controller.engine.inputs, "hold_s", 0.0))
     try:
         yield api
     finally:
@@ -221,7 +221,7 @@ def reported(
 class Site:
     def __init__(self, hold_s: float = 0.0) -> None:
         self.engine = TickEngine(parse_policy(policy_dict()))
-        self.engine.alarm_hold_s = hold_s  # 0: every change at once
+        self.engine.inputs.hold_s = hold_s  # 0: every change at once
         self.nodes = {n: HonestNode(n) for n in HONEST_NODES}
         self.t = 0
 

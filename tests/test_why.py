@@ -209,7 +209,7 @@ def test_a_gpus_job_is_named_when_the_fleet_has_one() -> None:
 
 def test_a_failed_solve_explains_the_failsafe_caps() -> None:
     site = Site(policy_dict())
-    site.engine.solver = "no-such-solver"  # every allocation raises: failsafe caps
+    site.engine.targets.solver = "no-such-solver"  # every allocation raises: failsafe caps
     report = site.run(3)
     assert report.status == "fallback"
     doc = site.why(report, "GPU-r1-n1-0")

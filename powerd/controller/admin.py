@@ -337,7 +337,7 @@ class AdminWrites:
         GPU counts at its maximum here meanwhile. An empty site or store is ours.
         OverrideError for a handover that leaves the site, names this authority, names no
         domain, or names more than MAX_HANDOVER."""
-        ours = self.engine.authority
+        ours = self.engine.obedience.authority
         if ours is None:
             raise OverrideError("this controller commands for no authority (a shadow)")
         if not 0 < len(to) <= MAX_HANDOVER:
@@ -363,7 +363,11 @@ class AdminWrites:
         if not self.engine.overrides.handover:
             raise NotFound("no handover in progress")
         self.engine.overrides.handover = ()
-        domain = "" if self.engine.authority is None else self.engine.authority.domain
+        domain = (
+            ""
+            if self.engine.obedience.authority is None
+            else self.engine.obedience.authority.domain
+        )
         self.ledger.journal(
             "authority.handover_cancel", domain, {}, actor=actor, role=role, reason=reason
         )

@@ -49,7 +49,7 @@ def build_controller(
     operators' state and the policy of record through this controller's ledger. ScopeError
     if `options.scope` is not a row or rack of the policy."""
     engine = TickEngine(policy, solver=options.solver, shadow=options.shadow)
-    engine.authority = authority
+    engine.obedience.authority = authority
     link = None
     if options.scope is not None:
         engine.set_scope(options.scope)

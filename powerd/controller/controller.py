@@ -188,11 +188,11 @@ class Controller(AdminWrites):
     def authority(self) -> Authority | None:
         """The authority this controller commands for (main.py's: the policy's site, the
         store's id, the lease's domain); None: commands carry the empty one."""
-        return self.engine.authority
+        return self.engine.obedience.authority
 
     @authority.setter
     def authority(self, value: Authority | None) -> None:
-        self.engine.authority = value
+        self.engine.obedience.authority = value
 
     @property
     def overrides(self) -> Overrides:
@@ -212,11 +212,11 @@ class Controller(AdminWrites):
 
     @property
     def classes(self) -> ClassTable:
-        return self.engine.classes
+        return self.engine.targets.classes
 
     @property
     def solver(self) -> str:
-        return self.engine.solver
+        return self.engine.targets.solver
 
     @property
     def tick_no(self) -> int:
@@ -399,8 +399,8 @@ class Controller(AdminWrites):
         lead = self.leadership
         if lead is None:
             return True
-        if self.engine.superseded_by > lead.epoch:
-            lead.supersede(self.engine.superseded_by)
+        if self.engine.obedience.superseded_by > lead.epoch:
+            lead.supersede(self.engine.obedience.superseded_by)
         return lead.may_command()
 
     def _sync_epoch(self) -> None:
@@ -414,7 +414,7 @@ class Controller(AdminWrites):
             self.epoch = lead.epoch
         else:
             self.epoch = max(lead.epoch, self.engine.agents_epoch())
-        self.engine.epoch = self.epoch
+        self.engine.obedience.epoch = self.epoch
 
     def _learn_store_id(self, lead: Leadership) -> None:
         """Under a lease, the store's id as its database says: one guessed (or cached) at a

@@ -125,7 +125,7 @@ def metrics_hook(controller: Controller, metrics: ControllerMetrics) -> TickHook
         metrics.update_fleet(
             gpus={"fresh": n - stale, "stale": stale}, nodes=controller.fleet.state_counts()
         )
-        learner = controller.engine.learner
+        learner = controller.engine.targets.learner
         if learner is not None and learner.due():
             states = learner.states()
             metrics.update_learning(

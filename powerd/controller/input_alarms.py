@@ -112,7 +112,7 @@ class InputAlarms:
 
     def _event_restores(self) -> None:
         """One event for the limits agents found above their own and set back: each tick,
-        or merged over `alarm_hold_s` after the last one (counts add up meanwhile)."""
+        or merged over `hold_s` after the last one (counts add up meanwhile)."""
         if not self._restored or self.now - self._restored_at < self.hold_s:
             return
         restored, self._restored = self._restored, {}
@@ -153,7 +153,7 @@ class InputAlarms:
         """`cap_overridden`: GPUs whose enforced limit, at their latest reading, differs
         from the one their agent set (another tool, an out-of-band limit, a set the device
         did not take), either way. Raised again when the set of GPUs changes, cleared when
-        none is left; at most one change per `alarm_hold_s` (a change meanwhile waits)."""
+        none is left; at most one change per `hold_s` (a change meanwhile waits)."""
         set_w = arrays.set_w
         if set_w is None:
             return

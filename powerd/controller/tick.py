@@ -32,8 +32,6 @@ import structlog
 from numpy.typing import NDArray
 
 from powerd.alarms import Alarms
-from powerd.allocator import ClassTable
-from powerd.allocator.learn import ProfileLearner
 from powerd.allocator.scopes import DemandCurve
 from powerd.controller.budgets import Budgets, BudgetsInForce, ScopeBudget
 from powerd.controller.fleet import FleetArrays, FleetGpu, FleetState
@@ -114,56 +112,6 @@ class TickEngine:
         self._heard = 0
         self.adopt(policy)
 
-    # -- what the daemon and the API read and set ------------------------------------------
-
-    @property
-    def authority(self) -> Authority | None:
-        """The authority this engine commands for; None: none to compare with."""
-        return self.obedience.authority
-
-    @authority.setter
-    def authority(self, value: Authority | None) -> None:
-        self.obedience.authority = value
-
-    @property
-    def epoch(self) -> int:
-        """The epoch our commands carry (the controller sets it each tick it leads)."""
-        return self.obedience.epoch
-
-    @epoch.setter
-    def epoch(self, value: int) -> None:
-        self.obedience.epoch = value
-
-    @property
-    def superseded_by(self) -> int:
-        return self.obedience.superseded_by
-
-    @property
-    def solver(self) -> str:
-        return self.targets.solver
-
-    @solver.setter
-    def solver(self, value: str) -> None:
-        self.targets.solver = value
-
-    @property
-    def classes(self) -> ClassTable:
-        """The classes and the curves the allocator steers by."""
-        return self.targets.classes
-
-    @property
-    def learner(self) -> ProfileLearner | None:
-        return self.targets.learner
-
-    @property
-    def alarm_hold_s(self) -> float:
-        """How often alarms a node's own reports can flip may change at most."""
-        return self.inputs.hold_s
-
-    @alarm_hold_s.setter
-    def alarm_hold_s(self, value: float) -> None:
-        self.inputs.hold_s = value
-
     def set_scope(self, name: str) -> None:
         """Steer only the policy's subtree under `name` (`policy.scoped`), under the
         coordinator's budget there, and compute the scope's demand curve each tick. Every
@@ -202,7 +150,7 @@ class TickEngine:
         # A GPU reported with an error carries its last known cap, not a reading.
         caps = {g.uuid: g.cap_w for g in msg.gpus if g.error is None}
         # A tick of an older leader's orders nothing of ours: the reading only widens.
-        older = msg.epoch is not None and msg.epoch < self.epoch
+        older = msg.epoch is not None and msg.epoch < self.obedience.epoch
         tick = None if older else msg.tick
         self.planner.on_telemetry(msg.node_id, caps, received_at=now, as_of_tick=tick)
         return True
@@ -242,7 +190,7 @@ class TickEngine:
             self.planner.node_offline(node)
         elif status.caps_w:  # a clean stop's `offline` too: the caps it left in force
             # The ticks of an older leader's order nothing of ours: as readings, they widen.
-            tick = None if status.epoch < self.epoch else status.last_tick
+            tick = None if status.epoch < self.obedience.epoch else status.last_tick
             self.planner.learn_status(node, status.caps_w, as_of_tick=tick)
         return True
 
@@ -489,7 +437,7 @@ class TickEngine:
             solve_ms=targets.solve_ms,
             plan_ms=plan_ms,
             status=targets.status,
-            solver=self.solver,
+            solver=self.targets.solver,
             objective=targets.objective,
             group_names=topo.names,
             group_levels=topo.level,
@@ -535,7 +483,7 @@ class TickEngine:
                 tick,
                 wall,
                 targets.status,
-                self.solver,
+                self.targets.solver,
                 targets.targets_w,
                 budgets.budget_w,
                 budgets.limit_w,
@@ -606,7 +554,7 @@ class TickEngine:
             solve_ms=0.0,
             plan_ms=0.0,
             status="tick_failed",
-            solver=self.solver,
+            solver=self.targets.solver,
             objective=math.nan,
             group_names=topo.names,
             group_levels=topo.level,

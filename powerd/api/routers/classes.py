@@ -18,8 +18,8 @@ async def classes(_: Viewer, controller: ControllerDep) -> list[ClassOut]:
     policy's profile, or the one learned from reported perf once the data support it."""
     engine = controller.engine
     policy = engine.policy
-    table = engine.classes
-    learner = engine.learner
+    table = engine.targets.classes
+    learner = engine.targets.learner
     states = {s.key: s for s in learner.states()} if learner is not None else {}
     out = []
     for c, name in enumerate(table.names):
