@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -210,6 +211,28 @@ class Run:
         return last is not None and len(last.uuids) == self.n_gpus and not last.waiting_nodes
 
 
+def rss_mb() -> float:
+    """This process's resident memory now (VmRSS), MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def show_allocations(snapshot: tracemalloc.Snapshot, top: int) -> None:
+    """The Python allocations alive since the fleet was steered, by where they were made
+    (memory of numba's compiled code and of C libraries is not traced)."""
+    stats = snapshot.statistics("traceback")
+    total = sum(s.size for s in stats)
+    print(f"traced since steering: {total / 2**20:.1f} MB", file=sys.stderr)
+    for s in stats[:top]:
+        frame = next((f for f in s.traceback if "/powerd/" in f.filename), s.traceback[0])
+        print(
+            f"  {s.size / 2**20:7.1f} MB {s.count:8d} blocks  {frame.filename}:{frame.lineno}",
+            file=sys.stderr,
+        )
+
+
 def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Broker and fleet simulator here; the controller's part in `measure`."""
     policy_file = workdir / "policy.yaml"
@@ -249,6 +272,7 @@ def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 async def measure(
     args: argparse.Namespace, policy_file: Path, broker: str, db: str, broker_pid: int, sim_pid: int
 ) -> dict[str, Any]:
+    rss = {"imports": rss_mb()}
     run = Run(policy_file, broker, db, window=args.window)
     run.writer.start()
     stop = asyncio.Event()
@@ -261,6 +285,9 @@ async def measure(
             raise SystemExit("the controller never steered the whole fleet")
         await asyncio.sleep(0.1)
     print(f"steering {run.n_gpus} GPUs; warming up", file=sys.stderr, flush=True)
+    rss["steering"] = rss_mb()
+    if args.tracemalloc:
+        tracemalloc.start(25)
     run.watch_writes()
     await asyncio.sleep(args.warmup)
     counters = run.controller.counters
@@ -268,6 +295,7 @@ async def measure(
     c0, w0 = cpu_s(), time.monotonic()
     b0, s0 = proc_cpu_s(broker_pid), proc_cpu_s(sim_pid)
     sent0, received0 = counters.caps_sent, sum(counters.received.values())
+    rss["warm"] = rss_mb()
     run.measuring = True
     if profiler is not None:
         profiler.enable()
@@ -276,6 +304,10 @@ async def measure(
         profiler.disable()
         profiler.dump_stats(args.profile)
     run.measuring = False
+    rss["measured"] = rss_mb()
+    if args.tracemalloc:
+        show_allocations(tracemalloc.take_snapshot(), args.tracemalloc)
+        tracemalloc.stop()
     wall = time.monotonic() - w0
     ctl_cpu = cpu_s() - c0
     broker_cpu = proc_cpu_s(broker_pid) - b0
@@ -309,6 +341,8 @@ async def measure(
         },
         "controller_cpu_pct": 100 * ctl_cpu / wall,
         "controller_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        # VmRSS at each stage: imports done, steering every GPU, after the warm-up, at the end
+        "controller_rss_mb": rss,
         "broker_cpu_pct": 100 * broker_cpu / wall,
         "fleetsim_cpu_pct": 100 * sim_cpu / wall,
         "commands_per_s": sent / wall,
@@ -346,6 +380,8 @@ def show(r: dict[str, Any]) -> None:
         f"{r['controller_peak_rss_mb']:.0f} MB; broker {r['broker_cpu_pct']:.0f}%, fleet "
         f"simulator {r['fleetsim_cpu_pct']:.0f}%"
     )
+    rss = r["controller_rss_mb"]
+    print("  controller RSS: " + ", ".join(f"{stage} {mb:.0f} MB" for stage, mb in rss.items()))
     print(
         f"  {r['commands_per_s']:.0f} commands/s out, {r['messages_in_per_s']:.0f} messages/s in; "
         f"ticks over budget {r['ticks_over_budget']}, with stale GPUs "
@@ -367,6 +403,13 @@ def main() -> None:
         help="the controller's QoS 1 window, as its command_window setting (0: no limit)",
     )
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--tracemalloc",
+        type=int,
+        default=0,
+        metavar="N",
+        help="trace Python allocations from the first steered tick; print the N largest sites",
+    )
     args = parser.parse_args()
     configure_logging("json", "error")
     # A hung run (a broker or simulator that stopped answering) shows where it hangs.
