@@ -241,13 +241,14 @@ def test_coupling_is_kept_while_nothing_changes_and_redone_when_a_report_does() 
 
 def test_couple_alone() -> None:
     """The rule on arrays: majority class per job (ties: the lower class), operators'
-    GPUs and names left out, names ordered by (node, job)."""
+    GPUs and names left out, names ordered by (node, job as first reported)."""
     reported = ["a", "a", "a", None, "b", "a", "x", "a"]
     got = ReportedJobs.couple(
         reported,
         free=np.array([True] * 7 + [False]),
         class_index=np.array([1, 0, 1, 0, 0, 0, 0, 1]),
         nodes=["n1"] * 4 + ["n2"] * 4,
+        node_index=np.array([0] * 4 + [1] * 4),
         scope="node",
         taken=("x",),
     )
@@ -258,6 +259,7 @@ def test_couple_alone() -> None:
         free=np.array([True, True]),
         class_index=np.array([1, 0]),
         nodes=["n1", "n2"],
+        node_index=np.array([0, 1]),
         scope="site",
     )
     assert tie.names == ("a",) and tie.index.tolist() == [-1, 0]

@@ -87,8 +87,9 @@ class FleetArrays:
     stale: BoolArray
     workloads: list[str | None]
     perf: FloatArray  # NaN where the workload reports none
-    # The job each GPU's node reports it in (None: none); the same list while none changes.
-    jobs: list[str | None] = field(default_factory=list)
+    # The job each GPU's node reports it in (None: none), the same list while none changes;
+    # None when no GPU reports one.
+    jobs: list[str | None] | None = None
     # The limit the GPU's agent last set (NaN: none reported, or the GPU reported an error):
     # `cap_w` differing from it is a limit powerd did not set.
     set_w: FloatArray | None = None
@@ -243,7 +244,7 @@ class FleetState:
         self.version = 0  # bumps whenever the set of GPUs (or their order) changes
         self.stops = 0  # bumps whenever a node stops cleanly, or reports again after a stop
         self.jobs_version = 0  # bumps whenever a GPU's reported job changes
-        self._jobs: tuple[int, int, list[str | None]] = (-1, -1, [])
+        self._jobs: tuple[int, int, list[str | None] | None] = (-1, -1, None)
         self._cols = _Columns()
         self._order: list[str] = []
         self._order_nodes: list[str] = []
@@ -457,7 +458,8 @@ class FleetState:
         workload = cols.workload
         if self._jobs[:2] != (self.version, self.jobs_version):
             job = cols.job
-            self._jobs = (self.version, self.jobs_version, [job[i] for i in perm.tolist()])
+            jobs = [job[i] for i in perm.tolist()] if any(j is not None for j in job) else None
+            self._jobs = (self.version, self.jobs_version, jobs)
         return FleetArrays(
             uuids=self._order,
             nodes=self._order_nodes,

@@ -186,26 +186,31 @@ class ReportedJobs:
         *,
         free: NDArray[np.bool_],  # per GPU: in no operator's job
         class_index: IntArray,
-        nodes: Sequence[str],  # per GPU, its node
+        nodes: Sequence[str],  # per GPU, its node's name
+        node_index: IntArray,  # per GPU, its node's position (any numbering)
         scope: str,  # "node" or "site"
         taken: Collection[str] = (),  # names of operators' jobs
     ) -> ReportedJobs:
         n = len(reported)
         index = np.full(n, -1, dtype=np.int64)
-        distinct = sorted({r for r in reported if r is not None} - set(taken))
-        if not distinct:
-            return cls((), index)
-        code_of = {name: k for k, name in enumerate(distinct)}
+        # Codes in the order names first appear (the fleet's order: stable from tick to
+        # tick); one pass of Python over the GPUs, the rest numpy.
+        code_of: dict[str, int] = {}
+        seen = code_of.setdefault
         code = np.fromiter(
-            (-1 if r is None else code_of.get(r, -1) for r in reported), dtype=np.int64, count=n
+            (-1 if r is None else seen(r, len(code_of)) for r in reported), np.int64, count=n
         )
-        eligible = np.flatnonzero((code >= 0) & free)
+        distinct = list(code_of)
+        usable = (code >= 0) & free
+        gone = [code_of[t] for t in taken if t in code_of]
+        if gone:
+            usable &= ~np.isin(code, gone)
+        eligible = np.flatnonzero(usable)
         if not eligible.size:
             return cls((), index)
         key = code[eligible]
         if scope == "node":  # one node's GPUs only: the node is part of the key
-            _, node_code = np.unique(np.asarray(nodes, dtype=object)[eligible], return_inverse=True)
-            key = node_code.astype(np.int64) * len(distinct) + key
+            key = node_index[eligible].astype(np.int64) * len(distinct) + key
         classes = class_index[eligible]
         n_classes = int(classes.max()) + 1
         # Each key's class: the one most of its GPUs have, the lowest index on a tie.

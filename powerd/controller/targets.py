@@ -103,7 +103,7 @@ class TargetStage:
         cls_idx = self.class_indices(arrays, overrides)
         if job_idx is not None:  # a job's GPUs steer as its class (or its own)
             cls_idx = np.where(job_idx >= 0, jobs.job_class[job_idx], cls_idx)
-        job_idx, job_names = self.with_reported(jobs, job_idx, cls_idx, arrays)
+        job_idx, job_names = self.with_reported(jobs, job_idx, cls_idx, arrays, shape)
         pinned = self.pinned(arrays, overrides)
         if self.learner is not None:
             self.learn(now, arrays, cls_idx, shape.topology.gpu_groups[:, N_LEVELS - 1], tick)
@@ -167,16 +167,22 @@ class TargetStage:
         return self.job_index
 
     def with_reported(
-        self, view: JobView, job_idx: IntArray | None, cls_idx: IntArray, arrays: FleetArrays
+        self,
+        view: JobView,
+        job_idx: IntArray | None,
+        cls_idx: IntArray,
+        arrays: FleetArrays,
+        shape: Shape,
     ) -> tuple[IntArray | None, tuple[str, ...]]:
         """Per GPU its job and the jobs' names: the operators' (`job_idx`, `view.names`),
         then the jobs nodes report on the other GPUs. Coupled again only when the reports,
         the operators' jobs, the GPU set or a class change; a fault leaves the operators'."""
         scope = self.policy.control.reported_jobs
-        if scope == "off" or not any(j is not None for j in arrays.jobs):
+        reported_by_gpu = arrays.jobs
+        if scope == "off" or reported_by_gpu is None:
             return job_idx, view.names
         try:
-            inputs = (arrays.jobs, view, job_idx, scope)
+            inputs = (reported_by_gpu, view, job_idx, scope, shape)
             kept = self._reported
             if (
                 kept is None
@@ -186,10 +192,11 @@ class TargetStage:
             ):
                 free = np.ones(len(cls_idx), dtype=np.bool_) if job_idx is None else job_idx < 0
                 reported = ReportedJobs.couple(
-                    arrays.jobs,
+                    reported_by_gpu,
                     free=free,
                     class_index=cls_idx,
                     nodes=arrays.nodes,
+                    node_index=shape.topology.gpu_groups[:, N_LEVELS - 1],
                     scope=scope,
                     taken=view.names,
                 )
