@@ -375,3 +375,18 @@ def test_a_gpu_no_source_knows_is_reported_as_before() -> None:
     clock = SystemClock()
     agent = Agent(settings, build_backend(settings, clock), MemoryBroker().client(), clock)
     assert [(g.job, g.workload) for g in agent._sample()] == [(None, "training")] * 2
+
+
+def test_the_agents_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--kube-socket` alone means the kubelet's usual socket; a bad label is refused
+    before anything starts, naming the setting."""
+    from powerd.cli import build_parser, main
+
+    args = build_parser().parse_args(
+        ["agent", "--kube-socket", "--kube-job-label", "batch.kubernetes.io/job-name"]
+    )
+    assert args.kube_socket == str(DEFAULT_SOCKET)
+    assert args.kube_job_label == "batch.kubernetes.io/job-name"
+    argv = ["agent", "--node-id", "n1", "--backend", "mock", "--kube-class-label", "x"]
+    assert main(argv) == 2
+    assert "need kube_socket" in capsys.readouterr().err
