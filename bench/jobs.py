@@ -9,6 +9,9 @@ single-node jobs by uuid). Measured, median of `--repeat` runs:
 - places: where each GPU sits (`GpuPlaces.build`), done when the set of GPUs changes;
 - index: each GPU's job (`JobView.index`), done when the jobs or the set of GPUs change;
 - per tick otherwise: the identity check and the class override (`np.where`);
+- reported: the same jobs as the nodes would report them (Kubernetes, telemetry's `job`)
+  coupled by `ReportedJobs.couple`, scope node and site, done when a report, the
+  operators' jobs, the set of GPUs or a class changes;
 - one job write on the event loop: `Overrides.put_job` (validation, conflict check, the
   new `Jobs`) and `opstate.capture` (the operators' state the ledger then writes to the
   state file and the database), and the size of that document.
@@ -28,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from powerd.controller.jobs import GpuPlaces, JobView
+from powerd.controller.jobs import GpuPlaces, JobView, ReportedJobs
 from powerd.controller.opstate import OperatorState, capture
 from powerd.controller.overrides import Job, Jobs, Overrides
 from powerd.testing.synthetic import make_policy
@@ -100,6 +103,23 @@ def main() -> None:
         lambda: np.where(index >= 0, view.job_class[index], cls), max(args.repeat, 20)
     )
 
+    names = view.names
+    reported = [None if j < 0 else f"ml/{names[j]}" for j in index.tolist()]
+    free = np.ones(len(uuids), dtype=np.bool_)
+
+    def couple(scope: str) -> ReportedJobs:
+        return ReportedJobs.couple(
+            reported,
+            free=free,
+            class_index=cls,
+            nodes=gpu_nodes,
+            node_index=topology.gpu_groups[:, -1],
+            scope=scope,
+        )
+
+    reported_node_ms, by_node = timed(lambda: couple("node"), args.repeat)
+    reported_site_ms, by_site = timed(lambda: couple("site"), args.repeat)
+
     o = Overrides(jobs=book)
     spare = node_names[target : target + 2] or node_names[-2:]
     new = Job("bench-new", "training", (), tuple(spare), None, "bench", "bench", 0.0)
@@ -120,6 +140,10 @@ def main() -> None:
         "places_ms": round(places_ms, 2),
         "index_ms": round(index_ms, 2),
         "per_tick_ms": round(tick_ms, 3),
+        "reported_node_ms": round(reported_node_ms, 2),
+        "reported_node_jobs": len(by_node.names),
+        "reported_site_ms": round(reported_site_ms, 2),
+        "reported_site_jobs": len(by_site.names),
         "put_job_ms": round(put_ms, 2),
         "capture_ms": round(capture_ms, 2),
         "state_json_ms": round(doc_ms, 2),

@@ -191,6 +191,11 @@ class Control(_Strict):
     # Budgets in force move no faster than this (scheduled cuts start early enough to reach
     # their target on time); None: budgets step. Immediate cuts always go at once.
     ramp_w_per_s: RampRates | None = None
+    # Jobs the nodes report per GPU (telemetry's `job`, e.g. from Kubernetes): "node" couples
+    # the GPUs of one node that report one job (a node's report reaches its own GPUs only);
+    # "site" couples them across nodes, trusting every node as much as a scheduler (a node
+    # that claims a job holds that job's cap); "off" ignores them. An operator's job wins.
+    reported_jobs: Literal["off", "node", "site"] = "node"
 
     @model_validator(mode="after")
     def _lease_covers_ticks(self) -> Control:

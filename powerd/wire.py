@@ -26,6 +26,8 @@ DEFAULT_PREFIX = "powerd/v1"
 MAX_PAYLOAD_BYTES = 256 * 1024
 NODE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
 UUID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
+# A job as a node reports it (docs/protocol.md): Kubernetes' `namespace/name` forms fit.
+REPORTED_JOB_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}$"
 MAX_GPUS_PER_NODE = 64
 # A cap no real GPU accepts; anything above is a corrupt or hostile message.
 MAX_SANE_WATTS = 10_000.0
@@ -82,6 +84,11 @@ class GpuTelemetry(BaseModel):
     sm_clock_mhz: float = Field(ge=0, le=10_000, allow_inf_nan=False)
     throttle: list[ShortText] = Field(default_factory=list, max_length=32)
     workload: str | None = Field(default=None, max_length=128)
+    # The job running on the GPU as its node knows it (a Kubernetes pod's job label, or the
+    # pod itself); None: none known. Untrusted like the rest: the controller couples a
+    # node's GPUs by it, and across nodes only where the policy says so (docs/policy.md,
+    # `control.reported_jobs`).
+    job: str | None = Field(default=None, pattern=REPORTED_JOB_PATTERN)
     perf: float | None = Field(default=None, ge=0, le=1e12, allow_inf_nan=False)
     error: str | None = Field(default=None, max_length=256)  # e.g. "gpu_lost"
     # The limit this agent last set on the GPU (a command's cap or its own failsafe cap);

@@ -96,6 +96,7 @@ IO_LIBRARIES = (
     "httpx",
     "prometheus_client",
     "pynvml",
+    "grpc",
 )
 
 

@@ -30,6 +30,7 @@ import structlog
 from pydantic import ValidationError
 
 from powerd import __version__
+from powerd.agent.kubelet import PodSource
 from powerd.agent.perf import PerfSource
 from powerd.agent.settings import AgentSettings
 from powerd.backends.base import BackendError, GpuBackend, GpuInfo, GpuReading
@@ -131,6 +132,8 @@ class Agent:
         self.on_telemetry: list[Callable[[NodeTelemetry], None]] = []  # e.g. metrics
         # Where perf comes from when the backend has none (agent/perf.py); set by main.
         self.perf_source: PerfSource | None = None
+        # Which job (and class) each GPU's pod has, in Kubernetes (agent/kubelet.py).
+        self.pod_source: PodSource | None = None
         self._pending: set[asyncio.Task[None]] = set()
         self.log = log.bind(node=self.node_id)
 
@@ -540,6 +543,7 @@ class Agent:
 
     def _telemetry(self, info: GpuInfo, r: GpuReading) -> GpuTelemetry:
         self.caps_w[info.uuid] = r.cap_w
+        pod = None if self.pod_source is None else self.pod_source.of(info.uuid)
         return GpuTelemetry(
             uuid=info.uuid,
             index=info.index,
@@ -554,7 +558,8 @@ class Agent:
             util_pct=r.util_pct,
             sm_clock_mhz=r.sm_clock_mhz,
             throttle=r.throttle,
-            workload=r.workload,
+            workload=r.workload if pod is None or pod.cls is None else pod.cls,
+            job=None if pod is None else pod.job,
             perf=r.perf if self.perf_source is None else self.perf_source.value(info.uuid),
             set_w=self.set_w.get(info.uuid),
             restores=self.restores[info.uuid],

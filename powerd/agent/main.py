@@ -9,6 +9,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from powerd.agent.agent import Agent, build_backend, build_transport
+from powerd.agent.kubelet import PodSource, build_pod_source
 from powerd.agent.perf import PerfSource
 from powerd.agent.record import TraceRecorder
 from powerd.agent.settings import AgentSettings
@@ -28,6 +29,7 @@ async def run_agent_process(settings: AgentSettings, clock: Clock | None = None)
     try:
         transport = build_transport(settings)
         agent = Agent(settings, backend, transport, clock)
+        pods = _pod_source(agent, settings)  # first: a SettingsError leaves no thread behind
         perf = _perf_source(agent, settings)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -51,6 +53,8 @@ async def run_agent_process(settings: AgentSettings, clock: Clock | None = None)
                 await asyncio.to_thread(recorder.close)
             if perf is not None:
                 await asyncio.to_thread(perf.stop)
+            if pods is not None:
+                await asyncio.to_thread(pods.stop)
     finally:
         backend.close()
 
@@ -62,6 +66,17 @@ def _perf_source(agent: Agent, settings: AgentSettings) -> PerfSource | None:
         return None
     source = PerfSource(config, {u: g.index for u, g in agent.gpus.items()})
     agent.perf_source = source
+    source.start()
+    return source
+
+
+def _pod_source(agent: Agent, settings: AgentSettings) -> PodSource | None:
+    """Jobs from Kubernetes when configured, polling in its own thread."""
+    config = settings.kube_config()
+    if config is None:
+        return None
+    source = build_pod_source(config, {u: g.index for u, g in agent.gpus.items()})
+    agent.pod_source = source
     source.start()
     return source
 

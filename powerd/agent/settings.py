@@ -8,6 +8,14 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from powerd.agent.kubelet import (
+    DEFAULT_SOCKET,
+    GPU_RESOURCE,
+    LABEL_KEY_PATTERN,
+    SERVICE_ACCOUNT_DIR,
+    KubeConfig,
+    in_cluster_api_url,
+)
 from powerd.agent.perf import PerfConfig
 from powerd.settings import BrokerSettings, SettingsError
 from powerd.wire import MAX_GPUS_PER_NODE, MAX_SANE_WATTS, NodeId
@@ -72,6 +80,35 @@ class AgentSettings(BrokerSettings):
     perf_max_age_s: float = Field(default=30.0, gt=0, le=86400)
     perf_gpus: list[int] | None = Field(default=None, max_length=MAX_GPUS_PER_NODE)
 
+    # Jobs from Kubernetes (docs/operations.md, "Jobs from Kubernetes"): the kubelet's
+    # PodResources socket (None: off), the resources that are GPUs, the pod labels naming
+    # the job and the class (None: the pod is the job; no class), and where labels are read.
+    kube_socket: Path | None = None
+    kube_resources: list[str] = Field(
+        default_factory=lambda: [GPU_RESOURCE], min_length=1, max_length=16
+    )
+    kube_job_label: str | None = Field(default=None, pattern=LABEL_KEY_PATTERN)
+    kube_class_label: str | None = Field(default=None, pattern=LABEL_KEY_PATTERN)
+    kube_node_name: str | None = Field(default=None, min_length=1, max_length=253)
+    kube_api_url: str | None = Field(default=None, pattern=r"^https?://", max_length=2000)
+    kube_token_file: Path = SERVICE_ACCOUNT_DIR / "token"
+    kube_ca_file: Path = SERVICE_ACCOUNT_DIR / "ca.crt"
+    kube_period_s: float = Field(default=10.0, gt=0, le=3600)
+    kube_timeout_s: float = Field(default=3.0, gt=0, le=60)
+    kube_labels_max_age_s: float = Field(default=300.0, gt=0, le=86400)
+
+    @model_validator(mode="after")
+    def _kube(self) -> AgentSettings:
+        labels = self.kube_job_label is not None or self.kube_class_label is not None
+        if self.kube_socket is None and (labels or self.kube_api_url is not None):
+            raise ValueError(
+                f"kube_job_label, kube_class_label and kube_api_url need kube_socket "
+                f"(the kubelet's PodResources socket, usually {DEFAULT_SOCKET})"
+            )
+        if self.kube_timeout_s >= self.kube_period_s:
+            raise ValueError("kube_timeout_s must be shorter than kube_period_s")
+        return self
+
     @model_validator(mode="after")
     def _one_perf_source(self) -> AgentSettings:
         if self.perf_url is not None and self.perf_file is not None:
@@ -98,6 +135,37 @@ class AgentSettings(BrokerSettings):
             max_age_s=self.perf_max_age_s,
             gpus=None if self.perf_gpus is None else tuple(self.perf_gpus),
         )
+
+    def kube_config(self) -> KubeConfig | None:
+        """Where jobs come from in Kubernetes (None: off). SettingsError when a label is
+        asked for and no API server is known (neither kube_api_url nor in a pod)."""
+        if self.kube_socket is None:
+            return None
+        config = KubeConfig(
+            socket=self.kube_socket,
+            resources=tuple(self.kube_resources),
+            node_name=self.kube_node_name or self.node_id,
+            job_label=self.kube_job_label,
+            class_label=self.kube_class_label,
+            api_url=self.kube_api_url or in_cluster_api_url(),
+            token_file=self.kube_token_file,
+            ca_file=self.kube_ca_file,
+            period_s=self.kube_period_s,
+            timeout_s=self.kube_timeout_s,
+            labels_max_age_s=self.kube_labels_max_age_s,
+        )
+        if config.needs_labels and config.api_url is None:
+            raise SettingsError(
+                self.kind,
+                [
+                    (
+                        "kube_api_url",
+                        "a job or class label is read from the API server: give its URL, "
+                        "or run the agent in a pod (KUBERNETES_SERVICE_HOST)",
+                    )
+                ],
+            )
+        return config
 
     def client_name(self) -> str:
         return f"powerd-agent-{self.node_id}"

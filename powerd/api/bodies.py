@@ -192,7 +192,10 @@ class GpuOut(_Out):
     pinned_w: float | None
     drained: bool
     job: str | None = Field(
-        default=None, description="The job it belongs to now (by uuid, else by its node)."
+        default=None,
+        description="The operators' job it belongs to now (by uuid, else by its node); else "
+        "the job its node reports, as the last tick coupled it (`control.reported_jobs`: "
+        "`<job>@<node>` with scope node).",
     )
     power_w: float
     cap_w: float = Field(description="Enforced limit, read back by the agent.")

@@ -14,6 +14,9 @@ from typing import Any
 from powerd.argtypes import positive_float
 from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 
+# powerd.agent.kubelet.DEFAULT_SOCKET, not imported for a parser every command builds.
+KUBELET_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+
 
 def cmd_demo(args: argparse.Namespace) -> int:
     import asyncio
@@ -70,6 +73,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
         perf_gpu_label=args.perf_gpu_label,
         perf_file=args.perf_file,
         perf_kind=args.perf_kind,
+        kube_socket=args.kube_socket,
+        kube_job_label=args.kube_job_label,
+        kube_class_label=args.kube_class_label,
+        kube_api_url=args.kube_api_url,
     )
     try:
         asyncio.run(run_agent_process(settings))
@@ -225,6 +232,7 @@ def _add_agent_parser(sub: Any) -> None:
         help="serve this node's Prometheus metrics on 127.0.0.1:PORT (default off)",
     )
     _add_perf_arguments(agent)
+    _add_kube_arguments(agent)
     agent.add_argument("--config", help="settings file (.toml or .yaml); flags win over it")
     agent.set_defaults(handler=cmd_agent)
 
@@ -250,6 +258,33 @@ def _add_perf_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--perf-file", help="read workload perf from a file the job writes")
     parser.add_argument(
         "--perf-kind", choices=("counter", "gauge"), help="counter: rate of its deltas (default)"
+    )
+
+
+def _add_kube_arguments(parser: argparse.ArgumentParser) -> None:
+    """The agent's flags for jobs from Kubernetes (docs/operations.md)."""
+    parser.add_argument(
+        "--kube-socket",
+        nargs="?",
+        const=KUBELET_SOCKET,
+        metavar="PATH",
+        help="report each GPU's job from the kubelet's PodResources socket (alone: "
+        f"{KUBELET_SOCKET}; needs the kubernetes extra; docs/operations.md, "
+        "'Jobs from Kubernetes')",
+    )
+    parser.add_argument(
+        "--kube-job-label",
+        metavar="LABEL",
+        help="the pod label naming the job, e.g. batch.kubernetes.io/job-name (default: "
+        "the pod is the job)",
+    )
+    parser.add_argument(
+        "--kube-class-label", metavar="LABEL", help="the pod label naming the class to steer as"
+    )
+    parser.add_argument(
+        "--kube-api-url",
+        metavar="URL",
+        help="where pod labels are read (default in a pod: the cluster's API server)",
     )
 
 

@@ -87,6 +87,9 @@ class FleetArrays:
     stale: BoolArray
     workloads: list[str | None]
     perf: FloatArray  # NaN where the workload reports none
+    # The job each GPU's node reports it in (None: none), the same list while none changes;
+    # None when no GPU reports one.
+    jobs: list[str | None] | None = None
     # The limit the GPU's agent last set (NaN: none reported, or the GPU reported an error):
     # `cap_w` differing from it is a limit powerd did not set.
     set_w: FloatArray | None = None
@@ -117,6 +120,7 @@ class _Columns:
     index: list[int] = field(default_factory=list)
     throttle: list[tuple[str, ...]] = field(default_factory=list)
     workload: list[str | None] = field(default_factory=list)
+    job: list[str | None] = field(default_factory=list)  # as its node reports it
     error: list[str | None] = field(default_factory=list)
     set_w: list[float] = field(default_factory=list)  # NaN: none (wire's GpuTelemetry.set_w)
     restores: list[int] = field(default_factory=list)
@@ -151,6 +155,7 @@ class _Columns:
         # A tuple of strings drops out of the collector's sight at its first collection.
         self.throttle[slot] = tuple(throttle) if throttle else ()
         self.workload[slot] = g.workload
+        self.job[slot] = g.job
         set_w = g.set_w
         # A GPU that could not be read carries its last known cap, not a reading.
         self.set_w[slot] = math.nan if set_w is None or error is not None else set_w
@@ -208,6 +213,7 @@ class FleetGpu:
     sm_clock_mhz: _Column[float] = _Column()
     throttle: _Column[tuple[str, ...]] = _Column()
     workload: _Column[str | None] = _Column()
+    job: _Column[str | None] = _Column()  # as its node reports it
     error: _Column[str | None] = _Column()
     seen_at: _Column[float] = _Column()  # monotonic time of the last sample
     restores: _Column[int] = _Column()
@@ -237,6 +243,8 @@ class FleetState:
         self.disputes: dict[str, Dispute] = {}
         self.version = 0  # bumps whenever the set of GPUs (or their order) changes
         self.stops = 0  # bumps whenever a node stops cleanly, or reports again after a stop
+        self.jobs_version = 0  # bumps whenever a GPU's reported job changes
+        self._jobs: tuple[int, int, list[str | None] | None] = (-1, -1, None)
         self._cols = _Columns()
         self._order: list[str] = []
         self._order_nodes: list[str] = []
@@ -378,6 +386,8 @@ class FleetState:
                 slot = rec.slot
                 if cols.index[slot] != g.index:
                     self.version += 1  # the fleet's order follows GPU indices
+                if cols.job[slot] != g.job:
+                    self.jobs_version += 1
             cols.write(slot, g, now)
         if refused and not node.refused:
             log.warning(
@@ -446,6 +456,10 @@ class FleetState:
         age = now - col(cols.seen_at)
         lost = np.array(cols.lost, dtype=np.bool_)[perm]
         workload = cols.workload
+        if self._jobs[:2] != (self.version, self.jobs_version):
+            job = cols.job
+            jobs = [job[i] for i in perm.tolist()] if any(j is not None for j in job) else None
+            self._jobs = (self.version, self.jobs_version, jobs)
         return FleetArrays(
             uuids=self._order,
             nodes=self._order_nodes,
@@ -459,5 +473,6 @@ class FleetState:
             stale=is_stale(age, lost, stale_after_s),
             workloads=[workload[i] for i in perm.tolist()],
             perf=col(cols.perf),
+            jobs=self._jobs[2],
             set_w=col(cols.set_w),
         )

@@ -16,7 +16,7 @@ name, then numpy over the GPUs.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -161,3 +161,74 @@ class JobView:
             if i is not None:
                 out[i] = position[job]
         return out if (out >= 0).any() else None
+
+
+@dataclass(frozen=True, eq=False)
+class ReportedJobs:
+    """Jobs the nodes report per GPU (telemetry's `job`), coupled as the policy's
+    `control.reported_jobs` says (docs/operations.md, "Jobs from Kubernetes").
+
+    A node's report is untrusted. It never changes a GPU's class: a reported job steers as
+    the class most of its GPUs have (ties: the policy's first), and a member of another
+    class (its own workload's or an operator's assignment) steers alone. It never takes a
+    GPU an operator's job holds. With scope "node" a job couples one node's GPUs only, named
+    `<job>@<node>`, so a node's report reaches its own GPUs and nothing else; with "site"
+    the GPUs of every node reporting one name share one cap (a name an operator's job has
+    is left to the operator's)."""
+
+    names: tuple[str, ...]  # reported job index → the name shown
+    index: IntArray  # per GPU: its reported job (-1: none)
+
+    @classmethod
+    def couple(
+        cls,
+        reported: Sequence[str | None],
+        *,
+        free: NDArray[np.bool_],  # per GPU: in no operator's job
+        class_index: IntArray,
+        nodes: Sequence[str],  # per GPU, its node's name
+        node_index: IntArray,  # per GPU, its node's position (any numbering)
+        scope: str,  # "node" or "site"
+        taken: Collection[str] = (),  # names of operators' jobs
+    ) -> ReportedJobs:
+        n = len(reported)
+        index = np.full(n, -1, dtype=np.int64)
+        # Codes in the order names first appear (the fleet's order: stable from tick to
+        # tick); one pass of Python over the GPUs, the rest numpy.
+        code_of: dict[str, int] = {}
+        seen = code_of.setdefault
+        code = np.fromiter(
+            (-1 if r is None else seen(r, len(code_of)) for r in reported), np.int64, count=n
+        )
+        distinct = list(code_of)
+        usable = (code >= 0) & free
+        gone = [code_of[t] for t in taken if t in code_of]
+        if gone:
+            usable &= ~np.isin(code, gone)
+        eligible = np.flatnonzero(usable)
+        if not eligible.size:
+            return cls((), index)
+        key = code[eligible]
+        if scope == "node":  # one node's GPUs only: the node is part of the key
+            key = node_index[eligible].astype(np.int64) * len(distinct) + key
+        classes = class_index[eligible]
+        n_classes = int(classes.max()) + 1
+        # Each key's class: the one most of its GPUs have, the lowest index on a tie.
+        pair, count = np.unique(key * n_classes + classes, return_counts=True)
+        pair_key, pair_cls = pair // n_classes, pair % n_classes
+        order = np.lexsort((pair_cls, -count, pair_key))
+        pair_key, pair_cls = pair_key[order], pair_cls[order]
+        first = np.ones(pair_key.size, dtype=np.bool_)
+        first[1:] = pair_key[1:] != pair_key[:-1]
+        job_key, job_cls = pair_key[first], pair_cls[first]
+        at = np.searchsorted(job_key, key)
+        member = classes == job_cls[at]
+        members, job_of = eligible[member], at[member]
+        _, where, position = np.unique(job_of, return_index=True, return_inverse=True)
+        names = []
+        for i in where.tolist():  # each job's first GPU, in the jobs' order
+            gpu = int(members[i])
+            name = distinct[int(code[gpu])]
+            names.append(f"{name}@{nodes[gpu]}" if scope == "node" else name)
+        index[members] = position
+        return cls(tuple(names), index)

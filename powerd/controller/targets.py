@@ -23,7 +23,7 @@ from powerd.allocator.learn import ProfileLearner, learner_for
 from powerd.allocator.problem import build_problem
 from powerd.allocator.scopes import DemandCurve, demand_curve
 from powerd.controller.fleet import FleetArrays
-from powerd.controller.jobs import GpuPlaces, JobView
+from powerd.controller.jobs import GpuPlaces, JobView, ReportedJobs
 from powerd.controller.overrides import Overrides
 from powerd.controller.shape import Shape
 from powerd.policy import Policy
@@ -55,7 +55,7 @@ class Targets:
     alloc: Allocation | None  # None when the solver failed
     class_index: IntArray  # per GPU, as steered (a job's class for its GPUs)
     jobs: JobView
-    job_index: IntArray | None
+    job_index: IntArray | None  # operators' jobs first (JobView.names), then reported ones
     held: BoolArray  # GPUs that refuse their cap: they keep the power they may have
 
 
@@ -80,6 +80,8 @@ class TargetStage:
         self._job_index_key: tuple[JobView, Shape] | None = None
         self.job_index: IntArray | None = None
         self._places: tuple[Shape, GpuPlaces] | None = None
+        # Jobs the nodes report, coupled (ReportedJobs) from the inputs kept beside them.
+        self._reported: tuple[tuple[object, ...], IntArray, ReportedJobs] | None = None
         self.warm = None
 
     def decide(
@@ -101,6 +103,7 @@ class TargetStage:
         cls_idx = self.class_indices(arrays, overrides)
         if job_idx is not None:  # a job's GPUs steer as its class (or its own)
             cls_idx = np.where(job_idx >= 0, jobs.job_class[job_idx], cls_idx)
+        job_idx, job_names = self.with_reported(jobs, job_idx, cls_idx, arrays, shape)
         pinned = self.pinned(arrays, overrides)
         if self.learner is not None:
             self.learn(now, arrays, cls_idx, shape.topology.gpu_groups[:, N_LEVELS - 1], tick)
@@ -120,7 +123,7 @@ class TargetStage:
             stale=arrays.stale,
             pinned_w=pinned,
             job_index=job_idx,
-            job_names=jobs.names,
+            job_names=job_names,
         )
         targets, status, objective, solve_ms, unused_w = self.allocate(
             tick, fleet, limit_w, shape, alarm
@@ -162,6 +165,54 @@ class TargetStage:
                 self.job_index = view.index(self._places[1])
             self._job_index_key = (view, shape)
         return self.job_index
+
+    def with_reported(
+        self,
+        view: JobView,
+        job_idx: IntArray | None,
+        cls_idx: IntArray,
+        arrays: FleetArrays,
+        shape: Shape,
+    ) -> tuple[IntArray | None, tuple[str, ...]]:
+        """Per GPU its job and the jobs' names: the operators' (`job_idx`, `view.names`),
+        then the jobs nodes report on the other GPUs. Coupled again only when the reports,
+        the operators' jobs, the GPU set or a class change; a fault leaves the operators'."""
+        scope = self.policy.control.reported_jobs
+        reported_by_gpu = arrays.jobs
+        if scope == "off" or reported_by_gpu is None:
+            return job_idx, view.names
+        try:
+            inputs = (reported_by_gpu, view, job_idx, scope, shape)
+            kept = self._reported
+            if (
+                kept is None
+                or len(kept[0]) != len(inputs)
+                or any(a is not b for a, b in zip(kept[0], inputs, strict=True))
+                or not np.array_equal(kept[1], cls_idx)
+            ):
+                free = np.ones(len(cls_idx), dtype=np.bool_) if job_idx is None else job_idx < 0
+                reported = ReportedJobs.couple(
+                    reported_by_gpu,
+                    free=free,
+                    class_index=cls_idx,
+                    nodes=arrays.nodes,
+                    node_index=shape.topology.gpu_groups[:, N_LEVELS - 1],
+                    scope=scope,
+                    taken=view.names,
+                )
+                if kept is None or kept[2].names != reported.names:
+                    log.info("reported_jobs", scope=scope, jobs=len(reported.names))
+                kept = self._reported = (inputs, cls_idx, reported)
+            reported = kept[2]
+        except Exception:
+            # Coupling is an optimisation: a fault in it never costs a tick its caps.
+            log.exception("reported_jobs_failed")
+            return job_idx, view.names
+        if not reported.names:
+            return job_idx, view.names
+        shifted = np.where(reported.index >= 0, reported.index + len(view.names), -1)
+        combined = shifted if job_idx is None else np.where(job_idx >= 0, job_idx, shifted)
+        return combined, view.names + reported.names
 
     def class_indices(self, arrays: FleetArrays, overrides: Overrides) -> IntArray:
         """Each GPU's class: the operator's assignment, else its workload's, else the default

@@ -28,6 +28,7 @@ from powerd.api.errors import AUTH_ERRORS, error_doc, rejected
 from powerd.controller.controller import Controller
 from powerd.controller.fleet import is_stale
 from powerd.controller.report import TickReport
+from powerd.controller.why import WhyFrame
 from powerd.numeric import finite_or_none
 from powerd.policy import LEVELS
 
@@ -220,6 +221,15 @@ async def nodes(
     return _page(out, limit, offset)
 
 
+def _tick_job(frame: WhyFrame, i: int) -> str | None:
+    """The job GPU `i` was in at the last tick: for a GPU in no operator's job now, the job
+    its node reports (as coupled by `control.reported_jobs`), as of that tick like its class."""
+    if frame.job_index is None:
+        return None
+    j = int(frame.job_index[i])
+    return frame.job_names[j] if 0 <= j < len(frame.job_names) else None
+
+
 @router.get("/gpus", response_model=Page[GpuOut], responses=AUTH_ERRORS)
 async def gpus(
     _: Viewer,
@@ -257,6 +267,8 @@ async def gpus(
         if class_ is not None and cls != class_:
             continue
         job_of = jobs.job_of(uuid, rec.node) if jobs.by_name else None
+        if job_of is None and i is not None and r is not None and r.why is not None:
+            job_of = _tick_job(r.why, i)
         if job is not None and job_of != job:
             continue
         age = max(0.0, now - rec.seen_at)
