@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    quiet = args.command in ("demo", "sim")  # their own output is the point
+    quiet = args.command in ("demo", "sim", "solve", "warm")  # their own output is the point
     configure_logging(args.log_format, args.log_level or ("warning" if quiet else "info"))
     handler: Handler = args.handler
     try:
