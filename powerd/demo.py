@@ -33,6 +33,7 @@ from powerd.store import Store, StoreWriter, upgrade
 from powerd.transport import MemoryBroker, MqttConfig, MqttTransport, Transport
 
 if TYPE_CHECKING:
+    from powerd.allocator.kernel import WarmUp
     from powerd.api.server import ApiServer
 
 EMBEDDED_POLICY = "example.yaml"
@@ -75,11 +76,24 @@ def workload_mix(policy: Policy, node_index: int, tick_s: float) -> Workload:
 
 @dataclass
 class DemoStats:
+    """What the demo counts. A tick with a *settling* group is apart (start-up): until a GPU
+    acknowledges a first cap of this controller it counts at its maximum (docs/safety.md,
+    "Restart"), so committed sits above budgets there without any cap sent above one, and
+    the GPUs, booted at their default limits, may still draw them."""
+
     ticks: int = 0
-    over_budget_ticks: int = 0  # committed caps above a budget (must stay 0)
-    draw_over_ticks: int = 0  # measured draw above a budget
-    max_committed_frac: float = 0.0
-    max_draw_frac: float = 0.0
+    over_budget_ticks: int = 0  # committed caps above a budget, settling groups aside (must stay 0)
+    draw_over_ticks: int = 0  # measured draw above a budget, start-up ticks aside
+    max_committed_frac: float = 0.0  # after start-up
+    max_draw_frac: float = 0.0  # after start-up
+    # Start-up (ticks where any group settles): how many, how long, how high.
+    startup_ticks: int = 0
+    startup_s: float = 0.0  # from the first such tick to the first tick after them
+    startup_open: bool = False  # the last tick still settled
+    startup_max_committed_frac: float = 0.0
+    startup_max_committed_group: str | None = None  # the group of that highest ratio
+    startup_max_draw_frac: float = 0.0
+    startup_draw_over_ticks: int = 0
     solve_ms: list[float] = field(default_factory=list)
     tick_ms: list[float] = field(default_factory=list)
     throughput: list[float] = field(default_factory=list)
@@ -90,32 +104,91 @@ class DemoStats:
     uncapped_draw_w: list[float] = field(default_factory=list)
     draw_w: list[float] = field(default_factory=list)
     statuses: dict[str, int] = field(default_factory=dict)
+    _last_ts: float | None = None
 
     def add(self, r: TickReport) -> None:
         self.ticks += 1
         budget = r.group_budget_w
         finite = np.isfinite(budget)
-        if r.group_over.any():
+        if r.group_over.any():  # the controller's own count: settling groups are not over
             self.over_budget_ticks += 1
-        if np.any(r.group_draw_w[finite] > budget[finite] + 1e-6):
-            self.draw_over_ticks += 1
-        # A settling group's committed watts count GPUs at their maximum until their first
-        # ack after a start: not a use of the budget.
-        counted = finite & ~r.group_settling
-        if counted.any():
-            self.max_committed_frac = max(
-                self.max_committed_frac,
-                float(np.max(r.group_committed_w[counted] / budget[counted])),
-            )
-        if finite.any():
-            self.max_draw_frac = max(
-                self.max_draw_frac, float(np.max(r.group_draw_w[finite] / budget[finite]))
-            )
+        if self.startup_open and self._last_ts is not None:
+            self.startup_s += r.ts - self._last_ts
+        self._last_ts = r.ts
+        self.startup_open = bool(r.group_settling.any())
+        committed = _max_ratio(r.group_committed_w, budget, finite)
+        draw = _max_ratio(r.group_draw_w, budget, finite)
+        draw_over = bool(np.any(r.group_draw_w[finite] > budget[finite] + 1e-6))
+        if self.startup_open:
+            self.startup_ticks += 1
+            if committed > self.startup_max_committed_frac:
+                self.startup_max_committed_frac = committed
+                ratio = np.where(finite, r.group_committed_w / np.where(finite, budget, 1.0), 0)
+                self.startup_max_committed_group = r.group_names[int(np.argmax(ratio))]
+            self.startup_max_draw_frac = max(self.startup_max_draw_frac, draw)
+            self.startup_draw_over_ticks += draw_over
+        else:
+            self.max_committed_frac = max(self.max_committed_frac, committed)
+            self.max_draw_frac = max(self.max_draw_frac, draw)
+            self.draw_over_ticks += draw_over
         self.solve_ms.append(r.solve_ms)
         self.tick_ms.append(r.duration_ms)
         self.throughput.append(r.throughput_total)
         self.draw_w.append(float(r.group_draw_w[0]))
         self.statuses[r.status] = self.statuses.get(r.status, 0) + 1
+
+
+def _max_ratio(value_w: np.ndarray[Any, Any], budget_w: np.ndarray[Any, Any], finite: Any) -> float:
+    return float(np.max(value_w[finite] / budget_w[finite])) if finite.any() else 0.0
+
+
+@dataclass(frozen=True)
+class Boot:
+    """How the simulated GPUs start: at their default power limit, held by their agents at
+    the failsafe cap until a first command, counted by the controller at their maximum."""
+
+    default_cap_w: float
+    failsafe_w: float
+    max_cap_w: float
+
+
+class StartupNotes:
+    """The console's lines about start-up: what it is at its first tick, when it ends."""
+
+    def __init__(self, boot: Boot) -> None:
+        self.boot = boot
+        self.said = False
+        self.settling = False
+        self.ticks = 0
+        self.since: float | None = None
+
+    def after(self, r: TickReport) -> list[str]:
+        settling = bool(r.group_settling.any())
+        lines: list[str] = []
+        if settling and not self.said:
+            self.said = True
+            b = self.boot
+            lines += [
+                f"  ^ START-UP: GPUs boot at their default limit ({b.default_cap_w:.0f} W); their "
+                f"agents hold them at the failsafe cap ({b.failsafe_w:.0f} W)",
+                "    until a first command. Until a GPU acknowledges a cap of this controller, it "
+                f"counts at its maximum ({b.max_cap_w:.0f} W),",
+                "    since an earlier controller's commands could still land (docs/safety.md, "
+                '"Restart"): that is the committed',
+                "    above budget here. Nothing is raised meanwhile; the summary counts these "
+                "ticks apart.",
+            ]
+        if settling:
+            self.ticks += 1
+            self.since = r.ts if self.since is None else self.since
+        elif self.settling and self.since is not None:
+            lines.append(
+                f"  start-up over after {self.ticks} tick{'s' if self.ticks != 1 else ''} "
+                f"({r.ts - self.since:.1f} s): every GPU has acknowledged a cap"
+            )
+            self.ticks, self.since = 0, None
+        self.settling = settling
+        return lines
 
 
 def _kw(w: float) -> str:
@@ -129,6 +202,8 @@ def live_line(r: TickReport) -> str:
     )
     by_class = " ".join(f"{c[:5]}={v:6.1f}" for c, v in sorted(r.throughput_by_class().items()))
     flag = " OVER" if r.group_over.any() else ""
+    if r.group_settling.any():
+        flag += " START-UP"  # GPUs counted at their maximum until their first ack
     return (
         f"tick {r.tick:4d} | budget {_kw(r.group_budget_w[0])} kW"
         f" | committed {_kw(r.group_committed_w[0])} kW"
@@ -137,7 +212,13 @@ def live_line(r: TickReport) -> str:
     )
 
 
-def summary(stats: DemoStats, policy: Policy, n_gpus: int, db_url: str) -> dict[str, Any]:
+def summary(
+    stats: DemoStats,
+    policy: Policy,
+    n_gpus: int,
+    db_url: str,
+    solver: WarmUp | None = None,
+) -> dict[str, Any]:
     def pct(xs: list[float], q: float) -> float:
         return float(np.percentile(xs, q)) if xs else math.nan
 
@@ -160,6 +241,14 @@ def summary(stats: DemoStats, policy: Policy, n_gpus: int, db_url: str) -> dict[
         "ticks_draw_over_budget": stats.draw_over_ticks,
         "max_committed_over_budget_ratio": stats.max_committed_frac,
         "max_draw_over_budget_ratio": stats.max_draw_frac,
+        # Start-up, apart from the figures above (DemoStats).
+        "startup_ticks": stats.startup_ticks,
+        "startup_s": stats.startup_s,
+        "startup_settled": not stats.startup_open,
+        "startup_max_committed_ratio": stats.startup_max_committed_frac,
+        "startup_max_committed_group": stats.startup_max_committed_group,
+        "startup_max_draw_ratio": stats.startup_max_draw_frac,
+        "startup_ticks_draw_over_budget": stats.startup_draw_over_ticks,
         "mean_draw_w": statistics.fmean(stats.draw_w) if stats.draw_w else math.nan,
         "mean_throughput": statistics.fmean(stats.throughput) if stats.throughput else math.nan,
         # The same mix on the GPUs static provisioning powers, each at full speed.
@@ -175,6 +264,9 @@ def summary(stats: DemoStats, policy: Policy, n_gpus: int, db_url: str) -> dict[
         "solve_ms_p99": pct(stats.solve_ms, 99),
         "tick_ms_p50": pct(stats.tick_ms, 50),
         "tick_ms_p99": pct(stats.tick_ms, 99),
+        # Compiling (or loading) the solver before the first tick: not in solve_ms.
+        "solver_ready_s": None if solver is None else solver.seconds,
+        "solver_kernels_compiled": None if solver is None else solver.compiled,
         "statuses": stats.statuses,
         "db": db_url,
     }
@@ -203,13 +295,16 @@ def print_summary(s: dict[str, Any], out: TextIO) -> None:
             f"{per_j:+.0%} work per joule)",
             file=out,
         )
+    _print_startup(s, out)
+    after = " after start-up" if s["startup_ticks"] else ""
     print(
-        f"  ticks with committed caps over any budget: {s['ticks_committed_over_budget']} "
+        f"  ticks{after} with committed caps over any budget: "
+        f"{s['ticks_committed_over_budget']} "
         f"(highest committed/budget {s['max_committed_over_budget_ratio']:.1%})",
         file=out,
     )
     print(
-        f"  ticks with measured draw over any budget:  {s['ticks_draw_over_budget']} "
+        f"  ticks{after} with measured draw over any budget:  {s['ticks_draw_over_budget']} "
         f"(highest draw/budget {s['max_draw_over_budget_ratio']:.1%})",
         file=out,
     )
@@ -218,6 +313,17 @@ def print_summary(s: dict[str, Any], out: TextIO) -> None:
         f"{s['mean_throughput']:.1f} (GPU-equivalents at full speed)",
         file=out,
     )
+    if s["solver_ready_s"] is not None:
+        how = (
+            f"compiled ({s['solver_kernels_compiled']} kernels)"
+            if s["solver_kernels_compiled"]
+            else "loaded from numba's cache"
+        )
+        print(
+            f"  solver {how} in {s['solver_ready_s']:.1f} s before the first tick, not in "
+            "the solve times",
+            file=out,
+        )
     print(
         f"  solve p50 {s['solve_ms_p50']:.1f} ms, p99 {s['solve_ms_p99']:.1f} ms; tick p50 "
         f"{s['tick_ms_p50']:.1f} ms, p99 {s['tick_ms_p99']:.1f} ms (in-process agents share "
@@ -225,6 +331,26 @@ def print_summary(s: dict[str, Any], out: TextIO) -> None:
         file=out,
     )
     print(f"  allocation statuses: {s['statuses']}; history in {s['db']}", file=out)
+
+
+def _print_startup(s: dict[str, Any], out: TextIO) -> None:
+    n = s["startup_ticks"]
+    if not n:
+        return
+    lasted = (
+        f"{n} tick{'s' if n != 1 else ''} ({s['startup_s']:.1f} s)"
+        if s["startup_settled"]
+        else f"{n} ticks, still at the end"
+    )
+    print(
+        f"  start-up: {lasted} until every GPU acknowledged its first cap; GPUs counted at "
+        f"their maximum meanwhile: committed up to {s['startup_max_committed_ratio']:.1%} of "
+        f"a budget ({s['startup_max_committed_group']}), draw up to "
+        f"{s['startup_max_draw_ratio']:.1%} "
+        f"({s['startup_ticks_draw_over_budget']} of those ticks with draw over a budget, "
+        "GPUs still at their boot limits); expected at every start, reported apart",
+        file=out,
+    )
 
 
 def tick_json(r: TickReport) -> dict[str, Any]:
@@ -240,6 +366,8 @@ def tick_json(r: TickReport) -> dict[str, Any]:
         "solve_ms": r.solve_ms,
         "status": r.status,
         "over_budget": bool(r.group_over.any()),
+        # GPUs counted at their maximum until their first ack: committed may exceed budgets
+        "startup": bool(r.group_settling.any()),
         "rows": {
             n: {"budget_w": finite_or_none(b), "committed_w": ld, "draw_w": d}
             for n, b, ld, d in r.level_totals(1)
@@ -257,17 +385,63 @@ def _first_nodes(policy: Policy, nodes: int | None) -> tuple[Policy, list[str]]:
     return policy.subset(names[:nodes]), names[:nodes]
 
 
+class LiveView:
+    """Each tick: counted, then printed (a line, or JSON with `as_json`), with the start-up
+    notes."""
+
+    def __init__(self, model: SimulatedGpus, policy: Policy, out: TextIO, *, as_json: bool):
+        self.model = model
+        self.out = out
+        self.as_json = as_json
+        self.stats = DemoStats()
+        self.notes = StartupNotes(
+            Boot(
+                default_cap_w=float(model.default_cap_w.max()) if model.n else 0.0,
+                failsafe_w=policy.defaults.failsafe_w,
+                max_cap_w=policy.defaults.gpu.max_cap_w,
+            )
+        )
+
+    def show(self, r: TickReport) -> None:
+        model, stats = self.model, self.stats
+        stats.add(r)
+        # What the same GPUs would deliver uncapped: per GPU, what a statically provisioned
+        # GPU of this mix delivers.
+        stats.uncapped_per_gpu.append(float(model.uncapped_throughput().mean()) if model.n else 0.0)
+        stats.uncapped_draw_w.append(float(model.demand_w.mean()) if model.n else 0.0)
+        if self.as_json:
+            print(json.dumps(tick_json(r)), file=self.out, flush=True)
+            return
+        print(live_line(r), file=self.out, flush=True)
+        for line in self.notes.after(r):
+            print(line, file=self.out, flush=True)
+
+
 def live_page(controller: Controller, port: int, out: TextIO) -> ApiServer:
-    """The API on 127.0.0.1:`port` for a fresh viewer token; prints the live page's link."""
+    """The API on 127.0.0.1:`port` with two fresh tokens: a viewer's in the live page's link,
+    an operator's for the command line (`powerd status`, `gpus`, `budget`, `pin`, `drain`
+    read $POWERD_URL and $POWERD_TOKEN). Prints both."""
     from powerd.api.app import create_app
     from powerd.api.server import ApiServer
     from powerd.auth import Role, TokenStore, generate_token
 
-    token = generate_token()
-    app = create_app(controller, TokenStore.single(token, Role.VIEWER, "demo-viewer"))
-    server = ApiServer(app, "127.0.0.1", port)
-    # The token in the fragment: the browser keeps it, no server log sees it.
-    print(f"live page: http://127.0.0.1:{server.port}/ui#token={token}", file=out, flush=True)
+    viewer, operator = generate_token(), generate_token()
+    tokens = TokenStore(
+        [
+            *TokenStore.single(viewer, Role.VIEWER, "demo-viewer").entries,
+            *TokenStore.single(operator, Role.OPERATOR, "demo-operator").entries,
+        ]
+    )
+    server = ApiServer(create_app(controller, tokens), "127.0.0.1", port)
+    url = f"http://127.0.0.1:{server.port}"
+    # The viewer's token in the fragment: the browser keeps it, no server log sees it.
+    print(f"live page: {url}/ui#token={viewer}", file=out)
+    print(
+        "command line, as an operator (powerd status, gpus, why, budget, pin, drain), in "
+        "another shell while the demo runs:",
+        file=out,
+    )
+    print(f"  export POWERD_URL={url} POWERD_TOKEN={operator}", file=out, flush=True)
     return server
 
 
@@ -334,31 +508,21 @@ async def run_demo(
         store=store,
         writer=writer,
     )
-    stats = DemoStats()
-    server = (
-        None if ui_port is None else live_page(controller, ui_port, sys.stderr if as_json else out)
-    )
-
-    def show(r: TickReport) -> None:
-        stats.add(r)
-        # What the same GPUs would deliver uncapped: per GPU, what a statically provisioned
-        # GPU of this mix delivers.
-        stats.uncapped_per_gpu.append(float(model.uncapped_throughput().mean()) if model.n else 0.0)
-        stats.uncapped_draw_w.append(float(model.demand_w.mean()) if model.n else 0.0)
-        if as_json:
-            print(json.dumps(tick_json(r)), file=out, flush=True)
-        else:
-            print(live_line(r), file=out, flush=True)
-
-    controller.on_tick.append(show)
+    console = sys.stderr if as_json else out  # lines for people; --json keeps stdout to JSON
     if not as_json:
         print(
             f"powerd demo: {len(per_gpu)} simulated GPUs on {len(node_names)} nodes, "
             f"policy {policy.source}, {'broker ' + broker if broker else 'in-process broker'}, "
-            f"{duration_s:g} s",
+            f"{duration_s:g} s"
+            + (" (--ui 0: the live page and the API)" if ui_port is None else ""),
             file=out,
             flush=True,
         )
+    server = None if ui_port is None else live_page(controller, ui_port, console)
+    view = LiveView(model, policy, out, as_json=as_json)
+    stats = view.stats
+    controller.on_tick.append(view.show)
+    solver = await ready_solver(console)
     stop = asyncio.Event()
     try:
         async with asyncio.TaskGroup() as tg:
@@ -371,7 +535,7 @@ async def run_demo(
             stop.set()
     finally:
         await asyncio.to_thread(writer.stop)
-        result = summary(stats, policy, len(per_gpu), db_url)
+        result = summary(stats, policy, len(per_gpu), db_url, solver)
         if as_json:
             print(json.dumps({"summary": result}), file=out, flush=True)
         else:
@@ -380,6 +544,30 @@ async def run_demo(
             with contextlib.suppress(OSError):
                 tmp.cleanup()
     return result
+
+
+async def ready_solver(console: TextIO) -> WarmUp:
+    """The allocator's kernels compiled (or loaded from numba's cache) before the first tick,
+    so no tick's solve time is the compiler's; says so when numba compiles (seconds)."""
+    from powerd.allocator import kernel
+
+    def compiling(cache_dir: str | None) -> None:
+        where = f" in {cache_dir}" if cache_dir else ""
+        print(
+            f"compiling the allocator's kernels (once per install: numba caches them{where}) ...",
+            file=console,
+            flush=True,
+        )
+
+    ready = await asyncio.to_thread(kernel.warm_up, compiling)
+    if ready.compiled:
+        print(
+            f"solver compiled in {ready.seconds:.1f} s"
+            + ("" if ready.cached else " (not cached: no writable cache directory)"),
+            file=console,
+            flush=True,
+        )
+    return ready
 
 
 def load_demo_policy(path: str | None) -> Policy:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import re
 import tomllib
 
 import pytest
 from support.live_api import LiveApi, run, wait_until
 
 from powerd.auth import Principal, Role, TokenStore
-from powerd.cli.admin import parse_duration
+from powerd.cli.admin import parse_duration, print_gpus
 from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 
 
@@ -24,12 +26,79 @@ def test_status_prints_budget_table(live: LiveApi) -> None:
     assert "nodes 4 (4 steered); GPUs 8" in out
     header = next(i for i, line in enumerate(lines) if line.startswith("group"))
     assert lines[header].split() == ["group", "budget", "committed", "use", "draw"]
-    assert lines[header + 1].startswith("site   4.0 kW")
-    assert lines[header + 2].startswith("row-1  3.8 kW")
+    # Every level down to the racks (`why` names a rack as the binding budget), indented
+    # under its parent, in the tree's order.
+    rows = lines[header + 1 : header + 5]
+    groups = [line[: len(line) - len(line.lstrip())] + line.split()[0] for line in rows]
+    assert groups == ["site", "  row-1", "    rack-1", "    rack-2"]
+    assert lines[header + 1].startswith("site        4.0 kW")
+    assert lines[header + 3].startswith("    rack-1  2.0 kW")
+    assert lines[header + 5] == ""
     assert "alarms: none" in out
 
-    code, out = run(["status", "--json", "--url", live.url, "--token", live.tokens["viewer"]])
-    assert code == EXIT_OK and json.loads(out)["fleet"]["nodes"] == 4
+    viewer = ["--url", live.url, "--token", live.tokens["viewer"]]
+    code, out = run(["status", "--level", "node", *viewer])
+    assert code == EXIT_OK and "\n      rack-1-n2  1.5 kW" in out
+    code, out = run(["status", "--level", "facility", *viewer])
+    assert "\nsite   4.0 kW" in out and "row-1" not in out
+    code, out = run(["status", "--json", *viewer])
+    doc = json.loads(out)
+    assert doc["fleet"]["nodes"] == 4
+    assert [g["name"] for g in doc["groups"]] == ["site", "row-1", "rack-1", "rack-2"]
+
+
+def test_gpus_lists_where_each_gpu_is_and_its_cap(live: LiveApi) -> None:
+    viewer = ["--url", live.url, "--token", live.tokens["viewer"]]
+    code, out = wait_until(
+        lambda: (r := run(["gpus", *viewer]))[1].count("\n") == 9 and r, "8 GPUs"
+    )
+    assert code == EXIT_OK
+    lines = out.splitlines()
+    assert lines[0].split() == ["gpu", "node", "idx", "class", "job", "cap", "draw", "state"]
+    assert all(
+        re.fullmatch(r"\S+ rack-\d-n\d [01] training - \d+ W \d+ W ok", " ".join(line.split()))
+        for line in lines[1:]
+    ), out
+    # The same table from the JSON's GPUs (the live fleet moves between two requests).
+    items = json.loads(run(["gpus", "--json", *viewer])[1])
+    table = io.StringIO()
+    print_gpus(items, table)
+    for line, g in zip(table.getvalue().splitlines()[1:], items, strict=True):
+        uuid, node, idx, cls, job, cap, w1, draw, w2, state = line.split()
+        assert (uuid, node, int(idx), cls, job) == (
+            g["uuid"],
+            g["node"],
+            g["index"],
+            "training",
+            "-",
+        )
+        assert (w1, w2, state) == ("W", "W", "ok")  # whole watts; --json keeps every digit
+        assert int(cap) == round(g["cap_w"]) and int(draw) == round(g["power_w"])
+    code, out = run(["gpus", "--node", "rack-2-n1", *viewer])
+    assert [line.split()[1] for line in out.splitlines()[1:]] == ["rack-2-n1", "rack-2-n1"]
+    assert run(["gpus", "--class", "inference", *viewer])[1] == "no GPU heard matches\n"
+
+    # A job's GPUs, and filters that combine.
+    op = ["--url", live.url, "--token", live.tokens["operator"]]
+    assert run(["job", "put", "j7", "--nodes", "rack-1-n2", "--class", "training", *op])[0] == 0
+    out = wait_until(
+        lambda: (r := run(["gpus", "--job", "j7", *viewer])[1]).count("rack-1-n2") == 2 and r,
+        "the job's GPUs",
+    )
+    assert all(line.split()[4] == "j7" for line in out.splitlines()[1:])
+    assert run(["gpus", "--job", "j7", "--rack", "rack-2", *viewer])[1] == (
+        "no GPU heard matches\n"
+    )
+
+
+def test_commands_read_the_url_and_token_from_the_environment(
+    live: LiveApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("POWERD_URL", live.url)
+    monkeypatch.setenv("POWERD_TOKEN", live.tokens["operator"])
+    assert run(["gpus"])[0] == EXIT_OK
+    assert run(["drain", "rack-1-n1", "--reason", "env"])[0] == EXIT_OK
+    assert run(["status"])[1].count("drained: rack-1-n1") == 1
 
 
 def test_writes_and_their_exit_codes(live: LiveApi, capsys: pytest.CaptureFixture[str]) -> None:

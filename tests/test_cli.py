@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,7 +38,8 @@ def test_bad_policy_exits_2_with_the_path_and_no_traceback(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("solver", ["fast", "cvxpy", "uniform", "priority-bands"])
 def test_solve_prints_caps_that_fit_the_budgets(solver: str) -> None:
-    out = powerd("solve", "--policy", str(EXAMPLE), "--snapshot", str(SNAPSHOT), "--solver", solver)
+    args = ["--policy", str(EXAMPLE), "--snapshot", str(SNAPSHOT), "--solver", solver, "--json"]
+    out = powerd("solve", *args)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["solver"] == solver
@@ -46,6 +51,72 @@ def test_solve_prints_caps_that_fit_the_budgets(solver: str) -> None:
     # 64 nodes × 1 kW overhead leave 186 kW of the 250 kW feed for GPU caps.
     assert sum(caps.values()) <= 186_000 + 1e-3
     assert all(200 - 1e-9 <= w <= 700 + 1e-9 for w in caps.values())
+
+
+def test_solve_prints_whole_watts_for_people() -> None:
+    """The table rounds (the solver's caps carry float noise such as 499.9999999998924 W);
+    --json keeps every digit."""
+    out = powerd("solve", "--policy", str(EXAMPLE), "--snapshot", str(SNAPSHOT))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("optimal (fast): 512 GPUs, caps 186.0 kW")
+    assert re.fullmatch(
+        r"solve \d+\.\d ms \(the compiled code loaded first in \d+ ms, not counted\)", lines[1]
+    )
+    header = lines.index(next(line for line in lines if line.startswith("gpu ")))
+    assert lines[header].split() == ["gpu", "node", "class", "job", "draw", "cap", "now", "cap"]
+    rows = lines[header + 1 :]
+    assert len(rows) == 512
+    caps = json.loads(
+        powerd("solve", "--policy", str(EXAMPLE), "--snapshot", str(SNAPSHOT), "--json").stdout
+    )["caps"]
+    for row in rows:
+        uuid, *_, cap, unit = row.split()
+        assert unit == "W" and re.fullmatch(r"\d+", cap), row
+        assert int(cap) == round(caps[uuid])
+
+
+def test_warm_reports_the_cache_it_loaded_from() -> None:
+    out = powerd("warm", "--json")
+    assert out.returncode == 0, out.stderr
+    w = json.loads(out.stdout)
+    assert w["cached"] and w["jit"] and w["cache_dir"]
+    assert w["compiled"] + w["loaded"] >= 17  # a fresh process: every kernel, one way or other
+
+
+@pytest.mark.slow
+def test_warm_compiles_once_then_loads(tmp_path: Path) -> None:
+    """What ExecStartPre and an image build rely on: the first `powerd warm` compiles into
+    NUMBA_CACHE_DIR and says so as it starts; the next process only loads (~10 s, then
+    ~0.3 s on two cores)."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    cmd = [sys.executable, "-m", "powerd.cli", "--log-format", "json", "--log-level", "info"]
+    first = subprocess.run(
+        [*cmd, "warm"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300, check=False
+    )
+    assert first.returncode == 0, first.stderr
+    said = first.stdout.splitlines()
+    assert said[0].startswith("compiling the allocator's kernels (once per install; numba ")
+    where = re.escape(str(tmp_path / "numba"))
+    assert re.fullmatch(
+        rf"solver ready in [\d.]+ s: \d+ kernels compiled, cached in {where}/\S+", said[1]
+    )
+    events = [json.loads(line)["event"] for line in first.stderr.splitlines()]
+    assert events[:2] == ["solver_compiling", "solver_ready"]
+    again = subprocess.run(
+        [*cmd, "warm", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+        check=False,
+    )
+    w = json.loads(again.stdout)
+    compiled = int(re.findall(r"(\d+) kernels compiled", said[1])[0])
+    assert (w["compiled"], w["loaded"]) == (0, compiled)
+    assert w["cache_dir"].startswith(str(tmp_path))
+    assert "solver_compiling" not in again.stderr
 
 
 def test_solve_refuses_a_bad_snapshot_with_exit_2(tmp_path: Path) -> None:
@@ -96,11 +167,16 @@ def test_demo_steers_within_budgets_and_reports_json() -> None:
     ticks, summary = lines[:-1], lines[-1]["summary"]
     assert ticks, "the demo printed no tick"
     assert all(not t["over_budget"] for t in ticks)
-    assert all(t["committed_w"] <= t["budget_w"] + 1e-6 for t in ticks)
+    # Start-up (GPUs counted at their maximum until their first ack) is flagged; past it,
+    # committed caps stay within the budget.
+    assert ticks[0]["startup"] and not ticks[-1]["startup"]
+    assert all(t["committed_w"] <= t["budget_w"] + 1e-6 for t in ticks if not t["startup"])
     assert summary["ticks"] == len(ticks)
+    assert summary["startup_ticks"] == sum(t["startup"] for t in ticks)
     assert summary["gpus"] == 128
     assert summary["ticks_committed_over_budget"] == 0
     assert summary["max_committed_over_budget_ratio"] <= 1.0 + 1e-6
+    assert summary["startup_max_committed_ratio"] > 1.0  # its nodes: 8 × 700 W + 1 kW > 6.5 kW
     # The headline compares work under the same feed: static provisioning's GPUs at full
     # speed for this mix (fewer GPUs, none capped) against the steered fleet.
     static = summary["gpus_static_provisioning"]

@@ -183,6 +183,16 @@ def test_units_notify_watchdog_restart_and_hardening(unit: str) -> None:
     assert any(e.startswith("-/etc/powerd/") for e in d["EnvironmentFile"])
 
 
+def test_controller_compiles_the_solver_before_it_starts() -> None:
+    """`powerd warm` fills the unit's numba cache first (tolerated if the cache cannot be
+    written: the controller then compiles for itself); agents never load the solver."""
+    d = _directives("powerd-controller.service")
+    assert d["ExecStartPre"] == ["-/usr/bin/powerd warm"]
+    assert d["CacheDirectory"] == ["powerd"]
+    assert "NUMBA_CACHE_DIR=%C/powerd/numba" in d["Environment"]
+    assert "ExecStartPre" not in _directives("powerd-agent.service")
+
+
 def test_controller_runs_as_its_own_user_without_capabilities() -> None:
     d = _directives("powerd-controller.service")
     assert d["User"] == ["powerd"]

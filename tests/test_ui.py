@@ -237,6 +237,21 @@ def test_page_shows_the_fleet_and_follows_a_budget_cut(
                 lambda d: int(d.find_element(By.ID, "chart").get_attribute("data-points") or 0),
                 "the facility's history from the store",
             )
+            # The start counted every GPU at its maximum (8 × 700 W + 400 W = 6 kW against
+            # 4 kW): the chart keeps its scale at the budget's (5 kW) and marks that spike.
+            hist = c.get("/api/v1/history/facility").json()["points"]
+            peak = max(max(p["committed_w"] or 0, p["draw_max_w"] or 0) for p in hist)
+            assert peak > 1.2 * 4000
+            chart = until(
+                browser,
+                lambda d: (
+                    int((e := d.find_element(By.ID, "chart")).get_attribute("data-off-scale")) and e
+                ),
+                "the start-up spike marked above the scale",
+            )
+            assert float(chart.get_attribute("data-top-w")) == 5000
+            assert shown(browser, "chart-off-scale")
+            assert text(browser, "#chart text.off-scale") == f"{peak:.0f} W"  # the highest
 
             def alarms_as_api(d: Any) -> bool:
                 kinds = [a["kind"] for a in c.get("/api/v1/alarms").json()]

@@ -53,6 +53,28 @@ class Client:
         params = {} if at is None else {"at": datetime.fromtimestamp(at, tz=UTC).isoformat()}
         return dict(self.call("GET", f"{V1}/gpus/{uuid}/why", params=params))
 
+    def pages(self, path: str, params: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+        """Every item of a paged list (`{"items", "total", ...}`), a thousand a request."""
+        items: list[dict[str, Any]] = []
+        while True:
+            page = self.call(
+                "GET", path, params={**(params or {}), "limit": 1000, "offset": len(items)}
+            )
+            items += page["items"]
+            if not page["items"] or len(items) >= page["total"]:
+                return items
+
+    def gpus(self, **filters: str | None) -> list[dict[str, Any]]:
+        """Every GPU the controller knows, in the fleet's order; filters as the endpoint's
+        (`node`, `row`, `rack`, `class_`, `job`, `state`), None: not filtered."""
+        params = {k.rstrip("_"): v for k, v in filters.items() if v is not None}
+        return self.pages(f"{V1}/gpus", params)
+
+    def groups(self, level: str | None = None) -> list[dict[str, Any]]:
+        """Every budgeted group of the last tick, in the tree's order (a group before the
+        groups under it), or those of one level."""
+        return self.pages(f"{V1}/groups", {} if level is None else {"level": level})
+
     # writes
     def set_budget(
         self,
@@ -113,12 +135,7 @@ class Client:
         return dict(self.call("POST", f"{V1}/classes/clear", json=body))
 
     def jobs(self) -> list[dict[str, Any]]:
-        items: list[dict[str, Any]] = []
-        while True:
-            page = self.call("GET", f"{V1}/jobs", params={"limit": 1000, "offset": len(items)})
-            items += page["items"]
-            if not page["items"] or len(items) >= page["total"]:
-                return items
+        return self.pages(f"{V1}/jobs")
 
     def put_job(
         self,

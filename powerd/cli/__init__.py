@@ -1,7 +1,7 @@
 """The `powerd` command line: one module per group of commands, each with its `add_parser`.
 
-`policy` (policy check, solve), `daemons` (demo, agent, controller, coordinator), the admin
-API's commands (`admin`: status, why, budget, pin, drain, handover, class, job,
+`policy` (policy check, solve, warm), `daemons` (demo, agent, controller, coordinator), the
+admin API's commands (`admin`: status, gpus, why, budget, pin, drain, handover, class, job,
 token), `sim`, `profile` (`powerd.profilefit`) and `db`. Each subcommand builds its settings
 and parts, then runs them; its handler returns the exit status (`exits`).
 """
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    quiet = args.command in ("demo", "sim")  # their own output is the point
+    quiet = args.command in ("demo", "sim", "solve", "warm")  # their own output is the point
     configure_logging(args.log_format, args.log_level or ("warning" if quiet else "info"))
     handler: Handler = args.handler
     try:

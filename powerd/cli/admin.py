@@ -1,5 +1,5 @@
-"""`powerd status`, `powerd why ...`, `powerd budget ...`, `powerd pin ...`, `powerd job ...`:
-the admin API's commands, over `powerd.api.client.Client`.
+"""`powerd status`, `powerd gpus`, `powerd why ...`, `powerd budget ...`, `powerd pin ...`,
+`powerd job ...`: the admin API's commands, over `powerd.api.client.Client`.
 
 `add_parser(subparsers)` registers the subcommands on the `powerd` parser; each handler
 returns the CLI's exit status (0 done, 1 failed or refused access, 2 rejected input).
@@ -33,22 +33,34 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]], out: TextIO) ->
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip(), file=out)
 
 
+LEVELS = ("facility", "row", "rack", "node")
+
+
 def _use(g: dict[str, Any]) -> list[str]:
     budget = g["budget_w"]
     share = f"{g['committed_w'] / budget:.0%}" if budget else "-"
+    # A budget with a shadow price binds: it is what holds the GPUs under it back (`why`).
+    flag = "OVER" if g["over"] else "binding" if (g.get("price_per_kw") or 0) > 0 else ""
+    indent = "  " * LEVELS.index(g["level"]) if g.get("level") in LEVELS else ""
     return [
-        g["name"],
+        indent + g["name"],
         kw_text(budget),
         kw_text(g["committed_w"]),
         share,
         kw_text(g["draw_w"]),
-        "OVER" if g["over"] else "",
+        flag,
     ]
 
 
 def print_status(
-    fleet: dict[str, Any], overrides: dict[str, Any], alarms: list[dict[str, Any]], out: TextIO
+    fleet: dict[str, Any],
+    overrides: dict[str, Any],
+    alarms: list[dict[str, Any]],
+    out: TextIO,
+    groups: list[dict[str, Any]] | None = None,
 ) -> None:
+    """The fleet, then its groups (`groups`, in the tree's order, indented by level; None:
+    the facility and its rows from the fleet summary), operator changes and alarms."""
     lead = fleet.get("leadership")
     if lead:
         print_leadership(lead, out)
@@ -70,9 +82,9 @@ def print_status(
     )
     by_class = ", ".join(f"{c} {v:.1f}" for c, v in sorted(fleet["throughput_by_class"].items()))
     print(f"throughput {fleet['throughput'] or 0:.1f} ({by_class})\n", file=out)
-    rows = [_use(fleet["facility"])] if fleet["facility"] else []
-    rows += [_use(r) for r in fleet["rows"]]
-    table(["group", "budget", "committed", "use", "draw", ""], rows, out)
+    if groups is None:
+        groups = ([fleet["facility"]] if fleet["facility"] else []) + fleet["rows"]
+    table(["group", "budget", "committed", "use", "draw", ""], [_use(g) for g in groups], out)
     if overrides["budgets"]:
         print("\ntemporary budgets", file=out)
         table(
@@ -266,12 +278,70 @@ def _run(args: argparse.Namespace, action: Callable[[Client], Any], out: TextIO)
 def cmd_status(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     def show(c: Client) -> None:
         fleet, overrides, alarms = c.fleet(), c.overrides(), c.alarms()
+        deepest = LEVELS.index(args.level)
+        groups = [g for g in c.groups() if LEVELS.index(g["level"]) <= deepest]
         if args.json:
-            print(json.dumps({"fleet": fleet, "overrides": overrides, "alarms": alarms}), file=out)
+            doc = {"fleet": fleet, "groups": groups, "overrides": overrides, "alarms": alarms}
+            print(json.dumps(doc), file=out)
         else:
-            print_status(fleet, overrides, alarms, out)
+            print_status(fleet, overrides, alarms, out, groups)
 
     return _run(args, show, out)
+
+
+def _gpu_state(g: dict[str, Any]) -> str:
+    flags = [g["state"]]
+    if g["pinned_w"] is not None:
+        flags.append(f"pinned {g['pinned_w']:.0f} W")
+    if g["drained"]:
+        flags.append("drained")
+    return ", ".join(flags)
+
+
+def print_gpus(gpus: list[dict[str, Any]], out: TextIO) -> None:
+    """One line a GPU: where it is, what it runs, its cap (read back from the GPU) and draw,
+    in whole watts."""
+    table(
+        ["gpu", "node", "idx", "class", "job", "cap", "draw", "state"],
+        [
+            [
+                g["uuid"],
+                g["node"],
+                str(g["index"]),
+                g["class"] or "-",
+                g["job"] or "-",
+                _w(g["cap_w"]),
+                _w(g["power_w"]),
+                _gpu_state(g),
+            ]
+            for g in gpus
+        ],
+        out,
+    )
+
+
+def cmd_gpus(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    def show(c: Client) -> None:
+        gpus = c.gpus(
+            node=args.node,
+            rack=args.rack,
+            row=args.row,
+            class_=args.cls,
+            job=args.job,
+            state=args.state,
+        )
+        if args.json:
+            print(json.dumps(gpus), file=out)
+        elif not gpus:
+            print("no GPU heard matches" if _filtered(args) else "no GPU heard yet", file=out)
+        else:
+            print_gpus(gpus, out)
+
+    return _run(args, show, out)
+
+
+def _filtered(args: argparse.Namespace) -> bool:
+    return any(v is not None for v in (args.node, args.rack, args.row, args.cls, args.job))
 
 
 def cmd_why(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
@@ -512,9 +582,7 @@ def add_parser(sub: Any) -> None:
     why = argparse.ArgumentParser(add_help=False)
     why.add_argument("--reason", required=True, help="why (written to the audit log)")
 
-    status = sub.add_parser("status", parents=[common], help="fleet summary from the API")
-    status.add_argument("--json", action="store_true", help="print the raw JSON")
-    status.set_defaults(handler=cmd_status)
+    _add_read_commands(sub, common)
 
     explain = sub.add_parser(
         "why", parents=[common], help="why a GPU has its cap (now, or at a past time)"
@@ -575,6 +643,34 @@ def add_parser(sub: Any) -> None:
     new.add_argument("--name", required=True, help="who (the actor in the audit log)")
     new.add_argument("--role", required=True, choices=[r.label for r in Role])
     new.set_defaults(handler=cmd_token_new)
+
+
+def _add_read_commands(sub: Any, common: argparse.ArgumentParser) -> None:
+    status = sub.add_parser("status", parents=[common], help="fleet summary from the API")
+    status.add_argument(
+        "--level",
+        choices=LEVELS,
+        default="rack",
+        help="show the budgets down to this level (default %(default)s)",
+    )
+    status.add_argument("--json", action="store_true", help="print the raw JSON")
+    status.set_defaults(handler=cmd_status)
+
+    gpus = sub.add_parser(
+        "gpus", parents=[common], help="list GPUs: node, class, job, cap and draw"
+    )
+    gpus.add_argument("--node", help="only this node's")
+    gpus.add_argument("--rack", help="only this rack's")
+    gpus.add_argument("--row", help="only this row's")
+    gpus.add_argument("--class", dest="cls", metavar="CLASS", help="only GPUs steered as CLASS")
+    gpus.add_argument("--job", help="only this job's")
+    gpus.add_argument(
+        "--state",
+        choices=("ok", "stale", "pinned", "drained"),
+        help="only GPUs in this state",
+    )
+    gpus.add_argument("--json", action="store_true", help="print the raw JSON (every field)")
+    gpus.set_defaults(handler=cmd_gpus)
 
 
 def _add_budget_commands(

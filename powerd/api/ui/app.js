@@ -449,14 +449,24 @@
     // The hour, or as much of it as there is: a young store's few minutes fill the width.
     const t1 = hist.until;
     const t0 = pts.length ? Math.max(hist.since, pts[0].ts - hist.step_s) : hist.since;
-    let top = 1;
-    for (const p of pts) top = Math.max(top, p.budget_w || 0, p.committed_w || 0, p.draw_max_w || 0);
-    if (fleet.facility && fleet.facility.budget_w) top = Math.max(top, fleet.facility.budget_w);
+    // The scale follows the budget, not a spike far above it: at a start every GPU counts
+    // at its maximum until its first ack, so committed sits far above the budget for a tick
+    // or two, and a scale stretched to that flattens the hour after it. Values above
+    // SPIKE_ROOM × the highest budget leave the scale alone: drawn at its top edge, marked
+    // (▲) with their value.
+    const SPIKE_ROOM = 1.2;
+    let budgetTop = 0;
+    for (const p of pts) budgetTop = Math.max(budgetTop, p.budget_w || 0);
+    if (fleet.facility && fleet.facility.budget_w) budgetTop = Math.max(budgetTop, fleet.facility.budget_w);
+    const room = budgetTop > 0 ? SPIKE_ROOM * budgetTop : Infinity;
+    const peak = (p) => Math.max(p.committed_w || 0, p.draw_max_w || 0);
+    let top = Math.max(1, budgetTop);
+    for (const p of pts) if (peak(p) <= room) top = Math.max(top, peak(p));
     // Four grid lines at round numbers above the highest value.
     const unit = 10 ** Math.floor(Math.log10((top * 1.05) / 4));
-    top = 4 * unit * [1, 2, 2.5, 5, 10].find((m) => 4 * unit * m >= top * 1.05);
+    top = 4 * unit * [1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 7.5, 8, 10].find((m) => 4 * unit * m >= top * 1.05);
     const x = (t) => L + ((W - L - R) * (t - t0)) / Math.max(1, t1 - t0);
-    const y = (w) => T + (H - T - B) * (1 - w / top);
+    const y = (w) => T + (H - T - B) * (1 - Math.min(w, top) / top);
     const kids = [];
     for (let i = 0; i <= 4; i += 1) {
       const w = (top * i) / 4;
@@ -488,8 +498,32 @@
       kids.push(el('polyline', { class: 'committed', points: line('committed_w') }));
       kids.push(el('polyline', { class: 'budget', points: line('budget_w') }));
     }
+    const above = pts.filter((p) => peak(p) > top);
+    for (const p of above) {
+      const px = x(p.ts);
+      const mark = el('polygon', {
+        class: 'off-scale',
+        points: `${(px - 5).toFixed(1)},${T + 8} ${(px + 5).toFixed(1)},${T + 8} ${px.toFixed(1)},${T}`,
+      });
+      const title = document.createElementNS(NS, 'title');
+      title.textContent = `above the scale: committed ${fmtW(p.committed_w)}, draw up to ${fmtW(p.draw_max_w)}`;
+      mark.append(title);
+      kids.push(mark);
+    }
+    if (above.length) {
+      const high = above.reduce((a, b) => (peak(b) > peak(a) ? b : a));
+      const right = x(high.ts) > W / 2;
+      const label = el('text', {
+        class: 'off-scale', x: x(high.ts) + (right ? -8 : 8), y: T + 8, 'text-anchor': right ? 'end' : 'start',
+      });
+      label.textContent = fmtW(peak(high));
+      kids.push(label);
+    }
+    $('chart-off-scale').hidden = !above.length;
     svg.replaceChildren(...kids);
     svg.setAttribute('data-points', String(pts.length));
+    svg.setAttribute('data-top-w', String(top));
+    svg.setAttribute('data-off-scale', String(above.length));
   }
 
   // ---- start ----
