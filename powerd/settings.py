@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Self
 
 import yaml
-from pydantic import Field, SecretStr, ValidationError
+from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 from powerd.input_errors import InputError, validation_problems
@@ -28,12 +28,33 @@ class BrokerSettings(BaseSettings):
     broker: str = "mqtt://127.0.0.1:1883"  # mqtt://host:port or mqtts://host:port
     username: str | None = None
     password: SecretStr | None = None
+    # mqtts:// only. The CA the broker's certificate must be signed by (the site's, and then
+    # only it: docs/safety.md, "Which broker"); None: the system's trust store.
     tls_ca_file: Path | None = None
+    # This client's certificate and key, for a broker that requires one (the certificate's
+    # common name is then the username the ACL sees: deploy/pki/mosquitto-tls.conf).
     tls_cert_file: Path | None = None
-    tls_key_file: Path | None = None
-    tls_insecure: bool = False
+    tls_key_file: Path | None = None  # None: the key is in tls_cert_file
+    tls_insecure: bool = False  # no certificate check at all: tests and lab benches only
     reconnect_max_s: float = Field(default=30.0, gt=0, le=3600)
     topic_prefix: str = DEFAULT_PREFIX
+
+    @model_validator(mode="after")
+    def _tls_settings_agree(self) -> Self:
+        tls_files = [
+            name
+            for name in ("tls_ca_file", "tls_cert_file", "tls_key_file")
+            if getattr(self, name) is not None
+        ]
+        if not self.broker.startswith("mqtts://") and (tls_files or self.tls_insecure):
+            # A CA given and silently unused would leave the broker unchecked.
+            given = ", ".join([*tls_files, *(["tls_insecure"] if self.tls_insecure else [])])
+            raise ValueError(f"{given}: for mqtts:// only, and the broker is {self.broker!r}")
+        if self.tls_insecure and self.tls_ca_file is not None:
+            raise ValueError("tls_insecure turns off the check that tls_ca_file is for: give one")
+        if self.tls_key_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_key_file needs tls_cert_file (the certificate of that key)")
+        return self
 
     @classmethod
     def load(cls, config_file: Path | None = None, **overrides: Any) -> Self:
