@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import tomllib
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
@@ -90,6 +91,44 @@ class BrokerSettings(BaseSettings):
             client_id=f"{self.client_name()}-{uuid.uuid4().hex[:8]}",
             reconnect_max_s=self.reconnect_max_s,
         )
+
+
+@dataclass(frozen=True)
+class ApiTls:
+    """HTTPS for an admin API: its certificate (the chain, PEM), its key (None: in the
+    certificate's file) and, for mutual TLS, the CA its clients' certificates must be
+    signed by (None: any client may connect; the bearer token still decides)."""
+
+    cert_file: Path
+    key_file: Path | None = None
+    client_ca_file: Path | None = None
+
+
+class ApiSettings(BrokerSettings):
+    """A daemon that serves an admin API (the controller, the coordinator): HTTPS."""
+
+    # The API's certificate and key; None: plain HTTP (keep it on loopback then).
+    api_tls_cert_file: Path | None = None
+    api_tls_key_file: Path | None = None
+    # Mutual TLS: only clients with a certificate of this CA get a connection.
+    api_tls_client_ca_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _api_tls_complete(self) -> Self:
+        if self.api_tls_cert_file is None:
+            given = [
+                name
+                for name in ("api_tls_key_file", "api_tls_client_ca_file")
+                if getattr(self, name) is not None
+            ]
+            if given:
+                raise ValueError(f"{', '.join(given)} need api_tls_cert_file (the API's own)")
+        return self
+
+    def api_tls(self) -> ApiTls | None:
+        if self.api_tls_cert_file is None:
+            return None
+        return ApiTls(self.api_tls_cert_file, self.api_tls_key_file, self.api_tls_client_ca_file)
 
 
 def read_settings_file(path: Path) -> dict[str, Any]:
