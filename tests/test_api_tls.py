@@ -25,8 +25,6 @@ from powerd.coordinator.main import CoordinatorSettings
 from powerd.settings import ApiTls, SettingsError
 from powerd.testing.mosquitto import free_port
 
-pytestmark = pytest.mark.process  # openssl makes the certificates
-
 
 @pytest.fixture
 def pki(tmp_path: Path) -> Pki:
@@ -43,6 +41,7 @@ def https_api(tmp_path: Path, pki: Pki) -> Iterator[LiveApi]:
         live.close()
 
 
+@pytest.mark.process
 def test_the_api_answers_https_verified_by_the_sites_ca(
     https_api: LiveApi, pki: Pki, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -61,6 +60,7 @@ def test_the_api_answers_https_verified_by_the_sites_ca(
     assert code == 0 and "policy test-policy.yaml" in out, out
 
 
+@pytest.mark.process
 def test_plain_http_gets_nothing_on_the_https_port(https_api: LiveApi) -> None:
     plain = https_api.url.replace("https://", "http://")
     with pytest.raises(httpx.TransportError):
@@ -73,6 +73,7 @@ def test_plain_http_gets_nothing_on_the_https_port(https_api: LiveApi) -> None:
     assert not answer.startswith(b"HTTP/"), answer
 
 
+@pytest.mark.process
 def test_a_certificate_of_another_ca_is_not_trusted(
     https_api: LiveApi, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -91,6 +92,7 @@ def test_a_certificate_of_another_ca_is_not_trusted(
         Client(https_api.url, None, ca_file=tmp_path / "missing.crt")
 
 
+@pytest.mark.process
 def test_mutual_tls_lets_in_only_clients_with_a_certificate_of_the_client_ca(
     tmp_path: Path, pki: Pki
 ) -> None:
@@ -120,6 +122,7 @@ def test_mutual_tls_lets_in_only_clients_with_a_certificate_of_the_client_ca(
         live.close()
 
 
+@pytest.mark.process
 def test_api_tls_files_that_cannot_be_loaded_are_named_at_start(tmp_path: Path, pki: Pki) -> None:
     cert, _ = pki.server("api", "127.0.0.1")
     missing = tmp_path / "api.key"
@@ -142,6 +145,7 @@ def test_the_settings_of_both_apis_give_their_tls(tmp_path: Path) -> None:
             cls.load(None, api_tls_client_ca_file=ca)
 
 
+@pytest.mark.process
 def test_a_controller_process_serves_https_from_its_settings(tmp_path: Path, pki: Pki) -> None:
     cert, key = pki.server("api", "127.0.0.1", "localhost")
     (tmp_path / "policy.yaml").write_text(POLICY)

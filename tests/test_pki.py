@@ -32,7 +32,6 @@ from powerd.transport import ConnectionState, Message, MqttConfig, MqttTransport
 from powerd.wire import Topics
 
 T = Topics()
-pytestmark = pytest.mark.process  # openssl makes every certificate
 
 
 def openssl(*args: str | Path) -> str:
@@ -56,6 +55,7 @@ def verifies(ca: Path, cert: Path, purpose: str) -> bool:
     return result.returncode == 0
 
 
+@pytest.mark.process
 def test_the_scripts_make_a_ca_and_the_certificates_it_signs(tmp_path: Path) -> None:
     pki = Pki(tmp_path / "pki", "site-a CA")
     node_cert, node_key = pki.client("row-1-rack-1-node-01")
@@ -131,6 +131,7 @@ async def received_until(t: MqttTransport, topic: str) -> list[Message]:
     return got
 
 
+@pytest.mark.process
 @pytest.mark.broker
 async def test_the_broker_knows_each_client_by_its_certificate(
     site: tuple[Pki, ConfiguredMosquitto],
@@ -154,6 +155,7 @@ async def test_the_broker_knows_each_client_by_its_certificate(
         await controller.disconnect()
 
 
+@pytest.mark.process
 @pytest.mark.broker
 async def test_a_client_without_the_sites_certificate_is_refused(
     site: tuple[Pki, ConfiguredMosquitto], tmp_path: Path
@@ -176,6 +178,7 @@ async def test_a_client_without_the_sites_certificate_is_refused(
     assert len(failures) >= 4, logs
 
 
+@pytest.mark.process
 @pytest.mark.broker
 async def test_an_agent_that_trusts_the_sites_ca_refuses_another_broker(
     site: tuple[Pki, ConfiguredMosquitto], tmp_path: Path
@@ -241,6 +244,7 @@ def wait_for(cond: Any, what: str, timeout_s: float = 30.0) -> Any:
     pytest.fail(f"timed out waiting for {what}")
 
 
+@pytest.mark.process
 @pytest.mark.broker
 async def test_a_controller_pinned_to_the_sites_ca_does_not_steer_through_another_broker(
     site: tuple[Pki, ConfiguredMosquitto], tmp_path: Path
