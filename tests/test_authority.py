@@ -373,6 +373,32 @@ def test_a_controller_names_a_rival_that_leads_an_overlapping_domain() -> None:
     assert "authority_conflict" not in engine.alarms.active
 
 
+def test_live_controllers_of_another_site_on_the_broker_raise_an_alarm() -> None:
+    # Without TLS nothing proves the broker is this site's; another site's live controllers
+    # on our topics are the sign that it may not be (docs/safety.md, "Which broker").
+    policy = parse_policy(policy_dict())
+    engine = TickEngine(policy)
+    engine.obedience.authority = Authority(site="dc", store="store-a", domain="dc")
+    engine.on_telemetry(HonestNode(NODES[0]).sample(1.7e9), 0.0)
+    ours = Authority(site="dc", store="store-b", domain="r1")  # same site: another alarm's
+    engine.on_controller_status("scope", _said("scope", ControllerState.STANDBY, ours))
+    engine.step(0.0, 1.7e9)
+    assert "other_site_on_broker" not in engine.alarms.active
+
+    theirs = Authority(site="elsewhere", store="store-x", domain="elsewhere")
+    for cid, state in (("far-1", ControllerState.ACTIVE), ("far-2", ControllerState.STANDBY)):
+        engine.on_controller_status(cid, _said(cid, state, theirs))
+    engine.step(1.0, 1.7e9 + 1)
+    message = engine.alarms.active["other_site_on_broker"]
+    assert "2 controllers of another site" in message
+    assert "'far-1' (site 'elsewhere')" in message and "'far-2'" in message
+    # Their wills (offline) say nothing of the broker any more: the alarm clears.
+    for cid in ("far-1", "far-2"):
+        engine.on_controller_status(cid, _said(cid, ControllerState.OFFLINE, theirs))
+    engine.step(2.0, 1.7e9 + 2)
+    assert "other_site_on_broker" not in engine.alarms.active
+
+
 # -- one configuration of record: the store's active policy version ----------------------------
 
 

@@ -10,9 +10,7 @@ import random
 import signal
 import socket
 import ssl
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +22,7 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 from support.amqttbroker import Broker
 from support.mqttproxy import MqttProxy, Pubacks
+from support.pki import ConfiguredMosquitto, Pki, plain_tls_config
 
 from powerd.testing.mosquitto import MOSQUITTO, LocalMosquitto, free_port
 from powerd.transport import (
@@ -798,40 +797,22 @@ async def test_mqtt_publish_waits_for_the_puback(broker: Broker) -> None:
 
 
 @pytest.fixture
-def tls_mosquitto() -> Iterator[tuple[LocalMosquitto, Path]]:
-    """A Mosquitto of the test's own with a TLS listener; (broker, its certificate)."""
+def tls_mosquitto(tmp_path: Path) -> Iterator[tuple[ConfiguredMosquitto, Path]]:
+    """A Mosquitto of the test's own with a TLS listener; (broker, the CA that signed it)."""
     if not Path(MOSQUITTO).exists():
         pytest.skip(f"{MOSQUITTO} is not installed")
-    # Mosquitto started as root reads its certificate as the user `mosquitto`: a directory
-    # that user can enter, not pytest's private tmp_path.
-    with tempfile.TemporaryDirectory(prefix="powerd-tls-") as name:
-        workdir = Path(name)
-        workdir.chmod(0o755)
-        cert, key = workdir / "cert.pem", workdir / "key.pem"
-        subprocess.run(
-            [
-                *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
-                *("-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1"),
-                *("-addext", "subjectAltName=IP:127.0.0.1"),
-            ],
-            check=True,
-            capture_output=True,
-        )
-        key.chmod(0o644)  # a throwaway key, for the broker's user
-        broker = LocalMosquitto(
-            workdir / "mosquitto", extra_config=f"certfile {cert}\nkeyfile {key}\n"
-        )
-        broker.start()
-        try:
-            yield broker, cert
-        finally:
-            broker.kill()
+    pki = Pki(tmp_path / "pki")
+    cert, key = pki.server("broker", "127.0.0.1")
+    with ConfiguredMosquitto(
+        tmp_path / "mosquitto", lambda port: plain_tls_config(port, cert, key)
+    ) as broker:
+        yield broker, pki.ca
 
 
 @pytest.mark.broker
 @pytest.mark.process
 async def test_mqtt_over_tls_reads_every_message(
-    tls_mosquitto: tuple[LocalMosquitto, Path],
+    tls_mosquitto: tuple[ConfiguredMosquitto, Path],
 ) -> None:
     # A TLS socket hands over at most one record (16 KiB) a recv and reports the rest as
     # `pending`: messages larger than that, and many of them, must still arrive whole.

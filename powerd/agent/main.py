@@ -12,6 +12,7 @@ from powerd.agent.agent import Agent, build_backend, build_transport
 from powerd.agent.kubelet import PodSource, build_pod_source
 from powerd.agent.perf import PerfSource
 from powerd.agent.record import TraceRecorder
+from powerd.agent.restore import hold_agent_lock
 from powerd.agent.settings import AgentSettings
 from powerd.clock import Clock, SystemClock
 from powerd.metrics import AgentMetrics, GpuSnapshot, MetricsServer, start_metrics_server
@@ -23,8 +24,17 @@ from powerd.wire import NodeState, NodeTelemetry
 
 async def run_agent_process(settings: AgentSettings, clock: Clock | None = None) -> None:
     """Run until SIGTERM/SIGINT. `clock`: the system's unless given (the chaos harness
-    steps the wall clock of an agent; powerd/chaos/agent.py)."""
-    clock = clock or SystemClock()
+    steps the wall clock of an agent; powerd/chaos/agent.py). AgentRunning if another agent
+    holds this state directory's lock (it is held for the whole run: powerd/agent/restore.py)."""
+    lock = hold_agent_lock(settings)
+    try:
+        await _run(settings, clock or SystemClock())
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+async def _run(settings: AgentSettings, clock: Clock) -> None:
     backend = build_backend(settings, clock)  # BackendError (no driver, ...) propagates
     try:
         transport = build_transport(settings)

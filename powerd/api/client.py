@@ -4,14 +4,33 @@ API's status and detail."""
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 V1 = "/api/v1"
+
+
+def tls_context(
+    ca_file: str | Path | None = None,
+    cert_file: str | Path | None = None,
+    key_file: str | Path | None = None,
+) -> ssl.SSLContext:
+    """What verifies the API's certificate (and presents ours): the host name is checked."""
+    try:
+        ctx = ssl.create_default_context(cafile=ca_file)
+        if cert_file is not None:
+            ctx.load_cert_chain(cert_file, key_file)
+    except (OSError, ssl.SSLError) as exc:  # FileNotFoundError does not name the file
+        files = {"CA": ca_file, "certificate": cert_file, "key": key_file}
+        named = ", ".join(f"{k} {str(v)!r}" for k, v in files.items() if v is not None)
+        raise ValueError(f"cannot load the TLS files ({named}): {exc}") from None
+    return ctx
 
 
 class ApiError(Exception):
@@ -22,9 +41,32 @@ class ApiError(Exception):
 
 
 class Client:
-    def __init__(self, url: str, token: str | None, timeout_s: float = 10.0) -> None:
+    """The admin API at `url` (http:// or https://). Over HTTPS the server's certificate is
+    checked against `ca_file` (the site's CA) or else the system's trust store; `cert_file`
+    (with `key_file`, or the key in the same file) is this client's certificate, for an API
+    that requires one (mutual TLS). ValueError names a TLS file that cannot be loaded."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None,
+        timeout_s: float = 10.0,
+        *,
+        ca_file: str | Path | None = None,
+        cert_file: str | Path | None = None,
+        key_file: str | Path | None = None,
+    ) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s)
+        https = url.lower().startswith("https://")
+        if not https and (ca_file or cert_file or key_file):
+            # A CA given and silently unused would leave the server unchecked.
+            raise ValueError(f"a CA or client certificate is for https:// URLs; not {url}")
+        self.http = httpx.Client(
+            base_url=url.rstrip("/"),
+            headers=headers,
+            timeout=timeout_s,
+            verify=tls_context(ca_file, cert_file, key_file) if https else True,
+        )
 
     def close(self) -> None:
         self.http.close()

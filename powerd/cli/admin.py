@@ -3,7 +3,8 @@
 
 `add_parser(subparsers)` registers the subcommands on the `powerd` parser; each handler
 returns the CLI's exit status (0 done, 1 failed or refused access, 2 rejected input).
-`--url`/`--token` default to $POWERD_URL and $POWERD_TOKEN.
+`--url`/`--token` default to $POWERD_URL and $POWERD_TOKEN; `--ca` (an https:// API's
+CA), `--cert`/`--key` (mutual TLS) to $POWERD_CA, $POWERD_CERT and $POWERD_KEY.
 """
 
 from __future__ import annotations
@@ -250,7 +251,7 @@ def parse_time(text: str) -> float:
 
 
 def _run(args: argparse.Namespace, action: Callable[[Client], Any], out: TextIO) -> int:
-    client = Client(args.url, args.token)
+    client = Client(args.url, args.token, ca_file=args.ca, cert_file=args.cert, key_file=args.key)
     try:
         result = action(client)
     except httpx.HTTPError as exc:
@@ -578,6 +579,22 @@ def add_parser(sub: Any) -> None:
         "--token",
         default=os.environ.get("POWERD_TOKEN"),
         help="bearer token ($POWERD_TOKEN)",
+    )
+    common.add_argument(
+        "--ca",
+        default=os.environ.get("POWERD_CA"),
+        help="an https:// API's certificate must be signed by this CA (PEM; $POWERD_CA; "
+        "default: the system's trust store)",
+    )
+    common.add_argument(
+        "--cert",
+        default=os.environ.get("POWERD_CERT"),
+        help="client certificate (PEM) for an API that requires one ($POWERD_CERT)",
+    )
+    common.add_argument(
+        "--key",
+        default=os.environ.get("POWERD_KEY"),
+        help="its key, if not in --cert ($POWERD_KEY)",
     )
     why = argparse.ArgumentParser(add_help=False)
     why.add_argument("--reason", required=True, help="why (written to the audit log)")

@@ -51,6 +51,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from powerd.agent.main import run_agent_process
+    from powerd.agent.restore import AgentRunning
     from powerd.agent.settings import AgentSettings
     from powerd.backends import BackendError
 
@@ -79,8 +80,12 @@ def cmd_agent(args: argparse.Namespace) -> int:
         kube_api_url=args.kube_api_url,
     )
     try:
+        if args.restore_defaults:
+            from powerd.agent.restore import restore_node
+
+            return restore_node(settings, force=args.force, out=sys.stdout, err=sys.stderr)
         asyncio.run(run_agent_process(settings))
-    except BackendError as exc:
+    except (BackendError, AgentRunning) as exc:
         print(f"powerd agent: {exc}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
@@ -234,6 +239,16 @@ def _add_agent_parser(sub: Any) -> None:
     _add_perf_arguments(agent)
     _add_kube_arguments(agent)
     agent.add_argument("--config", help="settings file (.toml or .yaml); flags win over it")
+    agent.add_argument(
+        "--restore-defaults",
+        action="store_true",
+        help="do not run: set every GPU back to its default power limit, read it back, "
+        "report, exit 0 (all at their defaults) or 1 (refused while an agent of this node "
+        "runs); docs/operations.md, 'Rolling back'",
+    )
+    agent.add_argument(
+        "--force", action="store_true", help="--restore-defaults even if an agent seems to run"
+    )
     agent.set_defaults(handler=cmd_agent)
 
 

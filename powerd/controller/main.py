@@ -149,7 +149,10 @@ async def run_controller(settings: ControllerSettings, clock: Clock | None = Non
         assert settings.api_port is not None
         # Bound now, so a taken port fails the start-up rather than a running loop.
         api = ApiServer(
-            create_app(controller, tokens, registry=registry), settings.api_host, settings.api_port
+            create_app(controller, tokens, registry=registry),
+            settings.api_host,
+            settings.api_port,
+            tls=settings.api_tls(),
         )
     if writer is not None:
         writer.start()  # last: nothing after it may fail before the finally that stops it

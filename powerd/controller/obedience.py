@@ -60,6 +60,9 @@ class Obedience:
         self._node_fenced: dict[str, int] = {}
         self._intruders: dict[str, tuple[Authority, str, int, float]] = {}
         self._rivals: dict[str, ControllerStatus] = {}  # controller id → its status
+        # Controllers whose retained status names another site: on this topic prefix, a
+        # broker that carries them may be another site's (docs/safety.md, "Which broker").
+        self._other_sites: dict[str, str] = {}  # controller id → its site
         self._came_over: dict[str, Authority] = {}  # node → the authority it left (events)
         self.outliers: tuple[str, ...] = ()
 
@@ -152,6 +155,17 @@ class Obedience:
         authority over an overlapping domain is a rival, alarmed by name."""
         ours = self.authority
         other = status.authority
+        # A stopped one's status (its will) clears it: it says nothing of the broker now.
+        if (
+            ours is not None
+            and other is not None
+            and other != LEGACY_AUTHORITY
+            and other.site != ours.site
+            and status.state is not ControllerState.OFFLINE
+        ):
+            self._other_sites[controller_id] = other.site
+        else:
+            self._other_sites.pop(controller_id, None)
         if ours is not None and other == ours:
             self._rivals.pop(controller_id, None)
             if status.state is ControllerState.ACTIVE and status.epoch is not None:
@@ -233,6 +247,16 @@ class Obedience:
             if not foreign
             else f"{len(foreign)} nodes obey another authority and count at their GPUs' "
             "maximum: " + ", ".join(f"{n} ({a})" for n, a in foreign[:ALARM_NAMES]),
+            wall,
+        )
+        sites = sorted(self._other_sites.items())
+        alarms.set(
+            "other_site_on_broker",
+            None
+            if not sites
+            else f"this broker carries {len(sites)} controllers of another site, so it may "
+            "not be this site's broker: "
+            + ", ".join(f"{cid!r} (site {site!r})" for cid, site in sites[:ALARM_NAMES]),
             wall,
         )
         recent = lease_s * 3

@@ -11,7 +11,7 @@ from pydantic import Field
 from sqlalchemy.engine import make_url
 
 from powerd.controller.leadership import mode_for
-from powerd.settings import BrokerSettings
+from powerd.settings import ApiSettings
 from powerd.store import Retention
 from powerd.store.aggregate import CAP_EPSILON_W, CAP_INTERVAL_S
 from powerd.transport.mqtt import MqttConfig
@@ -20,7 +20,7 @@ _RETENTION = Retention()
 STATE_FILE_NAME = "powerd-state.json"
 
 
-class ControllerSettings(BrokerSettings):
+class ControllerSettings(ApiSettings):
     kind: ClassVar[str] = "controller settings"
 
     policy: Path = Path("/etc/powerd/policy.yaml")

@@ -44,7 +44,7 @@ from powerd.controller.overrides import BudgetOverride
 from powerd.coordinator.split import BudgetSplitter, CoordinatorReport
 from powerd.policy import load_policy, overlapping_domains
 from powerd.sdnotify import Notifier
-from powerd.settings import BrokerSettings, SettingsError
+from powerd.settings import ApiSettings, SettingsError
 from powerd.store import Store, upgrade
 from powerd.transport import MqttTransport, TransportError
 from powerd.wire import ScopeBudget, ScopeReport, Topics, WireError, decode, encode
@@ -52,7 +52,7 @@ from powerd.wire import ScopeBudget, ScopeReport, Topics, WireError, decode, enc
 log = structlog.get_logger(__name__)
 
 
-class CoordinatorSettings(BrokerSettings):
+class CoordinatorSettings(ApiSettings):
     kind: ClassVar[str] = "coordinator settings"
 
     policy: Path = Path("/etc/powerd/policy.yaml")
@@ -426,7 +426,7 @@ async def run_coordinator(settings: CoordinatorSettings) -> None:
         registry = CollectorRegistry()
         registry.register(_Metrics(coord))
         app = create_coordinator_app(coord, tokens, registry)
-        api = ApiServer(app, settings.api_host, settings.api_port)
+        api = ApiServer(app, settings.api_host, settings.api_port, tls=settings.api_tls())
     notifier = Notifier()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

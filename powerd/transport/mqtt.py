@@ -22,6 +22,7 @@ parts broke on upgrades; the protocol part a client needs is small
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import random
 import socket
 import ssl
@@ -145,15 +146,34 @@ class MqttConfig:
         )
 
     def ssl_context(self) -> ssl.SSLContext | None:
+        """None for plain MQTT. ValueError, naming the files, if they cannot be loaded."""
         if not self.tls:
             return None
-        ctx = ssl.create_default_context(cafile=self.ca_file)
-        if self.cert_file is not None:
-            ctx.load_cert_chain(self.cert_file, self.key_file)
+        try:
+            ctx = ssl.create_default_context(cafile=self.ca_file)
+            if self.cert_file is not None:
+                ctx.load_cert_chain(self.cert_file, self.key_file)
+        except (OSError, ssl.SSLError) as exc:  # FileNotFoundError does not name the file
+            files = {
+                "ca_file": self.ca_file,
+                "cert_file": self.cert_file,
+                "key_file": self.key_file,
+            }
+            named = ", ".join(f"{k} {str(v)!r}" for k, v in files.items() if v is not None)
+            raise ValueError(f"cannot load the broker's TLS files ({named}): {exc}") from None
         if self.tls_insecure:
             ctx.check_hostname = False
             ctx.verify_mode = ssl.CERT_NONE
         return ctx
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def backoff_delay(attempt: int, min_s: float, max_s: float, rng: random.Random) -> float:
@@ -556,11 +576,27 @@ class MqttTransport(Transport):
         if self._task is not None:
             raise RuntimeError("already connected or connecting")
         self._set_state(ConnectionState.CONNECTING)
+        self._warn_if_unverified()
         self._queue = asyncio.Queue()
         self._task = asyncio.create_task(
             self._keep_connected(will, on_connect), name=f"mqtt-{self.client_id}"
         )
         self._task.add_done_callback(self._log_task_end)
+
+    def _warn_if_unverified(self) -> None:
+        """Nothing checks that a broker reached without verified TLS is the site's
+        (docs/safety.md, "Which broker"): say so once, unless it is on this host."""
+        c = self.config
+        if c.tls and not c.tls_insecure:
+            return
+        if not c.tls and _is_loopback(c.host):
+            return
+        log.warning(
+            "mqtt_broker_not_verified",
+            broker=f"{c.host}:{c.port}",
+            why="tls_insecure: the certificate is not checked" if c.tls else "plain MQTT",
+            hint="use mqtts:// with tls_ca_file set to the site's CA",
+        )
 
     def _log_task_end(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -594,7 +630,9 @@ class MqttTransport(Transport):
                 if conn is not None:
                     conn.disconnect()
                 raise
-            except OSError as exc:  # TimeoutError and ssl.SSLError included
+            except ssl.SSLCertVerificationError as exc:
+                error = self._not_trusted(exc)
+            except OSError as exc:  # TimeoutError and other ssl.SSLErrors included
                 error = str(exc) or type(exc).__name__
             except TransportError as exc:
                 error = str(exc)
@@ -615,6 +653,21 @@ class MqttTransport(Transport):
             )
             attempt += 1
             await asyncio.sleep(delay)
+
+    def _not_trusted(self, exc: ssl.SSLCertVerificationError) -> str:
+        """The broker's certificate does not verify against the CA we trust (`ca_file`), or
+        names another host: not our site's broker, or a broker in the middle. Nothing is
+        sent to it, and we keep trying (the site's broker may come back at this address)."""
+        reason = exc.verify_message or exc.reason or str(exc)
+        log.error(
+            "mqtt_broker_not_trusted",
+            broker=f"{self.config.host}:{self.config.port}",
+            ca_file=None if self.config.ca_file is None else str(self.config.ca_file),
+            reason=reason,
+            hint="the broker's certificate is not signed by the site's CA (tls_ca_file) "
+            "or does not name this host: a foreign broker, or the wrong address",
+        )
+        return f"broker not trusted: {reason}"
 
     async def _open(self, will: LastWill | None) -> _Connection:
         """A connection on which the broker has accepted our CONNECT."""

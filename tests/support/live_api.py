@@ -33,6 +33,7 @@ from powerd.controller.leadership import for_daemon
 from powerd.controller.opstate import StateFile
 from powerd.metrics import ControllerMetrics
 from powerd.policy import load_policy_text
+from powerd.settings import ApiTls
 from powerd.store import Store, StoreWriter, WriterLimits, upgrade
 from powerd.transport import MemoryBroker, MqttConfig, MqttTransport, Transport
 
@@ -92,8 +93,10 @@ class LiveApi:
         db_url: str | None = None,
         leadership: bool = False,
         limits: WriterLimits | None = None,
+        tls: ApiTls | None = None,
     ) -> None:
         self.workdir = workdir
+        self.tls = tls  # HTTPS (then `url` is https://; `client` does not know the CA)
         self.limits = limits
         self.leadership = leadership  # lead the store's lease, alone (SQLite), as main() does
         self.state_file = state_file
@@ -220,7 +223,8 @@ class LiveApi:
         registry = CollectorRegistry()
         controller.on_tick.append(metrics_hook(controller, ControllerMetrics(registry)))
         tokens = TokenStore.from_file(self.workdir / "tokens.toml")
-        server = ApiServer(create_app(controller, tokens, registry=registry), "127.0.0.1", 0)
+        app = create_app(controller, tokens, registry=registry)
+        server = ApiServer(app, "127.0.0.1", 0, tls=self.tls)
         self.url = server.url
         self.controller = controller
         self._loop = asyncio.get_running_loop()
