@@ -1,8 +1,10 @@
-"""Prometheus metrics for the controller and the agent, on a registry the caller owns.
+"""Prometheus metrics for the controller, on a registry the caller owns.
 
 Per-GPU series follow NVIDIA dcgm-exporter where it has a field for the quantity (same
 metric names, same `gpu`/`UUID`/`device`/`modelName`/`Hostname` labels), so existing GPU
-dashboards work on powerd's numbers; what only powerd knows is `powerd_*`.
+dashboards work on powerd's numbers; what only powerd knows is `powerd_*`. The families are
+named in powerd/node_metrics.py, which also holds the agent's metrics (no numpy there: the
+agent's install carries none).
 
 Cost model: the controller calls `update_*` once per tick with the arrays it already holds.
 An update only stores them (numeric arrays copied: cheap next to the tick; bench/scrape.py
@@ -21,17 +23,32 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
-from prometheus_client import CollectorRegistry, Histogram, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
 from powerd.backends.base import throttle_mask
+from powerd.node_metrics import (
+    CLOCK_EVENTS,
+    COMMITTED,
+    ENERGY,
+    ENFORCED,
+    OVERRIDDEN,
+    POWER,
+    RESTORES,
+    TARGET,
+    TEMP,
+    GpuFamily,
+    counter,
+    family,
+    gauges,
+    gpu_labels,
+    scalar,
+)
 from powerd.wire import CAP_TOLERANCE_W
 
 FloatArray = NDArray[np.float64]
-
-GPU_LABELS = ("gpu", "UUID", "device", "modelName", "Hostname")
 # Ticks run at ~1 s with a 250 ms target at 10k GPUs: resolve the fast end finely.
 TICK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -194,13 +211,7 @@ class GpuSnapshot:
             self._rows.append(
                 Rows.of(
                     [
-                        {
-                            "gpu": str(i),
-                            "UUID": u,
-                            "device": f"nvidia{i}",
-                            "modelName": m,
-                            "Hostname": n,
-                        }
+                        gpu_labels(i, u, m, n)
                         for u, n, i, m in zip(
                             self.uuids, self.nodes, self.index.tolist(), models, strict=True
                         )
@@ -208,14 +219,6 @@ class GpuSnapshot:
                 )
             )
         return self._rows[0]
-
-
-def _family(
-    name: str, doc: str, typ: str, sample: str, rows: Iterable[tuple[dict[str, str], float]]
-) -> Metric:
-    m = Metric(name, doc, typ)
-    m.samples = [Sample(sample, labels, value) for labels, value in rows]
-    return m
 
 
 def _gauge_rows(name: str, doc: str, rows: Rows, values: FloatArray) -> RowFamily:
@@ -248,64 +251,29 @@ class GpuCollector(Collector):
         if s is None:
             return
         labels = s.rows()
-        yield _gauge_rows("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).", labels, s.power_w)
-        yield _gauge_rows(
-            "DCGM_FI_DEV_ENFORCED_POWER_LIMIT",
-            "Enforced power limit, read back from the device (in W).",
-            labels,
-            s.cap_w,
-        )
-        yield RowFamily(
-            "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
-            "Total energy consumption since the driver loaded (in mJ).",
-            "counter",
-            labels,
-            s.energy_j * 1000.0,
-            sample="DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION_total",
-        )
-        yield _gauge_rows("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C).", labels, s.temp_c)
+        yield _rows(POWER, labels, s.power_w)
+        yield _rows(ENFORCED, labels, s.cap_w)
+        yield _rows(ENERGY, labels, s.energy_j * 1000.0)
+        yield _rows(TEMP, labels, s.temp_c)
         if s.throttle is not None:
-            yield _gauge_rows(
-                "DCGM_FI_DEV_CLOCKS_EVENT_REASONS",
-                "Current reasons for clock events (NVML throttle bitmask; 0x4 power cap).",
-                labels,
-                np.array([throttle_mask(t) for t in s.throttle], dtype=np.float64),
-            )
+            masks = np.array([throttle_mask(t) for t in s.throttle], dtype=np.float64)
+            yield _rows(CLOCK_EVENTS, labels, masks)
         if s.committed_w is not None:
-            yield _gauge_rows(
-                "powerd_gpu_cap_watts",
-                "Committed cap: the highest cap that may be in force, counting commands not yet"
-                " acknowledged (in W).",
-                labels,
-                s.committed_w,
-            )
+            yield _rows(COMMITTED, labels, s.committed_w)
         if s.target_w is not None:
-            yield _gauge_rows(
-                "powerd_gpu_target_watts",
-                "This tick's allocation for the GPU, before the safety planner (in W).",
-                labels,
-                s.target_w,
-            )
+            yield _rows(TARGET, labels, s.target_w)
         if s.set_w is not None:
             with np.errstate(invalid="ignore"):
                 differs = np.abs(s.cap_w - s.set_w) > CAP_TOLERANCE_W
-            yield _gauge_rows(
-                "powerd_gpu_cap_overridden",
-                "1 while the GPU's enforced limit differs from the one powerd set (another"
-                " tool, an out-of-band limit), 0 while it matches.",
-                labels,
-                np.where(np.isnan(s.set_w), np.nan, differs.astype(np.float64)),
+            yield _rows(
+                OVERRIDDEN, labels, np.where(np.isnan(s.set_w), np.nan, differs.astype(np.float64))
             )
         if s.restores is not None:
-            yield RowFamily(
-                "powerd_gpu_cap_restores",
-                "Limits found above the one powerd set (a GPU reset, a driver reload, another"
-                " tool) and set back by the agent, since it started.",
-                "counter",
-                labels,
-                np.array(list(s.restores), dtype=np.float64),
-                sample="powerd_gpu_cap_restores_total",
-            )
+            yield _rows(RESTORES, labels, np.array(list(s.restores), dtype=np.float64))
+
+
+def _rows(f: GpuFamily, labels: Rows, values: FloatArray) -> RowFamily:
+    return RowFamily(f.name, f.doc, f.typ, labels, values, sample=f.sample)
 
 
 class _Families(Collector):
@@ -335,19 +303,19 @@ class _Families(Collector):
 
     def collect(self) -> Iterator[Metric]:
         if self.learn_samples:
-            yield _gauges(
+            yield gauges(
                 "powerd_learn_samples",
                 "Perf samples within the learning window, per class.",
                 "class",
                 self.learn_samples,
             )
-            yield _gauges(
+            yield gauges(
                 "powerd_learn_in_use",
                 "1 while the class is steered by its learned curve, 0 by the policy's.",
                 "class",
                 self.learn_in_use,
             )
-            yield _gauges(
+            yield gauges(
                 "powerd_learn_fit_error",
                 "RMS gap of the last fit to its envelope, share of its peak (NaN: none).",
                 "class",
@@ -372,21 +340,19 @@ class _Families(Collector):
             yield _gauge_rows(
                 "powerd_group_draw_watts", "Measured draw per group (in W).", labels, draw
             )
-        yield _counter(
+        yield counter(
             "powerd_messages_received", "MQTT messages received, by kind.", "kind", self.received
         )
-        yield _counter(
+        yield counter(
             "powerd_messages_dropped",
             "Messages dropped (malformed, oversized, mismatched, stale...), by reason.",
             "reason",
             self.dropped,
         )
-        yield _scalar("powerd_caps_sent", "Per-GPU caps sent to agents.", "counter", self.caps_sent)
-        yield _scalar(
-            "powerd_acks_received", "Cap acknowledgements received.", "counter", self.acks
-        )
-        yield _counter("powerd_ticks", "Controller ticks, by solver status.", "status", self.ticks)
-        yield _family(
+        yield scalar("powerd_caps_sent", "Per-GPU caps sent to agents.", "counter", self.caps_sent)
+        yield scalar("powerd_acks_received", "Cap acknowledgements received.", "counter", self.acks)
+        yield counter("powerd_ticks", "Controller ticks, by solver status.", "status", self.ticks)
+        yield family(
             "powerd_solver_status",
             "1 for the last tick's solver status, 0 for the others seen.",
             "gauge",
@@ -394,35 +360,35 @@ class _Families(Collector):
             (({"status": s}, float(s == self.solver_status)) for s in sorted(self.statuses)),
         )
         if self.last_tick_ts is not None:
-            yield _scalar(
+            yield scalar(
                 "powerd_last_tick_timestamp_seconds",
                 "Wall time the last tick ended.",
                 "gauge",
                 self.last_tick_ts,
             )
         if self.unused_w is not None:
-            yield _scalar(
+            yield scalar(
                 "powerd_unused_watts",
                 "Room in the root's budget the last allocation left to nobody: power no GPU "
                 "could use (in W; 0 when the root has no budget).",
                 "gauge",
                 self.unused_w,
             )
-        yield _gauges(
+        yield gauges(
             "powerd_throughput",
             "Weighted useful work per class (profile units).",
             "class",
             self.throughput,
         )
-        yield _gauges("powerd_gpus", "GPUs known to the controller, by state.", "state", self.gpus)
-        yield _gauges("powerd_nodes", "Nodes in the policy, by state.", "state", self.nodes)
-        yield _gauges(
+        yield gauges("powerd_gpus", "GPUs known to the controller, by state.", "state", self.gpus)
+        yield gauges("powerd_nodes", "Nodes in the policy, by state.", "state", self.nodes)
+        yield gauges(
             "powerd_alarms_active",
             "Alarms raised and not cleared, by kind.",
             "kind",
             self.alarms_active,
         )
-        yield _counter("powerd_alarms", "Alarms raised, by kind.", "kind", self.alarms_raised)
+        yield counter("powerd_alarms", "Alarms raised, by kind.", "kind", self.alarms_raised)
 
 
 @dataclass(frozen=True)
@@ -442,14 +408,14 @@ class Leadership:
 
     def families(self) -> Iterator[Metric]:
         scope = {"scope": self.scope}
-        yield _family(
+        yield family(
             "powerd_leader",
             "1 while this controller leads its scope (commands), 0 while it stands by.",
             "gauge",
             "powerd_leader",
             [(scope | {"controller": self.controller_id}, float(self.leading))],
         )
-        yield _family(
+        yield family(
             "powerd_leader_epoch",
             "The epoch of the scope's leader (a fencing token: agents refuse lower ones).",
             "gauge",
@@ -479,31 +445,9 @@ class Leadership:
             ),
         ]
         for name, doc, value, typ in rows:
-            yield _family(
+            yield family(
                 name, doc, typ, name + "_total" if typ == "counter" else name, [(scope, value)]
             )
-
-
-def _counter(name: str, doc: str, label: str, values: Mapping[str, float]) -> Metric:
-    return _family(
-        name,
-        doc,
-        "counter",
-        name + "_total",
-        (({label: k}, float(v)) for k, v in sorted(values.items())),
-    )
-
-
-def _gauges(name: str, doc: str, label: str, values: Mapping[str, float]) -> Metric:
-    return _family(
-        name, doc, "gauge", name, (({label: k}, float(v)) for k, v in sorted(values.items()))
-    )
-
-
-def _scalar(name: str, doc: str, typ: str, value: float) -> Metric:
-    return _family(
-        name, doc, typ, name + "_total" if typ == "counter" else name, [({}, float(value))]
-    )
 
 
 class ControllerMetrics:
@@ -626,86 +570,3 @@ class ControllerMetrics:
     def update_leadership(self, leadership: Leadership) -> None:
         """Who leads the scope, its epoch, the standbys, takeovers and fenced commands."""
         self._f.leadership = leadership
-
-
-class AgentMetrics:
-    """What one node's agent exports about its own GPUs and its command handling."""
-
-    def __init__(self, registry: CollectorRegistry, node_id: str) -> None:
-        self.node_id = node_id
-        self.gpus = GpuCollector()
-        self._f = _AgentFamilies()
-        registry.register(self.gpus)
-        registry.register(self._f)
-
-    def update_gpus(self, snap: GpuSnapshot) -> None:
-        """This node's GPUs, from its latest sample."""
-        self.gpus.update(snap)
-
-    def update_counters(
-        self,
-        *,
-        commands: float,
-        rejected: Mapping[str, float],
-        caps_applied: float,
-        failsafe: bool,
-    ) -> None:
-        self._f.values = {
-            "commands": commands,
-            "rejected": dict(rejected),
-            "caps_applied": caps_applied,
-            "failsafe": failsafe,
-        }
-
-
-class _AgentFamilies(Collector):
-    def __init__(self) -> None:
-        self.values: dict[str, Any] = {}
-
-    def collect(self) -> Iterator[Metric]:
-        v = self.values
-        if not v:
-            return
-        yield _scalar("powerd_agent_commands", "Cap commands accepted.", "counter", v["commands"])
-        yield _counter(
-            "powerd_agent_commands_rejected",
-            "Cap commands rejected, by reason.",
-            "reason",
-            v["rejected"],
-        )
-        yield _scalar(
-            "powerd_agent_caps_applied", "Per-GPU caps applied.", "counter", v["caps_applied"]
-        )
-        yield _scalar(
-            "powerd_agent_failsafe",
-            "1 while the lease has run out and failsafe caps hold.",
-            "gauge",
-            float(v["failsafe"]),
-        )
-
-
-@dataclass
-class MetricsServer:
-    """A registry served over HTTP from a background thread (prometheus-client's server)."""
-
-    host: str
-    port: int
-    _server: Any
-    _thread: threading.Thread
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
-
-
-def start_metrics_server(
-    registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 9400
-) -> MetricsServer:
-    """Serve `registry` at http://host:port/metrics (port 0: any free port).
-
-    The agent's option: a thread of its own, so a scrape never delays telemetry. 9400 is
-    dcgm-exporter's port; pick another when both run on a node.
-    """
-    server, thread = start_http_server(port, addr=host, registry=registry)
-    return MetricsServer(host, int(server.server_address[1]), server, thread)

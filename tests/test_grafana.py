@@ -20,7 +20,9 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from powerd.metrics import AgentMetrics, ControllerMetrics, GpuSnapshot, Leadership, exposition
+from powerd.metrics import ControllerMetrics, GpuSnapshot, Leadership, exposition
+from powerd.node_metrics import AgentMetrics
+from powerd.wire import GpuTelemetry
 
 GRAFANA = Path(__file__).resolve().parents[1] / "docs" / "grafana"
 DASHBOARD = GRAFANA / "powerd.json"
@@ -100,7 +102,11 @@ def exported() -> dict[str, set[str]]:
     )
     agent_reg = CollectorRegistry()
     a = AgentMetrics(agent_reg, "a")
-    call(a, "update_gpus", snap=snap())
+    gpu = {"name": "H100", "min_cap_w": 200.0, "max_cap_w": 700.0, "default_cap_w": 700.0}
+    gpu |= {"power_w": 400.0, "cap_w": 500.0, "energy_j": 1.0, "temp_c": 60.0}
+    gpu |= {"util_pct": 90.0, "sm_clock_mhz": 1800.0, "set_w": 500.0, "restores": 1}
+    gpus = [GpuTelemetry(uuid=f"GPU-a{i}", index=i, **gpu) for i in range(2)]
+    call(a, "update_gpus", gpus=gpus)
     call(a, "update_counters", commands=1, rejected={"stale": 1}, caps_applied=2, failsafe=False)
     # Every way the two fill their registries was used: a family added later is seen here.
     for cls in (ControllerMetrics, AgentMetrics):

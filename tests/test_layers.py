@@ -54,6 +54,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "powerd.store",
             "powerd.backends",
             "powerd.metrics",
+            "powerd.node_metrics",
             "powerd.sdnotify",
             "powerd.auth",
             "powerd.logs",

@@ -12,13 +12,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from powerd.backends.base import THROTTLE_REASON_BITS, throttle_mask, throttle_reasons
-from powerd.metrics import (
-    AgentMetrics,
-    ControllerMetrics,
-    GpuSnapshot,
-    exposition,
-    start_metrics_server,
-)
+from powerd.metrics import ControllerMetrics, GpuSnapshot, exposition
+from powerd.node_metrics import AgentMetrics, start_metrics_server
+from powerd.wire import GpuTelemetry
 
 Parsed = dict[str, dict[tuple[tuple[str, str], ...], float]]
 
@@ -238,20 +234,39 @@ def test_throttle_names_cover_every_known_bit() -> None:
     assert throttle_reasons(sum(THROTTLE_REASON_BITS.values())) == list(THROTTLE_REASON_BITS)
 
 
+def gpu_sample(index: int, uuid: str, **values: Any) -> GpuTelemetry:
+    """One GPU of an agent's telemetry; what a test does not give is a plausible H100's."""
+    fields: dict[str, Any] = {
+        "name": "H100",
+        "power_w": 300.0,
+        "energy_j": 1.0,
+        "cap_w": 700.0,
+        "min_cap_w": 200.0,
+        "max_cap_w": 700.0,
+        "default_cap_w": 700.0,
+        "temp_c": 50.0,
+        "util_pct": 90.0,
+        "sm_clock_mhz": 1800.0,
+    }
+    return GpuTelemetry(uuid=uuid, index=index, **(fields | values))
+
+
 def test_agent_serves_its_registry_over_http() -> None:
     reg = CollectorRegistry()
     m = AgentMetrics(reg, node_id="n01")
     m.update_gpus(
-        snapshot(
-            uuids=["GPU-x"],
-            nodes=["n01"],
-            index=[3],
-            power_w=[321.0],
-            cap_w=[400.0],
-            energy_j=[10.0],
-            temp_c=[55.0],
-            throttle=[["sw_power_cap"]],
-        )
+        [
+            gpu_sample(
+                3,
+                "GPU-x",
+                name="",
+                power_w=321.0,
+                cap_w=400.0,
+                energy_j=10.0,
+                temp_c=55.0,
+                throttle=["sw_power_cap"],
+            )
+        ]
     )
     m.update_counters(commands=5, rejected={"stale": 1}, caps_applied=40, failsafe=False)
     server = start_metrics_server(reg, "127.0.0.1", 0)
@@ -269,3 +284,40 @@ def test_agent_serves_its_registry_over_http() -> None:
     assert samples[("powerd_agent_commands_total", ())] == 5
     assert samples[("powerd_agent_commands_rejected_total", (("reason", "stale"),))] == 1
     assert samples[("powerd_agent_failsafe", ())] == 0
+
+
+def test_agent_and_controller_export_the_same_gpu_series() -> None:
+    """One node's GPUs as its agent exports them (no numpy) and as the controller exports the
+    same samples (arrays): the same families, labels and values."""
+    gpus = [
+        gpu_sample(0, "GPU-a0", power_w=412.25, energy_j=12.5, cap_w=500.0, set_w=500.0),
+        gpu_sample(1, "GPU-a1", throttle=["sw_power_cap", "hw_slowdown"], restores=2),
+        gpu_sample(2, "GPU-a2", name='odd "name"', cap_w=650.0, set_w=450.0, restores=1),
+    ]
+    agent_reg = CollectorRegistry()
+    AgentMetrics(agent_reg, "a").update_gpus(gpus)
+    controller_reg = CollectorRegistry()
+    ControllerMetrics(controller_reg).update_gpus(
+        GpuSnapshot(
+            uuids=[g.uuid for g in gpus],
+            nodes=["a"] * len(gpus),
+            index=[g.index for g in gpus],
+            power_w=[g.power_w for g in gpus],
+            cap_w=[g.cap_w for g in gpus],
+            energy_j=[g.energy_j for g in gpus],
+            temp_c=[g.temp_c for g in gpus],
+            models=[g.name for g in gpus],
+            throttle=[g.throttle for g in gpus],
+            set_w=[math.nan if g.set_w is None else g.set_w for g in gpus],
+            restores=[float(g.restores) for g in gpus],
+        )
+    )
+    agent = parse(generate_latest(agent_reg).decode())
+    controller = scrape(controller_reg)
+    gpu_series = {n: v for n, v in controller.items() if n in agent}
+    assert agent == gpu_series
+    assert len(agent) == 7  # power, limit, energy, temperature, clocks, overridden, restores
+    assert agent["powerd_gpu_cap_overridden"] == {
+        gpu_key(0, "GPU-a0", "a", "H100"): 0.0,
+        gpu_key(2, "GPU-a2", "a", 'odd "name"'): 1.0,
+    }

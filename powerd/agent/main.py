@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import signal
 
-import numpy as np
 from prometheus_client import CollectorRegistry
 
 from powerd.agent.agent import Agent, build_backend, build_transport
@@ -15,7 +14,7 @@ from powerd.agent.record import TraceRecorder
 from powerd.agent.restore import hold_agent_lock
 from powerd.agent.settings import AgentSettings
 from powerd.clock import Clock, SystemClock
-from powerd.metrics import AgentMetrics, GpuSnapshot, MetricsServer, start_metrics_server
+from powerd.node_metrics import AgentMetrics, MetricsServer, start_metrics_server
 from powerd.sdnotify import Notifier
 from powerd.transport import Transport
 from powerd.transport.base import cancel_and_wait
@@ -111,22 +110,7 @@ def _serve_metrics(agent: Agent, settings: AgentSettings) -> MetricsServer:
     metrics = AgentMetrics(registry, agent.node_id)
 
     def update(msg: NodeTelemetry) -> None:
-        gpus = msg.gpus
-        metrics.update_gpus(
-            GpuSnapshot(
-                uuids=[g.uuid for g in gpus],
-                nodes=[agent.node_id] * len(gpus),
-                index=np.array([g.index for g in gpus], dtype=np.int64),
-                power_w=np.array([g.power_w for g in gpus]),
-                cap_w=np.array([g.cap_w for g in gpus]),
-                energy_j=np.array([g.energy_j for g in gpus]),
-                temp_c=np.array([g.temp_c for g in gpus]),
-                throttle=[g.throttle for g in gpus],
-                models=[g.name for g in gpus],
-                set_w=np.array([np.nan if g.set_w is None else g.set_w for g in gpus]),
-                restores=[float(g.restores) for g in gpus],
-            )
-        )
+        metrics.update_gpus(msg.gpus)
         metrics.update_counters(
             commands=agent.commands,
             rejected=agent.rejected,

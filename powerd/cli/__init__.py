@@ -4,6 +4,10 @@
 admin API's commands (`admin`: status, gpus, why, budget, pin, drain, handover, class, job,
 token), `sim`, `profile` (`powerd.profilefit`) and `db`. Each subcommand builds its settings
 and parts, then runs them; its handler returns the exit status (`exits`).
+
+Building the parser loads none of the controller's libraries (numpy, SQLAlchemy, FastAPI...):
+the base install, on every GPU node, has none of them. A command that needs an extra names
+it (`needs`, `extras.py`) and is refused with one line when it is missing.
 """
 
 from __future__ import annotations
@@ -14,11 +18,11 @@ import sys
 from collections.abc import Callable, Sequence
 
 from powerd import __version__
-from powerd.cli import admin, daemons, db, policy, sim
+from powerd.cli import admin, daemons, db, policy, profile, sim
 from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_OK
+from powerd.cli.extras import MissingExtra, extra_of, require
 from powerd.input_errors import InputError
 from powerd.logs import configure_logging
-from powerd.profilefit import add_profile_parser
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -42,27 +46,52 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("debug", "info", "warning", "error"),
         help="default: info; warning for the demo, whose live view is the output",
     )
+    parser.set_defaults(needs=None)  # the extra a command needs beyond the base install
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     policy.add_parser(sub)
     daemons.add_parser(sub)
     admin.add_parser(sub)
     sim.add_parser(sub)
-    add_profile_parser(sub)
+    profile.add_parser(sub)
     db.add_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except MissingExtra as exc:  # a flag whose value the extra's libraries check
+        print(exc, file=sys.stderr)
+        return EXIT_BAD_INPUT
     quiet = args.command in ("demo", "sim", "solve", "warm")  # their own output is the point
     configure_logging(args.log_format, args.log_level or ("warning" if quiet else "info"))
+    return _run(args)
+
+
+def _action(args: argparse.Namespace) -> list[str]:
+    """A command group's action (`policy check`, `db upgrade`): its `<command>_command`."""
+    action = getattr(args, f"{args.command}_command", None)
+    return [action] if isinstance(action, str) else []
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The command's handler, with what it raises as the exit status and one line."""
     handler: Handler = args.handler
+    command = " ".join(["powerd", args.command, *_action(args)])
     try:
+        if args.needs is not None:
+            require(command, args.needs)
         return handler(args)
-    except InputError as exc:
+    except (InputError, MissingExtra) as exc:
         print(str(exc), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except ModuleNotFoundError as exc:  # a library a command imports beyond its extra's
+        extra = extra_of(exc.name)
+        if extra is None:  # not an extra's: a broken install, shown whole
+            raise
+        print(MissingExtra(command, extra, [str(exc.name)]), file=sys.stderr)
         return EXIT_BAD_INPUT
     except ValueError as exc:  # e.g. a malformed broker URL, caught before anything started
         print(f"powerd {args.command}: {exc}", file=sys.stderr)

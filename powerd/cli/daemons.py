@@ -13,6 +13,7 @@ from typing import Any
 
 from powerd.argtypes import positive_float
 from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
+from powerd.cli.extras import require
 
 # powerd.agent.kubelet.DEFAULT_SOCKET, not imported for a parser every command builds.
 KUBELET_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
@@ -79,6 +80,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
         kube_class_label=args.kube_class_label,
         kube_api_url=args.kube_api_url,
     )
+    if settings.backend == "mock":  # simulated GPUs: a physical model in numpy
+        require("powerd agent --backend mock", "sim", ["numpy"])
     try:
         if args.restore_defaults:
             from powerd.agent.restore import restore_node
@@ -201,7 +204,7 @@ def _add_demo_parser(sub: Any) -> None:
         default=None,
         help="also serve the live page on 127.0.0.1:PORT (0: a free port); prints its link",
     )
-    demo.set_defaults(handler=cmd_demo)
+    demo.set_defaults(handler=cmd_demo, needs="sim")
 
 
 def _add_agent_parser(sub: Any) -> None:
@@ -359,7 +362,7 @@ def _add_controller_parser(sub: Any) -> None:
     ctl.add_argument("--tokens-file", help="admin API tokens (hashed), see docs/api.md")
     ctl.add_argument("--dev", action="store_true", help="development mode: allow weak tokens")
     ctl.add_argument("--config", help="settings file (.toml or .yaml); flags win over it")
-    ctl.set_defaults(handler=cmd_controller)
+    ctl.set_defaults(handler=cmd_controller, needs="controller")
 
 
 def _add_coordinator_parser(sub: Any) -> None:
@@ -383,4 +386,4 @@ def _add_coordinator_parser(sub: Any) -> None:
     co.add_argument("--tokens-file", help="admin API tokens (hashed), see docs/api.md")
     co.add_argument("--dev", action="store_true", help="development mode: allow weak tokens")
     co.add_argument("--config", help="settings file (.toml or .yaml); flags win over it")
-    co.set_defaults(handler=cmd_coordinator)
+    co.set_defaults(handler=cmd_coordinator, needs="controller")

@@ -66,9 +66,9 @@ def add_parser(sub: Any) -> None:
         help="SQLAlchemy URL, e.g. sqlite:///powerd.db or postgresql://user@host/db "
         "(default: $POWERD_DB or %(default)s)",
     )
-    up.set_defaults(handler=cmd_db_upgrade)
+    up.set_defaults(handler=cmd_db_upgrade, needs="controller")
     ident = db_sub.add_parser(
         "id", help="print the store's id (an authority's `store`, for `powerd handover`)"
     )
     ident.add_argument("--db", default=os.environ.get("POWERD_DB", DEFAULT_DB_URL))
-    ident.set_defaults(handler=cmd_db_id)
+    ident.set_defaults(handler=cmd_db_id, needs="controller")

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any, TextIO
 from powerd.cli.admin import table
 from powerd.cli.exits import EXIT_FAILED, EXIT_OK
 from powerd.numeric import kw_text
-from powerd.policy import LEVELS, Policy, load_policy, subtree_totals
 
 if TYPE_CHECKING:
     from powerd.allocator import Allocation
     from powerd.allocator.kernel import WarmUp
+    from powerd.policy import Policy
     from powerd.snapshot import Snapshot
 
 
@@ -26,6 +26,8 @@ def _fmt_w(watts: float) -> str:
 
 def policy_summary(policy: Policy) -> dict[str, Any]:
     """Levels, sizes, budgets and how the failsafe caps fit each level's tightest group."""
+    from powerd.policy import LEVELS, subtree_totals
+
     groups = policy.groups
     per_node_failsafe = [
         g.gpus * g.failsafe_w + g.overhead_w if g.level == 3 else 0.0 for g in groups
@@ -113,6 +115,8 @@ def _print_policy_summary(s: dict[str, Any]) -> None:
 
 
 def cmd_policy_check(args: argparse.Namespace) -> int:
+    from powerd.policy import load_policy
+
     policy = load_policy(args.file)
     summary = policy_summary(policy)
     if args.json:
@@ -124,6 +128,7 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
 
 def cmd_solve(args: argparse.Namespace) -> int:
     from powerd.allocator import allocate, kernel
+    from powerd.policy import load_policy
     from powerd.snapshot import load_snapshot
 
     policy = load_policy(args.policy)
@@ -245,7 +250,7 @@ def add_parser(sub: Any) -> None:
     check = policy_sub.add_parser("check", help="validate a policy file and summarise it")
     check.add_argument("file", help="policy YAML file")
     check.add_argument("--json", action="store_true", help="print the summary as JSON")
-    check.set_defaults(handler=cmd_policy_check)
+    check.set_defaults(handler=cmd_policy_check, needs="controller")
 
     solve = sub.add_parser(
         "solve", help="compute one allocation for a snapshot of the fleet and print its caps"
@@ -263,7 +268,7 @@ def add_parser(sub: Any) -> None:
         "--json", action="store_true", help="print the allocation as JSON (full precision)"
     )
     solve.add_argument("--pretty", action="store_true", help="the JSON, indented")
-    solve.set_defaults(handler=cmd_solve)
+    solve.set_defaults(handler=cmd_solve, needs="controller")
 
     warm = sub.add_parser(
         "warm",
@@ -276,4 +281,4 @@ def add_parser(sub: Any) -> None:
         "directory was writable.",
     )
     warm.add_argument("--json", action="store_true", help="print the result as JSON")
-    warm.set_defaults(handler=cmd_warm)
+    warm.set_defaults(handler=cmd_warm, needs="controller")

@@ -14,32 +14,29 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import structlog
 
 from powerd.argtypes import positive_float
 from powerd.cli.admin import parse_time
 from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
+from powerd.cli.extras import require
 from powerd.input_errors import InputError
-from powerd.policy import Overload, Policy, load_policy, with_overload
-from powerd.sim.learning import learning_study, plot_learning
-from powerd.sim.recorded import read_recording
-from powerd.sim.report import Report, text, to_json, write_outputs
-from powerd.sim.run import POLICIES, STATIC
-from powerd.sim.scenario import Scenario, ScenarioError, check_against_policy, load_scenario
-from powerd.sim.site import Site, build_mix, site_for
-from powerd.sim.study import (
+from powerd.sim import (
     DEFAULT_FRACTIONS,
     DEFAULT_POINTS,
     DEFAULT_THRESHOLD,
     METRICS,
-    Runner,
-    budget_sweep,
-    compare,
-    oversubscribe,
-    static_provisioning,
+    POLICIES,
+    STATIC,
 )
+
+if TYPE_CHECKING:  # the simulator itself loads with the command (numpy, the tick)
+    from powerd.policy import Overload, Policy
+    from powerd.sim.report import Report
+    from powerd.sim.scenario import Scenario
+    from powerd.sim.site import Site
 
 log = structlog.get_logger(__name__)
 
@@ -98,7 +95,7 @@ def add_parser(subparsers: Any) -> None:
     _add_study_arguments(sim)
     _add_recording_arguments(sim)
     _add_output_arguments(sim)
-    sim.set_defaults(handler=cmd_sim)
+    sim.set_defaults(handler=cmd_sim, needs="sim")
 
 
 def _add_study_arguments(sim: argparse.ArgumentParser) -> None:
@@ -221,6 +218,9 @@ class ProgressBar:
 
 def _overload(text: str) -> Overload:
     """PCT:SECONDS, as `overload: {pct, for_s}` in a policy."""
+    require("powerd sim", "sim")  # Overload is the policy's model (numpy): refuse as `sim` does
+    from powerd.policy import Overload
+
     pct, sep, secs = text.partition(":")
     try:
         if not sep:
@@ -243,6 +243,10 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 def _scenario_and_policy(args: argparse.Namespace) -> tuple[Scenario, Policy]:
     """The scenario with the command line's overrides, and the policy it runs on."""
+    from powerd.policy import load_policy, with_overload
+    from powerd.sim.recorded import read_recording
+    from powerd.sim.scenario import ScenarioError, check_against_policy, load_scenario
+
     overrides = {"seed": args.seed, "duration_h": args.duration_h, "tick_s": args.tick_s}
     scenario = load_scenario(args.scenario, overrides)
     path = args.policy if args.policy is not None else scenario.policy_path
@@ -267,6 +271,17 @@ def _scenario_and_policy(args: argparse.Namespace) -> tuple[Scenario, Policy]:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from powerd.sim.report import Report
+    from powerd.sim.scenario import ScenarioError
+    from powerd.sim.site import site_for
+    from powerd.sim.study import (
+        Runner,
+        budget_sweep,
+        compare,
+        oversubscribe,
+        static_provisioning,
+    )
+
     scenario, policy = _scenario_and_policy(args)
     if args.points < 2:
         raise ScenarioError("--points", [("", "at least 2 site sizes")])
@@ -317,6 +332,10 @@ def _run(args: argparse.Namespace) -> int:
 
 def _learning(scenario: Scenario, site: Site, args: argparse.Namespace) -> int:
     """`--learning`: three runs (learning off, on, true curves) and the recovery figure."""
+    from powerd.sim.learning import learning_study, plot_learning
+    from powerd.sim.scenario import ScenarioError
+    from powerd.sim.site import build_mix
+
     try:
         study = learning_study(scenario, site, build_mix(scenario, site))
     except ValueError as exc:
@@ -336,6 +355,8 @@ def _learning(scenario: Scenario, site: Site, args: argparse.Namespace) -> int:
 
 def _show(report: Report, args: argparse.Namespace) -> None:
     """The report as text or JSON on stdout, and its files under --out."""
+    from powerd.sim.report import text, to_json, write_outputs
+
     doc = to_json(report)
     if args.out:
         out = Path(args.out)

@@ -16,7 +16,8 @@ from typing import Any
 
 from powerd.numeric import finite_or_none, kw_text
 from powerd.policy import LEVELS
-from powerd.sim.run import STATIC, RunResult
+from powerd.sim import STATIC
+from powerd.sim.run import RunResult
 from powerd.sim.scenario import Scenario
 from powerd.sim.site import Site
 from powerd.sim.study import Oversubscription, SweepPoint

@@ -37,6 +37,7 @@ from powerd.policy import LEVELS, Policy, RampRates
 from powerd.profile import Profile
 from powerd.ramp import window_ceiling_w
 from powerd.safety import SafePlan
+from powerd.sim import POLICIES, STATIC
 from powerd.sim.agents import SimAgents
 from powerd.sim.scenario import HOUR_S, Scenario, ScenarioError
 from powerd.sim.site import Mix, Site
@@ -45,9 +46,6 @@ log = structlog.get_logger(__name__)
 
 FloatArray = NDArray[np.float64]
 IntArray = NDArray[np.int64]
-STATIC = "static"
-STEERED = ("fast", "uniform", "priority-bands")
-POLICIES = (*STEERED, STATIC)
 # Controller ticks per steer at most: cuts, then the raises they pay for (acks are instant
 # here), while raises wait; never more than the controller makes in a simulated tick.
 MAX_ROUNDS = 6

@@ -17,16 +17,12 @@ from typing import Any
 import structlog
 
 from powerd.policy import Policy
-from powerd.sim.run import STATIC, RunResult, simulate
+from powerd.sim import DEFAULT_POINTS, DEFAULT_THRESHOLD, STATIC
+from powerd.sim.run import RunResult, simulate
 from powerd.sim.scenario import Scenario
 from powerd.sim.site import Mix, Site, build_mix, build_site
 
 log = structlog.get_logger(__name__)
-
-DEFAULT_FRACTIONS = (0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
-DEFAULT_THRESHOLD = 0.03
-DEFAULT_POINTS = 8
-METRICS = ("total", "weighted")
 
 ProgressHook = Callable[[int, int], None]  # (ticks done, ticks in total)
 
