@@ -57,7 +57,7 @@ fi
 
 if ! ls dist/powerd-"$VERSION"-*.whl >/dev/null 2>&1; then
   log "wheel"
-  python3 -m build --wheel --outdir dist . >/dev/null
+  "${PYTHON:-python3}" -m build --wheel --outdir dist . >/dev/null
 fi
 
 for role in controller agent; do
@@ -85,8 +85,8 @@ RUN_OPTS=()
 log "smoke: the controller image"
 run_in "localhost/powerd-controller:$VERSION" powerd --version
 RUN_OPTS=(--user powerd)
-run_in "localhost/powerd-controller:$VERSION" python3 -c \
-  "from powerd.allocator import kernel; kernel.warm_up(); print('kernels load from the image, as powerd')"
+# The solver was compiled at build time: as the user powerd, `powerd warm` only loads it.
+run_in "localhost/powerd-controller:$VERSION" powerd warm
 # The daemon itself, as the unprivileged user, on the example policy and the local broker:
 # its API must answer /healthz from outside the container.
 port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
@@ -125,5 +125,6 @@ if out=$(run_in "localhost/powerd-agent:$VERSION" powerd agent --node-id smoke-1
   echo "the agent started without a GPU driver: $out" >&2
   exit 1
 fi
-echo "agent without NVML: $(echo "$out" | tail -n 1)"
+echo "agent without NVML: $(echo "$out" | grep '^powerd agent:' | tail -n 1)"
+[ -n "$(echo "$out" | grep '^powerd agent:')" ] || { echo "the agent gave no one-line reason: $out" >&2; exit 1; }
 echo "images: localhost/powerd-controller:$VERSION localhost/powerd-agent:$VERSION"
