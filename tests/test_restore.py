@@ -7,8 +7,10 @@ restore, another process, finds them."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -22,7 +24,12 @@ from powerd.agent.settings import AgentSettings
 from powerd.backends.base import NoPermission
 from powerd.backends.mock import CapJournal, MockBackend, SimulatedGpus
 from powerd.clock import SystemClock
-from powerd.testing.mosquitto import free_port
+from powerd.controller.tick import TickEngine
+from powerd.policy import parse_policy
+from powerd.testing.mosquitto import LocalMosquitto, free_port
+from powerd.testing.synthetic import policy_dict
+from powerd.transport import MqttConfig, MqttTransport
+from powerd.wire import NodeState, NodeStatus, Topics
 
 
 def settings(tmp_path: Path, **extra: object) -> AgentSettings:
@@ -32,8 +39,15 @@ def settings(tmp_path: Path, **extra: object) -> AgentSettings:
         "mock_gpus": 3,
         "mock_journal": tmp_path / "journal",
         "state_dir": tmp_path,
+        # No broker listens there (tests with one give theirs).
+        "broker": f"mqtt://127.0.0.1:{free_port()}",
     }
     return AgentSettings(**{**values, **extra})
+
+
+@pytest.fixture(autouse=True)
+def _quick_broker_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(restore, "CONNECT_TIMEOUT_S", 1.0)
 
 
 def journalled_caps(path: Path) -> dict[str, float]:
@@ -77,7 +91,7 @@ def test_the_restore_is_refused_while_an_agent_holds_the_lock(tmp_path: Path) ->
         assert restore_node(s, force=False, out=out, err=err) == 1
         assert "stop it first" in err.getvalue() and out.getvalue() == ""
         assert not (tmp_path / "journal").exists()  # the GPUs were never opened
-        assert restore_node(s, force=True, out=out, err=err) == 0
+        assert restore_node(s, force=True, out=out, err=err, settle_s=0) == 0
         assert "--force" in err.getvalue()
     finally:
         agent.release()
@@ -92,7 +106,61 @@ def test_without_a_state_dir_it_cannot_tell_and_wants_force(
     out, err = io.StringIO(), io.StringIO()
     assert restore_node(s, force=False, out=out, err=err) == 1
     assert "cannot tell whether an agent runs" in err.getvalue()
-    assert restore_node(s, force=True, out=out, err=err) == 0
+    assert restore_node(s, force=True, out=out, err=err, settle_s=0) == 0
+
+
+def test_without_a_broker_the_controller_cannot_be_told_and_nothing_rises(
+    tmp_path: Path,
+) -> None:
+    s = settings(tmp_path)
+    out, err = io.StringIO(), io.StringIO()
+    assert restore_node(s, force=False, out=out, err=err, settle_s=0) == 1
+    assert "cannot reach the broker" in err.getvalue() and "Stop the controllers" in err.getvalue()
+    assert not (tmp_path / "journal").exists()  # the GPUs were never opened
+
+
+@pytest.mark.broker
+def test_the_node_is_announced_offline_without_caps_before_any_limit_rises(
+    tmp_path: Path, mosquitto: LocalMosquitto
+) -> None:
+    """What a controller hears before the raise: the node's retained status, offline with no
+    caps, which makes it count the node's GPUs at their maximum (and cut the others)."""
+    s = settings(tmp_path, broker=mosquitto.url)
+    journal = tmp_path / "journal"
+    heard: list[tuple[NodeStatus, dict[str, float]]] = []
+    subscribed = threading.Event()
+
+    async def listen() -> None:
+        client = MqttTransport(MqttConfig.from_url(mosquitto.url, client_id="a-controller"))
+        await client.connect()
+        await asyncio.wait_for(client.wait_connected(), 10)
+        await client.subscribe(Topics().status("n1"), qos=1)
+        subscribed.set()
+        async for message in client.messages():
+            # The caps the GPUs have when the status arrives: none raised yet.
+            status = NodeStatus.model_validate_json(message.payload)
+            heard.append((status, journalled_caps(journal)))
+            break
+        await client.disconnect()
+
+    listener = threading.Thread(target=lambda: asyncio.run(asyncio.wait_for(listen(), 30)))
+    listener.start()
+    assert subscribed.wait(15)
+    out, err = io.StringIO(), io.StringIO()
+    code = restore_node(s, force=False, out=out, err=err, settle_s=1.0)
+    listener.join(30)
+
+    assert code == 0, err.getvalue()
+    status, caps_then = heard[0]
+    assert status.state is NodeState.OFFLINE and status.caps_w == {}
+    assert caps_then == {}  # the restore had not opened the GPUs yet when it announced
+    assert out.getvalue().startswith("node n1: announced offline")
+    assert "3 of 3 GPUs at their default power limit" in out.getvalue()
+    # A controller that hears it counts the node's GPUs at their maximum.
+    engine = TickEngine(parse_policy(policy_dict(1, 1, 1, 3)))
+    node = next(g.name for g in engine.policy.groups if g.level == 3)
+    assert engine.on_status(node, status.model_copy(update={"node_id": node}))
+    assert engine.fleet.nodes[node].state is NodeState.OFFLINE
 
 
 @pytest.mark.process
@@ -125,7 +193,12 @@ def test_after_the_agent_stops_the_restore_brings_back_the_defaults(tmp_path: Pa
     # Stopped, the agent leaves the failsafe caps (its lease is nobody's to watch now).
     assert set(journalled_caps(journal).values()) == {300.0}
 
-    done = powerd("agent", "--config", str(config), "--restore-defaults")
+    # No broker to tell a controller (the agent ran alone): only with --force.
+    alone = powerd("agent", "--config", str(config), "--restore-defaults", "--settle-s", "0")
+    assert alone.returncode == 1 and "cannot reach the broker" in alone.stderr
+    done = powerd(
+        "agent", "--config", str(config), "--restore-defaults", "--force", "--settle-s", "0"
+    )
 
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [

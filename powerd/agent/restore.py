@@ -8,27 +8,41 @@ It must not run beside an agent of the node (the agent would set its caps again,
 would raise caps under a running controller's feet): a running agent holds `AgentLock`, an
 flock on `agent.lock` in its state directory, for its whole life. The kernel drops an flock
 when its process dies, so a crashed agent leaves no stale lock behind.
+
+Nor may it raise limits behind a controller that still plans with the caps the agent left
+(a clean stop's status names them): before raising, it publishes the node's retained status
+as `offline` with no caps, what an agent's last will says, so a controller counts the
+node's GPUs at their maximum and cuts the others to make room, and waits `settle_s` for
+that to land. Without the broker it refuses (the controller could not be told), unless
+forced.
 """
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
 import structlog
 
-from powerd.agent.agent import build_backend
+from powerd.agent.agent import build_backend, build_transport
 from powerd.agent.settings import AgentSettings
 from powerd.backends.base import BackendError, GpuBackend
 from powerd.clock import SystemClock
-from powerd.wire import CAP_TOLERANCE_W
+from powerd.wire import CAP_TOLERANCE_W, NodeState, NodeStatus, Topics, encode
 
 log = structlog.get_logger(__name__)
 
 LOCK_NAME = "agent.lock"
+# How long to wait for the broker when announcing the node's departure.
+CONNECT_TIMEOUT_S = 10.0
+# After the announcement, before raising: a controller's tick to hear it and plan the
+# node at its maximum, and one for the other nodes' cuts to be acknowledged, with margin.
+SETTLE_S = 10.0
 # Where powerd-agent.service keeps its state (StateDirectory=powerd/agent): a command run
 # from a shell, without $STATE_DIRECTORY or state_dir, still finds the service's lock there.
 SERVICE_STATE_DIR = Path("/var/lib/powerd/agent")
@@ -154,9 +168,17 @@ def restore_defaults(backend: GpuBackend) -> list[GpuRestored]:
     return restored
 
 
-def restore_node(settings: AgentSettings, *, force: bool, out: TextIO, err: TextIO) -> int:
+def restore_node(
+    settings: AgentSettings,
+    *,
+    force: bool,
+    out: TextIO,
+    err: TextIO,
+    settle_s: float = SETTLE_S,
+) -> int:
     """`powerd agent --restore-defaults [--force]`: 0 if every GPU is at its default limit
-    now, 1 otherwise (or if an agent of this node runs, without `force`)."""
+    now, 1 otherwise (or if an agent of this node runs, or the controller could not be told
+    that the node leaves, without `force`)."""
     state_dir = settings.state_dir
     if state_dir is None and SERVICE_STATE_DIR.is_dir():
         state_dir = SERVICE_STATE_DIR
@@ -185,10 +207,49 @@ def restore_node(settings: AgentSettings, *, force: bool, out: TextIO, err: Text
                 return 1
             print(f"powerd agent --restore-defaults: --force: {exc}", file=err)
     try:
+        try:
+            asyncio.run(announce_departure(settings))
+        except (OSError, TimeoutError) as exc:
+            if not force:
+                print(
+                    f"powerd agent --restore-defaults: cannot reach the broker "
+                    f"({type(exc).__name__}: {exc}), so no controller can be told that the "
+                    "node's GPUs go back to their defaults. Stop the controllers first, then "
+                    "run again with --force.",
+                    file=err,
+                )
+                return 1
+            print(f"powerd agent --restore-defaults: --force: broker: {exc}", file=err)
+        else:
+            print(
+                f"node {settings.node_id}: announced offline (no caps: a controller counts its "
+                f"GPUs at their maximum); raising in {settle_s:g} s",
+                file=out,
+            )
+            out.flush()
+            time.sleep(settle_s)
         return _restore(settings, out)
     finally:
         if lock is not None:
             lock.release()
+
+
+async def announce_departure(settings: AgentSettings, timeout_s: float | None = None) -> None:
+    """Publish the node's retained status as `offline` with no caps (QoS 1, confirmed by the
+    broker): a controller then counts its GPUs at their maximum. TimeoutError or OSError if
+    the broker does not take it within `timeout_s` (default CONNECT_TIMEOUT_S)."""
+    timeout_s = CONNECT_TIMEOUT_S if timeout_s is None else timeout_s
+    transport = build_transport(settings)
+    try:
+        await transport.connect()
+        await asyncio.wait_for(transport.wait_connected(), timeout_s)
+        status = NodeStatus(node_id=settings.node_id, state=NodeState.OFFLINE)
+        topic = Topics(settings.topic_prefix).status(settings.node_id)
+        await asyncio.wait_for(
+            transport.publish(topic, encode(status), qos=1, retain=True), timeout_s
+        )
+    finally:
+        await transport.disconnect()
 
 
 def _restore(settings: AgentSettings, out: TextIO) -> int:

@@ -86,7 +86,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
         if args.restore_defaults:
             from powerd.agent.restore import restore_node
 
-            return restore_node(settings, force=args.force, out=sys.stdout, err=sys.stderr)
+            return restore_node(
+                settings, force=args.force, out=sys.stdout, err=sys.stderr, settle_s=args.settle_s
+            )
         asyncio.run(run_agent_process(settings))
     except (BackendError, AgentRunning) as exc:
         print(f"powerd agent: {exc}", file=sys.stderr)
@@ -250,7 +252,17 @@ def _add_agent_parser(sub: Any) -> None:
         "runs); docs/operations.md, 'Rolling back'",
     )
     agent.add_argument(
-        "--force", action="store_true", help="--restore-defaults even if an agent seems to run"
+        "--force",
+        action="store_true",
+        help="--restore-defaults even if an agent seems to run, or the broker cannot be told",
+    )
+    agent.add_argument(
+        "--settle-s",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="--restore-defaults: seconds between announcing the node offline (a controller "
+        "then counts its GPUs at their maximum) and raising its limits (default 10)",
     )
     agent.set_defaults(handler=cmd_agent)
 
