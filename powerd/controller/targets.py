@@ -56,7 +56,6 @@ class Targets:
     class_index: IntArray  # per GPU, as steered (a job's class for its GPUs)
     jobs: JobView
     job_index: IntArray | None  # operators' jobs first (JobView.names), then reported ones
-    held: BoolArray  # GPUs that refuse their cap: they keep the power they may have
 
 
 class TargetStage:
@@ -132,7 +131,7 @@ class TargetStage:
             targets = np.where(held, np.nan, targets)  # NaN: hold the committed cap
         return Targets(
             fleet, targets, status, objective, solve_ms, unused_w, self.warm,
-            cls_idx, jobs, job_idx, held,
+            cls_idx, jobs, job_idx,
         )  # fmt: skip
 
     def job_view(self, overrides: Overrides) -> JobView:

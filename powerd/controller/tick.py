@@ -64,13 +64,15 @@ BoolArray = NDArray[np.bool_]
 
 @dataclass(frozen=True)
 class Seen:
-    """The fleet stage's output: the fleet as heard now, its shape, and per GPU the caps
-    that may be in force (the planner's committed caps) and whether it refuses its cap."""
+    """The fleet stage's output: the fleet as heard now, its shape, per GPU the caps that
+    may be in force (the planner's committed caps) and whether it refuses its cap, and the
+    nodes whose last status is offline."""
 
     arrays: FleetArrays
     shape: Shape
     committed_w: FloatArray
     held: BoolArray
+    offline: list[str]
 
 
 class TickEngine:
@@ -302,7 +304,13 @@ class TickEngine:
         arrays = self.fleet.arrays(now, control.stale_after_s)
         shape = self._shape_for(arrays, now)
         self.inputs.raise_overridden(arrays, self.fleet)
-        return Seen(arrays, shape, self.planner.committed_w(), self.planner.defiant())
+        return Seen(
+            arrays,
+            shape,
+            self.planner.committed_w(),
+            self.planner.defiant(),
+            self.fleet.offline_nodes(),
+        )
 
     def _shape_for(self, arrays: FleetArrays, now: float) -> Shape:
         version = (self.fleet.version, self._policy_epoch, self.fleet.stops)
@@ -363,7 +371,7 @@ class TickEngine:
             budget_w=budgets.limit_w,
             reserve_w=seen.shape.reserve_w,
             priority=self.targets.classes.weight[targets.class_index],
-            offline=self.fleet.offline_nodes(),
+            offline=seen.offline,
             record=not self.shadow,
             jobs=targets.job_index,  # a job's GPUs rise together or wait
         )
@@ -489,7 +497,7 @@ class TickEngine:
                 budgets.limit_w,
                 targets.fleet.cap_w,
                 seen.held,
-                self.fleet.offline_nodes(),
+                seen.offline,
                 self.policy.control.slew_w,
             )
             return why_frame(
