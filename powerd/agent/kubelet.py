@@ -44,6 +44,7 @@ from typing import Any
 
 import structlog
 
+from powerd.agent.poller import Poller
 from powerd.settings import SettingsError
 from powerd.wire import REPORTED_JOB_PATTERN
 
@@ -314,9 +315,8 @@ class PodSource:
         self._at = -math.inf
         self.errors = 0
         self.unmatched: list[str] = []  # device ids that name no GPU of this node, last poll
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._close = close
+        self._poller = Poller("powerd-kube", self.poll, config.period_s, 2 * config.timeout_s + 1.0)
 
     # -- reading (the poller thread) -------------------------------------------------------
 
@@ -403,18 +403,10 @@ class PodSource:
     # -- the poller thread -----------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="powerd-kube", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.poll()
-            self._stop.wait(self.config.period_s)
+        self._poller.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2 * self.config.timeout_s + 1.0)
+        self._poller.stop()
         if self._close is not None:
             self._close()
 

@@ -34,6 +34,8 @@ from typing import Any, Literal
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
+from powerd.agent.poller import Poller
+
 log = structlog.get_logger(__name__)
 
 MAX_READ_BYTES = 4 * 1024 * 1024
@@ -151,8 +153,7 @@ class PerfSource:
         self._latest: dict[str, tuple[float, float]] = {}  # uuid -> (perf, time)
         self.dropped: dict[str, int] = {}
         self.errors = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._poller = Poller("powerd-perf", self.poll, config.period_s, config.timeout_s + 1.0)
 
     # -- reading (the poller thread) -------------------------------------------------------
 
@@ -251,15 +252,7 @@ class PerfSource:
     # -- the poller thread -----------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="powerd-perf", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.poll()
-            self._stop.wait(self.config.period_s)
+        self._poller.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.config.timeout_s + 1.0)
+        self._poller.stop()
