@@ -37,7 +37,7 @@ class Budgets:
 
 
 @dataclass(frozen=True)
-class ScopeBudget:
+class ScopeRoot:
     """A scope's root and the coordinator's budget there (None: none given)."""
 
     group: int
@@ -67,7 +67,7 @@ class BudgetsInForce:
         wall: float,
         *,
         most_w: FloatArray | None = None,
-        scope: ScopeBudget | None = None,
+        scope: ScopeRoot | None = None,
     ) -> FloatArray:
         """Per group: the policy's budget, or a lower temporary one (expired ones end here),
         or a scheduled one's ramp, or at a scope's root the coordinator's if lower. Given

@@ -33,7 +33,7 @@ from numpy.typing import NDArray
 
 from powerd.alarms import Alarms
 from powerd.allocator.scopes import DemandCurve
-from powerd.controller.budgets import Budgets, BudgetsInForce, ScopeBudget
+from powerd.controller.budgets import Budgets, BudgetsInForce, ScopeRoot
 from powerd.controller.fleet import FleetArrays, FleetGpu, FleetState
 from powerd.controller.input_alarms import InputAlarms
 from powerd.controller.obedience import Obedience
@@ -337,10 +337,10 @@ class TickEngine:
         )
         return Budgets(budget_w, limit_w)
 
-    def _scope(self) -> ScopeBudget | None:
+    def _scope(self) -> ScopeRoot | None:
         if self.scope_name is None:
             return None
-        return ScopeBudget(self.scope_group, self.scope_budget_w)
+        return ScopeRoot(self.scope_group, self.scope_budget_w)
 
     # 3. allocation: TargetStage.decide (controller/targets.py), and at a scope's root:
 
