@@ -29,6 +29,7 @@ from powerd.policy import parse_policy
 from powerd.testing.mosquitto import LocalMosquitto, free_port
 from powerd.testing.synthetic import policy_dict
 from powerd.transport import MqttConfig, MqttTransport
+from powerd.transport.base import PublishUnconfirmed
 from powerd.wire import NodeState, NodeStatus, Topics
 
 
@@ -116,6 +117,22 @@ def test_without_a_broker_the_controller_cannot_be_told_and_nothing_rises(
     out, err = io.StringIO(), io.StringIO()
     assert restore_node(s, force=False, out=out, err=err, settle_s=0) == 1
     assert "cannot reach the broker" in err.getvalue() and "Stop the controllers" in err.getvalue()
+    assert not (tmp_path / "journal").exists()  # the GPUs were never opened
+
+
+def test_an_announcement_the_broker_never_confirms_refuses_the_raise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Connected, but the status publish is never acknowledged (the connection dropped
+    mid-publish): no controller is known to have heard it, so nothing rises."""
+
+    async def unconfirmed(settings: AgentSettings, timeout_s: float | None = None) -> None:
+        raise PublishUnconfirmed("the broker closed the connection before its PUBACK", sent=True)
+
+    monkeypatch.setattr(restore, "announce_departure", unconfirmed)
+    out, err = io.StringIO(), io.StringIO()
+    assert restore_node(settings(tmp_path), force=False, out=out, err=err, settle_s=0) == 1
+    assert "PublishUnconfirmed" in err.getvalue() and out.getvalue() == ""
     assert not (tmp_path / "journal").exists()  # the GPUs were never opened
 
 

@@ -33,6 +33,7 @@ from powerd.agent.agent import build_backend, build_transport
 from powerd.agent.settings import AgentSettings
 from powerd.backends.base import BackendError, GpuBackend
 from powerd.clock import SystemClock
+from powerd.transport.base import TransportError
 from powerd.wire import CAP_TOLERANCE_W, NodeState, NodeStatus, Topics, encode
 
 log = structlog.get_logger(__name__)
@@ -209,7 +210,7 @@ def restore_node(
     try:
         try:
             asyncio.run(announce_departure(settings))
-        except (OSError, TimeoutError) as exc:
+        except (OSError, TimeoutError, TransportError) as exc:
             if not force:
                 print(
                     f"powerd agent --restore-defaults: cannot reach the broker "
@@ -236,8 +237,9 @@ def restore_node(
 
 async def announce_departure(settings: AgentSettings, timeout_s: float | None = None) -> None:
     """Publish the node's retained status as `offline` with no caps (QoS 1, confirmed by the
-    broker): a controller then counts its GPUs at their maximum. TimeoutError or OSError if
-    the broker does not take it within `timeout_s` (default CONNECT_TIMEOUT_S)."""
+    broker): a controller then counts its GPUs at their maximum. TimeoutError, OSError or
+    TransportError (a publish the broker never confirmed) if the broker does not take it
+    within `timeout_s` (default CONNECT_TIMEOUT_S)."""
     timeout_s = CONNECT_TIMEOUT_S if timeout_s is None else timeout_s
     transport = build_transport(settings)
     try:
