@@ -269,6 +269,10 @@ async def gpus(
         job_of = jobs.job_of(uuid, rec.node) if jobs.by_name else None
         if job_of is None and i is not None and r is not None and r.why is not None:
             job_of = _tick_job(r.why, i)
+            if job_of is not None and job_of in jobs.by_name:
+                # An operator's job as of the last tick, left since (a replace): what is in
+                # force now answered above, and a reported job never takes an operator's name.
+                job_of = None
         if job is not None and job_of != job:
             continue
         age = max(0.0, now - rec.seen_at)
