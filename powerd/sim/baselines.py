@@ -1,0 +1,588 @@
+"""The baselines a site would choose without powerd, and a breaker's view of every run.
+
+- `uncapped`: as many GPUs as powerd runs, no caps at all: every GPU draws its demand up to
+  its TDP. Its draw is held against every budget (time over, worst overshoot) and against
+  a breaker per budgeted group (`Breaker`): a trip takes the group's GPUs down (no work, no
+  draw) until it is restored `restore_s` later.
+- `oracle`: perfect foresight, the upper bound: every GPU's demand known exactly at every
+  sub-step (`oracle_step_s`), caps set there by the shipped allocator (`allocate_arrays`,
+  the `fast` solver) for that exact demand and the workloads' true throughput curves, under
+  every budget in force (Σ caps + overhead ≤ budget at every instant), applied at once with
+  no lag, headroom, slew or ramp. It drives no TickEngine: it is a bound, not a controller.
+
+Both walk the scenario in sub-steps over the same GPU model (`SimulatedGpus.demand_at`, the
+same workloads and idle windows as `simulate`) and return a `RunResult`, so every report
+shows them beside the steered policies. See docs/simulator.md, "Baselines".
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from powerd.allocator import ClassTable, GpuArrays, Tree, allocate_arrays
+from powerd.allocator.problem import Allocation
+from powerd.backends.mock import MockGpuSpec, Pattern, SimulatedGpus
+from powerd.policy import LEVELS, Policy
+from powerd.profile import Profile
+from powerd.ramp import window_ceiling_w
+from powerd.sim import ORACLE, UNCAPPED
+from powerd.sim.run import EXCESS_TOL_W, Progress, RunResult, Series, _rates, _windows
+from powerd.sim.scenario import Scenario
+from powerd.sim.site import Mix, Site
+from powerd.topology import Topology
+
+FloatArray = NDArray[np.float64]
+IntArray = NDArray[np.int64]
+BoolArray = NDArray[np.bool_]
+
+ORACLE_MAX_STEP_S = 1.0  # the oracle re-solves at least this often (docs/simulator.md)
+OBJECTIVES = ("weighted", "total")
+
+
+# -- the breaker ---------------------------------------------------------------------------
+
+# The default curve (docs/simulator.md, "What a breaker does"): a thermal image of the
+# conductor (IEC 60255-149's thermal model: heat θ in units of the rating², dθ/dt =
+# (r² − θ)/τ, trip at θ ≥ pickup²) plus an instantaneous trip. Calibrated to UL 489's
+# calibration points for a 226-400 A molded-case breaker: carry 100 % indefinitely, trip at
+# 135 % within 2 h, at 200 % within 12 min (set here to take exactly 12 min from cold: the
+# slowest breaker the standard allows at 200 %); the pickup is IEC 60898-1's conventional
+# non-tripping current (1.13 In), which also meets IEC 60947-2's (1.05 In must not trip,
+# 1.30 In must trip within 2 h).
+PICKUP = 1.13
+T_200_S = 720.0
+INSTANT = 10.0  # × rating: instantaneous (magnetic) trip, the top of a C curve (IEC 60898-1)
+# Time from a trip until the group's GPUs work again: an operator finds the cause and resets
+# the breaker (10 min), nodes boot and pass health checks (10 min), jobs restart from their
+# last checkpoint and reload (10 min). Deliberately short (it favours `uncapped`).
+RESTORE_S = 1800.0
+
+
+def tau_for(pickup: float, ratio: float, trip_s: float) -> float:
+    """The time constant that trips at `ratio` × rating after `trip_s` from cold."""
+    if ratio <= pickup:
+        raise ValueError(f"{ratio} × rating never trips a breaker with pickup {pickup}")
+    return trip_s / math.log(ratio**2 / (ratio**2 - pickup**2))
+
+
+@dataclass(frozen=True)
+class Breaker:
+    """A breaker per budgeted group, rated at `rating` × the group's budget (the policy's
+    budget, not a scheduled window's: windows are promises to the grid, not hardware)."""
+
+    rating: float = 1.0
+    pickup: float = PICKUP
+    tau_s: float = field(default_factory=lambda: tau_for(PICKUP, 2.0, T_200_S))
+    instant: float = INSTANT
+    restore_s: float = RESTORE_S
+
+    def __post_init__(self) -> None:
+        if not (self.rating > 0 and self.pickup > 0 and self.tau_s > 0):
+            raise ValueError("breaker rating, pickup and tau_s must be positive")
+        if self.instant <= self.pickup or self.restore_s < 0:
+            raise ValueError("breaker instant must exceed its pickup, restore_s be >= 0")
+
+    def trip_s(self, ratio: float, heat: float = 0.0) -> float:
+        """Time to trip at a constant `ratio` × rating, from heat `heat` (0: cold); inf when it
+        never trips, 0 in the instantaneous region."""
+        if ratio >= self.instant:
+            return 0.0
+        p2, r2 = self.pickup**2, ratio**2
+        if heat >= p2:
+            return 0.0
+        if r2 <= p2:
+            return math.inf
+        return self.tau_s * math.log((r2 - heat) / (r2 - p2))
+
+    def heat(self, heat: FloatArray, ratio: FloatArray, dt: float) -> FloatArray:
+        """The thermal image after `dt` at a constant `ratio` (exact for a held load)."""
+        r2 = ratio * ratio
+        return np.asarray(r2 + (heat - r2) * math.exp(-dt / self.tau_s))
+
+    def tripped(self, heat: FloatArray, ratio: FloatArray) -> BoolArray:
+        return np.asarray((heat >= self.pickup**2) | (ratio >= self.instant), dtype=np.bool_)
+
+    def safe_below(self) -> float:
+        """Draw/budget below which no breaker of this kind ever trips, whatever the history:
+        the thermal image is an average of past ratio², so it stays under pickup²."""
+        return self.rating * min(self.pickup, self.instant)
+
+    def describe(self) -> dict[str, float]:
+        return {
+            "rating_of_budget": self.rating,
+            "pickup": self.pickup,
+            "tau_s": self.tau_s,
+            "instant": self.instant,
+            "restore_s": self.restore_s,
+            "trip_s_at_135pct": self.trip_s(1.35),
+            "trip_s_at_200pct": self.trip_s(2.0),
+        }
+
+
+@dataclass
+class Trips:
+    """What the breakers did over one run."""
+
+    breaker: Breaker
+    trips: int
+    by_level: dict[str, int]
+    first_trip_s: float | None
+    events: list[tuple[float, str, float]]  # (time s, group, draw / rating when it tripped)
+    down_gpu_s: float  # GPU-seconds spent down
+    lost_work_gpu_s: float  # work the down GPUs would have delivered
+    exact: bool = True  # False: bounded from the run's highest draw/budget, not simulated
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "trips": self.trips,
+            "by_level": self.by_level,
+            "first_trip_s": self.first_trip_s,
+            "events": [
+                {"t_s": t, "group": g, "draw_over_rating": r} for t, g, r in self.events[:20]
+            ],
+            "down_gpu_h": self.down_gpu_s / 3600.0,
+            "lost_work_gpu_h": self.lost_work_gpu_s / 3600.0,
+            "method": "simulated" if self.exact else "bound from the highest draw/budget",
+        }
+
+
+def trips_of(result: RunResult, breaker: Breaker) -> Trips | None:
+    """A steered run's trips, from its highest measured draw/budget of any group: 0 when
+    that stays below `breaker.safe_below()` (no thermal image can reach the pickup then),
+    else None (the run's per-group draw would be needed)."""
+    if result.max_excess_ratio >= breaker.safe_below():
+        return None
+    return Trips(breaker, 0, dict.fromkeys(LEVELS, 0), None, [], 0.0, 0.0, exact=False)
+
+
+# -- sub-steps over the GPU model -----------------------------------------------------------
+
+
+def oracle_step_s(scenario: Scenario, mix: Mix) -> float:
+    """The sub-step baselines walk: at most ORACLE_MAX_STEP_S and the tick; where every GPU
+    replays a recorded trace, that trace's sample period instead of 1 s (between samples
+    the replay interpolates linearly, so the samples carry all it knows)."""
+    tick = scenario.spec.tick_s
+    periods = [
+        float(getattr(w.trace, "interval_s", 0.0))
+        for w in mix.workloads
+        if w.pattern == Pattern.TRACE and w.trace is not None
+    ]
+    if periods and len(periods) == len(mix.workloads) and min(periods) > 0:
+        return min(tick, max(ORACLE_MAX_STEP_S, min(periods)))
+    return min(tick, ORACLE_MAX_STEP_S)
+
+
+@dataclass
+class _Account:
+    """Per sub-step accounting shared by both baselines, folded into a RunResult."""
+
+    scenario: Scenario
+    site: Site
+    mix: Mix
+    step_s: float
+    classes: ClassTable
+    n_levels: int = len(LEVELS)
+
+    def __post_init__(self) -> None:
+        topo = self.site.topology
+        sc = self.scenario
+        self.ticks = sc.ticks
+        self.tick_s = sc.spec.tick_s
+        self.duration = self.ticks * self.tick_s
+        self.steps_per_tick = max(1, round(self.tick_s / self.step_s))
+        self.dt = self.tick_s / self.steps_per_tick
+        self.budget = topo.budget_w.copy()
+        self.finite = np.isfinite(self.budget)
+        self.windows = _windows(sc, self.site)
+        self.rates = sc.spec.ramp_w_per_s or self.site.policy.control.ramp_w_per_s
+        # Every node's overhead shared out over its GPUs: a subtree's draw is then one sum,
+        # and a node that is down (a trip above it) draws nothing at all.
+        node = topo.gpu_groups[:, 3]
+        per_node = np.bincount(node, minlength=topo.n_groups).astype(np.float64)
+        self.overhead_share = topo.overhead_w[node] / np.maximum(per_node[node], 1.0)
+        self.level = topo.level
+        self.cls = self.mix.class_index
+        self.weight = self.classes.weight[self.cls]
+        n_classes = len(self.classes.names)
+        self.work = np.zeros(n_classes)
+        self.weighted = 0.0
+        self.unconstrained = 0.0
+        self.unconstrained_weighted = 0.0
+        self.gpu_energy = 0.0
+        self.fac_energy = 0.0
+        self.over_s = 0.0
+        self.over_by_level = np.zeros(self.n_levels)
+        self.over_run = np.zeros(topo.n_groups)
+        self.longest_over = 0.0
+        self.max_excess = 0.0
+        self.max_ratio = 0.0
+        self.committed_over = 0
+        self.fac_draw = np.zeros(self.ticks)
+        self.fac_committed = np.zeros(self.ticks)
+        self.peak_ratio = np.zeros((self.ticks, self.n_levels))
+        self.tput = np.zeros(self.ticks)
+        self.wtput = np.zeros(self.ticks)
+
+    def budget_at(self, t: float) -> FloatArray:
+        if not self.windows:
+            return self.budget
+        out = self.budget.copy()
+        for g, budget_w, start, end in self.windows:
+            out[g] = min(out[g], window_ceiling_w(budget_w, start, end, t, self.rates))
+        return out
+
+    def steps(self, model: SimulatedGpus) -> Iterator[tuple[int, float]]:
+        """(tick, time) of every sub-step, the scenario's idle windows applied on the way."""
+        events = self.mix.events
+        nxt = 0
+        for k in range(self.ticks):
+            for j in range(self.steps_per_tick):
+                t = k * self.tick_s + j * self.dt
+                while nxt < len(events) and events[nxt][0] <= t:
+                    _, idx, workload = events[nxt]
+                    model.set_workload(idx, workload)
+                    nxt += 1
+                yield k, t
+
+    def add(
+        self,
+        k: int,
+        t: float,
+        *,
+        draw: FloatArray,
+        up: BoolArray | None,
+        tput: FloatArray,
+        best: FloatArray,
+        committed: FloatArray,
+    ) -> FloatArray:
+        """Account one sub-step (draw, throughput, committed caps per GPU held for dt);
+        returns each group's draw (W)."""
+        dt = self.dt
+        topo = self.site.topology
+        ovh = self.overhead_share if up is None else np.where(up, self.overhead_share, 0.0)
+        groups = topo.group_sums(draw + ovh)
+        budget = self.budget_at(t + dt) if self.windows else self.budget
+        excess = np.where(self.finite, groups - budget, -np.inf)
+        over = excess > EXCESS_TOL_W
+        self.over_run = np.where(over, self.over_run + dt, 0.0)
+        if over.any():
+            self.longest_over = max(self.longest_over, float(self.over_run.max()))
+            self.over_s += dt
+            self.over_by_level[np.unique(self.level[over])] += dt
+            self.max_excess = max(self.max_excess, float(excess[over].max()))
+        ratio = np.where(self.finite & (budget > 0), groups / np.where(budget > 0, budget, 1), 0)
+        self.max_ratio = max(self.max_ratio, float(ratio.max()))
+        for lv in range(self.n_levels):
+            mask = self.level == lv
+            self.peak_ratio[k, lv] = max(self.peak_ratio[k, lv], float(ratio[mask].max()))
+        held = topo.group_sums(committed + ovh)
+        self.committed_over += int(bool(np.any((held - budget)[self.finite] > 1e-6)))
+        self.work += np.bincount(self.cls, weights=tput, minlength=self.work.size) * dt
+        w = float(np.dot(self.weight, tput))
+        self.weighted += w * dt
+        self.unconstrained += float(best.sum()) * dt
+        self.unconstrained_weighted += float(np.dot(self.weight, best)) * dt
+        gpu_w = float(draw.sum())
+        self.gpu_energy += gpu_w * dt
+        self.fac_energy += float(groups[0]) * dt
+        share = dt / self.tick_s
+        self.fac_draw[k] += float(groups[0]) * share
+        self.fac_committed[k] = float(held[0])
+        self.tput[k] += float(tput.sum()) * share
+        self.wtput[k] += w * share
+        return np.asarray(groups)
+
+    def result(self, name: str, wall_s: float, solve_ms: list[float]) -> RunResult:
+        names = self.classes.names
+        per_class = np.bincount(self.cls, minlength=len(names))
+        return RunResult(
+            policy=name,
+            n_gpus=self.site.n_gpus,
+            duration_s=self.duration,
+            feed_w=self.site.feed_w,
+            work_gpu_s=float(self.work.sum()),
+            weighted_work_gpu_s=self.weighted,
+            work_by_class={c: float(self.work[i]) for i, c in enumerate(names) if per_class[i]},
+            gpu_energy_j=self.gpu_energy,
+            facility_energy_j=self.fac_energy,
+            over_budget_s=self.over_s,
+            longest_over_s=self.longest_over,
+            over_budget_s_by_level={
+                LEVELS[lv]: float(self.over_by_level[lv]) for lv in range(self.n_levels)
+            },
+            max_excess_w=self.max_excess,
+            max_excess_ratio=self.max_ratio,
+            floors_fit=True,
+            below_floor_share={},
+            committed_over_ticks=self.committed_over,
+            statuses={},
+            ramp_w_per_s=dict(
+                zip(
+                    ("committed_up", "committed_down", "draw_up", "draw_down"),
+                    (*_rates(self.fac_committed, self.tick_s), *_rates(self.fac_draw, self.tick_s)),
+                    strict=True,
+                )
+            ),
+            wall_s=wall_s,
+            solve_ms_mean=float(np.mean(solve_ms)) if solve_ms else 0.0,
+            series=Series(
+                t_h=np.arange(1, self.ticks + 1, dtype=np.float64) * (self.tick_s / 3600.0),
+                facility_draw_w=self.fac_draw,
+                facility_budget_w=float(self.budget[0]),
+                peak_ratio=self.peak_ratio,
+                throughput=self.tput,
+                facility_committed_w=self.fac_committed,
+                weighted_throughput=self.wtput,
+            ),
+        )
+
+
+def _model(scenario: Scenario, site: Site, mix: Mix) -> SimulatedGpus:
+    """The GPU model `simulate` runs (same workloads and seed): only its demand is read."""
+    return SimulatedGpus(
+        site.n_gpus,
+        list(mix.workloads),
+        spec=MockGpuSpec(min_cap_w=site.min_cap_w, max_cap_w=site.tdp_w, default_cap_w=site.tdp_w),
+        seed=scenario.spec.seed,
+        uuid_prefix="GPU-sim",
+    )
+
+
+class _Truth:
+    """Every GPU's true throughput curve (its workload's), refreshed as workloads change."""
+
+    def __init__(self, model: SimulatedGpus) -> None:
+        self.model = model
+        self.key: tuple[int, ...] = ()
+        self.refresh()
+
+    def refresh(self) -> bool:
+        """Re-read the GPUs' workloads; True when a GPU's curve or idleness changed."""
+        model = self.model
+        workloads = [model.workload(i) for i in range(model.n)]
+        key = tuple(id(w) for w in workloads)
+        if key == self.key:
+            return False
+        self.key = key
+        profiles: list[Profile] = []
+        index = np.zeros(model.n, dtype=np.int64)
+        for i, w in enumerate(workloads):
+            for j, p in enumerate(profiles):
+                if p is w.profile:
+                    index[i] = j
+                    break
+            else:
+                profiles.append(w.profile)
+                index[i] = len(profiles) - 1
+        self.profiles = profiles
+        self.profile_index = index
+        self.masks = [index == j for j in range(len(profiles))]
+        self.idle = np.array([w.pattern == Pattern.IDLE for w in workloads], dtype=np.bool_)
+        return True
+
+    def value(self, power_w: FloatArray) -> FloatArray:
+        out = np.zeros(power_w.shape)
+        for prof, mask in zip(self.profiles, self.masks, strict=True):
+            out[mask] = prof.value(power_w[mask])
+        out[self.idle] = 0.0
+        return out
+
+
+# -- uncapped ------------------------------------------------------------------------------
+
+
+def uncapped(
+    scenario: Scenario,
+    site: Site,
+    mix: Mix,
+    *,
+    breaker: Breaker | None = None,
+    progress: Progress | None = None,
+) -> tuple[RunResult, Trips]:
+    """No caps at all: every GPU draws its demand up to its TDP, on as many GPUs as the site
+    has. Budgets are only watched; a breaker per budgeted group trips on the overload curve
+    and its GPUs (and nodes) draw and deliver nothing until restored."""
+    t0 = time.perf_counter()
+    breaker = breaker or Breaker()
+    classes = ClassTable.from_policy(site.policy)
+    acct = _Account(scenario, site, mix, oracle_step_s(scenario, mix), classes)
+    topo = site.topology
+    model = _model(scenario, site, mix)
+    truth = _Truth(model)
+    rated = acct.finite & (acct.budget > 0)
+    rating = np.where(rated, acct.budget * breaker.rating, np.inf)
+    heat = np.zeros(topo.n_groups)
+    down_until = np.full(topo.n_groups, -np.inf)
+    under = [topo.subtree_gpus(g) for g in range(topo.n_groups)]
+    events: list[tuple[float, str, float]] = []
+    by_level = dict.fromkeys(LEVELS, 0)
+    down_gpu_s = lost = 0.0
+    tdp = site.tdp_w
+    dt = acct.dt
+    last_k = -1
+    for k, t in acct.steps(model):
+        truth.refresh()
+        down = down_until > t
+        up = np.ones(site.n_gpus, dtype=np.bool_)
+        for g in np.flatnonzero(down):
+            up[under[g]] = False
+        want = np.minimum(model.demand_at(t), tdp)
+        best = truth.value(want)
+        draw = np.where(up, want, 0.0)
+        tput = np.where(up, best, 0.0)
+        groups = acct.add(k, t, draw=draw, up=up, tput=tput, best=best, committed=draw)
+        if not up.all():
+            down_gpu_s += float((~up).sum()) * dt
+            lost += float(best[~up].sum()) * dt
+        ratio = np.where(rated, groups / rating, 0.0)
+        heat = breaker.heat(heat, ratio, dt)
+        new = breaker.tripped(heat, ratio) & rated & ~down
+        for g in np.flatnonzero(new):
+            down_until[g] = t + dt + breaker.restore_s
+            events.append((t + dt, topo.names[g], float(ratio[g])))
+            by_level[LEVELS[int(topo.level[g])]] += 1
+            heat[under_groups(topo, int(g))] = 0.0  # de-energised: no current below it
+        if progress is not None and k != last_k:
+            progress(1)
+            last_k = k
+    result = acct.result(UNCAPPED, time.perf_counter() - t0, [])
+    trips = Trips(
+        breaker,
+        len(events),
+        by_level,
+        events[0][0] if events else None,
+        events,
+        down_gpu_s,
+        lost,
+    )
+    return result, trips
+
+
+def under_groups(topo: Topology, g: int) -> IntArray:
+    """Group g and every group below it."""
+    out = [g]
+    k = 0
+    while k < len(out):
+        out += np.flatnonzero(topo.parent == out[k]).tolist()
+        k += 1
+    return np.array(out, dtype=np.int64)
+
+
+# -- oracle --------------------------------------------------------------------------------
+
+
+def oracle_policy(policy: Policy, objective: str = "weighted") -> Policy:
+    """The policy as the oracle solves it: no slew (caps move at once); `total` gives every
+    class weight 1 (the most GPU-work rather than the most weighted work)."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown objective '{objective}'; valid: {', '.join(OBJECTIVES)}")
+    spec = policy.spec
+    control = spec.control.model_copy(update={"slew_w": None})
+    classes = spec.classes
+    if objective == "total":
+        classes = {c: s.model_copy(update={"weight": 1.0}) for c, s in classes.items()}
+    return replace(policy, spec=spec.model_copy(update={"control": control, "classes": classes}))
+
+
+def _true_classes(
+    policy: Policy, truth: _Truth, class_index: IntArray
+) -> tuple[ClassTable, IntArray]:
+    """A class table whose classes are (policy class, true curve) pairs: each copies its
+    policy class (weight, floor, ceiling) and steers by that curve."""
+    names = list(policy.classes)
+    pairs: dict[tuple[int, int], int] = {}
+    index = np.zeros(class_index.size, dtype=np.int64)
+    for i, (c, p) in enumerate(
+        zip(class_index.tolist(), truth.profile_index.tolist(), strict=True)
+    ):
+        index[i] = pairs.setdefault((c, p), len(pairs))
+    specs = {}
+    learned = {}
+    for (c, p), j in pairs.items():
+        name = f"{names[c]}~{j}"
+        specs[name] = policy.classes[names[c]]
+        learned[name] = truth.profiles[p]
+    spec = policy.spec.model_copy(update={"classes": specs})
+    return ClassTable.from_policy(replace(policy, spec=spec), learned), index
+
+
+def oracle(
+    scenario: Scenario,
+    site: Site,
+    mix: Mix,
+    *,
+    objective: str = "weighted",
+    progress: Progress | None = None,
+) -> tuple[RunResult, float]:
+    """Perfect foresight: at every sub-step the allocator's optimum for the exact demand and
+    the true curves, caps applied at once. Returns the run and the work (GPU-s) the same
+    GPUs deliver unconstrained at the same sub-steps (every GPU at its demand up to TDP)."""
+    t0 = time.perf_counter()
+    policy = oracle_policy(site.policy, objective)
+    classes = ClassTable.from_policy(site.policy)
+    acct = _Account(scenario, site, mix, oracle_step_s(scenario, mix), classes)
+    topo = site.topology
+    tree = Tree(topo)
+    model = _model(scenario, site, mix)
+    truth = _Truth(model)
+    n = site.n_gpus
+    lo = np.full(n, site.min_cap_w)
+    table, table_index = _true_classes(policy, truth, mix.class_index)
+    # A class ceiling holds (the allocator's bound); device limits as the model's.
+    ceiling = np.minimum(site.tdp_w, _ceilings(site.policy)[mix.class_index])
+    uuids = tuple(f"oracle-{i}" for i in range(n))
+    no_pin = np.full(n, np.nan)
+    no_stale = np.zeros(n, dtype=np.bool_)
+    warm: Allocation | None = None
+    solve_ms: list[float] = []
+    last_k = -1
+    for k, t in acct.steps(model):
+        if truth.refresh():
+            table, table_index = _true_classes(policy, truth, mix.class_index)
+            warm = None
+        demand = model.demand_at(t)
+        best = truth.value(np.minimum(demand, site.tdp_w))
+        want = np.clip(demand, lo, ceiling)
+        budget = acct.budget_at(t) if acct.windows else acct.budget
+        room = budget - topo.overhead_w
+        if bool(np.all(topo.group_sums(want)[acct.finite] <= room[acct.finite])):
+            caps = want  # nothing binds: every GPU gets what it wants
+        else:
+            fleet = GpuArrays(
+                uuids=uuids,
+                topology=topo,
+                min_cap_w=lo,
+                max_cap_w=want,
+                power_w=want,
+                cap_w=want,
+                class_index=table_index,
+                stale=no_stale,
+                pinned_w=no_pin,
+            )
+            warm = allocate_arrays(
+                fleet, policy, "fast", budget_w=budget, warm=warm, classes=table, tree=tree
+            )
+            solve_ms.append(warm.solve_ms)
+            caps = warm.caps_w
+        draw = np.minimum(caps, demand)
+        acct.add(k, t, draw=draw, up=None, tput=truth.value(draw), best=best, committed=caps)
+        if progress is not None and k != last_k:
+            progress(1)
+            last_k = k
+    result = acct.result(ORACLE, time.perf_counter() - t0, solve_ms)
+    return result, acct.unconstrained
+
+
+def _ceilings(policy: Policy) -> FloatArray:
+    return np.array(
+        [np.inf if c.ceiling_w is None else c.ceiling_w for c in policy.classes.values()],
+        dtype=np.float64,
+    )
