@@ -162,6 +162,38 @@ def trips_of(result: RunResult, breaker: Breaker) -> Trips | None:
     return Trips(breaker, 0, dict.fromkeys(LEVELS, 0), None, [], 0.0, 0.0, exact=False)
 
 
+@dataclass
+class BaselineResult(RunResult):
+    """A baseline's run, with what only baselines have: the work of the same GPUs free of
+    every budget at the same sub-steps (its loss is measured against that), and for
+    `uncapped` what the breakers did."""
+
+    unconstrained_gpu_s: float = 0.0
+    unconstrained_weighted_gpu_s: float = 0.0
+    step_s: float = 0.0
+    trips: Trips | None = None
+
+    def loss(self, metric: str = "total") -> float:
+        """1 − work / the same GPUs' unconstrained work (`weighted`: by class weight)."""
+        if metric == "weighted":
+            ref, got = self.unconstrained_weighted_gpu_s, self.weighted_work_gpu_s
+        else:
+            ref, got = self.unconstrained_gpu_s, self.work_gpu_s
+        # (Never below 0 but by summation order: the same sums taken two ways.)
+        return max(0.0, 1.0 - got / ref) if ref > 0 else 0.0
+
+    def summary(self) -> dict[str, object]:
+        out = super().summary()
+        out["unconstrained_work_gpu_h"] = self.unconstrained_gpu_s / 3600.0
+        out["loss"] = self.loss("total")
+        out["weighted_loss"] = self.loss("weighted")
+        out["step_s"] = self.step_s
+        if self.trips is not None:
+            out["breaker"] = self.trips.breaker.describe()
+            out["trips"] = self.trips.summary()
+        return out
+
+
 # -- sub-steps over the GPU model -----------------------------------------------------------
 
 
@@ -262,9 +294,11 @@ class _Account:
         tput: FloatArray,
         best: FloatArray,
         committed: FloatArray,
+        strict: bool = True,
     ) -> FloatArray:
-        """Account one sub-step (draw, throughput, committed caps per GPU held for dt);
-        returns each group's draw (W)."""
+        """Account one sub-step (draw, throughput, caps per GPU held for dt); returns each
+        group's draw (W). `strict`: the caps are committed against the budgets (the oracle's),
+        so caps + overhead above one counts in `committed_over_ticks`."""
         dt = self.dt
         topo = self.site.topology
         ovh = self.overhead_share if up is None else np.where(up, self.overhead_share, 0.0)
@@ -284,7 +318,8 @@ class _Account:
             mask = self.level == lv
             self.peak_ratio[k, lv] = max(self.peak_ratio[k, lv], float(ratio[mask].max()))
         held = topo.group_sums(committed + ovh)
-        self.committed_over += int(bool(np.any((held - budget)[self.finite] > 1e-6)))
+        if strict:
+            self.committed_over += int(bool(np.any((held - budget)[self.finite] > 1e-6)))
         self.work += np.bincount(self.cls, weights=tput, minlength=self.work.size) * dt
         w = float(np.dot(self.weight, tput))
         self.weighted += w * dt
@@ -300,10 +335,12 @@ class _Account:
         self.wtput[k] += w * share
         return np.asarray(groups)
 
-    def result(self, name: str, wall_s: float, solve_ms: list[float]) -> RunResult:
+    def result(
+        self, name: str, wall_s: float, solve_ms: list[float], trips: Trips | None = None
+    ) -> BaselineResult:
         names = self.classes.names
         per_class = np.bincount(self.cls, minlength=len(names))
-        return RunResult(
+        return BaselineResult(
             policy=name,
             n_gpus=self.site.n_gpus,
             duration_s=self.duration,
@@ -342,6 +379,10 @@ class _Account:
                 facility_committed_w=self.fac_committed,
                 weighted_throughput=self.wtput,
             ),
+            unconstrained_gpu_s=self.unconstrained,
+            unconstrained_weighted_gpu_s=self.unconstrained_weighted,
+            step_s=self.dt,
+            trips=trips,
         )
 
 
@@ -406,7 +447,7 @@ def uncapped(
     *,
     breaker: Breaker | None = None,
     progress: Progress | None = None,
-) -> tuple[RunResult, Trips]:
+) -> tuple[BaselineResult, Trips]:
     """No caps at all: every GPU draws its demand up to its TDP, on as many GPUs as the site
     has. Budgets are only watched; a breaker per budgeted group trips on the overload curve
     and its GPUs (and nodes) draw and deliver nothing until restored."""
@@ -438,7 +479,10 @@ def uncapped(
         best = truth.value(want)
         draw = np.where(up, want, 0.0)
         tput = np.where(up, best, 0.0)
-        groups = acct.add(k, t, draw=draw, up=up, tput=tput, best=best, committed=draw)
+        caps = np.where(up, tdp, 0.0)  # every GPU that is up may draw to its TDP
+        groups = acct.add(
+            k, t, draw=draw, up=up, tput=tput, best=best, committed=caps, strict=False
+        )
         if not up.all():
             down_gpu_s += float((~up).sum()) * dt
             lost += float(best[~up].sum()) * dt
@@ -453,7 +497,6 @@ def uncapped(
         if progress is not None and k != last_k:
             progress(1)
             last_k = k
-    result = acct.result(UNCAPPED, time.perf_counter() - t0, [])
     trips = Trips(
         breaker,
         len(events),
@@ -463,7 +506,7 @@ def uncapped(
         down_gpu_s,
         lost,
     )
-    return result, trips
+    return acct.result(UNCAPPED, time.perf_counter() - t0, [], trips), trips
 
 
 def under_groups(topo: Topology, g: int) -> IntArray:
@@ -521,7 +564,7 @@ def oracle(
     *,
     objective: str = "weighted",
     progress: Progress | None = None,
-) -> tuple[RunResult, float]:
+) -> tuple[BaselineResult, float]:
     """Perfect foresight: at every sub-step the allocator's optimum for the exact demand and
     the true curves, caps applied at once. Returns the run and the work (GPU-s) the same
     GPUs deliver unconstrained at the same sub-steps (every GPU at its demand up to TDP)."""
@@ -586,3 +629,24 @@ def _ceilings(policy: Policy) -> FloatArray:
         [np.inf if c.ceiling_w is None else c.ceiling_w for c in policy.classes.values()],
         dtype=np.float64,
     )
+
+
+# -- as the studies run them ---------------------------------------------------------------
+
+
+def run_baseline(
+    name: str,
+    scenario: Scenario,
+    site: Site,
+    mix: Mix,
+    *,
+    breaker: Breaker | None = None,
+    objective: str = "weighted",
+    progress: Progress | None = None,
+) -> BaselineResult:
+    """Run baseline `name` (`uncapped` or `oracle`)."""
+    if name == UNCAPPED:
+        return uncapped(scenario, site, mix, breaker=breaker, progress=progress)[0]
+    if name == ORACLE:
+        return oracle(scenario, site, mix, objective=objective, progress=progress)[0]
+    raise ValueError(f"unknown baseline '{name}'; valid: {UNCAPPED}, {ORACLE}")
