@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from support.sim import scenario_dict
 
+from powerd.cli import main as powerd_main
 from powerd.policy import parse_policy
 from powerd.sim.baselines import (
     PICKUP,
@@ -133,3 +137,58 @@ def test_uncapped_over_a_feed_trips_and_loses_the_work_while_down() -> None:
     assert u.max_excess_ratio > 1.0 and u.max_excess_w > 0
     assert trips_of(simulate(sc, site, mix, "fast"), b) is not None
     assert trips_of(simulate(sc, site, mix, "fast"), b).trips == 0  # type: ignore[union-attr]
+
+
+# -- reports -------------------------------------------------------------------------------
+
+
+def test_reports_carry_the_baselines_and_the_headline(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pol = tmp_path / "policy.yaml"
+    pol.write_text(
+        yaml.safe_dump(policy_dict(1, 1, 4, 4, overhead_w=400.0, fractions=(0.6, 1, 1, 1)))
+    )
+    sc = tmp_path / "scenario.yaml"
+    sc.write_text(
+        yaml.safe_dump({**scenario_dict(duration_h=0.05, tick_s=10), "policy": "policy.yaml"})
+    )
+    argv = ["sim", str(sc), "--policies", "fast,static", "--jobs", "1", "--progress", "never"]
+    argv += ["--breaker-rating", "1.25", "--restore-s", "600", "--oversubscribe", "--points", "2"]
+    assert powerd_main([*argv, "--json", "--out", str(tmp_path / "out")]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    base = doc["baselines"]
+    assert set(base) == {"uncapped", "oracle"}
+    u = base["uncapped"]
+    assert u["breaker"]["rating_of_budget"] == 1.25 and u["breaker"]["restore_s"] == 600
+    assert u["over_budget_s"] > 0 and u["over_budget_s_by_level"]["facility"] > 0
+    assert u["max_draw_over_budget"] > 1 and u["max_excess_w"] > 0
+    assert {"trips", "by_level", "lost_work_gpu_h", "down_gpu_h"} <= set(u["trips"])
+    assert base["oracle"]["over_budget_s"] == 0 and base["oracle"]["step_s"] == 1.0
+    head = doc["headline"]
+    assert head["policy"] == "fast" and head["trips"] == 0
+    assert head["vs_static"] > 1
+    assert head["vs_uncapped"]["uncapped_trips"] == u["trips"]["trips"]
+    assert 0 < head["share_of_oracle"]["weighted_work"] <= 1
+    fits = head["oversubscribe"]
+    assert fits["oracle_gpus"] == doc["oversubscribe"]["fit_gpus"]["oracle"]
+    assert fits["oracle_gpus"] >= fits["gpus"] >= fits["static_tdp_gpus"]
+    assert fits["uncapped_never_over_gpus"] >= fits["static_tdp_gpus"]
+    assert fits["uncapped_no_trip_gpus"] >= fits["uncapped_never_over_gpus"]
+    assert doc["compare"]["fast"]["trips"]["trips"] == 0
+    assert all("uncapped" in pt["trips"] for pt in doc["oversubscribe"]["points"])
+    assert "oracle" in (tmp_path / "out" / "report.html").read_text()
+    # The text report says the same.
+    assert powerd_main([*argv[:-5], "--baselines", "uncapped,oracle"]) == 0
+    out = capsys.readouterr().out
+    assert "headline: fast" in out and "share of the oracle" in out
+    assert "\nuncapped " in out and "\noracle " in out and "breakers rated 125%" in out
+    # And none leaves them out.
+    assert powerd_main([*argv[:-5], "--baselines", "none", "--json"]) == 0
+    assert "baselines" not in json.loads(capsys.readouterr().out)
+
+
+def test_bad_baseline_names_the_valid_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        powerd_main(["sim", "x.yaml", "--baselines", "psychic"])
+    assert "valid: uncapped, oracle" in capsys.readouterr().err

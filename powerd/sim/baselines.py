@@ -212,6 +212,16 @@ def oracle_step_s(scenario: Scenario, mix: Mix) -> float:
     return min(tick, ORACLE_MAX_STEP_S)
 
 
+@dataclass(frozen=True)
+class _Block:
+    """Consecutive sub-steps: their ticks, times and every GPU's demand (rows)."""
+
+    ks: IntArray
+    ts: FloatArray
+    demand: FloatArray
+    changed: bool  # a workload changed at its first step
+
+
 @dataclass
 class _Account:
     """Per sub-step accounting shared by both baselines, folded into a RunResult."""
@@ -241,6 +251,11 @@ class _Account:
         per_node = np.bincount(node, minlength=topo.n_groups).astype(np.float64)
         self.overhead_share = topo.overhead_w[node] / np.maximum(per_node[node], 1.0)
         self.level = topo.level
+        self.level_masks = [topo.level == lv for lv in range(self.n_levels)]
+        # GPU → group incidence: a block of per-GPU rows times this is every group's sum.
+        self.incidence = np.zeros((site_n := self.site.n_gpus, topo.n_groups))
+        for lv in range(topo.gpu_groups.shape[1]):
+            self.incidence[np.arange(site_n), topo.gpu_groups[:, lv]] = 1.0
         self.cls = self.mix.class_index
         self.weight = self.classes.weight[self.cls]
         n_classes = len(self.classes.names)
@@ -271,23 +286,47 @@ class _Account:
             out[g] = min(out[g], window_ceiling_w(budget_w, start, end, t, self.rates))
         return out
 
-    def steps(self, model: SimulatedGpus) -> Iterator[tuple[int, float]]:
-        """(tick, time) of every sub-step, the scenario's idle windows applied on the way."""
+    def budgets_at(self, ts: FloatArray) -> FloatArray:
+        """Every group's budget at each time (rows), scheduled windows applied."""
+        if not self.windows:
+            return np.broadcast_to(self.budget, (ts.size, self.budget.size))
+        return np.array([self.budget_at(float(t)) for t in ts])
+
+    def blocks(self, model: SimulatedGpus, size: int) -> Iterator[_Block]:
+        """The sub-steps in blocks of at most `size`, each block's demand read from the model;
+        a block ends where the scenario's idle windows change a workload (a new block starts
+        with `changed`)."""
         events = self.mix.events
         nxt = 0
+        ks: list[int] = []
+        ts: list[float] = []
+        rows: list[FloatArray] = []
+        changed = False
         for k in range(self.ticks):
             for j in range(self.steps_per_tick):
                 t = k * self.tick_s + j * self.dt
+                moved = False
                 while nxt < len(events) and events[nxt][0] <= t:
+                    if not moved and ks:
+                        yield _Block(np.array(ks), np.array(ts), np.array(rows), changed)
+                        ks, ts, rows, changed = [], [], [], False
                     _, idx, workload = events[nxt]
                     model.set_workload(idx, workload)
                     nxt += 1
-                yield k, t
+                    moved = changed = True
+                ks.append(k)
+                ts.append(t)
+                rows.append(model.demand_at(t))
+                if len(ks) >= size:
+                    yield _Block(np.array(ks), np.array(ts), np.array(rows), changed)
+                    ks, ts, rows, changed = [], [], [], False
+        if ks:
+            yield _Block(np.array(ks), np.array(ts), np.array(rows), changed)
 
     def add(
         self,
-        k: int,
-        t: float,
+        ks: IntArray,
+        ts: FloatArray,
         *,
         draw: FloatArray,
         up: BoolArray | None,
@@ -295,45 +334,51 @@ class _Account:
         best: FloatArray,
         committed: FloatArray,
         strict: bool = True,
-    ) -> FloatArray:
-        """Account one sub-step (draw, throughput, caps per GPU held for dt); returns each
-        group's draw (W). `strict`: the caps are committed against the budgets (the oracle's),
-        so caps + overhead above one counts in `committed_over_ticks`."""
+    ) -> None:
+        """Account a block of sub-steps (rows: per-GPU draw, throughput, caps, each held for
+        dt). `strict`: the caps are committed against the budgets (the oracle's), so caps +
+        overhead above one counts in `committed_over_ticks`."""
         dt = self.dt
-        topo = self.site.topology
         ovh = self.overhead_share if up is None else np.where(up, self.overhead_share, 0.0)
-        groups = topo.group_sums(draw + ovh)
-        budget = self.budget_at(t + dt) if self.windows else self.budget
+        groups = self.group_draw(draw, up)
+        budget = self.budgets_at(ts + dt)
         excess = np.where(self.finite, groups - budget, -np.inf)
         over = excess > EXCESS_TOL_W
-        self.over_run = np.where(over, self.over_run + dt, 0.0)
         if over.any():
-            self.longest_over = max(self.longest_over, float(self.over_run.max()))
-            self.over_s += dt
-            self.over_by_level[np.unique(self.level[over])] += dt
+            for row in over:
+                self.over_run = np.where(row, self.over_run + dt, 0.0)
+                self.longest_over = max(self.longest_over, float(self.over_run.max()))
+            self.over_s += dt * int(over.any(axis=1).sum())
+            for lv, mask in enumerate(self.level_masks):
+                self.over_by_level[lv] += dt * int(over[:, mask].any(axis=1).sum())
             self.max_excess = max(self.max_excess, float(excess[over].max()))
+        else:
+            self.over_run[:] = 0.0
         ratio = np.where(self.finite & (budget > 0), groups / np.where(budget > 0, budget, 1), 0)
         self.max_ratio = max(self.max_ratio, float(ratio.max()))
-        for lv in range(self.n_levels):
-            mask = self.level == lv
-            self.peak_ratio[k, lv] = max(self.peak_ratio[k, lv], float(ratio[mask].max()))
-        held = topo.group_sums(committed + ovh)
+        for lv, mask in enumerate(self.level_masks):
+            np.maximum.at(self.peak_ratio[:, lv], ks, ratio[:, mask].max(axis=1))
+        held = (committed + ovh) @ self.incidence
         if strict:
-            self.committed_over += int(bool(np.any((held - budget)[self.finite] > 1e-6)))
-        self.work += np.bincount(self.cls, weights=tput, minlength=self.work.size) * dt
-        w = float(np.dot(self.weight, tput))
-        self.weighted += w * dt
+            bad = (held - budget)[:, self.finite] > 1e-6
+            self.committed_over += int(bad.any(axis=1).sum())
+        self.work += np.bincount(self.cls, weights=tput.sum(axis=0), minlength=self.work.size) * dt
+        w = tput @ self.weight
+        self.weighted += float(w.sum()) * dt
         self.unconstrained += float(best.sum()) * dt
-        self.unconstrained_weighted += float(np.dot(self.weight, best)) * dt
-        gpu_w = float(draw.sum())
-        self.gpu_energy += gpu_w * dt
-        self.fac_energy += float(groups[0]) * dt
+        self.unconstrained_weighted += float((best @ self.weight).sum()) * dt
+        self.gpu_energy += float(draw.sum()) * dt
+        self.fac_energy += float(groups[:, 0].sum()) * dt
         share = dt / self.tick_s
-        self.fac_draw[k] += float(groups[0]) * share
-        self.fac_committed[k] = float(held[0])
-        self.tput[k] += float(tput.sum()) * share
-        self.wtput[k] += w * share
-        return np.asarray(groups)
+        np.add.at(self.fac_draw, ks, groups[:, 0] * share)
+        self.fac_committed[ks] = held[:, 0]
+        np.add.at(self.tput, ks, tput.sum(axis=1) * share)
+        np.add.at(self.wtput, ks, w * share)
+
+    def group_draw(self, draw: FloatArray, up: BoolArray | None) -> FloatArray:
+        """Every group's draw (rows: sub-steps), overhead included for the nodes that are up."""
+        ovh = self.overhead_share if up is None else np.where(up, self.overhead_share, 0.0)
+        return np.asarray((draw + ovh) @ self.incidence)
 
     def result(
         self, name: str, wall_s: float, solve_ms: list[float], trips: Trips | None = None
@@ -397,47 +442,54 @@ def _model(scenario: Scenario, site: Site, mix: Mix) -> SimulatedGpus:
     )
 
 
+@dataclass(frozen=True, eq=False)
 class _Truth:
-    """Every GPU's true throughput curve (its workload's), refreshed as workloads change."""
+    """Every GPU's true throughput curve (its workload's) and whether it idles."""
 
-    def __init__(self, model: SimulatedGpus) -> None:
-        self.model = model
-        self.key: tuple[int, ...] = ()
-        self.refresh()
-
-    def refresh(self) -> bool:
-        """Re-read the GPUs' workloads; True when a GPU's curve or idleness changed."""
-        model = self.model
-        workloads = [model.workload(i) for i in range(model.n)]
-        key = tuple(id(w) for w in workloads)
-        if key == self.key:
-            return False
-        self.key = key
-        profiles: list[Profile] = []
-        index = np.zeros(model.n, dtype=np.int64)
-        for i, w in enumerate(workloads):
-            for j, p in enumerate(profiles):
-                if p is w.profile:
-                    index[i] = j
-                    break
-            else:
-                profiles.append(w.profile)
-                index[i] = len(profiles) - 1
-        self.profiles = profiles
-        self.profile_index = index
-        self.masks = [index == j for j in range(len(profiles))]
-        self.idle = np.array([w.pattern == Pattern.IDLE for w in workloads], dtype=np.bool_)
-        return True
+    key: tuple[int, ...]  # the GPUs' workloads (identity): a change makes a new _Truth
+    profiles: tuple[Profile, ...]
+    profile_index: IntArray
+    masks: tuple[BoolArray, ...]
+    idle: BoolArray
 
     def value(self, power_w: FloatArray) -> FloatArray:
+        """Throughput at `power_w` (the last axis: GPUs; a block of sub-steps before it)."""
         out = np.zeros(power_w.shape)
         for prof, mask in zip(self.profiles, self.masks, strict=True):
-            out[mask] = prof.value(power_w[mask])
-        out[self.idle] = 0.0
+            out[..., mask] = prof.value(power_w[..., mask])
+        out[..., self.idle] = 0.0
         return out
 
 
+def truth_of(model: SimulatedGpus, prev: _Truth | None = None) -> _Truth:
+    """The GPUs' curves as their workloads are now (`prev` itself when nothing changed)."""
+    workloads = [model.workload(i) for i in range(model.n)]
+    key = tuple(id(w) for w in workloads)
+    if prev is not None and prev.key == key:
+        return prev
+    profiles: list[Profile] = []
+    index = np.zeros(model.n, dtype=np.int64)
+    for i, w in enumerate(workloads):
+        for j, p in enumerate(profiles):
+            if p is w.profile:
+                index[i] = j
+                break
+        else:
+            profiles.append(w.profile)
+            index[i] = len(profiles) - 1
+    return _Truth(
+        key,
+        tuple(profiles),
+        index,
+        tuple(index == j for j in range(len(profiles))),
+        np.array([w.pattern == Pattern.IDLE for w in workloads], dtype=np.bool_),
+    )
+
+
 # -- uncapped ------------------------------------------------------------------------------
+
+
+UNCAPPED_BLOCK = 256  # sub-steps accounted at once (a trip cuts a block short)
 
 
 def uncapped(
@@ -457,46 +509,58 @@ def uncapped(
     acct = _Account(scenario, site, mix, oracle_step_s(scenario, mix), classes)
     topo = site.topology
     model = _model(scenario, site, mix)
-    truth = _Truth(model)
+    truth = truth_of(model)
     rated = acct.finite & (acct.budget > 0)
     rating = np.where(rated, acct.budget * breaker.rating, np.inf)
     heat = np.zeros(topo.n_groups)
     down_until = np.full(topo.n_groups, -np.inf)
-    under = [topo.subtree_gpus(g) for g in range(topo.n_groups)]
+    below = [under_groups(topo, g) for g in range(topo.n_groups)]
     events: list[tuple[float, str, float]] = []
     by_level = dict.fromkeys(LEVELS, 0)
     down_gpu_s = lost = 0.0
     tdp = site.tdp_w
     dt = acct.dt
     last_k = -1
-    for k, t in acct.steps(model):
-        truth.refresh()
-        down = down_until > t
-        up = np.ones(site.n_gpus, dtype=np.bool_)
-        for g in np.flatnonzero(down):
-            up[under[g]] = False
-        want = np.minimum(model.demand_at(t), tdp)
+    for blk in acct.blocks(model, UNCAPPED_BLOCK):
+        if blk.changed:
+            truth = truth_of(model, truth)
+        want = np.minimum(blk.demand, tdp)
         best = truth.value(want)
-        draw = np.where(up, want, 0.0)
-        tput = np.where(up, best, 0.0)
-        caps = np.where(up, tdp, 0.0)  # every GPU that is up may draw to its TDP
-        groups = acct.add(
-            k, t, draw=draw, up=up, tput=tput, best=best, committed=caps, strict=False
-        )
-        if not up.all():
-            down_gpu_s += float((~up).sum()) * dt
-            lost += float(best[~up].sum()) * dt
-        ratio = np.where(rated, groups / rating, 0.0)
-        heat = breaker.heat(heat, ratio, dt)
-        new = breaker.tripped(heat, ratio) & rated & ~down
-        for g in np.flatnonzero(new):
-            down_until[g] = t + dt + breaker.restore_s
-            events.append((t + dt, topo.names[g], float(ratio[g])))
-            by_level[LEVELS[int(topo.level[g])]] += 1
-            heat[under_groups(topo, int(g))] = 0.0  # de-energised: no current below it
-        if progress is not None and k != last_k:
-            progress(1)
-            last_k = k
+        i = 0
+        while i < blk.ts.size:
+            ts = blk.ts[i:]
+            down = down_until[None, :] > ts[:, None]
+            up = np.asarray(~down[:, topo.gpu_groups].any(axis=2), dtype=np.bool_)
+            draw = np.where(up, want[i:], 0.0)
+            ratio = np.where(rated, acct.group_draw(draw, up) / rating, 0.0)
+            end = ts.size
+            for j in range(ts.size):  # the breakers, sub-step by sub-step
+                heat = breaker.heat(heat, ratio[j], dt)
+                new = breaker.tripped(heat, ratio[j]) & rated & ~down[j]
+                if new.any():
+                    for g in np.flatnonzero(new).tolist():
+                        down_until[g] = ts[j] + dt + breaker.restore_s
+                        events.append((float(ts[j] + dt), topo.names[g], float(ratio[j, g])))
+                        by_level[LEVELS[int(topo.level[g])]] += 1
+                        heat[below[g]] = 0.0  # de-energised: no current below it
+                    end = j + 1  # the steps after it draw without the tripped groups
+                    break
+            b = best[i : i + end]
+            u = up[:end]
+            acct.add(
+                blk.ks[i : i + end],
+                ts[:end],
+                draw=draw[:end],
+                up=u,
+                tput=np.where(u, b, 0.0),
+                best=b,
+                committed=np.where(u, tdp, 0.0),  # every GPU that is up may draw its TDP
+                strict=False,
+            )
+            down_gpu_s += float((~u).sum()) * dt
+            lost += float(b[~u].sum()) * dt
+            i += end
+        last_k = _progress(progress, blk.ks, last_k)
     trips = Trips(
         breaker,
         len(events),
@@ -507,6 +571,15 @@ def uncapped(
         lost,
     )
     return acct.result(UNCAPPED, time.perf_counter() - t0, [], trips), trips
+
+
+def _progress(progress: Progress | None, ks: IntArray, last_k: int) -> int:
+    """Report the ticks a block finished; returns the last tick reported."""
+    if progress is not None:
+        done = int(np.unique(ks[ks > last_k]).size)
+        if done:
+            progress(done)
+    return max(last_k, int(ks[-1]))
 
 
 def under_groups(topo: Topology, g: int) -> IntArray:
@@ -557,6 +630,100 @@ def _true_classes(
     return ClassTable.from_policy(replace(policy, spec=spec), learned), index
 
 
+# Sub-steps solved together in one allocation (a tree of this many copies of the site, each
+# under its own budgets: independent problems, so one solve answers each exactly).
+ORACLE_BATCH = 64
+
+
+class _Oracle:
+    """The oracle's state: the policy it solves, the true curves, batched topologies."""
+
+    def __init__(self, site: Site, mix: Mix, acct: _Account, objective: str) -> None:
+        self.site = site
+        self.mix = mix
+        self.acct = acct
+        self.policy = oracle_policy(site.policy, objective)
+        n = site.n_gpus
+        self.lo = np.full(n, site.min_cap_w)
+        # A class ceiling holds (the allocator's bound); device limits as the model's.
+        self.ceiling = np.minimum(site.tdp_w, _ceilings(site.policy)[mix.class_index])
+        self.trees: dict[int, Tree] = {}
+        self.warm: dict[int, Allocation] = {}
+        self.solve_ms: list[float] = []
+        self.table: ClassTable | None = None
+        self.table_index = np.zeros(n, dtype=np.int64)
+        self.truth: _Truth | None = None
+
+    def set_truth(self, truth: _Truth) -> None:
+        if truth is not self.truth:
+            self.truth = truth
+            self.table, self.table_index = _true_classes(self.policy, truth, self.mix.class_index)
+            self.warm.clear()
+
+    def tree(self, copies: int) -> Tree:
+        """The site's tree `copies` times over, each copy its own root."""
+        if copies not in self.trees:
+            topo = self.site.topology
+            g = topo.n_groups
+            self.trees[copies] = Tree(
+                Topology(
+                    names=tuple(f"{name}@{c}" for c in range(copies) for name in topo.names),
+                    level=np.tile(topo.level, copies),
+                    parent=np.concatenate(
+                        [np.where(topo.parent >= 0, topo.parent + c * g, -1) for c in range(copies)]
+                    ),
+                    budget_w=np.tile(topo.budget_w, copies),
+                    overhead_w=np.tile(topo.overhead_w, copies),
+                    gpu_groups=np.concatenate([topo.gpu_groups + c * g for c in range(copies)]),
+                )
+            )
+        return self.trees[copies]
+
+    def caps(self, blk: _Block) -> FloatArray:
+        """Each sub-step's caps (rows): what it wants where nothing binds, else the
+        allocator's optimum, every binding sub-step of the block in one solve."""
+        acct = self.acct
+        topo = self.site.topology
+        want = np.clip(blk.demand, self.lo, self.ceiling)
+        budget = acct.budgets_at(blk.ts)
+        if acct.windows:  # the lower end of the sub-step: the rule holds throughout
+            budget = np.minimum(budget, acct.budgets_at(blk.ts + acct.dt))
+        room = budget - topo.overhead_w
+        binds = ((want @ acct.incidence) > room)[:, acct.finite].any(axis=1)
+        solve = np.flatnonzero(binds)
+        if solve.size == 0:
+            return np.asarray(want)
+        n = self.site.n_gpus
+        m = int(solve.size)
+        tree = self.tree(m)
+        wanted = want[solve].ravel()
+        fleet = GpuArrays(
+            uuids=tuple(f"oracle-{i}" for i in range(n * m)),
+            topology=tree.topology,
+            min_cap_w=np.tile(self.lo, m),
+            max_cap_w=wanted,
+            power_w=wanted,
+            cap_w=wanted,
+            class_index=np.tile(self.table_index, m),
+            stale=np.zeros(n * m, dtype=np.bool_),
+            pinned_w=np.full(n * m, np.nan),
+        )
+        alloc = allocate_arrays(
+            fleet,
+            self.policy,
+            "fast",
+            budget_w=np.ascontiguousarray(budget[solve]).ravel(),
+            warm=self.warm.get(m),
+            classes=self.table,
+            tree=tree,
+        )
+        self.warm[m] = alloc
+        self.solve_ms.append(alloc.solve_ms / m)
+        out = np.array(want)
+        out[solve] = alloc.caps_w.reshape(m, n)
+        return out
+
+
 def oracle(
     scenario: Scenario,
     site: Site,
@@ -567,60 +734,30 @@ def oracle(
 ) -> tuple[BaselineResult, float]:
     """Perfect foresight: at every sub-step the allocator's optimum for the exact demand and
     the true curves, caps applied at once. Returns the run and the work (GPU-s) the same
-    GPUs deliver unconstrained at the same sub-steps (every GPU at its demand up to TDP)."""
+    GPUs deliver unconstrained at the same sub-steps (every GPU at its demand up to TDP).
+
+    Sub-steps are independent problems: up to ORACLE_BATCH of them (with the same curves)
+    go to the allocator as one, a tree of that many copies of the site."""
     t0 = time.perf_counter()
-    policy = oracle_policy(site.policy, objective)
     classes = ClassTable.from_policy(site.policy)
     acct = _Account(scenario, site, mix, oracle_step_s(scenario, mix), classes)
-    topo = site.topology
-    tree = Tree(topo)
     model = _model(scenario, site, mix)
-    truth = _Truth(model)
-    n = site.n_gpus
-    lo = np.full(n, site.min_cap_w)
-    table, table_index = _true_classes(policy, truth, mix.class_index)
-    # A class ceiling holds (the allocator's bound); device limits as the model's.
-    ceiling = np.minimum(site.tdp_w, _ceilings(site.policy)[mix.class_index])
-    uuids = tuple(f"oracle-{i}" for i in range(n))
-    no_pin = np.full(n, np.nan)
-    no_stale = np.zeros(n, dtype=np.bool_)
-    warm: Allocation | None = None
-    solve_ms: list[float] = []
+    orc = _Oracle(site, mix, acct, objective)
+    truth = truth_of(model)
+    orc.set_truth(truth)
     last_k = -1
-    for k, t in acct.steps(model):
-        if truth.refresh():
-            table, table_index = _true_classes(policy, truth, mix.class_index)
-            warm = None
-        demand = model.demand_at(t)
-        best = truth.value(np.minimum(demand, site.tdp_w))
-        want = np.clip(demand, lo, ceiling)
-        budget = acct.budget_at(t) if acct.windows else acct.budget
-        room = budget - topo.overhead_w
-        if bool(np.all(topo.group_sums(want)[acct.finite] <= room[acct.finite])):
-            caps = want  # nothing binds: every GPU gets what it wants
-        else:
-            fleet = GpuArrays(
-                uuids=uuids,
-                topology=topo,
-                min_cap_w=lo,
-                max_cap_w=want,
-                power_w=want,
-                cap_w=want,
-                class_index=table_index,
-                stale=no_stale,
-                pinned_w=no_pin,
-            )
-            warm = allocate_arrays(
-                fleet, policy, "fast", budget_w=budget, warm=warm, classes=table, tree=tree
-            )
-            solve_ms.append(warm.solve_ms)
-            caps = warm.caps_w
-        draw = np.minimum(caps, demand)
-        acct.add(k, t, draw=draw, up=None, tput=truth.value(draw), best=best, committed=caps)
-        if progress is not None and k != last_k:
-            progress(1)
-            last_k = k
-    result = acct.result(ORACLE, time.perf_counter() - t0, solve_ms)
+    for blk in acct.blocks(model, ORACLE_BATCH):
+        if blk.changed:
+            truth = truth_of(model, truth)
+            orc.set_truth(truth)
+        caps = orc.caps(blk)
+        draw = np.minimum(caps, blk.demand)
+        best = truth.value(np.minimum(blk.demand, site.tdp_w))
+        acct.add(
+            blk.ks, blk.ts, draw=draw, up=None, tput=truth.value(draw), best=best, committed=caps
+        )
+        last_k = _progress(progress, blk.ks, last_k)
+    result = acct.result(ORACLE, time.perf_counter() - t0, orc.solve_ms)
     return result, acct.unconstrained
 
 
