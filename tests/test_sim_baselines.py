@@ -192,3 +192,17 @@ def test_bad_baseline_names_the_valid_ones(capsys: pytest.CaptureFixture[str]) -
     with pytest.raises(SystemExit):
         powerd_main(["sim", "x.yaml", "--baselines", "psychic"])
     assert "valid: uncapped, oracle" in capsys.readouterr().err
+
+
+def test_the_demo_says_what_no_caps_would_do() -> None:
+    from powerd.backends.mock import SimulatedGpus
+    from powerd.demo import _first_nodes, baselines_line, default_policy, workload_mix
+
+    policy, nodes = _first_nodes(default_policy(), 2)
+    counts = [next(g for g in policy.groups if g.name == n).gpus for n in nodes]
+    per_gpu = [workload_mix(policy, k, 1.0) for k, c in enumerate(counts) for _ in range(c)]
+    model = SimulatedGpus(len(per_gpu), per_gpu, seed=0)
+    gpu_nodes = [n for n, c in zip(nodes, counts, strict=True) for _ in range(c)]
+    line = baselines_line(model, policy, gpu_nodes, 0.0, 10.0)
+    assert f"these {len(per_gpu)} GPUs would draw up to" in line
+    assert "static TDP caps fit 296 GPUs" in line and "powerd sim" in line
