@@ -99,6 +99,17 @@ def test_oracle_never_exceeds_a_budget_and_bounds_every_steered_policy() -> None
     assert o.work_gpu_s < unconstrained  # the feed binds: it costs work
 
 
+def test_oracle_holds_a_scheduled_window_and_its_ramp() -> None:
+    window = {"budget_w": 0.4 * NAMEPLATE_W, "start_h": 0.03, "end_h": 0.07}
+    sc = small(schedule=[window], ramp_w_per_s={"up": 20.0, "down": 20.0})
+    site = site_with_feed(0.9 * NAMEPLATE_W)
+    o, _ = oracle(sc, site, build_mix(sc, site))
+    assert o.over_budget_s == 0 and o.committed_over_ticks == 0
+    # It used the room outside the window: the facility drew above the window's budget.
+    assert o.series.facility_draw_w.max() > 0.4 * NAMEPLATE_W
+    assert o.series.facility_draw_w.min() <= 0.4 * NAMEPLATE_W + 1e-6  # and held the window
+
+
 def test_oracle_equals_unconstrained_work_where_draw_never_reaches_the_feed() -> None:
     sc = small()
     site = site_with_feed(2 * NAMEPLATE_W)

@@ -166,7 +166,10 @@ def to_json(report: Report) -> dict[str, Any]:
                 for pt in o.points
             ],
         }
-    out["runtime"] = {"wall_s": report.wall_s}
+    out["runtime"] = {
+        "wall_s": report.wall_s,
+        "wall_s_by_run": {p: r.wall_s for p, r in report.runs.items()},
+    }
     return out
 
 
@@ -524,7 +527,8 @@ def text(report: Report) -> str:
         lines += ["", *sweep_lines(report.sweep)]
     if report.oversub is not None:
         lines += ["", *oversub_lines(report.oversub)]
-    lines.append(f"\n(simulated in {report.wall_s:.1f} s)")
+    runs = ", ".join(f"{p} {r.wall_s:.1f} s" for p, r in report.runs.items())
+    lines.append(f"\n(simulated in {report.wall_s:.1f} s" + (f"; runs: {runs})" if runs else ")"))
     return "\n".join(lines)
 
 
