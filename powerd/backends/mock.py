@@ -473,7 +473,7 @@ class SimulatedGpus:
         """
         if dt_s <= 0:
             return
-        t0 = self.t
+        t0, t1 = self.t, self.t + dt_s
         x0 = self._lagged_w
         target = np.minimum(self.cap_w, self.demand_w)
         decay = np.exp(-dt_s / self.tau_s)
@@ -481,11 +481,10 @@ class SimulatedGpus:
         # Closed-form integral of target + gap·exp(-t/tau) over [0, dt].
         energy = target * dt_s + gap * self.tau_s * (1.0 - decay)
         lagged = target + gap * decay
-        mean_target = target
+        mean_target = target.copy()  # per GPU, over the step (for the temperature)
         pieces: list[tuple[NDArray[np.int64], FloatArray]] = []
         for gpus, w in self._groups:
-            edges = _edges(w, t0, t0 + dt_s)
-            bounds = np.concatenate(([t0], edges, [t0 + dt_s]))
+            bounds = np.concatenate(([t0], _edges(w, t0, t1), [t1]))
             lo, hi = bounds[:-1], bounds[1:]
             length = hi - lo
             demand, works = self._group_demand(gpus, w, 0.5 * (lo + hi))
@@ -493,12 +492,10 @@ class SimulatedGpus:
             integral = length @ level
             # The lag's state at the end: its start decayed, plus each piece's level
             # weighted by how much of it the lag still holds at the end.
-            t1 = t0 + dt_s
             weight = np.exp(-(t1 - hi) / self.tau_s) - np.exp(-(t1 - lo) / self.tau_s)
             end = x0[gpus] * decay + weight @ level
             energy[gpus] = integral - self.tau_s * (end - x0[gpus])
             lagged[gpus] = end
-            mean_target = mean_target.copy() if mean_target is target else mean_target
             mean_target[gpus] = integral / dt_s
             work = length @ np.where(works, w.profile.value(level), 0.0)
             pieces.append((gpus, work / dt_s))
