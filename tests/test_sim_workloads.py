@@ -72,6 +72,10 @@ def test_checkpoints_dip_every_job_to_near_idle_together() -> None:
     assert np.allclose(np.diff(starts), 1200.0, atol=1.0)
     assert dipped.sum() in range(45 * len(starts), 46 * (len(starts) + 1) + 1)
     assert 2 <= len(starts) <= 3
+    # No work while checkpointing, work again after.
+    t_dip = float(times[np.argmax(dipped)])
+    assert not model.demand_and_working_at(t_dip)[1][pretrain].any()
+    assert model.demand_and_working_at(t_dip + 60.0)[1][pretrain].all()
 
 
 def test_job_starts_and_ends_are_steps_of_all_its_gpus() -> None:

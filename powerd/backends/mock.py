@@ -412,11 +412,12 @@ class SimulatedGpus:
 
     def demand_at(self, t: float) -> FloatArray:
         """Every GPU's demand in watts at time t (a pure function of t and the seed)."""
-        return self._demand_and_working(t)[0]
+        return self.demand_and_working_at(t)[0]
 
-    def _demand_and_working(self, t: float) -> tuple[FloatArray, NDArray[np.bool_]]:
-        """Demand at t, and whether each GPU does work at t (not while a job checkpoints or
-        is not running; idle GPUs are told apart by their pattern)."""
+    def demand_and_working_at(self, t: float) -> tuple[FloatArray, NDArray[np.bool_]]:
+        """Demand at t, and whether each GPU does work at t: not while its job checkpoints
+        or is outside its runs (idle-pattern GPUs are told apart by their pattern). What
+        samples demand to account work (a baseline) counts none where this is False."""
         demand = self._high.copy()  # steady and idle GPUs hold one level
         working = np.ones(self.n, dtype=bool)
         at = np.array([t], dtype=np.float64)
@@ -430,7 +431,7 @@ class SimulatedGpus:
         return demand, working
 
     def _refresh_demand(self) -> None:
-        self.demand_w, self._working = self._demand_and_working(self.t)
+        self.demand_w, self._working = self.demand_and_working_at(self.t)
 
     def _group_demand(
         self, gpus: NDArray[np.int64], w: Workload, times: FloatArray
