@@ -15,6 +15,7 @@ seed gives the same demand whatever the step sizes.
 
 from __future__ import annotations
 
+import math
 import os
 from collections import deque
 from collections.abc import Sequence
@@ -83,9 +84,14 @@ class Workload:
 
     - steady: demand = high_w.
     - training: high_w for `duty` of every `period_s`, low_w for the rest; every GPU given the
-      same Workload (same phase) swings in step, like the ranks of one job.
+      same Workload (same phase) swings in step, like the ranks of one job. Optionally a
+      checkpoint every `ckpt_every_s` (from `ckpt_phase_s`) for `ckpt_s` at `ckpt_w`, doing
+      no work, and `runs` (start_s, end_s) windows outside which the job's GPUs idle
+      (IDLE_W, no work): a job starting or ending is a step of all its GPUs at once.
     - inference: a daily curve from low_w to high_w over `period_s`, plus bursts of burst_w
-      in slots of burst_slot_s, each slot bursting with probability burst_prob (per GPU).
+      in slots of burst_slot_s, each slot bursting with probability burst_prob (per GPU),
+      plus surges of surge_w in slots of surge_slot_s with probability surge_prob, drawn
+      once for every GPU given the same Workload (a service's replicas surge together).
     - idle: demand = IDLE_W, throughput 0.
     - trace: demand = a recorded GPU's draw at t + phase_s (looping); high_w is its peak.
     """
@@ -102,6 +108,17 @@ class Workload:
     burst_prob: float = 0.0
     burst_slot_s: float = 2.0
     trace: DemandTrace | None = field(default=None, repr=False, compare=False)
+    # training: checkpoints and the windows the job runs in (empty: always)
+    ckpt_every_s: float = 0.0
+    ckpt_s: float = 0.0
+    ckpt_w: float = IDLE_W
+    ckpt_phase_s: float = 0.0
+    runs: tuple[tuple[float, float], ...] = ()
+    # inference: correlated surges of every GPU of this Workload (a service)
+    surge_w: float = 0.0
+    surge_prob: float = 0.0
+    surge_slot_s: float = 60.0
+    key: int = 0  # seeds the surges: services with other keys surge independently
 
     @classmethod
     def steady(cls, level_w: float = 600.0, name: str = "batch") -> Workload:
@@ -189,6 +206,55 @@ def _mix64(x: NDArray[np.uint64]) -> NDArray[np.uint64]:
 def _uniform(keys: NDArray[np.uint64]) -> FloatArray:
     """A uniform number in [0, 1) per key."""
     return np.asarray((_mix64(keys) >> np.uint64(11)) * (1.0 / 2**53), dtype=np.float64)
+
+
+def _training_level(w: Workload, times: FloatArray) -> tuple[FloatArray, NDArray[np.bool_]]:
+    """A training job's demand at each time, and whether it works then."""
+    cycle = (times + w.phase_s) / w.period_s
+    on = cycle - np.floor(cycle) < w.duty
+    level = np.where(on, w.high_w, w.low_w)
+    works = np.ones(times.shape, dtype=bool)
+    if w.ckpt_every_s > 0.0:
+        saving = np.mod(times + w.ckpt_phase_s, w.ckpt_every_s) < w.ckpt_s
+        level = np.where(saving, w.ckpt_w, level)
+        works &= ~saving
+    if w.runs:
+        running = np.zeros(times.shape, dtype=bool)
+        for start, end in w.runs:
+            running |= (times >= start) & (times < end)
+        level = np.where(running, level, IDLE_W)
+        works &= running
+    return np.asarray(level, dtype=np.float64), works
+
+
+def _periodic(t0: float, t1: float, period: float, origin: float, offset: float) -> FloatArray:
+    """The times origin + offset + n·period strictly inside (t0, t1)."""
+    first = math.floor((t0 - origin - offset) / period) + 1
+    last = math.ceil((t1 - origin - offset) / period) - 1
+    times = origin + offset + np.arange(first, last + 1, dtype=np.float64) * period
+    return times[(times > t0) & (times < t1)]
+
+
+def _edges(w: Workload, t0: float, t1: float) -> FloatArray:
+    """Every time in (t0, t1) at which a job's or service's demand may change, sorted."""
+    parts: list[FloatArray] = []
+    if w.pattern is Pattern.TRAINING:
+        if 0.0 < w.duty < 1.0 and w.low_w != w.high_w:
+            parts.append(_periodic(t0, t1, w.period_s, -w.phase_s, 0.0))
+            parts.append(_periodic(t0, t1, w.period_s, -w.phase_s, w.duty * w.period_s))
+        if w.ckpt_every_s > 0.0:
+            parts.append(_periodic(t0, t1, w.ckpt_every_s, -w.ckpt_phase_s, 0.0))
+            parts.append(_periodic(t0, t1, w.ckpt_every_s, -w.ckpt_phase_s, w.ckpt_s))
+        for start, end in w.runs:
+            parts.extend(np.array([x]) for x in (start, end) if t0 < x < t1)
+    else:
+        if w.burst_prob > 0.0 and w.burst_w != 0.0:
+            parts.append(_periodic(t0, t1, w.burst_slot_s, -w.phase_s, 0.0))
+        if w.surge_prob > 0.0 and w.surge_w != 0.0:
+            parts.append(_periodic(t0, t1, w.surge_slot_s, -w.phase_s, 0.0))
+    if not parts:
+        return np.zeros(0)
+    return np.unique(np.concatenate(parts))
 
 
 def _intern(items: list[T], item: T) -> int:
@@ -283,6 +349,9 @@ class SimulatedGpus:
         self._workloads: list[Workload] = []
         self._workload_idx = np.zeros(n, dtype=np.int32)
         self._traced: list[tuple[NDArray[np.int64], DemandTrace | None]] = []
+        self._groups: list[tuple[NDArray[np.int64], Workload]] = []
+        self.demand_w = np.zeros(n)
+        self._working = np.ones(n, dtype=bool)
         given = Workload.of(Pattern.TRAINING) if workloads is None else workloads
         if isinstance(given, Workload):
             self.set_workload(np.arange(n), given)
@@ -295,11 +364,12 @@ class SimulatedGpus:
             for members in groups.values():
                 self.set_workload(members, given[members[0]])
 
-        self.demand_w = self.demand_at(self.t)
         self._lagged_w = np.minimum(self.cap_w, self.demand_w)
         self.power_w = self._lagged_w.copy()
         self.energy_j = np.zeros(n)
         self.temp_c = self.ambient_c + self.temp_per_w * self._lagged_w
+        # Mean throughput per GPU over the last `advance` (at the start: the current one).
+        self.step_throughput = self.throughput()
 
     # -- workloads -----------------------------------------------------------------------
 
@@ -317,7 +387,15 @@ class SimulatedGpus:
         self._burst_w[idx] = workload.burst_w
         self._burst_prob[idx] = workload.burst_prob
         self._burst_slot[idx] = workload.burst_slot_s
-        self._training_idx = np.flatnonzero(self._pattern == _PATTERN_CODES[Pattern.TRAINING])
+        # Training jobs and inference services: GPUs that share one Workload share its
+        # demand's edges (a job's phases, a service's surges), integrated piece by piece.
+        grouped: dict[int, list[int]] = {}
+        for code in (_PATTERN_CODES[Pattern.TRAINING], _PATTERN_CODES[Pattern.INFERENCE]):
+            for i in np.flatnonzero(self._pattern == code).tolist():
+                grouped.setdefault(int(self._workload_idx[i]), []).append(i)
+        self._groups = [
+            (np.array(gpus, dtype=np.int64), self._workloads[w]) for w, gpus in grouped.items()
+        ]
         # Traces: the GPUs that replay each recorded one (each with its own phase).
         traced = np.flatnonzero(self._pattern == _PATTERN_CODES[Pattern.TRACE])
         by_trace: dict[int, list[int]] = {}
@@ -327,57 +405,117 @@ class SimulatedGpus:
             (np.array(gpus, dtype=np.int64), self._workloads[w].trace)
             for w, gpus in by_trace.items()
         ]
-        self._inference_idx = np.flatnonzero(self._pattern == _PATTERN_CODES[Pattern.INFERENCE])
-        self.demand_w = self.demand_at(self.t)
+        self._refresh_demand()
 
     def workload(self, i: int) -> Workload:
         return self._workloads[int(self._workload_idx[i])]
 
     def demand_at(self, t: float) -> FloatArray:
         """Every GPU's demand in watts at time t (a pure function of t and the seed)."""
+        return self.demand_and_working_at(t)[0]
+
+    def demand_and_working_at(self, t: float) -> tuple[FloatArray, NDArray[np.bool_]]:
+        """Demand at t, and whether each GPU does work at t: not while its job checkpoints
+        or is outside its runs (idle-pattern GPUs are told apart by their pattern). What
+        samples demand to account work (a baseline) counts none where this is False."""
         demand = self._high.copy()  # steady and idle GPUs hold one level
-        tr = self._training_idx
-        if tr.size:
-            cycle = (t + self._phase[tr]) / self._period[tr]
-            on = cycle - np.floor(cycle) < self._duty[tr]
-            demand[tr] = np.where(on, self._high[tr], self._low[tr])
-        inf = self._inference_idx
-        if inf.size:
-            high, low = self._high[inf], self._low[inf]
-            shifted = t + self._phase[inf]
-            daily = low + (high - low) * (
-                0.5 - 0.5 * np.cos(2 * np.pi * shifted / self._period[inf])
-            )
-            slot = np.floor(shifted / self._burst_slot[inf]).astype(np.uint64)
-            burst = _uniform(self._seeds[inf] + slot * _GOLDEN) < self._burst_prob[inf]
-            demand[inf] = daily + np.where(burst, self._burst_w[inf], 0.0)
+        working = np.ones(self.n, dtype=bool)
+        at = np.array([t], dtype=np.float64)
+        for gpus, w in self._groups:
+            level, works = self._group_demand(gpus, w, at)
+            demand[gpus] = level[0]
+            working[gpus] = works[0]
         for gpus, trace in self._traced:
             if trace is not None:
                 demand[gpus] = trace.draw_at(t + self._phase[gpus])
-        return demand
+        return demand, working
+
+    def _refresh_demand(self) -> None:
+        self.demand_w, self._working = self.demand_and_working_at(self.t)
+
+    def _group_demand(
+        self, gpus: NDArray[np.int64], w: Workload, times: FloatArray
+    ) -> tuple[FloatArray, NDArray[np.bool_]]:
+        """Demand of a job's or service's GPUs at each time: (times × GPUs) arrays of watts
+        and of whether the GPU works."""
+        k, g = times.size, gpus.size
+        if w.pattern is Pattern.TRAINING:
+            level, works = _training_level(w, times)
+            return (
+                np.broadcast_to(level[:, None], (k, g)),
+                np.broadcast_to(works[:, None], (k, g)),
+            )
+        shifted = times + w.phase_s
+        daily = w.low_w + (w.high_w - w.low_w) * (
+            0.5 - 0.5 * np.cos(2 * np.pi * shifted / w.period_s)
+        )
+        slot = np.floor(shifted / w.burst_slot_s).astype(np.uint64)
+        burst = _uniform(self._seeds[gpus][None, :] + (slot * _GOLDEN)[:, None]) < w.burst_prob
+        demand = daily[:, None] + np.where(burst, w.burst_w, 0.0)
+        if w.surge_prob > 0.0:
+            surge_slot = np.floor(shifted / w.surge_slot_s).astype(np.uint64)
+            key = _mix64(np.array([w.key], dtype=np.uint64))
+            surge = _uniform(key + surge_slot * _GOLDEN) < w.surge_prob
+            demand = demand + np.where(surge, w.surge_w, 0.0)[:, None]
+        return demand, np.ones((k, g), dtype=bool)
 
     # -- time ----------------------------------------------------------------------------
 
     def advance(self, dt_s: float) -> None:
-        """Integrate every GPU over dt_s, holding demand and caps at their values at the start."""
+        """Integrate every GPU over dt_s with the caps in force (held over the step).
+
+        Steady, idle and traced GPUs hold their demand at the start of the step. Training
+        jobs and inference services are integrated exactly however often their demand
+        changes within the step: the step is cut at every change (a phase edge, a
+        checkpoint, a job's start or end, a burst or surge slot), each piece at its level
+        (the daily curve at the piece's midpoint). Energy is the lag's exact integral over
+        the pieces, work the profile at each piece's draw times its length (the lag, 0.2 s,
+        ignored for work); `step_throughput` is the step's mean throughput per GPU.
+        """
         if dt_s <= 0:
             return
+        t0, t1 = self.t, self.t + dt_s
+        x0 = self._lagged_w
         target = np.minimum(self.cap_w, self.demand_w)
         decay = np.exp(-dt_s / self.tau_s)
-        gap = self._lagged_w - target
+        gap = x0 - target
         # Closed-form integral of target + gap·exp(-t/tau) over [0, dt].
         energy = target * dt_s + gap * self.tau_s * (1.0 - decay)
+        lagged = target + gap * decay
+        mean_target = target.copy()  # per GPU, over the step (for the temperature)
+        pieces: list[tuple[NDArray[np.int64], FloatArray]] = []
+        for gpus, w in self._groups:
+            bounds = np.concatenate(([t0], _edges(w, t0, t1), [t1]))
+            lo, hi = bounds[:-1], bounds[1:]
+            length = hi - lo
+            demand, works = self._group_demand(gpus, w, 0.5 * (lo + hi))
+            level = np.minimum(self.cap_w[gpus][None, :], demand)
+            integral = length @ level
+            # The lag's state at the end: its start decayed, plus each piece's level
+            # weighted by how much of it the lag still holds at the end.
+            weight = np.exp(-(t1 - hi) / self.tau_s) - np.exp(-(t1 - lo) / self.tau_s)
+            end = x0[gpus] * decay + weight @ level
+            energy[gpus] = integral - self.tau_s * (end - x0[gpus])
+            lagged[gpus] = end
+            mean_target[gpus] = integral / dt_s
+            work = length @ np.where(works, w.profile.value(level), 0.0)
+            pieces.append((gpus, work / dt_s))
         self.energy_j += energy
-        self._lagged_w = target + gap * decay
+        self._lagged_w = lagged
         # Temperature: a slower lag driven by that draw. Its exact solution is the settled
-        # value, plus the draw's decaying gap passed through, plus its own decaying start.
-        settled = self.ambient_c + self.temp_per_w * target
+        # value, plus the draw's decaying gap passed through, plus its own decaying start
+        # (a job or service whose demand changed within the step: from its mean level).
+        gap = x0 - mean_target
+        settled = self.ambient_c + self.temp_per_w * mean_target
         passed = self.temp_per_w * gap * self.tau_s / (self.tau_s - self.temp_tau_s)
         own = (self.temp_c - settled - passed) * np.exp(-dt_s / self.temp_tau_s)
         self.temp_c = settled + passed * decay + own
         self.t += dt_s
-        self.demand_w = self.demand_at(self.t)
+        self._refresh_demand()
         self._update_reported_power()
+        self.step_throughput = self.throughput()
+        for gpus, mean in pieces:
+            self.step_throughput[gpus] = mean
 
     def advance_to(self, t: float) -> None:
         self.advance(t - self.t)
@@ -413,6 +551,7 @@ class SimulatedGpus:
             mask = profile_idx == k
             out[mask] = self._profiles[int(k)].value(power[mask])
         out[np.atleast_1d(self._pattern[sel]) == _PATTERN_CODES[Pattern.IDLE]] = 0.0
+        out[~np.atleast_1d(self._working[sel])] = 0.0
         return out
 
     def util_pct(self, sel: Selector = ALL) -> FloatArray:
