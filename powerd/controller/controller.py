@@ -503,6 +503,20 @@ class Controller(AdminWrites):
                     report.power_w.copy(),
                     report.committed_w.copy(),
                     report.energy_j.copy(),
+                    perf=None if report.perf is None else report.perf.copy(),
+                )
+                # Copies of arrays with one value a budget group: a few µs.
+                limit_w = report.group_limit_w
+                if limit_w is None:  # a tick that fell back: the budgets
+                    limit_w = report.group_budget_w
+                self.writer.submit_groups(
+                    report.ts,
+                    names=report.group_names,
+                    levels=report.group_levels,
+                    budget_w=report.group_budget_w.copy(),
+                    limit_w=limit_w.copy(),
+                    committed_w=report.group_committed_w.copy(),
+                    draw_w=report.group_draw_w.copy(),
                 )
             health = self.writer.health()
             # Before its first flush the writer is not yet "connected", but nothing failed.
