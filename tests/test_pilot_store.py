@@ -4,20 +4,25 @@ the controller through its writer."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from sqlalchemy import select
+import yaml
+from sqlalchemy import func, select
 from support.clock import SteppedClock
 from test_controller import TICK, Site, site_policy
 
+from powerd.cli import main
+from powerd.cli.exits import EXIT_BAD_INPUT
 from powerd.clock import ManualClock
+from powerd.controller.build import ControllerOptions, build_controller
 from powerd.policy import parse_policy
 from powerd.store import Store, StoreWriter, upgrade
 from powerd.store.aggregate import GroupAggregator, MinuteAggregator
-from powerd.store.tables import BudgetExcursion, GpuMinute, GroupMinute
+from powerd.store.tables import BudgetExcursion, CapChange, GpuMinute, GroupMinute, Tick
 
 T0 = 1_700_000_040.0  # a minute's start
 NAMES = ("dc", "row", "rack", "node")
@@ -167,3 +172,70 @@ async def test_the_controller_records_groups_and_perf(
     assert max(r.max_draw_w for r in dc) == pytest.approx(max(draws))
     # The simulated GPUs report their throughput as perf.
     assert perf and all(n > 0 and p is not None and p > 0 for p, n in perf)
+
+
+async def test_a_shadow_records_what_the_fleet_did_into_its_own_database(
+    stepped_clock: SteppedClock, tmp_path: Path
+) -> None:
+    """A pilot's baseline under a shadow (`record_db`): the caps the agents report in force
+    and the measured draw, nothing of what the shadow decided (it sent nothing)."""
+    url = f"sqlite:///{tmp_path / 'recorded.db'}"
+    upgrade(url)
+    policy = parse_policy(site_policy(), "site.yaml")
+    site = Site(policy, stepped_clock, Store(url))
+    await site.settle()
+    assert site.writer is not None
+    try:
+        site.writer.start()
+        site.writer_started = True
+        shadow = build_controller(
+            policy,
+            site.broker.client("shadow"),
+            stepped_clock,
+            ControllerOptions(controller_id="shadow", shadow=True),
+            writer=site.writer,
+        )
+        shadow.on_tick.append(site.reports.append)
+        site.stops["shadow"] = asyncio.Event()
+        site.tasks["shadow"] = asyncio.create_task(
+            shadow.run(site.stops["shadow"], learn_s=TICK), name="shadow"
+        )
+        await site.step(8 * TICK)
+        in_force = site.true_caps()
+    finally:
+        await site.close()
+    assert all(agent.last_tick is None for agent in site.agents.values())  # never commanded
+    store = Store(url)
+    with store.engine.connect() as conn:
+        ticks = conn.execute(select(func.count()).select_from(Tick)).scalar_one()
+        caps = conn.execute(select(func.count()).select_from(CapChange)).scalar_one()
+        minutes = conn.execute(select(GpuMinute.uuid, GpuMinute.mean_cap_w)).all()
+        dc = conn.execute(select(GroupMinute).where(GroupMinute.group == "dc")).all()
+    store.close()
+    assert (ticks, caps) == (0, 0)
+    assert dict(minutes) == pytest.approx(in_force)  # the caps as reported, not decided
+    overhead_w = 4 * 100.0
+    assert dc
+    for row in dc:
+        assert row.mean_committed_w == pytest.approx(sum(in_force.values()) + overhead_w)
+        assert row.budget_w == 8000
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--shadow", "--record-db={db}"], "must be a database of the shadow's own"),
+        (["--record-db={other}"], "only with shadow"),
+    ],
+)
+def test_a_recording_is_a_shadows_into_its_own_database(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], says: str
+) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(yaml.safe_dump(site_policy()))
+    db, other = f"sqlite:///{tmp_path / 'a.db'}", f"sqlite:///{tmp_path / 'b.db'}"
+    argv = ["controller", f"--policy={policy}", f"--db={db}", "--broker=mqtt://127.0.0.1:9"]
+    code = main([*argv, *(f.format(db=db, other=other) for f in flags)])
+    assert code == EXIT_BAD_INPUT
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "b.db").exists()
