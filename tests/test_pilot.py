@@ -93,13 +93,13 @@ def record(writer: StoreWriter, phase: Phase) -> None:
             writer.flush()
 
 
-def filled(url: str) -> str:
+def filled(url: str, phases: tuple[Phase, ...] = (BASE, MANAGED_PHASE)) -> str:
     upgrade(url)
     store = Store(url)
     # Kept for ever: the windows lie in the past of the writer's clock, which prunes.
     writer = StoreWriter(store, retention=Retention(keep_minutes_days=1e6, keep_ticks_days=1e6))
-    record(writer, BASE)
-    record(writer, MANAGED_PHASE)
+    for phase in phases:
+        record(writer, phase)
     writer.stop()  # not started: one last cycle here, every open minute closed
     store.close()
     return url
@@ -189,6 +189,18 @@ def test_the_html_page_is_one_file_with_its_plots(sqlite_store: str, tmp_path: P
     assert all(base64.b64decode(img).startswith(b"\x89PNG\r\n\x1a\n") for img in images)
     assert "src='http" not in page and "<script" not in page  # nothing fetched
     assert "row-a" in page and "4.0 kW" in page  # the budget tables
+
+
+def test_a_baseline_recorded_elsewhere(tmp_path: Path) -> None:
+    """A shadow's recording (`record_db`) holds the baseline; the steering store the rest."""
+    recording = filled(f"sqlite:///{tmp_path / 'shadow.db'}", (BASE,))
+    steering = filled(f"sqlite:///{tmp_path / 'steer.db'}", (MANAGED_PHASE,))
+    code, rep = report(steering, tmp_path / "out", "--baseline-db", recording)
+    assert code == EXIT_OK and rep is not None
+    assert (rep["baseline"]["gpus"]["mean"], rep["managed"]["gpus"]["mean"]) == (8, 12)
+    assert rep["baseline_db"] == recording
+    # Without it the baseline is looked for in --db, where there is none.
+    assert report(steering, tmp_path / "out")[0] == EXIT_FAILED
 
 
 # ---- refused ----

@@ -38,7 +38,9 @@ def cmd_pilot_report(args: argparse.Namespace) -> int:
             if args.throughput_prom is None
             else PromQuery(args.throughput_prom, args.query, args.latency_query)
         )
-        report, windows = build(args.db, baseline, managed, prom=prom, progress=progress)
+        report, windows = build(
+            args.db, baseline, managed, prom=prom, progress=progress, baseline_db=args.baseline_db
+        )
         progress("plots")
         written = write(report, windows, args.out)
     except PilotError as exc:
@@ -90,6 +92,11 @@ def add_parser(sub: Any) -> None:
         default=os.environ.get("POWERD_DB", DEFAULT_DB_URL),
         help="the controller's store, read only: sqlite:///powerd.db or "
         "postgresql://user@host/db (default: $POWERD_DB or %(default)s)",
+    )
+    rep.add_argument(
+        "--baseline-db",
+        metavar="URL",
+        help="where the baseline was recorded, if not in --db (a shadow's --record-db)",
     )
     rep.add_argument(
         "--throughput-prom",

@@ -34,14 +34,18 @@ def build(
     *,
     prom: PromQuery | None = None,
     progress: Progress | None = None,
+    baseline_db: str | None = None,
 ) -> tuple[dict[str, Any], dict[str, WindowData]]:
-    """Both windows' data and the report's figures."""
+    """Both windows' data and the report's figures. `baseline_db`: where the baseline was
+    recorded, when not in `db` (a shadow's `record_db`)."""
     check_windows(baseline, managed)
-    source = StoreSource(db, progress)
-    try:
-        windows = {w.name: source.read(w) for w in (baseline, managed)}
-    finally:
-        source.close()
+    windows: dict[str, WindowData] = {}
+    for window, url in ((baseline, baseline_db or db), (managed, db)):
+        source = StoreSource(url, progress, flag="--baseline-db" if url != db else "--db")
+        try:
+            windows[window.name] = source.read(window)
+        finally:
+            source.close()
     if prom is not None:
         client = PromSource(prom.url)
         for data in windows.values():
@@ -58,6 +62,7 @@ def build(
     figs = {name: window_figures(data) for name, data in windows.items()}
     report = {
         "db": db,
+        "baseline_db": baseline_db or db,
         "baseline": figs["baseline"],
         "managed": figs["managed"],
         "comparison": compare(figs["baseline"], figs["managed"]),

@@ -117,15 +117,16 @@ class WindowData:
 class StoreSource:
     """Reads one window after another from a controller's store (read-only)."""
 
-    def __init__(self, url: str, progress: Progress | None = None) -> None:
+    def __init__(self, url: str, progress: Progress | None = None, flag: str = "--db") -> None:
         self.url = url
+        self.flag = flag  # names the store in errors
         self.progress = progress or (lambda _line: None)
-        _check_sqlite_file(url)
+        _check_sqlite_file(url, flag)
         try:
             self.store = Store(url, read_only=True)
             self.store.ping()
         except (SQLAlchemyError, OSError, ValueError) as exc:
-            raise PilotError(f"--db {_shown(url)}: cannot read the store: {_why(exc)}") from None
+            raise PilotError(f"{flag} {_shown(url)}: cannot read the store: {_why(exc)}") from None
 
     def close(self) -> None:
         self.store.close()
@@ -142,7 +143,7 @@ class StoreSource:
             excursions = self._excursions(window)
             caps = self._caps(window)
         except SQLAlchemyError as exc:
-            raise PilotError(f"--db {_shown(self.url)}: {_why(exc)}") from None
+            raise PilotError(f"{self.flag} {_shown(self.url)}: {_why(exc)}") from None
         notes = []
         if not groups:
             notes.append(
@@ -364,7 +365,7 @@ def _prom_error(raw: bytes) -> str:
     return str(body.get("error", body))[:300] if isinstance(body, dict) else str(body)[:300]
 
 
-def _check_sqlite_file(url: str) -> None:
+def _check_sqlite_file(url: str, flag: str) -> None:
     """A report reads a store: a SQLite path that is not there is a typo, not a new file."""
     from sqlalchemy.engine import make_url
 
@@ -375,7 +376,7 @@ def _check_sqlite_file(url: str) -> None:
     path = Path(parsed.database or ":memory:")
     on_disk = parsed.get_backend_name() == "sqlite" and str(path) != ":memory:"
     if on_disk and not path.is_file():
-        raise PilotError(f"--db {url}: no such SQLite file ({path.resolve()})")
+        raise PilotError(f"{flag} {url}: no such SQLite file ({path.resolve()})")
 
 
 def _shown(url: str) -> str:
