@@ -78,6 +78,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "powerd.demo",
             "powerd.profilefit",
             "powerd.sim",
+            "powerd.pilot",
             "powerd.chaos",
             "powerd.testing",
         ),

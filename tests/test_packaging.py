@@ -276,6 +276,15 @@ def _without_extras(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
             "sim",
         ),
         (["agent", "--node-id", "n01", "--backend", "mock"], "powerd agent --backend mock", "sim"),
+        (
+            [
+                *("pilot", "report", "--db", "sqlite:///x.db"),
+                *("--baseline", "2026-11-02T00:00Z..2026-11-03T00:00Z"),
+                *("--managed", "2026-11-09T00:00Z..2026-11-10T00:00Z"),
+            ],
+            "powerd pilot report",
+            "sim",
+        ),
     ],
 )
 def test_a_command_whose_extra_is_missing_says_which_in_one_line(

@@ -315,6 +315,8 @@ def test_minute_aggregates_of_a_known_series() -> None:
             "energy_j": 2_000 + 2_000 + 4_000 + 50,
             "mean_cap_w": (500 + 500 + 700 + 700 + 700) / 5,
             "samples": 5,
+            "mean_perf": None,  # no workload reported one
+            "perf_samples": 0,
         }
     ]
     [second] = agg.close(final=True)

@@ -2,8 +2,9 @@
 
 `policy` (policy check, solve, warm), `daemons` (demo, agent, controller, coordinator), the
 admin API's commands (`admin`: status, gpus, why, budget, pin, drain, handover, class, job,
-token), `sim`, `profile` (`powerd.profilefit`) and `db`. Each subcommand builds its settings
-and parts, then runs them; its handler returns the exit status (`exits`).
+token), `sim`, `profile` (`powerd.profilefit`), `db` and `pilot` (`pilot report`). Each
+subcommand builds its settings and parts, then runs them; its handler returns the exit
+status (`exits`).
 
 Building the parser loads none of the controller's libraries (numpy, SQLAlchemy, FastAPI...):
 the base install, on every GPU node, has none of them. A command that needs an extra names
@@ -18,7 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from powerd import __version__
-from powerd.cli import admin, daemons, db, policy, profile, sim
+from powerd.cli import admin, daemons, db, pilot, policy, profile, sim
 from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_OK
 from powerd.cli.extras import MissingExtra, extra_of, require
 from powerd.input_errors import InputError
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_parser(sub)
     profile.add_parser(sub)
     db.add_parser(sub)
+    pilot.add_parser(sub)
     return parser
 
 

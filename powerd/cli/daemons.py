@@ -127,6 +127,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
         leadership=args.leadership,
         scope=args.scope,
         shadow=args.shadow or None,
+        record_db=args.record_db,
         leader_lease_s=args.leader_lease_s,
         learn_s=args.learn_s,
         api_port=args.api_port,
@@ -346,6 +347,13 @@ def _add_controller_parser(sub: Any) -> None:
         action="store_true",
         help="decide every tick as if steering, store what would be commanded, send nothing "
         "(use its own --db)",
+    )
+    ctl.add_argument(
+        "--record-db",
+        metavar="URL",
+        help="with --shadow: record what the fleet does (draw, perf, caps in force, each "
+        "budget's draw) into this database of its own, a pilot's baseline "
+        "(`powerd pilot report`)",
     )
     ctl.add_argument(
         "--scope",

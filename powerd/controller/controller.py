@@ -17,6 +17,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 
+import numpy as np
 import structlog
 from pydantic import ValidationError
 
@@ -479,31 +480,10 @@ class Controller(AdminWrites):
         self.history.append(summary)
         self.counters.ticks += 1
         if self.writer is not None:
-            self.writer.submit_tick(
-                TickRecord.from_summary(
-                    summary,
-                    rows={
-                        name: {
-                            "budget_w": finite_or_none(b),
-                            "load_w": committed,  # the stored key (docs/storage.md)
-                            "draw_w": finite_or_none(d),
-                        }
-                        for name, b, committed, d in report.level_totals(1)
-                    },
-                )
-            )
-            by_node: dict[str, dict[str, float]] = {}
-            for cmd in plan.commands:
-                by_node[cmd.node] = dict(cmd.caps_w)
-            self.writer.submit_caps(report.tick, report.ts, by_node, report.why)
-            if report.status != "tick_failed":  # a failed tick measured nothing
-                self.writer.submit_samples(
-                    list(report.uuids),
-                    report.ts,
-                    report.power_w.copy(),
-                    report.committed_w.copy(),
-                    report.energy_j.copy(),
-                )
+            if self.engine.shadow:
+                self._record_fleet(self.writer, report)
+            else:
+                self._record_steered(self.writer, report, plan, summary)
             health = self.writer.health()
             # Before its first flush the writer is not yet "connected", but nothing failed.
             failing = not health.connected and health.last_error is not None
@@ -519,6 +499,84 @@ class Controller(AdminWrites):
                 hook(report)
             except Exception:
                 log.exception("tick_hook_failed")
+
+    @staticmethod
+    def _record_steered(
+        writer: StoreWriter, report: TickReport, plan: SafePlan, summary: TickSummary
+    ) -> None:
+        """What a steering controller stores of a tick: its summary, the caps it sent (with
+        their reasons), each GPU's sample and each budget group's use."""
+        writer.submit_tick(
+            TickRecord.from_summary(
+                summary,
+                rows={
+                    name: {
+                        "budget_w": finite_or_none(b),
+                        "load_w": committed,  # the stored key (docs/storage.md)
+                        "draw_w": finite_or_none(d),
+                    }
+                    for name, b, committed, d in report.level_totals(1)
+                },
+            )
+        )
+        by_node: dict[str, dict[str, float]] = {}
+        for cmd in plan.commands:
+            by_node[cmd.node] = dict(cmd.caps_w)
+        writer.submit_caps(report.tick, report.ts, by_node, report.why)
+        if report.status != "tick_failed":  # a failed tick measured nothing
+            writer.submit_samples(
+                list(report.uuids),
+                report.ts,
+                report.power_w.copy(),
+                report.committed_w.copy(),
+                report.energy_j.copy(),
+                perf=None if report.perf is None else report.perf.copy(),
+            )
+            # Copies of arrays with one value a budget group: a few µs.
+            limit_w = report.group_limit_w
+            if limit_w is None:  # a tick that fell back: the budgets
+                limit_w = report.group_budget_w
+            writer.submit_groups(
+                report.ts,
+                names=report.group_names,
+                levels=report.group_levels,
+                budget_w=report.group_budget_w.copy(),
+                limit_w=limit_w.copy(),
+                committed_w=report.group_committed_w.copy(),
+                draw_w=report.group_draw_w.copy(),
+            )
+
+    def _record_fleet(self, writer: StoreWriter, report: TickReport) -> None:
+        """A shadow given a database of its own (`record_db`) records what the fleet did,
+        never what it decided: per GPU and minute the draw, energy, reported perf and the
+        limit its agent reports in force (as `mean_cap_w`), and each budget group's draw
+        against its budget with those limits summed as its committed watts. No ticks, cap
+        changes or reasons: it sent nothing. The baseline of a pilot (docs/operations.md,
+        "Pilot")."""
+        if report.status == "tick_failed":
+            return
+        in_force = np.nan_to_num(report.cap_w, nan=0.0)  # not reported: counted as none
+        writer.submit_samples(
+            list(report.uuids),
+            report.ts,
+            report.power_w.copy(),
+            in_force,
+            report.energy_j.copy(),
+            perf=None if report.perf is None else report.perf.copy(),
+        )
+        shape = self.engine.shape
+        if shape is None or shape.topology.gpu_groups.shape[0] != in_force.size:
+            return
+        topo = shape.topology
+        writer.submit_groups(
+            report.ts,
+            names=report.group_names,
+            levels=report.group_levels,
+            budget_w=report.group_budget_w.copy(),
+            limit_w=report.group_budget_w.copy(),
+            committed_w=topo.group_sums(in_force) + topo.overhead_w,
+            draw_w=report.group_draw_w.copy(),
+        )
 
     async def tick_once(self) -> TickReport:
         t0 = time.perf_counter()

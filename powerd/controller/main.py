@@ -50,6 +50,7 @@ from powerd.policy import (
 from powerd.sdnotify import Notifier
 from powerd.settings import SettingsError
 from powerd.store import Store, StoreWriter, WriterLimits, upgrade
+from powerd.store.db import normalize_url
 from powerd.transport import MqttTransport
 from powerd.wire import Authority, Topics
 
@@ -82,6 +83,7 @@ async def run_controller(settings: ControllerSettings, clock: Clock | None = Non
     # no state file to save and no ledger store. What it decides lives in memory (the API's
     # allocation, /metrics, logs). Reads (operator state, caps, history) work as ever.
     shadow = settings.shadow
+    _check_record_db(settings)
     store = Store(settings.db, read_only=shadow)
     # Migrations first: a controller never writes to a schema it does not know. Without
     # the database it steers anyway and the ledger migrates when the database returns.
@@ -91,6 +93,8 @@ async def run_controller(settings: ControllerSettings, clock: Clock | None = Non
     state = _newer(from_file, db.state)
     policy, api_policy = _choose_policy(file_policy, file_sha, state)
     writer = _writer(settings, store, db.caps)
+    if writer is None and settings.record_db is not None:
+        writer = await asyncio.to_thread(_recorder, settings)
     transport = MqttTransport(settings.mqtt_config())
     clock = clock or SystemClock()
     authority = await _authority(settings, policy, db)
@@ -195,10 +199,42 @@ def _writer(
     return writer
 
 
+def _check_record_db(settings: ControllerSettings) -> None:
+    """`record_db` is a shadow's, and never the database it reads."""
+    url = settings.record_db
+    if url is None:
+        return
+    if not settings.shadow:
+        raise SettingsError(
+            "controller settings",
+            [("record_db", "only with shadow: a steering controller records into its db")],
+        )
+    if normalize_url(url) == normalize_url(settings.db):
+        raise SettingsError(
+            "controller settings",
+            [("record_db", "must be a database of the shadow's own, not its db (read only)")],
+        )
+
+
+def _recorder(settings: ControllerSettings) -> StoreWriter:
+    """(worker thread) A shadow's writer into a database of its own (`record_db`), migrated
+    first: what the fleet did, for a pilot's baseline (Controller._record_fleet)."""
+    url = settings.record_db
+    assert url is not None
+    try:
+        upgrade(url)
+    except Exception as exc:  # unreachable, refused, not a database: the shadow does not start
+        why = f"cannot migrate {url}: {type(exc).__name__}: {exc}".splitlines()[0][:300]
+        raise SettingsError("controller settings", [("record_db", why)]) from None
+    return StoreWriter(Store(url), retention=settings.retention())
+
+
 def _close(writer: StoreWriter | None, store: Store) -> None:
     """(worker thread) Flush what is queued, then let the database go."""
     if writer is not None:
         writer.stop()
+        if writer.store is not store:  # a shadow's recording (record_db)
+            writer.store.close()
     store.close()
 
 

@@ -63,6 +63,10 @@ class TickReport:
     unused_w: float = 0.0
     # What decided each cap, to explain on request (controller/why.py); None: a failed tick.
     why: WhyFrame | None = None
+    # Per GPU: the throughput its workload reported (NaN: none; `throughput` fills those in
+    # from the profiles); the store keeps its per-minute mean for `powerd pilot report`.
+    # None: a tick that fell back.
+    perf: FloatArray | None = None
 
     @property
     def throughput_total(self) -> float:

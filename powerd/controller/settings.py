@@ -43,6 +43,10 @@ class ControllerSettings(ApiSettings):
     # Decide every tick as if steering, store what would have been commanded, and send
     # nothing: how a site tries powerd beside what it runs today (docs/operations.md).
     shadow: bool = False
+    # A shadow's own database, where it records what the fleet did (draw, perf, the caps
+    # the agents report, each budget's draw): the baseline of a pilot (docs/operations.md,
+    # "Pilot"). Never `db`, which a shadow only reads; None: it records nothing.
+    record_db: str | None = None
     # Steer only the subtree under this row or rack of the policy, under the budget a
     # `powerd coordinator` gives it (docs/operations.md, "Scopes"); None: the whole policy.
     scope: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")

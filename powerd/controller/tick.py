@@ -471,6 +471,7 @@ class TickEngine:
             waiting_nodes=plan.waiting_nodes,
             alarms=tuple(sorted(self.alarms.active)),
             set_w=arrays.set_w,
+            perf=arrays.perf,
             why=self._explain(seen, budgets, targets, plan, tick=tick, wall=wall),
         )
 

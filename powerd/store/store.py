@@ -38,11 +38,13 @@ from powerd.store.records import EventRecord, Page
 from powerd.store.tables import (
     AuditEntry,
     Base,
+    BudgetExcursion,
     CapChange,
     CapReason,
     Event,
     Gpu,
     GpuMinute,
+    GroupMinute,
     Node,
     OperatorState,
     PolicyVersion,
@@ -84,6 +86,8 @@ class Batch:
     events: list[dict[str, Any]] = field(default_factory=list)
     clears: list[tuple[str, float]] = field(default_factory=list)  # (kind, cleared_at)
     minutes: list[dict[str, Any]] = field(default_factory=list)
+    group_minutes: list[dict[str, Any]] = field(default_factory=list)
+    excursions: list[dict[str, Any]] = field(default_factory=list)  # budget_excursions
 
     def __len__(self) -> int:
         return (
@@ -95,6 +99,8 @@ class Batch:
             + len(self.events)
             + len(self.clears)
             + len(self.minutes)
+            + len(self.group_minutes)
+            + len(self.excursions)
         )
 
 
@@ -104,6 +110,8 @@ class Pruned:
     ticks: int
     cap_changes: int
     cap_reasons: int = 0
+    group_minutes: int = 0
+    excursions: int = 0
 
 
 class Store:
@@ -170,6 +178,10 @@ class Store:
                 _clear(conn, kind, cleared_at)
             if batch.minutes:
                 _upsert_minutes(conn, batch.minutes)
+            if batch.group_minutes:
+                _upsert_group_minutes(conn, batch.group_minutes)
+            if batch.excursions:
+                conn.execute(insert(BudgetExcursion), batch.excursions)
 
     # ---- durable writes (admin actions: written before the API answers) ----
 
@@ -451,8 +463,8 @@ class Store:
         keep_ticks_days: float,
         keep_cap_changes_days: float | None = None,
     ) -> Pruned:
-        """Delete per-minute rows, tick rows and cap changes (with their reasons) older than
-        their retention.
+        """Delete per-minute rows (GPUs', groups' and the budget excursions), tick rows and
+        cap changes (with their reasons) older than their retention.
 
         Cap changes default to the tick retention. Events, policy versions and the audit
         log are never pruned here: they are small and operators are accountable for them.
@@ -463,6 +475,13 @@ class Store:
             minutes = conn.execute(
                 delete(GpuMinute).where(GpuMinute.minute < now - keep_minutes_days * DAY_S)
             ).rowcount
+            minute_cut = now - keep_minutes_days * DAY_S
+            groups = conn.execute(
+                delete(GroupMinute).where(GroupMinute.minute < minute_cut)
+            ).rowcount
+            excursions = conn.execute(
+                delete(BudgetExcursion).where(BudgetExcursion.end_ts < minute_cut)
+            ).rowcount
             ticks = conn.execute(
                 delete(Tick).where(Tick.ts < now - keep_ticks_days * DAY_S)
             ).rowcount
@@ -472,7 +491,14 @@ class Store:
             reasons = conn.execute(
                 delete(CapReason).where(CapReason.ts < now - keep_cap_changes_days * DAY_S)
             ).rowcount
-        return Pruned(minutes=minutes, ticks=ticks, cap_changes=caps, cap_reasons=reasons)
+        return Pruned(
+            minutes=minutes,
+            ticks=ticks,
+            cap_changes=caps,
+            cap_reasons=reasons,
+            group_minutes=groups,
+            excursions=excursions,
+        )
 
     # ---- helpers ----
 
@@ -541,6 +567,51 @@ def _upsert_minutes(conn: Connection, rows: Iterable[dict[str, Any]]) -> None:
             "energy_j": old.energy_j + new.energy_j,
             "mean_cap_w": (old.mean_cap_w * old.samples + new.mean_cap_w * new.samples) / total,
             "samples": total,
+            # Weighted by the samples that reported one; NULL while none did.
+            "mean_perf": (
+                func.coalesce(old.mean_perf, 0.0) * old.perf_samples
+                + func.coalesce(new.mean_perf, 0.0) * new.perf_samples
+            )
+            / func.nullif(old.perf_samples + new.perf_samples, 0),
+            "perf_samples": old.perf_samples + new.perf_samples,
+        },
+    )
+    conn.execute(stmt, list(rows))
+
+
+def _upsert_group_minutes(conn: Connection, rows: Iterable[dict[str, Any]]) -> None:
+    # A minute written again (a partial minute flushed at shutdown, continued after a
+    # restart) merges into the stored row, means weighted by ticks.
+    stmt = _upsert_stmt(conn, GroupMinute)
+    new = stmt.excluded  # type: ignore[attr-defined]
+    old = GroupMinute.__table__.c
+    total = old.ticks + new.ticks
+
+    def weighted(column: str) -> Any:
+        return (old[column] * old.ticks + new[column] * new.ticks) / total
+
+    def larger(column: str) -> Any:
+        return case((new[column] > old[column], new[column]), else_=old[column])
+
+    stmt = stmt.on_conflict_do_update(  # type: ignore[attr-defined]
+        index_elements=["group", "minute"],
+        set_={
+            "budget_w": case(
+                (old.budget_w.is_(None), new.budget_w),
+                (new.budget_w < old.budget_w, new.budget_w),
+                else_=old.budget_w,
+            ),
+            "limit_w": case(
+                (old.limit_w.is_(None), new.limit_w),
+                (new.limit_w > old.limit_w, new.limit_w),
+                else_=old.limit_w,
+            ),
+            "mean_committed_w": weighted("mean_committed_w"),
+            "max_committed_w": larger("max_committed_w"),
+            "mean_draw_w": weighted("mean_draw_w"),
+            "max_draw_w": larger("max_draw_w"),
+            "over_s": old.over_s + new.over_s,
+            "ticks": total,
         },
     )
     conn.execute(stmt, list(rows))

@@ -275,3 +275,44 @@ class GpuMinute(Base):
     energy_j: Mapped[float]
     mean_cap_w: Mapped[float]
     samples: Mapped[int]
+    # The workload's reported throughput (`perf`, a rate: tokens/s, samples/s), mean over
+    # the minute's samples that carried one; None and 0: none reported (migration 0008).
+    mean_perf: Mapped[float | None]
+    perf_samples: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+
+
+class GroupMinute(Base):
+    """One budget group (facility, row, or a rack or node with a budget) over one minute:
+    its budget, committed caps and measured draw as the ticks saw them (migration 0008;
+    `powerd pilot report` reads them)."""
+
+    __tablename__ = "group_minutes"
+
+    group: Mapped[str] = mapped_column(String(NAME_LEN), primary_key=True)
+    minute: Mapped[int] = mapped_column(BigInteger, primary_key=True, index=True)
+    level: Mapped[int]  # 0 facility, 1 row, 2 rack, 3 node
+    budget_w: Mapped[float | None]  # the lowest in force over the minute; None: no budget
+    limit_w: Mapped[float | None]  # the highest committed caps could reach (an overload)
+    mean_committed_w: Mapped[float]
+    max_committed_w: Mapped[float]
+    mean_draw_w: Mapped[float]
+    max_draw_w: Mapped[float]
+    over_s: Mapped[float]  # seconds the measured draw was above the budget
+    ticks: Mapped[int]
+
+
+class BudgetExcursion(Base):
+    """A run of ticks whose measured draw was above a group's budget: from the first tick
+    over to the first tick back within it (migration 0008)."""
+
+    __tablename__ = "budget_excursions"
+    __table_args__ = (Index(None, "group", "start_ts"),)
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True, autoincrement=True)
+    group: Mapped[str] = mapped_column(String(NAME_LEN))
+    level: Mapped[int]
+    start_ts: Mapped[float] = mapped_column(index=True)
+    end_ts: Mapped[float]
+    peak_draw_w: Mapped[float]
+    peak_excess_w: Mapped[float]  # the largest draw − budget over the run
+    budget_w: Mapped[float]  # at the peak

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import structlog
 from sqlalchemy import inspect as sa_inspect
 
@@ -28,6 +30,7 @@ from powerd.store.aggregate import (
     CAP_INTERVAL_S,
     CapChanges,
     Floats,
+    GroupAggregator,
     MinuteAggregator,
 )
 from powerd.store.reasons import reason_row
@@ -55,6 +58,18 @@ class _Samples:
     power_w: Floats
     committed_w: Floats  # stored as gpu_minutes.mean_cap_w
     energy_j: Floats
+    perf: Floats | None = None  # reported throughput, NaN where none
+
+
+@dataclass(frozen=True, slots=True)
+class _Groups:
+    ts: float
+    names: Sequence[str]
+    levels: Sequence[int] | npt.NDArray[np.int64]
+    budget_w: Floats
+    limit_w: Floats
+    committed_w: Floats
+    draw_w: Floats
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +86,7 @@ class _Clear:
     ts: float
 
 
-_Item = TickRecord | EventRecord | NodeRecord | GpuRecord | _Samples | _Caps | _Clear
+_Item = TickRecord | EventRecord | NodeRecord | GpuRecord | _Samples | _Groups | _Caps | _Clear
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +140,7 @@ class StoreWriter:
 
         # Owned by the writer thread (or the caller of flush() when not started).
         self._minutes = MinuteAggregator(grace_s=limits.minute_grace_s)
+        self._groups = GroupAggregator()
         self._caps = CapChanges(epsilon_w=limits.cap_epsilon_w, interval_s=limits.cap_interval_s)
         self._rows: deque[tuple[str, Any]] = deque()  # (kind, row) in submission order
         self._nodes: dict[str, dict[str, Any]] = {}  # upserts: only the latest matters
@@ -169,10 +185,29 @@ class StoreWriter:
         power_w: Floats,
         committed_w: Floats,
         energy_j: Floats,
+        *,
+        perf: Floats | None = None,
     ) -> None:
         """This tick's latest sample per GPU, as parallel arrays (`ts` per GPU or one value),
-        with each GPU's committed cap (its per-minute mean is stored as `mean_cap_w`)."""
-        self._put(_Samples(uuids, ts, power_w, committed_w, energy_j))
+        with each GPU's committed cap (its per-minute mean is stored as `mean_cap_w`) and
+        the throughput its workload reported (`perf`, NaN where none; stored as
+        `mean_perf`)."""
+        self._put(_Samples(uuids, ts, power_w, committed_w, energy_j, perf))
+
+    def submit_groups(
+        self,
+        ts: float,
+        *,
+        names: Sequence[str],
+        levels: Sequence[int] | npt.NDArray[np.int64],
+        budget_w: Floats,
+        limit_w: Floats,
+        committed_w: Floats,
+        draw_w: Floats,
+    ) -> None:
+        """This tick's budget groups, as parallel arrays: budget and limit in force,
+        committed caps and measured draw (`group_minutes`, `budget_excursions`)."""
+        self._put(_Groups(ts, names, levels, budget_w, limit_w, committed_w, draw_w))
 
     def submit_event(self, rec: EventRecord) -> None:
         self._put(rec)
@@ -256,6 +291,11 @@ class StoreWriter:
         self._drain()
         for row in self._minutes.close(final=final):
             self._add_row("minute", row)
+        group_rows, excursions = self._groups.close(final=final)
+        for row in group_rows:
+            self._add_row("group_minute", row)
+        for row in excursions:
+            self._add_row("excursion", row)
         self._report_drops()
 
         now = self._clock.monotonic()
@@ -275,12 +315,9 @@ class StoreWriter:
         for item in items:
             match item:
                 case _Samples():
-                    try:
-                        self._minutes.add(
-                            item.uuids, item.ts, item.power_w, item.committed_w, item.energy_j
-                        )
-                    except ValueError as exc:
-                        log.warning("store_samples_rejected", error=str(exc))
+                    self._add_samples(item)
+                case _Groups():
+                    self._add_groups(item)
                 case _Caps():
                     rows = self._caps.changes(item.tick, item.ts, item.caps_by_node)
                     for row in rows:
@@ -312,6 +349,28 @@ class StoreWriter:
                         "max_cap_w": item.max_cap_w,
                     }
 
+    def _add_samples(self, item: _Samples) -> None:
+        try:
+            self._minutes.add(
+                item.uuids, item.ts, item.power_w, item.committed_w, item.energy_j, perf=item.perf
+            )
+        except ValueError as exc:
+            log.warning("store_samples_rejected", error=str(exc))
+
+    def _add_groups(self, item: _Groups) -> None:
+        try:
+            self._groups.add(
+                item.ts,
+                names=item.names,
+                levels=item.levels,
+                budget_w=item.budget_w,
+                limit_w=item.limit_w,
+                committed_w=item.committed_w,
+                draw_w=item.draw_w,
+            )
+        except ValueError as exc:
+            log.warning("store_groups_rejected", error=str(exc))
+
     def _add_reasons(self, frame: WhyFrame, cap_rows: Sequence[Mapping[str, Any]]) -> None:
         """The explanations of the cap changes just stored, made in one batch."""
         try:
@@ -338,19 +397,7 @@ class StoreWriter:
             n = min(self.limits.batch_rows, len(self._rows))
             batch = Batch(nodes=list(self._nodes.values()), gpus=list(self._gpus.values()))
             for kind, row in islice(self._rows, n):
-                match kind:
-                    case "tick":
-                        batch.ticks.append(row)
-                    case "cap":
-                        batch.caps.append(row)
-                    case "reason":
-                        batch.reasons.append(row)
-                    case "event":
-                        batch.events.append(row)
-                    case "clear":
-                        batch.clears.append(row)
-                    case "minute":
-                        batch.minutes.append(row)
+                getattr(batch, _BATCH_FIELD[kind]).append(row)
             try:
                 self.store.write_batch(batch)
             except Exception as exc:
@@ -397,6 +444,8 @@ class StoreWriter:
             ticks=pruned.ticks,
             cap_changes=pruned.cap_changes,
             cap_reasons=pruned.cap_reasons,
+            group_minutes=pruned.group_minutes,
+            excursions=pruned.excursions,
         )
 
     def _succeeded(self) -> None:
@@ -432,6 +481,18 @@ class StoreWriter:
             )
             self._dropped_logged = dropped
 
+
+# The Batch list each kind of backlog row goes to.
+_BATCH_FIELD = {
+    "tick": "ticks",
+    "cap": "caps",
+    "reason": "reasons",
+    "event": "events",
+    "clear": "clears",
+    "minute": "minutes",
+    "group_minute": "group_minutes",
+    "excursion": "excursions",
+}
 
 # (field, column) of a TickRecord: its fields are the Tick model's attributes, some stored
 # under other column names (`draw_w` in `measured_w`...: docs/storage.md).
