@@ -292,8 +292,9 @@ class _Prometheus(BaseHTTPRequestHandler):
             return self._send(400, error)
         start, end, step = float(q["start"]), float(q["end"]), float(q["step"])
         steps = np.arange(start, end + step / 2, step)
-        # Work as given; a latency lower in the managed window.
-        values = WORK_SERIES if q["query"] == "work" else (0.2 if start < M0 else 0.15,)
+        # Work as given; a latency in two series, lower in the managed window.
+        latency = (0.2, 0.1) if start < M0 else (0.15, 0.05)
+        values = WORK_SERIES if q["query"] == "work" else latency
         result = [
             {"metric": {"i": str(i)}, "values": [[t, str(v)] for t in steps.tolist()]}
             for i, v in enumerate(values)
@@ -340,6 +341,7 @@ def test_work_and_latency_from_prometheus(
     assert rep["baseline"]["work"]["total"] == pytest.approx(sum(WORK_SERIES) * SPAN_S)
     assert rep["managed"]["work"]["coverage"] == pytest.approx(1.0)
     assert "Prometheus query (2 series, step 60 s)" in rep["managed"]["work"]["source"]
+    # The worst of the latency's series, not their sum.
     assert rep["baseline"]["latency"]["p95"] == pytest.approx(0.2)
     assert rep["comparison"]["latency_p95"]["delta_pct"] == pytest.approx(-25.0)
     assert {q["query"] for q in queries} == {"work", "latency"}

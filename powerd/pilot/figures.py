@@ -52,9 +52,9 @@ def compare(baseline: dict[str, Any], managed: dict[str, Any]) -> dict[str, Any]
     """Managed against baseline: more GPUs in the same envelope, work, compliance."""
     b_env, m_env = _envelope(baseline), _envelope(managed)
     same = (
-        b_env is not None
-        and m_env is not None
-        and abs(m_env - b_env) <= SAME_ENVELOPE_TOL * max(b_env, m_env)
+        None  # not known: a window without a facility budget stored
+        if b_env is None or m_env is None
+        else abs(m_env - b_env) <= SAME_ENVELOPE_TOL * max(b_env, m_env)
     )
     b_gpus, m_gpus = baseline["gpus"]["mean"], managed["gpus"]["mean"]
     out = {

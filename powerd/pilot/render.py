@@ -30,7 +30,11 @@ def summary(report: dict[str, Any]) -> str:
     env = c["envelope_w"]
     lines.append(
         f"  envelope: baseline {_kw(env['baseline'])}, managed {_kw(env['managed'])}"
-        + ("" if env["same"] else "  (NOT the same envelope: the comparison is not like for like)")
+        + {
+            True: "",
+            False: "  (NOT the same envelope: the comparison is not like for like)",
+            None: "  (not known: no facility budget stored in a window)",
+        }[env["same"]]
     )
     g = c["gpus_mean"]
     lines.append(

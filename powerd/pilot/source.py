@@ -99,7 +99,7 @@ class Series:
     ts: FloatArray
     value: FloatArray
     step_s: float
-    series: int  # how many series were summed
+    series: int  # how many series were summed (a latency: the largest taken)
 
 
 @dataclass
@@ -306,8 +306,11 @@ class PromSource:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
 
-    def range(self, query: str, window: Window, flag: str = "--query") -> Series:
-        """The query's values over the window, summed over its series at each step."""
+    def range(
+        self, query: str, window: Window, flag: str = "--query", *, worst: bool = False
+    ) -> Series:
+        """The query's values over the window, summed over its series at each step (a
+        rate); `worst`: the largest of them instead (a latency)."""
         step = max(float(MINUTE_S), math.ceil(window.hours * 3600.0 / PROM_MAX_POINTS))
         params = urllib.parse.urlencode(
             {"query": query, "start": window.start, "end": window.end, "step": step}
@@ -328,10 +331,10 @@ class PromSource:
             raise PilotError(
                 f"--throughput-prom {self.url}: the answer is not JSON (is it Prometheus?)"
             ) from None
-        return _parse_matrix(body, self.url, flag, step)
+        return _parse_matrix(body, self.url, flag, step, worst=worst)
 
 
-def _parse_matrix(body: object, url: str, flag: str, step: float) -> Series:
+def _parse_matrix(body: object, url: str, flag: str, step: float, *, worst: bool) -> Series:
     if not isinstance(body, dict) or body.get("status") != "success":
         detail = body.get("error", "no status") if isinstance(body, dict) else "not an object"
         raise PilotError(f"--throughput-prom {url}: {flag} failed: {detail}")
@@ -347,7 +350,11 @@ def _parse_matrix(body: object, url: str, flag: str, step: float) -> Series:
         for ts, value in series.get("values", []):
             v = float(value)
             if math.isfinite(v):
-                sums[float(ts)] = sums.get(float(ts), 0.0) + v
+                t = float(ts)
+                if worst:
+                    sums[t] = max(sums.get(t, -math.inf), v)
+                else:
+                    sums[t] = sums.get(t, 0.0) + v
     ts_sorted = sorted(sums)
     return Series(
         ts=np.asarray(ts_sorted, dtype=np.float64),
