@@ -21,7 +21,7 @@ import pytest
 from powerd.cli import main
 from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from powerd.pilot.windows import PilotError, parse_window
-from powerd.store import Retention, Store, StoreWriter, upgrade
+from powerd.store import Retention, Store, StoreWriter, TickRecord, upgrade
 
 B0 = datetime(2026, 11, 2, tzinfo=UTC).timestamp()  # the baseline's start (a minute's)
 M0 = B0 + 3600.0  # the managed window's start
@@ -59,8 +59,9 @@ MANAGED_PHASE = Phase(
 )
 
 
-def record(writer: StoreWriter, phase: Phase) -> None:
-    """What a steering controller submits each tick, through the writer it uses."""
+def record(writer: StoreWriter, phase: Phase, *, groups: bool = True) -> None:
+    """What a steering controller submits each tick, through the writer it uses; without
+    `groups`, what one did before migration 0008 (its ticks instead)."""
     uuids = [f"GPU-{i:02d}" for i in range(phase.gpus)]
     energy = np.zeros(phase.gpus)
     for k in range(int(SPAN_S / TICK_S)):
@@ -80,6 +81,28 @@ def record(writer: StoreWriter, phase: Phase) -> None:
         total = phase.gpus * phase.power_w
         draw = np.array([total, total / 2, total / 2])
         draw[0] = BUDGET_W + phase.over_w.get(k, -500.0)
+        committed = phase.gpus * cap
+        if not groups:
+            writer.submit_tick(
+                TickRecord(
+                    tick=k,
+                    ts=ts,
+                    status="optimal",
+                    solver="fast",
+                    solve_ms=1.0,
+                    budget_w=BUDGET_W,
+                    committed_w=committed,
+                    draw_w=float(draw[0]),
+                    throughput=0.0,
+                    gpus=phase.gpus,
+                    gpus_stale=0,
+                    rows={
+                        name: {"budget_w": ROW_BUDGET_W, "load_w": committed / 2, "draw_w": d}
+                        for name, d in (("row-a", draw[1]), ("row-b", draw[2]))
+                    },
+                )
+            )
+            continue
         writer.submit_groups(
             ts,
             names=GROUPS,
@@ -93,13 +116,15 @@ def record(writer: StoreWriter, phase: Phase) -> None:
             writer.flush()
 
 
-def filled(url: str, phases: tuple[Phase, ...] = (BASE, MANAGED_PHASE)) -> str:
+def filled(
+    url: str, phases: tuple[Phase, ...] = (BASE, MANAGED_PHASE), *, groups: bool = True
+) -> str:
     upgrade(url)
     store = Store(url)
     # Kept for ever: the windows lie in the past of the writer's clock, which prunes.
     writer = StoreWriter(store, retention=Retention(keep_minutes_days=1e6, keep_ticks_days=1e6))
     for phase in phases:
-        record(writer, phase)
+        record(writer, phase, groups=groups)
     writer.stop()  # not started: one last cycle here, every open minute closed
     store.close()
     return url
@@ -201,6 +226,21 @@ def test_a_baseline_recorded_elsewhere(tmp_path: Path) -> None:
     assert rep["baseline_db"] == recording
     # Without it the baseline is looked for in --db, where there is none.
     assert report(steering, tmp_path / "out")[0] == EXIT_FAILED
+
+
+def test_a_store_from_before_the_group_minutes_derives_them_from_its_ticks(
+    tmp_path: Path,
+) -> None:
+    url = filled(f"sqlite:///{tmp_path / 'old.db'}", groups=False)
+    code, rep = report(url, tmp_path / "out")
+    assert code == EXIT_OK and rep is not None
+    man = rep["managed"]
+    dc = budget(man, "facility")  # the ticks do not name it
+    assert (dc["time_over_s"], dc["excursions"]) == (pytest.approx(30.0), 1)
+    assert dc["largest"]["peak_excess_w"] == pytest.approx(250.0)
+    assert budget(man, "row-a")["mean_draw_w"] == pytest.approx(12 * 280.0 / 2)
+    assert rep["comparison"]["envelope_w"]["same"] is True
+    assert any("derived from the ticks" in note for note in man["notes"])
 
 
 # ---- refused ----
