@@ -241,6 +241,17 @@ def test_a_store_from_before_the_group_minutes_derives_them_from_its_ticks(
     assert budget(man, "row-a")["mean_draw_w"] == pytest.approx(12 * 280.0 / 2)
     assert rep["comparison"]["envelope_w"]["same"] is True
     assert any("derived from the ticks" in note for note in man["notes"])
+    assert not any("no GPU reported perf" in note for note in man["notes"])
+
+
+def test_a_window_without_perf_says_its_work_is_unknown(tmp_path: Path) -> None:
+    silent = Phase(M0, 12, perf=float("nan"), power_w=280.0, caps_w=(300.0, 300.0), over_w={})
+    url = filled(f"sqlite:///{tmp_path / 'p.db'}", (BASE, silent))
+    code, rep = report(url, tmp_path / "out")
+    assert code == EXIT_OK and rep is not None
+    assert rep["managed"]["work"]["coverage"] == 0
+    assert any("work is unknown" in note for note in rep["managed"]["notes"])
+    assert not any("work is unknown" in note for note in rep["baseline"]["notes"])
 
 
 # ---- refused ----

@@ -45,6 +45,11 @@ def window_figures(data: WindowData) -> dict[str, Any]:
         "caps": _caps(data),
         "notes": list(data.notes),
     }
+    if data.throughput is None and not data.fleet.perf_gpus.any():
+        out["notes"].append(
+            "no GPU reported perf in this window: its work is unknown, not 0 "
+            "(agents' --perf-url/--perf-file, or --throughput-prom)"
+        )
     return out
 
 
