@@ -21,7 +21,7 @@ import pytest
 from powerd.cli import main
 from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from powerd.pilot.windows import PilotError, parse_window
-from powerd.store import Retention, Store, StoreWriter, upgrade
+from powerd.store import Retention, Store, StoreWriter, TickRecord, upgrade
 
 B0 = datetime(2026, 11, 2, tzinfo=UTC).timestamp()  # the baseline's start (a minute's)
 M0 = B0 + 3600.0  # the managed window's start
@@ -59,8 +59,9 @@ MANAGED_PHASE = Phase(
 )
 
 
-def record(writer: StoreWriter, phase: Phase) -> None:
-    """What a steering controller submits each tick, through the writer it uses."""
+def record(writer: StoreWriter, phase: Phase, *, groups: bool = True) -> None:
+    """What a steering controller submits each tick, through the writer it uses; without
+    `groups`, what one did before migration 0008 (its ticks instead)."""
     uuids = [f"GPU-{i:02d}" for i in range(phase.gpus)]
     energy = np.zeros(phase.gpus)
     for k in range(int(SPAN_S / TICK_S)):
@@ -80,6 +81,28 @@ def record(writer: StoreWriter, phase: Phase) -> None:
         total = phase.gpus * phase.power_w
         draw = np.array([total, total / 2, total / 2])
         draw[0] = BUDGET_W + phase.over_w.get(k, -500.0)
+        committed = phase.gpus * cap
+        if not groups:
+            writer.submit_tick(
+                TickRecord(
+                    tick=k,
+                    ts=ts,
+                    status="optimal",
+                    solver="fast",
+                    solve_ms=1.0,
+                    budget_w=BUDGET_W,
+                    committed_w=committed,
+                    draw_w=float(draw[0]),
+                    throughput=0.0,
+                    gpus=phase.gpus,
+                    gpus_stale=0,
+                    rows={
+                        name: {"budget_w": ROW_BUDGET_W, "load_w": committed / 2, "draw_w": d}
+                        for name, d in (("row-a", draw[1]), ("row-b", draw[2]))
+                    },
+                )
+            )
+            continue
         writer.submit_groups(
             ts,
             names=GROUPS,
@@ -93,13 +116,15 @@ def record(writer: StoreWriter, phase: Phase) -> None:
             writer.flush()
 
 
-def filled(url: str, phases: tuple[Phase, ...] = (BASE, MANAGED_PHASE)) -> str:
+def filled(
+    url: str, phases: tuple[Phase, ...] = (BASE, MANAGED_PHASE), *, groups: bool = True
+) -> str:
     upgrade(url)
     store = Store(url)
     # Kept for ever: the windows lie in the past of the writer's clock, which prunes.
     writer = StoreWriter(store, retention=Retention(keep_minutes_days=1e6, keep_ticks_days=1e6))
     for phase in phases:
-        record(writer, phase)
+        record(writer, phase, groups=groups)
     writer.stop()  # not started: one last cycle here, every open minute closed
     store.close()
     return url
@@ -203,6 +228,32 @@ def test_a_baseline_recorded_elsewhere(tmp_path: Path) -> None:
     assert report(steering, tmp_path / "out")[0] == EXIT_FAILED
 
 
+def test_a_store_from_before_the_group_minutes_derives_them_from_its_ticks(
+    tmp_path: Path,
+) -> None:
+    url = filled(f"sqlite:///{tmp_path / 'old.db'}", groups=False)
+    code, rep = report(url, tmp_path / "out")
+    assert code == EXIT_OK and rep is not None
+    man = rep["managed"]
+    dc = budget(man, "facility")  # the ticks do not name it
+    assert (dc["time_over_s"], dc["excursions"]) == (pytest.approx(30.0), 1)
+    assert dc["largest"]["peak_excess_w"] == pytest.approx(250.0)
+    assert budget(man, "row-a")["mean_draw_w"] == pytest.approx(12 * 280.0 / 2)
+    assert rep["comparison"]["envelope_w"]["same"] is True
+    assert any("derived from the ticks" in note for note in man["notes"])
+    assert not any("no GPU reported perf" in note for note in man["notes"])
+
+
+def test_a_window_without_perf_says_its_work_is_unknown(tmp_path: Path) -> None:
+    silent = Phase(M0, 12, perf=float("nan"), power_w=280.0, caps_w=(300.0, 300.0), over_w={})
+    url = filled(f"sqlite:///{tmp_path / 'p.db'}", (BASE, silent))
+    code, rep = report(url, tmp_path / "out")
+    assert code == EXIT_OK and rep is not None
+    assert rep["managed"]["work"]["coverage"] == 0
+    assert any("work is unknown" in note for note in rep["managed"]["notes"])
+    assert not any("work is unknown" in note for note in rep["baseline"]["notes"])
+
+
 # ---- refused ----
 
 
@@ -292,8 +343,9 @@ class _Prometheus(BaseHTTPRequestHandler):
             return self._send(400, error)
         start, end, step = float(q["start"]), float(q["end"]), float(q["step"])
         steps = np.arange(start, end + step / 2, step)
-        # Work as given; a latency lower in the managed window.
-        values = WORK_SERIES if q["query"] == "work" else (0.2 if start < M0 else 0.15,)
+        # Work as given; a latency in two series, lower in the managed window.
+        latency = (0.2, 0.1) if start < M0 else (0.15, 0.05)
+        values = WORK_SERIES if q["query"] == "work" else latency
         result = [
             {"metric": {"i": str(i)}, "values": [[t, str(v)] for t in steps.tolist()]}
             for i, v in enumerate(values)
@@ -340,6 +392,7 @@ def test_work_and_latency_from_prometheus(
     assert rep["baseline"]["work"]["total"] == pytest.approx(sum(WORK_SERIES) * SPAN_S)
     assert rep["managed"]["work"]["coverage"] == pytest.approx(1.0)
     assert "Prometheus query (2 series, step 60 s)" in rep["managed"]["work"]["source"]
+    # The worst of the latency's series, not their sum.
     assert rep["baseline"]["latency"]["p95"] == pytest.approx(0.2)
     assert rep["comparison"]["latency_p95"]["delta_pct"] == pytest.approx(-25.0)
     assert {q["query"] for q in queries} == {"work", "latency"}

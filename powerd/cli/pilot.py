@@ -113,7 +113,8 @@ def add_parser(sub: Any) -> None:
     rep.add_argument(
         "--latency-query",
         metavar="PROMQL",
-        help="with --throughput-prom: a latency to report, e.g. a histogram_quantile(0.95, ...)",
+        help="with --throughput-prom: a latency to report, e.g. a histogram_quantile(0.95, "
+        "...) (of several series, the largest at each step)",
     )
     rep.add_argument(
         "--out",

@@ -45,6 +45,11 @@ def window_figures(data: WindowData) -> dict[str, Any]:
         "caps": _caps(data),
         "notes": list(data.notes),
     }
+    if data.throughput is None and not data.fleet.perf_gpus.any():
+        out["notes"].append(
+            "no GPU reported perf in this window: its work is unknown, not 0 "
+            "(agents' --perf-url/--perf-file, or --throughput-prom)"
+        )
     return out
 
 
@@ -52,9 +57,9 @@ def compare(baseline: dict[str, Any], managed: dict[str, Any]) -> dict[str, Any]
     """Managed against baseline: more GPUs in the same envelope, work, compliance."""
     b_env, m_env = _envelope(baseline), _envelope(managed)
     same = (
-        b_env is not None
-        and m_env is not None
-        and abs(m_env - b_env) <= SAME_ENVELOPE_TOL * max(b_env, m_env)
+        None  # not known: a window without a facility budget stored
+        if b_env is None or m_env is None
+        else abs(m_env - b_env) <= SAME_ENVELOPE_TOL * max(b_env, m_env)
     )
     b_gpus, m_gpus = baseline["gpus"]["mean"], managed["gpus"]["mean"]
     out = {

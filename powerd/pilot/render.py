@@ -30,7 +30,11 @@ def summary(report: dict[str, Any]) -> str:
     env = c["envelope_w"]
     lines.append(
         f"  envelope: baseline {_kw(env['baseline'])}, managed {_kw(env['managed'])}"
-        + ("" if env["same"] else "  (NOT the same envelope: the comparison is not like for like)")
+        + {
+            True: "",
+            False: "  (NOT the same envelope: the comparison is not like for like)",
+            None: "  (not known: no facility budget stored in a window)",
+        }[env["same"]]
     )
     g = c["gpus_mean"]
     lines.append(
@@ -193,20 +197,30 @@ def _png(fig: Any) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _hours(ts: np.ndarray[Any, Any], data: WindowData) -> np.ndarray[Any, Any]:
-    return (ts - data.window.start) / 3600.0
+def _axis(windows: dict[str, WindowData]) -> tuple[float, str]:
+    """(seconds a unit, the x axis' label): hours, or minutes when a window is under 3 h."""
+    if any(d.window.hours < 3 for d in windows.values()):
+        return 60.0, "minutes into the window"
+    return 3600.0, "hours into the window"
+
+
+def _into(ts: np.ndarray[Any, Any], data: WindowData, unit_s: float) -> np.ndarray[Any, Any]:
+    return (ts - data.window.start) / unit_s
 
 
 def _plot_power(windows: dict[str, WindowData]) -> str:
     plt = _pyplot()
+    unit_s, label = _axis(windows)
     fig, ax = plt.subplots(figsize=(10, 4))
     for name, data in windows.items():
         root = next((g for g in data.groups if g.level == 0), None)
         if root is None:
             t, y = data.fleet.minute.astype(np.float64), data.fleet.gpu_power_w
-            ax.plot(_hours(t, data), y / 1000, color=COLORS[name], lw=1, label=f"{name} GPUs")
+            ax.plot(
+                _into(t, data, unit_s), y / 1000, color=COLORS[name], lw=1, label=f"{name} GPUs"
+            )
             continue
-        t = _hours(root.minute.astype(np.float64), data)
+        t = _into(root.minute.astype(np.float64), data, unit_s)
         ax.plot(t, root.mean_draw_w / 1000, color=COLORS[name], lw=1, label=f"{name} mean")
         ax.plot(t, root.max_draw_w / 1000, color=COLORS[name], lw=0.5, ls=":", label=f"{name} max")
         ax.plot(
@@ -217,7 +231,7 @@ def _plot_power(windows: dict[str, WindowData]) -> str:
             lw=1,
             label=f"{name} budget",
         )
-    ax.set_xlabel("hours into the window")
+    ax.set_xlabel(label)
     ax.set_ylabel("kW")
     ax.legend(fontsize=8, ncol=3)
     return _png(fig)
@@ -225,11 +239,12 @@ def _plot_power(windows: dict[str, WindowData]) -> str:
 
 def _plot_throughput(windows: dict[str, WindowData]) -> str:
     plt = _pyplot()
+    unit_s, label = _axis(windows)
     fig, ax = plt.subplots(figsize=(10, 3.5))
     for name, data in windows.items():
         t, y = throughput_series(data)
-        ax.plot(_hours(t, data), y, color=COLORS[name], lw=1, label=name)
-    ax.set_xlabel("hours into the window")
+        ax.plot(_into(t, data, unit_s), y, color=COLORS[name], lw=1, label=name)
+    ax.set_xlabel(label)
     ax.set_ylabel("work per second")
     ax.legend(fontsize=8)
     return _png(fig)
@@ -237,11 +252,12 @@ def _plot_throughput(windows: dict[str, WindowData]) -> str:
 
 def _plot_gpus(windows: dict[str, WindowData]) -> str:
     plt = _pyplot()
+    unit_s, label = _axis(windows)
     fig, ax = plt.subplots(figsize=(10, 2.8))
     for name, data in windows.items():
-        t = _hours(data.fleet.minute.astype(np.float64), data)
+        t = _into(data.fleet.minute.astype(np.float64), data, unit_s)
         ax.step(t, data.fleet.gpus, color=COLORS[name], lw=1, label=name, where="post")
-    ax.set_xlabel("hours into the window")
+    ax.set_xlabel(label)
     ax.set_ylabel("GPUs")
     ax.legend(fontsize=8)
     return _png(fig)
@@ -301,14 +317,17 @@ def _plot_latency(windows: dict[str, WindowData]) -> str | None:
     if not any(d.latency is not None for d in windows.values()):
         return None
     plt = _pyplot()
+    unit_s, label = _axis(windows)
     fig, ax = plt.subplots(figsize=(10, 3.2))
     for name, data in windows.items():
         s = data.latency
         if s is None:
             continue
         inside = (s.ts >= data.window.start) & (s.ts < data.window.end)
-        ax.plot(_hours(s.ts[inside], data), s.value[inside], color=COLORS[name], lw=1, label=name)
-    ax.set_xlabel("hours into the window")
+        ax.plot(
+            _into(s.ts[inside], data, unit_s), s.value[inside], color=COLORS[name], lw=1, label=name
+        )
+    ax.set_xlabel(label)
     ax.set_ylabel("latency (the query's unit)")
     ax.legend(fontsize=8)
     return _png(fig)

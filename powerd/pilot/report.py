@@ -58,7 +58,9 @@ def build(
                     f"{data.window.label()}"
                 )
             if prom.latency_query:
-                data.latency = client.range(prom.latency_query, data.window, "--latency-query")
+                data.latency = client.range(
+                    prom.latency_query, data.window, "--latency-query", worst=True
+                )
     figs = {name: window_figures(data) for name, data in windows.items()}
     report = {
         "db": db,

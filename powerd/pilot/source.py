@@ -16,6 +16,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -25,7 +26,8 @@ from sqlalchemy.orm import InstrumentedAttribute
 
 from powerd.pilot.windows import PilotError, Window
 from powerd.store import Store
-from powerd.store.tables import BudgetExcursion, CapChange, GpuMinute, GroupMinute
+from powerd.store.aggregate import GroupAggregator
+from powerd.store.tables import BudgetExcursion, CapChange, GpuMinute, GroupMinute, Tick
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -99,7 +101,7 @@ class Series:
     ts: FloatArray
     value: FloatArray
     step_s: float
-    series: int  # how many series were summed
+    series: int  # how many series were summed (a latency: the largest taken)
 
 
 @dataclass
@@ -142,14 +144,18 @@ class StoreSource:
             groups = self._groups(window)
             excursions = self._excursions(window)
             caps = self._caps(window)
+            notes = []
+            if not groups:
+                groups, excursions = self._groups_from_ticks(window)
+                notes.append(
+                    "no budget groups' minutes stored in this window (recorded before "
+                    "migration 0008): the facility and its rows are derived from the ticks"
+                    if groups
+                    else "no budget groups' minutes and no ticks stored in this window: draw "
+                    "against budgets is not known"
+                )
         except SQLAlchemyError as exc:
             raise PilotError(f"{self.flag} {_shown(self.url)}: {_why(exc)}") from None
-        notes = []
-        if not groups:
-            notes.append(
-                "no budget groups stored in this window (a store older than migration 0008): "
-                "draw against budgets is not known"
-            )
         return WindowData(window, fleet, groups, excursions, caps, notes=notes)
 
     def _chunks(self, window: Window) -> list[tuple[int, int]]:
@@ -242,6 +248,70 @@ class StoreSource:
             )
         return out
 
+    def _groups_from_ticks(self, window: Window) -> tuple[list[GroupMinutes], list[Excursion]]:
+        """The facility's and its rows' minutes and excursions from the `ticks` table (what a
+        store kept before migration 0008, for `keep_ticks_days`), through the writer's own
+        aggregation, so the figures mean the same."""
+        t = Tick
+        agg = GroupAggregator()
+        rows: list[dict[str, Any]] = []
+        runs: list[dict[str, Any]] = []
+        stmt = select(t.ts, t.budget_w, t.committed_w, t.draw_w, t.rows).order_by(t.ts, t.id)
+        chunks = self._chunks(window)
+        with self.store.engine.connect() as conn:
+            for i, (lo, hi) in enumerate(chunks, 1):
+                self.progress(f"{window.name}: ticks {i}/{len(chunks)} (no group minutes stored)")
+                lo_ts, hi_ts = max(lo, window.start), min(hi, window.end)
+                for ts, budget, committed, draw, per in conn.execute(
+                    stmt.where(t.ts >= lo_ts, t.ts < hi_ts)
+                ):
+                    per_row = sorted((per or {}).items())
+                    row_budgets = [u.get("budget_w") for _, u in per_row]
+                    agg.add(
+                        ts,
+                        names=("facility", *(name for name, _ in per_row)),
+                        levels=np.asarray([0] + [1] * len(per_row), dtype=np.int64),
+                        budget_w=_floats([budget, *row_budgets]),
+                        limit_w=_floats([budget, *row_budgets]),
+                        committed_w=_floats([committed, *(u.get("load_w") for _, u in per_row)]),
+                        draw_w=_floats([draw, *(u.get("draw_w") for _, u in per_row)]),
+                    )
+                    done, ended = agg.close()
+                    rows += done
+                    runs += ended
+        done, ended = agg.close(final=True)
+        rows += done
+        runs += ended
+        by_name: dict[str, list[dict[str, Any]]] = {}
+        for row in rows:
+            by_name.setdefault(row["group"], []).append(row)
+        groups = [
+            GroupMinutes(
+                name=name,
+                level=items[0]["level"],
+                minute=np.asarray([x["minute"] for x in items], dtype=np.int64),
+                budget_w=_floats([x["budget_w"] for x in items]),
+                mean_committed_w=_floats([x["mean_committed_w"] for x in items]),
+                mean_draw_w=_floats([x["mean_draw_w"] for x in items]),
+                max_draw_w=_floats([x["max_draw_w"] for x in items]),
+                over_s=_floats([x["over_s"] for x in items]),
+            )
+            for name, items in by_name.items()
+        ]
+        excursions = [
+            Excursion(
+                e["group"],
+                e["level"],
+                e["start_ts"],
+                e["end_ts"],
+                e["peak_draw_w"],
+                e["peak_excess_w"],
+                e["budget_w"],
+            )
+            for e in runs
+        ]
+        return groups, excursions
+
     def _excursions(self, window: Window) -> list[Excursion]:
         e = BudgetExcursion
         stmt = (
@@ -306,8 +376,11 @@ class PromSource:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
 
-    def range(self, query: str, window: Window, flag: str = "--query") -> Series:
-        """The query's values over the window, summed over its series at each step."""
+    def range(
+        self, query: str, window: Window, flag: str = "--query", *, worst: bool = False
+    ) -> Series:
+        """The query's values over the window, summed over its series at each step (a
+        rate); `worst`: the largest of them instead (a latency)."""
         step = max(float(MINUTE_S), math.ceil(window.hours * 3600.0 / PROM_MAX_POINTS))
         params = urllib.parse.urlencode(
             {"query": query, "start": window.start, "end": window.end, "step": step}
@@ -328,10 +401,10 @@ class PromSource:
             raise PilotError(
                 f"--throughput-prom {self.url}: the answer is not JSON (is it Prometheus?)"
             ) from None
-        return _parse_matrix(body, self.url, flag, step)
+        return _parse_matrix(body, self.url, flag, step, worst=worst)
 
 
-def _parse_matrix(body: object, url: str, flag: str, step: float) -> Series:
+def _parse_matrix(body: object, url: str, flag: str, step: float, *, worst: bool) -> Series:
     if not isinstance(body, dict) or body.get("status") != "success":
         detail = body.get("error", "no status") if isinstance(body, dict) else "not an object"
         raise PilotError(f"--throughput-prom {url}: {flag} failed: {detail}")
@@ -347,7 +420,11 @@ def _parse_matrix(body: object, url: str, flag: str, step: float) -> Series:
         for ts, value in series.get("values", []):
             v = float(value)
             if math.isfinite(v):
-                sums[float(ts)] = sums.get(float(ts), 0.0) + v
+                t = float(ts)
+                if worst:
+                    sums[t] = max(sums.get(t, -math.inf), v)
+                else:
+                    sums[t] = sums.get(t, 0.0) + v
     ts_sorted = sorted(sums)
     return Series(
         ts=np.asarray(ts_sorted, dtype=np.float64),
@@ -363,6 +440,11 @@ def _prom_error(raw: bytes) -> str:
     except ValueError:
         return raw[:200].decode(errors="replace").strip() or "no detail"
     return str(body.get("error", body))[:300] if isinstance(body, dict) else str(body)[:300]
+
+
+def _floats(values: list[Any]) -> FloatArray:
+    """None (a budget not stored, a draw not finite) as NaN."""
+    return np.asarray([math.nan if v is None else v for v in values], dtype=np.float64)
 
 
 def _check_sqlite_file(url: str, flag: str) -> None:
