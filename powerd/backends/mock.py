@@ -208,25 +208,6 @@ def _uniform(keys: NDArray[np.uint64]) -> FloatArray:
     return np.asarray((_mix64(keys) >> np.uint64(11)) * (1.0 / 2**53), dtype=np.float64)
 
 
-def _training_level(w: Workload, times: FloatArray) -> tuple[FloatArray, NDArray[np.bool_]]:
-    """A training job's demand at each time, and whether it works then."""
-    cycle = (times + w.phase_s) / w.period_s
-    on = cycle - np.floor(cycle) < w.duty
-    level = np.where(on, w.high_w, w.low_w)
-    works = np.ones(times.shape, dtype=bool)
-    if w.ckpt_every_s > 0.0:
-        saving = np.mod(times + w.ckpt_phase_s, w.ckpt_every_s) < w.ckpt_s
-        level = np.where(saving, w.ckpt_w, level)
-        works &= ~saving
-    if w.runs:
-        running = np.zeros(times.shape, dtype=bool)
-        for start, end in w.runs:
-            running |= (times >= start) & (times < end)
-        level = np.where(running, level, IDLE_W)
-        works &= running
-    return np.asarray(level, dtype=np.float64), works
-
-
 def _surging(w: Workload, times: FloatArray) -> NDArray[np.bool_]:
     """Whether a service surges at each time (one draw per slot for all its GPUs)."""
     slot = np.floor((times + w.phase_s) / w.surge_slot_s).astype(np.uint64)
@@ -512,11 +493,12 @@ class SimulatedGpus:
 
         Steady, idle and traced GPUs hold their demand at the start of the step. Training
         jobs and inference services are integrated exactly however often their demand
-        changes within the step: the step is cut at every change (a phase edge, a
-        checkpoint, a job's start or end, a burst or surge slot), each piece at its level
-        (the daily curve at the piece's midpoint). Energy is the lag's exact integral over
-        the pieces, work the profile at each piece's draw times its length (the lag, 0.2 s,
-        ignored for work); `step_throughput` is the step's mean throughput per GPU.
+        changes within the step: the step is cut at every change of any of them (a phase
+        edge, a checkpoint, a job's start or end, a burst or surge slot), each piece at its
+        level (the daily curve at the piece's midpoint); a step without a change holds the
+        demand at its start. Energy is the lag's exact integral over the pieces, their
+        work the profile at each piece's draw times its length (the lag, 0.2 s, left out);
+        `step_throughput` is the step's mean throughput per GPU.
         """
         if dt_s <= 0:
             return
