@@ -106,6 +106,10 @@ class Breaker:
         r2 = ratio * ratio
         return np.asarray(r2 + (heat - r2) * math.exp(-dt / self.tau_s))
 
+    def start_heat(self, ratio: FloatArray) -> FloatArray:
+        """The thermal image after carrying `ratio` for ever (warm: r²)."""
+        return np.asarray(ratio * ratio, dtype=np.float64)
+
     def tripped(self, heat: FloatArray, ratio: FloatArray) -> BoolArray:
         return np.asarray((heat >= self.pickup**2) | (ratio >= self.instant), dtype=np.bool_)
 
@@ -512,7 +516,7 @@ def uncapped(
     truth = truth_of(model)
     rated = acct.finite & (acct.budget > 0)
     rating = np.where(rated, acct.budget * breaker.rating, np.inf)
-    heat = np.zeros(topo.n_groups)
+    heat: FloatArray | None = None  # warm from the first sub-step's draw (below)
     down_until = np.full(topo.n_groups, -np.inf)
     below = [under_groups(topo, g) for g in range(topo.n_groups)]
     events: list[tuple[float, str, float]] = []
@@ -534,6 +538,10 @@ def uncapped(
             draw = np.where(up, want[i:], 0.0)
             ratio = np.where(rated, acct.group_draw(draw, up) / rating, 0.0)
             end = ts.size
+            if heat is None:
+                # The window opens on a running site: every breaker has carried the first
+                # sub-step's draw for long (a cold start would forgive half an hour).
+                heat = breaker.start_heat(ratio[0])
             for j in range(ts.size):  # the breakers, sub-step by sub-step
                 heat = breaker.heat(heat, ratio[j], dt)
                 new = breaker.tripped(heat, ratio[j]) & rated & ~down[j]
