@@ -217,3 +217,10 @@ def test_the_demo_says_what_no_caps_would_do() -> None:
     line = baselines_line(model, policy, gpu_nodes, 0.0, 10.0)
     assert f"these {len(per_gpu)} GPUs would draw up to" in line
     assert "static TDP caps fit 296 GPUs" in line and "powerd sim" in line
+
+
+def test_breakers_start_warm_from_the_first_draw() -> None:
+    b = Breaker()
+    r = np.array([1.2, 1.1])
+    # A site already running at 120 % of a rating trips at once; at 110 % it never does.
+    assert b.tripped(b.heat(b.start_heat(r), r, 1.0), r).tolist() == [True, False]

@@ -106,6 +106,12 @@ class Breaker:
         r2 = ratio * ratio
         return np.asarray(r2 + (heat - r2) * math.exp(-dt / self.tau_s))
 
+    def start_heat(self, ratio: FloatArray) -> FloatArray:
+        """The thermal image after carrying `ratio` for ever: r²; rows (a stretch of
+        sub-steps, one per row) give the mean r² of the stretch."""
+        r2 = np.asarray(ratio * ratio, dtype=np.float64)
+        return np.asarray(r2.mean(axis=0) if r2.ndim > 1 else r2)
+
     def tripped(self, heat: FloatArray, ratio: FloatArray) -> BoolArray:
         return np.asarray((heat >= self.pickup**2) | (ratio >= self.instant), dtype=np.bool_)
 
@@ -512,7 +518,7 @@ def uncapped(
     truth = truth_of(model)
     rated = acct.finite & (acct.budget > 0)
     rating = np.where(rated, acct.budget * breaker.rating, np.inf)
-    heat = np.zeros(topo.n_groups)
+    heat: FloatArray | None = None  # warm from the first sub-step's draw (below)
     down_until = np.full(topo.n_groups, -np.inf)
     below = [under_groups(topo, g) for g in range(topo.n_groups)]
     events: list[tuple[float, str, float]] = []
@@ -534,6 +540,10 @@ def uncapped(
             draw = np.where(up, want[i:], 0.0)
             ratio = np.where(rated, acct.group_draw(draw, up) / rating, 0.0)
             end = ts.size
+            if heat is None:
+                # The window opens on a running site: every breaker has carried the draw of
+                # the first block (its mean r²) for long; cold would forgive half an hour.
+                heat = breaker.start_heat(ratio)
             for j in range(ts.size):  # the breakers, sub-step by sub-step
                 heat = breaker.heat(heat, ratio[j], dt)
                 new = breaker.tripped(heat, ratio[j]) & rated & ~down[j]
