@@ -19,7 +19,7 @@ import structlog
 from numpy.typing import NDArray
 
 from powerd.policy import Policy
-from powerd.wire import GpuTelemetry, NodeState, NodeStatus, NodeTelemetry
+from powerd.wire import NodeState, NodeStatus, NodeTelemetry
 
 log = structlog.get_logger(__name__)
 
@@ -126,42 +126,36 @@ class _Columns:
     restores: list[int] = field(default_factory=list)
     found_w: list[float] = field(default_factory=list)  # NaN: none
 
-    def append(self, g: GpuTelemetry, now: float) -> int:
+    def append(self, r: NodeReadings, k: int, now: float) -> int:
         for name in _FIELDS:
             getattr(self, name).append(None)
         slot = len(self.seen_at) - 1
-        self.write(slot, g, now)
+        self.write(slot, r, k, now)
         return slot
 
-    def write(self, slot: int, g: GpuTelemetry, now: float) -> None:
-        self.min_cap_w[slot] = g.min_cap_w
-        self.max_cap_w[slot] = g.max_cap_w
-        self.default_cap_w[slot] = g.default_cap_w
-        self.power_w[slot] = g.power_w
-        self.cap_w[slot] = g.cap_w
-        self.energy_j[slot] = g.energy_j
-        self.temp_c[slot] = g.temp_c
-        self.util_pct[slot] = g.util_pct
-        self.sm_clock_mhz[slot] = g.sm_clock_mhz
+    def write(self, slot: int, r: NodeReadings, k: int, now: float) -> None:
+        """The `k`th GPU of a node's sample into `slot`."""
+        for name in _SAMPLED:
+            getattr(self, name)[slot] = getattr(r, name)[k]
         self.seen_at[slot] = now
-        perf = g.perf
-        self.perf[slot] = math.nan if perf is None else perf
-        error = g.error
+        error = r.error[k]
         self.lost[slot] = error is not None
-        self.error[slot] = error
-        self.name[slot] = g.name
-        self.index[slot] = g.index
-        throttle = g.throttle
-        # A tuple of strings drops out of the collector's sight at its first collection.
-        self.throttle[slot] = tuple(throttle) if throttle else ()
-        self.workload[slot] = g.workload
-        self.job[slot] = g.job
-        set_w = g.set_w
         # A GPU that could not be read carries its last known cap, not a reading.
-        self.set_w[slot] = math.nan if set_w is None or error is not None else set_w
-        self.restores[slot] = g.restores
-        found = g.found_w
-        self.found_w[slot] = math.nan if found is None else found
+        self.set_w[slot] = math.nan if error is not None else r.set_w[k]
+
+    def write_run(self, a: int, b: int, r: NodeReadings, now: float) -> None:
+        """A node's whole sample into slots a..b-1 (its GPUs, in the order sent)."""
+        for name in _SAMPLED:
+            getattr(self, name)[a:b] = getattr(r, name)
+        self.seen_at[a:b] = [now] * (b - a)
+        if r.no_errors:
+            self.lost[a:b] = [False] * (b - a)
+            self.set_w[a:b] = r.set_w
+        else:
+            self.lost[a:b] = [e is not None for e in r.error]
+            self.set_w[a:b] = [
+                math.nan if e is not None else v for e, v in zip(r.error, r.set_w, strict=True)
+            ]
 
     def take(self, slots: list[int]) -> _Columns:
         """A copy holding only these slots, renumbered 0, 1, ..."""
@@ -173,6 +167,82 @@ class _Columns:
 
 
 _FIELDS = tuple(f.name for f in fields(_Columns))
+# The columns written as sent (NodeReadings has each); the others are derived.
+_SAMPLED = tuple(n for n in _FIELDS if n not in ("seen_at", "lost", "set_w"))
+
+
+@dataclass(slots=True)
+class NodeReadings:
+    """One node's telemetry sample as columns, one entry per GPU in the order sent: what
+    `FleetState.ingest` records. Built from a wire message (`from_message`), or directly by
+    the simulator's agents (sim/agents.py) from values checked as the wire checks them."""
+
+    node_id: str
+    ts: float
+    seq: int
+    tick: int | None
+    epoch: int | None
+    state: str
+    uuid: list[str]
+    index: list[int]
+    name: list[str]
+    min_cap_w: list[float]
+    max_cap_w: list[float]
+    default_cap_w: list[float]
+    power_w: list[float]
+    cap_w: list[float]
+    energy_j: list[float]
+    temp_c: list[float]
+    util_pct: list[float]
+    sm_clock_mhz: list[float]
+    perf: list[float]  # NaN: none reported
+    throttle: list[tuple[str, ...]]
+    workload: list[str | None]
+    job: list[str | None]
+    error: list[str | None]
+    set_w: list[float]  # NaN: none
+    restores: list[int]
+    found_w: list[float]  # NaN: none
+    no_errors: bool  # no GPU reported an error
+    any_restores: bool  # some GPU reports restores
+
+    @classmethod
+    def from_message(cls, msg: NodeTelemetry) -> NodeReadings:
+        gpus = msg.gpus
+        nan = math.nan
+        error = [g.error for g in gpus]
+        restores = [g.restores for g in gpus]
+        return cls(
+            node_id=msg.node_id,
+            ts=msg.ts,
+            seq=msg.seq,
+            tick=msg.tick,
+            epoch=msg.epoch,
+            state=msg.state,
+            uuid=[g.uuid for g in gpus],
+            index=[g.index for g in gpus],
+            name=[g.name for g in gpus],
+            min_cap_w=[g.min_cap_w for g in gpus],
+            max_cap_w=[g.max_cap_w for g in gpus],
+            default_cap_w=[g.default_cap_w for g in gpus],
+            power_w=[g.power_w for g in gpus],
+            cap_w=[g.cap_w for g in gpus],
+            energy_j=[g.energy_j for g in gpus],
+            temp_c=[g.temp_c for g in gpus],
+            util_pct=[g.util_pct for g in gpus],
+            sm_clock_mhz=[g.sm_clock_mhz for g in gpus],
+            perf=[nan if g.perf is None else g.perf for g in gpus],
+            # A tuple of strings drops out of the collector's sight at its first collection.
+            throttle=[tuple(g.throttle) if g.throttle else () for g in gpus],
+            workload=[g.workload for g in gpus],
+            job=[g.job for g in gpus],
+            error=error,
+            set_w=[nan if g.set_w is None else g.set_w for g in gpus],
+            restores=restores,
+            found_w=[nan if g.found_w is None else g.found_w for g in gpus],
+            no_errors=not any(e is not None for e in error),
+            any_restores=any(restores),
+        )
 
 
 class _Column(Generic[T]):
@@ -251,6 +321,10 @@ class FleetState:
         self._perm: IntArray = np.zeros(0, dtype=np.int64)  # ordered position → slot
         self._order_version = -1
         self._node_gpus: dict[str, set[str]] = {}
+        # Per node: the uuids it named last, the slots a..b they sit in, and the layout
+        # key then (slots move only when `_compact` renumbers them).
+        self._runs: dict[str, tuple[list[str], int, int, int]] = {}
+        self._layout_key = 0
         self.set_policy(policy)
 
     def set_policy(self, policy: Policy) -> None:
@@ -277,7 +351,13 @@ class FleetState:
         forgotten. Their node's missing GPUs are reserved at the maximum again."""
         dispute_s = after_s if dispute_s is None else dispute_s
         cols = self._cols
-        gone = [u for u, g in self.gpus.items() if now - cols.seen_at[g.slot] > after_s]
+        # Every GPU named within after_s (the common case) needs no look at each.
+        recent = not cols.seen_at or now - min(cols.seen_at) <= after_s
+        gone = (
+            []
+            if recent
+            else [u for u, g in self.gpus.items() if now - cols.seen_at[g.slot] > after_s]
+        )
         for uuid in gone:
             node = self._unlink(uuid)
             log.warning("gpu_forgotten", node=node, uuid=uuid, after_s=after_s)
@@ -303,6 +383,7 @@ class FleetState:
     def _compact(self) -> None:
         """New slots for the GPUs that remain, after some were forgotten."""
         recs = list(self.gpus.values())
+        self._layout_key += 1
         self._cols = self._cols.take([rec.slot for rec in recs])
         for slot, rec in enumerate(recs):
             rec.slot, rec.columns = slot, self._cols
@@ -333,62 +414,96 @@ class FleetState:
 
     def ingest_telemetry(self, msg: NodeTelemetry, now: float) -> bool:
         """Record one node's sample. False (and nothing recorded) for nodes not in the policy."""
-        node_id = msg.node_id
+        return self.ingest(NodeReadings.from_message(msg), now)
+
+    def ingest(self, r: NodeReadings, now: float) -> bool:
+        """Record one node's sample as columns (a wire message's, or the simulator's
+        agents'). False (and nothing recorded) for nodes not in the policy."""
+        node_id = r.node_id
         if node_id not in self.node_order:
             if node_id not in self.unknown_nodes:
-                log.warning("telemetry_unknown_node", node=node_id, gpus=len(msg.gpus))
+                log.warning("telemetry_unknown_node", node=node_id, gpus=len(r.uuid))
             self.unknown_nodes[node_id] = now
             return False
         node = self.node(node_id)
         if node.stopped:
             self.stops += 1
         node.seen_at = now
-        node.seq = msg.seq
-        node.agent_ts = msg.ts
-        node.tick = msg.tick
+        node.seq = r.seq
+        node.agent_ts = r.ts
+        node.tick = r.tick
         node.status_newer = False
-        node.state = NodeState(msg.state)
+        node.state = NodeState(r.state)
+        # The common case: the node names the GPUs it named last time, none disputed, in
+        # slots next to each other: every column is written with one slice assignment.
+        run = self._runs.get(node_id)
+        if (
+            run is not None
+            and run[0] == r.uuid
+            and run[3] == self._layout_key
+            and (not self.disputes or self.disputes.keys().isdisjoint(r.uuid))
+        ):
+            a, b = run[1], run[2]
+            cols = self._cols
+            if cols.index[a:b] != r.index:
+                self.version += 1  # the fleet's order follows GPU indices
+            if cols.job[a:b] != r.job:
+                self.jobs_version += 1
+            cols.write_run(a, b, r, now)
+            node.refused = 0
+            return True
+        self._ingest_each(node, r, now)
+        return True
+
+    def _ingest_each(self, node: FleetNode, r: NodeReadings, now: float) -> None:
+        """`ingest`, GPU by GPU: discoveries, disputes, GPUs beyond the inventory."""
+        node_id = node.name
         gpus, cols = self.gpus, self._cols
         mine = self._node_gpus.setdefault(node_id, set())
         room = self.inventory.get(node_id, 0) - len(mine)
         refused = 0
-        for g in msg.gpus:
-            dispute = self.disputes.get(g.uuid)
+        slots: list[int] = []
+        for k, uuid in enumerate(r.uuid):
+            dispute = self.disputes.get(uuid)
             if dispute is not None:
                 dispute.seen[node_id] = now
+                slots.append(-1)
                 continue
-            rec = gpus.get(g.uuid)
+            rec = gpus.get(uuid)
             if rec is None:
                 if room <= 0:
                     refused += 1  # beyond the node's inventory: a phantom, or a wrong policy
+                    slots.append(-1)
                     continue
                 room -= 1
-                slot = cols.append(g, now)
-                gpus[g.uuid] = FleetGpu(g.uuid, node_id, slot, cols)
-                mine.add(g.uuid)
+                slot = cols.append(r, k, now)
+                gpus[uuid] = FleetGpu(uuid, node_id, slot, cols)
+                mine.add(uuid)
                 self.version += 1
-                log.info("gpu_discovered", node=node_id, uuid=g.uuid, index=g.index)
+                log.info("gpu_discovered", node=node_id, uuid=uuid, index=r.index[k])
             elif rec.node != node_id:
                 # Named by a second node: which one has it cannot be told from what they
                 # send (whoever spoke first after a start would win), so neither does. It
                 # leaves the fleet: its node's missing GPUs are reserved at their maximum,
                 # and no node gets commands for it until one node alone has named it for
                 # stale_after_s (the claim stopped, or a real move).
-                log.warning("gpu_claimed_twice", uuid=g.uuid, holder=rec.node, claimant=node_id)
-                self.disputes[g.uuid] = Dispute(
-                    g.uuid, {rec.node: self._cols.seen_at[rec.slot], node_id: now}
+                log.warning("gpu_claimed_twice", uuid=uuid, holder=rec.node, claimant=node_id)
+                self.disputes[uuid] = Dispute(
+                    uuid, {rec.node: self._cols.seen_at[rec.slot], node_id: now}
                 )
-                self._unlink(g.uuid)
+                self._unlink(uuid)
                 self._compact()
                 self.version += 1
+                slots.append(-1)
                 continue
             else:
                 slot = rec.slot
-                if cols.index[slot] != g.index:
+                if cols.index[slot] != r.index[k]:
                     self.version += 1  # the fleet's order follows GPU indices
-                if cols.job[slot] != g.job:
+                if cols.job[slot] != r.job[k]:
                     self.jobs_version += 1
-            cols.write(slot, g, now)
+                cols.write(slot, r, k, now)
+            slots.append(slot)
         if refused and not node.refused:
             log.warning(
                 "gpus_beyond_inventory",
@@ -397,7 +512,12 @@ class FleetState:
                 inventory=self.inventory.get(node_id, 0),
             )
         node.refused = refused
-        return True
+        # Where the node's GPUs sit, for the next sample's slice assignments.
+        a = slots[0] if slots else -1
+        if a >= 0 and slots == list(range(a, a + len(slots))):
+            self._runs[node_id] = (list(r.uuid), a, a + len(slots), self._layout_key)
+        else:
+            self._runs.pop(node_id, None)
 
     def offline_nodes(self) -> list[str]:
         """Nodes whose last status is `offline` (their last will, or a clean stop)."""
