@@ -145,8 +145,25 @@ class _Columns:
 
     def write_run(self, a: int, b: int, r: NodeReadings, now: float) -> None:
         """A node's whole sample into slots a..b-1 (its GPUs, in the order sent)."""
-        for name in _SAMPLED:
-            getattr(self, name)[a:b] = getattr(r, name)
+        # One statement per column (`_SAMPLED`, then the derived ones): no getattr per name.
+        self.min_cap_w[a:b] = r.min_cap_w
+        self.max_cap_w[a:b] = r.max_cap_w
+        self.default_cap_w[a:b] = r.default_cap_w
+        self.power_w[a:b] = r.power_w
+        self.cap_w[a:b] = r.cap_w
+        self.energy_j[a:b] = r.energy_j
+        self.temp_c[a:b] = r.temp_c
+        self.util_pct[a:b] = r.util_pct
+        self.sm_clock_mhz[a:b] = r.sm_clock_mhz
+        self.perf[a:b] = r.perf
+        self.name[a:b] = r.name
+        self.index[a:b] = r.index
+        self.throttle[a:b] = r.throttle
+        self.workload[a:b] = r.workload
+        self.job[a:b] = r.job
+        self.error[a:b] = r.error
+        self.restores[a:b] = r.restores
+        self.found_w[a:b] = r.found_w
         self.seen_at[a:b] = [now] * (b - a)
         if r.no_errors:
             self.lost[a:b] = [False] * (b - a)
@@ -169,6 +186,12 @@ class _Columns:
 _FIELDS = tuple(f.name for f in fields(_Columns))
 # The columns written as sent (NodeReadings has each); the others are derived.
 _SAMPLED = tuple(n for n in _FIELDS if n not in ("seen_at", "lost", "set_w"))
+# `_Columns.write_run` writes each of these by name.
+assert _SAMPLED == (
+    "min_cap_w", "max_cap_w", "default_cap_w", "power_w", "cap_w", "energy_j", "temp_c",
+    "util_pct", "sm_clock_mhz", "perf", "name", "index", "throttle", "workload", "job",
+    "error", "restores", "found_w",
+)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -324,6 +347,8 @@ class FleetState:
         # Per node: the uuids it named last, the slots a..b they sit in, and the layout
         # key then (slots move only when `_compact` renumbers them).
         self._runs: dict[str, tuple[list[str], int, int, int]] = {}
+        # The fleet version, the workload column and the workloads in fleet order then.
+        self._workloads: tuple[int, list[str | None], list[str | None]] = (-1, [], [])
         self._layout_key = 0
         self.set_policy(policy)
 
@@ -576,6 +601,14 @@ class FleetState:
         age = now - col(cols.seen_at)
         lost = np.array(cols.lost, dtype=np.bool_)[perm]
         workload = cols.workload
+        # The same list while no GPU's reported workload changes (TargetStage keys on it).
+        kept = self._workloads
+        if kept[0] != self.version or kept[1] != workload:
+            kept = self._workloads = (
+                self.version,
+                list(workload),
+                [workload[i] for i in perm.tolist()],
+            )
         if self._jobs[:2] != (self.version, self.jobs_version):
             job = cols.job
             jobs = [job[i] for i in perm.tolist()] if any(j is not None for j in job) else None
@@ -591,7 +624,7 @@ class FleetState:
             temp_c=col(cols.temp_c),
             age_s=age,
             stale=is_stale(age, lost, stale_after_s),
-            workloads=[workload[i] for i in perm.tolist()],
+            workloads=kept[2],
             perf=col(cols.perf),
             jobs=self._jobs[2],
             set_w=col(cols.set_w),

@@ -64,13 +64,42 @@ class SimAgents:
         # Per node: the tick of the last command applied (None: none yet).
         self.applied: dict[str, int | None] = dict.fromkeys(names)
         self._none_for: dict[int, list[object]] = {}
-        # Per node, the columns every sample carries unchanged (shared, never written).
-        sizes = [b - a for a, b in self.ranges]
-        self._none: list[list[str | None]] = [[None] * k for k in sizes]
-        self._empty: list[list[tuple[str, ...]]] = [[()] * k for k in sizes]
-        self._nan = [[math.nan] * k for k in sizes]
-        self._zero = [[0] * k for k in sizes]
-        self._blank = [[""] * k for k in sizes]
+        # Per node, its sample as columns: the identity and what never changes set here,
+        # the readings replaced by `readings` (the constant columns are shared, never written).
+        self._readings = [
+            NodeReadings(
+                node_id=name,
+                ts=0.0,
+                seq=0,
+                tick=None,
+                epoch=None,
+                state="steered",
+                uuid=self.uuids[a:b],
+                index=self.gpu_index[a:b],
+                name=[""] * (b - a),
+                min_cap_w=[],
+                max_cap_w=[],
+                default_cap_w=[],
+                power_w=[],
+                cap_w=[],
+                energy_j=[],
+                temp_c=[],
+                util_pct=[],
+                sm_clock_mhz=[],
+                perf=[],
+                throttle=[()] * (b - a),
+                workload=self.workloads[a:b],
+                job=[None] * (b - a),
+                error=[None] * (b - a),
+                set_w=[math.nan] * (b - a),
+                restores=[0] * (b - a),
+                found_w=[math.nan] * (b - a),
+                no_errors=True,
+                any_restores=False,
+            )
+            for name, (a, b) in zip(names, self.ranges, strict=True)
+        ]
+        self._none_for: dict[int, list[object]] = {}
 
     def telemetry(self, ts: float) -> list[NodeTelemetry]:
         """Every node's sample now, as its agent would publish it (a wire message)."""
@@ -118,31 +147,22 @@ class SimAgents:
             max_cap_w=m.max_cap_w, default_cap_w=m.default_cap_w, temp_c=temp,
             util_pct=util, sm_clock_mhz=clock, perf=perf,
         )  # fmt: skip
-        cols = [
+        power, energy, cap, lo, hi, default, t, u, c, p = (
             a.tolist()
             for a in (
                 m.power_w, m.energy_j, m.cap_w, m.min_cap_w, m.max_cap_w, m.default_cap_w,
                 temp, util, clock, perf,
             )
-        ]  # fmt: skip
-        out = []
+        )  # fmt: skip
         seq = self.seq
-        for name, (a, b), none, empty, nan, zero, names in zip(
-            self.names, self.ranges, self._none, self._empty, self._nan, self._zero,
-            self._blank, strict=True,
-        ):  # fmt: skip
-            power, energy, cap, lo, hi, default, t, u, c, p = (col[a:b] for col in cols)
-            readings = NodeReadings(
-                node_id=name, ts=ts, seq=seq, tick=self.applied[name], epoch=None,
-                state="steered", uuid=self.uuids[a:b], index=self.gpu_index[a:b],
-                name=names, min_cap_w=lo, max_cap_w=hi, default_cap_w=default,
-                power_w=power, cap_w=cap, energy_j=energy, temp_c=t, util_pct=u,
-                sm_clock_mhz=c, perf=p, throttle=empty, workload=self.workloads[a:b],
-                job=none, error=none, set_w=nan, restores=zero, found_w=nan,
-                no_errors=True, any_restores=False,
-            )  # fmt: skip
-            out.append(readings)
-        return out
+        # One NodeReadings per node, its columns replaced each sample (the engine copies
+        # what it keeps; nothing holds a sample past `on_readings`).
+        for r, (a, b) in zip(self._readings, self.ranges, strict=True):
+            r.ts, r.seq, r.tick = ts, seq, self.applied[r.node_id]
+            r.power_w, r.energy_j, r.cap_w = power[a:b], energy[a:b], cap[a:b]
+            r.min_cap_w, r.max_cap_w, r.default_cap_w = lo[a:b], hi[a:b], default[a:b]
+            r.temp_c, r.util_pct, r.sm_clock_mhz, r.perf = t[a:b], u[a:b], c[a:b], p[a:b]
+        return list(self._readings)
 
     def apply(self, commands: Sequence[NodeCommand]) -> list[tuple[NodeCommand, AckedCaps]]:
         """Apply each command's caps (clamped to the device) and acknowledge them: per
