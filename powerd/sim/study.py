@@ -223,30 +223,18 @@ class _Sizes:
         self.metric = metric
         self.evaluated: dict[int, OversubPoint] = {}
 
-    def evaluate(self, sizes: Iterable[int], which: Sequence[str]) -> None:
-        tasks = []
-        for n in sizes:
-            s = build_site(self.policy, nodes=n, facility_budget_w=self.feed_w)
-            if not self.keep_inner:
-                s = s.inner_at_nameplate()
-            mix = build_mix(self.scenario, s)
-            have = self.evaluated.get(n)
-            tasks += [
-                Task((n, p), self.scenario, s, mix, p)
-                for p in (STATIC, *which)
-                if have is None or (p != STATIC and p not in have.loss)
-            ]
-        results = self.runner.run(tasks)
-        for n in sizes:
-            pt = self._point(n, results.get((n, STATIC)))
-            for p in which:
-                r = results.get((n, p))
-                if r is not None:
-                    pt.loss[p] = 1.0 - r.work_gpu_s / (pt.work_unconstrained_gpu_h * 3600.0)
-                    pt.weighted_loss[p] = 1.0 - r.weighted_work_gpu_s / (
-                        pt.weighted_unconstrained_gpu_h * 3600.0
-                    )
-                    pt.over_budget_s[p] = r.over_budget_s
+    def _record(
+        self, n: int, which: Sequence[str], results: dict[tuple[Any, ...], RunResult]
+    ) -> None:
+        pt = self._point(n, results.get((n, STATIC)))
+        for p in which:
+            r = results.get((n, p))
+            if r is not None:
+                pt.loss[p] = 1.0 - r.work_gpu_s / (pt.work_unconstrained_gpu_h * 3600.0)
+                pt.weighted_loss[p] = 1.0 - r.weighted_work_gpu_s / (
+                    pt.weighted_unconstrained_gpu_h * 3600.0
+                )
+                pt.over_budget_s[p] = r.over_budget_s
 
     def _point(self, n: int, ref: RunResult | None) -> OversubPoint:
         """Size `n`'s point, made from its unconstrained run `ref` the first time."""
@@ -267,23 +255,88 @@ class _Sizes:
         pt = self.evaluated[n]
         return pt.weighted_loss[p] if self.metric == "weighted" else pt.loss[p]
 
-    def fit(self, p: str, grid: Sequence[int], threshold: float) -> int | None:
-        """The most nodes on which policy `p` loses at most `threshold`: the grid's first
-        failing size, then bisection down to one node (None: not even the smallest)."""
-        failing = [n for n in grid if self.loss(n, p) > threshold]
-        if not failing:
-            return grid[-1]
-        bad = failing[0]
-        passing = [n for n in grid if n < bad]
-        good = passing[-1] if passing else 0
-        while bad - good > 1:
-            mid = (good + bad) // 2
-            self.evaluate([mid], [p])
-            if self.loss(mid, p) > threshold:
-                bad = mid
-            else:
-                good = mid
-        return good or None
+    def fits(
+        self, policies: Sequence[str], grid: Sequence[int], threshold: float
+    ) -> dict[str, int | None]:
+        """Per policy, the most nodes on which it loses at most `threshold` (`_Search`).
+        Each round simulates every policy's next sizes in one batch over the runner's jobs:
+        its next grid sizes (as many as the jobs give it) or its bisection's midpoint."""
+        searches = {p: _Search(grid) for p in policies}
+        while True:
+            active = [p for p, s in searches.items() if not s.done]
+            if not active:
+                return {p: s.fit for p, s in searches.items()}
+            share = max(1, self.runner.jobs // len(active))
+            want: dict[int, list[str]] = {}
+            for p in active:
+                for n in searches[p].next_sizes(share):
+                    want.setdefault(n, []).append(p)
+            self.evaluate_each(want)
+            for p in active:
+                have = {n: self.loss(n, p) > threshold for n in want if p in want[n]}
+                searches[p].learn(have)
+
+    def evaluate_each(self, want: dict[int, list[str]]) -> None:
+        """Simulate each size for its policies (and unconstrained), all in one batch."""
+        tasks = []
+        for n, which in sorted(want.items()):
+            s = build_site(self.policy, nodes=n, facility_budget_w=self.feed_w)
+            if not self.keep_inner:
+                s = s.inner_at_nameplate()
+            mix = build_mix(self.scenario, s)
+            have = self.evaluated.get(n)
+            tasks += [
+                Task((n, p), self.scenario, s, mix, p)
+                for p in (STATIC, *which)
+                if have is None or (p != STATIC and p not in have.loss)
+            ]
+        results = self.runner.run(tasks)
+        for n, which in want.items():
+            self._record(n, which, results)
+
+
+@dataclass
+class _Search:
+    """One policy's search for its fit on a grid of sizes: the grid walked upwards to its
+    first failing size, then bisection between it and the grid size below it, down to one
+    node (fit None: not even the smallest size passes). A size beyond the first failing one
+    cannot change the fit, so the walk stops there: the answer is the one a walk of the whole
+    grid gives, from fewer runs."""
+
+    grid: Sequence[int]
+    i: int = 0  # the next grid index to look at while walking
+    good: int = 0
+    bad: int | None = None  # bisecting once set
+    done: bool = False
+    fit: int | None = None
+    failed: dict[int, bool] = field(default_factory=dict)  # size → lost over the threshold
+
+    def next_sizes(self, share: int) -> list[int]:
+        if self.bad is None:
+            return list(self.grid[self.i : self.i + share])
+        return [(self.good + self.bad) // 2]
+
+    def learn(self, failed: dict[int, bool]) -> None:
+        self.failed.update(failed)
+        grid = self.grid
+        if self.bad is None:
+            while self.i < len(grid) and self.failed.get(grid[self.i]) is False:
+                self.i += 1
+            if self.i == len(grid):
+                self.done, self.fit = True, grid[-1]
+                return
+            if not self.failed.get(grid[self.i]):
+                return  # not simulated yet
+            self.good, self.bad = (grid[self.i - 1] if self.i > 0 else 0), grid[self.i]
+        else:
+            mid = (self.good + self.bad) // 2
+            if mid in self.failed:
+                if self.failed[mid]:
+                    self.bad = mid
+                else:
+                    self.good = mid
+        if self.bad - self.good <= 1:
+            self.done, self.fit = True, self.good or None
 
 
 def oversubscribe(
@@ -303,7 +356,8 @@ def oversubscribe(
     draw up to its TDP: the `static` run, ignoring budgets).
 
     A grid of `points` sizes from static TDP provisioning up to where device minimums fill
-    the feed draws the curve; each policy's crossing is then bisected to one node.
+    the feed is walked upwards to each policy's first size over the threshold (no further:
+    larger sizes cannot change the fit), and the crossing is then bisected to one node.
     Rows, racks and nodes are budgeted at their nameplate, so the feed is the question;
     `keep_inner` keeps the policy's own inner budgets instead (which may bind at any size).
     """
@@ -330,9 +384,10 @@ def oversubscribe(
         return result
     grid = sorted({round(lo + (max_nodes - lo) * k / max(points - 1, 1)) for k in range(points)})
     sizes = _Sizes(scenario, site.policy, runner, feed, gpn, keep_inner=keep_inner, metric=metric)
-    sizes.evaluate(grid, steered)
-    for p in steered:
-        result.fit_nodes[p] = sizes.fit(p, grid, threshold)
+    if steered:
+        result.fit_nodes.update(sizes.fits(steered, grid, threshold))
+    else:  # static alone: its time over budget at every grid size
+        sizes.evaluate_each({n: [] for n in grid})
     result.points = [sizes.evaluated[n] for n in sorted(sizes.evaluated)]
     log.info(
         "sim_oversubscription",
