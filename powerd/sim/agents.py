@@ -64,6 +64,7 @@ class SimAgents:
         # Per node: the tick of the last command applied (None: none yet).
         self.applied: dict[str, int | None] = dict.fromkeys(names)
         self._none_for: dict[int, list[object]] = {}
+        self._positions: dict[str, tuple[list[str], IntArray]] = {}
         # Per node, its sample as columns: the identity and what never changes set here,
         # the readings replaced by `readings` (the constant columns are shared, never written).
         self._readings = [
@@ -100,6 +101,7 @@ class SimAgents:
             for name, (a, b) in zip(names, self.ranges, strict=True)
         ]
         self._none_for: dict[int, list[object]] = {}
+        self._positions: dict[str, tuple[list[str], IntArray]] = {}
 
     def telemetry(self, ts: float) -> list[NodeTelemetry]:
         """Every node's sample now, as its agent would publish it (a wire message)."""
@@ -178,10 +180,18 @@ class SimAgents:
         pos = self.position
         uuids = [list(cmd.caps_w) for cmd in commands]
         requested = [list(cmd.caps_w.values()) for cmd in commands]
-        idx = np.fromiter(
-            (pos[u] for node in uuids for u in node), dtype=np.int64, count=sum(map(len, uuids))
-        )
-        req = np.fromiter((w for node in requested for w in node), dtype=np.float64, count=len(idx))
+        # Each node's GPUs' positions, kept while a node's commands name the same GPUs.
+        where = []
+        for cmd, names in zip(commands, uuids, strict=True):
+            kept = self._positions.get(cmd.node)
+            if kept is None or kept[0] != names:
+                kept = self._positions[cmd.node] = (
+                    names,
+                    np.fromiter((pos[u] for u in names), dtype=np.int64, count=len(names)),
+                )
+            where.append(kept[1])
+        idx = np.concatenate(where)
+        req = np.fromiter(itertools.chain.from_iterable(requested), np.float64, count=len(idx))
         # The wire's bounds on a requested cap (GpuAck.requested_w): a command out of them
         # would be refused by an agent's transport.
         if not (np.isfinite(req) & (req >= 0.0) & (req <= MAX_SANE_WATTS)).all():
