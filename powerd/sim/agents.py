@@ -100,8 +100,6 @@ class SimAgents:
             )
             for name, (a, b) in zip(names, self.ranges, strict=True)
         ]
-        self._none_for: dict[int, list[object]] = {}
-        self._positions: dict[str, tuple[list[str], IntArray]] = {}
 
     def telemetry(self, ts: float) -> list[NodeTelemetry]:
         """Every node's sample now, as its agent would publish it (a wire message)."""
