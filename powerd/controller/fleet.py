@@ -11,6 +11,7 @@ thousand records. A FleetGpu reads its attributes from its slot, for the API and
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field, fields
 from typing import Any, Generic, TypeVar, overload
 
@@ -184,6 +185,13 @@ class _Columns:
 
 
 _FIELDS = tuple(f.name for f in fields(_Columns))
+# A wire GPU's values in NodeReadings' column order (uuid .. found_w).
+_MESSAGE_COLUMNS = (
+    "uuid", "index", "name", "min_cap_w", "max_cap_w", "default_cap_w", "power_w", "cap_w",
+    "energy_j", "temp_c", "util_pct", "sm_clock_mhz", "perf", "throttle", "workload", "job",
+    "error", "set_w", "restores", "found_w",
+)  # fmt: skip
+_message_row = operator.attrgetter(*_MESSAGE_COLUMNS)
 # The columns written as sent (NodeReadings has each); the others are derived.
 _SAMPLED = tuple(n for n in _FIELDS if n not in ("seen_at", "lost", "set_w"))
 # `_Columns.write_run` writes each of these by name.
@@ -232,40 +240,29 @@ class NodeReadings:
     @classmethod
     def from_message(cls, msg: NodeTelemetry) -> NodeReadings:
         gpus = msg.gpus
+        if not gpus:
+            return cls(msg.node_id, msg.ts, msg.seq, msg.tick, msg.epoch, msg.state,
+                       *([] for _ in _MESSAGE_COLUMNS), True, False)  # fmt: skip
+        # One pass over the GPUs in C (attrgetter), turned into one list per column.
+        cols = [list(c) for c in zip(*map(_message_row, gpus), strict=True)]
+        (uuid, index, name, min_cap_w, max_cap_w, default_cap_w, power_w, cap_w, energy_j,
+         temp_c, util_pct, sm_clock_mhz, perf, throttle, workload, job, error, set_w,
+         restores, found_w) = cols  # fmt: skip
         nan = math.nan
-        error = [g.error for g in gpus]
-        restores = [g.restores for g in gpus]
+        if None in perf:
+            perf = [nan if v is None else v for v in perf]
+        if None in set_w:
+            set_w = [nan if v is None else v for v in set_w]
+        if None in found_w:
+            found_w = [nan if v is None else v for v in found_w]
+        # A tuple of strings drops out of the collector's sight at its first collection.
+        throttle = [tuple(t) if t else () for t in throttle]
         return cls(
-            node_id=msg.node_id,
-            ts=msg.ts,
-            seq=msg.seq,
-            tick=msg.tick,
-            epoch=msg.epoch,
-            state=msg.state,
-            uuid=[g.uuid for g in gpus],
-            index=[g.index for g in gpus],
-            name=[g.name for g in gpus],
-            min_cap_w=[g.min_cap_w for g in gpus],
-            max_cap_w=[g.max_cap_w for g in gpus],
-            default_cap_w=[g.default_cap_w for g in gpus],
-            power_w=[g.power_w for g in gpus],
-            cap_w=[g.cap_w for g in gpus],
-            energy_j=[g.energy_j for g in gpus],
-            temp_c=[g.temp_c for g in gpus],
-            util_pct=[g.util_pct for g in gpus],
-            sm_clock_mhz=[g.sm_clock_mhz for g in gpus],
-            perf=[nan if g.perf is None else g.perf for g in gpus],
-            # A tuple of strings drops out of the collector's sight at its first collection.
-            throttle=[tuple(g.throttle) if g.throttle else () for g in gpus],
-            workload=[g.workload for g in gpus],
-            job=[g.job for g in gpus],
-            error=error,
-            set_w=[nan if g.set_w is None else g.set_w for g in gpus],
-            restores=restores,
-            found_w=[nan if g.found_w is None else g.found_w for g in gpus],
-            no_errors=not any(e is not None for e in error),
-            any_restores=any(restores),
-        )
+            msg.node_id, msg.ts, msg.seq, msg.tick, msg.epoch, msg.state, uuid, index, name,
+            min_cap_w, max_cap_w, default_cap_w, power_w, cap_w, energy_j, temp_c, util_pct,
+            sm_clock_mhz, perf, throttle, workload, job, error, set_w, restores, found_w,
+            error.count(None) == len(error), any(restores),
+        )  # fmt: skip
 
 
 class _Column(Generic[T]):
