@@ -240,11 +240,12 @@ class NodeReadings:
     @classmethod
     def from_message(cls, msg: NodeTelemetry) -> NodeReadings:
         gpus = msg.gpus
-        if not gpus:
-            return cls(msg.node_id, msg.ts, msg.seq, msg.tick, msg.epoch, msg.state,
-                       *([] for _ in _MESSAGE_COLUMNS), True, False)  # fmt: skip
         # One pass over the GPUs in C (attrgetter), turned into one list per column.
-        cols = [list(c) for c in zip(*map(_message_row, gpus), strict=True)]
+        cols: list[list[Any]] = (
+            [list(c) for c in zip(*map(_message_row, gpus), strict=True)]
+            if gpus
+            else [[] for _ in _MESSAGE_COLUMNS]
+        )
         (uuid, index, name, min_cap_w, max_cap_w, default_cap_w, power_w, cap_w, energy_j,
          temp_c, util_pct, sm_clock_mhz, perf, throttle, workload, job, error, set_w,
          restores, found_w) = cols  # fmt: skip
