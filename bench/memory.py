@@ -78,8 +78,8 @@ def main() -> None:
         for msg in agents.telemetry(t):
             engine.on_telemetry(msg, t)
         _, plan = engine.step(t, t)
-        for ack in agents.apply(plan.commands, t):
-            engine.on_ack(ack.node_id, ack)
+        for cmd, acked in agents.apply(plan.commands):
+            engine.on_acked(cmd.node, cmd.tick, 0, None, acked)
     gc.collect()
     stages[f"after {args.ticks} more ticks"] = rss_mb()
     if args.json:

@@ -92,6 +92,40 @@ class SafetyEvent:
     committed_w: float = math.nan
 
 
+@dataclass(slots=True)
+class AckedCaps:
+    """An ack's GPUs as columns, in the order acknowledged (`CapAck.gpus`): what
+    `SafetyPlanner.on_ack` folds in, from a wire message (`from_acks`) or built directly by
+    the simulator's agents (sim/agents.py) from values checked as the wire checks them."""
+
+    uuids: list[str]
+    requested_w: list[float]
+    enforced_w: list[float | None]  # None: the agent could not read the limit back
+    error: list[object]  # None, or the wire's AckError
+    obeyed: bool  # every GPU has an enforced value and no error
+
+    @classmethod
+    def from_acks(cls, gpus: Mapping[str, GpuAck]) -> AckedCaps:
+        acks = list(gpus.values())
+        enforced = [a.enforced_w for a in acks]
+        error: list[object] = [a.error for a in acks]
+        return cls(
+            uuids=list(gpus),
+            requested_w=[a.requested_w for a in acks],
+            enforced_w=enforced,
+            error=error,
+            obeyed=None not in enforced and all(e is None for e in error),
+        )
+
+    def by_uuid(self) -> dict[str, tuple[float, float | None, object]]:
+        return {
+            u: (r, e, err)
+            for u, r, e, err in zip(
+                self.uuids, self.requested_w, self.enforced_w, self.error, strict=True
+            )
+        }
+
+
 class NodeCommand(NamedTuple):
     """The caps one node gets this tick: a full map of its GPUs, which also renews its lease.
 
@@ -325,8 +359,22 @@ class SafetyPlanner:
         if k is None:
             return []
         key = NO_TICK if as_of_tick is None else int(as_of_tick)
+        uuids, gpus = self._node_uuids[k], self._node_gpu_list[k]
+        values = [caps_w.get(u) for u in uuids]
+        if None not in values and all(map(math.isfinite, values)):  # type: ignore[arg-type]
+            # Every GPU read (the common case): whole rows at once.
+            n = len(gpus)
+            self._q_gpu += gpus
+            self._q_hi += values  # type: ignore[arg-type]
+            self._q_lo += values  # type: ignore[arg-type]
+            self._q_key += [key] * n
+            self._q_tick += [-1] * n
+            self._q_guess += [False] * n
+            self._q_defiant += [-1] * n
+            self._q_src += [source] * n
+            return list(gpus)
         queued = []
-        for u, i in zip(self._node_uuids[k], self._node_gpu_list[k], strict=True):
+        for u, i in zip(uuids, gpus, strict=True):
             v = caps_w.get(u)
             if v is not None and math.isfinite(v):
                 self._q_gpu.append(i)
@@ -359,7 +407,7 @@ class SafetyPlanner:
         self._q_seen_gpu += queued
         self._q_seen_at += [received_at] * len(queued)
 
-    def on_ack(self, node: str, tick: int, gpus: Mapping[str, GpuAck]) -> None:
+    def on_ack(self, node: str, tick: int, gpus: Mapping[str, GpuAck] | AckedCaps) -> None:
         """An agent applied command `tick`: it resolves every command to the node up to `tick`.
 
         Agents apply only ticks newer than the last applied one, so no command at or below
@@ -370,17 +418,36 @@ class SafetyPlanner:
         k = self._node_index.get(node)
         if k is None or tick <= self._last_ack.get(node, -1):
             return  # unknown node, or an ack older than what we know
+        acked = gpus if isinstance(gpus, AckedCaps) else AckedCaps.from_acks(gpus)
         self._last_ack[node] = tick
-        for u, i in zip(self._node_uuids[k], self._node_gpu_list[k], strict=True):
-            ack = gpus.get(u)
+        uuids, idx = self._node_uuids[k], self._node_gpu_list[k]
+        if acked.obeyed and acked.uuids == uuids:
+            # Every GPU of the node obeyed, acknowledged in the planner's order (the common
+            # case): whole rows at once.
+            n = len(idx)
+            obeyed = acked.enforced_w
+            self._q_gpu += idx
+            self._q_hi += obeyed  # type: ignore[arg-type]
+            self._q_lo += obeyed  # type: ignore[arg-type]
+            self._q_key += [tick] * n
+            self._q_tick += [tick] * n
+            self._q_guess += [False] * n
+            self._q_defiant += [0] * n
+            self._q_src += [_ACK] * n
+            return
+        by_uuid = acked.by_uuid()
+        for u, i in zip(uuids, idx, strict=True):
+            ack = by_uuid.get(u)
             defiant = 0
-            if ack is not None and ack.error is None and ack.enforced_w is not None:
-                hi = lo = ack.enforced_w
+            hi: float
+            lo: float
+            if ack is not None and ack[2] is None and ack[1] is not None:
+                hi = lo = ack[1]
                 guess = False
             else:
                 # Bounds to widen with the earlier ones and the resolved commands in `_absorb`.
-                requested = math.nan if ack is None else ack.requested_w
-                enforced = math.nan if ack is None or ack.enforced_w is None else ack.enforced_w
+                requested: float = math.nan if ack is None else ack[0]
+                enforced: float = math.nan if ack is None or ack[1] is None else ack[1]
                 hi = max(requested, enforced) if ack is not None else 0.0
                 lo = min(requested, enforced) if ack is not None else math.inf
                 hi, lo = (0.0 if math.isnan(hi) else hi), (math.inf if math.isnan(lo) else lo)
@@ -388,7 +455,7 @@ class SafetyPlanner:
                 # A GPU that may sit above what we asked refuses our cap: the plan counts it at
                 # what it reports and cuts others. One held lower than asked does no harm.
                 defiant = int(not enforced <= requested + ALARM_TOL_W)
-                error = "missing" if ack is None else str(ack.error or "no_enforced_value")
+                error = "missing" if ack is None else str(ack[2] or "no_enforced_value")
                 self._events.append(
                     SafetyEvent("ack_error", node=node, uuid=u, group=error, value_w=requested)
                 )
@@ -493,7 +560,7 @@ class SafetyPlanner:
         src = np.array(self._q_src, dtype=np.int64)
         self._clear_queue()
         pos = np.arange(len(gpu))
-        touched, local = np.unique(gpu, return_inverse=True)
+        touched, local = _unique(gpu, pos, layout.n_gpus)
         known = ~np.isnan(self._hi[touched])
 
         # The bound before these messages, including the commands they acknowledge.
@@ -845,6 +912,15 @@ class SafetyPlanner:
             )
             for k in np.flatnonzero(node_send).tolist()
         ]
+
+
+def _unique(gpu: IntArray, pos: IntArray, n: int) -> tuple[IntArray, IntArray]:
+    """`np.unique(gpu, return_inverse=True)`; without its sort where the rows are one per GPU
+    in layout order (a whole fleet's sample, or its acks)."""
+    if len(gpu) == n and gpu[0] == 0 and gpu[-1] == n - 1 and (np.diff(gpu) == 1).all():
+        return gpu, pos
+    touched, local = np.unique(gpu, return_inverse=True)
+    return touched, local
 
 
 def _take_whole(groups: IntArray, delta: FloatArray, slack: list[float]) -> bool:

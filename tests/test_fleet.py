@@ -138,3 +138,32 @@ def test_gpus_and_disputes_unseen_for_forget_after_are_forgotten() -> None:
     assert fleet.disputes == {}
     fleet.ingest_telemetry(telemetry(n1, ["a", "c"]), now=71.0)
     assert fleet.gpus["a"].node == n1
+
+
+def test_a_nodes_repeated_sample_is_written_whole_and_a_dispute_still_stops_it() -> None:
+    """The second sample of a node naming the same GPUs goes in one slice per column; a
+    uuid another node claims in between is no longer written (nor steered) for either."""
+    fleet = FleetState(load_policy(EXAMPLE))
+    n1, n2 = "row-1-rack-1-node-01", "row-1-rack-1-node-02"
+    fleet.ingest_telemetry(telemetry(n1, ["a", "b"], power=300), now=1.0)
+    fleet.ingest_telemetry(telemetry(n1, ["a", "b"], power=350, seq=1), now=2.0)
+    arrays = fleet.arrays(now=2.0, stale_after_s=5.0)
+    assert list(arrays.power_w) == [350, 350]
+    assert list(arrays.age_s) == [0.0, 0.0]
+    fleet.ingest_telemetry(telemetry(n2, ["b"]), now=3.0)  # claims n1's "b"
+    fleet.ingest_telemetry(telemetry(n1, ["a", "b"], power=250, seq=2), now=4.0)
+    arrays = fleet.arrays(now=4.0, stale_after_s=5.0)
+    assert arrays.uuids == ["a"]
+    assert list(arrays.power_w) == [250]
+    assert set(fleet.disputes["b"].seen) == {n1, n2}
+    # The same GPUs named in another order: each GPU's own values, not the slots'.
+    fleet.ingest_telemetry(telemetry(n2, ["d", "c"], power=200), now=5.0)
+    fleet.ingest_telemetry(telemetry(n2, ["c", "d"], power=210, seq=1), now=6.0)
+    by_uuid = dict(
+        zip(
+            fleet.arrays(now=6.0, stale_after_s=5.0).uuids,
+            fleet.arrays(now=6.0, stale_after_s=5.0).power_w.tolist(),
+            strict=True,
+        )
+    )
+    assert by_uuid == {"a": 250, "c": 210, "d": 210}

@@ -11,6 +11,7 @@ thousand records. A FleetGpu reads its attributes from its slot, for the API and
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field, fields
 from typing import Any, Generic, TypeVar, overload
 
@@ -19,7 +20,7 @@ import structlog
 from numpy.typing import NDArray
 
 from powerd.policy import Policy
-from powerd.wire import GpuTelemetry, NodeState, NodeStatus, NodeTelemetry
+from powerd.wire import NodeState, NodeStatus, NodeTelemetry
 
 log = structlog.get_logger(__name__)
 
@@ -126,42 +127,53 @@ class _Columns:
     restores: list[int] = field(default_factory=list)
     found_w: list[float] = field(default_factory=list)  # NaN: none
 
-    def append(self, g: GpuTelemetry, now: float) -> int:
+    def append(self, r: NodeReadings, k: int, now: float) -> int:
         for name in _FIELDS:
             getattr(self, name).append(None)
         slot = len(self.seen_at) - 1
-        self.write(slot, g, now)
+        self.write(slot, r, k, now)
         return slot
 
-    def write(self, slot: int, g: GpuTelemetry, now: float) -> None:
-        self.min_cap_w[slot] = g.min_cap_w
-        self.max_cap_w[slot] = g.max_cap_w
-        self.default_cap_w[slot] = g.default_cap_w
-        self.power_w[slot] = g.power_w
-        self.cap_w[slot] = g.cap_w
-        self.energy_j[slot] = g.energy_j
-        self.temp_c[slot] = g.temp_c
-        self.util_pct[slot] = g.util_pct
-        self.sm_clock_mhz[slot] = g.sm_clock_mhz
+    def write(self, slot: int, r: NodeReadings, k: int, now: float) -> None:
+        """The `k`th GPU of a node's sample into `slot`."""
+        for name in _SAMPLED:
+            getattr(self, name)[slot] = getattr(r, name)[k]
         self.seen_at[slot] = now
-        perf = g.perf
-        self.perf[slot] = math.nan if perf is None else perf
-        error = g.error
+        error = r.error[k]
         self.lost[slot] = error is not None
-        self.error[slot] = error
-        self.name[slot] = g.name
-        self.index[slot] = g.index
-        throttle = g.throttle
-        # A tuple of strings drops out of the collector's sight at its first collection.
-        self.throttle[slot] = tuple(throttle) if throttle else ()
-        self.workload[slot] = g.workload
-        self.job[slot] = g.job
-        set_w = g.set_w
         # A GPU that could not be read carries its last known cap, not a reading.
-        self.set_w[slot] = math.nan if set_w is None or error is not None else set_w
-        self.restores[slot] = g.restores
-        found = g.found_w
-        self.found_w[slot] = math.nan if found is None else found
+        self.set_w[slot] = math.nan if error is not None else r.set_w[k]
+
+    def write_run(self, a: int, b: int, r: NodeReadings, now: float) -> None:
+        """A node's whole sample into slots a..b-1 (its GPUs, in the order sent)."""
+        # One statement per column (`_SAMPLED`, then the derived ones): no getattr per name.
+        self.min_cap_w[a:b] = r.min_cap_w
+        self.max_cap_w[a:b] = r.max_cap_w
+        self.default_cap_w[a:b] = r.default_cap_w
+        self.power_w[a:b] = r.power_w
+        self.cap_w[a:b] = r.cap_w
+        self.energy_j[a:b] = r.energy_j
+        self.temp_c[a:b] = r.temp_c
+        self.util_pct[a:b] = r.util_pct
+        self.sm_clock_mhz[a:b] = r.sm_clock_mhz
+        self.perf[a:b] = r.perf
+        self.name[a:b] = r.name
+        self.index[a:b] = r.index
+        self.throttle[a:b] = r.throttle
+        self.workload[a:b] = r.workload
+        self.job[a:b] = r.job
+        self.error[a:b] = r.error
+        self.restores[a:b] = r.restores
+        self.found_w[a:b] = r.found_w
+        self.seen_at[a:b] = [now] * (b - a)
+        if r.no_errors:
+            self.lost[a:b] = [False] * (b - a)
+            self.set_w[a:b] = r.set_w
+        else:
+            self.lost[a:b] = [e is not None for e in r.error]
+            self.set_w[a:b] = [
+                math.nan if e is not None else v for e, v in zip(r.error, r.set_w, strict=True)
+            ]
 
     def take(self, slots: list[int]) -> _Columns:
         """A copy holding only these slots, renumbered 0, 1, ..."""
@@ -173,6 +185,85 @@ class _Columns:
 
 
 _FIELDS = tuple(f.name for f in fields(_Columns))
+# A wire GPU's values in NodeReadings' column order (uuid .. found_w).
+_MESSAGE_COLUMNS = (
+    "uuid", "index", "name", "min_cap_w", "max_cap_w", "default_cap_w", "power_w", "cap_w",
+    "energy_j", "temp_c", "util_pct", "sm_clock_mhz", "perf", "throttle", "workload", "job",
+    "error", "set_w", "restores", "found_w",
+)  # fmt: skip
+_message_row = operator.attrgetter(*_MESSAGE_COLUMNS)
+# The columns written as sent (NodeReadings has each); the others are derived.
+_SAMPLED = tuple(n for n in _FIELDS if n not in ("seen_at", "lost", "set_w"))
+# `_Columns.write_run` writes each of these by name.
+assert _SAMPLED == (
+    "min_cap_w", "max_cap_w", "default_cap_w", "power_w", "cap_w", "energy_j", "temp_c",
+    "util_pct", "sm_clock_mhz", "perf", "name", "index", "throttle", "workload", "job",
+    "error", "restores", "found_w",
+)  # fmt: skip
+
+
+@dataclass(slots=True)
+class NodeReadings:
+    """One node's telemetry sample as columns, one entry per GPU in the order sent: what
+    `FleetState.ingest` records. Built from a wire message (`from_message`), or directly by
+    the simulator's agents (sim/agents.py) from values checked as the wire checks them."""
+
+    node_id: str
+    ts: float
+    seq: int
+    tick: int | None
+    epoch: int | None
+    state: str
+    uuid: list[str]
+    index: list[int]
+    name: list[str]
+    min_cap_w: list[float]
+    max_cap_w: list[float]
+    default_cap_w: list[float]
+    power_w: list[float]
+    cap_w: list[float]
+    energy_j: list[float]
+    temp_c: list[float]
+    util_pct: list[float]
+    sm_clock_mhz: list[float]
+    perf: list[float]  # NaN: none reported
+    throttle: list[tuple[str, ...]]
+    workload: list[str | None]
+    job: list[str | None]
+    error: list[str | None]
+    set_w: list[float]  # NaN: none
+    restores: list[int]
+    found_w: list[float]  # NaN: none
+    no_errors: bool  # no GPU reported an error
+    any_restores: bool  # some GPU reports restores
+
+    @classmethod
+    def from_message(cls, msg: NodeTelemetry) -> NodeReadings:
+        gpus = msg.gpus
+        # One pass over the GPUs in C (attrgetter), turned into one list per column.
+        cols: list[list[Any]] = (
+            [list(c) for c in zip(*map(_message_row, gpus), strict=True)]
+            if gpus
+            else [[] for _ in _MESSAGE_COLUMNS]
+        )
+        (uuid, index, name, min_cap_w, max_cap_w, default_cap_w, power_w, cap_w, energy_j,
+         temp_c, util_pct, sm_clock_mhz, perf, throttle, workload, job, error, set_w,
+         restores, found_w) = cols  # fmt: skip
+        nan = math.nan
+        if None in perf:
+            perf = [nan if v is None else v for v in perf]
+        if None in set_w:
+            set_w = [nan if v is None else v for v in set_w]
+        if None in found_w:
+            found_w = [nan if v is None else v for v in found_w]
+        # A tuple of strings drops out of the collector's sight at its first collection.
+        throttle = [tuple(t) if t else () for t in throttle]
+        return cls(
+            msg.node_id, msg.ts, msg.seq, msg.tick, msg.epoch, msg.state, uuid, index, name,
+            min_cap_w, max_cap_w, default_cap_w, power_w, cap_w, energy_j, temp_c, util_pct,
+            sm_clock_mhz, perf, throttle, workload, job, error, set_w, restores, found_w,
+            error.count(None) == len(error), any(restores),
+        )  # fmt: skip
 
 
 class _Column(Generic[T]):
@@ -251,6 +342,12 @@ class FleetState:
         self._perm: IntArray = np.zeros(0, dtype=np.int64)  # ordered position → slot
         self._order_version = -1
         self._node_gpus: dict[str, set[str]] = {}
+        # Per node: the uuids it named last, the slots a..b they sit in, and the layout
+        # key then (slots move only when `_compact` renumbers them).
+        self._runs: dict[str, tuple[list[str], int, int, int]] = {}
+        # The fleet version, the workload column and the workloads in fleet order then.
+        self._workloads: tuple[int, list[str | None], list[str | None]] = (-1, [], [])
+        self._layout_key = 0
         self.set_policy(policy)
 
     def set_policy(self, policy: Policy) -> None:
@@ -277,7 +374,13 @@ class FleetState:
         forgotten. Their node's missing GPUs are reserved at the maximum again."""
         dispute_s = after_s if dispute_s is None else dispute_s
         cols = self._cols
-        gone = [u for u, g in self.gpus.items() if now - cols.seen_at[g.slot] > after_s]
+        # Every GPU named within after_s (the common case) needs no look at each.
+        recent = not cols.seen_at or now - min(cols.seen_at) <= after_s
+        gone = (
+            []
+            if recent
+            else [u for u, g in self.gpus.items() if now - cols.seen_at[g.slot] > after_s]
+        )
         for uuid in gone:
             node = self._unlink(uuid)
             log.warning("gpu_forgotten", node=node, uuid=uuid, after_s=after_s)
@@ -303,6 +406,7 @@ class FleetState:
     def _compact(self) -> None:
         """New slots for the GPUs that remain, after some were forgotten."""
         recs = list(self.gpus.values())
+        self._layout_key += 1
         self._cols = self._cols.take([rec.slot for rec in recs])
         for slot, rec in enumerate(recs):
             rec.slot, rec.columns = slot, self._cols
@@ -333,62 +437,96 @@ class FleetState:
 
     def ingest_telemetry(self, msg: NodeTelemetry, now: float) -> bool:
         """Record one node's sample. False (and nothing recorded) for nodes not in the policy."""
-        node_id = msg.node_id
+        return self.ingest(NodeReadings.from_message(msg), now)
+
+    def ingest(self, r: NodeReadings, now: float) -> bool:
+        """Record one node's sample as columns (a wire message's, or the simulator's
+        agents'). False (and nothing recorded) for nodes not in the policy."""
+        node_id = r.node_id
         if node_id not in self.node_order:
             if node_id not in self.unknown_nodes:
-                log.warning("telemetry_unknown_node", node=node_id, gpus=len(msg.gpus))
+                log.warning("telemetry_unknown_node", node=node_id, gpus=len(r.uuid))
             self.unknown_nodes[node_id] = now
             return False
         node = self.node(node_id)
         if node.stopped:
             self.stops += 1
         node.seen_at = now
-        node.seq = msg.seq
-        node.agent_ts = msg.ts
-        node.tick = msg.tick
+        node.seq = r.seq
+        node.agent_ts = r.ts
+        node.tick = r.tick
         node.status_newer = False
-        node.state = NodeState(msg.state)
+        node.state = NodeState(r.state)
+        # The common case: the node names the GPUs it named last time, none disputed, in
+        # slots next to each other: every column is written with one slice assignment.
+        run = self._runs.get(node_id)
+        if (
+            run is not None
+            and run[0] == r.uuid
+            and run[3] == self._layout_key
+            and (not self.disputes or self.disputes.keys().isdisjoint(r.uuid))
+        ):
+            a, b = run[1], run[2]
+            cols = self._cols
+            if cols.index[a:b] != r.index:
+                self.version += 1  # the fleet's order follows GPU indices
+            if cols.job[a:b] != r.job:
+                self.jobs_version += 1
+            cols.write_run(a, b, r, now)
+            node.refused = 0
+            return True
+        self._ingest_each(node, r, now)
+        return True
+
+    def _ingest_each(self, node: FleetNode, r: NodeReadings, now: float) -> None:
+        """`ingest`, GPU by GPU: discoveries, disputes, GPUs beyond the inventory."""
+        node_id = node.name
         gpus, cols = self.gpus, self._cols
         mine = self._node_gpus.setdefault(node_id, set())
         room = self.inventory.get(node_id, 0) - len(mine)
         refused = 0
-        for g in msg.gpus:
-            dispute = self.disputes.get(g.uuid)
+        slots: list[int] = []
+        for k, uuid in enumerate(r.uuid):
+            dispute = self.disputes.get(uuid)
             if dispute is not None:
                 dispute.seen[node_id] = now
+                slots.append(-1)
                 continue
-            rec = gpus.get(g.uuid)
+            rec = gpus.get(uuid)
             if rec is None:
                 if room <= 0:
                     refused += 1  # beyond the node's inventory: a phantom, or a wrong policy
+                    slots.append(-1)
                     continue
                 room -= 1
-                slot = cols.append(g, now)
-                gpus[g.uuid] = FleetGpu(g.uuid, node_id, slot, cols)
-                mine.add(g.uuid)
+                slot = cols.append(r, k, now)
+                gpus[uuid] = FleetGpu(uuid, node_id, slot, cols)
+                mine.add(uuid)
                 self.version += 1
-                log.info("gpu_discovered", node=node_id, uuid=g.uuid, index=g.index)
+                log.info("gpu_discovered", node=node_id, uuid=uuid, index=r.index[k])
             elif rec.node != node_id:
                 # Named by a second node: which one has it cannot be told from what they
                 # send (whoever spoke first after a start would win), so neither does. It
                 # leaves the fleet: its node's missing GPUs are reserved at their maximum,
                 # and no node gets commands for it until one node alone has named it for
                 # stale_after_s (the claim stopped, or a real move).
-                log.warning("gpu_claimed_twice", uuid=g.uuid, holder=rec.node, claimant=node_id)
-                self.disputes[g.uuid] = Dispute(
-                    g.uuid, {rec.node: self._cols.seen_at[rec.slot], node_id: now}
+                log.warning("gpu_claimed_twice", uuid=uuid, holder=rec.node, claimant=node_id)
+                self.disputes[uuid] = Dispute(
+                    uuid, {rec.node: self._cols.seen_at[rec.slot], node_id: now}
                 )
-                self._unlink(g.uuid)
+                self._unlink(uuid)
                 self._compact()
                 self.version += 1
+                slots.append(-1)
                 continue
             else:
                 slot = rec.slot
-                if cols.index[slot] != g.index:
+                if cols.index[slot] != r.index[k]:
                     self.version += 1  # the fleet's order follows GPU indices
-                if cols.job[slot] != g.job:
+                if cols.job[slot] != r.job[k]:
                     self.jobs_version += 1
-            cols.write(slot, g, now)
+                cols.write(slot, r, k, now)
+            slots.append(slot)
         if refused and not node.refused:
             log.warning(
                 "gpus_beyond_inventory",
@@ -397,7 +535,12 @@ class FleetState:
                 inventory=self.inventory.get(node_id, 0),
             )
         node.refused = refused
-        return True
+        # Where the node's GPUs sit, for the next sample's slice assignments.
+        a = slots[0] if slots else -1
+        if a >= 0 and slots == list(range(a, a + len(slots))):
+            self._runs[node_id] = (list(r.uuid), a, a + len(slots), self._layout_key)
+        else:
+            self._runs.pop(node_id, None)
 
     def offline_nodes(self) -> list[str]:
         """Nodes whose last status is `offline` (their last will, or a clean stop)."""
@@ -456,6 +599,14 @@ class FleetState:
         age = now - col(cols.seen_at)
         lost = np.array(cols.lost, dtype=np.bool_)[perm]
         workload = cols.workload
+        # The same list while no GPU's reported workload changes (TargetStage keys on it).
+        kept = self._workloads
+        if kept[0] != self.version or kept[1] != workload:
+            kept = self._workloads = (
+                self.version,
+                list(workload),
+                [workload[i] for i in perm.tolist()],
+            )
         if self._jobs[:2] != (self.version, self.jobs_version):
             job = cols.job
             jobs = [job[i] for i in perm.tolist()] if any(j is not None for j in job) else None
@@ -471,7 +622,7 @@ class FleetState:
             temp_c=col(cols.temp_c),
             age_s=age,
             stale=is_stale(age, lost, stale_after_s),
-            workloads=[workload[i] for i in perm.tolist()],
+            workloads=kept[2],
             perf=col(cols.perf),
             jobs=self._jobs[2],
             set_w=col(cols.set_w),

@@ -9,8 +9,8 @@ import math
 import numpy as np
 
 from powerd.alarms import Alarms, Severity
-from powerd.controller.fleet import FleetArrays, FleetState
-from powerd.wire import CAP_TOLERANCE_W, NodeTelemetry
+from powerd.controller.fleet import FleetArrays, FleetState, NodeReadings
+from powerd.wire import CAP_TOLERANCE_W
 
 # GPUs an alarm's message names (the rest are counted), and its stored data lists.
 ALARM_NAMES = 5
@@ -45,24 +45,26 @@ class InputAlarms:
         self.alarms.set(kind, message, self.wall)
 
     def note_restores(
-        self, msg: NodeTelemetry, before: dict[str, int | None], fleet: FleetState
+        self, r: NodeReadings, before: dict[str, int | None], fleet: FleetState
     ) -> None:
         """GPUs whose agent set a limit found above its own back (its count grew, or began
         again after an agent restart): for this tick's `cap_restored` event. A GPU the
         controller had not heard of yet only sets the count it starts from."""
-        node = msg.node_id
-        for g in msg.gpus:
-            old = before.get(g.uuid)
-            rec = fleet.gpus.get(g.uuid)
-            if old is None or rec is None or rec.node != node or g.restores == old:
+        node = r.node_id
+        for k, uuid in enumerate(r.uuid):
+            old = before.get(uuid)
+            rec = fleet.gpus.get(uuid)
+            restores = r.restores[k]
+            if old is None or rec is None or rec.node != node or restores == old:
                 continue
-            times = g.restores - old if g.restores > old else g.restores
-            prev = self._restored.get(g.uuid)
+            times = restores - old if restores > old else restores
+            prev = self._restored.get(uuid)
             total = times + (prev[4] if prev is not None else 0)
-            found = g.found_w if g.found_w is not None else g.cap_w
-            set_w = g.set_w if g.set_w is not None else g.cap_w
-            default = abs(found - g.default_cap_w) <= CAP_TOLERANCE_W
-            self._restored[g.uuid] = (node, g.index, found, set_w, total, default)
+            cap_w = r.cap_w[k]
+            found = r.found_w[k] if not math.isnan(r.found_w[k]) else cap_w
+            set_w = r.set_w[k] if not math.isnan(r.set_w[k]) else cap_w
+            default = abs(found - r.default_cap_w[k]) <= CAP_TOLERANCE_W
+            self._restored[uuid] = (node, r.index[k], found, set_w, total, default)
 
     def raise_inputs(self, fleet: FleetState, outliers: tuple[str, ...]) -> None:
         """Alarms about what nodes sent: faults of a node, not of a tick."""

@@ -81,6 +81,8 @@ class TargetStage:
         self._places: tuple[Shape, GpuPlaces] | None = None
         # Jobs the nodes report, coupled (ReportedJobs) from the inputs kept beside them.
         self._reported: tuple[tuple[object, ...], IntArray, ReportedJobs] | None = None
+        # The fleet's workloads list (kept while none changes) and the classes they give.
+        self._classes_of: tuple[list[str | None], IntArray] | None = None
         self.warm = None
 
     def decide(
@@ -218,6 +220,18 @@ class TargetStage:
         (a workload naming a class the policy lacks also gets the default)."""
         index = self._class_index
         default = index[self.policy.defaults.class_]
+        if not (overrides.gpu_classes or overrides.node_classes):
+            # Each GPU's reported workload decides: the same while the fleet's list is (it
+            # is kept while no GPU's workload changes, controller/fleet.py).
+            kept = self._classes_of
+            if kept is None or kept[0] is not arrays.workloads:
+                by_workload = np.fromiter(
+                    (default if w is None else index.get(w, default) for w in arrays.workloads),
+                    dtype=np.int64,
+                    count=len(arrays.uuids),
+                )
+                kept = self._classes_of = (arrays.workloads, by_workload)
+            return kept[1].copy()
         classes = (
             overrides.class_of(u, node, w)
             for u, node, w in zip(arrays.uuids, arrays.nodes, arrays.workloads, strict=True)

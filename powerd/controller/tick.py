@@ -34,7 +34,7 @@ from numpy.typing import NDArray
 from powerd.alarms import Alarms
 from powerd.allocator.scopes import DemandCurve
 from powerd.controller.budgets import Budgets, BudgetsInForce, ScopeRoot
-from powerd.controller.fleet import FleetArrays, FleetGpu, FleetState
+from powerd.controller.fleet import FleetArrays, FleetGpu, FleetState, NodeReadings
 from powerd.controller.input_alarms import InputAlarms
 from powerd.controller.obedience import Obedience
 from powerd.controller.overrides import Overrides
@@ -43,7 +43,7 @@ from powerd.controller.shape import Shape, build_shape
 from powerd.controller.targets import Targets, TargetStage
 from powerd.controller.why import Decided, WhyFrame, why_frame
 from powerd.policy import Policy, scoped
-from powerd.safety import OverloadRule, SafePlan, SafetyPlanner
+from powerd.safety import AckedCaps, OverloadRule, SafePlan, SafetyPlanner
 from powerd.wire import (
     Authority,
     CapAck,
@@ -137,37 +137,60 @@ class TickEngine:
     # -- messages (decoded; each returns False for a node the policy does not have) -----
 
     def on_telemetry(self, msg: NodeTelemetry, now: float) -> bool:
+        return self.on_readings(NodeReadings.from_message(msg), now)
+
+    def on_readings(self, r: NodeReadings, now: float) -> bool:
+        """One node's telemetry as columns (a message's, or the simulator's agents')."""
         gpus = self.fleet.gpus
         # Restore counts before this message (a GPU with none reported needs no look-up).
-        before = {g.uuid: _restores(gpus.get(g.uuid), msg.node_id) for g in msg.gpus if g.restores}
-        if not self.fleet.ingest_telemetry(msg, now):
+        before = (
+            {
+                u: _restores(gpus.get(u), r.node_id)
+                for u, n in zip(r.uuid, r.restores, strict=True)
+                if n
+            }
+            if r.any_restores
+            else None
+        )
+        if not self.fleet.ingest(r, now):
             return False
         if before:
-            self.inputs.note_restores(msg, before, self.fleet)
-        if msg.node_id in self.obedience.foreign:
+            self.inputs.note_restores(r, before, self.fleet)
+        if r.node_id in self.obedience.foreign:
             return True  # its caps are another authority's: counted at their maximum
-        if not self.obedience.telemetry_epoch(msg.node_id, msg.epoch):
+        if not self.obedience.telemetry_epoch(r.node_id, r.epoch):
             return True
         self._heard += 1
         # A GPU reported with an error carries its last known cap, not a reading.
-        caps = {g.uuid: g.cap_w for g in msg.gpus if g.error is None}
+        if r.no_errors:
+            caps = dict(zip(r.uuid, r.cap_w, strict=True))
+        else:
+            caps = {u: w for u, w, e in zip(r.uuid, r.cap_w, r.error, strict=True) if e is None}
         # A tick of an older leader's orders nothing of ours: the reading only widens.
-        older = msg.epoch is not None and msg.epoch < self.obedience.epoch
-        tick = None if older else msg.tick
-        self.planner.on_telemetry(msg.node_id, caps, received_at=now, as_of_tick=tick)
+        older = r.epoch is not None and r.epoch < self.obedience.epoch
+        tick = None if older else r.tick
+        self.planner.on_telemetry(r.node_id, caps, received_at=now, as_of_tick=tick)
         return True
 
     def on_ack(self, node: str, ack: CapAck) -> bool:
+        return self.on_acked(
+            node, ack.tick, ack.epoch, ack.authority, AckedCaps.from_acks(ack.gpus)
+        )
+
+    def on_acked(
+        self, node: str, tick: int, epoch: int, authority: Authority | None, gpus: AckedCaps
+    ) -> bool:
+        """One ack as columns (a wire message's, or the simulator's agents')."""
         if node not in self.fleet.node_order:
             return False
         ob = self.obedience
-        if not ob.obeys_us(node, ack.authority) or not ob.our_epoch(node, ack.epoch):
+        if not ob.obeys_us(node, authority) or not ob.our_epoch(node, epoch):
             return True
         # Even an ack of a tick we did not send resolves our commands up to it: the agent
         # applies only newer ticks, so none of them can still land.
-        ob.seen(node, ack.tick, ack.epoch)
+        ob.seen(node, tick, epoch)
         self.fleet.ack_heard(node)
-        self.planner.on_ack(node, ack.tick, ack.gpus)
+        self.planner.on_ack(node, tick, gpus)
         return True
 
     def on_status(self, node: str, status: NodeStatus) -> bool:

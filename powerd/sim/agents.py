@@ -1,24 +1,31 @@
 """The agents' part in a simulated run: what node agents send the controller and do with
 its commands, played over the GPU model in virtual time (no broker, no processes).
 
-Each steer the controller hears one telemetry message per node (the model's draws, caps,
+Each steer the controller hears one telemetry sample per node (the model's draws, caps,
 limits and perf, as an agent reads them through NVML), and every command it sends is
 applied at once: caps clamped to the device's limits, then acknowledged with the limit the
-device enforces. The messages are the wire's own types, validated as they are built
-(pydantic builds a validated model faster than an unvalidated one).
+device enforces. The first sample of a run goes as wire messages (`telemetry`, validated
+as the controller's transport validates them); later ones go as the same values in columns
+(`readings`, checked against the wire's bounds for the whole fleet at once) into
+`TickEngine.on_readings`, where a wire message's handler ends up too: the engine records and
+decides from them exactly as from the messages, at a fraction of the cost. Acks likewise:
+what each `CapAck` would say, as columns (`AckedCaps`) into `TickEngine.on_acked`, where
+`on_ack` ends up too.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 
 import numpy as np
 from numpy.typing import NDArray
 
 from powerd.backends.mock import SimulatedGpus
-from powerd.safety import NodeCommand
-from powerd.wire import CapAck, GpuAck, NodeTelemetry
+from powerd.controller.fleet import NodeReadings
+from powerd.safety import AckedCaps, NodeCommand
+from powerd.wire import MAX_SANE_WATTS, NodeTelemetry
 
 FloatArray = NDArray[np.float64]
 IntArray = NDArray[np.int64]
@@ -50,61 +57,117 @@ class SimAgents:
         self.uuids = list(model.uuids)
         self.gpu_index = [i - a for a, b in self.ranges for i in range(a, b)]
         self.position = {u: i for i, u in enumerate(self.uuids)}
-        self.workloads = list(workloads)  # per GPU: what it reports it runs (its class)
+        # Per GPU: what it reports it runs (its class).
+        self.workloads: list[str | None] = list(workloads)
         self.period_s = period_s
         self.seq = 0
         # Per node: the tick of the last command applied (None: none yet).
         self.applied: dict[str, int | None] = dict.fromkeys(names)
-        # Per GPU: the last ack and what it said; most GPUs get the same cap again, and
-        # their ack is then the same object (NaN: none yet, so a GPU's first is made).
-        n = len(self.uuids)
-        none_yet = GpuAck.model_construct(requested_w=0.0, enforced_w=None, error=None)
-        self._acks: list[GpuAck] = [none_yet] * n
-        self._ack_req = np.full(n, np.nan)
-        self._ack_enf = np.full(n, np.nan)
+        self._none_for: dict[int, list[object]] = {}
+        self._positions: dict[str, tuple[list[str], IntArray]] = {}
+        # Per node, its sample as columns: the identity and what never changes set here,
+        # the readings replaced by `readings` (the constant columns are shared, never written).
+        self._readings = [
+            NodeReadings(
+                node_id=name,
+                ts=0.0,
+                seq=0,
+                tick=None,
+                epoch=None,
+                state="steered",
+                uuid=self.uuids[a:b],
+                index=self.gpu_index[a:b],
+                name=[""] * (b - a),
+                min_cap_w=[],
+                max_cap_w=[],
+                default_cap_w=[],
+                power_w=[],
+                cap_w=[],
+                energy_j=[],
+                temp_c=[],
+                util_pct=[],
+                sm_clock_mhz=[],
+                perf=[],
+                throttle=[()] * (b - a),
+                workload=self.workloads[a:b],
+                job=[None] * (b - a),
+                error=[None] * (b - a),
+                set_w=[math.nan] * (b - a),
+                restores=[0] * (b - a),
+                found_w=[math.nan] * (b - a),
+                no_errors=True,
+                any_restores=False,
+            )
+            for name, (a, b) in zip(names, self.ranges, strict=True)
+        ]
 
     def telemetry(self, ts: float) -> list[NodeTelemetry]:
-        """Every node's sample now, as its agent would publish it."""
-        m = self.model
-        self.seq += 1
-        columns = zip(
-            self.uuids,
-            self.gpu_index,
-            m.power_w.tolist(),
-            m.energy_j.tolist(),
-            m.cap_w.tolist(),
-            m.min_cap_w.tolist(),
-            m.max_cap_w.tolist(),
-            m.default_cap_w.tolist(),
-            np.clip(m.temp_c, -50.0, 200.0).tolist(),
-            m.util_pct().tolist(),
-            m.sm_clock_mhz().tolist(),
-            m.throughput().tolist(),
-            self.workloads,
-            strict=True,
-        )
-        keys = (
-            "uuid", "index", "power_w", "energy_j", "cap_w", "min_cap_w", "max_cap_w",
-            "default_cap_w", "temp_c", "util_pct", "sm_clock_mhz", "perf", "workload",
-        )  # fmt: skip
-        gpus = [dict(zip(keys, row, strict=True)) for row in columns]
-        # One validation per node, of plain values (cheaper than a model per GPU).
+        """Every node's sample now, as its agent would publish it (a wire message)."""
         return [
             NodeTelemetry.model_validate(
                 {
-                    "node_id": name,
-                    "ts": ts,
-                    "seq": self.seq,
+                    "node_id": r.node_id,
+                    "ts": r.ts,
+                    "seq": r.seq,
                     "period_s": self.period_s,
-                    "gpus": gpus[a:b],
-                    "tick": self.applied[name],
+                    "gpus": [
+                        {
+                            "uuid": r.uuid[k],
+                            "index": r.index[k],
+                            "power_w": r.power_w[k],
+                            "energy_j": r.energy_j[k],
+                            "cap_w": r.cap_w[k],
+                            "min_cap_w": r.min_cap_w[k],
+                            "max_cap_w": r.max_cap_w[k],
+                            "default_cap_w": r.default_cap_w[k],
+                            "temp_c": r.temp_c[k],
+                            "util_pct": r.util_pct[k],
+                            "sm_clock_mhz": r.sm_clock_mhz[k],
+                            "perf": r.perf[k],
+                            "workload": r.workload[k],
+                        }
+                        for k in range(len(r.uuid))
+                    ],
+                    "tick": r.tick,
                 }
             )
-            for name, (a, b) in zip(self.names, self.ranges, strict=True)
+            for r in self.readings(ts)
         ]
 
-    def apply(self, commands: Sequence[NodeCommand], ts: float) -> list[CapAck]:
-        """Apply each command's caps (clamped to the device) and acknowledge them.
+    def readings(self, ts: float) -> list[NodeReadings]:
+        """Every node's sample now as columns (`TickEngine.on_readings`): the values a
+        telemetry message carries, checked against the wire's bounds for the whole fleet at
+        once (`check_readings`) instead of validated GPU by GPU."""
+        m = self.model
+        self.seq += 1
+        temp = np.clip(m.temp_c, -50.0, 200.0)
+        util, clock, perf = m.util_pct(), m.sm_clock_mhz(), m.throughput()
+        check_readings(
+            power_w=m.power_w, energy_j=m.energy_j, cap_w=m.cap_w, min_cap_w=m.min_cap_w,
+            max_cap_w=m.max_cap_w, default_cap_w=m.default_cap_w, temp_c=temp,
+            util_pct=util, sm_clock_mhz=clock, perf=perf,
+        )  # fmt: skip
+        power, energy, cap, lo, hi, default, t, u, c, p = (
+            a.tolist()
+            for a in (
+                m.power_w, m.energy_j, m.cap_w, m.min_cap_w, m.max_cap_w, m.default_cap_w,
+                temp, util, clock, perf,
+            )
+        )  # fmt: skip
+        seq = self.seq
+        # One NodeReadings per node, its columns replaced each sample (the engine copies
+        # what it keeps; nothing holds a sample past `on_readings`).
+        for r, (a, b) in zip(self._readings, self.ranges, strict=True):
+            r.ts, r.seq, r.tick = ts, seq, self.applied[r.node_id]
+            r.power_w, r.energy_j, r.cap_w = power[a:b], energy[a:b], cap[a:b]
+            r.min_cap_w, r.max_cap_w, r.default_cap_w = lo[a:b], hi[a:b], default[a:b]
+            r.temp_c, r.util_pct, r.sm_clock_mhz, r.perf = t[a:b], u[a:b], c[a:b], p[a:b]
+        return list(self._readings)
+
+    def apply(self, commands: Sequence[NodeCommand]) -> list[tuple[NodeCommand, AckedCaps]]:
+        """Apply each command's caps (clamped to the device) and acknowledge them: per
+        command, what its `CapAck.gpus` would say, as columns (`TickEngine.on_acked`;
+        `CapAck` epoch 0, no authority, as an agent of a controller without one sends).
 
         Agents apply decreases before increases; here every cap changes at the same instant
         of virtual time (the model's draw then moves with its lag), so order cannot show.
@@ -113,38 +176,64 @@ class SimAgents:
             return []
         m = self.model
         pos = self.position
-        idx_list: list[int] = []
-        req_list: list[float] = []
-        for cmd in commands:
-            for u, w in cmd.caps_w.items():
-                idx_list.append(pos[u])
-                req_list.append(w)
-        idx = np.asarray(idx_list, dtype=np.int64)
-        req = np.asarray(req_list, dtype=np.float64)
+        uuids = [list(cmd.caps_w) for cmd in commands]
+        requested = [list(cmd.caps_w.values()) for cmd in commands]
+        # Each node's GPUs' positions, kept while a node's commands name the same GPUs.
+        where = []
+        for cmd, names in zip(commands, uuids, strict=True):
+            kept = self._positions.get(cmd.node)
+            if kept is None or kept[0] != names:
+                kept = self._positions[cmd.node] = (
+                    names,
+                    np.fromiter((pos[u] for u in names), dtype=np.int64, count=len(names)),
+                )
+            where.append(kept[1])
+        idx = np.concatenate(where)
+        req = np.fromiter(itertools.chain.from_iterable(requested), np.float64, count=len(idx))
+        # The wire's bounds on a requested cap (GpuAck.requested_w): a command out of them
+        # would be refused by an agent's transport.
+        if not (np.isfinite(req) & (req >= 0.0) & (req <= MAX_SANE_WATTS)).all():
+            raise ValueError("simulated agents: a command's cap is out of the wire's bounds")
         target = np.clip(req, m.min_cap_w[idx], m.max_cap_w[idx])
         # SimulatedGpus.set_cap for many GPUs at once.
         m.requested_cap_w[idx] = target
         m.cap_w[idx] = np.minimum(target, m.override_w[idx])
-        enforced = m.cap_w[idx]
-        changed = (req != self._ack_req[idx]) | (enforced != self._ack_enf[idx])
-        for i, r, e in zip(
-            idx[changed].tolist(), req[changed].tolist(), enforced[changed].tolist(), strict=True
-        ):
-            self._acks[i] = GpuAck(requested_w=r, enforced_w=e)
-        self._ack_req[idx] = req
-        self._ack_enf[idx] = enforced
-        acks = []
-        for cmd in commands:
+        enforced = m.cap_w[idx].tolist()
+        out = []
+        a = 0
+        for cmd, node_uuids, node_req in zip(commands, uuids, requested, strict=True):
+            b = a + len(node_uuids)
             self.applied[cmd.node] = cmd.tick
-            gpus = {u: self._acks[pos[u]] for u in cmd.caps_w}
-            acks.append(
-                CapAck(
-                    node_id=cmd.node,
-                    tick=cmd.tick,
-                    epoch=0,
-                    authority=None,
-                    gpus=gpus,
-                    ts=ts,
-                )
-            )
-        return acks
+            none = self._none_for.get(b - a)
+            if none is None:
+                none = self._none_for[b - a] = [None] * (b - a)
+            out.append((cmd, AckedCaps(node_uuids, node_req, enforced[a:b], none, True)))
+            a = b
+        return out
+
+
+def check_readings(**columns: FloatArray) -> None:
+    """The wire's bounds on a telemetry message's numbers (powerd.wire.GpuTelemetry),
+    checked for every GPU at once; ValueError naming the first column out of them."""
+    bounds = {
+        "power_w": (0.0, MAX_SANE_WATTS),
+        "energy_j": (0.0, math.inf),
+        "cap_w": (0.0, MAX_SANE_WATTS),
+        "min_cap_w": (0.0, MAX_SANE_WATTS),
+        "max_cap_w": (0.0, MAX_SANE_WATTS),
+        "default_cap_w": (0.0, MAX_SANE_WATTS),
+        "temp_c": (-50.0, 200.0),
+        "util_pct": (0.0, 100.0),
+        "sm_clock_mhz": (0.0, 10_000.0),
+        "perf": (0.0, 1e12),
+    }
+    for name, values in columns.items():
+        lo, hi = bounds[name]
+        ok = np.isfinite(values) & (values >= lo) & (values <= hi)
+        if name == "max_cap_w":
+            ok &= values > 0.0
+        if not ok.all():
+            bad = int(np.flatnonzero(~ok)[0])
+            raise ValueError(f"simulated telemetry: GPU {bad} {name}={values[bad]!r} out of bounds")
+    if (columns["min_cap_w"] > columns["max_cap_w"]).any():
+        raise ValueError("simulated telemetry: a GPU's min_cap_w exceeds its max_cap_w")

@@ -263,16 +263,16 @@ class _Run:
         as the controller ticks in a simulated tick (`rounds_per_steer`)."""
         engine, agents = self.engine, self.agents
         assert engine is not None and agents is not None
-        for msg in agents.telemetry(now):
-            engine.on_telemetry(msg, now)
+        for readings in agents.readings(now):
+            engine.on_readings(readings, now)
         for _ in range(self.rounds):
             report, plan = engine.step(now, now)
             if self.trace is not None:
                 self.trace(report, plan)
             self.statuses[report.status] = self.statuses.get(report.status, 0) + 1
             self.solve_ms.append(report.solve_ms)
-            for ack in agents.apply(plan.commands, now):
-                engine.on_ack(ack.node_id, ack)
+            for cmd, acked in agents.apply(plan.commands):
+                engine.on_acked(cmd.node, cmd.tick, 0, None, acked)
             # Committed caps once the tick's commands are acknowledged: above a budget (or
             # a rated group's limit) would be a planner bug.
             layout = engine.planner.layout

@@ -26,6 +26,11 @@ from powerd.sim.site import Mix, Site, build_mix, build_site
 log = structlog.get_logger(__name__)
 
 ProgressHook = Callable[[int, int], None]  # (ticks done, ticks in total)
+# What fails a size in the oversubscription search, judged on the size's point.
+Fails = Callable[["OversubPoint"], bool]
+# `uncapped`'s searches by risk: no breaker trip; draw never over a budget.
+NO_TRIP = "no_trip"
+NEVER_OVER = "never_over"
 
 
 @dataclass(frozen=True)
@@ -251,36 +256,27 @@ class _Sizes:
         self.metric = metric
         self.evaluated: dict[int, OversubPoint] = {}
 
-    def evaluate(self, sizes: Iterable[int], which: Sequence[str]) -> None:
-        tasks = []
-        for n in sizes:
-            s = build_site(self.policy, nodes=n, facility_budget_w=self.feed_w)
-            if not self.keep_inner:
-                s = s.inner_at_nameplate()
-            mix = build_mix(self.scenario, s)
-            have = self.evaluated.get(n)
-            tasks += [
-                Task((n, p), self.scenario, s, mix, p, breaker=self.breaker, objective=self.metric)
-                for p in (STATIC, *which)
-                if have is None or (p != STATIC and p not in have.loss)
-            ]
-        results = self.runner.run(tasks)
-        for n in sizes:
-            pt = self._point(n, results.get((n, STATIC)))
-            for p in which:
-                r = results.get((n, p))
-                if isinstance(r, BaselineResult):
-                    # Against the same GPUs unconstrained at the baseline's own sub-steps.
-                    pt.loss[p], pt.weighted_loss[p] = r.loss("total"), r.loss("weighted")
-                    pt.over_budget_s[p] = r.over_budget_s
-                    if r.trips is not None:
-                        pt.trips[p] = r.trips.trips
-                elif r is not None:
-                    pt.loss[p] = 1.0 - r.work_gpu_s / (pt.work_unconstrained_gpu_h * 3600.0)
-                    pt.weighted_loss[p] = 1.0 - r.weighted_work_gpu_s / (
-                        pt.weighted_unconstrained_gpu_h * 3600.0
-                    )
-                    pt.over_budget_s[p] = r.over_budget_s
+    def _record(
+        self,
+        n: int,
+        which: Sequence[str],
+        results: dict[tuple[Any, ...], RunResult | BaselineResult],
+    ) -> None:
+        pt = self._point(n, results.get((n, STATIC)))
+        for p in which:
+            r = results.get((n, p))
+            if isinstance(r, BaselineResult):
+                # Against the same GPUs unconstrained at the baseline's own sub-steps.
+                pt.loss[p], pt.weighted_loss[p] = r.loss("total"), r.loss("weighted")
+                pt.over_budget_s[p] = r.over_budget_s
+                if r.trips is not None:
+                    pt.trips[p] = r.trips.trips
+            elif r is not None:
+                pt.loss[p] = 1.0 - r.work_gpu_s / (pt.work_unconstrained_gpu_h * 3600.0)
+                pt.weighted_loss[p] = 1.0 - r.weighted_work_gpu_s / (
+                    pt.weighted_unconstrained_gpu_h * 3600.0
+                )
+                pt.over_budget_s[p] = r.over_budget_s
 
     def _point(self, n: int, ref: RunResult | None) -> OversubPoint:
         """Size `n`'s point, made from its unconstrained run `ref` the first time."""
@@ -301,36 +297,92 @@ class _Sizes:
         pt = self.evaluated[n]
         return pt.weighted_loss[p] if self.metric == "weighted" else pt.loss[p]
 
-    def fit(
-        self,
-        p: str,
-        grid: Sequence[int],
-        threshold: float,
-        fails: Callable[[OversubPoint], bool] | None = None,
-    ) -> int | None:
-        """The most nodes on which policy `p` loses at most `threshold` (or, given `fails`,
-        where its run does not fail it): the grid's first failing size, then bisection down
-        to one node (None: not even the smallest)."""
+    def fits(
+        self, searches: dict[str, tuple[str, Fails]], grid: Sequence[int]
+    ) -> dict[str, int | None]:
+        """Per search (its name → the policy it simulates and what fails a size), the most
+        nodes its policy passes (`_Search`). Each round simulates every search's next sizes
+        in one batch over the runner's jobs: its next grid sizes (as many as the jobs give
+        it) or its bisection's midpoint."""
+        walks = {k: _Search(grid) for k in searches}
+        while True:
+            active = [k for k, s in walks.items() if not s.done]
+            if not active:
+                return {k: s.fit for k, s in walks.items()}
+            share = max(1, self.runner.jobs // len(active))
+            want: dict[int, list[str]] = {}
+            for k in active:
+                for n in walks[k].next_sizes(share):
+                    which = want.setdefault(n, [])
+                    if searches[k][0] not in which:
+                        which.append(searches[k][0])
+            self.evaluate_each(want)
+            for k in active:
+                policy, fails = searches[k]
+                have = {n: fails(self.evaluated[n]) for n in want if policy in want[n]}
+                walks[k].learn(have)
 
-        def failed(n: int) -> bool:
-            if fails is not None:
-                return fails(self.evaluated[n])
-            return self.loss(n, p) > threshold
+    def evaluate_each(self, want: dict[int, list[str]]) -> None:
+        """Simulate each size for its policies (and unconstrained), all in one batch."""
+        tasks = []
+        for n, which in sorted(want.items()):
+            s = build_site(self.policy, nodes=n, facility_budget_w=self.feed_w)
+            if not self.keep_inner:
+                s = s.inner_at_nameplate()
+            mix = build_mix(self.scenario, s)
+            have = self.evaluated.get(n)
+            tasks += [
+                Task((n, p), self.scenario, s, mix, p, breaker=self.breaker, objective=self.metric)
+                for p in (STATIC, *which)
+                if have is None or (p != STATIC and p not in have.loss)
+            ]
+        results = self.runner.run(tasks)
+        for n, which in want.items():
+            self._record(n, which, results)
 
-        failing = [n for n in grid if failed(n)]
-        if not failing:
-            return grid[-1]
-        bad = failing[0]
-        passing = [n for n in grid if n < bad]
-        good = passing[-1] if passing else 0
-        while bad - good > 1:
-            mid = (good + bad) // 2
-            self.evaluate([mid], [p])
-            if failed(mid):
-                bad = mid
-            else:
-                good = mid
-        return good or None
+
+@dataclass
+class _Search:
+    """One policy's search for its fit on a grid of sizes: the grid walked upwards to its
+    first failing size, then bisection between it and the grid size below it, down to one
+    node (fit None: not even the smallest size passes). A size beyond the first failing one
+    cannot change the fit, so the walk stops there: the answer is the one a walk of the whole
+    grid gives, from fewer runs."""
+
+    grid: Sequence[int]
+    i: int = 0  # the next grid index to look at while walking
+    good: int = 0
+    bad: int | None = None  # bisecting once set
+    done: bool = False
+    fit: int | None = None
+    failed: dict[int, bool] = field(default_factory=dict)  # size → lost over the threshold
+
+    def next_sizes(self, share: int) -> list[int]:
+        if self.bad is None:
+            return list(self.grid[self.i : self.i + share])
+        return [(self.good + self.bad) // 2]
+
+    def learn(self, failed: dict[int, bool]) -> None:
+        self.failed.update(failed)
+        grid = self.grid
+        if self.bad is None:
+            while self.i < len(grid) and self.failed.get(grid[self.i]) is False:
+                self.i += 1
+            if self.i == len(grid):
+                self.done, self.fit = True, grid[-1]
+                return
+            if not self.failed.get(grid[self.i]):
+                return  # not simulated yet
+            self.good, self.bad = (grid[self.i - 1] if self.i > 0 else 0), grid[self.i]
+        else:
+            mid = (self.good + self.bad) // 2
+            if mid in self.failed:
+                if self.failed[mid]:
+                    self.bad = mid
+                else:
+                    self.good = mid
+        if self.bad - self.good <= 1:
+            self.done, self.fit = True, self.good or None
 
 
 def oversubscribe(  # noqa: PLR0913 (the search's knobs, keyword-only, each a CLI flag)
@@ -352,7 +404,8 @@ def oversubscribe(  # noqa: PLR0913 (the search's knobs, keyword-only, each a CL
     draw up to its TDP: the `static` run, ignoring budgets).
 
     A grid of `points` sizes from static TDP provisioning up to where device minimums fill
-    the feed draws the curve; each policy's crossing is then bisected to one node.
+    the feed is walked upwards to each policy's first size over the threshold (no further:
+    larger sizes cannot change the fit), and the crossing is then bisected to one node.
     Rows, racks and nodes are budgeted at their nameplate, so the feed is the question;
     `keep_inner` keeps the policy's own inner budgets instead (which may bind at any size).
     Baselines: the `oracle` fits by the same threshold (its loss against the same GPUs
@@ -392,17 +445,21 @@ def oversubscribe(  # noqa: PLR0913 (the search's knobs, keyword-only, each a CL
         metric=metric,
         breaker=breaker,
     )
-    evaluated = steered + ([UNCAPPED] if UNCAPPED in baselines else [])
-    sizes.evaluate(grid, evaluated)
-    for p in steered:
-        result.fit_nodes[p] = sizes.fit(p, grid, threshold)
+
+    def over_threshold(p: str) -> Fails:
+        return lambda pt: (pt.weighted_loss[p] if metric == "weighted" else pt.loss[p]) > threshold
+
+    searches: dict[str, tuple[str, Fails]] = {p: (p, over_threshold(p)) for p in steered}
     if UNCAPPED in baselines:
-        result.uncapped_fit_nodes = {
-            "no_trip": sizes.fit(UNCAPPED, grid, threshold, lambda pt: pt.trips[UNCAPPED] > 0),
-            "never_over": sizes.fit(
-                UNCAPPED, grid, threshold, lambda pt: pt.over_budget_s[UNCAPPED] > 0
-            ),
-        }
+        searches[NO_TRIP] = (UNCAPPED, lambda pt: pt.trips[UNCAPPED] > 0)
+        searches[NEVER_OVER] = (UNCAPPED, lambda pt: pt.over_budget_s[UNCAPPED] > 0)
+    if searches:
+        fits = sizes.fits(searches, grid)
+        result.fit_nodes.update({p: fits[p] for p in steered})
+        if UNCAPPED in baselines:
+            result.uncapped_fit_nodes = {k: fits[k] for k in (NO_TRIP, NEVER_OVER)}
+    else:  # static alone: its time over budget at every grid size
+        sizes.evaluate_each({n: [] for n in grid})
     result.points = [sizes.evaluated[n] for n in sorted(sizes.evaluated)]
     log.info(
         "sim_oversubscription",
