@@ -360,3 +360,29 @@ async def test_only_the_newest_command_waits_for_a_busy_node() -> None:
     await controller.publish(TOPICS.caps(NODE), b"4", qos=1)
     assert (await asyncio.wait_for(anext(messages), 5)).payload == b"4"
     await node.disconnect()
+
+
+def test_a_phase_of_sets_goes_to_the_bmc_at_once(
+    hgx: RedfishService, server: EmulatorServer, io: IoLoop, ca: TestCa
+) -> None:
+    """`set_power_limits_w`: every GPU's PATCH and read-back in flight together, each result
+    its own (a bad target fails alone)."""
+    backend = backend_for(server, io, BmcTrust(ca_file=ca.ca_file), timeout_s=0.3, retries=0)
+    try:
+        gpus = backend.discover()
+        targets = [(g.uuid, 300.0 + 10 * i) for i, g in enumerate(gpus)]
+        targets[3] = (gpus[3].uuid, 900.0)  # above AllowableMax
+        results = backend.set_power_limits_w(targets)
+        assert isinstance(results[3], BackendError) and "outside" in str(results[3])
+        expected = [300.0 + 10 * i for i in range(8)]
+        expected[3] = 700.0  # unchanged
+        assert [r for k, r in enumerate(results) if k != 3] == [
+            w for k, w in enumerate(expected) if k != 3
+        ]
+        assert truth(hgx) == expected
+        hgx.faults.hang = True
+        failed = backend.set_power_limits_w([(g.uuid, 250.0) for g in gpus])
+        assert all(isinstance(r, BackendError) and "no answer" in str(r) for r in failed)
+    finally:
+        hgx.faults = Faults()
+        backend.close()

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -168,28 +168,72 @@ class RedfishBackend(GpuBackend):
         return reading
 
     def enforced_limit_w(self, uuid: str) -> float:
-        """The limit of the latest sample (or set's read-back), read afresh if older than a
-        period: a command checks it before each set (the agent's `_found_above`), and a
-        round trip per GPU there would double a command's time."""
+        """The limit of the latest sample, or of the latest set's read-back (whatever its
+        age): a command checks it before each set (the agent's `_found_above`), and a round
+        trip there would add one to every command. A limit raised out of band since then is
+        still found, by the next sample's check (the agent's `_guard`)."""
         self._gpu(uuid)
         sample = self._sample
         if sample is None or sample.error is not None or uuid not in sample.readings:
-            return self.read(uuid).cap_w
-        if time.monotonic() - sample.at >= self.max_age_s:
             return self.read(uuid).cap_w
         return sample.readings[uuid].cap_w
 
     def set_power_limit_w(self, uuid: str, watts: float) -> float:
         gpu = self._gpu(uuid)
-        info = gpu.info
-        if not info.min_cap_w <= watts <= info.max_cap_w:
-            raise InvalidArgument(
-                f"{watts:g} W is outside [{info.min_cap_w:g}, {info.max_cap_w:g}] W", uuid
-            )
+        _check_bounds(gpu.info, watts)
         reading = self._call(self._set(gpu, watts), f"setting {uuid}", uuid=uuid)
-        if self._sample is not None and self._sample.error is None:
-            self._sample.readings[uuid] = reading
+        self._remember(reading)
         return reading.cap_w
+
+    def set_power_limits_w(
+        self, targets: Sequence[tuple[str, float]]
+    ) -> list[float | BackendError]:
+        """Every target at once (the agent passes only decreases, or only raises): one
+        PATCH and one GET per GPU, all in flight together within the BMC's connection cap,
+        so a command costs two round trips per phase, not two per GPU."""
+        out: list[float | BackendError | None] = [None] * len(targets)
+        work: list[tuple[int, BmcGpu, float]] = []
+        for k, (uuid, watts) in enumerate(targets):
+            try:
+                gpu = self._gpu(uuid)
+                _check_bounds(gpu.info, watts)
+            except BackendError as exc:
+                out[k] = exc
+                continue
+            work.append((k, gpu, watts))
+        if work:
+            try:
+                results = self.io.run(self._set_many(work), self._bound_s * 2)
+            except TimeoutError:
+                results = [BackendError("the BMC took too long", g.info.uuid) for _, g, _ in work]
+            for (k, _gpu, _), result in zip(work, results, strict=True):
+                if isinstance(result, GpuReading):
+                    self._remember(result)
+                    out[k] = result.cap_w
+                else:
+                    out[k] = result
+        return [r if r is not None else BackendError("not set") for r in out]
+
+    async def _set_many(
+        self, work: list[tuple[int, BmcGpu, float]]
+    ) -> list[GpuReading | BackendError]:
+        done = await asyncio.gather(*(self._set(g, w) for _, g, w in work), return_exceptions=True)
+        out: list[GpuReading | BackendError] = []
+        for (_, gpu, _), result in zip(work, done, strict=True):
+            uuid = gpu.info.uuid
+            if isinstance(result, GpuReading):
+                out.append(result)
+            elif isinstance(result, RedfishError):
+                out.append(_backend_error(result, f"setting {uuid}", uuid))
+            elif isinstance(result, ValueError | TypeError | KeyError):
+                out.append(BackendError(f"setting {uuid}: unusable answer ({result})", uuid))
+            elif isinstance(result, BaseException):
+                raise result
+        return out
+
+    def _remember(self, reading: GpuReading) -> None:
+        if self._sample is not None and self._sample.error is None:
+            self._sample.readings[reading.uuid] = reading
 
     def close(self) -> None:
         with contextlib.suppress(TimeoutError, RuntimeError):
@@ -252,6 +296,13 @@ class RedfishBackend(GpuBackend):
         if gpu is None:
             raise UnknownGpu(f"no GPU {uuid} on BMC {self.client.base_url}", uuid)
         return gpu
+
+
+def _check_bounds(info: GpuInfo, watts: float) -> None:
+    if not info.min_cap_w <= watts <= info.max_cap_w:
+        raise InvalidArgument(
+            f"{watts:g} W is outside [{info.min_cap_w:g}, {info.max_cap_w:g}] W", info.uuid
+        )
 
 
 def _backend_error(exc: RedfishError, what: str, uuid: str | None) -> BackendError:

@@ -688,6 +688,10 @@ class EmulatorServer:
         for _ in self.services:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            # Inherited by every accepted connection: uvicorn writes a response's head and
+            # body apart, and Nagle's algorithm would hold the body for the client's delayed
+            # ACK (40 ms a request).
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.bind(("127.0.0.1", 0))
             sock.listen(128)
             sock.setblocking(False)
