@@ -386,3 +386,14 @@ def test_a_phase_of_sets_goes_to_the_bmc_at_once(
     finally:
         hgx.faults = Faults()
         backend.close()
+
+
+def test_the_command_refuses_bad_settings_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from powerd.cli import main
+
+    text = "[[nodes]]\n" + NODE_TOML.format(id="n1", pw=tmp_path / "missing")
+    assert main(["bmc-agent", f"--config={settings_file(tmp_path, text)}"]) == 2
+    err = capsys.readouterr().err
+    assert "at nodes[0].password_file: cannot read" in err and "Traceback" not in err
