@@ -59,6 +59,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "powerd.auth",
             "powerd.logs",
             "powerd.controller.opstate",
+            "powerd.bmc.redfish",
+            "powerd.bmc.backend",
         ),
     ),
     (
@@ -66,6 +68,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "powerd.settings",
             "powerd.agent",
+            "powerd.bmc",
             "powerd.controller",
             "powerd.api",
             "powerd.coordinator",

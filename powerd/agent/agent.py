@@ -394,11 +394,24 @@ class Agent:
             if hold:
                 target = min(target, current)
             plan.append((target - current, uuid, requested, target))
-        for _, uuid, requested, target in sorted(plan):
-            mine, found = self.set_w.get(uuid), self._found_above(uuid)
-            acks[uuid] = ack = self._set_cap(uuid, requested, target)
-            if mine is not None and found is not None and ack.enforced_w is not None:
-                self._restored(self.gpus[uuid], found, mine, ack.enforced_w, by="command")
+        # Decreases (and holds) first, then raises: the node never sums above before/after.
+        # Each phase goes to the backend at once (a BMC sets them concurrently; NVML one by
+        # one, in this order).
+        ordered = sorted(plan)
+        for phase in ([p for p in ordered if p[0] <= 0], [p for p in ordered if p[0] > 0]):
+            if not phase:
+                continue
+            before = {
+                uuid: (self.set_w.get(uuid), self._found_above(uuid)) for _, uuid, _, _ in phase
+            }
+            results = self.backend.set_power_limits_w(
+                [(uuid, target) for _, uuid, _, target in phase]
+            )
+            for (_, uuid, requested, target), result in zip(phase, results, strict=True):
+                acks[uuid] = ack = self._record_set(uuid, requested, target, result)
+                mine, found = before[uuid]
+                if mine is not None and found is not None and ack.enforced_w is not None:
+                    self._restored(self.gpus[uuid], found, mine, ack.enforced_w, by="command")
         for uuid, watts in cmd.failsafe_w.items():
             if uuid in self.gpus:
                 self.failsafe_w[uuid] = watts
@@ -420,12 +433,22 @@ class Agent:
 
     def _set_cap(self, uuid: str, requested: float, target: float) -> GpuAck:
         try:
-            enforced = self.backend.set_power_limit_w(uuid, target)
+            result: float | BackendError = self.backend.set_power_limit_w(uuid, target)
         except BackendError as exc:
+            result = exc
+        return self._record_set(uuid, requested, target, result)
+
+    def _record_set(
+        self, uuid: str, requested: float, target: float, result: float | BackendError
+    ) -> GpuAck:
+        """What a set of `target` came to (the enforced limit read back, or the error)."""
+        if isinstance(result, BackendError):
+            exc = result
             self.log.warning(
                 "cap_set_failed", gpu=uuid, watts=target, error=exc.code, detail=str(exc)
             )
             return GpuAck(requested_w=requested, error=exc.code)
+        enforced = result
         self.caps_w[uuid] = enforced
         self.set_w[uuid] = target
         self.caps_applied += 1
@@ -442,16 +465,22 @@ class Agent:
 
     def _enforce_failsafe(self) -> bool:
         """Lower every GPU above its failsafe cap to it (never raise one); True if any moved."""
-        moved = False
+        moves: list[tuple[str, float, float]] = []  # (uuid, target, current): decreases only
         for uuid, info in self.gpus.items():
             current = self.caps_w.get(uuid)
             if current is None:  # never read (lost GPU): nothing known to lower from
                 continue
             target = self.failsafe_cap_w(info)
             if current > target + CAP_TOLERANCE_W:
-                ack = self._set_cap(uuid, target, target)
-                moved = moved or ack.enforced_w is not None
-                self.log.info("failsafe_cap", gpu=uuid, from_w=current, to_w=self.caps_w[uuid])
+                moves.append((uuid, target, current))
+        if not moves:
+            return False
+        moved = False
+        results = self.backend.set_power_limits_w([(uuid, target) for uuid, target, _ in moves])
+        for (uuid, target, current), result in zip(moves, results, strict=True):
+            ack = self._record_set(uuid, target, target, result)
+            moved = moved or ack.enforced_w is not None
+            self.log.info("failsafe_cap", gpu=uuid, from_w=current, to_w=self.caps_w[uuid])
         return moved
 
     # -- publishing ----------------------------------------------------------------------

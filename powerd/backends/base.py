@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from powerd.wire import AckError
@@ -137,6 +137,21 @@ class GpuBackend(ABC):
         The caller clamps to the device's limits first; a backend raises InvalidArgument
         for values outside them rather than clamping silently.
         """
+
+    def set_power_limits_w(
+        self, targets: Sequence[tuple[str, float]]
+    ) -> list[float | BackendError]:
+        """Set several limits, as `set_power_limit_w` each: per target the enforced limit
+        read back, or the error. The agent passes only decreases, or only raises, so their
+        order among themselves does not matter; a backend whose calls are slow (a BMC) sets
+        them concurrently. Default: one by one, in the order given."""
+        out: list[float | BackendError] = []
+        for uuid, watts in targets:
+            try:
+                out.append(self.set_power_limit_w(uuid, watts))
+            except BackendError as exc:
+                out.append(exc)
+        return out
 
     def enforced_limit_w(self, uuid: str) -> float:
         """The limit the GPU enforces now (watts): a cheaper read than `read` where the

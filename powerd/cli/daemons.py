@@ -1,4 +1,5 @@
-"""The daemons and the demo: `powerd controller`, `agent`, `coordinator` and `demo`.
+"""The daemons and the demo: `powerd controller`, `agent`, `bmc-agent`, `coordinator` and
+`demo`.
 
 Each handler builds the process settings from its flags (a settings file and the environment
 below them), then runs the daemon until it stops.
@@ -96,6 +97,18 @@ def cmd_agent(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_bmc_agent(args: argparse.Namespace) -> int:
+    import asyncio
+    from pathlib import Path
+
+    from powerd.bmc.agent import run_bmc_agent_process
+    from powerd.bmc.settings import BmcAgentSettings
+
+    settings = BmcAgentSettings.load(Path(args.config), broker=args.broker)
+    asyncio.run(run_bmc_agent_process(settings))
+    return EXIT_OK
+
+
 def _run_daemon(name: str, main: Coroutine[Any, Any, None]) -> int:
     """Run a daemon until it stops; what keeps it from starting is printed, exit 1."""
     import asyncio
@@ -161,9 +174,11 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    """Register `powerd demo`, `agent`, `controller` and `coordinator`, in that order."""
+    """Register `powerd demo`, `agent`, `bmc-agent`, `controller` and `coordinator`, in
+    that order."""
     _add_demo_parser(sub)
     _add_agent_parser(sub)
+    _add_bmc_agent_parser(sub)
     _add_controller_parser(sub)
     _add_coordinator_parser(sub)
 
@@ -208,6 +223,21 @@ def _add_demo_parser(sub: Any) -> None:
         help="also serve the live page on 127.0.0.1:PORT (0: a free port); prints its link",
     )
     demo.set_defaults(handler=cmd_demo, needs="sim")
+
+
+def _add_bmc_agent_parser(sub: Any) -> None:
+    bmc = sub.add_parser(
+        "bmc-agent",
+        help="run the node agent of BMC-managed nodes: their GPUs steered through Redfish",
+    )
+    bmc.add_argument(
+        "--config",
+        required=True,
+        help="settings file (.toml or .yaml) listing the nodes and their BMCs "
+        '(docs/operations.md, "BMC-managed nodes"); passwords are read from files it names',
+    )
+    bmc.add_argument("--broker", help="mqtt://HOST:PORT or mqtts://... ($POWERD_BROKER)")
+    bmc.set_defaults(handler=cmd_bmc_agent)
 
 
 def _add_agent_parser(sub: Any) -> None:

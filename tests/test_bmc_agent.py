@@ -1,0 +1,399 @@
+"""The BMC agent's parts against the Redfish emulator over HTTPS (in this process): the
+client (sessions, basic auth, TLS trust, retries), the backend (discovery, samples, sets
+read back), the settings' errors, and the node agent running on a BMC backend (commands
+applied through the BMC, acks of what it enforces, failsafe on a lost lease)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from powerd.agent.agent import Agent
+from powerd.backends.base import BackendError, NoPermission
+from powerd.backends.mock import Workload
+from powerd.bmc.agent import NewestCommandOnly
+from powerd.bmc.backend import IoLoop, RedfishBackend
+from powerd.bmc.redfish import BmcTrust, RedfishClient
+from powerd.bmc.settings import BmcAgentSettings
+from powerd.clock import SystemClock
+from powerd.settings import SettingsError
+from powerd.testing.redfish import EmulatorServer, Faults, RedfishService, TestCa
+from powerd.transport.base import Message
+from powerd.transport.memory import MemoryBroker
+from powerd.wire import (
+    AckError,
+    CapAck,
+    CapCommand,
+    NodeState,
+    NodeTelemetry,
+    Topics,
+    decode,
+    encode,
+)
+
+NODE = "bmc-1"
+TOPICS = Topics()
+
+
+@pytest.fixture(scope="module")
+def ca(tmp_path_factory: pytest.TempPathFactory) -> TestCa:
+    return TestCa.make(tmp_path_factory.mktemp("ca"))
+
+
+@pytest.fixture
+def io() -> Iterator[IoLoop]:
+    loop = IoLoop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture
+def hgx() -> RedfishService:
+    return RedfishService.hgx(8, Workload.steady(650.0), password="pw", node=NODE)
+
+
+@pytest.fixture
+def server(hgx: RedfishService, ca: TestCa) -> Iterator[EmulatorServer]:
+    with EmulatorServer([hgx], ca) as s:
+        yield s
+
+
+def backend_for(
+    server: EmulatorServer,
+    io: IoLoop,
+    trust: BmcTrust,
+    *,
+    auth: str = "session",
+    timeout_s: float = 2.0,
+    retries: int = 1,
+    max_age_s: float = 0.2,
+) -> RedfishBackend:
+    client = RedfishClient(
+        server.url(),
+        "admin",
+        "pw",
+        trust=trust,
+        auth="basic" if auth == "basic" else "session",
+        timeout_s=timeout_s,
+        retries=retries,
+    )
+    return RedfishBackend(NODE, client, io, max_age_s=max_age_s)
+
+
+def truth(hgx: RedfishService) -> list[float]:
+    """The limits the emulated GPUs really enforce."""
+    assert hgx.gpus is not None
+    return [hgx.gpus.enforced_limit_w(g.uuid) for g in hgx.gpus.gpus()]
+
+
+def test_discovery_reads_and_sets_through_the_bmc(
+    hgx: RedfishService, server: EmulatorServer, io: IoLoop, ca: TestCa
+) -> None:
+    backend = backend_for(server, io, BmcTrust(ca_file=ca.ca_file))
+    try:
+        gpus = backend.discover()
+        assert [g.uuid for g in gpus] == [f"GPU-{hgx.processor_uuid(i)}" for i in range(8)]
+        assert {(g.min_cap_w, g.max_cap_w, g.default_cap_w) for g in gpus} == {(200, 700, 700)}
+        before = hgx.requests.get("GET", 0)
+        readings = [backend.read(g.uuid) for g in gpus]
+        # One sample serves the whole node: 8 GETs, one per GPU, not one per read and field.
+        assert hgx.requests["GET"] - before == 8
+        assert all(r.cap_w == 700.0 and r.power_w > 600 for r in readings)
+        assert backend.set_power_limit_w(gpus[2].uuid, 300.0) == 300.0
+        assert truth(hgx)[2] == 300.0
+        assert backend.enforced_limit_w(gpus[2].uuid) == 300.0
+        with pytest.raises(BackendError, match="outside"):
+            backend.set_power_limit_w(gpus[2].uuid, 900.0)
+        assert len(hgx.sessions) == 1  # one session for all of it
+    finally:
+        backend.close()
+    assert hgx.sessions == {}  # logged out
+
+
+def test_a_forgotten_session_logs_in_again(
+    hgx: RedfishService, server: EmulatorServer, io: IoLoop, ca: TestCa
+) -> None:
+    backend = backend_for(server, io, BmcTrust(ca_file=ca.ca_file), max_age_s=0.0)
+    try:
+        gpu = backend.discover()[0]
+        hgx.drop_sessions()  # the BMC rebooted
+        assert backend.read(gpu.uuid).cap_w == 700.0
+        assert backend.client.logins == 2 and len(hgx.sessions) == 1
+    finally:
+        backend.close()
+
+
+def test_basic_auth_makes_no_session(
+    hgx: RedfishService, server: EmulatorServer, io: IoLoop, ca: TestCa
+) -> None:
+    backend = backend_for(server, io, BmcTrust(ca_file=ca.ca_file), auth="basic")
+    try:
+        gpu = backend.discover()[0]
+        assert backend.set_power_limit_w(gpu.uuid, 450.0) == 450.0
+        assert hgx.sessions == {} and hgx.requests.get("POST", 0) == 0
+    finally:
+        backend.close()
+
+
+def test_a_pinned_certificate_and_a_wrong_one(
+    hgx: RedfishService, server: EmulatorServer, io: IoLoop, ca: TestCa, tmp_path: Path
+) -> None:
+    backend = backend_for(server, io, BmcTrust(pinned_cert_file=ca.cert_file))
+    try:
+        assert len(backend.discover()) == 8
+    finally:
+        backend.close()
+    hgx.requests.clear()
+    other = TestCa.make(tmp_path / "other")
+    for trust in (BmcTrust(pinned_cert_file=other.cert_file), BmcTrust(ca_file=other.ca_file)):
+        stranger = backend_for(server, io, trust)
+        try:
+            with pytest.raises(BackendError, match="CERTIFICATE_VERIFY_FAILED"):
+                stranger.discover()
+        finally:
+            stranger.close()
+    assert hgx.requests == {}  # refused in the handshake: no request, no password sent
+
+
+def test_a_silent_bmc_fails_a_sample_once_per_period(
+    hgx: RedfishService, server: EmulatorServer, io: IoLoop, ca: TestCa
+) -> None:
+    backend = backend_for(
+        server, io, BmcTrust(ca_file=ca.ca_file), timeout_s=0.3, retries=1, max_age_s=60.0
+    )
+    try:
+        gpus = backend.discover()
+        backend.read(gpus[0].uuid)
+        backend._sample = None  # the next period
+        hgx.faults.hang = True
+        sent = backend.client.requests
+        for g in gpus:
+            with pytest.raises(BackendError, match="no answer"):
+                backend.read(g.uuid)
+        # One sample of 8 GETs, each tried twice; the other reads of the period reuse it.
+        assert backend.client.requests - sent == 16
+        hgx.faults.hang = False
+        hgx.faults.status = 503
+        backend._sample = None
+        with pytest.raises(BackendError, match="HTTP 503"):
+            backend.read(gpus[0].uuid)
+        hgx.faults.status = None
+        hgx.faults.patch_status = 403
+        with pytest.raises(NoPermission):
+            backend.set_power_limit_w(gpus[0].uuid, 300.0)
+        assert truth(hgx)[0] == 700.0
+    finally:
+        hgx.faults = Faults()
+        backend.close()
+
+
+# -- settings ------------------------------------------------------------------------------
+
+
+def settings_file(tmp_path: Path, text: str) -> Path:
+    (tmp_path / "pw").write_text("secret\n")
+    path = tmp_path / "bmc.toml"
+    path.write_text(text)
+    return path
+
+
+NODE_TOML = (
+    'node_id = "{id}"\nurl = "https://10.0.0.1"\nusername = "admin"\npassword_file = "{pw}"\n'
+)
+
+
+@pytest.mark.parametrize(
+    ("extra", "node_extra", "where", "what"),
+    [
+        ("", 'ca_file = "/a"\npinned_cert_file = "/b"\n', "nodes[0]", "not both"),
+        ("period_s = 2.0\n", "timeout_s = 1.5\n", "<top>", "shorter than period_s"),
+        ("", 'url = "http://10.0.0.1"\n', "nodes[0].url", "pattern"),
+        ("", "concurrency = 0\n", "nodes[0].concurrency", "greater than or equal to 1"),
+        ("", "password = 'x'\n", "nodes[0].password", "unknown key"),
+    ],
+)
+def test_settings_errors_name_the_field(
+    tmp_path: Path, extra: str, node_extra: str, where: str, what: str
+) -> None:
+    node = NODE_TOML.format(id="n1", pw=tmp_path / "pw")
+    if "url" in node_extra:
+        node = node.replace('url = "https://10.0.0.1"\n', "")
+    text = extra + "[[nodes]]\n" + node + node_extra
+    with pytest.raises(SettingsError) as err:
+        BmcAgentSettings.load(settings_file(tmp_path, text))
+    assert f"at {where}" in str(err.value) and what in str(err.value)
+
+
+def test_settings_read_passwords_from_files(tmp_path: Path) -> None:
+    pw = tmp_path / "pw"
+    text = "[[nodes]]\n" + NODE_TOML.format(id="n1", pw=pw)
+    text += "[[nodes]]\n" + NODE_TOML.format(id="n1", pw=pw)
+    with pytest.raises(SettingsError, match="'n1' is listed twice"):
+        BmcAgentSettings.load(settings_file(tmp_path, text))
+    text = "[[nodes]]\n" + NODE_TOML.format(id="n1", pw=pw)
+    text += "[[nodes]]\n" + NODE_TOML.format(id="n2", pw=tmp_path / "missing")
+    settings = BmcAgentSettings.load(settings_file(tmp_path, text))
+    assert settings.bmc_password(0) == "secret"
+    with pytest.raises(SettingsError, match=r"at nodes\[1\].password_file: cannot read"):
+        settings.check_files()
+    agent = settings.agent_settings(settings.nodes[1])
+    assert agent.node_id == "n2" and agent.period_s == settings.period_s == 2.0
+
+
+# -- the node agent on a BMC ---------------------------------------------------------------
+
+
+@pytest.fixture
+def small(ca: TestCa) -> Iterator[tuple[RedfishService, EmulatorServer]]:
+    """A BMC of two GPUs (a node agent sets its GPUs one by one)."""
+    hgx = RedfishService.hgx(2, Workload.steady(650.0), password="pw", node=NODE)
+    with EmulatorServer([hgx], ca) as s:
+        yield hgx, s
+
+
+async def test_the_node_agent_steers_through_the_bmc(
+    small: tuple[RedfishService, EmulatorServer], io: IoLoop, ca: TestCa, tmp_path: Path
+) -> None:
+    """Commands are applied through the BMC and acked with what it enforces after reading
+    back; a lying BMC's read-back shows in the ack; a lost lease lowers every GPU to its
+    failsafe cap through the BMC; stopping leaves the failsafe caps, which the BMC keeps."""
+    hgx, server = small
+    broker = MemoryBroker()
+    settings = BmcAgentSettings.model_validate(
+        {
+            "nodes": [
+                {
+                    "node_id": NODE,
+                    "url": server.url(),
+                    "username": "admin",
+                    "password_file": tmp_path / "pw",
+                    "ca_file": ca.ca_file,
+                }
+            ],
+            "period_s": 0.5,
+            "timeout_s": 0.2,
+        }
+    )
+    backend = backend_for(server, io, BmcTrust(ca_file=ca.ca_file), max_age_s=0.25)
+    backend.discover()
+    transport = NewestCommandOnly(broker.client(NODE))
+    agent = Agent(settings.agent_settings(settings.nodes[0]), backend, transport, SystemClock())
+    controller = broker.client("controller")
+    await controller.connect()
+    for kind in ("ack", "telemetry"):
+        await controller.subscribe(TOPICS.all_nodes(kind))
+    received: asyncio.Queue[Message] = asyncio.Queue()
+
+    async def listen() -> None:
+        async for m in controller.messages():
+            received.put_nowait(m)
+
+    async def next_of(kind: type[CapAck] | type[NodeTelemetry]) -> CapAck | NodeTelemetry:
+        while True:
+            m = await asyncio.wait_for(received.get(), 10)
+            if m.topic.endswith("/ack" if kind is CapAck else "/telemetry"):
+                return decode(m.payload, kind)
+
+    uuids = list(agent.gpus)
+    stop = asyncio.Event()
+    listener = asyncio.create_task(listen())
+    running = asyncio.create_task(agent.run(stop))
+    try:
+        # Unsteered at start: every GPU at the failsafe cap (no failsafe_w: the minimum).
+        telemetry = await next_of(NodeTelemetry)
+        assert isinstance(telemetry, NodeTelemetry) and telemetry.state == "starting"
+        assert truth(hgx) == [200.0] * 2
+        caps = {u: 300.0 + 10 * i for i, u in enumerate(uuids)}
+        command = CapCommand(
+            node_id=NODE, tick=1, lease_s=1.5, caps=caps, failsafe_w=dict.fromkeys(uuids, 250.0)
+        )
+        await controller.publish(TOPICS.caps(NODE), encode(command), qos=1)
+        ack = await next_of(CapAck)
+        assert isinstance(ack, CapAck) and ack.tick == 1
+        assert {u: a.enforced_w for u, a in ack.gpus.items()} == caps
+        assert truth(hgx) == list(caps.values())  # what the BMC enforces
+        # A lying BMC: the ack reports the limit it reads back, flagged.
+        hgx.faults.lie_limit_w = 650.0
+        command = command.model_copy(update={"tick": 2})
+        await controller.publish(TOPICS.caps(NODE), encode(command), qos=1)
+        ack = await next_of(CapAck)
+        assert isinstance(ack, CapAck)
+        assert {a.error for a in ack.gpus.values()} == {AckError.OVERRIDDEN}
+        assert {a.enforced_w for a in ack.gpus.values()} == {650.0}
+        hgx.faults.lie_limit_w = None
+        # No newer command for the lease: failsafe through the BMC, never a raise.
+        for _ in range(100):
+            if agent.state is NodeState.FAILSAFE and truth(hgx) == [250.0] * 2:
+                break
+            await asyncio.sleep(0.1)
+        assert agent.state is NodeState.FAILSAFE
+        assert truth(hgx) == [250.0] * 2
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 20)
+        listener.cancel()
+        backend.close()
+    assert truth(hgx) == [250.0] * 2  # the BMC keeps the failsafe caps after the agent
+
+
+async def test_only_the_newest_command_waits_for_a_busy_node() -> None:
+    """Commands that arrived while the node was busy setting its BMC: the newest only."""
+    broker = MemoryBroker()
+    node = NewestCommandOnly(broker.client(NODE))
+    await node.connect()
+    await node.subscribe(TOPICS.caps(NODE))
+    await node.subscribe(TOPICS.caps("other"))
+    controller = broker.client("controller")
+    await controller.connect()
+    for tick in (1, 2, 3):
+        await controller.publish(TOPICS.caps(NODE), str(tick).encode(), qos=1)
+    await controller.publish(TOPICS.caps("other"), b"x", qos=1)
+    messages = node.messages()
+    first = await asyncio.wait_for(anext(messages), 5)
+    second = await asyncio.wait_for(anext(messages), 5)
+    assert (first.topic, first.payload) == (TOPICS.caps(NODE), b"3")
+    assert (second.topic, second.payload) == (TOPICS.caps("other"), b"x")
+    assert node.superseded == 2
+    await controller.publish(TOPICS.caps(NODE), b"4", qos=1)
+    assert (await asyncio.wait_for(anext(messages), 5)).payload == b"4"
+    await node.disconnect()
+
+
+def test_a_phase_of_sets_goes_to_the_bmc_at_once(
+    hgx: RedfishService, server: EmulatorServer, io: IoLoop, ca: TestCa
+) -> None:
+    """`set_power_limits_w`: every GPU's PATCH and read-back in flight together, each result
+    its own (a bad target fails alone)."""
+    backend = backend_for(server, io, BmcTrust(ca_file=ca.ca_file), timeout_s=0.3, retries=0)
+    try:
+        gpus = backend.discover()
+        targets = [(g.uuid, 300.0 + 10 * i) for i, g in enumerate(gpus)]
+        targets[3] = (gpus[3].uuid, 900.0)  # above AllowableMax
+        results = backend.set_power_limits_w(targets)
+        assert isinstance(results[3], BackendError) and "outside" in str(results[3])
+        expected = [300.0 + 10 * i for i in range(8)]
+        expected[3] = 700.0  # unchanged
+        assert [r for k, r in enumerate(results) if k != 3] == [
+            w for k, w in enumerate(expected) if k != 3
+        ]
+        assert truth(hgx) == expected
+        hgx.faults.hang = True
+        failed = backend.set_power_limits_w([(g.uuid, 250.0) for g in gpus])
+        assert all(isinstance(r, BackendError) and "no answer" in str(r) for r in failed)
+    finally:
+        hgx.faults = Faults()
+        backend.close()
+
+
+def test_the_command_refuses_bad_settings_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from powerd.cli import main
+
+    text = "[[nodes]]\n" + NODE_TOML.format(id="n1", pw=tmp_path / "missing")
+    assert main(["bmc-agent", f"--config={settings_file(tmp_path, text)}"]) == 2
+    err = capsys.readouterr().err
+    assert "at nodes[0].password_file: cannot read" in err and "Traceback" not in err

@@ -1,0 +1,211 @@
+"""A BMC-only node under the controller, end to end: the controller and a node agent as
+processes, `powerd bmc-agent` as a process steering a node whose only way in is its BMC
+(the Redfish emulator in this test, over HTTPS), all over a real Mosquitto. The monitor of
+tests/support/e2e.py checks every budget after every message, from the messages alone; the
+emulator says what the GPUs really enforce.
+
+- a budget cut reaches the BMC node's GPUs through its BMC (read back from the emulator);
+- a BMC that stops answering: the node's telemetry stops or fails, the controller never
+  raises its GPUs while it is silent, the BMC keeps the limits it had, no budget is
+  exceeded; when it answers again the node is steered again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from support.e2e import FAILSAFE_W, GPUS, LEASE_S, TICK_S, TOL_W, WAIT_S, Monitor, Procs
+
+from powerd.backends.mock import Workload
+from powerd.policy import load_policy
+from powerd.testing.mosquitto import LocalMosquitto
+from powerd.testing.redfish import EmulatorServer, RedfishService, TestCa
+from powerd.testing.synthetic import TRAIN_AND_INFER
+from powerd.wire import NodeState
+
+pytestmark = [pytest.mark.slow, pytest.mark.process]
+
+BMC_NODE = "rack-2-n1"
+AGENT_NODE = "rack-2-n2"
+STALE_S = 3 * TICK_S
+
+
+def bmc_site(bmc_node_w: float = 2500) -> dict[str, Any]:
+    """One rack: a BMC-managed node and an agent node, 4 GPUs (200–700 W) each; the
+    facility's budget binds."""
+    return {
+        "version": 1,
+        "facility": {
+            "name": "dc",
+            "budget_w": 4000,
+            "rows": [
+                {
+                    "name": "row",
+                    "racks": [
+                        {
+                            "name": "rack-2",
+                            "budget_w": 4400,
+                            "nodes": [
+                                {"name": BMC_NODE, "budget_w": bmc_node_w, "overhead_w": 100},
+                                {"name": AGENT_NODE, "budget_w": 2500, "overhead_w": 100},
+                            ],
+                        }
+                    ],
+                }
+            ],
+        },
+        **TRAIN_AND_INFER,
+        "defaults": {"class": "training", "failsafe_w": FAILSAFE_W, "gpus_per_node": GPUS},
+        "control": {"tick_s": TICK_S, "lease_s": LEASE_S, "stale_after_s": STALE_S},
+    }
+
+
+@dataclass
+class BmcSite:
+    monitor: Monitor
+    procs: Procs
+    hgx: RedfishService
+    policy_file: Path
+
+    async def until(self, cond: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while not cond():
+            self.procs.check_alive()
+            if time.monotonic() > deadline:
+                logs = "\n".join(f"-- {n}\n{self.procs.tail(n)}" for n in self.procs.running)
+                pytest.fail(f"timed out waiting until {what}; {self.monitor.breaches}\n{logs}")
+            await asyncio.sleep(0.02)
+
+    async def ticks(self, n: int) -> None:
+        target = self.monitor.last_tick + n
+        await self.until(lambda: self.monitor.last_tick >= target, f"tick {target}")
+
+    def steered_since(self, node: str, tick: int) -> bool:
+        view = self.monitor.nodes[node]
+        return (
+            any(a.tick > tick for a in view.acks)
+            and view.status is not None
+            and view.status.state is NodeState.STEERED
+            and view.telemetry_state == "steered"
+        )
+
+    def truth(self) -> list[float]:
+        """The limits the BMC's GPUs really enforce."""
+        return list(self.truth_by_uuid().values())
+
+    def truth_by_uuid(self) -> dict[str, float]:
+        """The same, by the names the bmc-agent gives them on the wire."""
+        gpus = self.hgx.gpus
+        assert gpus is not None
+        return {
+            f"GPU-{self.hgx.processor_uuid(i)}": gpus.enforced_limit_w(g.uuid)
+            for i, g in enumerate(gpus.gpus())
+        }
+
+    def controller_events(self, event: str) -> list[dict[str, Any]]:
+        log = self.procs.workdir / f"controller.{self.procs.started['controller']}.log"
+        lines = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
+        return [x for x in lines if x.get("event") == event]
+
+
+@pytest.fixture
+async def site(mosquitto: LocalMosquitto, tmp_path: Path) -> AsyncIterator[BmcSite]:
+    ca = TestCa.make(tmp_path / "pki")
+    hgx = RedfishService.hgx(GPUS, Workload.training(), password="s3cret", node=BMC_NODE)
+    (tmp_path / "bmc.password").write_text("s3cret\n")
+    config = tmp_path / "bmc-agent.toml"
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text(yaml.safe_dump(bmc_site()))
+    monitor = Monitor(mosquitto.url, load_policy(policy_file))
+    procs = Procs(tmp_path, mosquitto.url)
+    with EmulatorServer([hgx], ca) as server:
+        config.write_text(
+            f'broker = "{mosquitto.url}"\n'
+            "period_s = 0.5\ntimeout_s = 0.2\nretries = 0\n"
+            f"failsafe_w = {FAILSAFE_W}\n"
+            "[[nodes]]\n"
+            f'node_id = "{BMC_NODE}"\nurl = "{server.url()}"\nusername = "admin"\n'
+            f'password_file = "{tmp_path / "bmc.password"}"\nca_file = "{ca.ca_file}"\n'
+        )
+        await monitor.start()
+        try:
+            procs.agent(AGENT_NODE)
+            procs.start("bmc-agent", "bmc-agent", f"--config={config}")
+            procs.controller("ctl-a", policy_file, f"sqlite:///{tmp_path / 'powerd.db'}")
+            yield BmcSite(monitor, procs, hgx, policy_file)
+        finally:
+            procs.close()
+            await monitor.stop()
+
+
+async def test_a_bmc_node_obeys_a_cut_and_a_silent_bmc_is_never_raised(site: BmcSite) -> None:
+    mon, procs, hgx = site.monitor, site.procs, site.hgx
+
+    # -- both nodes steered, the BMC node through its BMC ----------------------------------
+    await site.until(
+        lambda: site.steered_since(BMC_NODE, 0) and site.steered_since(AGENT_NODE, 0),
+        "both nodes are steered",
+    )
+    await site.ticks(4)
+    bmc_view = mon.nodes[BMC_NODE]
+    assert len(bmc_view.readings) == GPUS  # discovered through Redfish, named by the BMC
+    assert all(u.startswith("GPU-") for u in bmc_view.readings)
+    assert hgx.sessions, "the bmc-agent holds a Redfish session"
+    await site.until(lambda: mon.group_committed("dc") > 0.9 * 4000, "the budget in use")
+
+    # -- a cut of the BMC node's budget is obeyed through the BMC --------------------------
+    site.policy_file.write_text(yaml.safe_dump(bmc_site(bmc_node_w=1200)))
+    cut = load_policy(site.policy_file)
+    mon.cut([g.budget_w for g in cut.groups], strict_from_tick=mon.last_tick + 4)
+    procs.signal("controller", signal.SIGHUP)
+    await site.ticks(8)
+    await site.until(lambda: sum(site.truth()) <= 1200 - 100 + TOL_W, "the BMC enforces the cut")
+    assert mon.group_committed(BMC_NODE) <= 1200 + TOL_W
+    assert mon.breaches == []
+
+    # -- the BMC stops answering -----------------------------------------------------------
+    hgx.faults.hang = True
+    # Until the controller has heard that (its telemetry stale or failed, its acks
+    # set_failed), a raise it sent is legitimate: it is counted, as any command is.
+    await asyncio.sleep(STALE_S + 4 * TICK_S)
+    committed = dict(bmc_view.committed())
+    silent_from = mon.last_tick
+    await site.ticks(6)
+    after = [c for c in bmc_view.commands if c.tick > silent_from]
+    assert after, "the controller keeps commanding the node (its lease renewed)"
+    for cmd in after:
+        for uuid, watts in cmd.caps.items():
+            # Never raised while silent: stale or failing GPUs get min(target, committed).
+            assert watts <= committed[uuid] + TOL_W, (cmd.tick, uuid, watts, committed[uuid])
+    # The BMC keeps the limits it had (a PATCH in flight at the hang may have landed:
+    # still no more than what was committed).
+    for uuid, watts in site.truth_by_uuid().items():
+        assert watts <= committed[uuid] + TOL_W, (uuid, watts, committed[uuid])
+    # The controller saw its caps unconfirmed (acks set_failed, telemetry errors) and
+    # planned the node's GPUs at their committed caps, cutting the others instead.
+    refused = [a for a in site.controller_events("alarm_raised") if a["alarm"] == "caps_refused"]
+    assert refused and all(u in refused[-1]["message"] for u in committed)
+    assert mon.breaches == []
+
+    # -- it answers again: steered again ---------------------------------------------------
+    hgx.faults.hang = False
+    resumed_from = mon.last_tick
+    await site.until(lambda: site.steered_since(BMC_NODE, resumed_from), "the BMC node is back")
+    await site.ticks(4)
+    assert sum(site.truth()) <= 1200 - 100 + TOL_W
+    assert mon.breaches == [] and mon.bad == []
+    assert mon.checks > 100
+
+    # -- a clean stop leaves the failsafe caps, which the BMC keeps ------------------------
+    assert procs.stop("bmc-agent") == 0
+    assert all(w <= FAILSAFE_W + TOL_W for w in site.truth())
+    assert hgx.sessions == {}  # logged out
