@@ -63,6 +63,11 @@ class TickReport:
     unused_w: float = 0.0
     # What decided each cap, to explain on request (controller/why.py); None: a failed tick.
     why: WhyFrame | None = None
+    # Churn (controller/churn.py): GPUs whose cap this tick moves from the cap that may be in
+    # force, the W those moves add up to, and moves the deadband held (control.deadband_w).
+    caps_moved: int = 0
+    moved_w: float = 0.0
+    caps_held: int = 0
 
     @property
     def throughput_total(self) -> float:

@@ -1,0 +1,119 @@
+"""The deadband: a GPU's cap is cut only when its new target lies more than `deadband_w`
+below the cap in force.
+
+Between the allocator's targets and the safety planner (controller/tick.py). Under shared
+budgets one GPU's swing of demand moves every neighbour's target by a little each tick; each
+move is a call on the node (NVML, a BMC) and a message on the broker. The deadband:
+
+- **holds small cuts**: a target at most `deadband_w` below the cap in force keeps the cap
+  in force. That keeps room the allocator had handed to others, so wherever the held caps
+  and the raises together no longer fit a group's limit, the raises under that group are
+  funded from the room left, whole raises in turn (GPUs whose draw presses on their cap
+  first, then the largest), the one the room runs out on in part: fewer, larger moves;
+- **never holds back a cut a limit needs**: where the held cuts alone break a group's limit
+  (a budget cut, a limit that fell), every held cut under that group goes;
+- **never holds a raise**: a held raise would only leave power unused, but measured, it
+  cost the work the headroom above an inference GPU's draw is there for (docs/allocator.md,
+  "Deadband").
+
+So the targets it returns fit every group's limit wherever the allocator's did: each group
+either fits as it is or ends at most at min(target, cap in force) per GPU. Pinned GPUs (an
+operator's cap, a drained node), GPUs the planner holds (NaN targets) and GPUs whose cap in
+force lies outside their bounds are never held.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import NDArray
+
+from powerd.topology import N_LEVELS, Topology
+
+FloatArray = NDArray[np.float64]
+BoolArray = NDArray[np.bool_]
+
+# Watts of float noise tolerated when testing a group against its limit.
+TOL_W = 1e-6
+
+
+def hold_small_cuts(
+    targets_w: FloatArray,
+    in_force_w: FloatArray,
+    *,
+    deadband_w: float,
+    topology: Topology,
+    capacity_w: FloatArray,
+    holdable: BoolArray,
+    pressed: BoolArray | None = None,
+) -> tuple[FloatArray, BoolArray]:
+    """(targets, held): the targets with every cut of at most `deadband_w` held at the cap
+    in force, and per GPU whether it was held.
+
+    `in_force_w`: per GPU the cap that may be in force (the planner's committed cap);
+    `capacity_w`: per group what the GPUs' caps may sum to (limit − overhead − reserve);
+    `holdable`: per GPU whether the deadband may hold it; `pressed`: per GPU whether its
+    draw presses on its cap (its raise is work: funded first where room is short). NaN
+    targets (hold the committed cap) pass through and count at the cap in force.
+    """
+    targets = np.asarray(targets_w, dtype=np.float64)
+    if deadband_w <= 0 or targets.size == 0:
+        return targets, np.zeros(targets.shape, dtype=np.bool_)
+    prev = np.asarray(in_force_w, dtype=np.float64)
+    delta = targets - prev
+    held = holdable & (delta < 0) & (delta >= -deadband_w)  # NaN compares False
+    if not held.any():
+        return targets, held
+    out = np.where(held, prev, targets)
+    counted = np.where(np.isnan(out), prev, out)
+    capacity = np.asarray(capacity_w, dtype=np.float64)
+    n_groups = topology.n_groups
+    for level in range(N_LEVELS):
+        group = topology.gpu_groups[:, level]
+        sums = np.bincount(group, weights=counted, minlength=n_groups)
+        excess = sums - capacity
+        over = excess > TOL_W
+        if not over.any():
+            continue
+        rise = np.maximum(counted - prev, 0.0)
+        rises = np.bincount(group, weights=rise, minlength=n_groups)
+        room = np.maximum(rises - excess, 0.0)  # what the raises under each group may take
+        trimmed = np.where(rise > 0, prev + _fund(rise, group, room, over, pressed), counted)
+        # Where the raises cannot make the room and the group still breaks its limit, the
+        # held cuts go (then every GPU there sits at most at min(target, cap in force)).
+        short = over & (rises < excess - TOL_W)
+        release = held & short[group] & (targets < prev)
+        trimmed = np.where(release, targets, trimmed)
+        held &= ~release
+        changed = np.isfinite(out)
+        out = np.where(changed, trimmed, out)
+        counted = np.where(np.isnan(out), prev, out)
+    return out, held
+
+
+def _fund(
+    rise: FloatArray,
+    group: NDArray[np.int64],
+    room: FloatArray,
+    over: BoolArray,
+    pressed: BoolArray | None,
+) -> FloatArray:
+    """Per GPU the part of its raise that is kept: in full where its group is not over;
+    under an over group, whole raises in turn (GPUs pressing on their cap first, then the
+    largest raises) while the group's room lasts, the one it runs out on in part: fewer,
+    larger moves than trimming every raise a little."""
+    kept = rise.copy()
+    cut = over[group] & (rise > 0)
+    idx = np.flatnonzero(cut)
+    if not idx.size:
+        return kept
+    first = np.zeros(idx.size) if pressed is None else (~pressed[idx]).astype(np.float64)
+    order = idx[np.lexsort((-rise[idx], first, group[idx]))]
+    g = group[order]
+    r = rise[order]
+    cum = np.cumsum(r)
+    start = np.r_[True, g[1:] != g[:-1]]
+    # Each GPU's raises before it within its group (segmented cumulative sum).
+    base = np.maximum.accumulate(np.where(start, cum - r, 0.0))
+    before = cum - r - base
+    kept[order] = np.clip(room[g] - before, 0.0, r)
+    return kept
