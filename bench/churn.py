@@ -6,7 +6,11 @@ Runs `powerd sim`'s `fast` policy on a scenario once per variant of the policy's
 lost against the first variant (the same run without the rule: same seed, same demand).
 
     .venv/bin/python bench/churn.py policies/scenarios/recorded.yaml --tick-s 5 \\
-        --duration-h 0.25 --variants deadband_w=0 deadband_w=25 damping=0.1
+        --duration-h 0.25 --variants deadband_w=0 deadband_w=40 deadband_w=0,damping=1
+
+`--rule-cost` instead times the rule itself (controller/deadband.py) on a synthetic site of
+10 rows × 10 racks × 125 nodes × 8 GPUs (100,000 GPUs): a tick whose held cuts fit, and one
+where every group is tight (raises funded in turn, cuts released).
 """
 
 from __future__ import annotations
@@ -17,11 +21,16 @@ import sys
 import time
 from dataclasses import replace
 
+import numpy as np
+
+from powerd.controller.deadband import hold_small_cuts
 from powerd.logs import configure_logging
 from powerd.policy import Policy, load_policy
 from powerd.sim.run import simulate
 from powerd.sim.scenario import load_scenario
 from powerd.sim.site import build_mix, site_for
+from powerd.testing.synthetic import make_policy
+from powerd.topology import Topology
 
 
 def with_control(policy: Policy, assignments: str) -> Policy:
@@ -35,9 +44,40 @@ def with_control(policy: Policy, assignments: str) -> Policy:
     return replace(policy, spec=spec.model_copy(update={"control": control}))
 
 
+def rule_cost(reps: int = 50) -> dict[str, float]:
+    """Milliseconds per call of the rule at 100,000 GPUs: a quiet tick (the held cuts fit)
+    and a tight one (every group over: raises funded in turn, cuts released)."""
+    policy = make_policy(10, 10, 125, 8)
+    nodes = [g.name for g in policy.groups if g.level == 3 for _ in range(g.gpus)]
+    topo = Topology.build(policy, nodes)
+    rng = np.random.default_rng(0)
+    n = topo.n_gpus
+    targets = rng.uniform(200.0, 700.0, n)
+    prev = np.clip(targets + rng.normal(0.0, 30.0, n), 200.0, 700.0)
+    holdable = np.ones(n, dtype=np.bool_)
+    pressed = rng.random(n) < 0.3
+    out: dict[str, float] = {"gpus": n}
+    for name, slack in (("fits_ms", 1e9), ("tight_ms", 0.0)):
+        capacity = topo.group_sums(targets) + slack
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            hold_small_cuts(
+                targets,
+                prev,
+                deadband_w=40.0,
+                topology=topo,
+                capacity_w=capacity,
+                holdable=holdable,
+                pressed=pressed,
+            )
+        out[name] = (time.perf_counter() - t0) / reps * 1000.0
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("scenario")
+    ap.add_argument("scenario", nargs="?")
+    ap.add_argument("--rule-cost", action="store_true", help="time the rule at 100k GPUs")
     ap.add_argument("--tick-s", type=float, default=5.0)
     ap.add_argument("--duration-h", type=float, default=0.25)
     ap.add_argument("--seed", type=int)
@@ -50,6 +90,11 @@ def main() -> int:
     ap.add_argument("--json", action="store_true", help="one JSON object per variant")
     args = ap.parse_args()
     configure_logging(level="warning")
+    if args.rule_cost:
+        print(json.dumps(rule_cost()))
+        return 0
+    if args.scenario is None:
+        ap.error("a scenario file, or --rule-cost")
     overrides = {"tick_s": args.tick_s, "duration_h": args.duration_h, "seed": args.seed}
     scenario = load_scenario(args.scenario, overrides)
     assert scenario.policy_path is not None

@@ -187,7 +187,7 @@ class Control(_Strict):
     # A GPU's cap moves only when its new target is more than this far from the cap in force
     # (docs/allocator.md, "Deadband"): under shared budgets, one GPU's swing otherwise moves
     # every neighbour a little each tick. Cuts a budget needs are never held; 0: off.
-    deadband_w: NonNegWatts = 0.0
+    deadband_w: NonNegWatts = 40.0
     # Power no GPU can turn into throughput: "peak" leaves it unallocated (no cap above its
     # profile's peak), "max" hands it out up to each GPU's maximum cap.
     leftover: Literal["peak", "max"] = "peak"

@@ -67,6 +67,7 @@ def hold_small_cuts(
     counted = np.where(np.isnan(out), prev, out)
     capacity = np.asarray(capacity_w, dtype=np.float64)
     n_groups = topology.n_groups
+    rank: NDArray[np.int64] | None = None
     for level in range(N_LEVELS):
         group = topology.gpu_groups[:, level]
         sums = np.bincount(group, weights=counted, minlength=n_groups)
@@ -75,9 +76,11 @@ def hold_small_cuts(
         if not over.any():
             continue
         rise = np.maximum(counted - prev, 0.0)
+        if rank is None:
+            rank = _rank(rise, pressed)
         rises = np.bincount(group, weights=rise, minlength=n_groups)
         room = np.maximum(rises - excess, 0.0)  # what the raises under each group may take
-        trimmed = np.where(rise > 0, prev + _fund(rise, group, room, over, pressed), counted)
+        trimmed = np.where(rise > 0, prev + _fund(rise, group, room, over, rank), counted)
         # Where the raises cannot make the room and the group still breaks its limit, the
         # held cuts go (then every GPU there sits at most at min(target, cap in force)).
         short = over & (rises < excess - TOL_W)
@@ -90,24 +93,30 @@ def hold_small_cuts(
     return out, held
 
 
+def _rank(rise: FloatArray, pressed: BoolArray | None) -> NDArray[np.int64]:
+    """The order raises are funded in where room is short: GPUs pressing on their cap
+    first, then the largest raises (a raise trimmed at a level above keeps its place)."""
+    key = -rise if pressed is None else np.where(pressed, -rise - 1e6, -rise)
+    rank = np.empty(rise.size, dtype=np.int64)
+    rank[np.argsort(key, kind="stable")] = np.arange(rise.size)
+    return rank
+
+
 def _fund(
     rise: FloatArray,
     group: NDArray[np.int64],
     room: FloatArray,
     over: BoolArray,
-    pressed: BoolArray | None,
+    rank: NDArray[np.int64],
 ) -> FloatArray:
     """Per GPU the part of its raise that is kept: in full where its group is not over;
-    under an over group, whole raises in turn (GPUs pressing on their cap first, then the
-    largest raises) while the group's room lasts, the one it runs out on in part: fewer,
-    larger moves than trimming every raise a little."""
+    under an over group, whole raises in turn (by `rank`) while the group's room lasts, the
+    one it runs out on in part: fewer, larger moves than trimming every raise a little."""
     kept = rise.copy()
-    cut = over[group] & (rise > 0)
-    idx = np.flatnonzero(cut)
+    idx = np.flatnonzero(over[group] & (rise > 0))
     if not idx.size:
         return kept
-    first = np.zeros(idx.size) if pressed is None else (~pressed[idx]).astype(np.float64)
-    order = idx[np.lexsort((-rise[idx], first, group[idx]))]
+    order = idx[np.argsort(group[idx] * rank.size + rank[idx])]
     g = group[order]
     r = rise[order]
     cum = np.cumsum(r)
