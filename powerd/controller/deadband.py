@@ -11,7 +11,9 @@ move is a call on the node (NVML, a BMC) and a message on the broker. The deadba
   funded from the room left, whole raises in turn (GPUs whose draw presses on their cap
   first, then the largest), the one the room runs out on in part: fewer, larger moves;
 - **never holds back a cut a limit needs**: where the held cuts alone break a group's limit
-  (a budget cut, a limit that fell), every held cut under that group goes;
+  (a budget cut, a limit that fell), held cuts under that group go, the largest first,
+  until it fits (the last in part): no more than the limit needs, so caps follow a ramping
+  budget down as smoothly as without the deadband;
 - **never holds a raise**: a held raise would only leave power unused, but measured, it
   cost the work the headroom above an inference GPU's draw is there for (docs/allocator.md,
   "Deadband").
@@ -63,6 +65,7 @@ def hold_small_cuts(
     held = holdable & (delta < 0) & (delta >= -deadband_w)  # NaN compares False
     if not held.any():
         return targets, held
+    held_at_first = held
     out = np.where(held, prev, targets)
     counted = np.where(np.isnan(out), prev, out)
     capacity = np.asarray(capacity_w, dtype=np.float64)
@@ -80,38 +83,44 @@ def hold_small_cuts(
             rank = _rank(rise, pressed)
         rises = np.bincount(group, weights=rise, minlength=n_groups)
         room = np.maximum(rises - excess, 0.0)  # what the raises under each group may take
-        trimmed = np.where(rise > 0, prev + _fund(rise, group, room, over, rank), counted)
-        # Where the raises cannot make the room and the group still breaks its limit, the
-        # held cuts go (then every GPU there sits at most at min(target, cap in force)).
-        short = over & (rises < excess - TOL_W)
-        release = held & short[group] & (targets < prev)
-        trimmed = np.where(release, targets, trimmed)
-        held &= ~release
+        trimmed = np.where(rise > 0, prev + _fill(rise, group, room, over, rank), counted)
+        # Where no raise is left and the group still breaks its limit, held cuts go, the
+        # largest first, until it fits (all of them: every GPU there at min(target, cap in
+        # force), which fits): no more than the limit needs, so caps follow a ramping
+        # budget down as smoothly as without the deadband.
+        short = np.maximum(excess - rises, 0.0)
+        tight = short > TOL_W
+        if tight.any():
+            # A cut held (in full, or in part at a level above) may still go, to its target.
+            cut = np.where(held_at_first & tight[group], np.maximum(counted - targets, 0.0), 0.0)
+            made = _fill(cut, group, short, tight, _rank(cut, None))
+            trimmed = np.where(made > 0, counted - made, trimmed)
         changed = np.isfinite(out)
         out = np.where(changed, trimmed, out)
         counted = np.where(np.isnan(out), prev, out)
-    return out, held
+    return out, held_at_first & (counted == prev)
 
 
 def _rank(rise: FloatArray, pressed: BoolArray | None) -> NDArray[np.int64]:
-    """The order raises are funded in where room is short: GPUs pressing on their cap
-    first, then the largest raises (a raise trimmed at a level above keeps its place)."""
+    """The order moves are made in where room is short: GPUs pressing on their cap first,
+    then the largest (a move trimmed at a level above keeps its place)."""
     key = -rise if pressed is None else np.where(pressed, -rise - 1e6, -rise)
     rank = np.empty(rise.size, dtype=np.int64)
     rank[np.argsort(key, kind="stable")] = np.arange(rise.size)
     return rank
 
 
-def _fund(
+def _fill(
     rise: FloatArray,
     group: NDArray[np.int64],
     room: FloatArray,
     over: BoolArray,
     rank: NDArray[np.int64],
 ) -> FloatArray:
-    """Per GPU the part of its raise that is kept: in full where its group is not over;
-    under an over group, whole raises in turn (by `rank`) while the group's room lasts, the
-    one it runs out on in part: fewer, larger moves than trimming every raise a little."""
+    """Per GPU the part of its move (`rise`, ≥ 0) that is made: in full where its group is
+    not `over`; under an over group, whole moves in turn (by `rank`) while the group's
+    `room` lasts, the one it runs out on in part: fewer, larger moves than a little of
+    every one."""
     kept = rise.copy()
     idx = np.flatnonzero(over[group] & (rise > 0))
     if not idx.size:
