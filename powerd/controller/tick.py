@@ -9,8 +9,10 @@ outputs explicit:
    committed caps may reach;
 3. **allocation** (controller/targets.py): classes, jobs, pins, learned curves and the
    allocator's targets (a solver failure falls back to the failsafe caps, with an alarm);
-4. **safe plan** (`_plan`): the safety planner turns the targets into commands (cuts at
-   once, raises only within committed budgets, lease renewals to every live node);
+4. **safe plan** (`_deadband`, `_plan`): cuts within `control.deadband_w` held at the cap
+   in force where every limit still fits (controller/deadband.py), then the safety planner
+   turns the targets into commands (cuts at once, raises only within committed budgets,
+   lease renewals to every live node);
 5. **report** (`_report`): what the tick saw and did (controller/report.py), with why
    each cap (controller/why.py).
 
