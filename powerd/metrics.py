@@ -290,6 +290,10 @@ class _Families(Collector):
         self.statuses: set[str] = set()
         self.last_tick_ts: float | None = None
         self.unused_w: float | None = None
+        # Churn (controller/churn.py), summed over ticks: caps moved, W moved, cuts held.
+        self.caps_moved = 0.0
+        self.moved_w = 0.0
+        self.caps_held = 0.0
         self.throughput: Mapping[str, float] = {}
         self.gpus: Mapping[str, float] = {}
         self.nodes: Mapping[str, float] = {}
@@ -351,6 +355,24 @@ class _Families(Collector):
         )
         yield scalar("powerd_caps_sent", "Per-GPU caps sent to agents.", "counter", self.caps_sent)
         yield scalar("powerd_acks_received", "Cap acknowledgements received.", "counter", self.acks)
+        yield scalar(
+            "powerd_caps_moved",
+            "GPUs whose cap a tick moved (more than 0.5 W), summed over ticks.",
+            "counter",
+            self.caps_moved,
+        )
+        yield scalar(
+            "powerd_cap_moved_watts",
+            "Size of those moves, summed over ticks (in W).",
+            "counter",
+            self.moved_w,
+        )
+        yield scalar(
+            "powerd_caps_held",
+            "Cuts within control.deadband_w held at the cap in force, summed over ticks.",
+            "counter",
+            self.caps_held,
+        )
         yield counter("powerd_ticks", "Controller ticks, by solver status.", "status", self.ticks)
         yield family(
             "powerd_solver_status",
@@ -512,7 +534,9 @@ class ControllerMetrics:
         ts: float,
         throughput: Mapping[str, float] | None = None,
         unused_w: float | None = None,
+        churn: tuple[int, float, int] = (0, 0.0, 0),
     ) -> None:
+        """`churn`: the tick's (caps moved, W moved, cuts held)."""
         self.tick_seconds.observe(duration_s)
         self.solve_seconds.observe(solve_s)
         with self._lock:
@@ -524,6 +548,9 @@ class ControllerMetrics:
                 self._f.throughput = dict(throughput)
             if unused_w is not None:
                 self._f.unused_w = unused_w
+            self._f.caps_moved += churn[0]
+            self._f.moved_w += churn[1]
+            self._f.caps_held += churn[2]
 
     def update_counters(
         self,

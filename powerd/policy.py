@@ -184,6 +184,10 @@ class Control(_Strict):
     # Weight of the damping term ε·Σ(p − p_prev)², p in kW: breaks ties toward the caps in
     # force and damps oscillation. Small against profile slopes (≈1 per kW).
     damping: float = Field(default=0.01, ge=0, le=10)
+    # A GPU's cap moves only when its new target is more than this far from the cap in force
+    # (docs/allocator.md, "Deadband"): under shared budgets, one GPU's swing otherwise moves
+    # every neighbour a little each tick. Cuts a budget needs are never held; 0: off.
+    deadband_w: NonNegWatts = 40.0
     # Power no GPU can turn into throughput: "peak" leaves it unallocated (no cap above its
     # profile's peak), "max" hands it out up to each GPU's maximum cap.
     leftover: Literal["peak", "max"] = "peak"

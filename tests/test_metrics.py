@@ -126,7 +126,14 @@ def test_groups_tick_counters_alarms() -> None:
         committed_w=[9e5, 4e5],
         draw_w=[8e5, 3.5e5],
     )
-    m.observe_tick(duration_s=0.12, solve_s=0.03, status="optimal", ts=1.7e9, throughput={"a": 2})
+    m.observe_tick(
+        duration_s=0.12,
+        solve_s=0.03,
+        status="optimal",
+        ts=1.7e9,
+        throughput={"a": 2},
+        churn=(3, 45.0, 2),
+    )
     m.observe_tick(duration_s=0.3, solve_s=0.2, status="fallback", ts=1.7e9 + 1, unused_w=1234.5)
     m.update_counters(
         received={"telemetry": 10, "ack": 4}, dropped={"malformed": 2}, caps_sent=40, acks=4
@@ -155,6 +162,9 @@ def test_groups_tick_counters_alarms() -> None:
     assert got["powerd_messages_received_total"][(("kind", "telemetry"),)] == 10
     assert got["powerd_messages_dropped_total"][(("reason", "malformed"),)] == 2
     assert got["powerd_caps_sent_total"][()] == 40
+    assert got["powerd_caps_moved_total"][()] == 3
+    assert got["powerd_cap_moved_watts_total"][()] == 45.0
+    assert got["powerd_caps_held_total"][()] == 2
     assert got["powerd_acks_received_total"][()] == 4
     assert got["powerd_gpus"][(("state", "stale"),)] == 1
     assert got["powerd_alarms_total"][(("kind", "solver_failed"),)] == 2

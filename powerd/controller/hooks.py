@@ -113,6 +113,7 @@ def metrics_hook(controller: Controller, metrics: ControllerMetrics) -> TickHook
             ts=r.ts,
             throughput=r.throughput_by_class(),
             unused_w=r.unused_w,
+            churn=(r.caps_moved, r.moved_w, r.caps_held),
         )
         c = controller.counters
         metrics.update_counters(

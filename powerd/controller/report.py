@@ -67,6 +67,11 @@ class TickReport:
     # from the profiles); the store keeps its per-minute mean for `powerd pilot report`.
     # None: a tick that fell back.
     perf: FloatArray | None = None
+    # Churn (controller/churn.py): GPUs whose cap this tick moves from the cap that may be in
+    # force, the W those moves add up to, and moves the deadband held (control.deadband_w).
+    caps_moved: int = 0
+    moved_w: float = 0.0
+    caps_held: int = 0
 
     @property
     def throughput_total(self) -> float:

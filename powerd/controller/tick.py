@@ -9,8 +9,10 @@ outputs explicit:
    committed caps may reach;
 3. **allocation** (controller/targets.py): classes, jobs, pins, learned curves and the
    allocator's targets (a solver failure falls back to the failsafe caps, with an alarm);
-4. **safe plan** (`_plan`): the safety planner turns the targets into commands (cuts at
-   once, raises only within committed budgets, lease renewals to every live node);
+4. **safe plan** (`_deadband`, `_plan`): cuts within `control.deadband_w` held at the cap
+   in force where every limit still fits (controller/deadband.py), then the safety planner
+   turns the targets into commands (cuts at once, raises only within committed budgets,
+   lease renewals to every live node);
 5. **report** (`_report`): what the tick saw and did (controller/report.py), with why
    each cap (controller/why.py).
 
@@ -25,15 +27,18 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import structlog
 from numpy.typing import NDArray
 
 from powerd.alarms import Alarms
+from powerd.allocator.problem import CAP_LIMITED_SHARE
 from powerd.allocator.scopes import DemandCurve
 from powerd.controller.budgets import Budgets, BudgetsInForce, ScopeRoot
+from powerd.controller.churn import cap_moves
+from powerd.controller.deadband import hold_small_cuts
 from powerd.controller.fleet import FleetArrays, FleetGpu, FleetState, NodeReadings
 from powerd.controller.input_alarms import InputAlarms
 from powerd.controller.obedience import Obedience
@@ -306,6 +311,7 @@ class TickEngine:
             self._curve(targets, budgets, seen.shape)
         self._alarm_targets(targets)
         t_plan = time.perf_counter()
+        targets, held = self._deadband(seen, budgets, targets)
         plan = self._plan(tick, now, seen, budgets, targets)
         planned.append(plan)
         plan_ms = (time.perf_counter() - t_plan) * 1000.0
@@ -313,6 +319,8 @@ class TickEngine:
         report = self._report(
             seen, budgets, targets, plan, tick=tick, wall=wall, over=over, t0=t0, plan_ms=plan_ms
         )
+        moves = cap_moves(seen.committed_w, plan.sent_w)
+        report = replace(report, caps_moved=moves.size, moved_w=float(moves.sum()), caps_held=held)
         return report, plan
 
     # 1. the fleet
@@ -377,6 +385,31 @@ class TickEngine:
             self.curve_offset_w = got[1]
 
     # 4. the safe plan
+
+    def _deadband(self, seen: Seen, budgets: Budgets, targets: Targets) -> tuple[Targets, int]:
+        """Small cuts held at the cap in force (controller/deadband.py), and how many.
+        Operators' pins and GPUs whose cap in force lies outside their class's bounds move."""
+        band = self.policy.control.deadband_w
+        if band <= 0:
+            return targets, 0
+        fleet, topo = targets.fleet, seen.shape.topology
+        classes = self.targets.classes
+        prev = fleet.cap_w
+        lo = np.maximum(fleet.min_cap_w, classes.floor_w[targets.class_index])
+        hi = np.minimum(fleet.max_cap_w, classes.ceiling_w[targets.class_index])
+        holdable = np.isnan(fleet.pinned_w) & (prev >= lo) & (prev <= hi)
+        held_w, held = hold_small_cuts(
+            targets.targets_w,
+            prev,
+            deadband_w=band,
+            topology=topo,
+            capacity_w=np.asarray(budgets.limit_w, dtype=np.float64)
+            - topo.overhead_w
+            - seen.shape.reserve_w,
+            holdable=holdable,
+            pressed=fleet.power_w >= CAP_LIMITED_SHARE * prev,
+        )
+        return replace(targets, targets_w=held_w), int(held.sum())
 
     def _plan(
         self, tick: int, now: float, seen: Seen, budgets: Budgets, targets: Targets

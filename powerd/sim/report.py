@@ -453,6 +453,25 @@ def ramp_lines(report: Report) -> list[str]:
     return lines + _table(head, rows)
 
 
+def churn_lines(results: dict[str, RunResult]) -> list[str]:
+    """Cap moves per tick (controller/churn.py): each is a call on a node and a message."""
+    rows = [
+        [
+            p,
+            f"{c['share_moved']:.1%}",
+            f"{c['median_move_w']:.0f}",
+            f"{c['p95_move_w']:.0f}",
+            f"{c['moved_w_per_tick']:,.0f}",
+        ]
+        for p, r in results.items()
+        if (c := r.churn)
+    ]
+    head = ["policy", "caps moved/tick", "median move W", "p95 move W", "W moved/tick"]
+    return ["cap churn after the first minute (every move: a call on a node, a message)"] + (
+        _table(head, rows) if rows else []
+    )
+
+
 def sweep_lines(points: list[SweepPoint]) -> list[str]:
     policies = list(points[0].results) if points else []
     head = ["feed", "kW"] + [f"{p}" for p in policies]
@@ -520,6 +539,8 @@ def text(report: Report) -> str:
     if report.compare:
         lines += ["", *compare_lines(report.runs)]
         lines += ["", *ramp_lines(report)]
+        if any(r.churn for r in report.compare.values()):
+            lines += ["", *churn_lines(report.compare)]
     if report.sweep:
         lines += ["", *sweep_lines(report.sweep)]
     if report.oversub is not None:

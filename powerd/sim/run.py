@@ -30,6 +30,7 @@ from numpy.typing import NDArray
 
 from powerd.allocator import ClassTable, Tree
 from powerd.backends.mock import MockGpuSpec, SimulatedGpus
+from powerd.controller.churn import Churn
 from powerd.controller.overrides import OverrideError, ScheduledBudget
 from powerd.controller.report import TickReport
 from powerd.controller.tick import TickEngine
@@ -59,6 +60,8 @@ def rounds_per_steer(policy: Policy, tick_s: float) -> int:
 
 # Measured draw above a budget by more than this counts as an excess (float noise below).
 EXCESS_TOL_W = 1e-3
+# Cap moves are counted from this time on (the first steers set every cap: start-up).
+CHURN_AFTER_S = 60.0
 # A GPU counts as held below its floor when its cap is this far under it and it wants more.
 FLOOR_TOL_W = 0.5
 
@@ -108,6 +111,8 @@ class RunResult:
     wall_s: float
     solve_ms_mean: float
     series: Series = field(repr=False)
+    # Cap moves per steer after the first minute (controller/churn.py; empty for static).
+    churn: dict[str, float | int] = field(default_factory=dict)
 
     @property
     def mean_throughput(self) -> float:
@@ -143,6 +148,7 @@ class RunResult:
             "committed_over_ticks": self.committed_over_ticks,
             "statuses": self.statuses,
             "ramp_w_per_s": self.ramp_w_per_s,
+            "churn": self.churn,
         }
 
 
@@ -228,6 +234,7 @@ class _Run:
         self.weighted_work = 0.0
         self.below_floor_s = np.zeros(n_classes)
         self.step_peak = np.zeros(n_levels)
+        self.churn = Churn()
 
     def _engine(
         self, scenario: Scenario, *, learn: bool, profiles: Mapping[str, Profile]
@@ -265,6 +272,7 @@ class _Run:
         assert engine is not None and agents is not None
         for readings in agents.readings(now):
             engine.on_readings(readings, now)
+        caps_before = self.model.cap_w.copy()
         for _ in range(self.rounds):
             report, plan = engine.step(now, now)
             if self.trace is not None:
@@ -282,6 +290,8 @@ class _Run:
             self.committed_over += int((after > limit + 1e-6).any())
             if not plan.withheld.any():
                 break
+        if now >= CHURN_AFTER_S:
+            self.churn.add(caps_before, self.model.cap_w)
 
     def grid_budget(self, t: float) -> FloatArray:
         """The budgets the feeds hold the site to at `t`: the policy's, and each scheduled
@@ -532,6 +542,7 @@ def simulate(
         ),
         wall_s=wall,
         solve_ms_mean=float(np.mean(run.solve_ms)) if run.solve_ms else 0.0,
+        churn=run.churn.summary() if run.engine is not None else {},
         series=Series(
             t_h=np.arange(1, n_ticks + 1, dtype=np.float64) * (tick_s / 3600.0),
             facility_draw_w=fac_draw,

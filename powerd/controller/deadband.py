@@ -1,0 +1,137 @@
+"""The deadband: a GPU's cap is cut only when its new target lies more than `deadband_w`
+below the cap in force.
+
+Between the allocator's targets and the safety planner (controller/tick.py). Under shared
+budgets one GPU's swing of demand moves every neighbour's target by a little each tick; each
+move is a call on the node (NVML, a BMC) and a message on the broker. The deadband:
+
+- **holds small cuts**: a target at most `deadband_w` below the cap in force keeps the cap
+  in force. That keeps room the allocator had handed to others, so wherever the held caps
+  and the raises together no longer fit a group's limit, the raises under that group are
+  funded from the room left, whole raises in turn (GPUs whose draw presses on their cap
+  first, then the largest), the one the room runs out on in part: fewer, larger moves;
+- **never holds back a cut a limit needs**: where the held cuts alone break a group's limit
+  (a budget cut, a limit that fell), held cuts under that group go, the largest first,
+  until it fits (the last in part): no more than the limit needs, so caps follow a ramping
+  budget down as smoothly as without the deadband;
+- **never holds a raise**: a held raise would only leave power unused, but measured, it
+  cost the work the headroom above an inference GPU's draw is there for (docs/allocator.md,
+  "Deadband").
+
+So the targets it returns fit every group's limit wherever the allocator's did: each group
+either fits as it is or ends at most at min(target, cap in force) per GPU. Pinned GPUs (an
+operator's cap, a drained node), GPUs the planner holds (NaN targets) and GPUs whose cap in
+force lies outside their bounds are never held.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import NDArray
+
+from powerd.topology import N_LEVELS, Topology
+
+FloatArray = NDArray[np.float64]
+BoolArray = NDArray[np.bool_]
+
+# Watts of float noise tolerated when testing a group against its limit.
+TOL_W = 1e-6
+
+
+def hold_small_cuts(
+    targets_w: FloatArray,
+    in_force_w: FloatArray,
+    *,
+    deadband_w: float,
+    topology: Topology,
+    capacity_w: FloatArray,
+    holdable: BoolArray,
+    pressed: BoolArray | None = None,
+) -> tuple[FloatArray, BoolArray]:
+    """(targets, held): the targets with every cut of at most `deadband_w` held at the cap
+    in force, and per GPU whether it was held.
+
+    `in_force_w`: per GPU the cap that may be in force (the planner's committed cap);
+    `capacity_w`: per group what the GPUs' caps may sum to (limit − overhead − reserve);
+    `holdable`: per GPU whether the deadband may hold it; `pressed`: per GPU whether its
+    draw presses on its cap (its raise is work: funded first where room is short). NaN
+    targets (hold the committed cap) pass through and count at the cap in force.
+    """
+    targets = np.asarray(targets_w, dtype=np.float64)
+    if deadband_w <= 0 or targets.size == 0:
+        return targets, np.zeros(targets.shape, dtype=np.bool_)
+    prev = np.asarray(in_force_w, dtype=np.float64)
+    delta = targets - prev
+    held = holdable & (delta < 0) & (delta >= -deadband_w)  # NaN compares False
+    if not held.any():
+        return targets, held
+    held_at_first = held
+    out = np.where(held, prev, targets)
+    counted = np.where(np.isnan(out), prev, out)
+    capacity = np.asarray(capacity_w, dtype=np.float64)
+    n_groups = topology.n_groups
+    rank: NDArray[np.int64] | None = None
+    for level in range(N_LEVELS):
+        group = topology.gpu_groups[:, level]
+        sums = np.bincount(group, weights=counted, minlength=n_groups)
+        excess = sums - capacity
+        over = excess > TOL_W
+        if not over.any():
+            continue
+        rise = np.maximum(counted - prev, 0.0)
+        if rank is None:
+            rank = _rank(rise, pressed)
+        rises = np.bincount(group, weights=rise, minlength=n_groups)
+        room = np.maximum(rises - excess, 0.0)  # what the raises under each group may take
+        trimmed = np.where(rise > 0, prev + _fill(rise, group, room, over, rank), counted)
+        # Where no raise is left and the group still breaks its limit, held cuts go, the
+        # largest first, until it fits (all of them: every GPU there at min(target, cap in
+        # force), which fits): no more than the limit needs, so caps follow a ramping
+        # budget down as smoothly as without the deadband.
+        short = np.maximum(excess - rises, 0.0)
+        tight = short > TOL_W
+        if tight.any():
+            # A cut held (in full, or in part at a level above) may still go, to its target.
+            cut = np.where(held_at_first & tight[group], np.maximum(counted - targets, 0.0), 0.0)
+            made = _fill(cut, group, short, tight, _rank(cut, None))
+            trimmed = np.where(made > 0, counted - made, trimmed)
+        changed = np.isfinite(out)
+        out = np.where(changed, trimmed, out)
+        counted = np.where(np.isnan(out), prev, out)
+    return out, held_at_first & (counted == prev)
+
+
+def _rank(rise: FloatArray, pressed: BoolArray | None) -> NDArray[np.int64]:
+    """The order moves are made in where room is short: GPUs pressing on their cap first,
+    then the largest (a move trimmed at a level above keeps its place)."""
+    key = -rise if pressed is None else np.where(pressed, -rise - 1e6, -rise)
+    rank = np.empty(rise.size, dtype=np.int64)
+    rank[np.argsort(key, kind="stable")] = np.arange(rise.size)
+    return rank
+
+
+def _fill(
+    rise: FloatArray,
+    group: NDArray[np.int64],
+    room: FloatArray,
+    over: BoolArray,
+    rank: NDArray[np.int64],
+) -> FloatArray:
+    """Per GPU the part of its move (`rise`, ≥ 0) that is made: in full where its group is
+    not `over`; under an over group, whole moves in turn (by `rank`) while the group's
+    `room` lasts, the one it runs out on in part: fewer, larger moves than a little of
+    every one."""
+    kept = rise.copy()
+    idx = np.flatnonzero(over[group] & (rise > 0))
+    if not idx.size:
+        return kept
+    order = idx[np.argsort(group[idx] * rank.size + rank[idx])]
+    g = group[order]
+    r = rise[order]
+    cum = np.cumsum(r)
+    start = np.r_[True, g[1:] != g[:-1]]
+    # Each GPU's raises before it within its group (segmented cumulative sum).
+    base = np.maximum.accumulate(np.where(start, cum - r, 0.0))
+    before = cum - r - base
+    kept[order] = np.clip(room[g] - before, 0.0, r)
+    return kept
