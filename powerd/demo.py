@@ -353,6 +353,44 @@ def _print_startup(s: dict[str, Any], out: TextIO) -> None:
     )
 
 
+def baselines_line(
+    model: SimulatedGpus, policy: Policy, gpu_nodes: list[str], start_s: float, duration_s: float
+) -> str:
+    """What the demo's GPUs would do without powerd, from their demand over the run (at
+    most 200 samples): uncapped draw against the budgets and what a breaker rated at the
+    budget makes of it, and what static TDP caps fit (docs/simulator.md, "Baselines")."""
+    from powerd.sim.baselines import Breaker
+    from powerd.topology import Topology
+
+    topo = Topology.build(policy, gpu_nodes)
+    times = np.linspace(start_s, start_s + duration_s, max(2, min(200, int(duration_s) + 1)))
+    draw = np.array([np.minimum(model.demand_at(float(t)), model.max_cap_w) for t in times])
+    finite = np.isfinite(topo.budget_w) & (topo.budget_w > 0)
+    if not finite.any():
+        return ""
+    groups = np.array([topo.group_sums(d) for d in draw]) + topo.overhead_w
+    ratio = np.where(finite, groups / np.where(finite, topo.budget_w, 1.0), 0.0)
+    t_worst, g_worst = np.unravel_index(int(np.argmax(ratio)), ratio.shape)
+    worst = float(ratio[t_worst, g_worst])
+    over = float(np.mean((ratio > 1.0).any(axis=1)))
+    trip = Breaker().trip_s(worst)
+    verdict = (
+        "never trips a breaker rated at the budget"
+        if math.isinf(trip)
+        else f"a breaker rated at the budget trips in {trip / 60:.0f} min at that load"
+    )
+    line = (
+        f"  without powerd: uncapped, these {model.n} GPUs would draw up to {worst:.0%} of "
+        f"{topo.names[g_worst]}'s budget ({over:.0%} of the time over one); {verdict}"
+    )
+    feed = float(topo.budget_w[0])
+    node = next((g for g in policy.groups if g.level == 3), None)
+    if math.isfinite(feed) and node is not None and model.n:
+        nodes = int(feed // (node.gpus * float(model.max_cap_w[0]) + node.overhead_w))
+        line += f"; static TDP caps fit {nodes * node.gpus} GPUs under the feed"
+    return line + ". The oracle and the full comparison: powerd sim (docs/simulator.md)"
+
+
 def tick_json(r: TickReport) -> dict[str, Any]:
     """One line of `powerd demo --json`: the facility and its rows at this tick."""
     return {
@@ -518,6 +556,10 @@ async def run_demo(
             file=out,
             flush=True,
         )
+        gpu_nodes = [n for n, c in zip(node_names, counts, strict=True) for _ in range(c)]
+        line = baselines_line(model, policy, gpu_nodes, model.t, duration_s)
+        if line:
+            print(line, file=out, flush=True)
     server = None if ui_port is None else live_page(controller, ui_port, console)
     view = LiveView(model, policy, out, as_json=as_json)
     stats = view.stats

@@ -259,6 +259,8 @@ def test_cli_json_plots_and_html(tmp_path: Path, capsys: pytest.CaptureFixture[s
         "budget_sweep",
         "oversubscribe",
         "runtime",
+        "baselines",
+        "headline",
     }
     # The headline's baseline is the oversubscription search's static TDP provisioning.
     assert doc["provisioned"]["gpus"] == doc["oversubscribe"]["static_tdp_gpus"]

@@ -24,6 +24,7 @@ from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from powerd.cli.extras import require
 from powerd.input_errors import InputError
 from powerd.sim import (
+    BASELINES,
     DEFAULT_FRACTIONS,
     DEFAULT_POINTS,
     DEFAULT_THRESHOLD,
@@ -34,6 +35,7 @@ from powerd.sim import (
 
 if TYPE_CHECKING:  # the simulator itself loads with the command (numpy, the tick)
     from powerd.policy import Overload, Policy
+    from powerd.sim.baselines import Breaker
     from powerd.sim.report import Report
     from powerd.sim.scenario import Scenario
     from powerd.sim.site import Site
@@ -73,6 +75,18 @@ def _policies(text_: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _baselines(text_: str) -> list[str]:
+    names = [x.strip() for x in text_.split(",") if x.strip()]
+    if names == ["none"]:
+        return []
+    bad = [n for n in names if n not in BASELINES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown baseline {', '.join(bad) or '(none)'}; valid: {', '.join(BASELINES)}, or none"
+        )
+    return list(dict.fromkeys(names))
+
+
 def add_parser(subparsers: Any) -> None:
     """Register `powerd sim` on the top-level subparsers."""
     sim = subparsers.add_parser(
@@ -88,6 +102,28 @@ def add_parser(subparsers: Any) -> None:
         type=_policies,
         default=list(POLICIES),
         help=f"comma-separated, default {','.join(POLICIES)}",
+    )
+    sim.add_argument(
+        "--baselines",
+        type=_baselines,
+        default=list(BASELINES),
+        help="what a site would do without powerd, beside the policies and in "
+        "--oversubscribe: uncapped (no caps, judged by breakers), oracle (perfect foresight, "
+        f"the upper bound); default {','.join(BASELINES)}; none to skip",
+    )
+    sim.add_argument(
+        "--breaker-rating",
+        type=positive_float,
+        default=1.0,
+        metavar="SHARE",
+        help="every budgeted group's breaker rating as a share of its budget (default "
+        "%(default)s; 1.25 where the budget is NEC's 80 %% continuous load)",
+    )
+    sim.add_argument(
+        "--restore-s",
+        type=positive_float,
+        help="seconds from a breaker trip until the group's GPUs work again (default 1800: "
+        "reset, reboot, restart from the last checkpoint)",
     )
     sim.add_argument("--seed", type=int, help="override the scenario's seed")
     sim.add_argument("--duration-h", type=positive_float, help="override the simulated duration")
@@ -271,6 +307,7 @@ def _scenario_and_policy(args: argparse.Namespace) -> tuple[Scenario, Policy]:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from powerd.sim.baselines import BaselineResult
     from powerd.sim.report import Report
     from powerd.sim.scenario import ScenarioError
     from powerd.sim.site import site_for
@@ -292,10 +329,14 @@ def _run(args: argparse.Namespace) -> int:
     bar = ProgressBar(sys.stderr) if show else None
     runner = Runner(jobs=args.jobs, progress=bar)
     t0 = time.perf_counter()
-    report = Report(scenario=scenario, site=site)
+    breaker = _breaker(args)
+    report = Report(scenario=scenario, site=site, breaker=breaker)
     policies: list[str] = args.policies
+    baselines: list[str] = args.baselines
     try:
-        report.compare = compare(scenario, site, policies, runner)
+        runs = compare(scenario, site, policies, runner, baselines=baselines, breaker=breaker)
+        report.compare = {p: runs[p] for p in policies}
+        report.baselines = {b: r for b in baselines if isinstance(r := runs[b], BaselineResult)}
         report.provisioned = static_provisioning(scenario, site, runner)
         if args.budget_sweep:
             report.sweep = budget_sweep(scenario, site, args.budget_sweep, policies, runner)
@@ -310,6 +351,8 @@ def _run(args: argparse.Namespace) -> int:
                 points=args.points,
                 metric=args.metric,
                 keep_inner=args.keep_inner_budgets,
+                baselines=baselines,
+                breaker=breaker,
             )
     except ValueError as exc:
         raise ScenarioError(scenario.source, [("", str(exc))]) from None
@@ -328,6 +371,13 @@ def _run(args: argparse.Namespace) -> int:
         log.error("sim_budget_exceeded", policies=steered_over)
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _breaker(args: argparse.Namespace) -> Breaker:
+    from powerd.sim.baselines import RESTORE_S, Breaker
+
+    restore = RESTORE_S if args.restore_s is None else args.restore_s
+    return Breaker(rating=args.breaker_rating, restore_s=restore)
 
 
 def _learning(scenario: Scenario, site: Site, args: argparse.Namespace) -> int:

@@ -16,7 +16,8 @@ from typing import Any
 
 from powerd.numeric import finite_or_none, kw_text
 from powerd.policy import LEVELS
-from powerd.sim import STATIC
+from powerd.sim import ORACLE, STATIC, STEERED, UNCAPPED
+from powerd.sim.baselines import BaselineResult, Breaker, Trips, trips_of
 from powerd.sim.run import RunResult
 from powerd.sim.scenario import Scenario
 from powerd.sim.site import Site
@@ -27,6 +28,8 @@ COLORS = {
     "uniform": "#ff7f0e",
     "priority-bands": "#2ca02c",
     "static": "#7f7f7f",
+    UNCAPPED: "#9467bd",
+    ORACLE: "#000000",
 }
 
 
@@ -40,6 +43,29 @@ class Report:
     sweep: list[SweepPoint] = field(default_factory=list)
     oversub: Oversubscription | None = None
     wall_s: float = 0.0
+    # `uncapped` and `oracle` on the same GPUs (powerd/sim/baselines.py), and the breaker
+    # model that judges every run.
+    baselines: dict[str, BaselineResult] = field(default_factory=dict)
+    breaker: Breaker = field(default_factory=Breaker)
+
+    @property
+    def runs(self) -> dict[str, RunResult]:
+        """The policies, then the baselines."""
+        return {**self.compare, **self.baselines}
+
+    def trips(self, name: str) -> Trips | None:
+        """What the breakers did to run `name`: simulated for `uncapped`, bounded from the
+        highest draw/budget for the others (None: that bound cannot rule a trip out)."""
+        r = self.runs[name]
+        if isinstance(r, BaselineResult) and r.trips is not None:
+            return r.trips
+        return trips_of(r, self.breaker)
+
+    @property
+    def lead(self) -> str | None:
+        """The steered policy the headline speaks for: `fast` if run, else the first."""
+        steered = [p for p in self.compare if p in STEERED]
+        return "fast" if "fast" in steered else (steered[0] if steered else None)
 
 
 # -- JSON ----------------------------------------------------------------------------------
@@ -73,6 +99,14 @@ def to_json(report: Report) -> dict[str, Any]:
             }
             for p, r in report.compare.items()
         }
+        for p in report.compare:
+            t = report.trips(p)
+            out["compare"][p]["trips"] = None if t is None else t.summary()
+    if report.baselines:
+        out["baselines"] = {b: r.summary() for b, r in report.baselines.items()}
+    headline = headline_json(report)
+    if headline:
+        out["headline"] = headline
     base = report.provisioned
     if base is not None:
         out["provisioned"] = base.summary()
@@ -115,6 +149,7 @@ def to_json(report: Report) -> dict[str, Any]:
             "static_tdp_gpus": o.static_tdp_gpus,
             "max_gpus_min_caps": o.max_nodes * o.gpus_per_node,
             "fit_gpus": {p: o.fit_gpus(p) for p in o.fit_nodes},
+            "uncapped_fit_gpus": {k: o.uncapped_fit_gpus(k) for k in o.uncapped_fit_nodes},
             "gain_vs_static": {
                 p: (g / o.static_tdp_gpus - 1.0) if g is not None and o.static_tdp_gpus else None
                 for p in o.fit_nodes
@@ -126,11 +161,58 @@ def to_json(report: Report) -> dict[str, Any]:
                     "loss": pt.loss,
                     "weighted_loss": pt.weighted_loss,
                     "over_budget_s": pt.over_budget_s,
+                    "trips": pt.trips,
                 }
                 for pt in o.points
             ],
         }
     out["runtime"] = {"wall_s": report.wall_s}
+    return out
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b > 0 else None
+
+
+def headline_json(report: Report) -> dict[str, Any]:
+    """powerd (the lead policy) against static provisioning, against uncapped at the same
+    risk, and as a share of the oracle; with --oversubscribe, the same in GPUs."""
+    lead = report.lead
+    if lead is None:
+        return {}
+    r = report.compare[lead]
+    t = report.trips(lead)
+    out: dict[str, Any] = {"policy": lead, "trips": None if t is None else t.trips}
+    if report.provisioned is not None:
+        out["vs_static"] = _ratio(r.work_gpu_s, report.provisioned.work_gpu_s)
+    u = report.baselines.get(UNCAPPED)
+    if u is not None and u.trips is not None:
+        out["vs_uncapped"] = {
+            "work": _ratio(r.work_gpu_s, u.work_gpu_s),
+            "uncapped_trips": u.trips.trips,
+            "uncapped_over_budget_s": u.over_budget_s,
+            "uncapped_over_budget_s_by_level": u.over_budget_s_by_level,
+            "uncapped_max_draw_over_budget": u.max_excess_ratio,
+            "uncapped_lost_work_gpu_h": u.trips.lost_work_gpu_s / 3600.0,
+        }
+    orc = report.baselines.get(ORACLE)
+    if orc is not None:
+        out["share_of_oracle"] = {
+            "work": _ratio(r.work_gpu_s, orc.work_gpu_s),
+            "weighted_work": _ratio(r.weighted_work_gpu_s, orc.weighted_work_gpu_s),
+        }
+    o = report.oversub
+    if o is not None:
+        fit = o.fit_gpus(lead)
+        best = o.fit_gpus(ORACLE)
+        out["oversubscribe"] = {
+            "gpus": fit,
+            "static_tdp_gpus": o.static_tdp_gpus,
+            "uncapped_no_trip_gpus": o.uncapped_fit_gpus("no_trip"),
+            "uncapped_never_over_gpus": o.uncapped_fit_gpus("never_over"),
+            "oracle_gpus": best,
+            "share_of_oracle": _ratio(fit, best) if fit is not None and best else None,
+        }
     return out
 
 
@@ -206,6 +288,101 @@ def headline_lines(results: dict[str, RunResult], base: RunResult) -> list[str]:
     return lines
 
 
+def _levels(by_level: dict[str, float]) -> str:
+    parts = [f"{lv} {_duration(v)}" for lv, v in by_level.items() if v > 0]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def breaker_text(b: Breaker) -> str:
+    return (
+        f"breakers rated {b.rating:.0%} of each budget: never trip below {b.pickup:.0%} of "
+        f"the rating, trip in {_duration(b.trip_s(1.35))} at 135 %, {_duration(b.trip_s(2.0))} "
+        f"at 200 %, at once at {b.instant:.0%}; a trip is restored after "
+        f"{_duration(b.restore_s)}"
+    )
+
+
+def trips_text(t: Trips) -> str:
+    if t.trips == 0:
+        return "no trip" if t.exact else "no trip (draw stays below every breaker's pickup)"
+    levels = ", ".join(f"{lv} {k}" for lv, k in t.by_level.items() if k)
+    first = t.first_trip_s or 0.0
+    return (
+        f"{t.trips} trip(s) ({levels}), the first after {_duration(first)}; "
+        f"{t.down_gpu_s / 3600:,.0f} GPU-h down, {t.lost_work_gpu_s / 3600:,.1f} GPU-h of "
+        "work lost"
+    )
+
+
+def baseline_lines(report: Report) -> list[str]:
+    """What a site would choose instead, on the same GPUs, and the lead policy against it."""
+    lines = [f"baselines on the same {report.site.n_gpus:,} GPUs ({breaker_text(report.breaker)}):"]
+    u = report.baselines.get(UNCAPPED)
+    if u is not None and u.trips is not None:
+        over = _duration(u.over_budget_s)
+        lines.append(
+            f"  uncapped (no caps at all): over a budget {over}{_levels(u.over_budget_s_by_level)}"
+            f", worst {u.max_excess_ratio:.1%} of a budget (+{kw_text(u.max_excess_w)}); "
+            f"{trips_text(u.trips)}; delivers {u.mean_throughput:,.1f} ({u.loss():.2%} lost)"
+        )
+    orc = report.baselines.get(ORACLE)
+    if orc is not None:
+        lines.append(
+            f"  oracle (perfect foresight, re-solved every {orc.step_s:g} s): delivers "
+            f"{orc.mean_throughput:,.1f} ({orc.weighted_work_gpu_s / orc.duration_s:,.1f} "
+            f"weighted, {orc.loss():.2%} lost), never over a budget: the upper bound"
+        )
+    return lines
+
+
+def headline_block(report: Report) -> list[str]:
+    """The lead policy in a few lines: against static, against uncapped at the same risk,
+    as a share of the oracle (and, with --oversubscribe, the same in GPUs)."""
+    lead = report.lead
+    if lead is None:
+        return []
+    r = report.compare[lead]
+    t = report.trips(lead)
+    trips = "trips not ruled out" if t is None else trips_text(t)
+    over = _duration(r.over_budget_s)
+    lines = [f"headline: {lead} on {r.n_gpus:,} GPUs, {over} over a budget, {trips}"]
+    base = report.provisioned
+    if base is not None:
+        lines.append(
+            f"  against static (TDP caps, the {base.n_gpus:,} GPUs the feed holds at nameplate): "
+            f"{_gain(r.work_gpu_s, base.work_gpu_s)} work"
+        )
+    u = report.baselines.get(UNCAPPED)
+    if u is not None and u.trips is not None:
+        risk = "the same risk" if u.trips.trips == 0 else "more risk"
+        lines.append(
+            f"  against uncapped on the same GPUs ({risk}: {trips_text(u.trips)}, "
+            f"{_duration(u.over_budget_s)} over a budget, worst {u.max_excess_ratio:.1%}): "
+            f"{_gain(r.work_gpu_s, u.work_gpu_s)} work"
+        )
+    orc = report.baselines.get(ORACLE)
+    if orc is not None and orc.work_gpu_s > 0:
+        share = r.weighted_work_gpu_s / orc.weighted_work_gpu_s
+        lines.append(
+            f"  share of the oracle (perfect foresight): {share:.1%} of its weighted work, "
+            f"{r.work_gpu_s / orc.work_gpu_s:.1%} of its work"
+        )
+    o = report.oversub
+    if o is not None:
+        fit, best = o.fit_gpus(lead), o.fit_gpus(ORACLE)
+        parts = [f"  --oversubscribe at {o.threshold:.1%} loss: {lead} fits {fit or 0:,} GPUs"]
+        parts.append(f"static {o.static_tdp_gpus:,}")
+        if o.uncapped_fit_nodes:
+            parts.append(
+                f"uncapped {o.uncapped_fit_gpus('no_trip') or 0:,} with no trip and "
+                f"{o.uncapped_fit_gpus('never_over') or 0:,} never over a budget"
+            )
+        if best:
+            parts.append(f"oracle {best:,} ({lead} = {(fit or 0) / best:.1%} of it)")
+        lines.append(", ".join(parts))
+    return lines
+
+
 def compare_lines(results: dict[str, RunResult]) -> list[str]:
     static = results.get(STATIC)
     classes = sorted({c for r in results.values() for c in r.work_by_class})
@@ -266,7 +443,7 @@ def ramp_lines(report: Report) -> list[str]:
             f"{r.ramp_w_per_s['draw_up']:,.0f}",
             f"{r.ramp_w_per_s['draw_down']:,.0f}",
         ]
-        for p, r in report.compare.items()
+        for p, r in report.runs.items()
     ]
     head = ["policy", "committed up W/s", "committed down W/s", "draw up W/s", "draw down W/s"]
     lines = [
@@ -306,34 +483,49 @@ def oversub_lines(o: Oversubscription) -> list[str]:
     for p in o.fit_nodes:
         g = o.fit_gpus(p)
         gain = f" ({g / o.static_tdp_gpus - 1:+.0%} vs static)" if g and o.static_tdp_gpus else ""
-        lines.append(
-            f"  {p}: {g if g is not None else 'none':,} GPUs{gain}" if g else f"  {p}: none"
-        )
+        note = " (perfect foresight: the upper bound)" if p == ORACLE else ""
+        lines.append(f"  {p}: {g:,} GPUs{gain}{note}" if g else f"  {p}: none")
+    risk = {"no_trip": "with no breaker trip", "never_over": "with draw never over a budget"}
+    for k, g in ((k, o.uncapped_fit_gpus(k)) for k in o.uncapped_fit_nodes):
+        lines.append(f"  uncapped {risk.get(k, k)}: {f'{g:,} GPUs' if g else 'none'}")
     policies = list(o.fit_nodes)
+    uncapped = any(UNCAPPED in pt.trips for pt in o.points)
     head = ["GPUs", *(f"{p} loss" for p in policies), "static over budget"]
-    rows = [
-        [
+    head += ["uncapped trips", "uncapped loss"] if uncapped else []
+    rows = []
+    for pt in o.points:
+        row = [
             f"{pt.gpus:,}",
             *(f"{pt.loss[p]:.2%}" if p in pt.loss else "-" for p in policies),
             _duration(pt.over_budget_s.get(STATIC, 0.0)),
         ]
-        for pt in o.points
-    ]
+        if uncapped:
+            row += [
+                str(pt.trips[UNCAPPED]) if UNCAPPED in pt.trips else "-",
+                f"{pt.loss[UNCAPPED]:.2%}" if UNCAPPED in pt.loss else "-",
+            ]
+        rows.append(row)
     return lines + _table(head, rows)
 
 
 def text(report: Report) -> str:
     lines = header(report)
+    head = headline_block(report)
+    if head:
+        lines += ["", *head]
     if report.compare and report.provisioned is not None:
         lines += ["", *headline_lines(report.compare, report.provisioned)]
+    if report.baselines:
+        lines += ["", *baseline_lines(report)]
     if report.compare:
-        lines += ["", *compare_lines(report.compare)]
+        lines += ["", *compare_lines(report.runs)]
         lines += ["", *ramp_lines(report)]
     if report.sweep:
         lines += ["", *sweep_lines(report.sweep)]
     if report.oversub is not None:
         lines += ["", *oversub_lines(report.oversub)]
-    lines.append(f"\n(simulated in {report.wall_s:.1f} s)")
+    runs = ", ".join(f"{p} {r.wall_s:.1f} s" for p, r in report.runs.items())
+    lines.append(f"\n(simulated in {report.wall_s:.1f} s" + (f"; runs: {runs})" if runs else ")"))
     return "\n".join(lines)
 
 
@@ -427,6 +619,10 @@ def plot_pareto(points: list[SweepPoint], path: Path) -> None:
     plt.close(fig)
 
 
+def _metric_loss(o: Oversubscription, pt: Any) -> dict[str, float]:
+    return dict(pt.weighted_loss if o.metric == "weighted" else pt.loss)
+
+
 def plot_oversub(o: Oversubscription, path: Path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.5))
@@ -441,6 +637,23 @@ def plot_oversub(o: Oversubscription, path: Path) -> None:
             color=COLORS.get(p),
             label=p,
         )
+    pts = [pt for pt in o.points if UNCAPPED in pt.loss]
+    if pts:
+        ax.plot(
+            [pt.gpus for pt in pts],
+            [
+                100 * (pt.weighted_loss if o.metric == "weighted" else pt.loss)[UNCAPPED]
+                for pt in pts
+            ],
+            "x--",
+            ms=4,
+            color=COLORS[UNCAPPED],
+            label="uncapped (work lost to trips)",
+        )
+    for k, ls in (("no_trip", "-."), ("never_over", ":")):
+        g = o.uncapped_fit_gpus(k)
+        if g:
+            ax.axvline(g, color=COLORS[UNCAPPED], ls=ls, label=f"uncapped, {k.replace('_', ' ')}")
     ax.axhline(100 * o.threshold, color="red", ls="--", label=f"{o.threshold:.0%} loss")
     ax.axvline(o.static_tdp_gpus, color=COLORS["static"], ls=":", label="static TDP provisioning")
     ax.set_xlabel(f"GPUs under a {o.feed_w / 1000:,.0f} kW feed")
@@ -459,9 +672,9 @@ def write_outputs(report: Report, out_dir: Path) -> list[Path]:
     images: list[tuple[str, Path]] = []
     if report.compare:
         images.append(("Power against budgets", out_dir / "power.png"))
-        plot_power(report.compare, images[-1][1])
+        plot_power(report.runs, images[-1][1])
         images.append(("Throughput over time", out_dir / "throughput.png"))
-        plot_throughput(report.compare, images[-1][1])
+        plot_throughput(report.runs, images[-1][1])
     if report.sweep:
         images.append(("Pareto: throughput vs feed", out_dir / "pareto.png"))
         plot_pareto(report.sweep, images[-1][1])

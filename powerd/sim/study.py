@@ -17,8 +17,9 @@ from typing import Any
 import structlog
 
 from powerd.policy import Policy
-from powerd.sim import DEFAULT_POINTS, DEFAULT_THRESHOLD, STATIC
-from powerd.sim.run import RunResult, simulate
+from powerd.sim import BASELINES, DEFAULT_POINTS, DEFAULT_THRESHOLD, ORACLE, STATIC, UNCAPPED
+from powerd.sim.baselines import BaselineResult, Breaker, run_baseline
+from powerd.sim.run import Progress, RunResult, simulate
 from powerd.sim.scenario import Scenario
 from powerd.sim.site import Mix, Site, build_mix, build_site
 
@@ -33,7 +34,24 @@ class Task:
     scenario: Scenario
     site: Site
     mix: Mix
-    policy: str
+    policy: str  # a policy, or a baseline (powerd/sim/baselines.py)
+    breaker: Breaker | None = None  # baselines: the breakers' model (default Breaker())
+    objective: str = "weighted"  # the oracle's: weighted or total work
+
+
+def run_one(task: Task, progress: Progress | None) -> RunResult:
+    """One task: a simulated policy, or a baseline."""
+    if task.policy in BASELINES:
+        return run_baseline(
+            task.policy,
+            task.scenario,
+            task.site,
+            task.mix,
+            breaker=task.breaker,
+            objective=task.objective,
+            progress=progress,
+        )
+    return simulate(task.scenario, task.site, task.mix, task.policy, progress=progress)
 
 
 _counter: Any = None
@@ -50,13 +68,7 @@ def _tick(n: int) -> None:
 
 
 def _run_task(task: Task) -> RunResult:
-    return simulate(
-        task.scenario,
-        task.site,
-        task.mix,
-        task.policy,
-        progress=_tick if _counter is not None else None,
-    )
+    return run_one(task, _tick if _counter is not None else None)
 
 
 class Runner:
@@ -73,9 +85,7 @@ class Runner:
         if self.jobs == 1 or len(tasks) <= 1:
             out = {}
             for task in tasks:
-                out[task.key] = simulate(
-                    task.scenario, task.site, task.mix, task.policy, progress=self._step
-                )
+                out[task.key] = run_one(task, self._step)
             return out
         return self._parallel(tasks)
 
@@ -112,12 +122,20 @@ class Runner:
 
 
 def compare(
-    scenario: Scenario, site: Site, policies: Sequence[str], runner: Runner
+    scenario: Scenario,
+    site: Site,
+    policies: Sequence[str],
+    runner: Runner,
+    *,
+    baselines: Sequence[str] = (),
+    breaker: Breaker | None = None,
 ) -> dict[str, RunResult]:
+    """Each policy, then each baseline (`uncapped`, `oracle`: BaselineResults), on the site."""
     mix = build_mix(scenario, site)
-    tasks = [Task((p,), scenario, site, mix, p) for p in policies]
+    names = [*policies, *(b for b in baselines if b not in policies)]
+    tasks = [Task((p,), scenario, site, mix, p, breaker=breaker) for p in names]
     results = runner.run(tasks)
-    return {p: results[(p,)] for p in policies}
+    return {p: results[(p,)] for p in names}
 
 
 def static_provisioning(scenario: Scenario, site: Site, runner: Runner) -> RunResult | None:
@@ -176,6 +194,7 @@ class OversubPoint:
     loss: dict[str, float]  # per steered policy: 1 − its work / unconstrained work
     weighted_loss: dict[str, float]  # the same, weighted by class weight
     over_budget_s: dict[str, float]  # per policy, static included
+    trips: dict[str, int] = field(default_factory=dict)  # per run a breaker model watched
 
 
 @dataclass
@@ -189,9 +208,16 @@ class Oversubscription:
     max_nodes: int  # beyond this, device minimums plus overhead exceed the feed
     points: list[OversubPoint] = field(default_factory=list)
     fit_nodes: dict[str, int | None] = field(default_factory=dict)
+    # `uncapped`'s sizes at the same risk: the most nodes with no breaker trip
+    # (`no_trip`), and with draw never over a budget (`never_over`).
+    uncapped_fit_nodes: dict[str, int | None] = field(default_factory=dict)
 
     def fit_gpus(self, policy: str) -> int | None:
         n = self.fit_nodes.get(policy)
+        return None if n is None else n * self.gpus_per_node
+
+    def uncapped_fit_gpus(self, which: str) -> int | None:
+        n = self.uncapped_fit_nodes.get(which)
         return None if n is None else n * self.gpus_per_node
 
     @property
@@ -213,7 +239,9 @@ class _Sizes:
         *,
         keep_inner: bool,
         metric: str,
+        breaker: Breaker | None = None,
     ) -> None:
+        self.breaker = breaker
         self.scenario = scenario
         self.policy = policy
         self.runner = runner
@@ -232,7 +260,7 @@ class _Sizes:
             mix = build_mix(self.scenario, s)
             have = self.evaluated.get(n)
             tasks += [
-                Task((n, p), self.scenario, s, mix, p)
+                Task((n, p), self.scenario, s, mix, p, breaker=self.breaker, objective=self.metric)
                 for p in (STATIC, *which)
                 if have is None or (p != STATIC and p not in have.loss)
             ]
@@ -241,7 +269,13 @@ class _Sizes:
             pt = self._point(n, results.get((n, STATIC)))
             for p in which:
                 r = results.get((n, p))
-                if r is not None:
+                if isinstance(r, BaselineResult):
+                    # Against the same GPUs unconstrained at the baseline's own sub-steps.
+                    pt.loss[p], pt.weighted_loss[p] = r.loss("total"), r.loss("weighted")
+                    pt.over_budget_s[p] = r.over_budget_s
+                    if r.trips is not None:
+                        pt.trips[p] = r.trips.trips
+                elif r is not None:
                     pt.loss[p] = 1.0 - r.work_gpu_s / (pt.work_unconstrained_gpu_h * 3600.0)
                     pt.weighted_loss[p] = 1.0 - r.weighted_work_gpu_s / (
                         pt.weighted_unconstrained_gpu_h * 3600.0
@@ -267,10 +301,23 @@ class _Sizes:
         pt = self.evaluated[n]
         return pt.weighted_loss[p] if self.metric == "weighted" else pt.loss[p]
 
-    def fit(self, p: str, grid: Sequence[int], threshold: float) -> int | None:
-        """The most nodes on which policy `p` loses at most `threshold`: the grid's first
-        failing size, then bisection down to one node (None: not even the smallest)."""
-        failing = [n for n in grid if self.loss(n, p) > threshold]
+    def fit(
+        self,
+        p: str,
+        grid: Sequence[int],
+        threshold: float,
+        fails: Callable[[OversubPoint], bool] | None = None,
+    ) -> int | None:
+        """The most nodes on which policy `p` loses at most `threshold` (or, given `fails`,
+        where its run does not fail it): the grid's first failing size, then bisection down
+        to one node (None: not even the smallest)."""
+
+        def failed(n: int) -> bool:
+            if fails is not None:
+                return fails(self.evaluated[n])
+            return self.loss(n, p) > threshold
+
+        failing = [n for n in grid if failed(n)]
         if not failing:
             return grid[-1]
         bad = failing[0]
@@ -279,14 +326,14 @@ class _Sizes:
         while bad - good > 1:
             mid = (good + bad) // 2
             self.evaluate([mid], [p])
-            if self.loss(mid, p) > threshold:
+            if failed(mid):
                 bad = mid
             else:
                 good = mid
         return good or None
 
 
-def oversubscribe(
+def oversubscribe(  # noqa: PLR0913 (the search's knobs, keyword-only, each a CLI flag)
     scenario: Scenario,
     site: Site,
     policies: Sequence[str],
@@ -297,6 +344,8 @@ def oversubscribe(
     points: int = DEFAULT_POINTS,
     metric: str = "total",
     keep_inner: bool = False,
+    baselines: Sequence[str] = (),
+    breaker: Breaker | None = None,
 ) -> Oversubscription:
     """Grow the site node by node under a fixed feed; per policy, the most nodes whose
     throughput stays within `threshold` of the same GPUs unconstrained (every GPU free to
@@ -306,6 +355,9 @@ def oversubscribe(
     the feed draws the curve; each policy's crossing is then bisected to one node.
     Rows, racks and nodes are budgeted at their nameplate, so the feed is the question;
     `keep_inner` keeps the policy's own inner budgets instead (which may bind at any size).
+    Baselines: the `oracle` fits by the same threshold (its loss against the same GPUs
+    unconstrained at its own sub-steps, its objective the metric's); `uncapped` by risk, the
+    most nodes with no breaker trip and with draw never over a budget.
     """
     feed = site.feed_w if feed_w is None else feed_w
     if not math.isfinite(feed):
@@ -325,19 +377,38 @@ def oversubscribe(
         max_nodes=max_nodes,
     )
     steered = [p for p in policies if p != STATIC]
+    steered += [b for b in baselines if b == ORACLE]
     lo = max(1, static_nodes)
     if max_nodes < lo:
         return result
     grid = sorted({round(lo + (max_nodes - lo) * k / max(points - 1, 1)) for k in range(points)})
-    sizes = _Sizes(scenario, site.policy, runner, feed, gpn, keep_inner=keep_inner, metric=metric)
-    sizes.evaluate(grid, steered)
+    sizes = _Sizes(
+        scenario,
+        site.policy,
+        runner,
+        feed,
+        gpn,
+        keep_inner=keep_inner,
+        metric=metric,
+        breaker=breaker,
+    )
+    evaluated = steered + ([UNCAPPED] if UNCAPPED in baselines else [])
+    sizes.evaluate(grid, evaluated)
     for p in steered:
         result.fit_nodes[p] = sizes.fit(p, grid, threshold)
+    if UNCAPPED in baselines:
+        result.uncapped_fit_nodes = {
+            "no_trip": sizes.fit(UNCAPPED, grid, threshold, lambda pt: pt.trips[UNCAPPED] > 0),
+            "never_over": sizes.fit(
+                UNCAPPED, grid, threshold, lambda pt: pt.over_budget_s[UNCAPPED] > 0
+            ),
+        }
     result.points = [sizes.evaluated[n] for n in sorted(sizes.evaluated)]
     log.info(
         "sim_oversubscription",
         feed_w=feed,
         static_tdp_gpus=result.static_tdp_gpus,
         fit_gpus={p: result.fit_gpus(p) for p in steered},
+        uncapped_fit_gpus={k: result.uncapped_fit_gpus(k) for k in result.uncapped_fit_nodes},
     )
     return result
