@@ -28,6 +28,7 @@ import numpy as np
 from powerd.logs import configure_logging
 from powerd.policy import Policy, load_policy
 from powerd.safety import SafePlan
+from powerd.sim.baselines import oracle
 from powerd.sim.run import simulate
 from powerd.sim.scenario import load_scenario
 from powerd.sim.site import build_mix, build_site
@@ -46,7 +47,9 @@ VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
     "margin-least": {"control": {"demand": {"held": "max"}}},
     # 3. + a held-back GPU climbs from its recent peak by headroom, not to its maximum
     "held-probe": {},  # the shipped default
-    # 4. + the swing: recent peak + the largest rise between samples
+    # 4. + class floors hold up to each GPU's recent draw (not shipped: see docs)
+    "floors-follow": {"control": {"demand": {"floors": "follow"}}},
+    # 5. + the swing: recent peak + the largest rise between samples
     "swing-1": {"control": {"demand": {"swing": 1.0}}},
 }
 
@@ -99,9 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration-h", type=float, default=0.5)
     ap.add_argument("--tick-s", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--variants", nargs="+", default=["last-sample", "held-probe"], choices=list(VARIANTS))
+    ap.add_argument(
+        "--variants", nargs="+", default=["last-sample", "held-probe"], choices=list(VARIANTS)
+    )
     ap.add_argument("--solver", default="fast")
     ap.add_argument("--uncapped-only", action="store_true", help="only the reference runs")
+    ap.add_argument("--oracle", action="store_true", help="also perfect foresight per size")
     args = ap.parse_args(argv)
     configure_logging("console", "warning")
 
@@ -126,18 +132,26 @@ def main(argv: list[str] | None = None) -> int:
         mix = build_mix(scenario, site0)
         ref = simulate(scenario, site0, mix, "static")
         peak = float(ref.series.facility_draw_w.max()) / feed_w
+        if args.oracle:
+            orc = oracle(scenario, site0, mix)[0]
+            print(
+                f"{n:>5} {site0.n_gpus:>5} {'oracle':<14} {100 * orc.loss():>7.3f} "
+                f"{orc.over_budget_s:>7.0f} {peak:>8.3f}",
+                flush=True,
+            )
         if args.uncapped_only:
-            print(f"{n:>5} {site0.n_gpus:>5} {'uncapped':<14} {0:>7.3f} {ref.over_budget_s:>7.0f} "
-                  f"{peak:>8.3f}", flush=True)
+            print(
+                f"{n:>5} {site0.n_gpus:>5} {'uncapped':<14} {0:>7.3f} {ref.over_budget_s:>7.0f} "
+                f"{peak:>8.3f}",
+                flush=True,
+            )
             continue
         for name in args.variants:
             policy = with_settings(base, VARIANTS[name])
             site = build_site(policy, nodes=n, facility_budget_w=feed).inner_at_nameplate()
             moves = Moves(args.tick_s)
             t0 = time.perf_counter()
-            r = simulate(
-                scenario, site, mix, args.solver, trace=moves.trace, progress=moves.tick
-            )
+            r = simulate(scenario, site, mix, args.solver, trace=moves.trace, progress=moves.tick)
             loss = 1.0 - r.work_gpu_s / ref.work_gpu_s
             print(
                 f"{n:>5} {site.n_gpus:>5} {name:<14} {100 * loss:>7.3f} {r.over_budget_s:>7.0f} "

@@ -490,9 +490,7 @@ class Problem:
         return OPTIMAL
 
 
-def demand_w(
-    fleet: GpuArrays, headroom_w: float, spec: DemandSpec | None = None
-) -> FloatArray:
+def demand_w(fleet: GpuArrays, headroom_w: float, spec: DemandSpec | None = None) -> FloatArray:
     """What each GPU could use (docs/allocator.md, "Demand").
 
     Without `recent_w` (or `spec`): its maximum when its cap holds it back (it draws ≥ 95 %
@@ -516,9 +514,21 @@ def demand_w(
     return np.where(limited, held, free)
 
 
+def floors_w(fleet: GpuArrays, classes: ClassTable, spec: DemandSpec) -> FloatArray:
+    """Each GPU's class floor (0: none). With `floors: follow` and `recent_w`, a floor holds
+    up to what the GPU has drawn recently at most: a serving GPU that has drawn less than
+    its floor over the whole window is guaranteed what it drew, and the rest of its floor
+    is spare power (spread by `anchor_kw`, so it comes back first when room is left)."""
+    floor = classes.floor_w[fleet.class_index]
+    if fleet.recent_w is None or spec.floors == "fixed":
+        return floor
+    return np.asarray(np.minimum(floor, np.maximum(fleet.recent_w, fleet.power_w)))
+
+
 def anchor_kw(
     fleet: GpuArrays,
     spec: DemandSpec,
+    *,
     demand: FloatArray,
     prev: FloatArray,
     lo: FloatArray,
@@ -707,7 +717,9 @@ def build_problem(
         hi_base = np.where(fixed, lo_dev, hi_base)
         capacity = np.where(bad, np.inf, capacity)
 
-    lo_floor = np.minimum(np.maximum(lo_dev, classes.floor_w[cls] / 1000.0), hi_base)
+    lo_floor = np.minimum(
+        np.maximum(lo_dev, floors_w(fleet, classes, ctl.demand) / 1000.0), hi_base
+    )
     dropped = np.zeros(fleet.n, dtype=np.bool_)
     for w in np.unique(classes.weight):
         over = _over(tree, lo_floor, capacity)
@@ -744,7 +756,7 @@ def build_problem(
     if jobs is not None:
         demand = jobs.max(demand)  # one synchronous job: it wants what its hungriest GPU does
     flat = np.clip(np.minimum(demand / 1000.0, classes.peak_kw[cls]), lo, hi)
-    prev = anchor_kw(fleet, ctl.demand, demand, prev, lo, hi)
+    prev = anchor_kw(fleet, ctl.demand, demand=demand, prev=prev, lo=lo, hi=hi)
     eps = max(ctl.damping, MIN_DAMPING)
     gap = float(np.max(hi - prev, initial=0.0))
     return Problem(
