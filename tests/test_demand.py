@@ -200,3 +200,45 @@ def test_the_policy_carries_the_demand_settings() -> None:
     policy = make_policy(1, 1, 1, 2)
     assert policy.control.demand == DemandSpec()
     assert policy.control.demand.window_s > 0
+
+
+# -- in the tick ----------------------------------------------------------------------------
+
+
+def test_the_tick_feeds_every_gpus_draw_to_the_estimator() -> None:
+    from support.honest import NODES, HonestNode
+    from support.honest import policy_dict as honest_policy_dict
+
+    from powerd.controller.tick import TickEngine
+
+    class Swinging(HonestNode):
+        def __init__(self, name: str) -> None:
+            super().__init__(name)
+            self.want = 600.0
+
+        def draw(self) -> dict[str, float]:
+            return {u: min(cap, self.want) for u, cap in self.caps.items()}
+
+    engine = TickEngine(parse(honest_policy_dict()))
+    nodes = {n: Swinging(n) for n in NODES}
+    for t in range(12):
+        if t == 8:
+            nodes["r1-n1"].want = 250.0  # its GPUs fall; the others keep drawing
+        for node in nodes.values():
+            engine.on_telemetry(node.sample(1e9 + t), float(t))
+        _, plan = engine.step(float(t), 1e9 + t)
+        for cmd in plan.commands:
+            ack = nodes[cmd.node].apply_caps(cmd.tick, cmd.caps_w)
+            if ack is not None:
+                engine.on_ack(cmd.node, ack)
+    est = engine.targets.demand
+    assert sorted(est.uuids) == sorted(u for n in nodes.values() for u in n.uuids)
+    fell = [i for i, u in enumerate(est.uuids) if u.startswith("GPU-r1-n1-")]
+    drew = np.array([nodes["r1-n1"].draw()[est.uuids[i]] for i in fell])
+    assert np.all(drew == 250.0)
+    # What they drew seconds ago is still their recent draw, not the last sample.
+    assert np.all(est.peak[fell].max(axis=1) > 400.0)
+
+
+def parse(d: dict[str, Any]) -> Policy:
+    return make_policy_from(d)
