@@ -14,6 +14,7 @@ from powerd.backends.mock import (
     CapJournal,
     MockBackend,
     MockGpuSpec,
+    Pattern,
     SimulatedGpus,
     Workload,
 )
@@ -219,3 +220,76 @@ def test_rejects_a_fleet_that_cannot_exist() -> None:
         MockGpuSpec(default_cap_w=800.0)
     with pytest.raises(ValueError, match="not all in a fleet"):
         MockBackend(SimulatedGpus(4), ManualClock(), start=2, count=4)
+
+
+def _sync_job() -> Workload:
+    """A synchronous training job: 3 s iterations (75 % compute), a 20 s checkpoint every
+    90 s, running from 30 s to 200 s."""
+    return Workload(
+        Pattern.TRAINING,
+        "training",
+        Workload.training().profile,
+        high_w=680.0,
+        low_w=300.0,
+        period_s=3.0,
+        duty=0.75,
+        ckpt_every_s=90.0,
+        ckpt_s=20.0,
+        ckpt_w=110.0,
+        ckpt_phase_s=20.0,
+        runs=((30.0, 200.0),),
+    )
+
+
+def test_swings_within_a_step_are_integrated_exactly() -> None:
+    # A job swinging every 3 s, checkpointing, starting and ending within 60 s steps, and a
+    # service whose bursts and surges change every few seconds: one step per minute gives
+    # the energy and the work of steps of 0.25 s (which every change falls on, so that
+    # each of them holds one level).
+    surging = Workload(
+        Pattern.INFERENCE,
+        "inference",
+        Workload.inference().profile,
+        high_w=550.0,
+        low_w=200.0,
+        period_s=86_400.0,
+        burst_w=200.0,
+        burst_prob=0.3,
+        burst_slot_s=1.5,
+        surge_w=120.0,
+        surge_prob=0.4,
+        surge_slot_s=7.0,
+        key=5,
+    )
+    workloads = [_sync_job(), _sync_job(), surging, surging]
+    coarse = SimulatedGpus(4, workloads, spec=MockGpuSpec(noise_frac=0.0))
+    fine = SimulatedGpus(4, workloads, spec=MockGpuSpec(noise_frac=0.0))
+    work_coarse, work_fine = np.zeros(4), np.zeros(4)
+    for f in (coarse, fine):
+        f.set_cap(1, 450.0)  # a capped rank draws min(cap, level) in every phase
+        f.set_cap(3, 400.0)
+    for _ in range(4):
+        coarse.advance(60.0)
+        work_coarse += coarse.step_throughput * 60.0
+    for _ in range(960):
+        fine.advance(0.25)
+        work_fine += fine.step_throughput * 0.25
+    np.testing.assert_allclose(coarse.energy_j, fine.energy_j, rtol=1e-6)
+    np.testing.assert_allclose(work_coarse, work_fine, rtol=1e-6)
+    np.testing.assert_allclose(coarse.power_w, fine.power_w, rtol=1e-6)
+    # The job ran 170 s, 40 s of them in two checkpoints (no work); 130 s of iterations.
+    job = _sync_job()
+    at = job.profile.value
+    assert work_coarse[0] == pytest.approx(130 * (0.75 * at(680.0) + 0.25 * at(300.0)), rel=0.02)
+    assert coarse.power_w[0] == pytest.approx(IDLE_W)  # ended: back to idle
+
+
+def test_held_sampling_would_miss_what_integration_counts() -> None:
+    # One step of 60 s over a 3 s swing: the mean draw is the duty-weighted level, whatever
+    # phase the step starts at (sampling the demand once per step would give 680 or 300),
+    # up to the lag's share: tau × the swing / the step, 1.3 W.
+    job = Workload.training(high_w=680.0, low_w=300.0, period_s=3.0, duty=0.75)
+    for start in (0.0, 1.0, 2.5):
+        f = SimulatedGpus(1, job, spec=MockGpuSpec(noise_frac=0.0), start_s=start)
+        f.advance(60.0)
+        assert f.energy_j[0] / 60.0 == pytest.approx(0.75 * 680 + 0.25 * 300, abs=1.3)

@@ -71,7 +71,7 @@ def test_shipped_scenarios_are_valid_against_their_policies() -> None:
         pol = load_policy(sc.policy_path)
         check_against_policy(sc, pol)
         s = site_for(sc, pol)
-        assert s.n_gpus in (512, 1000)
+        assert s.n_gpus in (512, 1000, 3072)
 
 
 def test_shares_must_add_up_to_one() -> None:
@@ -97,12 +97,28 @@ def test_unknown_keys_types_and_ranges_name_the_path() -> None:
     assert "'inference', 'training', 'steady', 'idle' or 'trace'" in p["workloads[0].pattern"]
 
 
-def test_swings_shorter_than_two_ticks_are_rejected() -> None:
+def test_pattern_keys_are_checked_where_they_apply() -> None:
+    # Swings shorter than a tick are integrated piece by piece, up to a bound per tick; keys
+    # of one pattern on another, and runs of jobs that do not exist, are refused by path.
     data = scenario_dict()
-    data["workloads"][1]["period_s"] = 90
+    data["workloads"][1]["period_s"] = 90  # shorter than a 60 s tick's two: fine now
+    parse_scenario(data, "s.yaml")
+    data["workloads"][1]["period_s"] = 0.1
+    data["workloads"][1]["runs"] = [{"job": 3, "start_h": 1}]
+    data["workloads"][0]["checkpoint"] = {"every_min": 10, "duration_s": 30}
+    data["workloads"][1]["surges"] = {"extra_w": 100}
     with pytest.raises(ScenarioError) as exc:
         parse_scenario(data, "s.yaml")
-    assert "period_s >= 120" in problems(exc)["workloads[1].period_s"]
+    p = problems(exc)
+    assert "period_s >= 0.12" in p["workloads[1].period_s"]
+    assert "jobs are numbered 1 to 2" in p["workloads[1].runs[0].job"]
+    assert "applies to pattern training, not inference" in p["workloads[0].checkpoint"]
+    assert "applies to pattern inference, not training" in p["workloads[1].surges"]
+    data = scenario_dict()
+    data["workloads"][1]["checkpoint"] = {"every_min": 1, "duration_s": 60}
+    with pytest.raises(ScenarioError) as exc:
+        parse_scenario(data, "s.yaml")
+    assert "shorter than every_min" in problems(exc)["workloads[1].checkpoint"]
 
 
 def test_classes_and_profiles_must_exist_in_the_policy(policy: Policy) -> None:

@@ -15,6 +15,7 @@ seed gives the same demand whatever the step sizes.
 
 from __future__ import annotations
 
+import math
 import os
 from collections import deque
 from collections.abc import Sequence
@@ -83,9 +84,14 @@ class Workload:
 
     - steady: demand = high_w.
     - training: high_w for `duty` of every `period_s`, low_w for the rest; every GPU given the
-      same Workload (same phase) swings in step, like the ranks of one job.
+      same Workload (same phase) swings in step, like the ranks of one job. Optionally a
+      checkpoint every `ckpt_every_s` (from `ckpt_phase_s`) for `ckpt_s` at `ckpt_w`, doing
+      no work, and `runs` (start_s, end_s) windows outside which the job's GPUs idle
+      (IDLE_W, no work): a job starting or ending is a step of all its GPUs at once.
     - inference: a daily curve from low_w to high_w over `period_s`, plus bursts of burst_w
-      in slots of burst_slot_s, each slot bursting with probability burst_prob (per GPU).
+      in slots of burst_slot_s, each slot bursting with probability burst_prob (per GPU),
+      plus surges of surge_w in slots of surge_slot_s with probability surge_prob, drawn
+      once for every GPU given the same Workload (a service's replicas surge together).
     - idle: demand = IDLE_W, throughput 0.
     - trace: demand = a recorded GPU's draw at t + phase_s (looping); high_w is its peak.
     """
@@ -102,6 +108,17 @@ class Workload:
     burst_prob: float = 0.0
     burst_slot_s: float = 2.0
     trace: DemandTrace | None = field(default=None, repr=False, compare=False)
+    # training: checkpoints and the windows the job runs in (empty: always)
+    ckpt_every_s: float = 0.0
+    ckpt_s: float = 0.0
+    ckpt_w: float = IDLE_W
+    ckpt_phase_s: float = 0.0
+    runs: tuple[tuple[float, float], ...] = ()
+    # inference: correlated surges of every GPU of this Workload (a service)
+    surge_w: float = 0.0
+    surge_prob: float = 0.0
+    surge_slot_s: float = 60.0
+    key: int = 0  # seeds the surges: services with other keys surge independently
 
     @classmethod
     def steady(cls, level_w: float = 600.0, name: str = "batch") -> Workload:
@@ -191,6 +208,43 @@ def _uniform(keys: NDArray[np.uint64]) -> FloatArray:
     return np.asarray((_mix64(keys) >> np.uint64(11)) * (1.0 / 2**53), dtype=np.float64)
 
 
+def _surging(w: Workload, times: FloatArray) -> NDArray[np.bool_]:
+    """Whether a service surges at each time (one draw per slot for all its GPUs)."""
+    slot = np.floor((times + w.phase_s) / w.surge_slot_s).astype(np.uint64)
+    key = _mix64(np.array([w.key], dtype=np.uint64))
+    return _uniform(key + slot * _GOLDEN) < w.surge_prob
+
+
+def _periodic(out: list[float], t0: float, t1: float, period: float, origin: float) -> None:
+    """Append the times origin + n·period strictly inside (t0, t1)."""
+    n = math.floor((t0 - origin) / period)
+    x = origin + n * period
+    while x < t1:
+        if x > t0:
+            out.append(x)
+        n += 1
+        x = origin + n * period
+
+
+def _edges(w: Workload, t0: float, t1: float) -> list[float]:
+    """Every time in (t0, t1) at which a job's or service's demand may change, sorted."""
+    out: list[float] = []
+    if w.pattern is Pattern.TRAINING:
+        if 0.0 < w.duty < 1.0 and w.low_w != w.high_w:
+            _periodic(out, t0, t1, w.period_s, -w.phase_s)
+            _periodic(out, t0, t1, w.period_s, w.duty * w.period_s - w.phase_s)
+        if w.ckpt_every_s > 0.0:
+            _periodic(out, t0, t1, w.ckpt_every_s, -w.ckpt_phase_s)
+            _periodic(out, t0, t1, w.ckpt_every_s, w.ckpt_s - w.ckpt_phase_s)
+        out.extend(x for run in w.runs for x in run if t0 < x < t1)
+    else:
+        if w.burst_prob > 0.0 and w.burst_w != 0.0:
+            _periodic(out, t0, t1, w.burst_slot_s, -w.phase_s)
+        if w.surge_prob > 0.0 and w.surge_w != 0.0:
+            _periodic(out, t0, t1, w.surge_slot_s, -w.phase_s)
+    return sorted(set(out))
+
+
 def _intern(items: list[T], item: T) -> int:
     """Index of `item` in `items` by identity, appending it if new (profiles hold arrays)."""
     for k, existing in enumerate(items):
@@ -278,11 +332,22 @@ class SimulatedGpus:
         self._burst_w = np.zeros(n)
         self._burst_prob = np.zeros(n)
         self._burst_slot = np.ones(n)
+        # Checkpoints: every (0: none), length, level, phase.
+        self._ckpt_every, self._ckpt_s, self._ckpt_w, self._ckpt_phase = np.zeros((4, n))
         self._profile_idx = np.zeros(n, dtype=np.int32)
         self._profiles: list[Profile] = []
         self._workloads: list[Workload] = []
         self._workload_idx = np.zeros(n, dtype=np.int32)
         self._traced: list[tuple[NDArray[np.int64], DemandTrace | None]] = []
+        self._groups: list[tuple[NDArray[np.int64], Workload]] = []
+        self._run_groups: list[tuple[NDArray[np.int64], Workload]] = []
+        self._surge_groups: list[tuple[NDArray[np.int64], Workload]] = []
+        self._group_gpus = np.zeros(0, dtype=np.int64)
+        self._by_profile: list[tuple[Profile, NDArray[np.int64]]] = []
+        self._group_profiles: list[tuple[Profile, NDArray[np.int64]]] = []
+        self.demand_w = np.zeros(n)
+        self._working = np.ones(n, dtype=bool)
+        self._none = np.zeros(0, dtype=np.int64)
         given = Workload.of(Pattern.TRAINING) if workloads is None else workloads
         if isinstance(given, Workload):
             self.set_workload(np.arange(n), given)
@@ -295,11 +360,12 @@ class SimulatedGpus:
             for members in groups.values():
                 self.set_workload(members, given[members[0]])
 
-        self.demand_w = self.demand_at(self.t)
         self._lagged_w = np.minimum(self.cap_w, self.demand_w)
         self.power_w = self._lagged_w.copy()
         self.energy_j = np.zeros(n)
         self.temp_c = self.ambient_c + self.temp_per_w * self._lagged_w
+        # Mean throughput per GPU over the last `advance` (at the start: the current one).
+        self.step_throughput = self.throughput()
 
     # -- workloads -----------------------------------------------------------------------
 
@@ -317,7 +383,39 @@ class SimulatedGpus:
         self._burst_w[idx] = workload.burst_w
         self._burst_prob[idx] = workload.burst_prob
         self._burst_slot[idx] = workload.burst_slot_s
-        self._training_idx = np.flatnonzero(self._pattern == _PATTERN_CODES[Pattern.TRAINING])
+        self._ckpt_every[idx] = workload.ckpt_every_s
+        self._ckpt_s[idx] = workload.ckpt_s
+        self._ckpt_w[idx] = workload.ckpt_w
+        self._ckpt_phase[idx] = workload.ckpt_phase_s
+        training = _PATTERN_CODES[Pattern.TRAINING]
+        self._training_idx = np.flatnonzero(self._pattern == training)
+        self._ckpt_idx = np.flatnonzero((self._pattern == training) & (self._ckpt_every > 0))
+        self._inference_idx = np.flatnonzero(self._pattern == _PATTERN_CODES[Pattern.INFERENCE])
+        self._by_profile = [
+            (p, np.flatnonzero(self._profile_idx == k)) for k, p in enumerate(self._profiles)
+        ]
+        self._by_profile = [(p, gpus) for p, gpus in self._by_profile if gpus.size]
+        # Training jobs and inference services: GPUs that share one Workload share its
+        # demand's edges (a job's phases, a service's surges), integrated piece by piece.
+        grouped: dict[int, list[int]] = {}
+        for code in (_PATTERN_CODES[Pattern.TRAINING], _PATTERN_CODES[Pattern.INFERENCE]):
+            for i in np.flatnonzero(self._pattern == code).tolist():
+                grouped.setdefault(int(self._workload_idx[i]), []).append(i)
+        self._groups = [
+            (np.array(gpus, dtype=np.int64), self._workloads[w]) for w, gpus in grouped.items()
+        ]
+        self._run_groups = [(g, w) for g, w in self._groups if w.runs]
+        self._surge_groups = [
+            (g, w) for g, w in self._groups if w.surge_prob > 0.0 and w.surge_w != 0.0
+        ]
+        self._group_gpus = np.sort(np.concatenate([g for g, _ in self._groups] or [self._none]))
+        # Each profile's columns among the jobs' and services' GPUs.
+        group_profile = self._profile_idx[self._group_gpus]
+        self._group_profiles = [
+            (p, np.flatnonzero(group_profile == k))
+            for k, p in enumerate(self._profiles)
+            if (group_profile == k).any()
+        ]
         # Traces: the GPUs that replay each recorded one (each with its own phase).
         traced = np.flatnonzero(self._pattern == _PATTERN_CODES[Pattern.TRACE])
         by_trace: dict[int, list[int]] = {}
@@ -327,57 +425,134 @@ class SimulatedGpus:
             (np.array(gpus, dtype=np.int64), self._workloads[w].trace)
             for w, gpus in by_trace.items()
         ]
-        self._inference_idx = np.flatnonzero(self._pattern == _PATTERN_CODES[Pattern.INFERENCE])
-        self.demand_w = self.demand_at(self.t)
+        self._refresh_demand()
 
     def workload(self, i: int) -> Workload:
         return self._workloads[int(self._workload_idx[i])]
 
     def demand_at(self, t: float) -> FloatArray:
         """Every GPU's demand in watts at time t (a pure function of t and the seed)."""
-        demand = self._high.copy()  # steady and idle GPUs hold one level
+        return self.demand_and_working_at(t)[0]
+
+    def demand_and_working_at(self, t: float) -> tuple[FloatArray, NDArray[np.bool_]]:
+        """Demand at t, and whether each GPU does work at t: not while its job checkpoints
+        or is outside its runs (idle-pattern GPUs are told apart by their pattern). What
+        samples demand to account work (a baseline) counts none where this is False."""
+        grid, works = self._grid(np.array([t], dtype=np.float64))
+        demand, working = grid[0], works[0]
+        for gpus, trace in self._traced:
+            if trace is not None:
+                demand[gpus] = trace.draw_at(t + self._phase[gpus])
+        return demand, working
+
+    def _grid(self, times: FloatArray) -> tuple[FloatArray, NDArray[np.bool_]]:
+        """Every GPU's demand (traces aside) at each time, and whether it works: (times ×
+        GPUs) arrays, from the same formulas at one time or many."""
+        k = times.size
+        at = times[:, None]
+        demand = np.repeat(self._high[None, :], k, axis=0)  # steady, idle: one level
+        working = np.ones((k, self.n), dtype=bool)
         tr = self._training_idx
         if tr.size:
-            cycle = (t + self._phase[tr]) / self._period[tr]
+            cycle = (at + self._phase[tr]) / self._period[tr]
             on = cycle - np.floor(cycle) < self._duty[tr]
-            demand[tr] = np.where(on, self._high[tr], self._low[tr])
+            demand[:, tr] = np.where(on, self._high[tr], self._low[tr])
+        ck = self._ckpt_idx
+        if ck.size:
+            saving = np.mod(at + self._ckpt_phase[ck], self._ckpt_every[ck]) < self._ckpt_s[ck]
+            demand[:, ck] = np.where(saving, self._ckpt_w[ck], demand[:, ck])
+            working[:, ck] = ~saving
+        for gpus, w in self._run_groups:
+            running = np.zeros(k, dtype=bool)
+            for start, end in w.runs:
+                running |= (times >= start) & (times < end)
+            stopped = np.ix_(~running, gpus)
+            demand[stopped] = IDLE_W
+            working[stopped] = False
         inf = self._inference_idx
         if inf.size:
             high, low = self._high[inf], self._low[inf]
-            shifted = t + self._phase[inf]
+            shifted = at + self._phase[inf]
             daily = low + (high - low) * (
                 0.5 - 0.5 * np.cos(2 * np.pi * shifted / self._period[inf])
             )
             slot = np.floor(shifted / self._burst_slot[inf]).astype(np.uint64)
             burst = _uniform(self._seeds[inf] + slot * _GOLDEN) < self._burst_prob[inf]
-            demand[inf] = daily + np.where(burst, self._burst_w[inf], 0.0)
-        for gpus, trace in self._traced:
-            if trace is not None:
-                demand[gpus] = trace.draw_at(t + self._phase[gpus])
-        return demand
+            demand[:, inf] = daily + np.where(burst, self._burst_w[inf], 0.0)
+        for gpus, w in self._surge_groups:
+            demand[np.ix_(_surging(w, times), gpus)] += w.surge_w
+        return demand, working
+
+    def _refresh_demand(self) -> None:
+        self.demand_w, self._working = self.demand_and_working_at(self.t)
 
     # -- time ----------------------------------------------------------------------------
 
     def advance(self, dt_s: float) -> None:
-        """Integrate every GPU over dt_s, holding demand and caps at their values at the start."""
+        """Integrate every GPU over dt_s with the caps in force (held over the step).
+
+        Steady, idle and traced GPUs hold their demand at the start of the step. Training
+        jobs and inference services are integrated exactly however often their demand
+        changes within the step: the step is cut at every change of any of them (a phase
+        edge, a checkpoint, a job's start or end, a burst or surge slot), each piece at its
+        level (the daily curve at the piece's midpoint); a step without a change holds the
+        demand at its start. Energy is the lag's exact integral over the pieces, their
+        work the profile at each piece's draw times its length (the lag, 0.2 s, left out);
+        `step_throughput` is the step's mean throughput per GPU.
+        """
         if dt_s <= 0:
             return
+        t0, t1 = self.t, self.t + dt_s
+        x0 = self._lagged_w
         target = np.minimum(self.cap_w, self.demand_w)
         decay = np.exp(-dt_s / self.tau_s)
-        gap = self._lagged_w - target
+        gap = x0 - target
         # Closed-form integral of target + gap·exp(-t/tau) over [0, dt].
         energy = target * dt_s + gap * self.tau_s * (1.0 - decay)
+        lagged = target + gap * decay
+        mean_target = target.copy()  # per GPU, over the step (for the temperature)
+        g = self._group_gpus
+        edges = sorted({x for _, w in self._groups for x in _edges(w, t0, t1)})
+        pieces = None
+        if edges:
+            # Every job and service at once, cut at every edge of any of them.
+            bounds = np.array([t0, *edges, t1])
+            lo, hi = bounds[:-1], bounds[1:]
+            length = hi - lo
+            grid, works = self._grid(0.5 * (lo + hi))
+            level = np.minimum(self.cap_w[g][None, :], grid[:, g])
+            integral = length @ level
+            # The lag's state at the end: its start decayed, plus each piece's level
+            # weighted by how much of it the lag still holds at the end.
+            weight = np.exp(-(t1 - hi) / self.tau_s) - np.exp(-(t1 - lo) / self.tau_s)
+            end = x0[g] * decay + weight @ level
+            energy[g] = integral - self.tau_s * (end - x0[g])
+            lagged[g] = end
+            mean_target[g] = integral / dt_s
+            tput = np.zeros(level.shape)
+            for profile, cols in self._group_profiles:
+                tput[:, cols] = profile.value(level[:, cols])
+            pieces = length @ np.where(works[:, g], tput, 0.0) / dt_s
         self.energy_j += energy
-        self._lagged_w = target + gap * decay
+        self._lagged_w = lagged
         # Temperature: a slower lag driven by that draw. Its exact solution is the settled
-        # value, plus the draw's decaying gap passed through, plus its own decaying start.
-        settled = self.ambient_c + self.temp_per_w * target
+        # value, plus the draw's decaying gap passed through, plus its own decaying start
+        # (a job or service whose demand changed within the step: from its mean level).
+        gap = x0 - mean_target
+        settled = self.ambient_c + self.temp_per_w * mean_target
         passed = self.temp_per_w * gap * self.tau_s / (self.tau_s - self.temp_tau_s)
         own = (self.temp_c - settled - passed) * np.exp(-dt_s / self.temp_tau_s)
         self.temp_c = settled + passed * decay + own
+        # Jobs and services work at their level all step (lag-free, as over pieces); the
+        # others at their draw at the step's end, as they always have.
+        if pieces is None and g.size:
+            pieces = self._throughput_at(target, ALL)[g]
         self.t += dt_s
-        self.demand_w = self.demand_at(self.t)
+        self._refresh_demand()
         self._update_reported_power()
+        self.step_throughput = self.throughput()
+        if pieces is not None:
+            self.step_throughput[g] = pieces
 
     def advance_to(self, t: float) -> None:
         self.advance(t - self.t)
@@ -407,12 +582,17 @@ class SimulatedGpus:
 
     def _throughput_at(self, power_w: FloatArray, sel: Selector) -> FloatArray:
         power = np.atleast_1d(power_w[sel])
-        profile_idx = np.atleast_1d(self._profile_idx[sel])
         out = np.zeros(power.shape)
-        for k in np.unique(profile_idx):
-            mask = profile_idx == k
-            out[mask] = self._profiles[int(k)].value(power[mask])
+        if isinstance(sel, slice) and sel == ALL:
+            for profile, gpus in self._by_profile:
+                out[gpus] = profile.value(power[gpus])
+        else:
+            profile_idx = np.atleast_1d(self._profile_idx[sel])
+            for k in np.unique(profile_idx):
+                mask = profile_idx == k
+                out[mask] = self._profiles[int(k)].value(power[mask])
         out[np.atleast_1d(self._pattern[sel]) == _PATTERN_CODES[Pattern.IDLE]] = 0.0
+        out[~np.atleast_1d(self._working[sel])] = 0.0
         return out
 
     def util_pct(self, sel: Selector = ALL) -> FloatArray:

@@ -334,7 +334,7 @@ class _Run:
         self.max_ratio = max(self.max_ratio, float(ratio.max()))
         for lv, mask in enumerate(self.level_masks):
             self.step_peak[lv] = max(self.step_peak[lv], float(ratio[mask].max()))
-        tput = model.throughput()
+        tput = model.step_throughput  # the interval's mean (phases within it integrated)
         self.work += np.bincount(cls, weights=tput, minlength=self.work.size) * dt
         self.weighted_work += float(np.dot(self.weight, tput)) * dt
         held = (

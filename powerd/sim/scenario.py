@@ -23,8 +23,9 @@ Watts = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegWatts = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Share = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
 HOUR_S = 3600.0
-# A swing shorter than two ticks is sampled at random points of its cycle (aliasing).
-MIN_TICKS_PER_SWING = 2
+# Demand that changes within a tick is integrated piece by piece (powerd.backends.mock):
+# at most this many swings or slots per tick keep that cheap.
+MAX_SWINGS_PER_TICK = 500
 MAX_TICKS = 10_000_000
 MAX_SCHEDULE = 64  # windows in one scenario, as many as a controller keeps
 
@@ -64,6 +65,48 @@ class Bursts(_Strict):
     slot_s: Watts = 60.0
 
 
+class Surges(_Strict):
+    """Load on top of the daily curve that every GPU of a service takes at once: in every
+    slot the service surges with a probability (a burst of requests reaching all replicas)."""
+
+    extra_w: NonNegWatts = 150.0
+    probability: float = Field(default=0.1, ge=0, le=1)
+    slot_s: Watts = 60.0
+
+
+class Checkpoint(_Strict):
+    """A training job's checkpoints: every `every_min` minutes, for `duration_s`, every GPU
+    of the job drops to `level_w` and does no training work (each job at its own phase)."""
+
+    every_min: Watts
+    duration_s: Watts
+    level_w: NonNegWatts = 100.0
+
+    @model_validator(mode="after")
+    def _fits(self) -> Checkpoint:
+        if self.duration_s >= self.every_min * 60:
+            raise ValueError(
+                f"duration_s ({self.duration_s:g}) must be shorter than every_min "
+                f"({self.every_min:g} min)"
+            )
+        return self
+
+
+class JobRun(_Strict):
+    """When a training job runs (hours from the start); outside its runs its GPUs idle. A job
+    starting or ending is a step of all its GPUs at once."""
+
+    job: int | None = Field(default=None, ge=1)  # 1-based; default: every job
+    start_h: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    end_h: float | None = Field(default=None, gt=0, allow_inf_nan=False)  # default: never
+
+    @model_validator(mode="after")
+    def _ordered(self) -> JobRun:
+        if self.end_h is not None and self.end_h <= self.start_h:
+            raise ValueError(f"end_h ({self.end_h:g}) must be after start_h ({self.start_h:g})")
+        return self
+
+
 Pattern = Literal["inference", "training", "steady", "idle", "trace"]
 
 
@@ -89,10 +132,14 @@ class WorkloadSpec(_Strict):
     jobs: int = Field(default=1, ge=1, le=10_000)
     period_s: Watts = 1800.0
     duty: float = Field(default=0.8, gt=0, le=1)
+    checkpoint: Checkpoint | None = None
+    runs: list[JobRun] = Field(default_factory=list, max_length=1000)
     # inference
     peak_hour: float = Field(default=14.0, ge=0, lt=24)
     day_h: Watts = 24.0
     bursts: Bursts | None = None
+    services: int = Field(default=1, ge=1, le=10_000)
+    surges: Surges | None = None
     idle: list[IdleWindow] = Field(default_factory=list)
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
@@ -185,6 +232,43 @@ class Scenario:
         return max(1, round(self.duration_s / self.spec.tick_s))
 
 
+def _check_patterns(i: int, w: WorkloadSpec, tick_s: float) -> list[tuple[str, str]]:
+    """A workload's pattern keys: each with its pattern, jobs that exist, swings a tick
+    can integrate."""
+    problems: list[tuple[str, str]] = []
+    for key, value, only in (
+        ("checkpoint", w.checkpoint, "training"),
+        ("runs", w.runs, "training"),
+        ("surges", w.surges, "inference"),
+        ("services", w.services != 1, "inference"),
+    ):
+        if value and w.kind != only:
+            problems.append((f"workloads[{i}].{key}", f"applies to pattern {only}, not {w.kind}"))
+    for r, run in enumerate(w.runs):
+        if run.job is not None and run.job > w.jobs:
+            problems.append(
+                (
+                    f"workloads[{i}].runs[{r}].job",
+                    f"job {run.job} of {w.jobs}: jobs are numbered 1 to {w.jobs}",
+                )
+            )
+    swings = [("period_s", w.period_s)] if w.kind == "training" else []
+    if w.kind == "inference":
+        swings += [("bursts.slot_s", w.bursts.slot_s)] if w.bursts else []
+        swings += [("surges.slot_s", w.surges.slot_s)] if w.surges else []
+    for key, every_s in swings:
+        if every_s * MAX_SWINGS_PER_TICK < tick_s:
+            problems.append(
+                (
+                    f"workloads[{i}].{key}",
+                    f"{every_s:g} s is more than {MAX_SWINGS_PER_TICK} swings per tick of "
+                    f"{tick_s:g} s; use {key} >= {tick_s / MAX_SWINGS_PER_TICK:g} "
+                    "or a shorter tick_s",
+                )
+            )
+    return problems
+
+
 def _check(spec: ScenarioSpec) -> list[tuple[str, str]]:
     problems: list[tuple[str, str]] = []
     total = sum(w.share for w in spec.workloads)
@@ -206,16 +290,7 @@ def _check(spec: ScenarioSpec) -> list[tuple[str, str]]:
                 )
             )
         names.setdefault(w.name, i)
-        if w.pattern == "training" and w.period_s < MIN_TICKS_PER_SWING * spec.tick_s:
-            problems.append(
-                (
-                    f"workloads[{i}].period_s",
-                    f"a swing of {w.period_s:g} s is shorter than {MIN_TICKS_PER_SWING} ticks of "
-                    f"{spec.tick_s:g} s, so ticks would sample it at random points; use "
-                    f"period_s >= {MIN_TICKS_PER_SWING * spec.tick_s:g} or a shorter tick_s "
-                    "(iteration-level swings average into high_w/low_w)",
-                )
-            )
+        problems += _check_patterns(i, w, spec.tick_s)
     if spec.duration_h * HOUR_S / spec.tick_s > MAX_TICKS:
         problems.append(("tick_s", f"more than {MAX_TICKS:,} ticks; raise tick_s"))
     if spec.tick_s > spec.duration_h * HOUR_S:

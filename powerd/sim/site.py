@@ -220,13 +220,18 @@ def workload_profile(spec: WorkloadSpec, policy: Policy) -> Profile:
 
 
 def _mock_workloads(spec: WorkloadSpec, policy: Policy, rng: np.random.Generator) -> list[Workload]:
-    """One mock Workload per job (training), or one for the whole workload."""
+    """One mock Workload per job (training) or service (inference), or one for the whole
+    workload; the workload's nodes are split evenly among them."""
     profile = workload_profile(spec, policy)
     name = spec.class_
     match spec.kind:
         case "training":
-            # Jobs start at unrelated times: a seeded random phase each.
+            # Jobs start at unrelated times: a seeded random phase each (and, drawn after,
+            # so that scenarios without checkpoints keep their phases, a checkpoint phase).
             phases = rng.uniform(0.0, spec.period_s, spec.jobs)
+            ckpt = spec.checkpoint
+            every_s = 0.0 if ckpt is None else ckpt.every_min * 60.0
+            ckpt_phases = rng.uniform(0.0, every_s, spec.jobs) if ckpt else np.zeros(spec.jobs)
             return [
                 Workload(
                     MockPattern.TRAINING,
@@ -237,12 +242,20 @@ def _mock_workloads(spec: WorkloadSpec, policy: Policy, rng: np.random.Generator
                     period_s=spec.period_s,
                     duty=spec.duty,
                     phase_s=float(p),
+                    ckpt_every_s=every_s,
+                    ckpt_s=0.0 if ckpt is None else ckpt.duration_s,
+                    ckpt_w=0.0 if ckpt is None else ckpt.level_w,
+                    ckpt_phase_s=float(c),
+                    runs=_job_runs(spec, j),
                 )
-                for p in phases
+                for j, (p, c) in enumerate(zip(phases, ckpt_phases, strict=True))
             ]
         case "inference":
             day_s = spec.day_h * HOUR_S
             b = spec.bursts
+            s = spec.surges
+            # Each service surges on its own seeded draws (drawn only with surges).
+            keys = rng.integers(0, 2**62, spec.services) if s else np.zeros(spec.services)
             return [
                 Workload(
                     MockPattern.INFERENCE,
@@ -256,7 +269,12 @@ def _mock_workloads(spec: WorkloadSpec, policy: Policy, rng: np.random.Generator
                     burst_w=0.0 if b is None else b.extra_w,
                     burst_prob=0.0 if b is None else b.probability,
                     burst_slot_s=60.0 if b is None else b.slot_s,
+                    surge_w=0.0 if s is None else s.extra_w,
+                    surge_prob=0.0 if s is None else s.probability,
+                    surge_slot_s=60.0 if s is None else s.slot_s,
+                    key=int(k),
                 )
+                for k in keys
             ]
         case "steady":
             return [
@@ -267,6 +285,14 @@ def _mock_workloads(spec: WorkloadSpec, policy: Policy, rng: np.random.Generator
         case "trace":
             raise AssertionError("trace workloads are built per GPU (_trace_workloads)")
     raise AssertionError(spec.kind)
+
+
+def _job_runs(spec: WorkloadSpec, job: int) -> tuple[tuple[float, float], ...]:
+    """Job `job`'s (0-based) run windows in seconds; none given: () (it always runs)."""
+    mine = [r for r in spec.runs if r.job is None or r.job == job + 1]
+    return tuple(
+        (r.start_h * HOUR_S, math.inf if r.end_h is None else r.end_h * HOUR_S) for r in mine
+    )
 
 
 def _trace_workloads(
