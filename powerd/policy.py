@@ -173,6 +173,26 @@ class RampRates(_Strict):
     down: Watts
 
 
+class DemandSpec(_Strict):
+    """How the allocator sees each GPU's demand (docs/allocator.md, "Demand"). Its recent
+    draw: the largest over the last `window_s` plus `swing` times the largest rise between
+    two successive samples in it; `window_s: 0` keeps no history and turns the settings
+    below off (demand from the last sample alone, as before). `spare`: power left after
+    demand goes first around each GPU's recent draw (`recent`) or its cap in force (`caps`).
+    `margin`: a GPU not held back by its cap wants the least cap it would not read as held
+    back by, at most its draw + headroom (`least`; the rest of the headroom is spare power),
+    or its draw + headroom (`headroom`). `held`: a GPU held back by its cap wants its recent
+    draw (at least its cap) + headroom (`probe`) or its maximum (`max`). `floors`: a class
+    floor holds up to the GPU's recent draw (`follow`) or whole (`fixed`)."""
+
+    window_s: float = Field(default=60.0, ge=0, le=3600, allow_inf_nan=False)
+    swing: float = Field(default=0.0, ge=0, le=10, allow_inf_nan=False)
+    spare: Literal["recent", "caps"] = "recent"
+    margin: Literal["least", "headroom"] = "least"
+    held: Literal["probe", "max"] = "probe"
+    floors: Literal["follow", "fixed"] = "fixed"
+
+
 class Control(_Strict):
     tick_s: float = Field(default=1.0, gt=0, le=3600)
     lease_s: float = Field(default=10.0, gt=0, le=86400)
@@ -191,6 +211,8 @@ class Control(_Strict):
     # Power no GPU can turn into throughput: "peak" leaves it unallocated (no cap above its
     # profile's peak), "max" hands it out up to each GPU's maximum cap.
     leftover: Literal["peak", "max"] = "peak"
+    # Per-GPU demand from the recent distribution of draw, not the last sample alone.
+    demand: DemandSpec = Field(default_factory=DemandSpec)
     learn: Learn = Field(default_factory=Learn)
     # Budgets in force move no faster than this (scheduled cuts start early enough to reach
     # their target on time); None: budgets step. Immediate cuts always go at once.

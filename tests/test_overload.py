@@ -159,7 +159,13 @@ def test_draw_stays_within_the_rating_and_above_the_budget_for_at_most_a_tick(
 
 
 def test_caps_lent_while_draw_is_low_come_back_at_once_when_it_is_not() -> None:
-    policy = parse_policy(rated_policy())
+    # Demand from the last sample + headroom (control.demand.window_s: 0): GPUs below their
+    # caps strand headroom, which the rating lends. (With the default demand, a GPU's cap
+    # sits at the least margin over its draw and spare power follows recent draw: little
+    # is stranded for the rating to lend: docs/allocator.md, "Demand".)
+    data = rated_policy()
+    data.setdefault("control", {})["demand"] = {"window_s": 0.0}
+    policy = parse_policy(data)
     engine = TickEngine(policy)
     nodes = {n: HungryNode(n) for n in NODES}
     dc = policy.groups[0]

@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from support.honest import NODES, HonestNode, policy_dict
+from support.honest import NODES, HonestNode
+from support.honest import policy_dict as honest_policy_dict
 from support.pg import BACKENDS, pg_database
 
 from powerd.clock import ManualClock
@@ -23,6 +24,15 @@ from powerd.store import Store, StoreWriter, WriterLimits, upgrade
 from powerd.store.reasons import reason_doc
 
 WALL0 = 1_700_000_000.0
+
+
+def policy_dict(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    """The honest site's policy with demand from the last sample (`control.demand.window_s:
+    0`): these tests read the explanations of GPUs held back by their cap, which then want
+    their maximum at once (docs/allocator.md, "Demand")."""
+    data = honest_policy_dict(*args, **kwargs)
+    data.setdefault("control", {})["demand"] = {"window_s": 0.0}
+    return data
 
 
 class Site:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from powerd.policy import Policy
+from powerd.policy import DemandSpec, Policy
 from powerd.profile import Profile
 from powerd.topology import N_LEVELS, Topology
 
@@ -32,6 +32,9 @@ INFEASIBLE_MIN = "infeasible_min"
 
 # A GPU drawing this share of its cap is held back by the cap and wants its maximum.
 CAP_LIMITED_SHARE = 0.95
+# `margin: least`: a GPU's demand is this much above the least cap it would not read as
+# held back by (its draw / CAP_LIMITED_SHARE).
+LEAST_MARGIN_W = 1.0
 # Damping 0 would leave ties between equal marginal utilities to floating-point accident; a
 # floor this small costs at most ~1e-5 of one GPU's utility and keeps the optimum unique.
 MIN_DAMPING = 1e-4
@@ -65,6 +68,9 @@ class GpuArrays:
     pinned_w: FloatArray
     job_index: IntArray | None = None
     job_names: tuple[str, ...] = ()
+    # What each GPU has drawn recently at most, its swing included (controller/demand.py);
+    # None: the last sample (`power_w`) alone.
+    recent_w: FloatArray | None = None
 
     @property
     def n(self) -> int:
@@ -484,10 +490,59 @@ class Problem:
         return OPTIMAL
 
 
-def demand_w(fleet: GpuArrays, headroom_w: float) -> FloatArray:
-    """What each GPU could use: its maximum when its cap holds it back, else draw + headroom."""
+def demand_w(fleet: GpuArrays, headroom_w: float, spec: DemandSpec | None = None) -> FloatArray:
+    """What each GPU could use (docs/allocator.md, "Demand").
+
+    Without `recent_w` (or `spec`): its maximum when its cap holds it back (it draws ≥ 95 %
+    of it), else its draw + headroom. With them, as `spec` says: a held-back GPU wants its
+    maximum (`held: max`) or what it has drawn recently, at least its cap, + headroom
+    (`held: probe`: it climbs by headroom a tick until its draw no longer reaches its cap,
+    instead of taking its maximum from GPUs that use what they have); any other wants its
+    draw + headroom (`margin: headroom`) or the least cap it would not read as held back by,
+    at most that (`margin: least`: the headroom is then spare power, spread by `anchor_kw`).
+    """
     limited = fleet.power_w >= CAP_LIMITED_SHARE * fleet.cap_w
-    return np.where(limited, fleet.max_cap_w, fleet.power_w + headroom_w)
+    recent = fleet.recent_w
+    if recent is None or spec is None:
+        return np.where(limited, fleet.max_cap_w, fleet.power_w + headroom_w)
+    held = fleet.max_cap_w
+    if spec.held == "probe":
+        held = np.minimum(fleet.max_cap_w, np.maximum(recent, fleet.cap_w) + headroom_w)
+    free = fleet.power_w + headroom_w
+    if spec.margin == "least":
+        free = np.minimum(free, fleet.power_w / CAP_LIMITED_SHARE + LEAST_MARGIN_W)
+    return np.where(limited, held, free)
+
+
+def floors_w(fleet: GpuArrays, classes: ClassTable, spec: DemandSpec) -> FloatArray:
+    """Each GPU's class floor (0: none). With `floors: follow` and `recent_w`, a floor holds
+    up to what the GPU has drawn recently at most: a serving GPU that has drawn less than
+    its floor over the whole window is guaranteed what it drew, and the rest of its floor
+    is spare power (spread by `anchor_kw`, so it comes back first when room is left)."""
+    floor = classes.floor_w[fleet.class_index]
+    if fleet.recent_w is None or spec.floors == "fixed":
+        return floor
+    return np.asarray(np.minimum(floor, np.maximum(fleet.recent_w, fleet.power_w)))
+
+
+def anchor_kw(
+    fleet: GpuArrays,
+    spec: DemandSpec,
+    *,
+    demand: FloatArray,
+    prev: FloatArray,
+    lo: FloatArray,
+    hi: FloatArray,
+) -> FloatArray:
+    """Where the damping term centres each GPU's cap (kW): power left after demand is
+    spread around it (every GPU above its demand sits at its anchor less one common amount,
+    or more where room is left). The cap in force (`spare: caps`, or without `recent_w`), or
+    what the GPU has drawn recently at most, its swing included, or its demand, whichever is
+    higher (`spare: recent`): spare power then goes where draw has recently been, not where
+    caps happened to be."""
+    if fleet.recent_w is None or spec.spare == "caps":
+        return prev
+    return np.asarray(np.clip(np.maximum(fleet.recent_w, demand) / 1000.0, lo, hi))
 
 
 def capacities_kw(
@@ -662,7 +717,9 @@ def build_problem(
         hi_base = np.where(fixed, lo_dev, hi_base)
         capacity = np.where(bad, np.inf, capacity)
 
-    lo_floor = np.minimum(np.maximum(lo_dev, classes.floor_w[cls] / 1000.0), hi_base)
+    lo_floor = np.minimum(
+        np.maximum(lo_dev, floors_w(fleet, classes, ctl.demand) / 1000.0), hi_base
+    )
     dropped = np.zeros(fleet.n, dtype=np.bool_)
     for w in np.unique(classes.weight):
         over = _over(tree, lo_floor, capacity)
@@ -695,10 +752,11 @@ def build_problem(
     else:
         lo, hi = lo_floor, hi_base
 
-    demand = demand_w(fleet, policy.defaults.headroom_w)
+    demand = demand_w(fleet, policy.defaults.headroom_w, ctl.demand)
     if jobs is not None:
         demand = jobs.max(demand)  # one synchronous job: it wants what its hungriest GPU does
     flat = np.clip(np.minimum(demand / 1000.0, classes.peak_kw[cls]), lo, hi)
+    prev = anchor_kw(fleet, ctl.demand, demand=demand, prev=prev, lo=lo, hi=hi)
     eps = max(ctl.damping, MIN_DAMPING)
     gap = float(np.max(hi - prev, initial=0.0))
     return Problem(

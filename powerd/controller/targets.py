@@ -22,6 +22,7 @@ from powerd.allocator import Allocation, ClassTable, GpuArrays, allocate_arrays,
 from powerd.allocator.learn import ProfileLearner, learner_for
 from powerd.allocator.problem import build_problem
 from powerd.allocator.scopes import DemandCurve, demand_curve
+from powerd.controller.demand import DemandEstimator
 from powerd.controller.fleet import FleetArrays
 from powerd.controller.jobs import GpuPlaces, JobView, ReportedJobs
 from powerd.controller.overrides import Overrides
@@ -65,12 +66,15 @@ class TargetStage:
     def __init__(self, policy: Policy, solver: str) -> None:
         self.solver = solver
         self.warm: Allocation | None = None
+        # Per-GPU recent draw (docs/allocator.md, "Demand"): kept across policy changes.
+        self.demand = DemandEstimator(policy.control.demand)
         self.adopt(policy)
 
     def adopt(self, policy: Policy) -> None:
         """Steer by this policy from the next tick: its classes, and learning afresh (its
         classes, profiles or settings changed)."""
         self.policy = policy
+        self.demand.adopt(policy.control.demand)
         self.classes = ClassTable.from_policy(policy)
         # Curves learned from reported perf (docs/allocator.md, "Profiles learned online").
         self.learner: ProfileLearner | None = learner_for(policy)
@@ -112,6 +116,9 @@ class TargetStage:
         # the rest: one that refused its last cap.
         if held.any():
             pinned = np.where(held, np.minimum(committed_w, arrays.max_cap_w), pinned)
+        recent = self.demand.observe(
+            now, arrays.uuids, arrays.power_w, arrays.max_cap_w, ~arrays.stale
+        )
         fleet = GpuArrays(
             uuids=tuple(arrays.uuids),
             topology=shape.topology,
@@ -125,6 +132,7 @@ class TargetStage:
             pinned_w=pinned,
             job_index=job_idx,
             job_names=job_names,
+            recent_w=recent,
         )
         targets, status, objective, solve_ms, unused_w = self.allocate(
             tick, fleet, limit_w, shape, alarm

@@ -1,0 +1,166 @@
+"""Demand that follows the work: the ladder of changes, measured at fixed site sizes.
+
+    PYTHONPATH=. .venv/bin/python bench/demand_ladder.py                      # defaults
+    PYTHONPATH=. .venv/bin/python bench/demand_ladder.py --nodes 61 72 76 \\
+        --variants last-sample default --duration-h 0.5 --tick-s 5
+
+For each size (nodes of the policy's shape, under one feed, inner budgets at nameplate as
+`powerd sim --oversubscribe` has them) the same GPUs run once unconstrained (`static`: every
+cap at TDP, budgets ignored, the reference) and once under `fast` per variant of the policy
+(`VARIANTS`: settings of the demand estimate and its neighbours, one change at a time).
+Printed per size and variant: the work lost against unconstrained, seconds any budget was
+over, the unconstrained facility draw's maximum against the feed (where it stays under, a
+perfect allocator loses nothing), and the share of GPUs whose cap moved per tick (after the
+first minute, > 1 W).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from powerd.logs import configure_logging
+from powerd.policy import Policy, load_policy
+from powerd.safety import SafePlan
+from powerd.sim.baselines import oracle
+from powerd.sim.run import simulate
+from powerd.sim.scenario import load_scenario
+from powerd.sim.site import build_mix, build_site
+
+ROOT = Path(__file__).resolve().parent.parent
+MOVE_W = 1.0  # a cap counts as moved when it changes by more than this
+
+# Each variant: policy settings (section → {field: value}) on top of the policy's own.
+VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
+    # powerd before issue 30: demand = the last sample + headroom_w, spare power around the
+    # caps in force, a held-back GPU wants its maximum.
+    "last-sample": {"control": {"demand": {"window_s": 0.0}}},
+    # 1. spare power around each GPU's recent peak of draw (60 s), not its cap in force
+    "spare-recent": {"control": {"demand": {"margin": "headroom", "held": "max"}}},
+    # 2. + the headroom is spare power, not demand (demand: the least cap not read as held)
+    "margin-least": {"control": {"demand": {"held": "max"}}},
+    # 3. + a held-back GPU climbs from its recent peak by headroom, not to its maximum
+    "held-probe": {},  # the shipped default
+    # 4. + class floors hold up to each GPU's recent draw (not shipped: see docs)
+    "floors-follow": {"control": {"demand": {"floors": "follow"}}},
+    # 5. + the swing: recent peak + the largest rise between samples
+    "swing-1": {"control": {"demand": {"swing": 1.0}}},
+}
+
+
+def with_settings(policy: Policy, settings: dict[str, dict[str, Any]]) -> Policy:
+    spec = policy.spec
+    update: dict[str, Any] = {}
+    for section, fields in settings.items():
+        current = getattr(spec, section)
+        sub: dict[str, Any] = {}
+        for name, value in fields.items():
+            if isinstance(value, dict):
+                sub[name] = getattr(current, name).model_copy(update=value)
+            else:
+                sub[name] = value
+        update[section] = current.model_copy(update=sub)
+    return replace(policy, spec=spec.model_copy(update=update))
+
+
+class Moves:
+    """Per simulated tick, how many GPUs' committed caps moved since the last one."""
+
+    def __init__(self, tick_s: float) -> None:
+        self.last: np.ndarray | None = None
+        self.prev: np.ndarray | None = None
+        self.shares: list[float] = []
+        self.skip = int(60 / tick_s)
+
+    def trace(self, report: object, plan: SafePlan) -> None:
+        self.last = plan.committed_w
+
+    def tick(self, _n: int) -> None:
+        if self.last is None:
+            return
+        if self.prev is not None and self.prev.shape == self.last.shape:
+            moved = np.abs(self.last - self.prev) > MOVE_W
+            self.shares.append(float(moved.mean()))
+        self.prev = self.last.copy()
+
+    def share(self) -> float:
+        s = self.shares[self.skip :]
+        return float(np.mean(s)) if s else 0.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scenario", default=str(ROOT / "policies/scenarios/recorded.yaml"))
+    ap.add_argument("--nodes", type=int, nargs="+", default=[61, 72, 76])
+    ap.add_argument("--feed-w", type=float, default=None, help="default: the site's")
+    ap.add_argument("--duration-h", type=float, default=0.5)
+    ap.add_argument("--tick-s", type=float, default=5.0)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument(
+        "--variants", nargs="+", default=["last-sample", "held-probe"], choices=list(VARIANTS)
+    )
+    ap.add_argument("--solver", default="fast")
+    ap.add_argument("--uncapped-only", action="store_true", help="only the reference runs")
+    ap.add_argument("--oracle", action="store_true", help="also perfect foresight per size")
+    args = ap.parse_args(argv)
+    configure_logging("console", "warning")
+
+    overrides: dict[str, Any] = {"duration_h": args.duration_h, "tick_s": args.tick_s}
+    if args.seed is not None:
+        overrides["seed"] = args.seed
+    scenario = load_scenario(args.scenario, overrides)
+    assert scenario.policy_path is not None
+    base = load_policy(scenario.policy_path)
+    feed = args.feed_w
+    print(
+        f"# {Path(args.scenario).name}: {args.duration_h} h, {args.tick_s:g} s ticks, "
+        f"solver {args.solver}"
+    )
+    print(
+        f"{'nodes':>5} {'gpus':>5} {'variant':<14} {'loss %':>7} {'over s':>7} "
+        f"{'uncapped max/feed':>17} {'moved/tick':>10} {'wall s':>7}"
+    )
+    for n in args.nodes:
+        site0 = build_site(base, nodes=n, facility_budget_w=feed).inner_at_nameplate()
+        feed_w = site0.feed_w
+        mix = build_mix(scenario, site0)
+        ref = simulate(scenario, site0, mix, "static")
+        peak = float(ref.series.facility_draw_w.max()) / feed_w
+        if args.oracle:
+            orc = oracle(scenario, site0, mix)[0]
+            print(
+                f"{n:>5} {site0.n_gpus:>5} {'oracle':<14} {100 * orc.loss():>7.3f} "
+                f"{orc.over_budget_s:>7.0f} {peak:>8.3f}",
+                flush=True,
+            )
+        if args.uncapped_only:
+            print(
+                f"{n:>5} {site0.n_gpus:>5} {'uncapped':<14} {0:>7.3f} {ref.over_budget_s:>7.0f} "
+                f"{peak:>8.3f}",
+                flush=True,
+            )
+            continue
+        for name in args.variants:
+            policy = with_settings(base, VARIANTS[name])
+            site = build_site(policy, nodes=n, facility_budget_w=feed).inner_at_nameplate()
+            moves = Moves(args.tick_s)
+            t0 = time.perf_counter()
+            r = simulate(scenario, site, mix, args.solver, trace=moves.trace, progress=moves.tick)
+            loss = 1.0 - r.work_gpu_s / ref.work_gpu_s
+            print(
+                f"{n:>5} {site.n_gpus:>5} {name:<14} {100 * loss:>7.3f} {r.over_budget_s:>7.0f} "
+                f"{peak:>8.3f} (over {ref.over_budget_s:>4.0f} s) {100 * moves.share():>9.1f}% "
+                f"{time.perf_counter() - t0:>7.1f}",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

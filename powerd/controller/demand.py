@@ -1,0 +1,117 @@
+"""Per-GPU demand from the recent distribution of draw (docs/allocator.md, "Demand").
+
+The allocator caps a GPU's gains at its demand. From the last sample alone (plus
+`defaults.headroom_w`), a GPU whose draw swings is capped at whatever it drew a second ago,
+and loses work for the whole next tick each time it rises. The estimator keeps, per GPU,
+what it has drawn recently at most and how far its draw has risen from one sample to the
+next, over the last `control.demand.window_s`, and the allocator sees
+
+    recent_w = min(max_cap, recent peak + swing × largest rise between samples)
+
+(docs/policy.md, `control.demand`). State is bounded: per GPU a fixed ring of `BUCKETS`
+time slices of the window (each slice's largest draw and largest rise) and its last
+sample; a GPU that leaves the fleet leaves the estimator with it. Node input is untrusted:
+a sample counts only for its own GPU, clipped to [0, the GPU's max cap] (a wild or lying
+draw moves that GPU's demand, which `power_w` moved already, and nobody else's); a NaN or a
+stale GPU's sample is not taken.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+from numpy.typing import NDArray
+
+from powerd.policy import DemandSpec
+
+FloatArray = NDArray[np.float64]
+BoolArray = NDArray[np.bool_]
+
+# Time slices of the window: the peak covers between (BUCKETS − 1)/BUCKETS of the window and
+# all of it, at BUCKETS floats per GPU and per kind.
+BUCKETS = 8
+
+
+class DemandEstimator:
+    """The recent peak and swing of every GPU's draw, in the fleet's order."""
+
+    def __init__(self, spec: DemandSpec) -> None:
+        self.spec = spec
+        self.uuids: Sequence[str] = ()
+        self.peak = np.zeros((0, BUCKETS))
+        self.rise = np.zeros((0, BUCKETS))
+        self.last = np.zeros(0)  # the last sample taken (NaN: none yet)
+        self.slot = -1  # the time slice (global count) the ring's newest column holds
+
+    def adopt(self, spec: DemandSpec) -> None:
+        """New settings: a new window length restarts the history (its slices mean
+        something else); the swing factor alone keeps it."""
+        if spec.window_s != self.spec.window_s:
+            self._reset(self.uuids)
+        self.spec = spec
+
+    def _reset(self, uuids: Sequence[str]) -> None:
+        n = len(uuids)
+        self.uuids = uuids
+        self.peak = np.zeros((n, BUCKETS))
+        self.rise = np.zeros((n, BUCKETS))
+        self.last = np.full(n, np.nan)
+        self.slot = -1
+
+    def _follow(self, uuids: Sequence[str]) -> None:
+        """Rows for this GPU set: GPUs kept keep their history, new ones start empty, gone
+        ones are forgotten."""
+        if uuids is self.uuids or list(uuids) == list(self.uuids):
+            self.uuids = uuids
+            return
+        old = {u: i for i, u in enumerate(self.uuids)}
+        n = len(uuids)
+        peak, rise, last = np.zeros((n, BUCKETS)), np.zeros((n, BUCKETS)), np.full(n, np.nan)
+        src = np.fromiter((old.get(u, -1) for u in uuids), dtype=np.int64, count=n)
+        keep = src >= 0
+        peak[keep], rise[keep], last[keep] = (
+            self.peak[src[keep]],
+            self.rise[src[keep]],
+            self.last[src[keep]],
+        )
+        self.uuids, self.peak, self.rise, self.last = uuids, peak, rise, last
+
+    def observe(
+        self,
+        now: float,
+        uuids: Sequence[str],
+        power_w: FloatArray,
+        max_cap_w: FloatArray,
+        fresh: BoolArray,
+    ) -> FloatArray | None:
+        """Take this tick's samples (`fresh`: GPUs whose sample counts) and return each
+        GPU's recent draw estimate, or None when the window is 0 (the last sample alone,
+        as powerd did before the estimator)."""
+        window = self.spec.window_s
+        if window <= 0:
+            return None
+        self._follow(uuids)
+        slot = math.floor(now / (window / BUCKETS))
+        if slot != self.slot:
+            # Clear the slices the clock has moved past (all of them after a long gap).
+            for s in range(max(self.slot + 1, slot - BUCKETS + 1), slot + 1):
+                self.peak[:, s % BUCKETS] = 0.0
+                self.rise[:, s % BUCKETS] = 0.0
+            self.slot = max(slot, self.slot)
+        col = self.slot % BUCKETS
+        draw = np.clip(np.nan_to_num(power_w, nan=0.0), 0.0, max_cap_w)
+        take = fresh & np.isfinite(power_w)
+        rise = np.where(np.isnan(self.last), 0.0, draw - self.last)
+        self.peak[:, col] = np.where(take, np.maximum(self.peak[:, col], draw), self.peak[:, col])
+        self.rise[:, col] = np.where(take, np.maximum(self.rise[:, col], rise), self.rise[:, col])
+        self.last = np.where(take, draw, self.last)
+        return self.recent_w(power_w, max_cap_w)
+
+    def recent_w(self, power_w: FloatArray, max_cap_w: FloatArray) -> FloatArray:
+        """Per GPU: min(max cap, max(draw now, recent peak) + swing × largest recent rise)."""
+        draw = np.clip(np.nan_to_num(power_w, nan=0.0), 0.0, max_cap_w)
+        peak = np.maximum(self.peak.max(axis=1), draw)
+        swing = self.spec.swing * self.rise.max(axis=1)
+        return np.asarray(np.minimum(peak + swing, max_cap_w), dtype=np.float64)

@@ -1,0 +1,244 @@
+"""Demand that follows the work: the per-GPU estimator and what the allocator makes of it
+(docs/allocator.md, "Demand")."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from powerd.allocator import allocate_arrays
+from powerd.allocator.problem import CAP_LIMITED_SHARE, GpuArrays, build_problem, demand_w
+from powerd.controller.demand import BUCKETS, DemandEstimator
+from powerd.policy import DemandSpec, Policy
+from powerd.testing.synthetic import make_policy, policy_dict, random_fleet
+
+MAX = np.full(3, 700.0)
+FRESH = np.ones(3, dtype=np.bool_)
+UUIDS = ("a", "b", "c")
+
+
+def feed(est: DemandEstimator, draws: list[list[float]], dt: float = 5.0) -> np.ndarray:
+    out = None
+    for k, row in enumerate(draws):
+        out = est.observe(k * dt, UUIDS, np.array(row, dtype=np.float64), MAX, FRESH)
+    assert out is not None
+    return out
+
+
+# -- the estimator -------------------------------------------------------------------------
+
+
+def test_recent_covers_the_swing_the_last_sample_misses() -> None:
+    est = DemandEstimator(DemandSpec(window_s=60.0, swing=0.0))
+    # GPU a swings 300 ↔ 600 every tick; b is steady; c rose once, 30 s ago.
+    rows = [[300.0 if k % 2 else 600.0, 400.0, 500.0 if k == 6 else 250.0] for k in range(13)]
+    recent = feed(est, rows)
+    assert rows[-1][0] == 600.0 or rows[-1][0] == 300.0
+    assert recent[0] == pytest.approx(600.0)  # its peak, whichever sample came last
+    assert recent[1] == pytest.approx(400.0)
+    assert recent[2] == pytest.approx(500.0)  # still in the window
+
+
+def test_swing_adds_the_largest_rise_between_samples() -> None:
+    est = DemandEstimator(DemandSpec(window_s=60.0, swing=1.0))
+    recent = feed(est, [[300.0, 400.0, 250.0], [450.0, 400.0, 250.0], [300.0, 400.0, 250.0]])
+    assert recent[0] == pytest.approx(450.0 + 150.0)
+    assert recent[1] == pytest.approx(400.0)  # steady: no swing
+
+
+def test_the_window_forgets_and_the_clock_gap_clears_everything() -> None:
+    est = DemandEstimator(DemandSpec(window_s=40.0, swing=0.0))
+    feed(est, [[650.0, 650.0, 650.0]])
+    recent = est.observe(41.0, UUIDS, np.array([300.0, 300.0, 300.0]), MAX, FRESH)
+    assert recent is not None
+    np.testing.assert_allclose(recent, 300.0)
+    recent = est.observe(1000.0, UUIDS, np.array([200.0, 200.0, 200.0]), MAX, FRESH)
+    assert recent is not None
+    np.testing.assert_allclose(recent, 200.0)
+
+
+def test_window_zero_is_the_last_sample() -> None:
+    est = DemandEstimator(DemandSpec(window_s=0.0))
+    assert est.observe(0.0, UUIDS, np.array([1.0, 2.0, 3.0]), MAX, FRESH) is None
+
+
+def test_state_is_bounded_and_follows_the_gpu_set() -> None:
+    est = DemandEstimator(DemandSpec(window_s=60.0, swing=0.0))
+    feed(est, [[600.0, 300.0, 500.0], [200.0, 200.0, 200.0]])
+    assert est.peak.shape == (3, BUCKETS) and est.rise.shape == (3, BUCKETS)
+    # b leaves, d arrives, the order changes: c keeps its history, d starts empty.
+    now = ("c", "d", "a")
+    recent = est.observe(10.0, now, np.array([200.0, 100.0, 200.0]), MAX, FRESH)
+    assert recent is not None
+    np.testing.assert_allclose(recent, [500.0, 100.0, 600.0])
+    assert est.peak.shape == (3, BUCKETS)
+    assert list(est.uuids) == list(now)
+
+
+def test_a_wild_or_missing_draw_moves_only_its_own_gpu() -> None:
+    est = DemandEstimator(DemandSpec(window_s=60.0, swing=1.0))
+    feed(est, [[300.0, 300.0, 300.0]])
+    recent = est.observe(5.0, UUIDS, np.array([1e9, np.nan, 310.0]), MAX, FRESH)
+    assert recent is not None
+    assert recent[0] == 700.0  # clipped to its own maximum cap
+    assert recent[1] == pytest.approx(300.0)  # NaN: not taken
+    assert recent[2] == pytest.approx(310.0 + 10.0)
+    est.observe(10.0, UUIDS, np.array([300.0, 300.0, 300.0]), MAX, FRESH)
+    assert est.peak[1:].max() <= 310.0 and est.rise[1:].max() <= 10.0
+
+
+def test_a_stale_gpus_sample_is_not_taken() -> None:
+    est = DemandEstimator(DemandSpec(window_s=60.0, swing=0.0))
+    feed(est, [[300.0, 300.0, 300.0]])
+    stale = np.array([True, False, False])
+    est.observe(5.0, UUIDS, np.array([650.0, 300.0, 300.0]), MAX, ~stale)
+    assert est.peak[0].max() == pytest.approx(300.0)
+
+
+# -- what the allocator makes of it --------------------------------------------------------
+
+
+def _policy(**demand: Any) -> Policy:
+    d = policy_dict(1, 1, 2, 4, fractions=(1.0, 1.0, 1.0, 1.0), overhead_w=0.0)
+    d["control"] = {**d.get("control", {}), "demand": demand}
+    d["classes"] = {"training": {"weight": 1.0, "profile": next(iter(d["profiles"]))}}
+    return make_policy_from(d)
+
+
+def make_policy_from(d: dict[str, Any]) -> Policy:
+    from powerd.policy import parse_policy
+
+    return parse_policy(d, "<test>")
+
+
+def _fleet(
+    policy: Policy, power: np.ndarray, cap: np.ndarray, recent: np.ndarray | None
+) -> GpuArrays:
+    base = random_fleet(policy, 0)
+    n = base.n
+    return replace(
+        base,
+        min_cap_w=np.full(n, 200.0),
+        max_cap_w=np.full(n, 700.0),
+        power_w=power,
+        cap_w=cap,
+        class_index=np.zeros(n, dtype=np.int64),
+        stale=np.zeros(n, dtype=np.bool_),
+        pinned_w=np.full(n, np.nan),
+        recent_w=recent,
+    )
+
+
+def _site_budget(policy: Policy, fleet: GpuArrays, total_w: float) -> np.ndarray:
+    budget = fleet.topology.budget_w.copy()
+    budget[:] = np.inf
+    budget[0] = total_w
+    return budget
+
+
+def test_a_gpu_far_below_the_budget_keeps_room_for_its_recent_peak() -> None:
+    # 8 GPUs: half steady at 400 W with caps at 700, half just fell from 650 W to 300 W.
+    # The budget (4,300 W) holds every recent peak (4 × 400 + 4 × 650 = 4,200 W).
+    power = np.array([400.0] * 4 + [300.0] * 4)
+    recent = np.array([400.0] * 4 + [650.0] * 4)
+    cap = np.array([700.0] * 4 + [360.0] * 4)
+    with_recent = _policy()
+    fleet = _fleet(with_recent, power, cap, recent)
+    alloc = allocate_arrays(fleet, with_recent, budget_w=_site_budget(with_recent, fleet, 4300.0))
+    assert np.all(alloc.caps_w >= recent - 1e-6)
+    # The last sample alone spreads the spare power around the caps in force: the GPUs
+    # that fell are held far below what they drew seconds ago.
+    last = _policy(window_s=0.0)
+    fleet0 = _fleet(last, power, cap, None)
+    alloc0 = allocate_arrays(fleet0, last, budget_w=_site_budget(last, fleet0, 4300.0))
+    assert np.any(alloc0.caps_w < recent - 50.0)
+
+
+def test_a_held_back_gpu_climbs_from_its_recent_peak_instead_of_asking_its_maximum() -> None:
+    policy = _policy()
+    power = np.array([500.0] * 8)
+    cap = np.array([500.0] * 4 + [700.0] * 4)  # the first four draw their cap
+    recent = np.array([520.0] * 8)
+    fleet = _fleet(policy, power, cap, recent)
+    d = demand_w(fleet, 50.0, policy.control.demand)
+    np.testing.assert_allclose(d[:4], 520.0 + 50.0)
+    assert np.all(d[4:] < 500.0 / CAP_LIMITED_SHARE + 2.0)  # margin: least
+    old = demand_w(fleet, 50.0, DemandSpec(held="max", margin="headroom"))
+    np.testing.assert_allclose(old, [700.0] * 4 + [550.0] * 4)
+    assert demand_w(replace(fleet, recent_w=None), 50.0, policy.control.demand)[0] == 700.0
+
+
+def test_following_floors_hold_only_up_to_recent_draw() -> None:
+    d = policy_dict(1, 1, 2, 4, fractions=(1.0, 1.0, 1.0, 1.0), overhead_w=0.0)
+    prof = next(iter(d["profiles"]))
+    d["classes"] = {"training": {"weight": 1.0, "profile": prof, "floor_w": 400}}
+    d["control"] = {"demand": {"floors": "follow"}}
+    policy = make_policy_from(d)
+    fleet = _fleet(policy, np.full(8, 250.0), np.full(8, 450.0), np.full(8, 260.0))
+    problem = build_problem(fleet, policy)
+    np.testing.assert_allclose(problem.lo * 1000.0, 260.0)
+    d["control"] = {"demand": {"floors": "fixed"}}
+    fixed = build_problem(fleet, make_policy_from(d))
+    np.testing.assert_allclose(fixed.lo * 1000.0, 400.0)
+
+
+@pytest.mark.parametrize(
+    "demand",
+    [{"window_s": -1}, {"window_s": 3601}, {"swing": 11}, {"swing": float("nan")},
+     {"spare": "all"}, {"held": "guess"}, {"margin": 3}, {"floors": "none"}, {"bogus": 1}],
+)  # fmt: skip
+def test_demand_settings_are_validated(demand: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        DemandSpec(**demand)
+
+
+def test_the_policy_carries_the_demand_settings() -> None:
+    policy = make_policy(1, 1, 1, 2)
+    assert policy.control.demand == DemandSpec()
+    assert policy.control.demand.window_s > 0
+
+
+# -- in the tick ----------------------------------------------------------------------------
+
+
+def test_the_tick_feeds_every_gpus_draw_to_the_estimator() -> None:
+    from support.honest import NODES, HonestNode
+    from support.honest import policy_dict as honest_policy_dict
+
+    from powerd.controller.tick import TickEngine
+
+    class Swinging(HonestNode):
+        def __init__(self, name: str) -> None:
+            super().__init__(name)
+            self.want = 600.0
+
+        def draw(self) -> dict[str, float]:
+            return {u: min(cap, self.want) for u, cap in self.caps.items()}
+
+    engine = TickEngine(parse(honest_policy_dict()))
+    nodes = {n: Swinging(n) for n in NODES}
+    for t in range(12):
+        if t == 8:
+            nodes["r1-n1"].want = 250.0  # its GPUs fall; the others keep drawing
+        for node in nodes.values():
+            engine.on_telemetry(node.sample(1e9 + t), float(t))
+        _, plan = engine.step(float(t), 1e9 + t)
+        for cmd in plan.commands:
+            ack = nodes[cmd.node].apply_caps(cmd.tick, cmd.caps_w)
+            if ack is not None:
+                engine.on_ack(cmd.node, ack)
+    est = engine.targets.demand
+    assert sorted(est.uuids) == sorted(u for n in nodes.values() for u in n.uuids)
+    fell = [i for i, u in enumerate(est.uuids) if u.startswith("GPU-r1-n1-")]
+    drew = np.array([nodes["r1-n1"].draw()[est.uuids[i]] for i in fell])
+    assert np.all(drew == 250.0)
+    # What they drew seconds ago is still their recent draw, not the last sample.
+    assert np.all(est.peak[fell].max(axis=1) > 400.0)
+
+
+def parse(d: dict[str, Any]) -> Policy:
+    return make_policy_from(d)
