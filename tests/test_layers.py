@@ -45,6 +45,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "powerd.controller.overrides",
             "powerd.controller.jobs",
             "powerd.controller.why",
+            "powerd.controller.demand",
+            "powerd.controller.churn",
+            "powerd.controller.deadband",
         ),
     ),
     (
