@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,6 +84,9 @@ class TickEngine:
         # Shadow mode: decide every tick as if commanding, from the caps in force as the
         # agents report them (another controller's, or none), and send nothing.
         self.shadow = shadow
+        # Whether each report carries each cap's explanation (`why`); a simulation that
+        # reads no report's `why` turns it off (the decisions do not depend on it).
+        self.explain = True
         self.overrides = Overrides()
         self.alarms = Alarms()
         self.tick_no = 0
@@ -162,8 +166,9 @@ class TickEngine:
             return True
         self._heard += 1
         # A GPU reported with an error carries its last known cap, not a reading.
+        caps: Mapping[str, float] | tuple[Sequence[str], Sequence[float]]
         if r.no_errors:
-            caps = dict(zip(r.uuid, r.cap_w, strict=True))
+            caps = (r.uuid, r.cap_w)
         else:
             caps = {u: w for u, w, e in zip(r.uuid, r.cap_w, r.error, strict=True) if e is None}
         # A tick of an older leader's orders nothing of ours: the reading only widens.
@@ -494,7 +499,11 @@ class TickEngine:
             waiting_nodes=plan.waiting_nodes,
             alarms=tuple(sorted(self.alarms.active)),
             set_w=arrays.set_w,
-            why=self._explain(seen, budgets, targets, plan, tick=tick, wall=wall),
+            why=(
+                self._explain(seen, budgets, targets, plan, tick=tick, wall=wall)
+                if self.explain
+                else None
+            ),
         )
 
     def _explain(

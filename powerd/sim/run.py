@@ -241,6 +241,8 @@ class _Run:
             site.policy, scenario, learn=learn, profiles=profiles, rates=self.rates
         )
         engine = TickEngine(policy, solver=self.policy_name)
+        # Each cap's explanation only where a trace may read the reports.
+        engine.explain = self.trace is not None
         for k, (g, budget_w, start, end) in enumerate(self.windows):
             entry = ScheduledBudget(
                 f"sim-{k}", site.topology.names[g], budget_w, start, end, "scenario", "sim", 0.0
