@@ -38,8 +38,8 @@ def _cpu() -> float:
 # What the breakdown times: (label, module, class, method). Nested ones (the engine's
 # stages within `TickEngine.step`) are indented and not added to the total.
 STAGES = [
-    ("agents: telemetry as columns", "powerd.sim.agents", "SimAgents", "readings"),
-    ("engine: take telemetry", "powerd.controller.tick", "TickEngine", "on_readings"),
+    ("agents: telemetry as columns", "powerd.sim.agents", "SimAgents", "fleet_readings"),
+    ("engine: take telemetry", "powerd.controller.tick", "TickEngine", "on_fleet_readings"),
     ("engine: tick (step)", "powerd.controller.tick", "TickEngine", "step"),
     ("  1 fleet (_see)", "powerd.controller.tick", "TickEngine", "_see"),
     ("  2 budgets", "powerd.controller.tick", "TickEngine", "_budgets"),

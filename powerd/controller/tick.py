@@ -160,10 +160,28 @@ class TickEngine:
             return False
         if before:
             self.inputs.note_restores(r, before, self.fleet)
+        self._caps_heard(r, now)
+        return True
+
+    def on_fleet_readings(
+        self, samples: Sequence[NodeReadings], whole: NodeReadings, now: float
+    ) -> None:
+        """Every node's telemetry at once (the simulator's agents), `whole` holding the
+        samples' columns end to end: the same as `on_readings` of each in turn, the fleet's
+        columns written in one pass where its GPUs lie in that order."""
+        if any(r.any_restores for r in samples) or not self.fleet.ingest_fleet(samples, whole, now):
+            for r in samples:
+                self.on_readings(r, now)
+            return
+        for r in samples:
+            self._caps_heard(r, now)
+
+    def _caps_heard(self, r: NodeReadings, now: float) -> None:
+        """A recorded sample's caps in force, to the planner (where they are ours)."""
         if r.node_id in self.obedience.foreign:
-            return True  # its caps are another authority's: counted at their maximum
+            return  # its caps are another authority's: counted at their maximum
         if not self.obedience.telemetry_epoch(r.node_id, r.epoch):
-            return True
+            return
         self._heard += 1
         # A GPU reported with an error carries its last known cap, not a reading.
         caps: Mapping[str, float] | tuple[Sequence[str], Sequence[float]]
@@ -175,7 +193,6 @@ class TickEngine:
         older = r.epoch is not None and r.epoch < self.obedience.epoch
         tick = None if older else r.tick
         self.planner.on_telemetry(r.node_id, caps, received_at=now, as_of_tick=tick)
-        return True
 
     def on_ack(self, node: str, ack: CapAck) -> bool:
         return self.on_acked(

@@ -265,8 +265,7 @@ class _Run:
         as the controller ticks in a simulated tick (`rounds_per_steer`)."""
         engine, agents = self.engine, self.agents
         assert engine is not None and agents is not None
-        for readings in agents.readings(now):
-            engine.on_readings(readings, now)
+        engine.on_fleet_readings(*agents.fleet_readings(now), now)
         for _ in range(self.rounds):
             report, plan = engine.step(now, now)
             if self.trace is not None:
