@@ -166,7 +166,7 @@ def main() -> None:
         s = stages.get(label, 0.0)
         print(f"    {label:38s} {s:7.2f} s {100 * s / r['cpu_s']:5.1f} %")
     top = sum(stages.get(label, 0.0) for label, *_ in STAGES if not label.startswith(" "))
-    print(f"    {'the rest (simulate loop, series)':38s} {r['cpu_s'] - top:7.2f} s")
+    print(f"    {'the rest (committed check, loop)':38s} {r['cpu_s'] - top:7.2f} s")
     if "search" in out:
         s = out["search"]
         print(
