@@ -38,8 +38,8 @@ def _cpu() -> float:
 # What the breakdown times: (label, module, class, method). Nested ones (the engine's
 # stages within `TickEngine.step`) are indented and not added to the total.
 STAGES = [
-    ("agents: telemetry as columns", "powerd.sim.agents", "SimAgents", "readings"),
-    ("engine: take telemetry", "powerd.controller.tick", "TickEngine", "on_readings"),
+    ("agents: telemetry as columns", "powerd.sim.agents", "SimAgents", "fleet_readings"),
+    ("engine: take telemetry", "powerd.controller.tick", "TickEngine", "on_fleet_readings"),
     ("engine: tick (step)", "powerd.controller.tick", "TickEngine", "step"),
     ("  1 fleet (_see)", "powerd.controller.tick", "TickEngine", "_see"),
     ("  2 budgets", "powerd.controller.tick", "TickEngine", "_budgets"),
@@ -166,7 +166,7 @@ def main() -> None:
         s = stages.get(label, 0.0)
         print(f"    {label:38s} {s:7.2f} s {100 * s / r['cpu_s']:5.1f} %")
     top = sum(stages.get(label, 0.0) for label, *_ in STAGES if not label.startswith(" "))
-    print(f"    {'the rest (simulate loop, series)':38s} {r['cpu_s'] - top:7.2f} s")
+    print(f"    {'the rest (committed check, loop)':38s} {r['cpu_s'] - top:7.2f} s")
     if "search" in out:
         s = out["search"]
         print(

@@ -353,14 +353,25 @@ class SafetyPlanner:
         self._prior_hi[:] = 0.0
 
     def _queue_readings(
-        self, node: str, caps_w: Mapping[str, float], as_of_tick: int | None, source: int
+        self,
+        node: str,
+        caps_w: Mapping[str, float] | tuple[Sequence[str], Sequence[float]],
+        as_of_tick: int | None,
+        source: int,
     ) -> list[int]:
         k = self._node_index.get(node)
         if k is None:
             return []
         key = NO_TICK if as_of_tick is None else int(as_of_tick)
         uuids, gpus = self._node_uuids[k], self._node_gpu_list[k]
-        values = [caps_w.get(u) for u in uuids]
+        if isinstance(caps_w, tuple):
+            # Columns: in the planner's order they are its values as they are.
+            if caps_w[0] == uuids:
+                values: list[float | None] = list(caps_w[1])
+            else:
+                caps_w = dict(zip(*caps_w, strict=True))
+        if not isinstance(caps_w, tuple):
+            values = [caps_w.get(u) for u in uuids]
         if None not in values and all(map(math.isfinite, values)):  # type: ignore[arg-type]
             # Every GPU read (the common case): whole rows at once.
             n = len(gpus)
@@ -374,8 +385,7 @@ class SafetyPlanner:
             self._q_src += [source] * n
             return list(gpus)
         queued = []
-        for u, i in zip(uuids, gpus, strict=True):
-            v = caps_w.get(u)
+        for i, v in zip(gpus, values, strict=True):
             if v is not None and math.isfinite(v):
                 self._q_gpu.append(i)
                 self._q_hi.append(v)
@@ -397,12 +407,13 @@ class SafetyPlanner:
     def on_telemetry(
         self,
         node: str,
-        caps_w: Mapping[str, float],
+        caps_w: Mapping[str, float] | tuple[Sequence[str], Sequence[float]],
         received_at: float,
         as_of_tick: int | None = None,
     ) -> None:
-        """Enforced caps read back by the agent; `received_at` (controller time) dates freshness,
-        `as_of_tick` (the last command the agent had applied when it sampled) orders it."""
+        """Enforced caps read back by the agent (by uuid, or as columns: uuids, caps);
+        `received_at` (controller time) dates freshness, `as_of_tick` (the last command the
+        agent had applied when it sampled) orders it."""
         queued = self._queue_readings(node, caps_w, as_of_tick, _TELEMETRY)
         self._q_seen_gpu += queued
         self._q_seen_at += [received_at] * len(queued)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-from powerd.controller.fleet import FleetState
+import numpy as np
+
+from powerd.controller.fleet import FleetState, NodeReadings
 from powerd.policy import load_policy
 from powerd.wire import GpuTelemetry, NodeState, NodeStatus, NodeTelemetry
 
@@ -167,3 +170,57 @@ def test_a_nodes_repeated_sample_is_written_whole_and_a_dispute_still_stops_it()
         )
     )
     assert by_uuid == {"a": 250, "c": 210, "d": 210}
+
+
+def _end_to_end(samples: list[NodeReadings]) -> NodeReadings:
+    """Samples' columns end to end, as the simulated agents' whole-fleet sample."""
+    first = samples[0]
+    values = {
+        f.name: (
+            [v for r in samples for v in getattr(r, f.name)]
+            if isinstance(getattr(first, f.name), list)
+            else getattr(first, f.name)
+        )
+        for f in dataclasses.fields(first)
+    }
+    values["no_errors"] = all(r.no_errors for r in samples)
+    values["any_restores"] = any(r.any_restores for r in samples)
+    return NodeReadings(**values)
+
+
+def _same_arrays(a: FleetState, b: FleetState, now: float) -> None:
+    x, y = a.arrays(now, stale_after_s=5.0), b.arrays(now, stale_after_s=5.0)
+    for f in dataclasses.fields(x):
+        u, v = getattr(x, f.name), getattr(y, f.name)
+        if isinstance(u, np.ndarray):
+            assert np.array_equal(u, v, equal_nan=True), f.name
+        else:
+            assert u == v, f.name
+    assert (a.version, a.jobs_version, a.stops) == (b.version, b.jobs_version, b.stops)
+
+
+def test_a_whole_fleets_samples_at_once_are_recorded_as_each_in_turn() -> None:
+    n2, n1 = "row-1-rack-1-node-02", "row-1-rack-1-node-01"
+    one, each = FleetState(load_policy(EXAMPLE)), FleetState(load_policy(EXAMPLE))
+    for fleet in (one, each):
+        fleet.ingest_telemetry(telemetry(n2, ["c", "d"]), now=1.0)
+        fleet.ingest_telemetry(telemetry(n1, ["b", "a"]), now=1.0)
+    # The GPUs sit in slots in the order they were found: n2's, then n1's.
+    samples = [
+        NodeReadings.from_message(telemetry(n2, ["c", "d"], power=350.0, seq=1)),
+        NodeReadings.from_message(telemetry(n1, ["b", "a"], power=250.0, seq=1)),
+    ]
+    assert one.ingest_fleet(samples, _end_to_end(samples), now=2.0)
+    for r in samples:
+        each.ingest(r, now=2.0)
+    _same_arrays(one, each, now=2.0)
+    assert one.arrays(2.0, stale_after_s=5.0).power_w.tolist() == [250.0, 250.0, 350.0, 350.0]
+    assert one.nodes[n1].seq == 1
+    # Not in their slots' order, or a GPU in dispute: nothing recorded, each in turn instead.
+    swapped = samples[::-1]
+    assert not one.ingest_fleet(swapped, _end_to_end(swapped), now=3.0)
+    assert one.nodes[n1].seen_at == 2.0
+    one.ingest_telemetry(telemetry("row-1-rack-1-node-03", ["a"]), now=3.0)
+    each.ingest_telemetry(telemetry("row-1-rack-1-node-03", ["a"]), now=3.0)
+    assert not one.ingest_fleet(samples, _end_to_end(samples), now=3.0)
+    _same_arrays(one, each, now=3.0)

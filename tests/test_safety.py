@@ -99,6 +99,27 @@ def test_readings_are_ordered_by_the_tick_they_reflect_never_by_a_clock() -> Non
     assert planner.committed_w().tolist() == [380.0]
 
 
+def test_readings_as_columns_count_as_the_same_readings_by_uuid() -> None:
+    # A node's caps as columns (uuids, caps), as TickEngine.on_readings hands them over: in
+    # the planner's order, in another, and with a GPU not read (NaN), each the same as a map.
+    policy, layout = simple_fleet([3, 1])
+    by_map, by_cols = SafetyPlanner(policy, layout), SafetyPlanner(policy, layout)
+    by_map.assume_settled()
+    by_cols.assume_settled()
+    samples = [
+        (["g0-0", "g0-1", "g0-2"], [210.0, 220.0, 230.0], 1),
+        (["g0-2", "g0-0", "g0-1"], [150.0, 160.0, 170.0], 2),
+        (["g0-0", "g0-1", "g0-2"], [140.0, math.nan, 130.0], 3),
+    ]
+    for k, (uuids, caps, tick) in enumerate(samples):
+        by_map.on_telemetry(
+            "n0", dict(zip(uuids, caps, strict=True)), received_at=k, as_of_tick=tick
+        )
+        by_cols.on_telemetry("n0", (uuids, caps), received_at=k, as_of_tick=tick)
+        assert by_cols.committed_w().tolist() == by_map.committed_w().tolist()
+    assert by_cols.committed_w().tolist()[:3] == [140.0, 170.0, 130.0]
+
+
 def test_a_node_gone_offline_counts_at_its_maximum_until_it_reports_again() -> None:
     policy, layout = simple_fleet([1, 1], facility=700.0)
     planner = SafetyPlanner(policy, layout)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Generic, TypeVar, overload
 
@@ -448,15 +449,7 @@ class FleetState:
                 log.warning("telemetry_unknown_node", node=node_id, gpus=len(r.uuid))
             self.unknown_nodes[node_id] = now
             return False
-        node = self.node(node_id)
-        if node.stopped:
-            self.stops += 1
-        node.seen_at = now
-        node.seq = r.seq
-        node.agent_ts = r.ts
-        node.tick = r.tick
-        node.status_newer = False
-        node.state = NodeState(r.state)
+        node = self._heard(r, now)
         # The common case: the node names the GPUs it named last time, none disputed, in
         # slots next to each other: every column is written with one slice assignment.
         run = self._runs.get(node_id)
@@ -476,6 +469,56 @@ class FleetState:
             node.refused = 0
             return True
         self._ingest_each(node, r, now)
+        return True
+
+    def _heard(self, r: NodeReadings, now: float) -> FleetNode:
+        """The node's record of a sample: when, which, its state."""
+        node = self.node(r.node_id)
+        if node.stopped:
+            self.stops += 1
+        node.seen_at = now
+        node.seq = r.seq
+        node.agent_ts = r.ts
+        node.tick = r.tick
+        node.status_newer = False
+        node.state = NodeState(r.state)
+        return node
+
+    def ingest_fleet(
+        self, samples: Sequence[NodeReadings], whole: NodeReadings, now: float
+    ) -> bool:
+        """Every node's sample at once, `whole` holding their columns end to end (in the
+        order of `samples`): as `ingest` of each in turn, with every column written in one
+        slice where the nodes' GPUs sit in consecutive slots in that order (as they stay
+        while no GPU comes, goes or is disputed). False, with nothing recorded, where they
+        do not: then `ingest` each sample."""
+        if self.disputes or not samples:
+            return False
+        runs, key, order = self._runs, self._layout_key, self.node_order
+        a = b = -1
+        for r in samples:
+            run = runs.get(r.node_id)
+            if run is None or run[3] != key or r.node_id not in order or run[0] != r.uuid:
+                return False
+            if b < 0:
+                a = run[1]
+            elif run[1] != b:
+                return False
+            b = run[2]
+        if b - a != len(whole.uuid):
+            return False
+        cols = self._cols
+        for r in samples:
+            self._heard(r, now).refused = 0
+        if cols.index[a:b] != whole.index or cols.job[a:b] != whole.job:
+            # As `ingest` counts them: one change a node.
+            for r in samples:
+                run = runs[r.node_id]
+                if cols.index[run[1] : run[2]] != r.index:
+                    self.version += 1
+                if cols.job[run[1] : run[2]] != r.job:
+                    self.jobs_version += 1
+        cols.write_run(a, b, whole, now)
         return True
 
     def _ingest_each(self, node: FleetNode, r: NodeReadings, now: float) -> None:

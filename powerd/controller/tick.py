@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -88,6 +89,9 @@ class TickEngine:
         # Shadow mode: decide every tick as if commanding, from the caps in force as the
         # agents report them (another controller's, or none), and send nothing.
         self.shadow = shadow
+        # Whether each report carries each cap's explanation (`why`); a simulation that
+        # reads no report's `why` turns it off (the decisions do not depend on it).
+        self.explain = True
         self.overrides = Overrides()
         self.alarms = Alarms()
         self.tick_no = 0
@@ -161,21 +165,39 @@ class TickEngine:
             return False
         if before:
             self.inputs.note_restores(r, before, self.fleet)
+        self._caps_heard(r, now)
+        return True
+
+    def on_fleet_readings(
+        self, samples: Sequence[NodeReadings], whole: NodeReadings, now: float
+    ) -> None:
+        """Every node's telemetry at once (the simulator's agents), `whole` holding the
+        samples' columns end to end: the same as `on_readings` of each in turn, the fleet's
+        columns written in one pass where its GPUs lie in that order."""
+        if any(r.any_restores for r in samples) or not self.fleet.ingest_fleet(samples, whole, now):
+            for r in samples:
+                self.on_readings(r, now)
+            return
+        for r in samples:
+            self._caps_heard(r, now)
+
+    def _caps_heard(self, r: NodeReadings, now: float) -> None:
+        """A recorded sample's caps in force, to the planner (where they are ours)."""
         if r.node_id in self.obedience.foreign:
-            return True  # its caps are another authority's: counted at their maximum
+            return  # its caps are another authority's: counted at their maximum
         if not self.obedience.telemetry_epoch(r.node_id, r.epoch):
-            return True
+            return
         self._heard += 1
         # A GPU reported with an error carries its last known cap, not a reading.
+        caps: Mapping[str, float] | tuple[Sequence[str], Sequence[float]]
         if r.no_errors:
-            caps = dict(zip(r.uuid, r.cap_w, strict=True))
+            caps = (r.uuid, r.cap_w)
         else:
             caps = {u: w for u, w, e in zip(r.uuid, r.cap_w, r.error, strict=True) if e is None}
         # A tick of an older leader's orders nothing of ours: the reading only widens.
         older = r.epoch is not None and r.epoch < self.obedience.epoch
         tick = None if older else r.tick
         self.planner.on_telemetry(r.node_id, caps, received_at=now, as_of_tick=tick)
-        return True
 
     def on_ack(self, node: str, ack: CapAck) -> bool:
         return self.on_acked(
@@ -528,7 +550,11 @@ class TickEngine:
             alarms=tuple(sorted(self.alarms.active)),
             set_w=arrays.set_w,
             perf=arrays.perf,
-            why=self._explain(seen, budgets, targets, plan, tick=tick, wall=wall),
+            why=(
+                self._explain(seen, budgets, targets, plan, tick=tick, wall=wall)
+                if self.explain
+                else None
+            ),
         )
 
     def _explain(

@@ -66,8 +66,10 @@ class SimAgents:
         self._none_for: dict[int, list[object]] = {}
         self._positions: dict[str, tuple[list[str], IntArray]] = {}
         # Per node, its sample as columns: the identity and what never changes set here,
-        # the readings replaced by `readings` (the constant columns are shared, never written).
-        self._readings = [
+        # the readings replaced by `readings` (the constant columns are shared, never written);
+        # last, the whole fleet's, the nodes' columns end to end (`fleet_readings`).
+        spans = [*zip(names, self.ranges, strict=True), ("", (0, len(gpu_nodes)))]
+        *self._readings, self._whole = [
             NodeReadings(
                 node_id=name,
                 ts=0.0,
@@ -98,7 +100,7 @@ class SimAgents:
                 no_errors=True,
                 any_restores=False,
             )
-            for name, (a, b) in zip(names, self.ranges, strict=True)
+            for name, (a, b) in spans
         ]
 
     def telemetry(self, ts: float) -> list[NodeTelemetry]:
@@ -138,6 +140,11 @@ class SimAgents:
         """Every node's sample now as columns (`TickEngine.on_readings`): the values a
         telemetry message carries, checked against the wire's bounds for the whole fleet at
         once (`check_readings`) instead of validated GPU by GPU."""
+        return self.fleet_readings(ts)[0]
+
+    def fleet_readings(self, ts: float) -> tuple[list[NodeReadings], NodeReadings]:
+        """`readings`, and the same columns for the whole fleet end to end (for
+        `TickEngine.on_fleet_readings`)."""
         m = self.model
         self.seq += 1
         temp = np.clip(m.temp_c, -50.0, 200.0)
@@ -162,7 +169,11 @@ class SimAgents:
             r.power_w, r.energy_j, r.cap_w = power[a:b], energy[a:b], cap[a:b]
             r.min_cap_w, r.max_cap_w, r.default_cap_w = lo[a:b], hi[a:b], default[a:b]
             r.temp_c, r.util_pct, r.sm_clock_mhz, r.perf = t[a:b], u[a:b], c[a:b], p[a:b]
-        return list(self._readings)
+        w = self._whole
+        w.ts, w.seq = ts, seq
+        w.power_w, w.energy_j, w.cap_w, w.min_cap_w, w.max_cap_w = power, energy, cap, lo, hi
+        w.default_cap_w, w.temp_c, w.util_pct, w.sm_clock_mhz, w.perf = default, t, u, c, p
+        return list(self._readings), w
 
     def apply(self, commands: Sequence[NodeCommand]) -> list[tuple[NodeCommand, AckedCaps]]:
         """Apply each command's caps (clamped to the device) and acknowledge them: per

@@ -248,6 +248,8 @@ class _Run:
             site.policy, scenario, learn=learn, profiles=profiles, rates=self.rates
         )
         engine = TickEngine(policy, solver=self.policy_name)
+        # Each cap's explanation only where a trace may read the reports.
+        engine.explain = self.trace is not None
         for k, (g, budget_w, start, end) in enumerate(self.windows):
             entry = ScheduledBudget(
                 f"sim-{k}", site.topology.names[g], budget_w, start, end, "scenario", "sim", 0.0
@@ -270,8 +272,7 @@ class _Run:
         as the controller ticks in a simulated tick (`rounds_per_steer`)."""
         engine, agents = self.engine, self.agents
         assert engine is not None and agents is not None
-        for readings in agents.readings(now):
-            engine.on_readings(readings, now)
+        engine.on_fleet_readings(*agents.fleet_readings(now), now)
         caps_before = self.model.cap_w.copy()
         for _ in range(self.rounds):
             report, plan = engine.step(now, now)
