@@ -31,9 +31,16 @@ from powerd.allocator.problem import Allocation
 from powerd.backends.mock import MockGpuSpec, Pattern, SimulatedGpus
 from powerd.policy import LEVELS, Policy
 from powerd.profile import Profile
-from powerd.ramp import window_ceiling_w
 from powerd.sim import ORACLE, UNCAPPED
-from powerd.sim.run import EXCESS_TOL_W, Progress, RunResult, Series, _rates, _windows
+from powerd.sim.run import (
+    EXCESS_TOL_W,
+    Progress,
+    RunResult,
+    Series,
+    _rates,
+    _windows,
+    grid_budget_at,
+)
 from powerd.sim.scenario import Scenario
 from powerd.sim.site import Mix, Site
 from powerd.topology import Topology
@@ -285,12 +292,7 @@ class _Account:
         self.wtput = np.zeros(self.ticks)
 
     def budget_at(self, t: float) -> FloatArray:
-        if not self.windows:
-            return self.budget
-        out = self.budget.copy()
-        for g, budget_w, start, end in self.windows:
-            out[g] = min(out[g], window_ceiling_w(budget_w, start, end, t, self.rates))
-        return out
+        return grid_budget_at(self.budget, self.windows, self.rates, t)
 
     def budgets_at(self, ts: FloatArray) -> FloatArray:
         """Every group's budget at each time (rows), scheduled windows applied."""

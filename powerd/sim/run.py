@@ -295,14 +295,7 @@ class _Run:
             self.churn.add(caps_before, self.model.cap_w)
 
     def grid_budget(self, t: float) -> FloatArray:
-        """The budgets the feeds hold the site to at `t`: the policy's, and each scheduled
-        window's target from its start, ramped as the grid expects (no lead)."""
-        if not self.windows:
-            return self.budget
-        out = self.budget.copy()
-        for g, budget_w, start, end in self.windows:
-            out[g] = min(out[g], window_ceiling_w(budget_w, start, end, t, self.rates))
-        return out
+        return grid_budget_at(self.budget, self.windows, self.rates, t)
 
     def committed_facility_w(self) -> float:
         engine = self.engine
@@ -353,6 +346,22 @@ class _Run:
         )
         if held.any():
             self.below_floor_s += np.bincount(cls[held], minlength=self.below_floor_s.size) * dt
+
+
+def grid_budget_at(
+    budget: FloatArray,
+    windows: list[tuple[int, float, float, float]],
+    rates: RampRates | None,
+    t: float,
+) -> FloatArray:
+    """The budgets the feeds hold the site to at `t`: the policy's (`budget`), and each
+    scheduled window's target from its start, ramped as the grid expects (no lead)."""
+    if not windows:
+        return budget
+    out = budget.copy()
+    for g, budget_w, start, end in windows:
+        out[g] = min(out[g], window_ceiling_w(budget_w, start, end, t, rates))
+    return out
 
 
 def engine_policy(
