@@ -6,6 +6,7 @@ applied through the BMC, acks of what it enforces, failsafe on a lost lease)."""
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -397,3 +398,62 @@ def test_the_command_refuses_bad_settings_in_one_line(
     assert main(["bmc-agent", f"--config={settings_file(tmp_path, text)}"]) == 2
     err = capsys.readouterr().err
     assert "at nodes[0].password_file: cannot read" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("limit_w", "draw_factor"),
+    [
+        (math.nan, 1.0),
+        (math.inf, 1.0),
+        (1e9, 1.0),
+        (-50.0, 1.0),
+        (None, math.nan),
+        (None, -1.0),
+        (None, 1e9),
+    ],
+)
+def test_a_bmc_reporting_impossible_values_fails_the_read_and_the_agent_goes_on(
+    small: tuple[RedfishService, EmulatorServer],
+    io: IoLoop,
+    ca: TestCa,
+    tmp_path: Path,
+    limit_w: float | None,
+    draw_factor: float,
+) -> None:
+    """A limit or a draw that is not a number, or is out of the wire's bounds, is no reading:
+    the read fails (as a BMC that does not answer), and the node agent's sample reports the
+    GPU's error instead of crashing on the invalid value, its cap the last one known."""
+    hgx, server = small
+    backend = backend_for(server, io, BmcTrust(ca_file=ca.ca_file), max_age_s=0.0)
+    try:
+        gpus = backend.discover()
+        settings = BmcAgentSettings.model_validate(
+            {
+                "nodes": [
+                    {
+                        "node_id": NODE,
+                        "url": server.url(),
+                        "username": "admin",
+                        "password_file": tmp_path / "pw",
+                        "ca_file": ca.ca_file,
+                    }
+                ],
+            }
+        )
+        agent = Agent(
+            settings.agent_settings(settings.nodes[0]),
+            backend,
+            NewestCommandOnly(MemoryBroker().client(NODE)),
+            SystemClock(),
+        )
+        assert [s.error for s in agent._sample()] == [None, None]
+        hgx.faults.lie_limit_w = limit_w
+        hgx.faults.lie_draw_factor = draw_factor
+        with pytest.raises(BackendError, match="unusable answer"):
+            backend.read(gpus[0].uuid)
+        samples = agent._sample()  # no exception: each GPU's error instead
+        assert all(s.error is not None for s in samples)
+        assert [s.cap_w for s in samples] == [agent.caps_w[g.uuid] for g in gpus]
+        assert all(200.0 <= s.cap_w <= 700.0 for s in samples)
+    finally:
+        backend.close()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Coroutine, Sequence
@@ -40,6 +41,7 @@ from powerd.backends.base import (
     UnknownGpu,
 )
 from powerd.bmc.redfish import Json, RedfishClient, RedfishError
+from powerd.wire import MAX_SANE_WATTS
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -325,13 +327,22 @@ def _reading(gpu: BmcGpu, m: Json) -> GpuReading:
     power = _number(m.get("PowerWatts"))
     if power is None or not isinstance(set_point, int | float) or isinstance(set_point, bool):
         raise ValueError(f"{gpu.metrics_uri}: no PowerWatts.Reading or PowerLimitWatts.SetPoint")
+    # A BMC is untrusted: a draw or a limit the wire would refuse (not a number, negative,
+    # beyond MAX_SANE_WATTS) is no reading at all, as if the BMC had not answered.
+    for what, value in (("PowerWatts.Reading", power), ("PowerLimitWatts.SetPoint", set_point)):
+        if not 0 <= value <= MAX_SANE_WATTS:  # False for NaN too
+            raise ValueError(
+                f"{gpu.metrics_uri}: {what} {value!r} is outside [0, {MAX_SANE_WATTS:g}] W"
+            )
+    energy = _number(m.get("EnergyJoules"))
+    temp = _number(m.get("TemperatureCelsius"))
     return GpuReading(
         uuid=gpu.info.uuid,
         index=gpu.info.index,
         power_w=power,
-        energy_j=_number(m.get("EnergyJoules")) or 0.0,
+        energy_j=energy if energy is not None and 0 <= energy < math.inf else 0.0,
         cap_w=float(set_point),
-        temp_c=_number(m.get("TemperatureCelsius")) or 0.0,
+        temp_c=temp if temp is not None and -50 <= temp <= 200 else 0.0,
         util_pct=0.0,  # not in EnvironmentMetrics
         sm_clock_mhz=0.0,
     )
