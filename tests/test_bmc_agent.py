@@ -25,9 +25,11 @@ from powerd.testing.redfish import EmulatorServer, Faults, RedfishService, TestC
 from powerd.transport.base import Message
 from powerd.transport.memory import MemoryBroker
 from powerd.wire import (
+    MAX_GPUS_PER_NODE,
     AckError,
     CapAck,
     CapCommand,
+    GpuTelemetry,
     NodeState,
     NodeTelemetry,
     Topics,
@@ -457,3 +459,61 @@ def test_a_bmc_reporting_impossible_values_fails_the_read_and_the_agent_goes_on(
         assert all(200.0 <= s.cap_w <= 700.0 for s in samples)
     finally:
         backend.close()
+
+
+class _Tree:
+    """A BMC's documents by path, for a client that only GETs (discovery)."""
+
+    def __init__(self, docs: dict[str, dict[str, object]]) -> None:
+        self.docs = docs
+        self.base_url = "https://bmc.example"
+        self.timeout_s = 1.0
+        self.retries = 0
+
+    async def get(self, path: str) -> dict[str, object]:
+        return self.docs[path]
+
+
+def test_discovery_keeps_only_what_the_wire_accepts(io: IoLoop) -> None:
+    """A BMC's names, UUIDs, limits and GPU count are untrusted: a Model longer than the
+    wire's name, a UUID with characters (or a length) the wire refuses, an AllowableMax
+    beyond MAX_SANE_WATTS or infinite, more GPUs than a node may report: each GPU found can
+    be reported on the wire (else the node's every telemetry message would fail)."""
+    procs = [f"/S/1/P/{i}" for i in range(70)]
+    docs: dict[str, dict[str, object]] = {
+        "/redfish/v1": {"Systems": {"@odata.id": "/S"}},
+        "/S": {"Members": [{"@odata.id": "/S/1"}]},
+        "/S/1": {"Id": "1", "Processors": {"@odata.id": "/S/1/P"}},
+        "/S/1/P": {"Members": [{"@odata.id": p} for p in procs]},
+    }
+    for i, p in enumerate(procs):
+        docs[p] = {
+            "Id": str(i),
+            "ProcessorType": "GPU",
+            "Model": "M" * 300,
+            "UUID": f"weird uuid/{i} ✓" + "x" * 200 if i % 2 else f"{i:08d}-aaaa",
+            "EnvironmentMetrics": {"@odata.id": f"{p}/E"},
+        }
+        hi = [700, 1e9, math.inf, 1e300][i % 4]
+        docs[f"{p}/E"] = {
+            "PowerLimitWatts": {"SetPoint": 700, "AllowableMin": 200, "AllowableMax": hi}
+        }
+    backend = RedfishBackend(NODE, _Tree(docs), io, max_age_s=1.0)  # type: ignore[arg-type]
+    gpus = backend.discover()
+    assert 0 < len(gpus) <= MAX_GPUS_PER_NODE
+    assert len({g.uuid for g in gpus}) == len(gpus)
+    for g in gpus:  # each one as a failed GPU's telemetry reports it
+        GpuTelemetry(
+            uuid=g.uuid,
+            index=g.index,
+            name=g.name,
+            power_w=0.0,
+            energy_j=0.0,
+            cap_w=g.max_cap_w,
+            min_cap_w=g.min_cap_w,
+            max_cap_w=g.max_cap_w,
+            default_cap_w=g.default_cap_w,
+            temp_c=0.0,
+            util_pct=0.0,
+            sm_clock_mhz=0.0,
+        )

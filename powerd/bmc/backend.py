@@ -41,7 +41,7 @@ from powerd.backends.base import (
     UnknownGpu,
 )
 from powerd.bmc.redfish import Json, RedfishClient, RedfishError
-from powerd.wire import MAX_SANE_WATTS
+from powerd.wire import MAX_GPUS_PER_NODE, MAX_SANE_WATTS
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -141,10 +141,19 @@ class RedfishBackend(GpuBackend):
                     continue
                 lo, hi, default = bounds
                 uuid = _gpu_uuid(self.node_id, str(system.get("Id", "")), proc)
+                if len(gpus) >= MAX_GPUS_PER_NODE or any(g.info.uuid == uuid for g in gpus):
+                    self.log.warning(
+                        "bmc_gpu_skipped",
+                        processor=proc.get("@odata.id"),
+                        reason="a uuid named twice"
+                        if len(gpus) < MAX_GPUS_PER_NODE
+                        else f"over {MAX_GPUS_PER_NODE} GPUs",
+                    )
+                    continue
                 info = GpuInfo(
                     uuid=uuid,
                     index=len(gpus),
-                    name=str(proc.get("Model") or proc.get("Name") or "GPU")[:200],
+                    name=str(proc.get("Model") or proc.get("Name") or "GPU")[:128],
                     min_cap_w=lo,
                     max_cap_w=hi,
                     default_cap_w=default,
@@ -366,7 +375,7 @@ def _limit_bounds(limit: object) -> tuple[float, float, float] | None:
     if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
         return None
     lo, hi = float(limit["AllowableMin"]), float(limit["AllowableMax"])
-    if not 0 < lo <= hi:
+    if not 0 < lo <= hi <= MAX_SANE_WATTS:  # the wire's bounds (False for NaN)
         return None
     default = limit.get("DefaultSetPoint")
     if not isinstance(default, int | float) or isinstance(default, bool):
@@ -392,7 +401,11 @@ def _gpu_uuid(node_id: str, system_id: str, proc: Json) -> str:
     """The GPU's name on the wire: NVML's form (`GPU-<UUID>`) where the Processor has a
     UUID, else `<node>.<system>.<processor Id>` (unique on the node, and stable)."""
     uuid = proc.get("UUID")
-    if isinstance(uuid, str) and uuid:
-        return f"GPU-{uuid.lower()}"
-    name = f"{node_id}.{system_id}.{proc.get('Id', '')}"
-    return "".join(ch if ch.isalnum() or ch in "_.:-" else "_" for ch in name)[:128]
+    name = (
+        f"GPU-{uuid.lower()}"
+        if isinstance(uuid, str) and uuid
+        else f"{node_id}.{system_id}.{proc.get('Id', '')}"
+    )
+    # The wire's UUID_PATTERN: ASCII letters, digits and _.:- only, at most 128.
+    safe = (ch if ch.isascii() and (ch.isalnum() or ch in "_.:-") else "_" for ch in name)
+    return "".join(safe)[:128]
