@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from powerd.agent.agent import Agent
@@ -522,3 +523,36 @@ def test_discovery_keeps_only_what_the_wire_accepts(io: IoLoop) -> None:
             util_pct=0.0,
             sm_clock_mhz=0.0,
         )
+
+
+def test_an_enormous_answer_is_refused_before_it_is_read_whole() -> None:
+    """A BMC's answer is read up to MAX_BODY_BYTES: a larger one (a broken or hostile BMC
+    streaming without end) fails the request instead of filling the agent's memory."""
+    from powerd.bmc.redfish import MAX_BODY_BYTES, RedfishError
+
+    sent = [0]
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b'{"Name": "'
+        while sent[0] < 50 * MAX_BODY_BYTES:
+            sent[0] += 1 << 16
+            yield b"x" * (1 << 16)
+        yield b'"}'
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=chunks())
+
+    async def go() -> None:
+        client = RedfishClient(
+            "https://bmc.example", "admin", "pw", trust=BmcTrust(), auth="basic", retries=0
+        )
+        await client._client.aclose()
+        client._client = httpx.AsyncClient(
+            base_url=client.base_url, transport=httpx.MockTransport(handler)
+        )
+        with pytest.raises(RedfishError, match="larger than"):
+            await client.get("/redfish/v1")
+        await client.close()
+
+    asyncio.run(go())
+    assert sent[0] <= 2 * MAX_BODY_BYTES  # stopped reading soon after the bound

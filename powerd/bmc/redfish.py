@@ -25,6 +25,7 @@ log = structlog.get_logger(__name__)
 Json = dict[str, Any]
 SESSIONS = "/redfish/v1/SessionService/Sessions"
 BACKOFF_S = 0.1  # before the first retry; doubled for each further one
+MAX_BODY_BYTES = 4 << 20  # the largest answer read (a Redfish document: a few kB)
 
 
 class RedfishError(Exception):
@@ -173,7 +174,14 @@ class RedfishClient:
                 headers["X-Auth-Token"] = self._token
             self.requests += 1
             try:
-                r = await self._client.request(method, path, json=json, headers=headers, auth=auth)
+                request = self._client.build_request(method, path, json=json, headers=headers)
+                r = await self._client.send(request, auth=auth, stream=True)
+                try:
+                    await _read_bounded(r, f"{method} {path}")
+                finally:
+                    await r.aclose()
+            except httpx.DecodingError as exc:
+                raise RedfishError(f"{method} {path}: undecodable answer ({exc})") from None
             except (httpx.TimeoutException, httpx.TransportError) as exc:
                 if isinstance(exc, httpx.ConnectError) and "CERTIFICATE" in str(exc):
                     raise RedfishError(f"{method} {path}: TLS: {exc}") from None
@@ -187,6 +195,19 @@ class RedfishClient:
                 continue
             return r
         raise AssertionError("unreachable")
+
+
+async def _read_bounded(r: httpx.Response, what: str) -> None:
+    """Read a streamed answer's body (decoded) into `r`, RedfishError past MAX_BODY_BYTES:
+    a BMC's documents are kilobytes, and one streaming without end must not fill memory."""
+    body = bytearray()
+    async for chunk in r.aiter_bytes():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise RedfishError(
+                f"{what}: an answer larger than {MAX_BODY_BYTES} bytes", r.status_code
+            )
+    r._content = bytes(body)  # as httpx's own read() leaves it: .json() and .text work
 
 
 def _json(r: httpx.Response, path: str) -> Json:
