@@ -556,3 +556,36 @@ def test_an_enormous_answer_is_refused_before_it_is_read_whole() -> None:
 
     asyncio.run(go())
     assert sent[0] <= 2 * MAX_BODY_BYTES  # stopped reading soon after the bound
+
+
+def test_a_redirect_is_an_error_and_is_not_followed() -> None:
+    """A BMC answering 3xx (to another host, say) is not followed, and its body is no
+    document: a GET fails, and a PATCH is not taken as applied."""
+    from powerd.bmc.redfish import RedfishError
+
+    hosts: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        hosts.append(request.url.host)
+        return httpx.Response(
+            302,
+            headers={"Location": "https://elsewhere.example/redfish/v1"},
+            json={"PowerLimitWatts": {"SetPoint": 700}},
+        )
+
+    async def go() -> None:
+        client = RedfishClient(
+            "https://bmc.example", "admin", "pw", trust=BmcTrust(), auth="basic", retries=0
+        )
+        await client._client.aclose()
+        client._client = httpx.AsyncClient(
+            base_url=client.base_url, transport=httpx.MockTransport(handler)
+        )
+        with pytest.raises(RedfishError, match="HTTP 302"):
+            await client.get("/redfish/v1")
+        with pytest.raises(RedfishError, match="HTTP 302"):
+            await client.patch("/x", {"PowerLimitWatts": {"SetPoint": 300}})
+        await client.close()
+
+    asyncio.run(go())
+    assert set(hosts) == {"bmc.example"}

@@ -151,7 +151,9 @@ class RedfishClient:
             # The BMC forgot the session (rebooted, timed out): one new log-in, one more try.
             await self._relogin(token)
             r = await self._send(method, path, json=json, retry=True, authed=True)
-        if r.status_code >= 400:
+        # Redirects are not followed (to another host, they would carry our credentials);
+        # a 3xx is no document, nor a limit applied.
+        if r.status_code >= 300:
             raise RedfishError(f"{method} {path}: {_reason(r)}", r.status_code)
         return r
 
