@@ -589,3 +589,26 @@ def test_a_redirect_is_an_error_and_is_not_followed() -> None:
 
     asyncio.run(go())
     assert set(hosts) == {"bmc.example"}
+
+
+def test_a_deeply_nested_answer_is_not_json_to_us() -> None:
+    """JSON nested deeper than the parser recurses (a few hundred kB) is an answer that is
+    not JSON (RedfishError), not a RecursionError out of the backend's error mapping."""
+    from powerd.bmc.redfish import RedfishError
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=b"[" * 200_000 + b"]" * 200_000)
+
+    async def go() -> None:
+        client = RedfishClient(
+            "https://bmc.example", "admin", "pw", trust=BmcTrust(), auth="basic", retries=0
+        )
+        await client._client.aclose()
+        client._client = httpx.AsyncClient(
+            base_url=client.base_url, transport=httpx.MockTransport(handler)
+        )
+        with pytest.raises(RedfishError, match="not JSON"):
+            await client.get("/redfish/v1")
+        await client.close()
+
+    asyncio.run(go())

@@ -215,7 +215,7 @@ async def _read_bounded(r: httpx.Response, what: str) -> None:
 def _json(r: httpx.Response, path: str) -> Json:
     try:
         doc = r.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than json recurses
         raise RedfishError(f"GET {path}: not JSON", r.status_code) from None
     if not isinstance(doc, dict):
         raise RedfishError(f"GET {path}: not a JSON object", r.status_code)
@@ -229,7 +229,7 @@ def _reason(r: httpx.Response) -> str:
         doc = r.json()
         if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
             message = str(doc["error"].get("message", ""))[:200]
-    except ValueError:
+    except (ValueError, RecursionError):
         pass
     return f"HTTP {r.status_code}" + (f" ({message})" if message else "")
 
