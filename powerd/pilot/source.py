@@ -397,7 +397,7 @@ class PromSource:
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             raise PilotError(f"--throughput-prom {self.url}: unreachable: {reason}") from None
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than it parses
             raise PilotError(
                 f"--throughput-prom {self.url}: the answer is not JSON (is it Prometheus?)"
             ) from None
@@ -448,7 +448,7 @@ def _parse_matrix(body: object, url: str, flag: str, step: float, *, worst: bool
 def _prom_error(raw: bytes) -> str:
     try:
         body = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return raw[:200].decode(errors="replace").strip() or "no detail"
     return str(body.get("error", body))[:300] if isinstance(body, dict) else str(body)[:300]
 
