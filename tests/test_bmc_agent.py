@@ -612,3 +612,63 @@ def test_a_deeply_nested_answer_is_not_json_to_us() -> None:
         await client.close()
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    "link", ["https://elsewhere.example/redfish/v1", "//elsewhere.example/redfish/v1"]
+)
+def test_a_link_to_another_host_is_not_followed_with_our_credentials(link: str) -> None:
+    """A BMC's documents name the next ones (`@odata.id`); one naming another host (BMCs
+    often share one password) is refused before any request: the credentials go to the
+    configured BMC only."""
+    from powerd.bmc.redfish import RedfishError
+
+    hosts: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        hosts.append(request.url.host)
+        return httpx.Response(200, json={})
+
+    async def go() -> None:
+        client = RedfishClient(
+            "https://bmc.example", "admin", "pw", trust=BmcTrust(), auth="basic", retries=0
+        )
+        await client._client.aclose()
+        client._client = httpx.AsyncClient(
+            base_url=client.base_url, transport=httpx.MockTransport(handler)
+        )
+        with pytest.raises(RedfishError, match="not a path on the BMC"):
+            await client.get(link)
+        assert await client.get("/redfish/v1") == {}
+        await client.close()
+
+    asyncio.run(go())
+    assert hosts == ["bmc.example"]
+
+
+@pytest.mark.parametrize(
+    "location", ["https://elsewhere.example/s/1", "//elsewhere.example/s/1", "/s/1"]
+)
+def test_the_log_out_goes_to_the_bmc_whatever_location_the_log_in_named(location: str) -> None:
+    """A session's Location names where to log out, with the session's token: only its
+    path is taken, so the token goes to the configured BMC alone."""
+    seen: list[tuple[str, str, str]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.method, request.url.host, request.url.path))
+        if request.method == "POST":
+            return httpx.Response(201, headers={"X-Auth-Token": "t", "Location": location})
+        return httpx.Response(200, json={})
+
+    async def go() -> None:
+        client = RedfishClient("https://bmc.example", "admin", "pw", trust=BmcTrust())
+        await client._client.aclose()
+        client._client = httpx.AsyncClient(
+            base_url=client.base_url, transport=httpx.MockTransport(handler)
+        )
+        await client.login()
+        await client.close()
+
+    asyncio.run(go())
+    assert {host for _, host, _ in seen} == {"bmc.example"}
+    assert seen[-1][0] == "DELETE" and seen[-1][2].endswith("/s/1")

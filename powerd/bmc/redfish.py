@@ -166,6 +166,11 @@ class RedfishClient:
     async def _send(
         self, method: str, path: str, *, json: Json | None, retry: bool, authed: bool
     ) -> httpx.Response:
+        if not path.startswith("/") or path.startswith("//"):
+            # Paths come from the BMC's own documents (`@odata.id`); an absolute or
+            # scheme-relative URL would be sent to its host with our credentials (and BMCs
+            # often share a password).
+            raise RedfishError(f"{method} {path[:200]!r}: not a path on the BMC")
         attempts = 1 + (self.retries if retry else 0)
         for attempt in range(attempts):
             headers: dict[str, str] = {}
