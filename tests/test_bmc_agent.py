@@ -672,3 +672,16 @@ def test_the_log_out_goes_to_the_bmc_whatever_location_the_log_in_named(location
     asyncio.run(go())
     assert {host for _, host, _ in seen} == {"bmc.example"}
     assert seen[-1][0] == "DELETE" and seen[-1][2].endswith("/s/1")
+
+
+def test_a_password_file_that_is_not_a_password_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A password file is read up to 4 KiB: a wrong path (a log, /dev/zero) is a one-line
+    settings error, not the whole file (or endless zeros) read into memory as a password."""
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * 5000)
+    text = "[[nodes]]\n" + NODE_TOML.format(id="n1", pw=big)
+    text += "[[nodes]]\n" + NODE_TOML.format(id="n2", pw="/dev/zero")
+    settings = BmcAgentSettings.load(settings_file(tmp_path, text))
+    for i in (0, 1):
+        with pytest.raises(SettingsError, match=rf"at nodes\[{i}\].password_file: .*4096 bytes"):
+            settings.bmc_password(i)

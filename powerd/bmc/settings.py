@@ -20,6 +20,7 @@ from powerd.settings import BrokerSettings, SettingsError
 from powerd.wire import MAX_SANE_WATTS, NodeId
 
 MAX_NODES = 10_000
+MAX_PASSWORD_BYTES = 4096
 
 
 class BmcNode(BaseModel):
@@ -122,7 +123,15 @@ class BmcAgentSettings(BrokerSettings):
         node = self.nodes[i]
         where = f"nodes[{i}].password_file"
         try:
-            text = node.password_file.read_text(encoding="utf-8")
+            with node.password_file.open("rb") as f:  # a wrong path (/dev/zero) read whole
+                raw = f.read(MAX_PASSWORD_BYTES + 1)  # would never end
+            if len(raw) > MAX_PASSWORD_BYTES:
+                raise SettingsError(
+                    self.kind,
+                    [(where, f"{node.password_file} is over {MAX_PASSWORD_BYTES} bytes: "
+                      "it should hold the password alone")],
+                )  # fmt: skip
+            text = raw.decode("utf-8")
         except OSError as exc:
             raise SettingsError(self.kind, [(where, f"cannot read: {exc.strerror}")]) from None
         except UnicodeDecodeError:
