@@ -6,9 +6,11 @@ applied through the BMC, acks of what it enforces, failsafe on a lost lease)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import math
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from powerd.agent.agent import Agent
@@ -24,9 +26,11 @@ from powerd.testing.redfish import EmulatorServer, Faults, RedfishService, TestC
 from powerd.transport.base import Message
 from powerd.transport.memory import MemoryBroker
 from powerd.wire import (
+    MAX_GPUS_PER_NODE,
     AckError,
     CapAck,
     CapCommand,
+    GpuTelemetry,
     NodeState,
     NodeTelemetry,
     Topics,
@@ -211,6 +215,11 @@ NODE_TOML = (
         ("", 'ca_file = "/a"\npinned_cert_file = "/b"\n', "nodes[0]", "not both"),
         ("period_s = 2.0\n", "timeout_s = 1.5\n", "<top>", "shorter than period_s"),
         ("", 'url = "http://10.0.0.1"\n', "nodes[0].url", "pattern"),
+        ("", 'url = "https://[::1"\n', "nodes[0].url", "https://host[:port]"),
+        ("", 'url = "https://bmc:99999"\n', "nodes[0].url", "https://host[:port]"),
+        ("", 'url = "https://admin:pw@bmc"\n', "nodes[0].url", "https://host[:port]"),
+        ("", 'url = "https://bmc?x=1"\n', "nodes[0].url", "https://host[:port]"),
+        ("", 'url = "https://:443"\n', "nodes[0].url", "https://host[:port]"),
         ("", "concurrency = 0\n", "nodes[0].concurrency", "greater than or equal to 1"),
         ("", "password = 'x'\n", "nodes[0].password", "unknown key"),
     ],
@@ -397,3 +406,282 @@ def test_the_command_refuses_bad_settings_in_one_line(
     assert main(["bmc-agent", f"--config={settings_file(tmp_path, text)}"]) == 2
     err = capsys.readouterr().err
     assert "at nodes[0].password_file: cannot read" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("limit_w", "draw_factor"),
+    [
+        (math.nan, 1.0),
+        (math.inf, 1.0),
+        (1e9, 1.0),
+        (-50.0, 1.0),
+        (None, math.nan),
+        (None, -1.0),
+        (None, 1e9),
+    ],
+)
+def test_a_bmc_reporting_impossible_values_fails_the_read_and_the_agent_goes_on(
+    small: tuple[RedfishService, EmulatorServer],
+    io: IoLoop,
+    ca: TestCa,
+    tmp_path: Path,
+    limit_w: float | None,
+    draw_factor: float,
+) -> None:
+    """A limit or a draw that is not a number, or is out of the wire's bounds, is no reading:
+    the read fails (as a BMC that does not answer), and the node agent's sample reports the
+    GPU's error instead of crashing on the invalid value, its cap the last one known."""
+    hgx, server = small
+    backend = backend_for(server, io, BmcTrust(ca_file=ca.ca_file), max_age_s=0.0)
+    try:
+        gpus = backend.discover()
+        settings = BmcAgentSettings.model_validate(
+            {
+                "nodes": [
+                    {
+                        "node_id": NODE,
+                        "url": server.url(),
+                        "username": "admin",
+                        "password_file": tmp_path / "pw",
+                        "ca_file": ca.ca_file,
+                    }
+                ],
+            }
+        )
+        agent = Agent(
+            settings.agent_settings(settings.nodes[0]),
+            backend,
+            NewestCommandOnly(MemoryBroker().client(NODE)),
+            SystemClock(),
+        )
+        assert [s.error for s in agent._sample()] == [None, None]
+        hgx.faults.lie_limit_w = limit_w
+        hgx.faults.lie_draw_factor = draw_factor
+        with pytest.raises(BackendError, match="unusable answer"):
+            backend.read(gpus[0].uuid)
+        samples = agent._sample()  # no exception: each GPU's error instead
+        assert all(s.error is not None for s in samples)
+        assert [s.cap_w for s in samples] == [agent.caps_w[g.uuid] for g in gpus]
+        assert all(200.0 <= s.cap_w <= 700.0 for s in samples)
+    finally:
+        backend.close()
+
+
+class _Tree:
+    """A BMC's documents by path, for a client that only GETs (discovery)."""
+
+    def __init__(self, docs: dict[str, dict[str, object]]) -> None:
+        self.docs = docs
+        self.base_url = "https://bmc.example"
+        self.timeout_s = 1.0
+        self.retries = 0
+
+    async def get(self, path: str) -> dict[str, object]:
+        return self.docs[path]
+
+
+def test_discovery_keeps_only_what_the_wire_accepts(io: IoLoop) -> None:
+    """A BMC's names, UUIDs, limits and GPU count are untrusted: a Model longer than the
+    wire's name, a UUID with characters (or a length) the wire refuses, an AllowableMax
+    beyond MAX_SANE_WATTS or infinite, more GPUs than a node may report: each GPU found can
+    be reported on the wire (else the node's every telemetry message would fail)."""
+    procs = [f"/S/1/P/{i}" for i in range(70)]
+    docs: dict[str, dict[str, object]] = {
+        "/redfish/v1": {"Systems": {"@odata.id": "/S"}},
+        "/S": {"Members": [{"@odata.id": "/S/1"}]},
+        "/S/1": {"Id": "1", "Processors": {"@odata.id": "/S/1/P"}},
+        "/S/1/P": {"Members": [{"@odata.id": p} for p in procs]},
+    }
+    for i, p in enumerate(procs):
+        docs[p] = {
+            "Id": str(i),
+            "ProcessorType": "GPU",
+            "Model": "M" * 300,
+            "UUID": f"weird uuid/{i} ✓" + "x" * 200 if i % 2 else f"{i:08d}-aaaa",
+            "EnvironmentMetrics": {"@odata.id": f"{p}/E"},
+        }
+        hi = [700, 1e9, math.inf, 1e300][i % 4]
+        docs[f"{p}/E"] = {
+            "PowerLimitWatts": {"SetPoint": 700, "AllowableMin": 200, "AllowableMax": hi}
+        }
+    backend = RedfishBackend(NODE, _Tree(docs), io, max_age_s=1.0)  # type: ignore[arg-type]
+    gpus = backend.discover()
+    assert 0 < len(gpus) <= MAX_GPUS_PER_NODE
+    assert len({g.uuid for g in gpus}) == len(gpus)
+    for g in gpus:  # each one as a failed GPU's telemetry reports it
+        GpuTelemetry(
+            uuid=g.uuid,
+            index=g.index,
+            name=g.name,
+            power_w=0.0,
+            energy_j=0.0,
+            cap_w=g.max_cap_w,
+            min_cap_w=g.min_cap_w,
+            max_cap_w=g.max_cap_w,
+            default_cap_w=g.default_cap_w,
+            temp_c=0.0,
+            util_pct=0.0,
+            sm_clock_mhz=0.0,
+        )
+
+
+def test_an_enormous_answer_is_refused_before_it_is_read_whole() -> None:
+    """A BMC's answer is read up to MAX_BODY_BYTES: a larger one (a broken or hostile BMC
+    streaming without end) fails the request instead of filling the agent's memory."""
+    from powerd.bmc.redfish import MAX_BODY_BYTES, RedfishError
+
+    sent = [0]
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b'{"Name": "'
+        while sent[0] < 50 * MAX_BODY_BYTES:
+            sent[0] += 1 << 16
+            yield b"x" * (1 << 16)
+        yield b'"}'
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=chunks())
+
+    async def go() -> None:
+        client = RedfishClient(
+            "https://bmc.example", "admin", "pw", trust=BmcTrust(), auth="basic", retries=0
+        )
+        await client._client.aclose()
+        client._client = httpx.AsyncClient(
+            base_url=client.base_url, transport=httpx.MockTransport(handler)
+        )
+        with pytest.raises(RedfishError, match="larger than"):
+            await client.get("/redfish/v1")
+        await client.close()
+
+    asyncio.run(go())
+    assert sent[0] <= 2 * MAX_BODY_BYTES  # stopped reading soon after the bound
+
+
+def test_a_redirect_is_an_error_and_is_not_followed() -> None:
+    """A BMC answering 3xx (to another host, say) is not followed, and its body is no
+    document: a GET fails, and a PATCH is not taken as applied."""
+    from powerd.bmc.redfish import RedfishError
+
+    hosts: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        hosts.append(request.url.host)
+        return httpx.Response(
+            302,
+            headers={"Location": "https://elsewhere.example/redfish/v1"},
+            json={"PowerLimitWatts": {"SetPoint": 700}},
+        )
+
+    async def go() -> None:
+        client = RedfishClient(
+            "https://bmc.example", "admin", "pw", trust=BmcTrust(), auth="basic", retries=0
+        )
+        await client._client.aclose()
+        client._client = httpx.AsyncClient(
+            base_url=client.base_url, transport=httpx.MockTransport(handler)
+        )
+        with pytest.raises(RedfishError, match="HTTP 302"):
+            await client.get("/redfish/v1")
+        with pytest.raises(RedfishError, match="HTTP 302"):
+            await client.patch("/x", {"PowerLimitWatts": {"SetPoint": 300}})
+        await client.close()
+
+    asyncio.run(go())
+    assert set(hosts) == {"bmc.example"}
+
+
+def test_a_deeply_nested_answer_is_not_json_to_us() -> None:
+    """JSON nested deeper than the parser recurses (a few hundred kB) is an answer that is
+    not JSON (RedfishError), not a RecursionError out of the backend's error mapping."""
+    from powerd.bmc.redfish import RedfishError
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=b"[" * 200_000 + b"]" * 200_000)
+
+    async def go() -> None:
+        client = RedfishClient(
+            "https://bmc.example", "admin", "pw", trust=BmcTrust(), auth="basic", retries=0
+        )
+        await client._client.aclose()
+        client._client = httpx.AsyncClient(
+            base_url=client.base_url, transport=httpx.MockTransport(handler)
+        )
+        with pytest.raises(RedfishError, match="not JSON"):
+            await client.get("/redfish/v1")
+        await client.close()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    "link", ["https://elsewhere.example/redfish/v1", "//elsewhere.example/redfish/v1"]
+)
+def test_a_link_to_another_host_is_not_followed_with_our_credentials(link: str) -> None:
+    """A BMC's documents name the next ones (`@odata.id`); one naming another host (BMCs
+    often share one password) is refused before any request: the credentials go to the
+    configured BMC only."""
+    from powerd.bmc.redfish import RedfishError
+
+    hosts: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        hosts.append(request.url.host)
+        return httpx.Response(200, json={})
+
+    async def go() -> None:
+        client = RedfishClient(
+            "https://bmc.example", "admin", "pw", trust=BmcTrust(), auth="basic", retries=0
+        )
+        await client._client.aclose()
+        client._client = httpx.AsyncClient(
+            base_url=client.base_url, transport=httpx.MockTransport(handler)
+        )
+        with pytest.raises(RedfishError, match="not a path on the BMC"):
+            await client.get(link)
+        assert await client.get("/redfish/v1") == {}
+        await client.close()
+
+    asyncio.run(go())
+    assert hosts == ["bmc.example"]
+
+
+@pytest.mark.parametrize(
+    "location", ["https://elsewhere.example/s/1", "//elsewhere.example/s/1", "/s/1"]
+)
+def test_the_log_out_goes_to_the_bmc_whatever_location_the_log_in_named(location: str) -> None:
+    """A session's Location names where to log out, with the session's token: only its
+    path is taken, so the token goes to the configured BMC alone."""
+    seen: list[tuple[str, str, str]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.method, request.url.host, request.url.path))
+        if request.method == "POST":
+            return httpx.Response(201, headers={"X-Auth-Token": "t", "Location": location})
+        return httpx.Response(200, json={})
+
+    async def go() -> None:
+        client = RedfishClient("https://bmc.example", "admin", "pw", trust=BmcTrust())
+        await client._client.aclose()
+        client._client = httpx.AsyncClient(
+            base_url=client.base_url, transport=httpx.MockTransport(handler)
+        )
+        await client.login()
+        await client.close()
+
+    asyncio.run(go())
+    assert {host for _, host, _ in seen} == {"bmc.example"}
+    assert seen[-1][0] == "DELETE" and seen[-1][2].endswith("/s/1")
+
+
+def test_a_password_file_that_is_not_a_password_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A password file is read up to 4 KiB: a wrong path (a log, /dev/zero) is a one-line
+    settings error, not the whole file (or endless zeros) read into memory as a password."""
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * 5000)
+    text = "[[nodes]]\n" + NODE_TOML.format(id="n1", pw=big)
+    text += "[[nodes]]\n" + NODE_TOML.format(id="n2", pw="/dev/zero")
+    settings = BmcAgentSettings.load(settings_file(tmp_path, text))
+    for i in (0, 1):
+        with pytest.raises(SettingsError, match=rf"at nodes\[{i}\].password_file: .*4096 bytes"):
+            settings.bmc_password(i)

@@ -224,3 +224,21 @@ def test_a_whole_fleets_samples_at_once_are_recorded_as_each_in_turn() -> None:
     each.ingest_telemetry(telemetry("row-1-rack-1-node-03", ["a"]), now=3.0)
     assert not one.ingest_fleet(samples, _end_to_end(samples), now=3.0)
     _same_arrays(one, each, now=3.0)
+
+
+def test_a_dispute_mid_message_keeps_the_later_gpus_samples() -> None:
+    """A GPU that starts a dispute mid-message replaces the fleet's columns (its slot goes):
+    the GPUs the same message names after it are recorded in the new columns, not lost in
+    the old ones; a GPU first named after it joins the fleet with its sample."""
+    fleet = FleetState(load_policy(EXAMPLE))
+    n1, n2 = "row-1-rack-1-node-01", "row-1-rack-1-node-02"
+    fleet.ingest_telemetry(telemetry(n1, ["a", "x"], power=300), now=1.0)
+    fleet.ingest_telemetry(telemetry(n2, ["b", "c"], power=300), now=1.0)
+    # n2 names n1's "x" between its own: "x" is disputed, "c" and the new "d" come after.
+    fleet.ingest_telemetry(telemetry(n2, ["b", "x", "c", "d"], power=450, seq=1), now=2.0)
+    assert "x" not in fleet.gpus and set(fleet.disputes["x"].seen) == {n1, n2}
+    arrays = fleet.arrays(now=2.0, stale_after_s=5.0)
+    by_uuid = dict(zip(arrays.uuids, arrays.power_w.tolist(), strict=True))
+    assert by_uuid == {"a": 300, "b": 450, "c": 450, "d": 450}
+    assert fleet.gpus["c"].power_w == 450 and fleet.gpus["d"].power_w == 450
+    assert list(arrays.age_s) == [1.0, 0.0, 0.0, 0.0]

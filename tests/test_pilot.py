@@ -421,3 +421,72 @@ def test_prometheus_errors_are_one_line(
     code, _ = report(sqlite_store, tmp_path, "--query", "work")
     assert code == EXIT_BAD_INPUT
     assert "--throughput-prom and --query go together" in capsys.readouterr().err
+
+
+def _matrix(result: object) -> dict[str, Any]:
+    return {"status": "success", "data": {"resultType": "matrix", "result": result}}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"status": "success", "data": ["not", "an", "object"]},
+        {"status": "success", "data": "matrix"},
+        _matrix({"not": "a list"}),
+        _matrix(["not a series"]),
+        _matrix([{"values": "not a list"}]),
+        _matrix([{"values": [[1.0]]}]),
+        _matrix([{"values": [[1.0, "abc"]]}]),
+        _matrix([{"values": [["yesterday", "1"]]}]),
+        _matrix([{"values": [[1.0, {"a": 1}]]}]),
+    ],
+)
+def test_a_garbage_prometheus_answer_is_a_one_line_error(body: object) -> None:
+    """An answer that says success but is not a range vector of (time, number) points is the
+    report's one-line error naming the server, not a traceback."""
+    from powerd.pilot.source import _parse_matrix
+
+    with pytest.raises(PilotError, match=r"--throughput-prom http://prom\.example") as err:
+        _parse_matrix(body, "http://prom.example", "--query", 60.0, worst=False)
+    assert "\n" not in str(err.value)
+
+
+def test_non_finite_prometheus_points_are_skipped() -> None:
+    """NaN and ±Inf values (Prometheus sends them as strings) and non-finite times are no
+    points; huge values sum as they come and stay out of the JSON as non-finite."""
+    from powerd.pilot.source import _parse_matrix
+
+    body = _matrix([{"values": [[60.0, "NaN"], [120.0, "+Inf"], ["NaN", "5"], [180.0, "2"]]}])
+    s = _parse_matrix(body, "http://prom.example", "--query", 60.0, worst=False)
+    assert s.ts.tolist() == [180.0] and s.value.tolist() == [2.0]
+
+
+class _Nested(BaseHTTPRequestHandler):
+    """A server that answers every query with JSON nested deeper than the parser recurses."""
+
+    def do_GET(self) -> None:
+        raw = b"[" * 200_000 + b"]" * 200_000
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def log_message(self, *_args: Any) -> None:
+        pass
+
+
+def test_a_prometheus_answer_nested_too_deep_is_a_one_line_error() -> None:
+    from powerd.pilot.source import PromSource
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Nested)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        window = parse_window("managed", "2026-11-02T00:00Z..2026-11-02T01:00Z")
+        with pytest.raises(PilotError, match="not JSON"):
+            PromSource(url, timeout_s=5.0).range("work", window)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Coroutine, Sequence
@@ -40,6 +41,7 @@ from powerd.backends.base import (
     UnknownGpu,
 )
 from powerd.bmc.redfish import Json, RedfishClient, RedfishError
+from powerd.wire import MAX_GPUS_PER_NODE, MAX_SANE_WATTS
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -139,10 +141,19 @@ class RedfishBackend(GpuBackend):
                     continue
                 lo, hi, default = bounds
                 uuid = _gpu_uuid(self.node_id, str(system.get("Id", "")), proc)
+                if len(gpus) >= MAX_GPUS_PER_NODE or any(g.info.uuid == uuid for g in gpus):
+                    self.log.warning(
+                        "bmc_gpu_skipped",
+                        processor=proc.get("@odata.id"),
+                        reason="a uuid named twice"
+                        if len(gpus) < MAX_GPUS_PER_NODE
+                        else f"over {MAX_GPUS_PER_NODE} GPUs",
+                    )
+                    continue
                 info = GpuInfo(
                     uuid=uuid,
                     index=len(gpus),
-                    name=str(proc.get("Model") or proc.get("Name") or "GPU")[:200],
+                    name=str(proc.get("Model") or proc.get("Name") or "GPU")[:128],
                     min_cap_w=lo,
                     max_cap_w=hi,
                     default_cap_w=default,
@@ -325,13 +336,22 @@ def _reading(gpu: BmcGpu, m: Json) -> GpuReading:
     power = _number(m.get("PowerWatts"))
     if power is None or not isinstance(set_point, int | float) or isinstance(set_point, bool):
         raise ValueError(f"{gpu.metrics_uri}: no PowerWatts.Reading or PowerLimitWatts.SetPoint")
+    # A BMC is untrusted: a draw or a limit the wire would refuse (not a number, negative,
+    # beyond MAX_SANE_WATTS) is no reading at all, as if the BMC had not answered.
+    for what, value in (("PowerWatts.Reading", power), ("PowerLimitWatts.SetPoint", set_point)):
+        if not 0 <= value <= MAX_SANE_WATTS:  # False for NaN too
+            raise ValueError(
+                f"{gpu.metrics_uri}: {what} {value!r} is outside [0, {MAX_SANE_WATTS:g}] W"
+            )
+    energy = _number(m.get("EnergyJoules"))
+    temp = _number(m.get("TemperatureCelsius"))
     return GpuReading(
         uuid=gpu.info.uuid,
         index=gpu.info.index,
         power_w=power,
-        energy_j=_number(m.get("EnergyJoules")) or 0.0,
+        energy_j=energy if energy is not None and 0 <= energy < math.inf else 0.0,
         cap_w=float(set_point),
-        temp_c=_number(m.get("TemperatureCelsius")) or 0.0,
+        temp_c=temp if temp is not None and -50 <= temp <= 200 else 0.0,
         util_pct=0.0,  # not in EnvironmentMetrics
         sm_clock_mhz=0.0,
     )
@@ -355,7 +375,7 @@ def _limit_bounds(limit: object) -> tuple[float, float, float] | None:
     if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
         return None
     lo, hi = float(limit["AllowableMin"]), float(limit["AllowableMax"])
-    if not 0 < lo <= hi:
+    if not 0 < lo <= hi <= MAX_SANE_WATTS:  # the wire's bounds (False for NaN)
         return None
     default = limit.get("DefaultSetPoint")
     if not isinstance(default, int | float) or isinstance(default, bool):
@@ -381,7 +401,11 @@ def _gpu_uuid(node_id: str, system_id: str, proc: Json) -> str:
     """The GPU's name on the wire: NVML's form (`GPU-<UUID>`) where the Processor has a
     UUID, else `<node>.<system>.<processor Id>` (unique on the node, and stable)."""
     uuid = proc.get("UUID")
-    if isinstance(uuid, str) and uuid:
-        return f"GPU-{uuid.lower()}"
-    name = f"{node_id}.{system_id}.{proc.get('Id', '')}"
-    return "".join(ch if ch.isalnum() or ch in "_.:-" else "_" for ch in name)[:128]
+    name = (
+        f"GPU-{uuid.lower()}"
+        if isinstance(uuid, str) and uuid
+        else f"{node_id}.{system_id}.{proc.get('Id', '')}"
+    )
+    # The wire's UUID_PATTERN: ASCII letters, digits and _.:- only, at most 128.
+    safe = (ch if ch.isascii() and (ch.isalnum() or ch in "_.:-") else "_" for ch in name)
+    return "".join(safe)[:128]

@@ -25,6 +25,7 @@ log = structlog.get_logger(__name__)
 Json = dict[str, Any]
 SESSIONS = "/redfish/v1/SessionService/Sessions"
 BACKOFF_S = 0.1  # before the first retry; doubled for each further one
+MAX_BODY_BYTES = 4 << 20  # the largest answer read (a Redfish document: a few kB)
 
 
 class RedfishError(Exception):
@@ -150,7 +151,9 @@ class RedfishClient:
             # The BMC forgot the session (rebooted, timed out): one new log-in, one more try.
             await self._relogin(token)
             r = await self._send(method, path, json=json, retry=True, authed=True)
-        if r.status_code >= 400:
+        # Redirects are not followed (to another host, they would carry our credentials);
+        # a 3xx is no document, nor a limit applied.
+        if r.status_code >= 300:
             raise RedfishError(f"{method} {path}: {_reason(r)}", r.status_code)
         return r
 
@@ -163,6 +166,11 @@ class RedfishClient:
     async def _send(
         self, method: str, path: str, *, json: Json | None, retry: bool, authed: bool
     ) -> httpx.Response:
+        if not path.startswith("/") or path.startswith("//"):
+            # Paths come from the BMC's own documents (`@odata.id`); an absolute or
+            # scheme-relative URL would be sent to its host with our credentials (and BMCs
+            # often share a password).
+            raise RedfishError(f"{method} {path[:200]!r}: not a path on the BMC")
         attempts = 1 + (self.retries if retry else 0)
         for attempt in range(attempts):
             headers: dict[str, str] = {}
@@ -173,7 +181,14 @@ class RedfishClient:
                 headers["X-Auth-Token"] = self._token
             self.requests += 1
             try:
-                r = await self._client.request(method, path, json=json, headers=headers, auth=auth)
+                request = self._client.build_request(method, path, json=json, headers=headers)
+                r = await self._client.send(request, auth=auth, stream=True)
+                try:
+                    await _read_bounded(r, f"{method} {path}")
+                finally:
+                    await r.aclose()
+            except httpx.DecodingError as exc:
+                raise RedfishError(f"{method} {path}: undecodable answer ({exc})") from None
             except (httpx.TimeoutException, httpx.TransportError) as exc:
                 if isinstance(exc, httpx.ConnectError) and "CERTIFICATE" in str(exc):
                     raise RedfishError(f"{method} {path}: TLS: {exc}") from None
@@ -189,10 +204,23 @@ class RedfishClient:
         raise AssertionError("unreachable")
 
 
+async def _read_bounded(r: httpx.Response, what: str) -> None:
+    """Read a streamed answer's body (decoded) into `r`, RedfishError past MAX_BODY_BYTES:
+    a BMC's documents are kilobytes, and one streaming without end must not fill memory."""
+    body = bytearray()
+    async for chunk in r.aiter_bytes():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise RedfishError(
+                f"{what}: an answer larger than {MAX_BODY_BYTES} bytes", r.status_code
+            )
+    r._content = bytes(body)  # as httpx's own read() leaves it: .json() and .text work
+
+
 def _json(r: httpx.Response, path: str) -> Json:
     try:
         doc = r.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than json recurses
         raise RedfishError(f"GET {path}: not JSON", r.status_code) from None
     if not isinstance(doc, dict):
         raise RedfishError(f"GET {path}: not a JSON object", r.status_code)
@@ -206,7 +234,7 @@ def _reason(r: httpx.Response) -> str:
         doc = r.json()
         if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
             message = str(doc["error"].get("message", ""))[:200]
-    except ValueError:
+    except (ValueError, RecursionError):
         pass
     return f"HTTP {r.status_code}" + (f" ({message})" if message else "")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar, Literal, Self
 
+import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from powerd.agent.settings import AgentSettings
@@ -19,6 +20,7 @@ from powerd.settings import BrokerSettings, SettingsError
 from powerd.wire import MAX_SANE_WATTS, NodeId
 
 MAX_NODES = 10_000
+MAX_PASSWORD_BYTES = 4096
 
 
 class BmcNode(BaseModel):
@@ -39,6 +41,30 @@ class BmcNode(BaseModel):
     timeout_s: float | None = Field(default=None, gt=0, le=60)
     retries: int | None = Field(default=None, ge=0, le=5)
     concurrency: int | None = Field(default=None, ge=1, le=64)
+
+    @field_validator("url")
+    @classmethod
+    def _bmc_address(cls, url: str) -> str:
+        """Only a scheme, a host and a port: the pattern lets through a user name and
+        password, a query, an empty host or a port out of range (or one httpx cannot parse
+        at all), which would fail each request, or start, with no clear word of why."""
+        try:
+            parsed = httpx.URL(url)
+            port = parsed.port
+        except (httpx.InvalidURL, ValueError) as exc:
+            raise ValueError(f"{url!r} is not https://host[:port] ({exc})") from None
+        if (
+            not parsed.host
+            or parsed.userinfo
+            or parsed.query
+            or parsed.fragment
+            or (port is not None and not 0 < port < 65536)
+        ):
+            raise ValueError(
+                f"{url!r} is not https://host[:port] (no user, query or fragment; "
+                "a port in 1..65535)"
+            )
+        return url
 
     @model_validator(mode="after")
     def _one_trust(self) -> Self:
@@ -97,7 +123,15 @@ class BmcAgentSettings(BrokerSettings):
         node = self.nodes[i]
         where = f"nodes[{i}].password_file"
         try:
-            text = node.password_file.read_text(encoding="utf-8")
+            with node.password_file.open("rb") as f:  # a wrong path (/dev/zero) read whole
+                raw = f.read(MAX_PASSWORD_BYTES + 1)  # would never end
+            if len(raw) > MAX_PASSWORD_BYTES:
+                raise SettingsError(
+                    self.kind,
+                    [(where, f"{node.password_file} is over {MAX_PASSWORD_BYTES} bytes: "
+                      "it should hold the password alone")],
+                )  # fmt: skip
+            text = raw.decode("utf-8")
         except OSError as exc:
             raise SettingsError(self.kind, [(where, f"cannot read: {exc.strerror}")]) from None
         except UnicodeDecodeError:

@@ -559,6 +559,7 @@ class FleetState:
                 )
                 self._unlink(uuid)
                 self._compact()
+                cols = self._cols  # new columns: the GPUs after this one are written there
                 self.version += 1
                 slots.append(-1)
                 continue

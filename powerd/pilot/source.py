@@ -397,7 +397,7 @@ class PromSource:
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             raise PilotError(f"--throughput-prom {self.url}: unreachable: {reason}") from None
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than it parses
             raise PilotError(
                 f"--throughput-prom {self.url}: the answer is not JSON (is it Prometheus?)"
             ) from None
@@ -409,18 +409,29 @@ def _parse_matrix(body: object, url: str, flag: str, step: float, *, worst: bool
         detail = body.get("error", "no status") if isinstance(body, dict) else "not an object"
         raise PilotError(f"--throughput-prom {url}: {flag} failed: {detail}")
     data = body.get("data") or {}
-    if data.get("resultType") != "matrix":
+    kind = data.get("resultType") if isinstance(data, dict) else type(data).__name__
+    if kind != "matrix":
         raise PilotError(
-            f"--throughput-prom {url}: {flag} gave a {data.get('resultType')!r}, "
-            "not a range vector (matrix)"
+            f"--throughput-prom {url}: {flag} gave a {kind!r}, not a range vector (matrix)"
         )
     sums: dict[float, float] = {}
     result = data.get("result") or []
+    garbage = PilotError(
+        f"--throughput-prom {url}: {flag} gave a matrix that is not series of "
+        "[time, value] points (is it Prometheus?)"
+    )
+    if not isinstance(result, list) or not all(
+        isinstance(r, dict) and isinstance(r.get("values", []), list) for r in result
+    ):
+        raise garbage
     for series in result:
-        for ts, value in series.get("values", []):
-            v = float(value)
-            if math.isfinite(v):
-                t = float(ts)
+        for point in series.get("values", []):
+            try:
+                ts, value = point
+                v, t = float(value), float(ts)
+            except (TypeError, ValueError):
+                raise garbage from None
+            if math.isfinite(v) and math.isfinite(t):
                 if worst:
                     sums[t] = max(sums.get(t, -math.inf), v)
                 else:
@@ -437,7 +448,7 @@ def _parse_matrix(body: object, url: str, flag: str, step: float, *, worst: bool
 def _prom_error(raw: bytes) -> str:
     try:
         body = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return raw[:200].decode(errors="replace").strip() or "no detail"
     return str(body.get("error", body))[:300] if isinstance(body, dict) else str(body)[:300]
 
