@@ -14,9 +14,11 @@ move is a call on the node (NVML, a BMC) and a message on the broker. The deadba
   (a budget cut, a limit that fell), held cuts under that group go, the largest first,
   until it fits (the last in part): no more than the limit needs, so caps follow a ramping
   budget down as smoothly as without the deadband;
-- **never holds a raise**: a held raise would only leave power unused, but measured, it
-  cost the work the headroom above an inference GPU's draw is there for (docs/allocator.md,
-  "Deadband").
+- **never holds a pressed GPU's raise**: a held raise would only leave power unused, but
+  measured, holding raises cost the work the headroom above an inference GPU's draw is
+  there for (docs/allocator.md, "Deadband"); only raises of at most `raise_band_w`
+  (`control.raise_deadband_w`) of GPUs whose draw does not press on their cap are held
+  (they follow the demand estimate's recent peak; no work waits on them).
 
 So the targets it returns fit every group's limit wherever the allocator's did: each group
 either fits as it is or ends at most at min(target, cap in force) per GPU. Pinned GPUs (an
