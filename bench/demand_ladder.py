@@ -51,6 +51,9 @@ VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
     "floors-follow": {"control": {"demand": {"floors": "follow"}}},
     # 5. + the swing: recent peak + the largest rise between samples
     "swing-1": {"control": {"demand": {"swing": 1.0}}},
+    # held-probe without holding small raises of GPUs not pressing on their cap
+    # (control.raise_deadband_w: 0; docs/allocator.md, "Deadband")
+    "no-raise-band": {"control": {"raise_deadband_w": 0.0}},
 }
 
 

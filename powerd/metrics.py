@@ -369,7 +369,8 @@ class _Families(Collector):
         )
         yield scalar(
             "powerd_caps_held",
-            "Cuts within control.deadband_w held at the cap in force, summed over ticks.",
+            "Moves the deadband held at the cap in force (control.deadband_w and"
+            " raise_deadband_w), summed over ticks.",
             "counter",
             self.caps_held,
         )

@@ -208,6 +208,10 @@ class Control(_Strict):
     # (docs/allocator.md, "Deadband"): under shared budgets, one GPU's swing otherwise moves
     # every neighbour a little each tick. Cuts a budget needs are never held; 0: off.
     deadband_w: NonNegWatts = 40.0
+    # Raises of at most this much are held too, but only of GPUs whose draw does not press
+    # on their cap (below 95 % of it): such a raise follows the demand estimate's recent
+    # peak and no work waits on it. A pressed GPU's raise is never held; 0: off.
+    raise_deadband_w: NonNegWatts = 40.0
     # Power no GPU can turn into throughput: "peak" leaves it unallocated (no cap above its
     # profile's peak), "max" hands it out up to each GPU's maximum cap.
     leftover: Literal["peak", "max"] = "peak"

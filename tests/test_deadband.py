@@ -33,9 +33,15 @@ TOL = 1e-6
     band=st.sampled_from([5.0, 25.0, 60.0]),
     tight=st.floats(0.0, 1.0),
     cut=st.booleans(),
+    raise_band=st.sampled_from([0.0, 20.0, 60.0]),
 )
 def test_held_caps_never_break_a_limit_and_a_cap_inside_the_band_stays(
-    shape: tuple[int, int, int, int], seed: int, band: float, tight: float, cut: bool
+    shape: tuple[int, int, int, int],
+    seed: int,
+    band: float,
+    tight: float,
+    cut: bool,
+    raise_band: float,
 ) -> None:
     policy = make_policy(*shape)
     topo = _topology(policy)
@@ -63,6 +69,7 @@ def test_held_caps_never_break_a_limit_and_a_cap_inside_the_band_stays(
         capacity_w=capacity,
         holdable=holdable,
         pressed=pressed,
+        raise_band_w=raise_band,
     )
     after = np.where(np.isnan(out), prev, out)
     # Every limit the targets fit still holds.
@@ -74,12 +81,28 @@ def test_held_caps_never_break_a_limit_and_a_cap_inside_the_band_stays(
     assert (after[finite] <= np.maximum(targets, prev)[finite] + TOL).all()
     # A move is held only inside the band, and only where the GPU may be held.
     assert not (held & ~holdable).any()
-    assert (np.abs(targets - prev)[held] <= band + TOL).all()
+    held_cut = held & (targets < prev)
+    held_raise = held & (targets > prev)
+    assert np.array_equal(held, held_cut | held_raise)
+    assert (np.abs(targets - prev)[held_cut] <= band + TOL).all()
     # A cut outside the band is made in full, and cuts a limit needs are never held back.
     big_cut = finite & (targets < prev - band)
     assert np.allclose(out[big_cut], targets[big_cut])
-    # Only cuts are held (a held raise would cost the work its headroom is for).
-    assert (targets[held] < prev[held]).all()
+    # A raise is held only within `raise_band`, and never a pressed GPU's (its work waits
+    # on it): those are made in full or funded by the room left, never below the cap in
+    # force.
+    assert not (held_raise & pressed).any()
+    assert (targets[held_raise] - prev[held_raise] <= raise_band + TOL).all()
+    if raise_band == 0:
+        assert not held_raise.any()
+    up = finite & (targets > prev)
+    assert (after[up & pressed] >= prev[up & pressed] - TOL).all()
+    # Where every limit has room for every raise, each raise outside the band, or of a
+    # pressed GPU, is made in full, and each inside it of a GPU not pressed is held.
+    if (topo.group_sums(np.maximum(counted, prev)) <= capacity - 1e-3).all():
+        free = up & ~(holdable & ~pressed & (targets - prev <= raise_band))
+        assert np.allclose(out[free], targets[free])
+        assert np.array_equal(held_raise, up & holdable & ~pressed & (targets - prev <= raise_band))
     # Inside the band a cut stays unless the held cuts alone (everyone else at
     # min(target, cap in force)) break a limit.
     cut_in = holdable & finite & (targets < prev) & (targets >= prev - band)
@@ -116,9 +139,10 @@ class SwingingNode(HonestNode):
         return {u: min(self.caps[u], self.demand[u]) for u in self.uuids}
 
 
-def _deadband_policy(band: float) -> Any:
+def _deadband_policy(band: float, raise_band: float = 0.0) -> Any:
     data = policy_dict()
     data["control"]["deadband_w"] = band
+    data["control"]["raise_deadband_w"] = raise_band
     return parse_policy(data)
 
 
@@ -133,11 +157,12 @@ def _deadband_policy(band: float) -> Any:
         max_size=24,
     ),
     band=st.sampled_from([10.0, 40.0, 120.0]),
+    raise_band=st.sampled_from([0.0, 40.0, 120.0]),
 )
 def test_every_budget_holds_at_every_tick_through_swings_and_cuts(
-    steps: list[tuple[str, int]], band: float
+    steps: list[tuple[str, int]], band: float, raise_band: float
 ) -> None:
-    policy = _deadband_policy(band)
+    policy = _deadband_policy(band, raise_band)
     engine = TickEngine(policy)
     nodes = {n: SwingingNode(n) for n in NODES}
     wall0 = 1_700_000_000.0

@@ -14,9 +14,11 @@ move is a call on the node (NVML, a BMC) and a message on the broker. The deadba
   (a budget cut, a limit that fell), held cuts under that group go, the largest first,
   until it fits (the last in part): no more than the limit needs, so caps follow a ramping
   budget down as smoothly as without the deadband;
-- **never holds a raise**: a held raise would only leave power unused, but measured, it
-  cost the work the headroom above an inference GPU's draw is there for (docs/allocator.md,
-  "Deadband").
+- **never holds a pressed GPU's raise**: a held raise would only leave power unused, but
+  measured, holding raises cost the work the headroom above an inference GPU's draw is
+  there for (docs/allocator.md, "Deadband"); only raises of at most `raise_band_w`
+  (`control.raise_deadband_w`) of GPUs whose draw does not press on their cap are held
+  (they follow the demand estimate's recent peak; no work waits on them).
 
 So the targets it returns fit every group's limit wherever the allocator's did: each group
 either fits as it is or ends at most at min(target, cap in force) per GPU. Pinned GPUs (an
@@ -47,6 +49,7 @@ def hold_small_cuts(
     capacity_w: FloatArray,
     holdable: BoolArray,
     pressed: BoolArray | None = None,
+    raise_band_w: float = 0.0,
 ) -> tuple[FloatArray, BoolArray]:
     """(targets, held): the targets with every cut of at most `deadband_w` held at the cap
     in force, and per GPU whether it was held.
@@ -56,13 +59,21 @@ def hold_small_cuts(
     `holdable`: per GPU whether the deadband may hold it; `pressed`: per GPU whether its
     draw presses on its cap (its raise is work: funded first where room is short). NaN
     targets (hold the committed cap) pass through and count at the cap in force.
+    `raise_band_w`: raises of at most this much are held too, but only of holdable GPUs
+    not `pressed` (None: no GPU's raise is held): such a raise follows the demand
+    estimate's recent peak, no work waits on it, and holding it only leaves power unused.
     """
     targets = np.asarray(targets_w, dtype=np.float64)
-    if deadband_w <= 0 or targets.size == 0:
+    if (deadband_w <= 0 and raise_band_w <= 0) or targets.size == 0:
         return targets, np.zeros(targets.shape, dtype=np.bool_)
     prev = np.asarray(in_force_w, dtype=np.float64)
     delta = targets - prev
     held = holdable & (delta < 0) & (delta >= -deadband_w)  # NaN compares False
+    if raise_band_w > 0 and pressed is not None:
+        # A held raise only lowers a group's sum: it never breaks a limit, and it is never
+        # released below (its cut is 0), so the cut logic is unchanged.
+        held_up = holdable & ~pressed & (delta > 0) & (delta <= raise_band_w)
+        held = held | held_up
     if not held.any():
         return targets, held
     held_at_first = held

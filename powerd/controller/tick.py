@@ -412,7 +412,8 @@ class TickEngine:
         """Small cuts held at the cap in force (controller/deadband.py), and how many.
         Operators' pins and GPUs whose cap in force lies outside their class's bounds move."""
         band = self.policy.control.deadband_w
-        if band <= 0:
+        raise_band = self.policy.control.raise_deadband_w
+        if band <= 0 and raise_band <= 0:
             return targets, 0
         fleet, topo = targets.fleet, seen.shape.topology
         classes = self.targets.classes
@@ -430,6 +431,7 @@ class TickEngine:
             - seen.shape.reserve_w,
             holdable=holdable,
             pressed=fleet.power_w >= CAP_LIMITED_SHARE * prev,
+            raise_band_w=raise_band,
         )
         return replace(targets, targets_w=held_w), int(held.sum())
 
