@@ -146,8 +146,11 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> ChaosReport:
 @pytest.mark.broker
 @pytest.mark.process
 def test_the_watcher_checked_a_site_that_used_its_budget(report: ChaosReport) -> None:
-    # Not an idle check: thousands of changes checked, and every fault ran.
-    assert report.checks > 300
+    # Not an idle check: the site's caps used its budget, the watcher checked every change
+    # (fewer since the deadband holds small cuts and raises: 154 in one run at 40 W, over
+    # 300 before it), and every fault ran.
+    assert report.facility_mean_w > 0.8 * report.facility_budget_w
+    assert report.checks > 50
     assert [r.fault.kind for r in report.records] == kinds_for(pair=False)
     assert all(r.injected and not math.isnan(r.restored_s) for r in report.records)
     assert report.steady_breaches == []
