@@ -544,11 +544,13 @@ def test_an_enormous_answer_is_refused_before_it_is_read_whole() -> None:
 
     async def go() -> None:
         client = RedfishClient(
-            "https://bmc.example", "admin", "pw", trust=BmcTrust(), auth="basic", retries=0
-        )
-        await client._client.aclose()
-        client._client = httpx.AsyncClient(
-            base_url=client.base_url, transport=httpx.MockTransport(handler)
+            "https://bmc.example",
+            "admin",
+            "pw",
+            trust=BmcTrust(),
+            auth="basic",
+            retries=0,
+            transport=httpx.MockTransport(handler),
         )
         with pytest.raises(RedfishError, match="larger than"):
             await client.get("/redfish/v1")
@@ -575,11 +577,13 @@ def test_a_redirect_is_an_error_and_is_not_followed() -> None:
 
     async def go() -> None:
         client = RedfishClient(
-            "https://bmc.example", "admin", "pw", trust=BmcTrust(), auth="basic", retries=0
-        )
-        await client._client.aclose()
-        client._client = httpx.AsyncClient(
-            base_url=client.base_url, transport=httpx.MockTransport(handler)
+            "https://bmc.example",
+            "admin",
+            "pw",
+            trust=BmcTrust(),
+            auth="basic",
+            retries=0,
+            transport=httpx.MockTransport(handler),
         )
         with pytest.raises(RedfishError, match="HTTP 302"):
             await client.get("/redfish/v1")
@@ -601,11 +605,13 @@ def test_a_deeply_nested_answer_is_not_json_to_us() -> None:
 
     async def go() -> None:
         client = RedfishClient(
-            "https://bmc.example", "admin", "pw", trust=BmcTrust(), auth="basic", retries=0
-        )
-        await client._client.aclose()
-        client._client = httpx.AsyncClient(
-            base_url=client.base_url, transport=httpx.MockTransport(handler)
+            "https://bmc.example",
+            "admin",
+            "pw",
+            trust=BmcTrust(),
+            auth="basic",
+            retries=0,
+            transport=httpx.MockTransport(handler),
         )
         with pytest.raises(RedfishError, match="not JSON"):
             await client.get("/redfish/v1")
@@ -631,11 +637,13 @@ def test_a_link_to_another_host_is_not_followed_with_our_credentials(link: str) 
 
     async def go() -> None:
         client = RedfishClient(
-            "https://bmc.example", "admin", "pw", trust=BmcTrust(), auth="basic", retries=0
-        )
-        await client._client.aclose()
-        client._client = httpx.AsyncClient(
-            base_url=client.base_url, transport=httpx.MockTransport(handler)
+            "https://bmc.example",
+            "admin",
+            "pw",
+            trust=BmcTrust(),
+            auth="basic",
+            retries=0,
+            transport=httpx.MockTransport(handler),
         )
         with pytest.raises(RedfishError, match="not a path on the BMC"):
             await client.get(link)
@@ -661,10 +669,12 @@ def test_the_log_out_goes_to_the_bmc_whatever_location_the_log_in_named(location
         return httpx.Response(200, json={})
 
     async def go() -> None:
-        client = RedfishClient("https://bmc.example", "admin", "pw", trust=BmcTrust())
-        await client._client.aclose()
-        client._client = httpx.AsyncClient(
-            base_url=client.base_url, transport=httpx.MockTransport(handler)
+        client = RedfishClient(
+            "https://bmc.example",
+            "admin",
+            "pw",
+            trust=BmcTrust(),
+            transport=httpx.MockTransport(handler),
         )
         await client.login()
         await client.close()

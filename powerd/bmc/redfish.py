@@ -77,6 +77,7 @@ class RedfishClient:
         timeout_s: float = 0.8,
         retries: int = 1,
         concurrency: int = 4,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.username = username
@@ -92,6 +93,7 @@ class RedfishClient:
             limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
             headers={"Accept": "application/json", "OData-Version": "4.0"},
             follow_redirects=False,
+            transport=transport,
         )
         self._token: str | None = None
         self._session_uri: str | None = None
