@@ -180,12 +180,15 @@ def test_reports_carry_the_baselines_and_the_headline(
     assert head["policy"] == "fast" and head["trips"] == 0
     assert head["vs_static"] > 1
     assert head["vs_uncapped"]["uncapped_trips"] == u["trips"]["trips"]
+    # Over a budget with no trip is still more risk than powerd's (decision 0006).
+    assert head["vs_uncapped"]["same_risk"] is False
     assert 0 < head["share_of_oracle"]["weighted_work"] <= 1
     fits = head["oversubscribe"]
     assert fits["oracle_gpus"] == doc["oversubscribe"]["fit_gpus"]["oracle"]
     assert fits["oracle_gpus"] >= fits["gpus"] >= fits["static_tdp_gpus"]
     assert fits["uncapped_never_over_gpus"] >= fits["static_tdp_gpus"]
     assert fits["uncapped_no_trip_gpus"] >= fits["uncapped_never_over_gpus"]
+    assert fits["uncapped_same_risk_gpus"] == fits["uncapped_never_over_gpus"]
     assert doc["compare"]["fast"]["trips"]["trips"] == 0
     assert all("uncapped" in pt["trips"] for pt in doc["oversubscribe"]["points"])
     assert "oracle" in (tmp_path / "out" / "report.html").read_text()
@@ -193,6 +196,7 @@ def test_reports_carry_the_baselines_and_the_headline(
     assert powerd_main([*argv[:-5], "--baselines", "uncapped,oracle"]) == 0
     out = capsys.readouterr().out
     assert "headline: fast" in out and "share of the oracle" in out
+    assert "against uncapped on the same GPUs (more risk" in out
     assert "\nuncapped " in out and "\noracle " in out and "breakers rated 125%" in out
     # And none leaves them out.
     assert powerd_main([*argv[:-5], "--baselines", "none", "--json"]) == 0

@@ -189,6 +189,7 @@ def headline_json(report: Report) -> dict[str, Any]:
     if u is not None and u.trips is not None:
         out["vs_uncapped"] = {
             "work": _ratio(r.work_gpu_s, u.work_gpu_s),
+            "same_risk": u.trips.trips == 0 and u.over_budget_s == 0,
             "uncapped_trips": u.trips.trips,
             "uncapped_over_budget_s": u.over_budget_s,
             "uncapped_over_budget_s_by_level": u.over_budget_s_by_level,
@@ -208,6 +209,7 @@ def headline_json(report: Report) -> dict[str, Any]:
         out["oversubscribe"] = {
             "gpus": fit,
             "static_tdp_gpus": o.static_tdp_gpus,
+            "uncapped_same_risk_gpus": o.uncapped_fit_gpus("never_over"),
             "uncapped_no_trip_gpus": o.uncapped_fit_gpus("no_trip"),
             "uncapped_never_over_gpus": o.uncapped_fit_gpus("never_over"),
             "oracle_gpus": best,
@@ -354,7 +356,10 @@ def headline_block(report: Report) -> list[str]:
         )
     u = report.baselines.get(UNCAPPED)
     if u is not None and u.trips is not None:
-        risk = "the same risk" if u.trips.trips == 0 else "more risk"
+        # The same risk as powerd is never over a budget: a draw over it that trips no
+        # breaker still runs the feed past what the site committed to (decision 0006).
+        same = u.trips.trips == 0 and u.over_budget_s == 0
+        risk = "the same risk" if same else "more risk"
         lines.append(
             f"  against uncapped on the same GPUs ({risk}: {trips_text(u.trips)}, "
             f"{_duration(u.over_budget_s)} over a budget, worst {u.max_excess_ratio:.1%}): "
@@ -374,8 +379,9 @@ def headline_block(report: Report) -> list[str]:
         parts.append(f"static {o.static_tdp_gpus:,}")
         if o.uncapped_fit_nodes:
             parts.append(
-                f"uncapped {o.uncapped_fit_gpus('no_trip') or 0:,} with no trip and "
-                f"{o.uncapped_fit_gpus('never_over') or 0:,} never over a budget"
+                f"uncapped {o.uncapped_fit_gpus('never_over') or 0:,} never over a budget "
+                f"(the same risk), {o.uncapped_fit_gpus('no_trip') or 0:,} with no trip but "
+                "over a budget (more risk)"
             )
         if best:
             parts.append(f"oracle {best:,} ({lead} = {(fit or 0) / best:.1%} of it)")
@@ -504,7 +510,10 @@ def oversub_lines(o: Oversubscription) -> list[str]:
         gain = f" ({g / o.static_tdp_gpus - 1:+.0%} vs static)" if g and o.static_tdp_gpus else ""
         note = " (perfect foresight: the upper bound)" if p == ORACLE else ""
         lines.append(f"  {p}: {g:,} GPUs{gain}{note}" if g else f"  {p}: none")
-    risk = {"no_trip": "with no breaker trip", "never_over": "with draw never over a budget"}
+    risk = {
+        "no_trip": "with no breaker trip, over a budget (more risk than powerd)",
+        "never_over": "with draw never over a budget (the same risk as powerd)",
+    }
     for k, g in ((k, o.uncapped_fit_gpus(k)) for k in o.uncapped_fit_nodes):
         lines.append(f"  uncapped {risk.get(k, k)}: {f'{g:,} GPUs' if g else 'none'}")
     policies = list(o.fit_nodes)

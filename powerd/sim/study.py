@@ -213,8 +213,8 @@ class Oversubscription:
     max_nodes: int  # beyond this, device minimums plus overhead exceed the feed
     points: list[OversubPoint] = field(default_factory=list)
     fit_nodes: dict[str, int | None] = field(default_factory=dict)
-    # `uncapped`'s sizes at the same risk: the most nodes with no breaker trip
-    # (`no_trip`), and with draw never over a budget (`never_over`).
+    # `uncapped`'s sizes by risk: the most nodes with draw never over a budget (`never_over`,
+    # powerd's own risk: decision 0006) and with no breaker trip (`no_trip`, more risk).
     uncapped_fit_nodes: dict[str, int | None] = field(default_factory=dict)
 
     def fit_gpus(self, policy: str) -> int | None:
