@@ -9,6 +9,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import pytest
 
 from powerd.agent import Agent, AgentSettings, SettingsError
 from powerd.agent.perf import PerfConfig, PerfSource, parse_file, parse_prometheus
+from powerd.backends.base import BackendError, GpuReading
 from powerd.backends.mock import MockBackend, SimulatedGpus, Workload
 from powerd.clock import ManualClock
 from powerd.transport import MemoryBroker
@@ -294,3 +296,32 @@ def test_an_endpoint_that_drips_forever_is_cut_at_the_timeout() -> None:
         stop.set()
         server.shutdown()
         server.server_close()
+
+
+def test_a_reading_out_of_bounds_never_becomes_the_cap_a_failed_sample_reports() -> None:
+    """A limit read back as NaN is reported as `invalid_reading`; a later failed read reports
+    the last limit that passed the wire's bounds, not the NaN (which would fail again)."""
+    clock = ManualClock()
+    model = SimulatedGpus(1, [Workload.steady(level_w=400.0)], seed=1, uuid_prefix="GPU-r")
+
+    class Flaky(MockBackend):
+        mode = "ok"
+
+        def read(self, uuid: str) -> GpuReading:
+            if self.mode == "fail":
+                raise BackendError("unreachable", uuid)
+            r = super().read(uuid)
+            return replace(r, cap_w=float("nan")) if self.mode == "nan" else r
+
+    backend = Flaky(model, clock, 0, 1)
+    agent = Agent(
+        AgentSettings(node_id="n1", backend="mock"), backend, MemoryBroker().client("a"), clock
+    )
+    good = agent._sample()[0]
+    assert good.error is None and good.cap_w > 0
+    backend.mode = "nan"
+    bad = agent._sample()[0]
+    assert bad.error == "invalid_reading" and bad.cap_w == good.cap_w
+    backend.mode = "fail"
+    failed = agent._sample()[0]
+    assert failed.error is not None and failed.cap_w == good.cap_w

@@ -571,9 +571,8 @@ class Agent:
         )
 
     def _telemetry(self, info: GpuInfo, r: GpuReading) -> GpuTelemetry:
-        self.caps_w[info.uuid] = r.cap_w
         pod = None if self.pod_source is None else self.pod_source.of(info.uuid)
-        return GpuTelemetry(
+        sample = GpuTelemetry(
             uuid=info.uuid,
             index=info.index,
             name=info.name,
@@ -594,6 +593,10 @@ class Agent:
             restores=self.restores[info.uuid],
             found_w=self.found_w.get(info.uuid),
         )
+        # Kept only once the reading passed the wire's bounds: a limit read back as NaN or
+        # beyond them must not become the cap a later failed sample reports.
+        self.caps_w[info.uuid] = r.cap_w
+        return sample
 
     def _failed_telemetry(self, info: GpuInfo, error: str) -> GpuTelemetry:
         """A GPU we could not read: the cap is the last known (else the maximum), no readings."""
