@@ -22,6 +22,7 @@ from powerd.backends.base import BackendError, GpuReading
 from powerd.backends.mock import MockBackend, SimulatedGpus, Workload
 from powerd.clock import ManualClock
 from powerd.transport import MemoryBroker
+from powerd.wire import AckError, CapCommand
 
 GPUS = {"GPU-a": 0, "GPU-b": 1, "GPU-c": 2, "GPU-d": 3}
 
@@ -325,3 +326,29 @@ def test_a_reading_out_of_bounds_never_becomes_the_cap_a_failed_sample_reports()
     backend.mode = "fail"
     failed = agent._sample()[0]
     assert failed.error is not None and failed.cap_w == good.cap_w
+
+
+def test_a_limit_read_back_out_of_bounds_acks_set_failed_and_keeps_nothing() -> None:
+    """A backend whose read-back after a set is NaN (a lying BMC, a driver fault): the ack
+    says `set_failed`, the command loop goes on, the cap kept is the last valid one."""
+    clock = ManualClock()
+    model = SimulatedGpus(1, [Workload.steady(level_w=400.0)], seed=1, uuid_prefix="GPU-s")
+
+    class Lying(MockBackend):
+        def set_power_limit_w(self, uuid: str, watts: float) -> float:
+            super().set_power_limit_w(uuid, watts)
+            return float("nan")
+
+    agent = Agent(
+        AgentSettings(node_id="n1", backend="mock"),
+        Lying(model, clock, 0, 1),
+        MemoryBroker().client("a"),
+        clock,
+    )
+    uuid = next(iter(agent.gpus))
+    before = agent._sample()[0].cap_w
+    ack = agent._apply(
+        CapCommand(node_id="n1", tick=1, lease_s=30.0, caps={uuid: 300.0}, failsafe_w={})
+    )
+    assert ack.gpus[uuid].error is AckError.SET_FAILED and ack.gpus[uuid].enforced_w is None
+    assert agent.caps_w[uuid] == before

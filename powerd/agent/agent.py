@@ -46,6 +46,7 @@ from powerd.transport.mqtt import MqttTransport
 from powerd.wire import (
     CAP_TOLERANCE_W,
     LEGACY_AUTHORITY,
+    MAX_SANE_WATTS,
     MAX_TICK,
     AckError,
     Authority,
@@ -442,6 +443,11 @@ class Agent:
         self, uuid: str, requested: float, target: float, result: float | BackendError
     ) -> GpuAck:
         """What a set of `target` came to (the enforced limit read back, or the error)."""
+        if not isinstance(result, BackendError) and not 0 <= result <= MAX_SANE_WATTS:
+            # A read-back no GPU has (NaN, negative, beyond any device): the limit in force
+            # is unknown, so nothing is kept and the ack says the set failed (the
+            # controller keeps counting the GPU at its committed cap).
+            result = BackendError(f"limit read back as {result!r}", uuid)
         if isinstance(result, BackendError):
             exc = result
             self.log.warning(
