@@ -182,6 +182,20 @@ class SafePlan:
     events: tuple[SafetyEvent, ...] = field(default=())
 
 
+class _Rows(NamedTuple):
+    """Queued readings and acks as columns (`SafetyPlanner._absorb`'s input), one row each."""
+
+    gpu: IntArray
+    hi: FloatArray
+    lo: FloatArray
+    key: IntArray  # the tick the row reflects (NO_TICK: none)
+    tick: IntArray  # the tick an ack acknowledges (-1: not an ack)
+    guess: BoolArray  # an ack's bounds to widen with the earlier ones
+    defiant: IntArray  # 1 refused, 0 obeyed, -1 not an ack
+    src: IntArray  # _STATUS, _TELEMETRY, _ACK
+    seen_at: FloatArray | None  # telemetry: when each GPU was named (None: not telemetry)
+
+
 class SafetyPlanner:
     """Per-GPU knowledge of the caps in force, and the per-tick plan that respects it.
 
@@ -214,6 +228,8 @@ class SafetyPlanner:
         self._node_failsafe: list[dict[str, float]] = []
         self._node_order: IntArray = np.zeros(0, dtype=np.int64)
         self._node_bounds: list[int] = [0]
+        # `_fleet_rows`' last answer: (nodes, their indices, their GPUs end to end, counts).
+        self._fleet_idx: tuple[list[str], list[int], IntArray, list[int]] | None = None
         self._clear_queue()
 
     def set_layout(self, layout: GpuLayout) -> None:
@@ -239,6 +255,7 @@ class SafetyPlanner:
         self._node_uuids = [[layout.uuids[i] for i in idx] for idx in self._node_gpu_list]
         self._node_order = order
         self._node_bounds = bounds.tolist()
+        self._fleet_idx = None
         # Failsafe caps change only with the layout: one dict per node, shared by every command.
         self._node_failsafe = [
             dict(zip(uuids, layout.failsafe_w[idx].tolist(), strict=True))
@@ -398,6 +415,166 @@ class SafetyPlanner:
                 queued.append(i)
         return queued
 
+    def on_fleet_telemetry(
+        self,
+        nodes: Sequence[str],
+        uuids: Sequence[Sequence[str]],
+        caps_w: Sequence[float],
+        received_at: float,
+        as_of_tick: Sequence[int | None],
+    ) -> bool:
+        """Many nodes' telemetry at once: the same as `on_telemetry(nodes[j], (uuids[j],
+        caps_j), received_at, as_of_tick[j])` for each in turn, `caps_w` holding their caps
+        end to end. Queued as one block where every node is known, names its GPUs in the
+        planner's order and reads every cap (a whole fleet's sample, the common case);
+        False, with nothing queued, where not: then call `on_telemetry` for each."""
+        gpus = self._fleet_rows(nodes, uuids)
+        if gpus is None:
+            return False
+        caps = np.asarray(caps_w, dtype=np.float64)
+        if caps.shape != gpus[0].shape or not np.isfinite(caps).all():
+            return False
+        idx, counts = gpus
+        key = np.repeat(
+            np.array([NO_TICK if t is None else int(t) for t in as_of_tick], dtype=np.int64),
+            counts,
+        )
+        n = len(idx)
+        self._queue_block(
+            _Rows(
+                idx,
+                caps,
+                caps,
+                key,
+                np.full(n, -1, dtype=np.int64),
+                np.zeros(n, dtype=np.bool_),
+                np.full(n, -1, dtype=np.int64),
+                np.full(n, _TELEMETRY, dtype=np.int64),
+                np.full(n, received_at),
+            )
+        )
+        return True
+
+    def on_fleet_acks(self, acks: Sequence[tuple[str, int, AckedCaps]]) -> None:
+        """Many acks at once, (node, tick, its GPUs) each: the same as `on_ack` of each in
+        turn, the runs of acks in which every GPU obeyed queued as one block."""
+        idx: list[IntArray] = []
+        enforced: list[float | None] = []
+        ticks: list[int] = []
+        counts: list[int] = []
+        for node, tick, acked in acks:
+            k = self._node_index.get(node)
+            if k is None or tick <= self._last_ack.get(node, -1):
+                continue  # unknown node, or an ack older than what we know
+            if not (acked.obeyed and acked.uuids == self._node_uuids[k]):
+                self._queue_acks(idx, enforced, ticks, counts)
+                self.on_ack(node, tick, acked)
+                continue
+            self._last_ack[node] = tick
+            idx.append(self._node_gpus[k])
+            enforced += acked.enforced_w
+            ticks.append(tick)
+            counts.append(len(acked.uuids))
+        self._queue_acks(idx, enforced, ticks, counts)
+
+    def _queue_acks(
+        self, idx: list[IntArray], enforced: list[float | None], ticks: list[int], counts: list[int]
+    ) -> None:
+        """Obeyed acks' rows as one block (as `on_ack` queues each); the lists are emptied."""
+        if not idx:
+            return
+        gpu = np.concatenate(idx)
+        n = len(gpu)
+        obeyed = np.array(enforced, dtype=np.float64)
+        tick = np.repeat(np.array(ticks, dtype=np.int64), counts)
+        self._queue_block(
+            _Rows(
+                gpu,
+                obeyed,
+                obeyed,
+                tick,
+                tick,
+                np.zeros(n, dtype=np.bool_),
+                np.zeros(n, dtype=np.int64),
+                np.full(n, _ACK, dtype=np.int64),
+                None,
+            )
+        )
+        idx.clear()
+        enforced.clear()
+        ticks.clear()
+        counts.clear()
+
+    def _fleet_rows(
+        self, nodes: Sequence[str], uuids: Sequence[Sequence[str]]
+    ) -> tuple[IntArray, list[int]] | None:
+        """The planner's GPUs of these nodes end to end, and how many each (None where a
+        node is unknown or names other GPUs than the planner's, in another order)."""
+        cached = self._fleet_idx
+        if cached is not None and cached[0] == nodes:
+            ks = cached[1]
+        else:
+            found = [self._node_index.get(node) for node in nodes]
+            if None in found:
+                return None
+            ks = [k for k in found if k is not None]
+        node_uuids = self._node_uuids
+        for k, names in zip(ks, uuids, strict=True):
+            if node_uuids[k] != names:
+                return None
+        if cached is None or cached[0] != nodes:
+            idx = (
+                np.concatenate([self._node_gpus[k] for k in ks])
+                if ks
+                else np.zeros(0, dtype=np.int64)
+            )
+            counts = [len(node_uuids[k]) for k in ks]
+            cached = self._fleet_idx = (list(nodes), ks, idx, counts)
+        return cached[2], cached[3]
+
+    def _queue_block(self, block: _Rows) -> None:
+        if self._q_gpu:
+            self._q_blocks.append(self._list_rows())
+        self._q_blocks.append(block)
+
+    def _list_rows(self) -> _Rows:
+        """The rows queued in the lists, as a block (the lists emptied; sightings stay in
+        theirs: they fold in by maximum, in any order)."""
+        rows = _Rows(
+            np.array(self._q_gpu, dtype=np.int64),
+            np.array(self._q_hi, dtype=np.float64),
+            np.array(self._q_lo, dtype=np.float64),
+            np.array(self._q_key, dtype=np.int64),
+            np.array(self._q_tick, dtype=np.int64),
+            np.array(self._q_guess, dtype=np.bool_),
+            np.array(self._q_defiant, dtype=np.int64),
+            np.array(self._q_src, dtype=np.int64),
+            None,
+        )
+        self._clear_rows()
+        return rows
+
+    def _queued(self) -> _Rows:
+        """Every queued row, in arrival order."""
+        if not self._q_blocks:
+            return self._list_rows()
+        if self._q_gpu:
+            self._q_blocks.append(self._list_rows())
+        blocks = self._q_blocks
+        if len(blocks) == 1:
+            return blocks[0]
+        return _Rows(
+            np.concatenate([b.gpu for b in blocks]),
+            np.concatenate([b.hi for b in blocks]),
+            np.concatenate([b.lo for b in blocks]),
+            np.concatenate([b.key for b in blocks]),
+            np.concatenate([b.tick for b in blocks]),
+            np.concatenate([b.guess for b in blocks]),
+            np.concatenate([b.defiant for b in blocks]),
+            np.concatenate([b.src for b in blocks]),
+            None,
+        )
+
     def learn_status(
         self, node: str, caps_w: Mapping[str, float], as_of_tick: int | None = None
     ) -> None:
@@ -536,6 +713,15 @@ class SafetyPlanner:
         self._prior_tick[idx] = _UNSENT
 
     def _clear_queue(self) -> None:
+        self._clear_rows()
+        self._q_seen_gpu: list[int] = []
+        self._q_seen_at: list[float] = []
+        # Whole fleets' rows at once (`on_fleet_telemetry`, `on_fleet_acks`), as arrays: the
+        # rows queued in the lists below before each block are moved into a block first, so
+        # the blocks hold every row in arrival order.
+        self._q_blocks: list[_Rows] = []
+
+    def _clear_rows(self) -> None:
         self._q_gpu: list[int] = []
         self._q_hi: list[float] = []
         self._q_lo: list[float] = []
@@ -544,8 +730,6 @@ class SafetyPlanner:
         self._q_guess: list[bool] = []
         self._q_defiant: list[int] = []  # 1 refused, 0 obeyed, -1 not an ack
         self._q_src: list[int] = []
-        self._q_seen_gpu: list[int] = []
-        self._q_seen_at: list[float] = []
 
     def _absorb(self) -> None:
         """Fold queued readings and acks into the per-GPU state.
@@ -557,18 +741,11 @@ class SafetyPlanner:
         so any reading of the newest tick bounds the cap in force from above.
         """
         self._absorb_seen()
-        if not self._q_gpu:
+        if not self._q_gpu and not self._q_blocks:
             self._clear_queue()
             return
         layout = self._require_layout()
-        gpu = np.array(self._q_gpu, dtype=np.int64)
-        hi = np.array(self._q_hi)
-        lo = np.array(self._q_lo)
-        key = np.array(self._q_key, dtype=np.int64)
-        tick = np.array(self._q_tick, dtype=np.int64)
-        guess = np.array(self._q_guess, dtype=bool)
-        defiant = np.array(self._q_defiant, dtype=np.int64)
-        src = np.array(self._q_src, dtype=np.int64)
+        gpu, hi, lo, key, tick, guess, defiant, src, _ = self._queued()
         self._clear_queue()
         pos = np.arange(len(gpu))
         touched, local = _unique(gpu, pos, layout.n_gpus)
@@ -633,6 +810,9 @@ class SafetyPlanner:
         """When each GPU was last named by its node (the queue's sightings)."""
         if self._q_seen_gpu:
             np.maximum.at(self._seen, np.array(self._q_seen_gpu), np.array(self._q_seen_at))
+        for block in self._q_blocks:
+            if block.seen_at is not None:
+                np.maximum.at(self._seen, block.gpu, block.seen_at)
 
     def _alarm_above(
         self,

@@ -617,6 +617,12 @@ class FleetState:
             node.status_tick = None
             self.stops += 1
 
+    def acks_heard(self, node_ids: Sequence[str]) -> None:
+        """`ack_heard` of each node."""
+        if any(rec.stopped for rec in self.nodes.values()):
+            for node_id in node_ids:
+                self.ack_heard(node_id)
+
     def _refresh_order(self) -> None:
         if self._order_version == self.version:
             return

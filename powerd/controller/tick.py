@@ -178,8 +178,36 @@ class TickEngine:
             for r in samples:
                 self.on_readings(r, now)
             return
+        if not self._fleet_caps_heard(samples, whole, now):
+            for r in samples:
+                self._caps_heard(r, now)
+
+    def _fleet_caps_heard(
+        self, samples: Sequence[NodeReadings], whole: NodeReadings, now: float
+    ) -> bool:
+        """`_caps_heard` of every sample at once, where each is ours to read in full (no
+        foreign node, no newer leader's epoch, no GPU's error): one block to the planner.
+        False, with nothing done, where not."""
+        ob = self.obedience
+        if ob.foreign or not all(r.no_errors for r in samples):
+            return False
+        ours = ob.epoch
+        ticks: list[int | None] = []
         for r in samples:
-            self._caps_heard(r, now)
+            epoch = r.epoch
+            if epoch is None:
+                ticks.append(r.tick)
+            elif epoch > ours > 0:
+                return False  # `telemetry_epoch` refuses it
+            else:
+                # A tick of an older leader's orders nothing of ours: the reading only widens.
+                ticks.append(None if epoch < ours else r.tick)
+        if not self.planner.on_fleet_telemetry(
+            [r.node_id for r in samples], [r.uuid for r in samples], whole.cap_w, now, ticks
+        ):
+            return False
+        self._heard += len(samples)
+        return True
 
     def _caps_heard(self, r: NodeReadings, now: float) -> None:
         """A recorded sample's caps in force, to the planner (where they are ours)."""
@@ -219,6 +247,31 @@ class TickEngine:
         self.fleet.ack_heard(node)
         self.planner.on_ack(node, tick, gpus)
         return True
+
+    def on_fleet_acked(
+        self,
+        acks: Sequence[tuple[str, int, AckedCaps]],
+        epoch: int = 0,
+        authority: Authority | None = None,
+    ) -> None:
+        """Many nodes' acks (node, tick, its GPUs) of one epoch and authority at once (the
+        simulator's agents): the same as `on_acked` of each in turn."""
+        ob, order = self.obedience, self.fleet.node_order
+        if (
+            authority is not None
+            or ob.foreign
+            or ob.ahead
+            or ob.epoch not in (0, epoch)
+            or any(node not in order for node, _, _ in acks)
+        ):
+            for node, tick, gpus in acks:
+                self.on_acked(node, tick, epoch, authority, gpus)
+            return
+        # Every node obeys us at our epoch (`obeys_us`, `our_epoch` would change nothing).
+        for node, tick, _ in acks:
+            ob.seen(node, tick, epoch)
+        self.fleet.acks_heard([node for node, _, _ in acks])
+        self.planner.on_fleet_acks(acks)
 
     def on_status(self, node: str, status: NodeStatus) -> bool:
         if node not in self.fleet.node_order:
