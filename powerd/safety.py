@@ -296,9 +296,11 @@ class SafetyPlanner:
         self._prior_hi = max_cap_w.copy()
         self._prior_tick = np.full(n, _UNSENT, dtype=np.int64)
         self._defiant = np.zeros(n, dtype=bool)  # its last ack refused (or missed) our cap
-        self._pend_tick = np.full((n, PENDING_SLOTS), -1, dtype=np.int64)
-        self._pend_hi = np.zeros((n, PENDING_SLOTS))
-        self._pend_lo = np.full((n, PENDING_SLOTS), np.inf)
+        # Slot by GPU (a GPU's slots are a column): a reduction over a GPU's slots then runs
+        # along the long axis, ~15x faster than over 8 values per row (512 GPUs: 4 vs 58 us).
+        self._pend_tick = np.full((PENDING_SLOTS, n), -1, dtype=np.int64)
+        self._pend_hi = np.zeros((PENDING_SLOTS, n))
+        self._pend_lo = np.full((PENDING_SLOTS, n), np.inf)
 
     def _per_gpu(self) -> tuple[NDArray[np.generic], ...]:
         """Every array indexed by GPU (first axis): what a GPU that stays keeps."""
@@ -310,9 +312,9 @@ class SafetyPlanner:
             self._prior_hi,
             self._prior_tick,
             self._defiant,
-            self._pend_tick,
-            self._pend_hi,
-            self._pend_lo,
+            self._pend_tick.T,
+            self._pend_hi.T,
+            self._pend_lo.T,
         )
 
     def _require_layout(self) -> GpuLayout:
@@ -331,13 +333,13 @@ class SafetyPlanner:
         layout = self._require_layout()
         self._absorb()
         base = np.where(np.isnan(self._hi), layout.max_cap_w, self._hi)
-        out: FloatArray = np.maximum(np.maximum(base, self._pend_hi.max(axis=1)), self._prior_hi)
+        out: FloatArray = np.maximum(np.maximum(base, self._pend_hi.max(axis=0)), self._prior_hi)
         return out
 
     def _low_w(self) -> FloatArray:
         """Per GPU: a cap no higher than any that may be in force (inf: nothing known)."""
         base = np.where(np.isnan(self._lo), np.inf, self._lo)
-        out: FloatArray = np.minimum(base, self._pend_lo.min(axis=1))
+        out: FloatArray = np.minimum(base, self._pend_lo.min(axis=0))
         return out
 
     def defiant(self) -> BoolArray:
@@ -350,8 +352,8 @@ class SafetyPlanner:
         """Per GPU of `gpus`: the oldest tick of ours it has not acknowledged (-1: none)."""
         self._require_layout()
         never = np.iinfo(np.int64).max
-        ticks = self._pend_tick[gpus]
-        oldest = np.where(ticks >= 0, ticks, never).min(axis=1, initial=never)
+        ticks = self._pend_tick[:, gpus]
+        oldest = np.where(ticks >= 0, ticks, never).min(axis=0, initial=never)
         out: IntArray = np.where(oldest == never, -1, oldest)
         return out
 
@@ -693,9 +695,9 @@ class SafetyPlanner:
         self._hi[idx] = layout.max_cap_w[idx]
         self._lo[idx] = layout.min_cap_w[idx]
         self._key[idx] = NO_TICK
-        self._pend_tick[idx] = -1
-        self._pend_hi[idx] = 0.0
-        self._pend_lo[idx] = np.inf
+        self._pend_tick[:, idx] = -1
+        self._pend_hi[:, idx] = 0.0
+        self._pend_lo[:, idx] = np.inf
         self._last_ack.pop(node, None)
 
     def _absorbed_gpus(self, node: str) -> IntArray | None:
@@ -753,14 +755,14 @@ class SafetyPlanner:
 
         # The bound before these messages, including the commands they acknowledge.
         base = np.where(known, self._hi[touched], layout.max_cap_w[touched])
-        before = np.maximum(base, self._pend_hi[touched].max(axis=1))
+        before = np.maximum(base, self._pend_hi[:, touched].max(axis=0))
         acks = np.flatnonzero(tick >= 0)
         if len(acks):
             ag, at = gpu[acks], tick[acks]
-            pend_tick = self._pend_tick[ag]
-            res = (pend_tick >= 0) & (pend_tick <= at[:, None])
-            res_hi = self._pend_hi[ag].max(axis=1, where=res, initial=0.0)
-            res_lo = self._pend_lo[ag].min(axis=1, where=res, initial=np.inf)
+            pend_tick = self._pend_tick[:, ag]
+            res = (pend_tick >= 0) & (pend_tick <= at[None, :])
+            res_hi = self._pend_hi[:, ag].max(axis=0, where=res, initial=0.0)
+            res_lo = self._pend_lo[:, ag].min(axis=0, where=res, initial=np.inf)
             prev_hi = np.where(np.isnan(self._hi[ag]), layout.max_cap_w[ag], self._hi[ag])
             prev_lo = np.where(np.isnan(self._lo[ag]), layout.min_cap_w[ag], self._lo[ag])
             g = guess[acks]
@@ -768,11 +770,11 @@ class SafetyPlanner:
             lo[acks] = np.where(g, np.minimum.reduce([lo[acks], prev_lo, res_lo]), lo[acks])
             upto = np.full(len(touched), -1, dtype=np.int64)
             np.maximum.at(upto, local[acks], at)
-            slots = self._pend_tick[touched]
-            done = (slots >= 0) & (slots <= upto[:, None])
-            self._pend_tick[touched] = np.where(done, -1, slots)
-            self._pend_hi[touched] = np.where(done, 0.0, self._pend_hi[touched])
-            self._pend_lo[touched] = np.where(done, np.inf, self._pend_lo[touched])
+            slots = self._pend_tick[:, touched]
+            done = (slots >= 0) & (slots <= upto[None, :])
+            self._pend_tick[:, touched] = np.where(done, -1, slots)
+            self._pend_hi[:, touched] = np.where(done, 0.0, self._pend_hi[:, touched])
+            self._pend_lo[:, touched] = np.where(done, np.inf, self._pend_lo[:, touched])
             # Our own command acknowledged: nothing a predecessor sent can land any more.
             prior_done = upto >= self._prior_tick[touched]
             self._prior_hi[touched] = np.where(prior_done, 0.0, self._prior_hi[touched])
@@ -908,7 +910,7 @@ class SafetyPlanner:
         # waiting), one whose node has left our commands unacknowledged for over two ticks.
         defiant = self._defiant
         pend = np.where(self._pend_tick >= 0, self._pend_tick, np.iinfo(np.int64).max)
-        silent = pend.min(axis=1) < tick - UNRESPONSIVE_TICKS
+        silent = pend.min(axis=0) < tick - UNRESPONSIVE_TICKS
         fixed = defiant | ~send | silent
         shed = self._shed(np.where(fixed, committed, caps), capacity, fixed)
         caps = np.where(fixed, caps, shed)
@@ -953,7 +955,7 @@ class SafetyPlanner:
             # Over only for what a predecessor may still send: expected after a start, and
             # gone with the first acks; no breach known.
             base = np.where(np.isnan(self._hi), layout.max_cap_w, self._hi)
-            known_after = np.maximum(base, self._pend_hi.max(axis=1))  # this tick's included
+            known_after = np.maximum(base, self._pend_hi.max(axis=0))  # this tick's included
             known_committed = topo.group_sums(known_after) + topo.overhead_w + reserve
             settling = group_over & (known_committed <= budget + TOL_W)
         events = tuple(self._events)
@@ -1074,17 +1076,17 @@ class SafetyPlanner:
         first = self._prior_tick[idx]
         self._prior_tick[idx] = np.where(first == _UNSENT, tick, first)
         slot = tick % PENDING_SLOTS
-        old_tick = self._pend_tick[idx, slot]
+        old_tick = self._pend_tick[slot, idx]
         taken = old_tick >= 0
         # An unacknowledged command PENDING_SLOTS ticks old shares the slot: fold it into this
         # one. It is then resolved only by an ack of this tick: looser, never unsafe.
-        self._pend_hi[idx, slot] = np.where(
-            taken, np.maximum(self._pend_hi[idx, slot], caps[idx]), caps[idx]
+        self._pend_hi[slot, idx] = np.where(
+            taken, np.maximum(self._pend_hi[slot, idx], caps[idx]), caps[idx]
         )
-        self._pend_lo[idx, slot] = np.where(
-            taken, np.minimum(self._pend_lo[idx, slot], caps[idx]), caps[idx]
+        self._pend_lo[slot, idx] = np.where(
+            taken, np.minimum(self._pend_lo[slot, idx], caps[idx]), caps[idx]
         )
-        self._pend_tick[idx, slot] = tick
+        self._pend_tick[slot, idx] = tick
 
     def _commands(
         self, tick: int, lease_s: float, node_send: BoolArray, caps: FloatArray
