@@ -1092,16 +1092,21 @@ class SafetyPlanner:
         self, tick: int, lease_s: float, node_send: BoolArray, caps: FloatArray
     ) -> list[NodeCommand]:
         by_node = caps[self._node_order].tolist()
-        bounds = self._node_bounds
+        bounds, names, uuids, failsafe = (
+            self._node_bounds,
+            self._node_names,
+            self._node_uuids,
+            self._node_failsafe,
+        )
+        # Positional: (node, tick, lease_s, caps_w, failsafe_w); a node's uuids and its slice
+        # of caps have the same length by construction.
         return [
             NodeCommand(
-                node=self._node_names[k],
-                tick=tick,
-                lease_s=lease_s,
-                caps_w=dict(
-                    zip(self._node_uuids[k], by_node[bounds[k] : bounds[k + 1]], strict=True)
-                ),
-                failsafe_w=self._node_failsafe[k],
+                names[k],
+                tick,
+                lease_s,
+                dict(zip(uuids[k], by_node[bounds[k] : bounds[k + 1]])),  # noqa: B905
+                failsafe[k],
             )
             for k in np.flatnonzero(node_send).tolist()
         ]

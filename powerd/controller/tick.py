@@ -121,6 +121,8 @@ class TickEngine:
         # Telemetry messages heard of nodes that obey us: the overload's room is lent once
         # per reading (controller/budgets.py).
         self._heard = 0
+        # The report's class labels per GPU, kept while the labels and classes are the same.
+        self._class_labels: tuple[Sequence[str], list[int], tuple[str, ...]] | None = None
         self.adopt(policy)
 
     def set_scope(self, name: str) -> None:
@@ -392,10 +394,17 @@ class TickEngine:
         plan_ms = (time.perf_counter() - t_plan) * 1000.0
         over = self._alarm_plan(seen, budgets, plan)
         report = self._report(
-            seen, budgets, targets, plan, tick=tick, wall=wall, over=over, t0=t0, plan_ms=plan_ms
+            seen,
+            budgets,
+            targets,
+            plan,
+            tick=tick,
+            wall=wall,
+            over=over,
+            t0=t0,
+            plan_ms=plan_ms,
+            held=held,
         )
-        moves = cap_moves(seen.committed_w, plan.sent_w)
-        report = replace(report, caps_moved=moves.size, moved_w=float(moves.sum()), caps_held=held)
         return report, plan
 
     # 1. the fleet
@@ -568,9 +577,16 @@ class TickEngine:
         over: BoolArray,
         t0: float,
         plan_ms: float,
+        held: int,
     ) -> TickReport:
-        """What the tick saw and did, and why each cap."""
+        """What the tick saw and did (`held`: the cuts the deadband held), and why each cap."""
         arrays, topo = seen.arrays, seen.shape.topology
+        moves = cap_moves(seen.committed_w, plan.sent_w)
+        labels = targets.jobs.labels
+        cached = self._class_labels
+        if cached is None or cached[0] != labels or cached[1] != targets.class_index.tolist():
+            index = targets.class_index.tolist()
+            cached = self._class_labels = (labels, index, tuple([labels[i] for i in index]))
         return TickReport(
             tick=tick,
             ts=wall,
@@ -591,7 +607,7 @@ class TickEngine:
             group_settling=plan.group_settling,
             uuids=arrays.uuids,
             nodes=arrays.nodes,
-            classes=tuple([targets.jobs.labels[i] for i in targets.class_index.tolist()]),
+            classes=cached[2],
             power_w=arrays.power_w,
             cap_w=arrays.cap_w,
             energy_j=arrays.energy_j,
@@ -610,6 +626,9 @@ class TickEngine:
                 if self.explain
                 else None
             ),
+            caps_moved=moves.size,
+            moved_w=float(moves.sum()),
+            caps_held=held,
         )
 
     def _explain(
