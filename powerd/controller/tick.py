@@ -40,7 +40,13 @@ from powerd.allocator.scopes import DemandCurve
 from powerd.controller.budgets import Budgets, BudgetsInForce, ScopeRoot
 from powerd.controller.churn import cap_moves
 from powerd.controller.deadband import hold_small_cuts
-from powerd.controller.fleet import FleetArrays, FleetGpu, FleetState, NodeReadings
+from powerd.controller.fleet import (
+    FleetArrays,
+    FleetGpu,
+    FleetState,
+    NodeReadings,
+    split_fleet,
+)
 from powerd.controller.input_alarms import InputAlarms
 from powerd.controller.obedience import Obedience
 from powerd.controller.overrides import Overrides
@@ -174,14 +180,16 @@ class TickEngine:
         self, samples: Sequence[NodeReadings], whole: NodeReadings, now: float
     ) -> None:
         """Every node's telemetry at once (the simulator's agents), `whole` holding the
-        samples' columns end to end: the same as `on_readings` of each in turn, the fleet's
-        columns written in one pass where its GPUs lie in that order."""
+        samples' columns end to end (the samples' own columns are not read: each carries its
+        node's identity, times, tick, uuids and error flags): the same as `on_readings` of
+        each node's part in turn, the fleet's columns written in one pass where its GPUs lie
+        in that order."""
         if any(r.any_restores for r in samples) or not self.fleet.ingest_fleet(samples, whole, now):
-            for r in samples:
+            for r in split_fleet(samples, whole):
                 self.on_readings(r, now)
             return
         if not self._fleet_caps_heard(samples, whole, now):
-            for r in samples:
+            for r in split_fleet(samples, whole):
                 self._caps_heard(r, now)
 
     def _fleet_caps_heard(
