@@ -290,6 +290,9 @@ class SimulatedGpus:
     behind powerd's back) and `reset` (a GPU reset or driver reload: the default limit).
     """
 
+    # `throughput()` of the whole fleet: (draw, working GPUs, the values) it was taken from.
+    _throughput_kept: tuple[FloatArray, NDArray[np.bool_], FloatArray] | None = None
+
     def __init__(
         self,
         n: int,
@@ -586,7 +589,19 @@ class SimulatedGpus:
 
     def throughput(self, sel: Selector = ALL) -> FloatArray:
         """Application throughput relative to the workload's best, from each GPU's draw."""
-        return self._throughput_at(self._lagged_w, sel)
+        if not (isinstance(sel, slice) and sel == ALL):
+            return self._throughput_at(self._lagged_w, sel)
+        # The whole fleet's, kept while the draw and the working GPUs are the same arrays
+        # (both are replaced, never written in place: a step, a workload change): `advance`
+        # asks for it, then the agents' sample at the same instant.
+        kept = self._throughput_kept
+        if kept is None or kept[0] is not self._lagged_w or kept[1] is not self._working:
+            kept = self._throughput_kept = (
+                self._lagged_w,
+                self._working,
+                self._throughput_at(self._lagged_w, ALL),
+            )
+        return kept[2].copy()
 
     def uncapped_throughput(self, sel: Selector = ALL) -> FloatArray:
         """The throughput each GPU would deliver at its demand, never capped (what a GPU
