@@ -751,14 +751,20 @@ class SafetyPlanner:
         self._clear_queue()
         pos = np.arange(len(gpu))
         touched, local = _unique(gpu, pos, layout.n_gpus)
-        known = ~np.isnan(self._hi[touched])
+        # One row per GPU in layout order (a whole fleet's sample, or its acks): the GPUs'
+        # state is read and written through slices, not copies by index.
+        at_gpus: IntArray | slice = slice(None) if touched is gpu else touched
+        known = ~np.isnan(self._hi[at_gpus])
 
         # The bound before these messages, including the commands they acknowledge.
-        base = np.where(known, self._hi[touched], layout.max_cap_w[touched])
-        before = np.maximum(base, self._pend_hi[:, touched].max(axis=0))
+        base = np.where(known, self._hi[at_gpus], layout.max_cap_w[at_gpus])
+        before = np.maximum(base, self._pend_hi[:, at_gpus].max(axis=0))
         acks = np.flatnonzero(tick >= 0)
         if len(acks):
-            ag, at = gpu[acks], tick[acks]
+            # Every row an ack of one GPU in layout order: the acknowledged GPUs are all.
+            whole = isinstance(at_gpus, slice) and len(acks) == len(gpu)
+            ag: IntArray | slice = slice(None) if whole else gpu[acks]
+            at = tick[acks]
             pend_tick = self._pend_tick[:, ag]
             res = (pend_tick >= 0) & (pend_tick <= at[None, :])
             res_hi = self._pend_hi[:, ag].max(axis=0, where=res, initial=0.0)
@@ -770,14 +776,14 @@ class SafetyPlanner:
             lo[acks] = np.where(g, np.minimum.reduce([lo[acks], prev_lo, res_lo]), lo[acks])
             upto = np.full(len(touched), -1, dtype=np.int64)
             np.maximum.at(upto, local[acks], at)
-            slots = self._pend_tick[:, touched]
+            slots = self._pend_tick[:, at_gpus]
             done = (slots >= 0) & (slots <= upto[None, :])
-            self._pend_tick[:, touched] = np.where(done, -1, slots)
-            self._pend_hi[:, touched] = np.where(done, 0.0, self._pend_hi[:, touched])
-            self._pend_lo[:, touched] = np.where(done, np.inf, self._pend_lo[:, touched])
+            self._pend_tick[:, at_gpus] = np.where(done, -1, slots)
+            self._pend_hi[:, at_gpus] = np.where(done, 0.0, self._pend_hi[:, at_gpus])
+            self._pend_lo[:, at_gpus] = np.where(done, np.inf, self._pend_lo[:, at_gpus])
             # Our own command acknowledged: nothing a predecessor sent can land any more.
-            prior_done = upto >= self._prior_tick[touched]
-            self._prior_hi[touched] = np.where(prior_done, 0.0, self._prior_hi[touched])
+            prior_done = upto >= self._prior_tick[at_gpus]
+            self._prior_hi[at_gpus] = np.where(prior_done, 0.0, self._prior_hi[at_gpus])
             # Whether the GPU obeys: its latest ack says.
             last_ack = np.full(len(touched), -1, dtype=np.int64)
             np.maximum.at(last_ack, local[acks], acks)
@@ -786,20 +792,20 @@ class SafetyPlanner:
 
         # The newest tick wins; among readings of that tick the last to arrive, and whatever
         # arrived after it (older ticks) can only widen the bounds.
-        newest = np.where(known, self._key[touched], np.iinfo(np.int64).min)
+        newest = np.where(known, self._key[at_gpus], np.iinfo(np.int64).min)
         np.maximum.at(newest, local, key)
         is_newest = key == newest[local]
         last_pos = np.full(len(touched), -1, dtype=np.int64)
         np.maximum.at(last_pos, local[is_newest], pos[is_newest])
         kept = pos >= last_pos[local]
         keep_state = known & (last_pos < 0)
-        new_hi = np.where(keep_state, self._hi[touched], -np.inf)
-        new_lo = np.where(keep_state, self._lo[touched], np.inf)
+        new_hi = np.where(keep_state, self._hi[at_gpus], -np.inf)
+        new_lo = np.where(keep_state, self._lo[at_gpus], np.inf)
         np.maximum.at(new_hi, local[kept], hi[kept])
         np.minimum.at(new_lo, local[kept], lo[kept])
-        self._hi[touched] = new_hi
-        self._lo[touched] = new_lo
-        self._key[touched] = newest
+        self._hi[at_gpus] = new_hi
+        self._lo[at_gpus] = new_lo
+        self._key[at_gpus] = newest
 
         # A reading above the committed cap: something outside powerd raised the limit (or the
         # device clamped a request up). The bound follows the reading; the controller alarms.
