@@ -278,8 +278,7 @@ class TickEngine:
                 self.on_acked(node, tick, epoch, authority, gpus)
             return
         # Every node obeys us at our epoch (`obeys_us`, `our_epoch` would change nothing).
-        for node, tick, _ in acks:
-            ob.seen(node, tick, epoch)
+        ob.seen_acks(acks, epoch)
         self.fleet.acks_heard([node for node, _, _ in acks])
         self.planner.on_fleet_acks(acks)
 
