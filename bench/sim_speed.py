@@ -49,7 +49,7 @@ STAGES = [
     ("  alarms on the plan", "powerd.controller.tick", "TickEngine", "_alarm_plan"),
     ("  5 report", "powerd.controller.tick", "TickEngine", "_report"),
     ("agents: apply commands", "powerd.sim.agents", "SimAgents", "apply"),
-    ("engine: take acks", "powerd.controller.tick", "TickEngine", "on_acked"),
+    ("engine: take acks", "powerd.controller.tick", "TickEngine", "on_fleet_acked"),
     ("GPU model and accounting (advance)", "powerd.sim.run", "_Run", "advance"),
 ]
 

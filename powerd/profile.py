@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -81,14 +82,19 @@ class Profile:
     def peak_throughput(self) -> float:
         return float(self.throughput[-1])
 
-    @property
+    @cached_property
     def slopes_per_w(self) -> FloatArray:
-        """Slope of each envelope segment, decreasing (concavity)."""
-        if self.power_w.size < 2:
-            return np.zeros(0)
-        return np.diff(self.throughput) / np.diff(self.power_w)
+        """Slope of each envelope segment, decreasing (concavity). Computed once (every
+        throughput a simulated GPU reports asks for it): read-only."""
+        out: FloatArray = (
+            np.zeros(0)
+            if self.power_w.size < 2
+            else np.diff(self.throughput) / np.diff(self.power_w)
+        )
+        out.setflags(write=False)
+        return out
 
-    @property
+    @cached_property
     def first_slope_per_w(self) -> float:
         s = self.slopes_per_w
         if s.size:

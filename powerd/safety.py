@@ -182,6 +182,20 @@ class SafePlan:
     events: tuple[SafetyEvent, ...] = field(default=())
 
 
+class _Rows(NamedTuple):
+    """Queued readings and acks as columns (`SafetyPlanner._absorb`'s input), one row each."""
+
+    gpu: IntArray
+    hi: FloatArray
+    lo: FloatArray
+    key: IntArray  # the tick the row reflects (NO_TICK: none)
+    tick: IntArray  # the tick an ack acknowledges (-1: not an ack)
+    guess: BoolArray  # an ack's bounds to widen with the earlier ones
+    defiant: IntArray  # 1 refused, 0 obeyed, -1 not an ack
+    src: IntArray  # _STATUS, _TELEMETRY, _ACK
+    seen_at: FloatArray | None  # telemetry: when each GPU was named (None: not telemetry)
+
+
 class SafetyPlanner:
     """Per-GPU knowledge of the caps in force, and the per-tick plan that respects it.
 
@@ -214,6 +228,8 @@ class SafetyPlanner:
         self._node_failsafe: list[dict[str, float]] = []
         self._node_order: IntArray = np.zeros(0, dtype=np.int64)
         self._node_bounds: list[int] = [0]
+        # `_fleet_rows`' last answer: (nodes, their indices, their GPUs end to end, counts).
+        self._fleet_idx: tuple[list[str], list[int], IntArray, list[int]] | None = None
         self._clear_queue()
 
     def set_layout(self, layout: GpuLayout) -> None:
@@ -239,6 +255,7 @@ class SafetyPlanner:
         self._node_uuids = [[layout.uuids[i] for i in idx] for idx in self._node_gpu_list]
         self._node_order = order
         self._node_bounds = bounds.tolist()
+        self._fleet_idx = None
         # Failsafe caps change only with the layout: one dict per node, shared by every command.
         self._node_failsafe = [
             dict(zip(uuids, layout.failsafe_w[idx].tolist(), strict=True))
@@ -279,9 +296,11 @@ class SafetyPlanner:
         self._prior_hi = max_cap_w.copy()
         self._prior_tick = np.full(n, _UNSENT, dtype=np.int64)
         self._defiant = np.zeros(n, dtype=bool)  # its last ack refused (or missed) our cap
-        self._pend_tick = np.full((n, PENDING_SLOTS), -1, dtype=np.int64)
-        self._pend_hi = np.zeros((n, PENDING_SLOTS))
-        self._pend_lo = np.full((n, PENDING_SLOTS), np.inf)
+        # Slot by GPU (a GPU's slots are a column): a reduction over a GPU's slots then runs
+        # along the long axis, ~15x faster than over 8 values per row (512 GPUs: 4 vs 58 us).
+        self._pend_tick = np.full((PENDING_SLOTS, n), -1, dtype=np.int64)
+        self._pend_hi = np.zeros((PENDING_SLOTS, n))
+        self._pend_lo = np.full((PENDING_SLOTS, n), np.inf)
 
     def _per_gpu(self) -> tuple[NDArray[np.generic], ...]:
         """Every array indexed by GPU (first axis): what a GPU that stays keeps."""
@@ -293,9 +312,9 @@ class SafetyPlanner:
             self._prior_hi,
             self._prior_tick,
             self._defiant,
-            self._pend_tick,
-            self._pend_hi,
-            self._pend_lo,
+            self._pend_tick.T,
+            self._pend_hi.T,
+            self._pend_lo.T,
         )
 
     def _require_layout(self) -> GpuLayout:
@@ -314,13 +333,13 @@ class SafetyPlanner:
         layout = self._require_layout()
         self._absorb()
         base = np.where(np.isnan(self._hi), layout.max_cap_w, self._hi)
-        out: FloatArray = np.maximum(np.maximum(base, self._pend_hi.max(axis=1)), self._prior_hi)
+        out: FloatArray = np.maximum(np.maximum(base, self._pend_hi.max(axis=0)), self._prior_hi)
         return out
 
     def _low_w(self) -> FloatArray:
         """Per GPU: a cap no higher than any that may be in force (inf: nothing known)."""
         base = np.where(np.isnan(self._lo), np.inf, self._lo)
-        out: FloatArray = np.minimum(base, self._pend_lo.min(axis=1))
+        out: FloatArray = np.minimum(base, self._pend_lo.min(axis=0))
         return out
 
     def defiant(self) -> BoolArray:
@@ -333,8 +352,8 @@ class SafetyPlanner:
         """Per GPU of `gpus`: the oldest tick of ours it has not acknowledged (-1: none)."""
         self._require_layout()
         never = np.iinfo(np.int64).max
-        ticks = self._pend_tick[gpus]
-        oldest = np.where(ticks >= 0, ticks, never).min(axis=1, initial=never)
+        ticks = self._pend_tick[:, gpus]
+        oldest = np.where(ticks >= 0, ticks, never).min(axis=0, initial=never)
         out: IntArray = np.where(oldest == never, -1, oldest)
         return out
 
@@ -397,6 +416,166 @@ class SafetyPlanner:
                 self._q_src.append(source)
                 queued.append(i)
         return queued
+
+    def on_fleet_telemetry(
+        self,
+        nodes: Sequence[str],
+        uuids: Sequence[Sequence[str]],
+        caps_w: Sequence[float],
+        received_at: float,
+        as_of_tick: Sequence[int | None],
+    ) -> bool:
+        """Many nodes' telemetry at once: the same as `on_telemetry(nodes[j], (uuids[j],
+        caps_j), received_at, as_of_tick[j])` for each in turn, `caps_w` holding their caps
+        end to end. Queued as one block where every node is known, names its GPUs in the
+        planner's order and reads every cap (a whole fleet's sample, the common case);
+        False, with nothing queued, where not: then call `on_telemetry` for each."""
+        gpus = self._fleet_rows(nodes, uuids)
+        if gpus is None:
+            return False
+        caps = np.asarray(caps_w, dtype=np.float64)
+        if caps.shape != gpus[0].shape or not np.isfinite(caps).all():
+            return False
+        idx, counts = gpus
+        key = np.repeat(
+            np.array([NO_TICK if t is None else int(t) for t in as_of_tick], dtype=np.int64),
+            counts,
+        )
+        n = len(idx)
+        self._queue_block(
+            _Rows(
+                idx,
+                caps,
+                caps,
+                key,
+                np.full(n, -1, dtype=np.int64),
+                np.zeros(n, dtype=np.bool_),
+                np.full(n, -1, dtype=np.int64),
+                np.full(n, _TELEMETRY, dtype=np.int64),
+                np.full(n, received_at),
+            )
+        )
+        return True
+
+    def on_fleet_acks(self, acks: Sequence[tuple[str, int, AckedCaps]]) -> None:
+        """Many acks at once, (node, tick, its GPUs) each: the same as `on_ack` of each in
+        turn, the runs of acks in which every GPU obeyed queued as one block."""
+        idx: list[IntArray] = []
+        enforced: list[float | None] = []
+        ticks: list[int] = []
+        counts: list[int] = []
+        for node, tick, acked in acks:
+            k = self._node_index.get(node)
+            if k is None or tick <= self._last_ack.get(node, -1):
+                continue  # unknown node, or an ack older than what we know
+            if not (acked.obeyed and acked.uuids == self._node_uuids[k]):
+                self._queue_acks(idx, enforced, ticks, counts)
+                self.on_ack(node, tick, acked)
+                continue
+            self._last_ack[node] = tick
+            idx.append(self._node_gpus[k])
+            enforced += acked.enforced_w
+            ticks.append(tick)
+            counts.append(len(acked.uuids))
+        self._queue_acks(idx, enforced, ticks, counts)
+
+    def _queue_acks(
+        self, idx: list[IntArray], enforced: list[float | None], ticks: list[int], counts: list[int]
+    ) -> None:
+        """Obeyed acks' rows as one block (as `on_ack` queues each); the lists are emptied."""
+        if not idx:
+            return
+        gpu = np.concatenate(idx)
+        n = len(gpu)
+        obeyed = np.array(enforced, dtype=np.float64)
+        tick = np.repeat(np.array(ticks, dtype=np.int64), counts)
+        self._queue_block(
+            _Rows(
+                gpu,
+                obeyed,
+                obeyed,
+                tick,
+                tick,
+                np.zeros(n, dtype=np.bool_),
+                np.zeros(n, dtype=np.int64),
+                np.full(n, _ACK, dtype=np.int64),
+                None,
+            )
+        )
+        idx.clear()
+        enforced.clear()
+        ticks.clear()
+        counts.clear()
+
+    def _fleet_rows(
+        self, nodes: Sequence[str], uuids: Sequence[Sequence[str]]
+    ) -> tuple[IntArray, list[int]] | None:
+        """The planner's GPUs of these nodes end to end, and how many each (None where a
+        node is unknown or names other GPUs than the planner's, in another order)."""
+        cached = self._fleet_idx
+        if cached is not None and cached[0] == nodes:
+            ks = cached[1]
+        else:
+            found = [self._node_index.get(node) for node in nodes]
+            if None in found:
+                return None
+            ks = [k for k in found if k is not None]
+        node_uuids = self._node_uuids
+        for k, names in zip(ks, uuids, strict=True):
+            if node_uuids[k] != names:
+                return None
+        if cached is None or cached[0] != nodes:
+            idx = (
+                np.concatenate([self._node_gpus[k] for k in ks])
+                if ks
+                else np.zeros(0, dtype=np.int64)
+            )
+            counts = [len(node_uuids[k]) for k in ks]
+            cached = self._fleet_idx = (list(nodes), ks, idx, counts)
+        return cached[2], cached[3]
+
+    def _queue_block(self, block: _Rows) -> None:
+        if self._q_gpu:
+            self._q_blocks.append(self._list_rows())
+        self._q_blocks.append(block)
+
+    def _list_rows(self) -> _Rows:
+        """The rows queued in the lists, as a block (the lists emptied; sightings stay in
+        theirs: they fold in by maximum, in any order)."""
+        rows = _Rows(
+            np.array(self._q_gpu, dtype=np.int64),
+            np.array(self._q_hi, dtype=np.float64),
+            np.array(self._q_lo, dtype=np.float64),
+            np.array(self._q_key, dtype=np.int64),
+            np.array(self._q_tick, dtype=np.int64),
+            np.array(self._q_guess, dtype=np.bool_),
+            np.array(self._q_defiant, dtype=np.int64),
+            np.array(self._q_src, dtype=np.int64),
+            None,
+        )
+        self._clear_rows()
+        return rows
+
+    def _queued(self) -> _Rows:
+        """Every queued row, in arrival order."""
+        if not self._q_blocks:
+            return self._list_rows()
+        if self._q_gpu:
+            self._q_blocks.append(self._list_rows())
+        blocks = self._q_blocks
+        if len(blocks) == 1:
+            return blocks[0]
+        return _Rows(
+            np.concatenate([b.gpu for b in blocks]),
+            np.concatenate([b.hi for b in blocks]),
+            np.concatenate([b.lo for b in blocks]),
+            np.concatenate([b.key for b in blocks]),
+            np.concatenate([b.tick for b in blocks]),
+            np.concatenate([b.guess for b in blocks]),
+            np.concatenate([b.defiant for b in blocks]),
+            np.concatenate([b.src for b in blocks]),
+            None,
+        )
 
     def learn_status(
         self, node: str, caps_w: Mapping[str, float], as_of_tick: int | None = None
@@ -516,9 +695,9 @@ class SafetyPlanner:
         self._hi[idx] = layout.max_cap_w[idx]
         self._lo[idx] = layout.min_cap_w[idx]
         self._key[idx] = NO_TICK
-        self._pend_tick[idx] = -1
-        self._pend_hi[idx] = 0.0
-        self._pend_lo[idx] = np.inf
+        self._pend_tick[:, idx] = -1
+        self._pend_hi[:, idx] = 0.0
+        self._pend_lo[:, idx] = np.inf
         self._last_ack.pop(node, None)
 
     def _absorbed_gpus(self, node: str) -> IntArray | None:
@@ -536,6 +715,15 @@ class SafetyPlanner:
         self._prior_tick[idx] = _UNSENT
 
     def _clear_queue(self) -> None:
+        self._clear_rows()
+        self._q_seen_gpu: list[int] = []
+        self._q_seen_at: list[float] = []
+        # Whole fleets' rows at once (`on_fleet_telemetry`, `on_fleet_acks`), as arrays: the
+        # rows queued in the lists below before each block are moved into a block first, so
+        # the blocks hold every row in arrival order.
+        self._q_blocks: list[_Rows] = []
+
+    def _clear_rows(self) -> None:
         self._q_gpu: list[int] = []
         self._q_hi: list[float] = []
         self._q_lo: list[float] = []
@@ -544,8 +732,6 @@ class SafetyPlanner:
         self._q_guess: list[bool] = []
         self._q_defiant: list[int] = []  # 1 refused, 0 obeyed, -1 not an ack
         self._q_src: list[int] = []
-        self._q_seen_gpu: list[int] = []
-        self._q_seen_at: list[float] = []
 
     def _absorb(self) -> None:
         """Fold queued readings and acks into the per-GPU state.
@@ -557,33 +743,32 @@ class SafetyPlanner:
         so any reading of the newest tick bounds the cap in force from above.
         """
         self._absorb_seen()
-        if not self._q_gpu:
+        if not self._q_gpu and not self._q_blocks:
             self._clear_queue()
             return
         layout = self._require_layout()
-        gpu = np.array(self._q_gpu, dtype=np.int64)
-        hi = np.array(self._q_hi)
-        lo = np.array(self._q_lo)
-        key = np.array(self._q_key, dtype=np.int64)
-        tick = np.array(self._q_tick, dtype=np.int64)
-        guess = np.array(self._q_guess, dtype=bool)
-        defiant = np.array(self._q_defiant, dtype=np.int64)
-        src = np.array(self._q_src, dtype=np.int64)
+        gpu, hi, lo, key, tick, guess, defiant, src, _ = self._queued()
         self._clear_queue()
         pos = np.arange(len(gpu))
         touched, local = _unique(gpu, pos, layout.n_gpus)
-        known = ~np.isnan(self._hi[touched])
+        # One row per GPU in layout order (a whole fleet's sample, or its acks): the GPUs'
+        # state is read and written through slices, not copies by index.
+        at_gpus: IntArray | slice = slice(None) if touched is gpu else touched
+        known = ~np.isnan(self._hi[at_gpus])
 
         # The bound before these messages, including the commands they acknowledge.
-        base = np.where(known, self._hi[touched], layout.max_cap_w[touched])
-        before = np.maximum(base, self._pend_hi[touched].max(axis=1))
+        base = np.where(known, self._hi[at_gpus], layout.max_cap_w[at_gpus])
+        before = np.maximum(base, self._pend_hi[:, at_gpus].max(axis=0))
         acks = np.flatnonzero(tick >= 0)
         if len(acks):
-            ag, at = gpu[acks], tick[acks]
-            pend_tick = self._pend_tick[ag]
-            res = (pend_tick >= 0) & (pend_tick <= at[:, None])
-            res_hi = self._pend_hi[ag].max(axis=1, where=res, initial=0.0)
-            res_lo = self._pend_lo[ag].min(axis=1, where=res, initial=np.inf)
+            # Every row an ack of one GPU in layout order: the acknowledged GPUs are all.
+            whole = isinstance(at_gpus, slice) and len(acks) == len(gpu)
+            ag: IntArray | slice = slice(None) if whole else gpu[acks]
+            at = tick[acks]
+            pend_tick = self._pend_tick[:, ag]
+            res = (pend_tick >= 0) & (pend_tick <= at[None, :])
+            res_hi = self._pend_hi[:, ag].max(axis=0, where=res, initial=0.0)
+            res_lo = self._pend_lo[:, ag].min(axis=0, where=res, initial=np.inf)
             prev_hi = np.where(np.isnan(self._hi[ag]), layout.max_cap_w[ag], self._hi[ag])
             prev_lo = np.where(np.isnan(self._lo[ag]), layout.min_cap_w[ag], self._lo[ag])
             g = guess[acks]
@@ -591,14 +776,14 @@ class SafetyPlanner:
             lo[acks] = np.where(g, np.minimum.reduce([lo[acks], prev_lo, res_lo]), lo[acks])
             upto = np.full(len(touched), -1, dtype=np.int64)
             np.maximum.at(upto, local[acks], at)
-            slots = self._pend_tick[touched]
-            done = (slots >= 0) & (slots <= upto[:, None])
-            self._pend_tick[touched] = np.where(done, -1, slots)
-            self._pend_hi[touched] = np.where(done, 0.0, self._pend_hi[touched])
-            self._pend_lo[touched] = np.where(done, np.inf, self._pend_lo[touched])
+            slots = self._pend_tick[:, at_gpus]
+            done = (slots >= 0) & (slots <= upto[None, :])
+            self._pend_tick[:, at_gpus] = np.where(done, -1, slots)
+            self._pend_hi[:, at_gpus] = np.where(done, 0.0, self._pend_hi[:, at_gpus])
+            self._pend_lo[:, at_gpus] = np.where(done, np.inf, self._pend_lo[:, at_gpus])
             # Our own command acknowledged: nothing a predecessor sent can land any more.
-            prior_done = upto >= self._prior_tick[touched]
-            self._prior_hi[touched] = np.where(prior_done, 0.0, self._prior_hi[touched])
+            prior_done = upto >= self._prior_tick[at_gpus]
+            self._prior_hi[at_gpus] = np.where(prior_done, 0.0, self._prior_hi[at_gpus])
             # Whether the GPU obeys: its latest ack says.
             last_ack = np.full(len(touched), -1, dtype=np.int64)
             np.maximum.at(last_ack, local[acks], acks)
@@ -607,20 +792,20 @@ class SafetyPlanner:
 
         # The newest tick wins; among readings of that tick the last to arrive, and whatever
         # arrived after it (older ticks) can only widen the bounds.
-        newest = np.where(known, self._key[touched], np.iinfo(np.int64).min)
+        newest = np.where(known, self._key[at_gpus], np.iinfo(np.int64).min)
         np.maximum.at(newest, local, key)
         is_newest = key == newest[local]
         last_pos = np.full(len(touched), -1, dtype=np.int64)
         np.maximum.at(last_pos, local[is_newest], pos[is_newest])
         kept = pos >= last_pos[local]
         keep_state = known & (last_pos < 0)
-        new_hi = np.where(keep_state, self._hi[touched], -np.inf)
-        new_lo = np.where(keep_state, self._lo[touched], np.inf)
+        new_hi = np.where(keep_state, self._hi[at_gpus], -np.inf)
+        new_lo = np.where(keep_state, self._lo[at_gpus], np.inf)
         np.maximum.at(new_hi, local[kept], hi[kept])
         np.minimum.at(new_lo, local[kept], lo[kept])
-        self._hi[touched] = new_hi
-        self._lo[touched] = new_lo
-        self._key[touched] = newest
+        self._hi[at_gpus] = new_hi
+        self._lo[at_gpus] = new_lo
+        self._key[at_gpus] = newest
 
         # A reading above the committed cap: something outside powerd raised the limit (or the
         # device clamped a request up). The bound follows the reading; the controller alarms.
@@ -633,6 +818,9 @@ class SafetyPlanner:
         """When each GPU was last named by its node (the queue's sightings)."""
         if self._q_seen_gpu:
             np.maximum.at(self._seen, np.array(self._q_seen_gpu), np.array(self._q_seen_at))
+        for block in self._q_blocks:
+            if block.seen_at is not None:
+                np.maximum.at(self._seen, block.gpu, block.seen_at)
 
     def _alarm_above(
         self,
@@ -728,7 +916,7 @@ class SafetyPlanner:
         # waiting), one whose node has left our commands unacknowledged for over two ticks.
         defiant = self._defiant
         pend = np.where(self._pend_tick >= 0, self._pend_tick, np.iinfo(np.int64).max)
-        silent = pend.min(axis=1) < tick - UNRESPONSIVE_TICKS
+        silent = pend.min(axis=0) < tick - UNRESPONSIVE_TICKS
         fixed = defiant | ~send | silent
         shed = self._shed(np.where(fixed, committed, caps), capacity, fixed)
         caps = np.where(fixed, caps, shed)
@@ -773,7 +961,7 @@ class SafetyPlanner:
             # Over only for what a predecessor may still send: expected after a start, and
             # gone with the first acks; no breach known.
             base = np.where(np.isnan(self._hi), layout.max_cap_w, self._hi)
-            known_after = np.maximum(base, self._pend_hi.max(axis=1))  # this tick's included
+            known_after = np.maximum(base, self._pend_hi.max(axis=0))  # this tick's included
             known_committed = topo.group_sums(known_after) + topo.overhead_w + reserve
             settling = group_over & (known_committed <= budget + TOL_W)
         events = tuple(self._events)
@@ -894,32 +1082,37 @@ class SafetyPlanner:
         first = self._prior_tick[idx]
         self._prior_tick[idx] = np.where(first == _UNSENT, tick, first)
         slot = tick % PENDING_SLOTS
-        old_tick = self._pend_tick[idx, slot]
+        old_tick = self._pend_tick[slot, idx]
         taken = old_tick >= 0
         # An unacknowledged command PENDING_SLOTS ticks old shares the slot: fold it into this
         # one. It is then resolved only by an ack of this tick: looser, never unsafe.
-        self._pend_hi[idx, slot] = np.where(
-            taken, np.maximum(self._pend_hi[idx, slot], caps[idx]), caps[idx]
+        self._pend_hi[slot, idx] = np.where(
+            taken, np.maximum(self._pend_hi[slot, idx], caps[idx]), caps[idx]
         )
-        self._pend_lo[idx, slot] = np.where(
-            taken, np.minimum(self._pend_lo[idx, slot], caps[idx]), caps[idx]
+        self._pend_lo[slot, idx] = np.where(
+            taken, np.minimum(self._pend_lo[slot, idx], caps[idx]), caps[idx]
         )
-        self._pend_tick[idx, slot] = tick
+        self._pend_tick[slot, idx] = tick
 
     def _commands(
         self, tick: int, lease_s: float, node_send: BoolArray, caps: FloatArray
     ) -> list[NodeCommand]:
         by_node = caps[self._node_order].tolist()
-        bounds = self._node_bounds
+        bounds, names, uuids, failsafe = (
+            self._node_bounds,
+            self._node_names,
+            self._node_uuids,
+            self._node_failsafe,
+        )
+        # Positional: (node, tick, lease_s, caps_w, failsafe_w); a node's uuids and its slice
+        # of caps have the same length by construction.
         return [
             NodeCommand(
-                node=self._node_names[k],
-                tick=tick,
-                lease_s=lease_s,
-                caps_w=dict(
-                    zip(self._node_uuids[k], by_node[bounds[k] : bounds[k + 1]], strict=True)
-                ),
-                failsafe_w=self._node_failsafe[k],
+                names[k],
+                tick,
+                lease_s,
+                dict(zip(uuids[k], by_node[bounds[k] : bounds[k + 1]])),  # noqa: B905
+                failsafe[k],
             )
             for k in np.flatnonzero(node_send).tolist()
         ]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from powerd.controller.fleet import FleetState, NodeReadings
+from powerd.controller.fleet import FleetState, NodeReadings, split_fleet
 from powerd.policy import load_policy
 from powerd.wire import GpuTelemetry, NodeState, NodeStatus, NodeTelemetry
 
@@ -242,3 +242,34 @@ def test_a_dispute_mid_message_keeps_the_later_gpus_samples() -> None:
     assert by_uuid == {"a": 300, "b": 450, "c": 450, "d": 450}
     assert fleet.gpus["c"].power_w == 450 and fleet.gpus["d"].power_w == 450
     assert list(arrays.age_s) == [1.0, 0.0, 0.0, 0.0]
+
+
+def _headers(samples: list[NodeReadings]) -> list[NodeReadings]:
+    """The samples with every column but `uuid` emptied: what the simulator's agents hand
+    over beside the whole fleet's columns."""
+    blank = {name: [] for name in ("index", "name", "power_w", "cap_w", "perf", "job", "error")}
+    return [dataclasses.replace(r, **blank) for r in samples]
+
+
+def test_whole_fleet_samples_are_read_from_their_columns_end_to_end() -> None:
+    """`ingest_fleet` and `split_fleet` take each node's columns from `whole`: samples that
+    carry only each node's identity record the same as full ones, an index change included."""
+    n2, n1 = "row-1-rack-1-node-02", "row-1-rack-1-node-01"
+    one, each = FleetState(load_policy(EXAMPLE)), FleetState(load_policy(EXAMPLE))
+    for fleet in (one, each):
+        fleet.ingest_telemetry(telemetry(n2, ["c", "d"]), now=1.0)
+        fleet.ingest_telemetry(telemetry(n1, ["b", "a"]), now=1.0)
+    samples = [
+        NodeReadings.from_message(telemetry(n2, ["c", "d"], power=350.0, seq=1)),
+        NodeReadings.from_message(telemetry(n1, ["b", "a"], power=250.0, seq=1)),
+    ]
+    samples[1].index = [1, 0]  # n1's GPUs swap indices: the fleet's order changes
+    whole = _end_to_end(samples)
+    assert one.ingest_fleet(_headers(samples), whole, now=2.0)
+    for r in samples:
+        each.ingest(r, now=2.0)
+    _same_arrays(one, each, now=2.0)
+    parts = split_fleet(_headers(samples), whole)
+    assert [(r.node_id, r.power_w, r.index) for r in parts] == [
+        (r.node_id, r.power_w, r.index) for r in samples
+    ]

@@ -97,10 +97,12 @@ class ClassTable:
     # Class c's curve sits at [c·offset, (c+1)·offset) W in `value_table`.
     TABLE_OFFSET_W = 1e7
 
-    @property
+    @cached_property
     def value_table(self) -> tuple[FloatArray, FloatArray]:
         """All profiles as one interpolation table, equal to Profile.value on [0, offset/2]:
-        the linear extension below the first point (clamped at 0) and flat past the peak."""
+        the linear extension below the first point (clamped at 0) and flat past the peak.
+        Built once per table (each tick's objective reads it): do not write to it (it stays
+        writable: the numba kernels are compiled for writable arrays)."""
         xs: list[float] = []
         ys: list[float] = []
         half = 0.5 * self.TABLE_OFFSET_W

@@ -290,6 +290,9 @@ class SimulatedGpus:
     behind powerd's back) and `reset` (a GPU reset or driver reload: the default limit).
     """
 
+    # `throughput()` of the whole fleet: (draw, working GPUs, the values) it was taken from.
+    _throughput_kept: tuple[FloatArray, NDArray[np.bool_], FloatArray] | None = None
+
     def __init__(
         self,
         n: int,
@@ -357,8 +360,11 @@ class SimulatedGpus:
             groups: dict[int, list[int]] = {}
             for i, w in enumerate(given):
                 groups.setdefault(id(w), []).append(i)
+            # Every group's values first, then the derived indices and demand once: a
+            # fleet of one workload per GPU (recorded traces) is built in O(n), not O(n²).
             for members in groups.values():
-                self.set_workload(members, given[members[0]])
+                self._assign(np.asarray(members, dtype=np.int64), given[members[0]])
+            self._reindex()
 
         self._lagged_w = np.minimum(self.cap_w, self.demand_w)
         self.power_w = self._lagged_w.copy()
@@ -371,7 +377,11 @@ class SimulatedGpus:
 
     def set_workload(self, indices: Sequence[int] | NDArray[np.int64], workload: Workload) -> None:
         """Give these GPUs `workload` (they share its phase, so a job's GPUs swing together)."""
-        idx = np.asarray(indices, dtype=np.int64)
+        self._assign(np.asarray(indices, dtype=np.int64), workload)
+        self._reindex()
+
+    def _assign(self, idx: NDArray[np.int64], workload: Workload) -> None:
+        """The per-GPU values of `workload` for these GPUs (`_reindex` then follows)."""
         self._workload_idx[idx] = _intern(self._workloads, workload)
         self._profile_idx[idx] = _intern(self._profiles, workload.profile)
         self._pattern[idx] = _PATTERN_CODES[workload.pattern]
@@ -387,6 +397,10 @@ class SimulatedGpus:
         self._ckpt_s[idx] = workload.ckpt_s
         self._ckpt_w[idx] = workload.ckpt_w
         self._ckpt_phase[idx] = workload.ckpt_phase_s
+
+    def _reindex(self) -> None:
+        """What follows from every GPU's workload: the patterns' GPUs, the groups that share
+        demand edges, the traces' GPUs; and the demand now."""
         training = _PATTERN_CODES[Pattern.TRAINING]
         self._training_idx = np.flatnonzero(self._pattern == training)
         self._ckpt_idx = np.flatnonzero((self._pattern == training) & (self._ckpt_every > 0))
@@ -416,14 +430,16 @@ class SimulatedGpus:
             for k, p in enumerate(self._profiles)
             if (group_profile == k).any()
         ]
-        # Traces: the GPUs that replay each recorded one (each with its own phase).
+        # Traces: the GPUs that replay each recorded one, each at its own phase (GPUs whose
+        # workloads differ only by phase replay one trace in one call).
         traced = np.flatnonzero(self._pattern == _PATTERN_CODES[Pattern.TRACE])
-        by_trace: dict[int, list[int]] = {}
-        for i in traced.tolist():
-            by_trace.setdefault(int(self._workload_idx[i]), []).append(i)
+        by_trace: dict[int, tuple[DemandTrace | None, list[int]]] = {}
+        workloads = self._workloads
+        for i, w in zip(traced.tolist(), self._workload_idx[traced].tolist(), strict=True):
+            trace = workloads[w].trace
+            by_trace.setdefault(id(trace), (trace, []))[1].append(i)
         self._traced = [
-            (np.array(gpus, dtype=np.int64), self._workloads[w].trace)
-            for w, gpus in by_trace.items()
+            (np.array(gpus, dtype=np.int64), trace) for trace, gpus in by_trace.values()
         ]
         self._refresh_demand()
 
@@ -573,7 +589,19 @@ class SimulatedGpus:
 
     def throughput(self, sel: Selector = ALL) -> FloatArray:
         """Application throughput relative to the workload's best, from each GPU's draw."""
-        return self._throughput_at(self._lagged_w, sel)
+        if not (isinstance(sel, slice) and sel == ALL):
+            return self._throughput_at(self._lagged_w, sel)
+        # The whole fleet's, kept while the draw and the working GPUs are the same arrays
+        # (both are replaced, never written in place: a step, a workload change): `advance`
+        # asks for it, then the agents' sample at the same instant.
+        kept = self._throughput_kept
+        if kept is None or kept[0] is not self._lagged_w or kept[1] is not self._working:
+            kept = self._throughput_kept = (
+                self._lagged_w,
+                self._working,
+                self._throughput_at(self._lagged_w, ALL),
+            )
+        return kept[2].copy()
 
     def uncapped_throughput(self, sel: Selector = ALL) -> FloatArray:
         """The throughput each GPU would deliver at its demand, never capped (what a GPU

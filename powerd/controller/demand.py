@@ -40,10 +40,22 @@ class DemandEstimator:
     def __init__(self, spec: DemandSpec) -> None:
         self.spec = spec
         self.uuids: Sequence[str] = ()
-        self.peak = np.zeros((0, BUCKETS))
-        self.rise = np.zeros((0, BUCKETS))
+        # Slice by GPU (a GPU's ring is a column): the max over a GPU's slices then runs along
+        # the long axis, ~15x faster than over 8 values per row. `peak`/`rise`: GPU by slice.
+        self._peak = np.zeros((BUCKETS, 0))
+        self._rise = np.zeros((BUCKETS, 0))
         self.last = np.zeros(0)  # the last sample taken (NaN: none yet)
         self.slot = -1  # the time slice (global count) the ring's newest column holds
+
+    @property
+    def peak(self) -> FloatArray:
+        """Per GPU (rows) and time slice: the highest draw taken."""
+        return self._peak.T
+
+    @property
+    def rise(self) -> FloatArray:
+        """Per GPU (rows) and time slice: the largest rise from one sample to the next."""
+        return self._rise.T
 
     def adopt(self, spec: DemandSpec) -> None:
         """New settings: a new window length restarts the history (its slices mean
@@ -55,8 +67,8 @@ class DemandEstimator:
     def _reset(self, uuids: Sequence[str]) -> None:
         n = len(uuids)
         self.uuids = uuids
-        self.peak = np.zeros((n, BUCKETS))
-        self.rise = np.zeros((n, BUCKETS))
+        self._peak = np.zeros((BUCKETS, n))
+        self._rise = np.zeros((BUCKETS, n))
         self.last = np.full(n, np.nan)
         self.slot = -1
 
@@ -68,15 +80,15 @@ class DemandEstimator:
             return
         old = {u: i for i, u in enumerate(self.uuids)}
         n = len(uuids)
-        peak, rise, last = np.zeros((n, BUCKETS)), np.zeros((n, BUCKETS)), np.full(n, np.nan)
+        peak, rise, last = np.zeros((BUCKETS, n)), np.zeros((BUCKETS, n)), np.full(n, np.nan)
         src = np.fromiter((old.get(u, -1) for u in uuids), dtype=np.int64, count=n)
         keep = src >= 0
-        peak[keep], rise[keep], last[keep] = (
-            self.peak[src[keep]],
-            self.rise[src[keep]],
+        peak[:, keep], rise[:, keep], last[keep] = (
+            self._peak[:, src[keep]],
+            self._rise[:, src[keep]],
             self.last[src[keep]],
         )
-        self.uuids, self.peak, self.rise, self.last = uuids, peak, rise, last
+        self.uuids, self._peak, self._rise, self.last = uuids, peak, rise, last
 
     def observe(
         self,
@@ -97,21 +109,21 @@ class DemandEstimator:
         if slot != self.slot:
             # Clear the slices the clock has moved past (all of them after a long gap).
             for s in range(max(self.slot + 1, slot - BUCKETS + 1), slot + 1):
-                self.peak[:, s % BUCKETS] = 0.0
-                self.rise[:, s % BUCKETS] = 0.0
+                self._peak[s % BUCKETS] = 0.0
+                self._rise[s % BUCKETS] = 0.0
             self.slot = max(slot, self.slot)
         col = self.slot % BUCKETS
         draw = np.clip(np.nan_to_num(power_w, nan=0.0), 0.0, max_cap_w)
         take = fresh & np.isfinite(power_w)
         rise = np.where(np.isnan(self.last), 0.0, draw - self.last)
-        self.peak[:, col] = np.where(take, np.maximum(self.peak[:, col], draw), self.peak[:, col])
-        self.rise[:, col] = np.where(take, np.maximum(self.rise[:, col], rise), self.rise[:, col])
+        self._peak[col] = np.where(take, np.maximum(self._peak[col], draw), self._peak[col])
+        self._rise[col] = np.where(take, np.maximum(self._rise[col], rise), self._rise[col])
         self.last = np.where(take, draw, self.last)
         return self.recent_w(power_w, max_cap_w)
 
     def recent_w(self, power_w: FloatArray, max_cap_w: FloatArray) -> FloatArray:
         """Per GPU: min(max cap, max(draw now, recent peak) + swing × largest recent rise)."""
         draw = np.clip(np.nan_to_num(power_w, nan=0.0), 0.0, max_cap_w)
-        peak = np.maximum(self.peak.max(axis=1), draw)
-        swing = self.spec.swing * self.rise.max(axis=1)
+        peak = np.maximum(self._peak.max(axis=0), draw)
+        swing = self.spec.swing * self._rise.max(axis=0)
         return np.asarray(np.minimum(peak + swing, max_cap_w), dtype=np.float64)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Generic, TypeVar, overload
 
 import numpy as np
@@ -186,6 +186,19 @@ class _Columns:
 
 
 _FIELDS = tuple(f.name for f in fields(_Columns))
+
+
+def split_fleet(samples: Sequence[NodeReadings], whole: NodeReadings) -> list[NodeReadings]:
+    """Each node's sample with its own columns: its part of `whole` (the samples' columns
+    end to end, the samples carrying each node's identity, times, tick and uuids)."""
+    out, a = [], 0
+    for r in samples:
+        b = a + len(r.uuid)
+        out.append(replace(r, **{name: getattr(whole, name)[a:b] for name in _MESSAGE_COLUMNS}))
+        a = b
+    return out
+
+
 # A wire GPU's values in NodeReadings' column order (uuid .. found_w).
 _MESSAGE_COLUMNS = (
     "uuid", "index", "name", "min_cap_w", "max_cap_w", "default_cap_w", "power_w", "cap_w",
@@ -488,7 +501,8 @@ class FleetState:
         self, samples: Sequence[NodeReadings], whole: NodeReadings, now: float
     ) -> bool:
         """Every node's sample at once, `whole` holding their columns end to end (in the
-        order of `samples`): as `ingest` of each in turn, with every column written in one
+        order of `samples`, whose own columns but `uuid` are not read: `split_fleet`): as
+        `ingest` of each in turn, with every column written in one
         slice where the nodes' GPUs sit in consecutive slots in that order (as they stay
         while no GPU comes, goes or is disputed). False, with nothing recorded, where they
         do not: then `ingest` each sample."""
@@ -514,9 +528,10 @@ class FleetState:
             # As `ingest` counts them: one change a node.
             for r in samples:
                 run = runs[r.node_id]
-                if cols.index[run[1] : run[2]] != r.index:
+                x, y = run[1] - a, run[2] - a  # the node's part of `whole`
+                if cols.index[run[1] : run[2]] != whole.index[x:y]:
                     self.version += 1
-                if cols.job[run[1] : run[2]] != r.job:
+                if cols.job[run[1] : run[2]] != whole.job[x:y]:
                     self.jobs_version += 1
         cols.write_run(a, b, whole, now)
         return True
@@ -616,6 +631,12 @@ class FleetState:
             node.status_caps_w = {}
             node.status_tick = None
             self.stops += 1
+
+    def acks_heard(self, node_ids: Sequence[str]) -> None:
+        """`ack_heard` of each node."""
+        if any(rec.stopped for rec in self.nodes.values()):
+            for node_id in node_ids:
+                self.ack_heard(node_id)
 
     def _refresh_order(self) -> None:
         if self._order_version == self.version:

@@ -9,7 +9,7 @@ nodes say they applied, without letting a minority push it (`next_tick`).
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import structlog
 
@@ -112,6 +112,13 @@ class Obedience:
             self._node_ticks[node] = max(self._node_ticks.get(node, 0), tick)
         if epoch is not None:
             self._node_epochs[node] = max(self._node_epochs.get(node, 0), epoch)
+
+    def seen_acks(self, acks: Sequence[tuple[str, int, object]], epoch: int) -> None:
+        """`seen(node, tick, epoch)` of each ack (node, tick, ...) in turn."""
+        ticks, epochs = self._node_ticks, self._node_epochs
+        for node, tick, _ in acks:
+            ticks[node] = max(ticks.get(node, 0), tick)
+            epochs[node] = max(epochs.get(node, 0), epoch)
 
     def restarted(self, node: str) -> None:
         """A new agent process: it applies any tick."""

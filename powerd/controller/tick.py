@@ -40,7 +40,13 @@ from powerd.allocator.scopes import DemandCurve
 from powerd.controller.budgets import Budgets, BudgetsInForce, ScopeRoot
 from powerd.controller.churn import cap_moves
 from powerd.controller.deadband import hold_small_cuts
-from powerd.controller.fleet import FleetArrays, FleetGpu, FleetState, NodeReadings
+from powerd.controller.fleet import (
+    FleetArrays,
+    FleetGpu,
+    FleetState,
+    NodeReadings,
+    split_fleet,
+)
 from powerd.controller.input_alarms import InputAlarms
 from powerd.controller.obedience import Obedience
 from powerd.controller.overrides import Overrides
@@ -121,6 +127,8 @@ class TickEngine:
         # Telemetry messages heard of nodes that obey us: the overload's room is lent once
         # per reading (controller/budgets.py).
         self._heard = 0
+        # The report's class labels per GPU, kept while the labels and classes are the same.
+        self._class_labels: tuple[Sequence[str], list[int], tuple[str, ...]] | None = None
         self.adopt(policy)
 
     def set_scope(self, name: str) -> None:
@@ -172,14 +180,44 @@ class TickEngine:
         self, samples: Sequence[NodeReadings], whole: NodeReadings, now: float
     ) -> None:
         """Every node's telemetry at once (the simulator's agents), `whole` holding the
-        samples' columns end to end: the same as `on_readings` of each in turn, the fleet's
-        columns written in one pass where its GPUs lie in that order."""
+        samples' columns end to end (the samples' own columns are not read: each carries its
+        node's identity, times, tick, uuids and error flags): the same as `on_readings` of
+        each node's part in turn, the fleet's columns written in one pass where its GPUs lie
+        in that order."""
         if any(r.any_restores for r in samples) or not self.fleet.ingest_fleet(samples, whole, now):
-            for r in samples:
+            for r in split_fleet(samples, whole):
                 self.on_readings(r, now)
             return
+        if not self._fleet_caps_heard(samples, whole, now):
+            for r in split_fleet(samples, whole):
+                self._caps_heard(r, now)
+
+    def _fleet_caps_heard(
+        self, samples: Sequence[NodeReadings], whole: NodeReadings, now: float
+    ) -> bool:
+        """`_caps_heard` of every sample at once, where each is ours to read in full (no
+        foreign node, no newer leader's epoch, no GPU's error): one block to the planner.
+        False, with nothing done, where not."""
+        ob = self.obedience
+        if ob.foreign or not all(r.no_errors for r in samples):
+            return False
+        ours = ob.epoch
+        ticks: list[int | None] = []
         for r in samples:
-            self._caps_heard(r, now)
+            epoch = r.epoch
+            if epoch is None:
+                ticks.append(r.tick)
+            elif epoch > ours > 0:
+                return False  # `telemetry_epoch` refuses it
+            else:
+                # A tick of an older leader's orders nothing of ours: the reading only widens.
+                ticks.append(None if epoch < ours else r.tick)
+        if not self.planner.on_fleet_telemetry(
+            [r.node_id for r in samples], [r.uuid for r in samples], whole.cap_w, now, ticks
+        ):
+            return False
+        self._heard += len(samples)
+        return True
 
     def _caps_heard(self, r: NodeReadings, now: float) -> None:
         """A recorded sample's caps in force, to the planner (where they are ours)."""
@@ -219,6 +257,30 @@ class TickEngine:
         self.fleet.ack_heard(node)
         self.planner.on_ack(node, tick, gpus)
         return True
+
+    def on_fleet_acked(
+        self,
+        acks: Sequence[tuple[str, int, AckedCaps]],
+        epoch: int = 0,
+        authority: Authority | None = None,
+    ) -> None:
+        """Many nodes' acks (node, tick, its GPUs) of one epoch and authority at once (the
+        simulator's agents): the same as `on_acked` of each in turn."""
+        ob, order = self.obedience, self.fleet.node_order
+        if (
+            authority is not None
+            or ob.foreign
+            or ob.ahead
+            or ob.epoch not in (0, epoch)
+            or any(node not in order for node, _, _ in acks)
+        ):
+            for node, tick, gpus in acks:
+                self.on_acked(node, tick, epoch, authority, gpus)
+            return
+        # Every node obeys us at our epoch (`obeys_us`, `our_epoch` would change nothing).
+        ob.seen_acks(acks, epoch)
+        self.fleet.acks_heard([node for node, _, _ in acks])
+        self.planner.on_fleet_acks(acks)
 
     def on_status(self, node: str, status: NodeStatus) -> bool:
         if node not in self.fleet.node_order:
@@ -339,10 +401,17 @@ class TickEngine:
         plan_ms = (time.perf_counter() - t_plan) * 1000.0
         over = self._alarm_plan(seen, budgets, plan)
         report = self._report(
-            seen, budgets, targets, plan, tick=tick, wall=wall, over=over, t0=t0, plan_ms=plan_ms
+            seen,
+            budgets,
+            targets,
+            plan,
+            tick=tick,
+            wall=wall,
+            over=over,
+            t0=t0,
+            plan_ms=plan_ms,
+            held=held,
         )
-        moves = cap_moves(seen.committed_w, plan.sent_w)
-        report = replace(report, caps_moved=moves.size, moved_w=float(moves.sum()), caps_held=held)
         return report, plan
 
     # 1. the fleet
@@ -515,9 +584,16 @@ class TickEngine:
         over: BoolArray,
         t0: float,
         plan_ms: float,
+        held: int,
     ) -> TickReport:
-        """What the tick saw and did, and why each cap."""
+        """What the tick saw and did (`held`: the cuts the deadband held), and why each cap."""
         arrays, topo = seen.arrays, seen.shape.topology
+        moves = cap_moves(seen.committed_w, plan.sent_w)
+        labels = targets.jobs.labels
+        cached = self._class_labels
+        if cached is None or cached[0] != labels or cached[1] != targets.class_index.tolist():
+            index = targets.class_index.tolist()
+            cached = self._class_labels = (labels, index, tuple([labels[i] for i in index]))
         return TickReport(
             tick=tick,
             ts=wall,
@@ -538,7 +614,7 @@ class TickEngine:
             group_settling=plan.group_settling,
             uuids=arrays.uuids,
             nodes=arrays.nodes,
-            classes=tuple([targets.jobs.labels[i] for i in targets.class_index.tolist()]),
+            classes=cached[2],
             power_w=arrays.power_w,
             cap_w=arrays.cap_w,
             energy_j=arrays.energy_j,
@@ -557,6 +633,9 @@ class TickEngine:
                 if self.explain
                 else None
             ),
+            caps_moved=moves.size,
+            moved_w=float(moves.sum()),
+            caps_held=held,
         )
 
     def _explain(

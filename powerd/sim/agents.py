@@ -140,11 +140,23 @@ class SimAgents:
         """Every node's sample now as columns (`TickEngine.on_readings`): the values a
         telemetry message carries, checked against the wire's bounds for the whole fleet at
         once (`check_readings`) instead of validated GPU by GPU."""
-        return self.fleet_readings(ts)[0]
+        samples, whole = self.fleet_readings(ts)
+        for r, (a, b) in zip(samples, self.ranges, strict=True):
+            r.power_w, r.energy_j, r.cap_w = (
+                whole.power_w[a:b],
+                whole.energy_j[a:b],
+                whole.cap_w[a:b],
+            )
+            r.min_cap_w, r.max_cap_w = whole.min_cap_w[a:b], whole.max_cap_w[a:b]
+            r.default_cap_w, r.temp_c = whole.default_cap_w[a:b], whole.temp_c[a:b]
+            r.util_pct, r.sm_clock_mhz = whole.util_pct[a:b], whole.sm_clock_mhz[a:b]
+            r.perf = whole.perf[a:b]
+        return samples
 
     def fleet_readings(self, ts: float) -> tuple[list[NodeReadings], NodeReadings]:
-        """`readings`, and the same columns for the whole fleet end to end (for
-        `TickEngine.on_fleet_readings`)."""
+        """Every node's sample now for `TickEngine.on_fleet_readings`: per node its
+        identity, time, sequence and tick (its sampled columns are not filled in), and the
+        whole fleet's columns end to end."""
         m = self.model
         self.seq += 1
         temp = np.clip(m.temp_c, -50.0, 200.0)
@@ -162,13 +174,11 @@ class SimAgents:
             )
         )  # fmt: skip
         seq = self.seq
-        # One NodeReadings per node, its columns replaced each sample (the engine copies
-        # what it keeps; nothing holds a sample past `on_readings`).
-        for r, (a, b) in zip(self._readings, self.ranges, strict=True):
-            r.ts, r.seq, r.tick = ts, seq, self.applied[r.node_id]
-            r.power_w, r.energy_j, r.cap_w = power[a:b], energy[a:b], cap[a:b]
-            r.min_cap_w, r.max_cap_w, r.default_cap_w = lo[a:b], hi[a:b], default[a:b]
-            r.temp_c, r.util_pct, r.sm_clock_mhz, r.perf = t[a:b], u[a:b], c[a:b], p[a:b]
+        # One NodeReadings per node, its header replaced each sample (the engine copies what
+        # it keeps; nothing holds a sample past `on_readings`).
+        applied = self.applied
+        for r in self._readings:
+            r.ts, r.seq, r.tick = ts, seq, applied[r.node_id]
         w = self._whole
         w.ts, w.seq = ts, seq
         w.power_w, w.energy_j, w.cap_w, w.min_cap_w, w.max_cap_w = power, energy, cap, lo, hi

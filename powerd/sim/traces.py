@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -78,17 +79,22 @@ class GpuTrace:
     def duration_s(self) -> float:
         return float(self.t_s[-1])
 
-    @property
+    @cached_property
     def interval_s(self) -> float:
+        """The median time between samples (computed once: `draw_at` runs every tick)."""
         return float(np.median(np.diff(self.t_s)))
+
+    @cached_property
+    def _loop(self) -> tuple[float, FloatArray, FloatArray]:
+        """The loop `draw_at` interpolates on: its period, times and draws."""
+        period = self.duration_s + self.interval_s
+        return period, np.append(self.t_s, period), np.append(self.draw_w, self.draw_w[0])
 
     def draw_at(self, t_s: FloatArray | float) -> FloatArray:
         """The recorded draw at time `t_s` since the start, looping a trace shorter than
         the run (the last sample joins the first one interval later)."""
-        period = self.duration_s + self.interval_s
+        period, t, w = self._loop
         x = np.mod(np.asarray(t_s, dtype=np.float64), period)
-        t = np.append(self.t_s, period)
-        w = np.append(self.draw_w, self.draw_w[0])
         return np.asarray(np.interp(x, t, w))
 
 
