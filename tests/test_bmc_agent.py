@@ -16,13 +16,13 @@ import pytest
 from powerd.agent.agent import Agent
 from powerd.backends.base import BackendError, NoPermission
 from powerd.backends.mock import Workload
-from powerd.bmc.agent import NewestCommandOnly
+from powerd.bmc.agent import NewestCommandOnly, NodeRunner
 from powerd.bmc.backend import IoLoop, RedfishBackend
 from powerd.bmc.redfish import BmcTrust, RedfishClient
 from powerd.bmc.settings import BmcAgentSettings
 from powerd.clock import SystemClock
 from powerd.settings import SettingsError
-from powerd.testing.redfish import EmulatorServer, Faults, RedfishService, TestCa
+from powerd.testing.redfish import EmulatorServer, Faults, Json, RedfishService, TestCa
 from powerd.transport.base import Message
 from powerd.transport.memory import MemoryBroker
 from powerd.wire import (
@@ -54,9 +54,16 @@ def io() -> Iterator[IoLoop]:
     loop.close()
 
 
-@pytest.fixture
-def hgx() -> RedfishService:
-    return RedfishService.hgx(8, Workload.steady(650.0), password="pw", node=NODE)
+# Every test on `hgx` or `small` runs on both layouts: limits in the Processors'
+# EnvironmentMetrics, and limits as Chassis Controls (found when the former have none).
+LAYOUTS = ["processors", "controls"]
+
+
+@pytest.fixture(params=LAYOUTS)
+def hgx(request: pytest.FixtureRequest) -> RedfishService:
+    return RedfishService.hgx(
+        8, Workload.steady(650.0), password="pw", node=NODE, limits=request.param
+    )
 
 
 @pytest.fixture
@@ -115,6 +122,66 @@ def test_discovery_reads_and_sets_through_the_bmc(
     finally:
         backend.close()
     assert hgx.sessions == {}  # logged out
+
+
+def test_controls_are_found_where_processors_have_no_limits_and_as_configured(
+    server: EmulatorServer, hgx: RedfishService, io: IoLoop, ca: TestCa
+) -> None:
+    """ "auto" takes the Processors' limits where they are, else the Chassis Controls; a node
+    configured for one path finds no GPU on a BMC that has only the other. Either way a GPU
+    is named by its Processor's UUID, and is read and set where its limit is."""
+    trust = BmcTrust(ca_file=ca.ca_file)
+    other = "processors" if hgx.limits == "controls" else "controls"
+    for limits, expected in (("auto", 8), (hgx.limits, 8), (other, 0)):
+        backend = backend_for(server, io, trust)
+        backend.limits = limits  # type: ignore[assignment]
+        try:
+            gpus = backend.discover()
+            assert len(gpus) == expected, limits
+            if not expected:
+                continue
+            assert [g.uuid for g in gpus] == [f"GPU-{hgx.processor_uuid(i)}" for i in range(8)]
+            uris = {g.uri for g in backend.found.values()}
+            where = "/Controls/" if hgx.limits == "controls" else "/EnvironmentMetrics"
+            assert all(where in u for u in uris)
+            before = hgx.requests.get("PATCH", 0)
+            assert backend.set_power_limit_w(gpus[5].uuid, 420.0) == 420.0
+            assert hgx.requests["PATCH"] - before == 1 and truth(hgx)[5] == 420.0
+            other_gpu = backend.read(gpus[4].uuid)  # a sample of the node, where it is read
+            assert other_gpu.cap_w == 700.0 and other_gpu.power_w == pytest.approx(650, rel=0.02)
+        finally:
+            backend.close()
+
+
+class _MixedControls(RedfishService):
+    """A BMC whose Controls include a chassis's power limit (no GPU's), a GPU's without its
+    Sensor excerpt, and a GPU's that links no Processor (named by its chassis)."""
+
+    def _control(self, i: int) -> Json:
+        doc = super()._control(i)
+        if i == 0:
+            del doc["RelatedItem"]
+            doc["PhysicalContext"] = "Chassis"
+        elif i == 1:
+            del doc["Sensor"]
+        elif i == 2:
+            del doc["RelatedItem"]
+        return doc
+
+
+def test_only_a_gpus_power_controls_with_a_reading_are_steered(io: IoLoop, ca: TestCa) -> None:
+    gpus = RedfishService.hgx(4, Workload.steady(650.0), node=NODE).gpus
+    hgx = _MixedControls(gpus=gpus, password="pw", limits="controls")
+    with EmulatorServer([hgx], ca) as server:
+        backend = backend_for(server, io, BmcTrust(ca_file=ca.ca_file))
+        try:
+            found = backend.discover()
+        finally:
+            backend.close()
+    assert [g.uuid for g in found] == [
+        f"{NODE}.HGX_GPU_SXM_3.TotalGPU_Power_0",
+        f"GPU-{hgx.processor_uuid(3)}",
+    ]
 
 
 def test_a_forgotten_session_logs_in_again(
@@ -222,6 +289,8 @@ NODE_TOML = (
         ("", 'url = "https://:443"\n', "nodes[0].url", "https://host[:port]"),
         ("", "concurrency = 0\n", "nodes[0].concurrency", "greater than or equal to 1"),
         ("", "password = 'x'\n", "nodes[0].password", "unknown key"),
+        ("", 'limits = "chassis"\n', "nodes[0].limits", "'processors' or 'controls'"),
+        ('limits = "sensors"\n', "", "limits", "'processors' or 'controls'"),
     ],
 )
 def test_settings_errors_name_the_field(
@@ -234,6 +303,19 @@ def test_settings_errors_name_the_field(
     with pytest.raises(SettingsError) as err:
         BmcAgentSettings.load(settings_file(tmp_path, text))
     assert f"at {where}" in str(err.value) and what in str(err.value)
+
+
+def test_each_node_looks_for_limits_where_it_is_told(tmp_path: Path, io: IoLoop) -> None:
+    pw = tmp_path / "pw"
+    text = 'limits = "processors"\n' + "[[nodes]]\n" + NODE_TOML.format(id="n1", pw=pw)
+    text += "[[nodes]]\n" + NODE_TOML.format(id="n2", pw=pw) + 'limits = "controls"\n'
+    settings = BmcAgentSettings.load(settings_file(tmp_path, text))
+    runners = [NodeRunner(settings, i, io) for i in range(2)]
+    assert [r.backend.limits for r in runners] == ["processors", "controls"]
+    default = BmcAgentSettings.load(
+        settings_file(tmp_path, "[[nodes]]\n" + NODE_TOML.format(id="n1", pw=pw))
+    )
+    assert NodeRunner(default, 0, io).backend.limits == "auto"
 
 
 def test_settings_read_passwords_from_files(tmp_path: Path) -> None:
@@ -255,10 +337,14 @@ def test_settings_read_passwords_from_files(tmp_path: Path) -> None:
 # -- the node agent on a BMC ---------------------------------------------------------------
 
 
-@pytest.fixture
-def small(ca: TestCa) -> Iterator[tuple[RedfishService, EmulatorServer]]:
+@pytest.fixture(params=LAYOUTS)
+def small(
+    ca: TestCa, request: pytest.FixtureRequest
+) -> Iterator[tuple[RedfishService, EmulatorServer]]:
     """A BMC of two GPUs (a node agent sets its GPUs one by one)."""
-    hgx = RedfishService.hgx(2, Workload.steady(650.0), password="pw", node=NODE)
+    hgx = RedfishService.hgx(
+        2, Workload.steady(650.0), password="pw", node=NODE, limits=request.param
+    )
     with EmulatorServer([hgx], ca) as s:
         yield hgx, s
 

@@ -4,6 +4,7 @@ processes, `powerd bmc-agent` as a process steering a node whose only way in is 
 tests/support/e2e.py checks every budget after every message, from the messages alone; the
 emulator says what the GPUs really enforce.
 
+- on both layouts of GPU limits: `EnvironmentMetrics` and Chassis `Controls`;
 - a budget cut reaches the BMC node's GPUs through its BMC (read back from the emulator);
 - a BMC that stops answering: the node's telemetry stops or fails, the controller never
   raises its GPUs while it is silent, the BMC keeps the limits it had, no budget is
@@ -117,10 +118,16 @@ class BmcSite:
         return [x for x in lines if x.get("event") == event]
 
 
-@pytest.fixture
-async def site(mosquitto: LocalMosquitto, tmp_path: Path) -> AsyncIterator[BmcSite]:
+# Both places a BMC may keep GPU limits: the Processors' EnvironmentMetrics, and Chassis
+# Controls of type Power (found by the bmc-agent's default `limits = "auto"`).
+@pytest.fixture(params=["processors", "controls"])
+async def site(
+    mosquitto: LocalMosquitto, tmp_path: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[BmcSite]:
     ca = TestCa.make(tmp_path / "pki")
-    hgx = RedfishService.hgx(GPUS, Workload.training(), password="s3cret", node=BMC_NODE)
+    hgx = RedfishService.hgx(
+        GPUS, Workload.training(), password="s3cret", node=BMC_NODE, limits=request.param
+    )
     (tmp_path / "bmc.password").write_text("s3cret\n")
     config = tmp_path / "bmc-agent.toml"
     policy_file = tmp_path / "policy.yaml"

@@ -122,7 +122,13 @@ class NodeRunner(threading.Thread):
             concurrency=node.concurrency or settings.concurrency,
         )
         # A sample serves the reads of one telemetry period.
-        self.backend = RedfishBackend(node.node_id, client, io, max_age_s=settings.period_s / 2)
+        self.backend = RedfishBackend(
+            node.node_id,
+            client,
+            io,
+            max_age_s=settings.period_s / 2,
+            limits=node.limits or settings.limits,
+        )
         self.agent: Agent | None = None
         self.transport: NewestCommandOnly | None = None
         self._node_loop: asyncio.AbstractEventLoop | None = None
