@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -16,12 +17,14 @@ import pytest
 from powerd.agent.agent import Agent
 from powerd.backends.base import BackendError, NoPermission
 from powerd.backends.mock import Workload
-from powerd.bmc.agent import NewestCommandOnly, NodeRunner
+from powerd.bmc.agent import BmcAgent, NewestCommandOnly, NodeRunner
 from powerd.bmc.backend import IoLoop, RedfishBackend
 from powerd.bmc.redfish import BmcTrust, RedfishClient
 from powerd.bmc.settings import BmcAgentSettings
 from powerd.clock import SystemClock
+from powerd.sdnotify import Notifier
 from powerd.settings import SettingsError
+from powerd.testing.mosquitto import LocalMosquitto
 from powerd.testing.redfish import EmulatorServer, Faults, Json, RedfishService, TestCa
 from powerd.transport.base import Message
 from powerd.transport.memory import MemoryBroker
@@ -781,3 +784,90 @@ def test_a_password_file_that_is_not_a_password_is_refused_in_one_line(tmp_path:
     for i in (0, 1):
         with pytest.raises(SettingsError, match=rf"at nodes\[{i}\].password_file: .*4096 bytes"):
             settings.bmc_password(i)
+
+
+# -- the process: metrics and systemd ------------------------------------------------------
+
+
+async def test_the_bmc_agent_serves_its_metrics_and_tells_systemd(
+    mosquitto: LocalMosquitto, ca: TestCa, tmp_path: Path
+) -> None:
+    """Per BMC: requests, failures, a latency histogram, GPUs found, whether it answers;
+    READY and watchdog pings while the shared Redfish loop answers, STOPPING at the end."""
+    hgx = RedfishService.hgx(2, Workload.steady(650.0), password="pw", node=NODE)
+    (tmp_path / "pw").write_text("pw\n")
+    notify = tmp_path / "notify"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(notify))
+    sock.setblocking(False)
+    with EmulatorServer([hgx], ca) as server:
+        settings = BmcAgentSettings.model_validate(
+            {
+                "broker": mosquitto.url,
+                "nodes": [
+                    {
+                        "node_id": NODE,
+                        "url": server.url(),
+                        "username": "admin",
+                        "password_file": tmp_path / "pw",
+                        "ca_file": ca.ca_file,
+                    }
+                ],
+                "period_s": 0.5,
+                "timeout_s": 0.2,
+                "retries": 0,
+                "metrics_port": 0,
+            }
+        )
+        agent = BmcAgent(settings)
+        notifier = Notifier({"NOTIFY_SOCKET": str(notify), "WATCHDOG_USEC": "600000"})
+        stop = asyncio.Event()
+        running = asyncio.create_task(agent.run(stop, notifier))
+
+        async def scrape() -> dict[str, float]:
+            assert agent.metrics_server is not None
+            url = f"http://127.0.0.1:{agent.metrics_server.port}/metrics"
+            async with httpx.AsyncClient() as client:
+                text = (await client.get(url)).text
+            return {
+                line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("powerd_bmc_") and f'node="{NODE}"' in line
+            }
+
+        try:
+            label = f'{{node="{NODE}"}}'
+            for _ in range(100):
+                await asyncio.sleep(0.1)
+                if agent.metrics_server is not None and (await scrape()).get(
+                    f"powerd_bmc_up{label}"
+                ):
+                    break
+            m = await scrape()
+            assert m[f"powerd_bmc_gpus{label}"] == 2 and m[f"powerd_bmc_up{label}"] == 1
+            sent = m[f"powerd_bmc_requests_total{label}"]
+            assert sent >= 2 + 2  # discovery's walk, then a sample of 2 GPUs at least
+            assert m[f"powerd_bmc_request_seconds_count{label}"] == sent
+            assert m[f'powerd_bmc_request_seconds_bucket{{le="+Inf",node="{NODE}"}}'] == sent
+            assert m[f"powerd_bmc_request_failures_total{label}"] == 0
+            hgx.faults.status = 503
+            for _ in range(100):
+                await asyncio.sleep(0.1)
+                m = await scrape()
+                if m[f"powerd_bmc_up{label}"] == 0:
+                    break
+            assert m[f"powerd_bmc_up{label}"] == 0
+            assert m[f"powerd_bmc_request_failures_total{label}"] >= 1
+            hgx.faults.status = None
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, 30)
+        said = []
+        while True:
+            try:
+                said.append(sock.recv(4096))
+            except BlockingIOError:
+                break
+        sock.close()
+    assert said[0].startswith(b"READY=1") and said[-1] == b"STOPPING=1"
+    assert b"WATCHDOG=1" in said

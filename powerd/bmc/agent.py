@@ -18,13 +18,17 @@ import threading
 from collections.abc import AsyncIterator
 
 import structlog
+from prometheus_client import CollectorRegistry
 
 from powerd.agent.agent import Agent
 from powerd.backends.base import BackendError
 from powerd.bmc.backend import IoLoop, RedfishBackend
-from powerd.bmc.redfish import RedfishClient
+from powerd.bmc.metrics import BmcMetrics
+from powerd.bmc.redfish import RedfishClient, RequestStats
 from powerd.bmc.settings import BmcAgentSettings
 from powerd.clock import SystemClock
+from powerd.node_metrics import MetricsServer, start_metrics_server
+from powerd.sdnotify import Notifier
 from powerd.transport.base import (
     ConnectionState,
     LastWill,
@@ -173,6 +177,24 @@ class NodeRunner(threading.Thread):
                 await asyncio.wait_for(self._node_stop.wait(), self.settings.period_s)
         return False
 
+    # -- what the metrics read (powerd.bmc.metrics.BmcView) ---------------------------------
+
+    @property
+    def node_id(self) -> str:
+        return self.node.node_id
+
+    @property
+    def stats(self) -> RequestStats:
+        return self.backend.client.stats
+
+    @property
+    def gpus_found(self) -> int:
+        return len(self.backend.found)
+
+    @property
+    def answering(self) -> bool:
+        return self.backend.answering
+
     def request_stop(self) -> None:
         self._stop_requested.set()
         loop, stop = self._node_loop, self._node_stop
@@ -186,6 +208,7 @@ class BmcAgent:
     def __init__(self, settings: BmcAgentSettings) -> None:
         settings.check_files()  # SettingsError before any thread starts
         self.settings = settings
+        self.metrics_server: MetricsServer | None = None  # while it runs, if configured
         self.io = IoLoop()
         try:
             self.runners = [NodeRunner(settings, i, self.io) for i in range(len(settings.nodes))]
@@ -193,18 +216,48 @@ class BmcAgent:
             self.io.close()
             raise
 
-    async def run(self, stop: asyncio.Event) -> None:
+    async def run(self, stop: asyncio.Event, notifier: Notifier | None = None) -> None:
+        notifier = notifier or Notifier({})
+        server = self.metrics_server = self._serve_metrics()
         for runner in self.runners:
             runner.start()
         log.info("bmc_agent_started", nodes=len(self.runners), period_s=self.settings.period_s)
+        notifier.ready(f"bmc-agent: {len(self.runners)} nodes")
         try:
-            await stop.wait()
+            await self._watchdog(stop, notifier)
         finally:
+            notifier.stopping()
             for runner in self.runners:
                 runner.request_stop()
             await asyncio.to_thread(self._join)
             self.io.close()
+            if server is not None:
+                server.close()
             log.info("bmc_agent_stopped")
+
+    async def _watchdog(self, stop: asyncio.Event, notifier: Notifier) -> None:
+        """Until `stop`: a watchdog ping each time the shared Redfish loop answers (a hung
+        one stalls every node: systemd restarts the process), about twice per WatchdogSec."""
+        every_s = notifier.watchdog_s or self.settings.period_s
+        while not stop.is_set():
+            if notifier.watchdog_s is not None:
+                try:
+                    await asyncio.to_thread(self.io.run, asyncio.sleep(0), every_s)
+                except TimeoutError:
+                    log.error("bmc_io_loop_stalled", waited_s=every_s)
+                else:
+                    notifier.watchdog()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), every_s)
+
+    def _serve_metrics(self) -> MetricsServer | None:
+        if self.settings.metrics_port is None:
+            return None
+        registry = CollectorRegistry()
+        registry.register(BmcMetrics(self.runners))
+        return start_metrics_server(
+            registry, self.settings.metrics_host, self.settings.metrics_port
+        )
 
     def _join(self) -> None:
         for runner in self.runners:
@@ -219,4 +272,4 @@ async def run_bmc_agent_process(settings: BmcAgentSettings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await agent.run(stop)
+    await agent.run(stop, Notifier())

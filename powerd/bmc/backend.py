@@ -249,6 +249,12 @@ class RedfishBackend(GpuBackend):
     def gpus(self) -> list[GpuInfo]:
         return [g.info for g in self.found.values()]
 
+    @property
+    def answering(self) -> bool:
+        """Whether the latest sample of the node was answered (False before the first)."""
+        sample = self._sample
+        return sample is not None and sample.error is None
+
     def read(self, uuid: str) -> GpuReading:
         gpu = self._gpu(uuid)
         sample = self._sample

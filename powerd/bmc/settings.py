@@ -96,6 +96,10 @@ class BmcAgentSettings(BrokerSettings):
     timeout_s: float = Field(default=0.8, gt=0, le=60)
     retries: int = Field(default=1, ge=0, le=5)
     concurrency: int = Field(default=4, ge=1, le=64)
+    # The bmc-agent's own Prometheus metrics (per BMC: requests, failures, latency); None:
+    # off. 9401 is the node agent's example port, 9400 dcgm-exporter's.
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
     # Where GPU limits are: "auto" (the Processors' EnvironmentMetrics, else Chassis
     # Controls of type Power), "processors" or "controls" (that path only).
     limits: LimitsAt = "auto"
