@@ -25,7 +25,14 @@ from powerd.clock import SystemClock
 from powerd.sdnotify import Notifier
 from powerd.settings import SettingsError
 from powerd.testing.mosquitto import LocalMosquitto
-from powerd.testing.redfish import EmulatorServer, Faults, Json, RedfishService, TestCa
+from powerd.testing.redfish import (
+    EmulatorServer,
+    Faults,
+    Json,
+    RedfishService,
+    Response,
+    TestCa,
+)
 from powerd.transport.base import Message
 from powerd.transport.memory import MemoryBroker
 from powerd.wire import (
@@ -147,11 +154,40 @@ def test_controls_are_found_where_processors_have_no_limits_and_as_configured(
             uris = {g.uri for g in backend.found.values()}
             where = "/Controls/" if hgx.limits == "controls" else "/EnvironmentMetrics"
             assert all(where in u for u in uris)
-            before = hgx.requests.get("PATCH", 0)
+            before = dict(hgx.requests)
             assert backend.set_power_limit_w(gpus[5].uuid, 420.0) == 420.0
-            assert hgx.requests["PATCH"] - before == 1 and truth(hgx)[5] == 420.0
+            assert truth(hgx)[5] == 420.0
+            # One PATCH, read back from the resource its answer carries: no GET.
+            assert hgx.requests["PATCH"] - before.get("PATCH", 0) == 1
+            assert hgx.requests["GET"] == before["GET"]
             other_gpu = backend.read(gpus[4].uuid)  # a sample of the node, where it is read
             assert other_gpu.cap_w == 700.0 and other_gpu.power_w == pytest.approx(650, rel=0.02)
+        finally:
+            backend.close()
+
+
+class _NoContent(RedfishService):
+    """A BMC answering a PATCH with 204 No Content (Redfish allows it)."""
+
+    def _patch(self, path: str, body: bytes) -> Response:
+        r = super()._patch(path, body)
+        return Response(204) if r.status == 200 else r
+
+
+def test_a_patch_answered_without_the_resource_is_read_back_with_a_get(
+    io: IoLoop, ca: TestCa
+) -> None:
+    gpus = RedfishService.hgx(2, Workload.steady(650.0), node=NODE).gpus
+    hgx = _NoContent(gpus=gpus, password="pw")
+    with EmulatorServer([hgx], ca) as server:
+        backend = backend_for(server, io, BmcTrust(ca_file=ca.ca_file))
+        try:
+            found = backend.discover()
+            before = hgx.requests["GET"]
+            assert backend.set_power_limits_w([(g.uuid, 333.0) for g in found]) == [333.0] * 2
+            assert hgx.requests["GET"] - before == 2 and truth(hgx) == [333.0] * 2
+            hgx.faults.lie_limit_w = 555.0  # the read-back is what the BMC says
+            assert backend.set_power_limit_w(found[0].uuid, 300.0) == 555.0
         finally:
             backend.close()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import signal
 import threading
 from collections.abc import AsyncIterator
@@ -21,7 +22,7 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from powerd.agent.agent import Agent
-from powerd.backends.base import BackendError
+from powerd.backends.base import BackendError, GpuInfo
 from powerd.bmc.backend import IoLoop, RedfishBackend
 from powerd.bmc.metrics import BmcMetrics
 from powerd.bmc.redfish import RedfishClient, RequestStats
@@ -40,6 +41,8 @@ from powerd.transport.base import (
 from powerd.transport.mqtt import MqttTransport
 
 log = structlog.get_logger(__name__)
+# Nodes discovering at once (each walk: ~20 requests on the shared Redfish loop).
+DISCOVERY_SLOTS = 16
 
 
 class NewestCommandOnly(Transport):
@@ -109,8 +112,15 @@ class NodeRunner(threading.Thread):
     """One BMC-managed node: discovery (again every period until it works), then the node
     agent until `request_stop`."""
 
-    def __init__(self, settings: BmcAgentSettings, index: int, io: IoLoop) -> None:
+    def __init__(
+        self,
+        settings: BmcAgentSettings,
+        index: int,
+        io: IoLoop,
+        discovery_slots: threading.BoundedSemaphore | None = None,
+    ) -> None:
         node = settings.nodes[index]
+        self.discovery_slots = discovery_slots or threading.BoundedSemaphore(DISCOVERY_SLOTS)
         super().__init__(name=f"bmc-{node.node_id}", daemon=True)
         self.settings = settings
         self.node = node
@@ -166,16 +176,24 @@ class NodeRunner(threading.Thread):
         assert self._node_stop is not None
         while not self._node_stop.is_set():
             try:
-                gpus = await asyncio.to_thread(self.backend.discover)
+                gpus = await asyncio.to_thread(self._discover_in_turn)
             except BackendError as exc:
                 self.log.warning("bmc_discovery_failed", bmc=self.node.url, error=str(exc))
             else:
                 if gpus:
                     return True
                 self.log.warning("bmc_has_no_gpus", bmc=self.node.url)
+            # Jittered: BMCs that failed together (a network blip) do not retry together.
+            again_s = self.settings.period_s * random.uniform(0.5, 1.5)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._node_stop.wait(), self.settings.period_s)
+                await asyncio.wait_for(self._node_stop.wait(), again_s)
         return False
+
+    def _discover_in_turn(self) -> list[GpuInfo]:
+        """Discovery once a slot is free: a walk is ~20 requests, and hundreds of nodes
+        walking at once on the shared loop would each run past its bound and start again."""
+        with self.discovery_slots:
+            return self.backend.discover()
 
     # -- what the metrics read (powerd.bmc.metrics.BmcView) ---------------------------------
 
@@ -211,7 +229,10 @@ class BmcAgent:
         self.metrics_server: MetricsServer | None = None  # while it runs, if configured
         self.io = IoLoop()
         try:
-            self.runners = [NodeRunner(settings, i, self.io) for i in range(len(settings.nodes))]
+            slots = threading.BoundedSemaphore(DISCOVERY_SLOTS)
+            self.runners = [
+                NodeRunner(settings, i, self.io, slots) for i in range(len(settings.nodes))
+            ]
         except BaseException:
             self.io.close()
             raise

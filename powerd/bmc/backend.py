@@ -18,7 +18,8 @@ BMCs are in flight at once, each within its own connection cap.
   (`max_age_s`); a failed sample fails every read until it is that old, so a BMC that does
   not answer costs one timeout per period, not one per GPU.
 - `set_power_limit_w`: `PATCH` `PowerLimitWatts.SetPoint` (the Control's `SetPoint`), then
-  `GET` it back: what the BMC enforces, as the agent acks it.
+  read it back from the resource the answer carries (or a `GET` where it carries none):
+  what the BMC enforces, as the agent acks it.
 """
 
 from __future__ import annotations
@@ -346,9 +347,14 @@ class RedfishBackend(GpuBackend):
         # clamps to [AllowableMin, AllowableMax] first, which are whole watts too.
         set_point: float | int = round(watts) if abs(watts - round(watts)) < 1e-9 else watts
         body: Json = {"SetPoint": set_point}
-        await self.client.patch(
+        after = await self.client.patch(
             gpu.uri, body if gpu.via == "control" else {"PowerLimitWatts": body}
         )
+        # The read-back: the resource the PATCH's answer carries (Redfish answers 200 with
+        # it, or 204), else a GET of it; one round trip a set, not two, where a BMC gives it.
+        if after is not None:
+            with contextlib.suppress(ValueError, TypeError):
+                return _reading(gpu, after)
         return _reading(gpu, await self.client.get(gpu.uri))
 
     def _sample_all(self) -> _Sample:

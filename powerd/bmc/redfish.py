@@ -167,8 +167,16 @@ class RedfishClient:
     async def get(self, path: str) -> Json:
         return _json(await self._authed("GET", path), path)
 
-    async def patch(self, path: str, doc: Json) -> None:
-        await self._authed("PATCH", path, json=doc)
+    async def patch(self, path: str, doc: Json) -> Json | None:
+        """The resource as the answer gives it after the change (200 with a body), or None
+        (204, or a body that is no JSON object)."""
+        r = await self._authed("PATCH", path, json=doc)
+        if r.status_code != 200 or not r.content:
+            return None
+        try:
+            return _json(r, path)
+        except RedfishError:
+            return None
 
     async def _authed(self, method: str, path: str, json: Json | None = None) -> httpx.Response:
         if not self._basic and self._token is None:
