@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import math
 import socket
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -355,6 +356,41 @@ def test_each_node_looks_for_limits_where_it_is_told(tmp_path: Path, io: IoLoop)
         settings_file(tmp_path, "[[nodes]]\n" + NODE_TOML.format(id="n1", pw=pw))
     )
     assert NodeRunner(default, 0, io).backend.limits == "auto"
+
+
+def test_discovery_waits_for_a_slot(
+    hgx: RedfishService, server: EmulatorServer, io: IoLoop, ca: TestCa, tmp_path: Path
+) -> None:
+    """Nodes walk their BMCs a few at a time: a walk waits while every slot is taken."""
+    pw = tmp_path / "pw"
+    pw.write_text("pw\n")
+    settings = BmcAgentSettings.model_validate(
+        {
+            "nodes": [
+                {
+                    "node_id": NODE,
+                    "url": server.url(),
+                    "username": "admin",
+                    "password_file": pw,
+                    "ca_file": ca.ca_file,
+                }
+            ]
+        }
+    )
+    slots = threading.BoundedSemaphore(1)
+    runner = NodeRunner(settings, 0, io, slots)
+    found: list[int] = []
+    slots.acquire()  # another node is walking its BMC
+    walker = threading.Thread(target=lambda: found.append(len(runner._discover_in_turn())))
+    walker.start()
+    try:
+        walker.join(0.5)
+        assert walker.is_alive() and hgx.requests == {}
+    finally:
+        slots.release()
+    walker.join(10)
+    runner.backend.close()
+    assert found == [8]
 
 
 def test_settings_read_passwords_from_files(tmp_path: Path) -> None:
