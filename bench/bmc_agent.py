@@ -13,7 +13,10 @@ raises every GPU) and records telemetry arrivals and acks. Printed per N:
 - command → ack latency (p50, p99), and the share of commands acknowledged (the rest were
   replaced by a newer one before the node got to them, or are in flight at the end);
 - the CPU of the bmc-agent and of the emulators (% of one core, from /proc), the
-  bmc-agent's threads, and the machine's load average at the end of the row.
+  Redfish requests the bmc-agent made per second and its CPU per request (from its own
+  /metrics: `powerd_bmc_requests_total`), its threads, and the machine's load average at
+  the end of the row. The CPU per request is the figure that carries to another machine:
+  a core serves about 1 / (CPU per request) requests a second.
 
     .venv/bin/python bench/bmc_agent.py [--nodes 50 200 500] [--duration 30] [--tick 2]
 """
@@ -25,12 +28,15 @@ import asyncio
 import itertools
 import multiprocessing
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import httpx
 
 from powerd.backends.mock import Workload
 from powerd.logs import configure_logging
@@ -127,6 +133,7 @@ async def measure(n: int, args: argparse.Namespace, broker: LocalMosquitto, work
     (work / "pw").write_text("bench\n")
     server = await asyncio.to_thread(Emulators, n, args.emulator_procs, tuple(args.latency), ca)
     try:
+        metrics_port = free_port()
         config = work / f"bmc-{n}.toml"
         lines = [
             f'broker = "{broker.url}"',
@@ -135,6 +142,7 @@ async def measure(n: int, args: argparse.Namespace, broker: LocalMosquitto, work
             "retries = 1",
             f"concurrency = {args.concurrency}",
             "failsafe_w = 300",
+            f"metrics_port = {metrics_port}",
         ]
         for i in range(n):
             lines += [
@@ -153,7 +161,7 @@ async def measure(n: int, args: argparse.Namespace, broker: LocalMosquitto, work
             stderr=subprocess.STDOUT,
         )
         try:
-            return await drive(n, args, broker, proc.pid, server)
+            return await drive(n, args, broker, proc.pid, server, metrics_port)
         finally:
             proc.terminate()
             try:
@@ -170,8 +178,30 @@ async def measure(n: int, args: argparse.Namespace, broker: LocalMosquitto, work
         await asyncio.to_thread(server.close)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def requests_made(port: int) -> float:
+    """The bmc-agent's Redfish requests so far, every BMC's, from its /metrics."""
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(f"http://127.0.0.1:{port}/metrics", timeout=30)).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("powerd_bmc_requests_total{")
+    )
+
+
 async def drive(
-    n: int, args: argparse.Namespace, broker: LocalMosquitto, pid: int, emulators: Emulators
+    n: int,
+    args: argparse.Namespace,
+    broker: LocalMosquitto,
+    pid: int,
+    emulators: Emulators,
+    metrics_port: int,
 ) -> str:
     client = MqttTransport(MqttConfig.from_url(broker.url, client_id="bench-controller"))
     await client.connect()
@@ -212,6 +242,7 @@ async def drive(
         print(f"only {len(uuids)} of {n} nodes reported within 120 s", file=sys.stderr)
     tick = 0
     commands = 0
+    req0 = await requests_made(metrics_port)
     cpu0, emu0, t0 = cpu_s(pid), emulators.cpu_s(), time.monotonic()
     measuring = True
     end = t0 + args.duration
@@ -239,7 +270,9 @@ async def drive(
         await client.publish_many(batch, qos=1)
         await asyncio.sleep(max(0.0, t0 + tick * args.tick - time.monotonic()))
     elapsed = time.monotonic() - t0
-    cpu = (cpu_s(pid) - cpu0) / elapsed * 100
+    cpu_used = cpu_s(pid) - cpu0
+    cpu = cpu_used / elapsed * 100
+    made = await requests_made(metrics_port) - req0
     emu_cpu = (emulators.cpu_s() - emu0) / elapsed * 100
     nthreads = threads(pid)
     measuring = False
@@ -254,7 +287,8 @@ async def drive(
         f"{len(stale_nodes) + silent:6d} "
         f"{statistics.median(intervals) if intervals else float('nan'):7.2f} "
         f"{pct(latencies, 0.5):7.2f} {pct(latencies, 0.99):7.2f} "
-        f"{len(latencies) / max(1, commands) * 100:6.1f} {cpu:6.1f} {emu_cpu:6.1f} {nthreads:5d} "
+        f"{len(latencies) / max(1, commands) * 100:6.1f} {cpu:6.1f} {emu_cpu:6.1f} "
+        f"{made / elapsed:6.0f} {cpu_used / max(made, 1) * 1000:6.2f} {nthreads:5d} "
         f"{os.getloadavg()[0]:5.1f}"
         + (f"  (edge gap {worst:.1f} s)" if worst > args.stale_after else "")
     )
@@ -281,7 +315,7 @@ async def main() -> None:
     )
     print(
         "nodes   gpus ready_s tick_s period age_p50 age_p99 age_max  stale tel_int "
-        "ack_p50 ack_p99 acked%   cpu%  emu% thrds  load"
+        "ack_p50 ack_p99 acked%   cpu%  emu%  req/s ms/req thrds  load"
     )
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
