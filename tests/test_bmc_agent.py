@@ -943,3 +943,18 @@ async def test_the_bmc_agent_serves_its_metrics_and_tells_systemd(
         sock.close()
     assert said[0].startswith(b"READY=1") and said[-1] == b"STOPPING=1"
     assert b"WATCHDOG=1" in said
+
+
+def test_a_metrics_port_in_use_is_refused_naming_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from powerd.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        text = f"metrics_port = {port}\n[[nodes]]\n" + NODE_TOML.format(id="n1", pw=tmp_path / "pw")
+        assert main(["bmc-agent", f"--config={settings_file(tmp_path, text)}"]) == 2
+    err = capsys.readouterr().err
+    assert "at metrics_port: cannot serve on 127.0.0.1" in err and "Traceback" not in err

@@ -30,6 +30,7 @@ from powerd.bmc.settings import BmcAgentSettings
 from powerd.clock import SystemClock
 from powerd.node_metrics import MetricsServer, start_metrics_server
 from powerd.sdnotify import Notifier
+from powerd.settings import SettingsError
 from powerd.transport.base import (
     ConnectionState,
     LastWill,
@@ -239,7 +240,11 @@ class BmcAgent:
 
     async def run(self, stop: asyncio.Event, notifier: Notifier | None = None) -> None:
         notifier = notifier or Notifier({})
-        server = self.metrics_server = self._serve_metrics()
+        try:
+            server = self.metrics_server = self._serve_metrics()
+        except BaseException:
+            self.io.close()
+            raise
         for runner in self.runners:
             runner.start()
         log.info("bmc_agent_started", nodes=len(self.runners), period_s=self.settings.period_s)
@@ -276,9 +281,14 @@ class BmcAgent:
             return None
         registry = CollectorRegistry()
         registry.register(BmcMetrics(self.runners))
-        return start_metrics_server(
-            registry, self.settings.metrics_host, self.settings.metrics_port
-        )
+        host, port = self.settings.metrics_host, self.settings.metrics_port
+        try:
+            return start_metrics_server(registry, host, port)
+        except OSError as exc:  # the port is taken, the address is not this host's
+            raise SettingsError(
+                self.settings.kind,
+                [("metrics_port", f"cannot serve on {host}:{port}: {exc.strerror or exc}")],
+            ) from None
 
     def _join(self) -> None:
         for runner in self.runners:
