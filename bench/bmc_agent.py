@@ -242,14 +242,21 @@ async def drive(
         print(f"only {len(uuids)} of {n} nodes reported within 120 s", file=sys.stderr)
     tick = 0
     commands = 0
-    req0 = await requests_made(metrics_port)
-    cpu0, emu0, t0 = cpu_s(pid), emulators.cpu_s(), time.monotonic()
-    measuring = True
+    # Commands from now on; figures only after the warm-up (every node steered a while: its
+    # first commands, a new leader's, are applied with holds and its state saved).
+    start = time.monotonic()
+    t0 = start + args.warmup
     end = t0 + args.duration
+    req0 = cpu0 = emu0 = 0.0
     while time.monotonic() < end:
         tick += 1
         now = time.monotonic()
-        for node in uuids:  # what a controller's snapshot sees at this tick
+        if not measuring and now >= t0:
+            req0 = await requests_made(metrics_port)
+            cpu0, emu0, t0 = cpu_s(pid), emulators.cpu_s(), time.monotonic()
+            end = t0 + args.duration
+            measuring = True
+        for node in uuids if measuring else ():  # what a controller's snapshot sees now
             age = now - last.get(node, t0)
             ages.append(age)
             if age > args.stale_after:
@@ -264,11 +271,12 @@ async def drive(
                 caps=dict.fromkeys(gpus, level),
                 failsafe_w=dict.fromkeys(gpus, 300.0),
             )
-            sent[(node, tick)] = time.monotonic()
+            if measuring:
+                sent[(node, tick)] = time.monotonic()
             batch.append((TOPICS.caps(node), encode(cmd)))
-            commands += 1
+            commands += 1 if measuring else 0
         await client.publish_many(batch, qos=1)
-        await asyncio.sleep(max(0.0, t0 + tick * args.tick - time.monotonic()))
+        await asyncio.sleep(max(0.0, start + tick * args.tick - time.monotonic()))
     elapsed = time.monotonic() - t0
     cpu_used = cpu_s(pid) - cpu0
     cpu = cpu_used / elapsed * 100
@@ -298,6 +306,7 @@ async def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, nargs="+", default=[50, 200, 500])
     p.add_argument("--duration", type=float, default=30.0, help="measured seconds per N")
+    p.add_argument("--warmup", type=float, default=15.0, help="commands before measuring")
     p.add_argument("--tick", type=float, default=2.0, help="seconds between commands")
     p.add_argument("--period", type=float, default=2.0, help="the bmc-agent's period_s")
     p.add_argument("--timeout", type=float, default=0.9, help="per request attempt")
@@ -311,7 +320,7 @@ async def main() -> None:
     print(
         f"BMCs answering in {args.latency[0]:g}-{args.latency[1]:g} s, {GPUS} GPUs each; "
         f"{args.concurrency} connections per BMC; {os.cpu_count()} CPUs; "
-        f"{args.duration:g} s measured per row"
+        f"{args.duration:g} s measured per row after {args.warmup:g} s of commands"
     )
     print(
         "nodes   gpus ready_s tick_s period age_p50 age_p99 age_max  stale tel_int "
