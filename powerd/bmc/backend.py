@@ -182,11 +182,14 @@ class RedfishBackend(GpuBackend):
             controls = await asyncio.gather(
                 *(c.get(u) for u in _members(await c.get(controls_uri)))
             )
-            for control in controls:
-                uri = control.get("@odata.id")
-                if control.get("ControlType") != "Power" or not isinstance(uri, str):
-                    continue
-                proc, system_id = await self._related_gpu(control)
+            power = [
+                (control, uri)
+                for control in controls
+                if control.get("ControlType") == "Power"
+                and isinstance(uri := control.get("@odata.id"), str)
+            ]
+            related = await asyncio.gather(*(self._related_gpu(ctl) for ctl, _ in power))
+            for (control, uri), (proc, system_id) in zip(power, related, strict=True):
                 if proc is None and control.get("PhysicalContext") != "GPU":
                     continue  # a chassis's or a node's power limit, not a GPU's
                 bounds = _limit_bounds(control)
