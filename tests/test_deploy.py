@@ -830,6 +830,9 @@ def test_playbook_installs_a_controller_and_an_agent_here(tmp_path: Path) -> Non
         }
     ]
     assert (etc / "bmc" / "bmc-node-1").read_text() == "bmc-secret-1\n"
+    # The service's dynamic user reads nothing in /etc/powerd but its credentials.
+    assert bmc["tls_ca_file"] == "/run/credentials/powerd-bmc-agent.service/bmc_broker-ca.crt"
+    assert (etc / "bmc" / "broker-ca.crt").read_text() == (etc / "ca.crt").read_text()
     assert _mode(etc / "bmc") == 0o700 and _mode(etc / "bmc" / "bmc-node-1") == 0o600
     controller = tomllib.loads((etc / "controller.toml").read_text())
     assert controller["leadership"] == "lease" and controller["controller_id"] == "gpu-rack-1-01"

@@ -243,9 +243,14 @@ def test_bmc_agent_runs_unprivileged_and_reads_its_secrets_as_credentials() -> N
     assert example.mqtt_config().tls
     assert str(example.state_dir) == "/var/lib/" + d["StateDirectory"][0]
     credentials = Path("/run/credentials/powerd-bmc-agent.service")
-    for node in example.nodes:  # files in /etc/powerd/bmc/, loaded as credentials bmc_<file>
+    # The service's dynamic user reads no file in /etc/powerd: every file the settings name
+    # is one of /etc/powerd/bmc/, loaded as the credential bmc_<file>.
+    assert example.tls_ca_file is not None
+    assert Path(example.tls_ca_file).parent == credentials
+    for node in example.nodes:
         assert node.password_file.parent == credentials
         assert node.password_file.name == f"bmc_{node.node_id}"
+        assert node.ca_file is not None and node.ca_file.parent == credentials
 
 
 def test_units_read_the_example_config_files() -> None:
