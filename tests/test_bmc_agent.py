@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import socket
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -16,13 +18,22 @@ import pytest
 from powerd.agent.agent import Agent
 from powerd.backends.base import BackendError, NoPermission
 from powerd.backends.mock import Workload
-from powerd.bmc.agent import NewestCommandOnly
+from powerd.bmc.agent import BmcAgent, NewestCommandOnly, NodeRunner
 from powerd.bmc.backend import IoLoop, RedfishBackend
 from powerd.bmc.redfish import BmcTrust, RedfishClient
 from powerd.bmc.settings import BmcAgentSettings
 from powerd.clock import SystemClock
+from powerd.sdnotify import Notifier
 from powerd.settings import SettingsError
-from powerd.testing.redfish import EmulatorServer, Faults, RedfishService, TestCa
+from powerd.testing.mosquitto import LocalMosquitto
+from powerd.testing.redfish import (
+    EmulatorServer,
+    Faults,
+    Json,
+    RedfishService,
+    Response,
+    TestCa,
+)
 from powerd.transport.base import Message
 from powerd.transport.memory import MemoryBroker
 from powerd.wire import (
@@ -54,9 +65,16 @@ def io() -> Iterator[IoLoop]:
     loop.close()
 
 
-@pytest.fixture
-def hgx() -> RedfishService:
-    return RedfishService.hgx(8, Workload.steady(650.0), password="pw", node=NODE)
+# Every test on `hgx` or `small` runs on both layouts: limits in the Processors'
+# EnvironmentMetrics, and limits as Chassis Controls (found when the former have none).
+LAYOUTS = ["processors", "controls"]
+
+
+@pytest.fixture(params=LAYOUTS)
+def hgx(request: pytest.FixtureRequest) -> RedfishService:
+    return RedfishService.hgx(
+        8, Workload.steady(650.0), password="pw", node=NODE, limits=request.param
+    )
 
 
 @pytest.fixture
@@ -115,6 +133,95 @@ def test_discovery_reads_and_sets_through_the_bmc(
     finally:
         backend.close()
     assert hgx.sessions == {}  # logged out
+
+
+def test_controls_are_found_where_processors_have_no_limits_and_as_configured(
+    server: EmulatorServer, hgx: RedfishService, io: IoLoop, ca: TestCa
+) -> None:
+    """ "auto" takes the Processors' limits where they are, else the Chassis Controls; a node
+    configured for one path finds no GPU on a BMC that has only the other. Either way a GPU
+    is named by its Processor's UUID, and is read and set where its limit is."""
+    trust = BmcTrust(ca_file=ca.ca_file)
+    other = "processors" if hgx.limits == "controls" else "controls"
+    for limits, expected in (("auto", 8), (hgx.limits, 8), (other, 0)):
+        backend = backend_for(server, io, trust)
+        backend.limits = limits  # type: ignore[assignment]
+        try:
+            gpus = backend.discover()
+            assert len(gpus) == expected, limits
+            if not expected:
+                continue
+            assert [g.uuid for g in gpus] == [f"GPU-{hgx.processor_uuid(i)}" for i in range(8)]
+            uris = {g.uri for g in backend.found.values()}
+            where = "/Controls/" if hgx.limits == "controls" else "/EnvironmentMetrics"
+            assert all(where in u for u in uris)
+            before = dict(hgx.requests)
+            assert backend.set_power_limit_w(gpus[5].uuid, 420.0) == 420.0
+            assert truth(hgx)[5] == 420.0
+            # One PATCH, read back from the resource its answer carries: no GET.
+            assert hgx.requests["PATCH"] - before.get("PATCH", 0) == 1
+            assert hgx.requests["GET"] == before["GET"]
+            other_gpu = backend.read(gpus[4].uuid)  # a sample of the node, where it is read
+            assert other_gpu.cap_w == 700.0 and other_gpu.power_w == pytest.approx(650, rel=0.02)
+        finally:
+            backend.close()
+
+
+class _NoContent(RedfishService):
+    """A BMC answering a PATCH with 204 No Content (Redfish allows it)."""
+
+    def _patch(self, path: str, body: bytes) -> Response:
+        r = super()._patch(path, body)
+        return Response(204) if r.status == 200 else r
+
+
+def test_a_patch_answered_without_the_resource_is_read_back_with_a_get(
+    io: IoLoop, ca: TestCa
+) -> None:
+    gpus = RedfishService.hgx(2, Workload.steady(650.0), node=NODE).gpus
+    hgx = _NoContent(gpus=gpus, password="pw")
+    with EmulatorServer([hgx], ca) as server:
+        backend = backend_for(server, io, BmcTrust(ca_file=ca.ca_file))
+        try:
+            found = backend.discover()
+            before = hgx.requests["GET"]
+            assert backend.set_power_limits_w([(g.uuid, 333.0) for g in found]) == [333.0] * 2
+            assert hgx.requests["GET"] - before == 2 and truth(hgx) == [333.0] * 2
+            hgx.faults.lie_limit_w = 555.0  # the read-back is what the BMC says
+            assert backend.set_power_limit_w(found[0].uuid, 300.0) == 555.0
+        finally:
+            backend.close()
+
+
+class _MixedControls(RedfishService):
+    """A BMC whose Controls include a chassis's power limit (no GPU's), a GPU's without its
+    Sensor excerpt, and a GPU's that links no Processor (named by its chassis)."""
+
+    def _control(self, i: int) -> Json:
+        doc = super()._control(i)
+        if i == 0:
+            del doc["RelatedItem"]
+            doc["PhysicalContext"] = "Chassis"
+        elif i == 1:
+            del doc["Sensor"]
+        elif i == 2:
+            del doc["RelatedItem"]
+        return doc
+
+
+def test_only_a_gpus_power_controls_with_a_reading_are_steered(io: IoLoop, ca: TestCa) -> None:
+    gpus = RedfishService.hgx(4, Workload.steady(650.0), node=NODE).gpus
+    hgx = _MixedControls(gpus=gpus, password="pw", limits="controls")
+    with EmulatorServer([hgx], ca) as server:
+        backend = backend_for(server, io, BmcTrust(ca_file=ca.ca_file))
+        try:
+            found = backend.discover()
+        finally:
+            backend.close()
+    assert [g.uuid for g in found] == [
+        f"{NODE}.HGX_GPU_SXM_3.TotalGPU_Power_0",
+        f"GPU-{hgx.processor_uuid(3)}",
+    ]
 
 
 def test_a_forgotten_session_logs_in_again(
@@ -222,6 +329,8 @@ NODE_TOML = (
         ("", 'url = "https://:443"\n', "nodes[0].url", "https://host[:port]"),
         ("", "concurrency = 0\n", "nodes[0].concurrency", "greater than or equal to 1"),
         ("", "password = 'x'\n", "nodes[0].password", "unknown key"),
+        ("", 'limits = "chassis"\n', "nodes[0].limits", "'processors' or 'controls'"),
+        ('limits = "sensors"\n', "", "limits", "'processors' or 'controls'"),
     ],
 )
 def test_settings_errors_name_the_field(
@@ -234,6 +343,54 @@ def test_settings_errors_name_the_field(
     with pytest.raises(SettingsError) as err:
         BmcAgentSettings.load(settings_file(tmp_path, text))
     assert f"at {where}" in str(err.value) and what in str(err.value)
+
+
+def test_each_node_looks_for_limits_where_it_is_told(tmp_path: Path, io: IoLoop) -> None:
+    pw = tmp_path / "pw"
+    text = 'limits = "processors"\n' + "[[nodes]]\n" + NODE_TOML.format(id="n1", pw=pw)
+    text += "[[nodes]]\n" + NODE_TOML.format(id="n2", pw=pw) + 'limits = "controls"\n'
+    settings = BmcAgentSettings.load(settings_file(tmp_path, text))
+    runners = [NodeRunner(settings, i, io) for i in range(2)]
+    assert [r.backend.limits for r in runners] == ["processors", "controls"]
+    default = BmcAgentSettings.load(
+        settings_file(tmp_path, "[[nodes]]\n" + NODE_TOML.format(id="n1", pw=pw))
+    )
+    assert NodeRunner(default, 0, io).backend.limits == "auto"
+
+
+def test_discovery_waits_for_a_slot(
+    hgx: RedfishService, server: EmulatorServer, io: IoLoop, ca: TestCa, tmp_path: Path
+) -> None:
+    """Nodes walk their BMCs a few at a time: a walk waits while every slot is taken."""
+    pw = tmp_path / "pw"
+    pw.write_text("pw\n")
+    settings = BmcAgentSettings.model_validate(
+        {
+            "nodes": [
+                {
+                    "node_id": NODE,
+                    "url": server.url(),
+                    "username": "admin",
+                    "password_file": pw,
+                    "ca_file": ca.ca_file,
+                }
+            ]
+        }
+    )
+    slots = threading.BoundedSemaphore(1)
+    runner = NodeRunner(settings, 0, io, slots)
+    found: list[int] = []
+    slots.acquire()  # another node is walking its BMC
+    walker = threading.Thread(target=lambda: found.append(len(runner._discover_in_turn())))
+    walker.start()
+    try:
+        walker.join(0.5)
+        assert walker.is_alive() and hgx.requests == {}
+    finally:
+        slots.release()
+    walker.join(10)
+    runner.backend.close()
+    assert found == [8]
 
 
 def test_settings_read_passwords_from_files(tmp_path: Path) -> None:
@@ -255,10 +412,14 @@ def test_settings_read_passwords_from_files(tmp_path: Path) -> None:
 # -- the node agent on a BMC ---------------------------------------------------------------
 
 
-@pytest.fixture
-def small(ca: TestCa) -> Iterator[tuple[RedfishService, EmulatorServer]]:
+@pytest.fixture(params=LAYOUTS)
+def small(
+    ca: TestCa, request: pytest.FixtureRequest
+) -> Iterator[tuple[RedfishService, EmulatorServer]]:
     """A BMC of two GPUs (a node agent sets its GPUs one by one)."""
-    hgx = RedfishService.hgx(2, Workload.steady(650.0), password="pw", node=NODE)
+    hgx = RedfishService.hgx(
+        2, Workload.steady(650.0), password="pw", node=NODE, limits=request.param
+    )
     with EmulatorServer([hgx], ca) as s:
         yield hgx, s
 
@@ -695,3 +856,105 @@ def test_a_password_file_that_is_not_a_password_is_refused_in_one_line(tmp_path:
     for i in (0, 1):
         with pytest.raises(SettingsError, match=rf"at nodes\[{i}\].password_file: .*4096 bytes"):
             settings.bmc_password(i)
+
+
+# -- the process: metrics and systemd ------------------------------------------------------
+
+
+async def test_the_bmc_agent_serves_its_metrics_and_tells_systemd(
+    mosquitto: LocalMosquitto, ca: TestCa, tmp_path: Path
+) -> None:
+    """Per BMC: requests, failures, a latency histogram, GPUs found, whether it answers;
+    READY and watchdog pings while the shared Redfish loop answers, STOPPING at the end."""
+    hgx = RedfishService.hgx(2, Workload.steady(650.0), password="pw", node=NODE)
+    (tmp_path / "pw").write_text("pw\n")
+    notify = tmp_path / "notify"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(notify))
+    sock.setblocking(False)
+    with EmulatorServer([hgx], ca) as server:
+        settings = BmcAgentSettings.model_validate(
+            {
+                "broker": mosquitto.url,
+                "nodes": [
+                    {
+                        "node_id": NODE,
+                        "url": server.url(),
+                        "username": "admin",
+                        "password_file": tmp_path / "pw",
+                        "ca_file": ca.ca_file,
+                    }
+                ],
+                "period_s": 0.5,
+                "timeout_s": 0.2,
+                "retries": 0,
+                "metrics_port": 0,
+            }
+        )
+        agent = BmcAgent(settings)
+        notifier = Notifier({"NOTIFY_SOCKET": str(notify), "WATCHDOG_USEC": "600000"})
+        stop = asyncio.Event()
+        running = asyncio.create_task(agent.run(stop, notifier))
+
+        async def scrape() -> dict[str, float]:
+            assert agent.metrics_server is not None
+            url = f"http://127.0.0.1:{agent.metrics_server.port}/metrics"
+            async with httpx.AsyncClient() as client:
+                text = (await client.get(url)).text
+            return {
+                line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("powerd_bmc_") and f'node="{NODE}"' in line
+            }
+
+        try:
+            label = f'{{node="{NODE}"}}'
+            for _ in range(100):
+                await asyncio.sleep(0.1)
+                if agent.metrics_server is not None and (await scrape()).get(
+                    f"powerd_bmc_up{label}"
+                ):
+                    break
+            m = await scrape()
+            assert m[f"powerd_bmc_gpus{label}"] == 2 and m[f"powerd_bmc_up{label}"] == 1
+            sent = m[f"powerd_bmc_requests_total{label}"]
+            assert sent >= 2 + 2  # discovery's walk, then a sample of 2 GPUs at least
+            assert m[f"powerd_bmc_request_seconds_count{label}"] == sent
+            assert m[f'powerd_bmc_request_seconds_bucket{{le="+Inf",node="{NODE}"}}'] == sent
+            assert m[f"powerd_bmc_request_failures_total{label}"] == 0
+            hgx.faults.status = 503
+            for _ in range(100):
+                await asyncio.sleep(0.1)
+                m = await scrape()
+                if m[f"powerd_bmc_up{label}"] == 0:
+                    break
+            assert m[f"powerd_bmc_up{label}"] == 0
+            assert m[f"powerd_bmc_request_failures_total{label}"] >= 1
+            hgx.faults.status = None
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, 30)
+        said = []
+        while True:
+            try:
+                said.append(sock.recv(4096))
+            except BlockingIOError:
+                break
+        sock.close()
+    assert said[0].startswith(b"READY=1") and said[-1] == b"STOPPING=1"
+    assert b"WATCHDOG=1" in said
+
+
+def test_a_metrics_port_in_use_is_refused_naming_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from powerd.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        text = f"metrics_port = {port}\n[[nodes]]\n" + NODE_TOML.format(id="n1", pw=tmp_path / "pw")
+        assert main(["bmc-agent", f"--config={settings_file(tmp_path, text)}"]) == 2
+    err = capsys.readouterr().err
+    assert "at metrics_port: cannot serve on 127.0.0.1" in err and "Traceback" not in err

@@ -731,10 +731,21 @@ def _inventory(tmp: Path, wheel: Path, root: Path) -> dict[str, Any]:
                 "powerd_controller_tokens": str(tokens),
                 "powerd_agent_broker_password": "node-password-0123456789",
                 "powerd_agent_site": "example",
+                "powerd_bmc_agent_broker_password": "bmc-agent-password-0123456789",
+                "powerd_bmc_agent_nodes": [
+                    {
+                        "node_id": "bmc-node-1",
+                        "url": "https://10.9.0.1",
+                        "username": "powerd",
+                        "limits": "controls",
+                    }
+                ],
+                "powerd_bmc_agent_bmc_passwords": {"bmc-node-1": "bmc-secret-1"},
             },
             "children": {
                 "powerd_controllers": {"hosts": {host: {}}},
                 "powerd_agents": {"hosts": {host: {}}},
+                "powerd_bmc_agents": {"hosts": {host: {}}},
             },
         }
     }
@@ -803,6 +814,26 @@ def test_playbook_installs_a_controller_and_an_agent_here(tmp_path: Path) -> Non
     assert agent["node_id"] == agent["username"] == "gpu-rack-1-01"
     assert agent["password"] == "node-password-0123456789"
     assert agent["site"] == "example" and agent["tls_ca_file"] == str(etc / "ca.crt")
+    bmc = tomllib.loads((etc / "bmc-agent.toml").read_text())
+    assert (
+        bmc["password"] == "bmc-agent-password-0123456789"
+        and _mode(etc / "bmc-agent.toml") == 0o600
+    )
+    credential = "/run/credentials/powerd-bmc-agent.service/bmc_bmc-node-1"
+    assert bmc["nodes"] == [
+        {
+            "node_id": "bmc-node-1",
+            "url": "https://10.9.0.1",
+            "username": "powerd",
+            "limits": "controls",
+            "password_file": credential,
+        }
+    ]
+    assert (etc / "bmc" / "bmc-node-1").read_text() == "bmc-secret-1\n"
+    # The service's dynamic user reads nothing in /etc/powerd but its credentials.
+    assert bmc["tls_ca_file"] == "/run/credentials/powerd-bmc-agent.service/bmc_broker-ca.crt"
+    assert (etc / "bmc" / "broker-ca.crt").read_text() == (etc / "ca.crt").read_text()
+    assert _mode(etc / "bmc") == 0o700 and _mode(etc / "bmc" / "bmc-node-1") == 0o600
     controller = tomllib.loads((etc / "controller.toml").read_text())
     assert controller["leadership"] == "lease" and controller["controller_id"] == "gpu-rack-1-01"
     env = dict(
@@ -817,7 +848,7 @@ def test_playbook_installs_a_controller_and_an_agent_here(tmp_path: Path) -> Non
 
     # The units are the release's, with only the paths (and the user) put in.
     units = root / "etc/systemd/system"
-    for unit in ("powerd-agent.service", "powerd-controller.service"):
+    for unit in ("powerd-agent.service", "powerd-controller.service", "powerd-bmc-agent.service"):
         shipped = (REPO / "systemd" / unit).read_text()
         expected = shipped.replace("/usr/bin/powerd", str(root / "usr/bin/powerd")).replace(
             "/etc/powerd/", f"{etc}/"

@@ -64,6 +64,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "powerd.controller.opstate",
             "powerd.bmc.redfish",
             "powerd.bmc.backend",
+            "powerd.bmc.metrics",
         ),
     ),
     (

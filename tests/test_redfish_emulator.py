@@ -28,6 +28,8 @@ from powerd.testing.redfish import (
     RedfishService,
     Response,
     TestCa,
+    gpu_control_uri,
+    gpu_sensor_uri,
 )
 
 CSDL = Path(__file__).parent / "data" / "redfish-csdl"
@@ -161,6 +163,44 @@ def test_failing_and_lying_variants(hgx: RedfishService, clock: ManualClock) -> 
     assert hgx.handle("GET", ROOT, {}, b"").status == 503
 
 
+def test_controls_variant_serves_limits_as_chassis_controls(clock: ManualClock) -> None:
+    """With `limits="controls"` the Processors' EnvironmentMetrics carry the draw but no
+    limit; each GPU's limit is a Control of type Power under its chassis, and a PATCH of its
+    SetPoint changes what the GPU draws."""
+    hgx = RedfishService.hgx(
+        8, Workload.steady(650.0), password="pw", clock=clock, limits="controls"
+    )
+    auth = basic("admin", "pw")
+    assert body(hgx.handle("GET", ROOT, auth, b""))["Chassis"] == {"@odata.id": f"{ROOT}/Chassis"}
+    chassis = body(hgx.handle("GET", f"{ROOT}/Chassis", auth, b""))
+    assert chassis["Members@odata.count"] == 8
+    first = body(hgx.handle("GET", chassis["Members"][0]["@odata.id"], auth, b""))
+    controls = body(hgx.handle("GET", first["Controls"]["@odata.id"], auth, b""))
+    assert [m["@odata.id"] for m in controls["Members"]] == [gpu_control_uri(0)]
+    assert "PowerLimitWatts" not in body(hgx.handle("GET", METRICS1, auth, b""))
+    c = body(hgx.handle("GET", gpu_control_uri(0), auth, b""))
+    assert c["ControlType"] == "Power" and c["PhysicalContext"] == "GPU"
+    assert (c["SetPoint"], c["AllowableMin"], c["AllowableMax"]) == (700.0, 200.0, 700.0)
+    assert c["RelatedItem"] == [{"@odata.id": GPU1}]
+    assert c["Sensor"]["Reading"] == pytest.approx(650.0, rel=0.01)
+    assert c["Sensor"]["DataSourceUri"] == gpu_sensor_uri(0)
+    r = hgx.handle("PATCH", gpu_control_uri(0), auth, b'{"SetPoint": 300}')
+    assert r.status == 200 and body(r)["SetPoint"] == 300.0
+    clock.advance(5.0)
+    c = body(hgx.handle("GET", gpu_control_uri(0), auth, b""))
+    assert c["Sensor"]["Reading"] == pytest.approx(300.0, rel=0.01)
+    sensor = body(hgx.handle("GET", gpu_sensor_uri(0), auth, b""))
+    assert sensor["Reading"] == c["Sensor"]["Reading"] and sensor["ReadingUnits"] == "W"
+    assert body(hgx.handle("GET", gpu_control_uri(1), auth, b""))["SetPoint"] == 700.0
+    # The EnvironmentMetrics are not where the limit is set here; bad patches change nothing.
+    assert hgx.handle("PATCH", METRICS1, auth, set_point(250)).status == 405
+    for bad in (b'{"SetPoint": 150}', b'{"SetPoint": 300, "AllowableMax": 900}', b'{"X": 1}'):
+        assert hgx.handle("PATCH", gpu_control_uri(0), auth, bad).status == 400
+    assert hgx.handle("GET", f"{ROOT}/Chassis/HGX_GPU_SXM_9", auth, b"").status == 404
+    assert hgx.gpus is not None
+    assert hgx.gpus.enforced_limit_w(hgx.gpus.gpus()[0].uuid) == 300.0
+
+
 def test_https_with_the_test_ca(tmp_path: Path) -> None:
     ca = TestCa.make(tmp_path / "ca")
     other = TestCa.make(tmp_path / "other")
@@ -194,13 +234,22 @@ def validate(url: str, password: str, logdir: Path, *extra: str) -> tuple[int, d
 
 @pytest.mark.process
 @pytest.mark.slow
-def test_the_dmtf_validator_passes_the_emulator(tmp_path: Path) -> None:
+@pytest.mark.parametrize("limits", ["processors", "controls"])
+def test_the_dmtf_validator_passes_the_emulator(tmp_path: Path, limits: str) -> None:
     ca = TestCa.make(tmp_path / "ca")
-    service = RedfishService.hgx(8, password="pw", meter_overhead_w=500.0)
+    service = RedfishService.hgx(
+        8,
+        password="pw",
+        meter_overhead_w=500.0,
+        limits="controls" if limits == "controls" else "processors",
+    )
     with EmulatorServer([service], ca) as server:
         rc, counts, out = validate(server.url(), "pw", tmp_path / "logs")
     assert rc == 0 and counts["fail"] == 0 and counts["warn"] == 0, out[-4000:]
-    for path in (METRICS1, f"{ROOT}/PowerEquipment/RackPDUs/1/Metrics", f"{ROOT}/SessionService"):
+    walked = [METRICS1, f"{ROOT}/PowerEquipment/RackPDUs/1/Metrics", f"{ROOT}/SessionService"]
+    if limits == "controls":
+        walked += [gpu_control_uri(7), gpu_sensor_uri(7), f"{ROOT}/Chassis/HGX_GPU_SXM_8"]
+    for path in walked:
         assert f"Validating {path}..." in out  # it walked the whole tree
     assert counts["pass"] >= 300
 

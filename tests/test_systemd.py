@@ -17,7 +17,7 @@ import structlog
 from powerd.sdnotify import Notifier
 
 REPO = Path(__file__).resolve().parent.parent
-UNITS = ["powerd-controller.service", "powerd-agent.service"]
+UNITS = ["powerd-controller.service", "powerd-agent.service", "powerd-bmc-agent.service"]
 
 
 @pytest.fixture
@@ -134,7 +134,11 @@ def test_unit_passes_systemd_analyze_verify(unit: str, tmp_path: Path) -> None:
 
 # `systemd-analyze security` scores exposure from 0 (locked down) to 10 (unprotected); the
 # threshold is in tenths. The agent scores worse by design: uid 0, CAP_SYS_ADMIN, GPU devices.
-EXPOSURE_LIMIT = {"powerd-controller.service": 20, "powerd-agent.service": 30}
+EXPOSURE_LIMIT = {
+    "powerd-controller.service": 20,
+    "powerd-agent.service": 30,
+    "powerd-bmc-agent.service": 20,
+}
 
 
 @pytest.mark.process
@@ -173,7 +177,8 @@ def _directives(unit: str) -> dict[str, list[str]]:
 def test_units_notify_watchdog_restart_and_hardening(unit: str) -> None:
     d = _directives(unit)
     assert d["Type"] == ["notify"]
-    assert d["Restart"] == ["on-failure"]
+    # The bmc-agent always: while it is down nothing lowers its BMCs' limits (see the unit).
+    assert d["Restart"] == ["always" if unit == "powerd-bmc-agent.service" else "on-failure"]
     assert int(d["WatchdogSec"][0].rstrip("s")) > 0
     assert d["StateDirectory"][0].startswith("powerd")
     for key in ("NoNewPrivileges", "ProtectHome", "PrivateTmp", "ProtectKernelModules"):
@@ -223,6 +228,29 @@ def test_example_agent_settings_and_tokens_load() -> None:
         ("grafana", Role.VIEWER),
         ("slurm-prolog", Role.OPERATOR),
     ]
+
+
+def test_bmc_agent_runs_unprivileged_and_reads_its_secrets_as_credentials() -> None:
+    d = _directives("powerd-bmc-agent.service")
+    assert d["DynamicUser"] == ["yes"] and d["CapabilityBoundingSet"] == [""]
+    assert "LoadCredential" in d and all(
+        c.split(":", 1)[1].startswith("/etc/powerd/") for c in d["LoadCredential"]
+    )
+    assert "--config ${CREDENTIALS_DIRECTORY}/bmc-agent.toml" in d["ExecStart"][0]
+    from powerd.bmc.settings import BmcAgentSettings
+
+    example = BmcAgentSettings.load(REPO / "systemd" / "etc-powerd" / "bmc-agent.toml")
+    assert example.mqtt_config().tls
+    assert str(example.state_dir) == "/var/lib/" + d["StateDirectory"][0]
+    credentials = Path("/run/credentials/powerd-bmc-agent.service")
+    # The service's dynamic user reads no file in /etc/powerd: every file the settings name
+    # is one of /etc/powerd/bmc/, loaded as the credential bmc_<file>.
+    assert example.tls_ca_file is not None
+    assert Path(example.tls_ca_file).parent == credentials
+    for node in example.nodes:
+        assert node.password_file.parent == credentials
+        assert node.password_file.name == f"bmc_{node.node_id}"
+        assert node.ca_file is not None and node.ca_file.parent == credentials
 
 
 def test_units_read_the_example_config_files() -> None:

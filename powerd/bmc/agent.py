@@ -13,18 +13,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import signal
 import threading
 from collections.abc import AsyncIterator
 
 import structlog
+from prometheus_client import CollectorRegistry
 
 from powerd.agent.agent import Agent
-from powerd.backends.base import BackendError
+from powerd.backends.base import BackendError, GpuInfo
 from powerd.bmc.backend import IoLoop, RedfishBackend
-from powerd.bmc.redfish import RedfishClient
+from powerd.bmc.metrics import BmcMetrics
+from powerd.bmc.redfish import RedfishClient, RequestStats
 from powerd.bmc.settings import BmcAgentSettings
 from powerd.clock import SystemClock
+from powerd.node_metrics import MetricsServer, start_metrics_server
+from powerd.sdnotify import Notifier
+from powerd.settings import SettingsError
 from powerd.transport.base import (
     ConnectionState,
     LastWill,
@@ -36,6 +42,8 @@ from powerd.transport.base import (
 from powerd.transport.mqtt import MqttTransport
 
 log = structlog.get_logger(__name__)
+# Nodes discovering at once (each walk: ~20 requests on the shared Redfish loop).
+DISCOVERY_SLOTS = 16
 
 
 class NewestCommandOnly(Transport):
@@ -105,8 +113,15 @@ class NodeRunner(threading.Thread):
     """One BMC-managed node: discovery (again every period until it works), then the node
     agent until `request_stop`."""
 
-    def __init__(self, settings: BmcAgentSettings, index: int, io: IoLoop) -> None:
+    def __init__(
+        self,
+        settings: BmcAgentSettings,
+        index: int,
+        io: IoLoop,
+        discovery_slots: threading.BoundedSemaphore | None = None,
+    ) -> None:
         node = settings.nodes[index]
+        self.discovery_slots = discovery_slots or threading.BoundedSemaphore(DISCOVERY_SLOTS)
         super().__init__(name=f"bmc-{node.node_id}", daemon=True)
         self.settings = settings
         self.node = node
@@ -122,7 +137,13 @@ class NodeRunner(threading.Thread):
             concurrency=node.concurrency or settings.concurrency,
         )
         # A sample serves the reads of one telemetry period.
-        self.backend = RedfishBackend(node.node_id, client, io, max_age_s=settings.period_s / 2)
+        self.backend = RedfishBackend(
+            node.node_id,
+            client,
+            io,
+            max_age_s=settings.period_s / 2,
+            limits=node.limits or settings.limits,
+        )
         self.agent: Agent | None = None
         self.transport: NewestCommandOnly | None = None
         self._node_loop: asyncio.AbstractEventLoop | None = None
@@ -156,16 +177,42 @@ class NodeRunner(threading.Thread):
         assert self._node_stop is not None
         while not self._node_stop.is_set():
             try:
-                gpus = await asyncio.to_thread(self.backend.discover)
+                gpus = await asyncio.to_thread(self._discover_in_turn)
             except BackendError as exc:
                 self.log.warning("bmc_discovery_failed", bmc=self.node.url, error=str(exc))
             else:
                 if gpus:
                     return True
                 self.log.warning("bmc_has_no_gpus", bmc=self.node.url)
+            # Jittered: BMCs that failed together (a network blip) do not retry together.
+            again_s = self.settings.period_s * random.uniform(0.5, 1.5)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._node_stop.wait(), self.settings.period_s)
+                await asyncio.wait_for(self._node_stop.wait(), again_s)
         return False
+
+    def _discover_in_turn(self) -> list[GpuInfo]:
+        """Discovery once a slot is free: a walk is ~20 requests, and hundreds of nodes
+        walking at once on the shared loop would each run past its bound and start again."""
+        with self.discovery_slots:
+            return self.backend.discover()
+
+    # -- what the metrics read (powerd.bmc.metrics.BmcView) ---------------------------------
+
+    @property
+    def node_id(self) -> str:
+        return self.node.node_id
+
+    @property
+    def stats(self) -> RequestStats:
+        return self.backend.client.stats
+
+    @property
+    def gpus_found(self) -> int:
+        return len(self.backend.found)
+
+    @property
+    def answering(self) -> bool:
+        return self.backend.answering
 
     def request_stop(self) -> None:
         self._stop_requested.set()
@@ -180,25 +227,68 @@ class BmcAgent:
     def __init__(self, settings: BmcAgentSettings) -> None:
         settings.check_files()  # SettingsError before any thread starts
         self.settings = settings
+        self.metrics_server: MetricsServer | None = None  # while it runs, if configured
         self.io = IoLoop()
         try:
-            self.runners = [NodeRunner(settings, i, self.io) for i in range(len(settings.nodes))]
+            slots = threading.BoundedSemaphore(DISCOVERY_SLOTS)
+            self.runners = [
+                NodeRunner(settings, i, self.io, slots) for i in range(len(settings.nodes))
+            ]
         except BaseException:
             self.io.close()
             raise
 
-    async def run(self, stop: asyncio.Event) -> None:
+    async def run(self, stop: asyncio.Event, notifier: Notifier | None = None) -> None:
+        notifier = notifier or Notifier({})
+        try:
+            server = self.metrics_server = self._serve_metrics()
+        except BaseException:
+            self.io.close()
+            raise
         for runner in self.runners:
             runner.start()
         log.info("bmc_agent_started", nodes=len(self.runners), period_s=self.settings.period_s)
+        notifier.ready(f"bmc-agent: {len(self.runners)} nodes")
         try:
-            await stop.wait()
+            await self._watchdog(stop, notifier)
         finally:
+            notifier.stopping()
             for runner in self.runners:
                 runner.request_stop()
             await asyncio.to_thread(self._join)
             self.io.close()
+            if server is not None:
+                server.close()
             log.info("bmc_agent_stopped")
+
+    async def _watchdog(self, stop: asyncio.Event, notifier: Notifier) -> None:
+        """Until `stop`: a watchdog ping each time the shared Redfish loop answers (a hung
+        one stalls every node: systemd restarts the process), about twice per WatchdogSec."""
+        every_s = notifier.watchdog_s or self.settings.period_s
+        while not stop.is_set():
+            if notifier.watchdog_s is not None:
+                try:
+                    await asyncio.to_thread(self.io.run, asyncio.sleep(0), every_s)
+                except TimeoutError:
+                    log.error("bmc_io_loop_stalled", waited_s=every_s)
+                else:
+                    notifier.watchdog()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), every_s)
+
+    def _serve_metrics(self) -> MetricsServer | None:
+        if self.settings.metrics_port is None:
+            return None
+        registry = CollectorRegistry()
+        registry.register(BmcMetrics(self.runners))
+        host, port = self.settings.metrics_host, self.settings.metrics_port
+        try:
+            return start_metrics_server(registry, host, port)
+        except OSError as exc:  # the port is taken, the address is not this host's
+            raise SettingsError(
+                self.settings.kind,
+                [("metrics_port", f"cannot serve on {host}:{port}: {exc.strerror or exc}")],
+            ) from None
 
     def _join(self) -> None:
         for runner in self.runners:
@@ -213,4 +303,4 @@ async def run_bmc_agent_process(settings: BmcAgentSettings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await agent.run(stop)
+    await agent.run(stop, Notifier())

@@ -8,12 +8,18 @@ BMCs are in flight at once, each within its own connection cap.
 
 - Discovery walks the standard tree: `Systems` → each system's `Processors` → those with
   `ProcessorType: GPU` and an `EnvironmentMetrics` whose `PowerLimitWatts` has a
-  `SetPoint` and `AllowableMin`/`AllowableMax`.
+  `SetPoint` and `AllowableMin`/`AllowableMax`. Where none has (or where the node's
+  `limits` say so), it walks `Chassis` → each chassis's `Controls` → those with
+  `ControlType: Power` for a GPU (`PhysicalContext: GPU`, or a `RelatedItem` that is a GPU
+  Processor) with a `SetPoint`, `AllowableMin`/`AllowableMax`, and a `Sensor` excerpt whose
+  `Reading` is the draw. A GPU found either way has the same name on the wire (its
+  Processor's `UUID`, where the Control links it).
 - `read`: one sample of every GPU of the node, shared by the reads of one telemetry period
   (`max_age_s`); a failed sample fails every read until it is that old, so a BMC that does
   not answer costs one timeout per period, not one per GPU.
-- `set_power_limit_w`: `PATCH` `PowerLimitWatts.SetPoint`, then `GET` it back: what the BMC
-  enforces, as the agent acks it.
+- `set_power_limit_w`: `PATCH` `PowerLimitWatts.SetPoint` (the Control's `SetPoint`), then
+  read it back from the resource the answer carries (or a `GET` where it carries none):
+  what the BMC enforces, as the agent acks it.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import threading
 import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import structlog
 
@@ -45,6 +51,9 @@ from powerd.wire import MAX_GPUS_PER_NODE, MAX_SANE_WATTS
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
+# Where a BMC's GPU limits are: "processors" (EnvironmentMetrics' PowerLimitWatts),
+# "controls" (Chassis Controls of type Power), "auto" (processors, else controls).
+LimitsAt = Literal["auto", "processors", "controls"]
 
 
 class IoLoop:
@@ -74,10 +83,12 @@ class IoLoop:
 
 @dataclass(frozen=True)
 class BmcGpu:
-    """A GPU found on a BMC: where its metrics and limit are, and what does not change."""
+    """A GPU found on a BMC: what does not change, and the one resource that holds its draw
+    and its limit: an `EnvironmentMetrics` (`via="metrics"`) or a `Control`."""
 
     info: GpuInfo
-    metrics_uri: str
+    uri: str
+    via: Literal["metrics", "control"] = "metrics"
 
 
 @dataclass
@@ -91,9 +102,17 @@ class RedfishBackend(GpuBackend):
     """One node's GPUs behind its BMC. `discover()` first (BackendError if the BMC cannot
     be walked); then the `GpuBackend` calls, each bounded by the client's timeouts."""
 
-    def __init__(self, node_id: str, client: RedfishClient, io: IoLoop, max_age_s: float) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        client: RedfishClient,
+        io: IoLoop,
+        max_age_s: float,
+        limits: LimitsAt = "auto",
+    ) -> None:
         self.node_id = node_id
         self.client = client
+        self.limits = limits
         self.io = io
         self.max_age_s = max_age_s
         self.found: dict[str, BmcGpu] = {}
@@ -110,18 +129,24 @@ class RedfishBackend(GpuBackend):
         walk fails (the BMC does not answer, refuses the credentials, ...)."""
         found = self._call(self._discover(), "discovery", bound_s=self._bound_s * 4)
         self.found = {g.info.uuid: g for g in found}
-        self.log.info("bmc_gpus_found", gpus=len(found), uris=[g.metrics_uri for g in found])
+        self.log.info("bmc_gpus_found", gpus=len(found), uris=[g.uri for g in found])
         return [g.info for g in found]
 
     async def _discover(self) -> list[BmcGpu]:
+        root = await self.client.get("/redfish/v1")
+        gpus: list[BmcGpu] = []
+        if self.limits != "controls":
+            await self._discover_processors(root, gpus)
+        if not gpus and self.limits != "processors":
+            await self._discover_controls(root, gpus)
+        return gpus
+
+    async def _discover_processors(self, root: Json, gpus: list[BmcGpu]) -> None:
         c = self.client
-        root = await c.get("/redfish/v1")
         systems_uri = _link(root, "Systems")
         if systems_uri is None:
-            return []
-        systems = await c.get(systems_uri)
-        gpus: list[BmcGpu] = []
-        for member in _members(systems):
+            return
+        for member in _members(await c.get(systems_uri)):
             system = await c.get(member)
             processors_uri = _link(system, "Processors")
             if processors_uri is None:
@@ -134,37 +159,105 @@ class RedfishBackend(GpuBackend):
             ]
             metrics = await asyncio.gather(*(c.get(uri) for _, uri in candidates))
             for (proc, uri), m in zip(candidates, metrics, strict=True):
-                limit = m.get("PowerLimitWatts")
-                bounds = _limit_bounds(limit)
+                bounds = _limit_bounds(m.get("PowerLimitWatts"))
                 if bounds is None:
-                    self.log.warning("bmc_gpu_without_limit", processor=proc.get("@odata.id"))
-                    continue
-                lo, hi, default = bounds
-                uuid = _gpu_uuid(self.node_id, str(system.get("Id", "")), proc)
-                if len(gpus) >= MAX_GPUS_PER_NODE or any(g.info.uuid == uuid for g in gpus):
-                    self.log.warning(
-                        "bmc_gpu_skipped",
-                        processor=proc.get("@odata.id"),
-                        reason="a uuid named twice"
-                        if len(gpus) < MAX_GPUS_PER_NODE
-                        else f"over {MAX_GPUS_PER_NODE} GPUs",
+                    where = "processors" if self.limits == "processors" else "controls next"
+                    self.log.info(
+                        "bmc_gpu_without_limit", processor=proc.get("@odata.id"), then=where
                     )
                     continue
-                info = GpuInfo(
-                    uuid=uuid,
-                    index=len(gpus),
-                    name=str(proc.get("Model") or proc.get("Name") or "GPU")[:128],
-                    min_cap_w=lo,
-                    max_cap_w=hi,
-                    default_cap_w=default,
+                uuid = _gpu_uuid(self.node_id, str(system.get("Id", "")), proc)
+                self._add(gpus, BmcGpu(self._info(uuid, len(gpus), proc, bounds), uri, "metrics"))
+
+    async def _discover_controls(self, root: Json, gpus: list[BmcGpu]) -> None:
+        c = self.client
+        chassis_uri = _link(root, "Chassis")
+        if chassis_uri is None:
+            return
+        for member in _members(await c.get(chassis_uri)):
+            chassis = await c.get(member)
+            controls_uri = _link(chassis, "Controls")
+            if controls_uri is None:
+                continue
+            controls = await asyncio.gather(
+                *(c.get(u) for u in _members(await c.get(controls_uri)))
+            )
+            power = [
+                (control, uri)
+                for control in controls
+                if control.get("ControlType") == "Power"
+                and isinstance(uri := control.get("@odata.id"), str)
+            ]
+            related = await asyncio.gather(*(self._related_gpu(ctl) for ctl, _ in power))
+            for (control, uri), (proc, system_id) in zip(power, related, strict=True):
+                if proc is None and control.get("PhysicalContext") != "GPU":
+                    continue  # a chassis's or a node's power limit, not a GPU's
+                bounds = _limit_bounds(control)
+                if bounds is None or _number(control.get("Sensor")) is None:
+                    self.log.warning("bmc_gpu_control_unusable", control=uri)
+                    continue
+                if proc is not None:
+                    uuid = _gpu_uuid(self.node_id, system_id, proc)
+                else:
+                    uuid = _gpu_uuid(self.node_id, str(chassis.get("Id", "")), control)
+                named = proc or control
+                self._add(gpus, BmcGpu(self._info(uuid, len(gpus), named, bounds), uri, "control"))
+
+    async def _related_gpu(self, control: Json) -> tuple[Json | None, str]:
+        """The GPU Processor a Control's `RelatedItem` links, and its system's Id; (None, "")
+        if none does (or it cannot be read: then the Control is a GPU's by its context)."""
+        items = control.get("RelatedItem")
+        for item in items if isinstance(items, list) else []:
+            uri = item.get("@odata.id") if isinstance(item, dict) else None
+            if not isinstance(uri, str) or "/Processors/" not in uri:
+                continue
+            try:
+                proc = await self.client.get(uri)
+            except RedfishError as exc:
+                self.log.info("bmc_related_item_unreadable", uri=uri[:200], error=str(exc))
+                continue
+            if proc.get("ProcessorType") == "GPU":
+                system_id = (
+                    uri.split("/Systems/", 1)[-1].split("/", 1)[0] if "/Systems/" in uri else ""
                 )
-                gpus.append(BmcGpu(info, uri))
-        return gpus
+                return proc, system_id
+        return None, ""
+
+    def _info(
+        self, uuid: str, index: int, named: Json, bounds: tuple[float, float, float]
+    ) -> GpuInfo:
+        lo, hi, default = bounds
+        return GpuInfo(
+            uuid=uuid,
+            index=index,
+            name=str(named.get("Model") or named.get("Name") or "GPU")[:128],
+            min_cap_w=lo,
+            max_cap_w=hi,
+            default_cap_w=default,
+        )
+
+    def _add(self, gpus: list[BmcGpu], gpu: BmcGpu) -> None:
+        if len(gpus) >= MAX_GPUS_PER_NODE or any(g.info.uuid == gpu.info.uuid for g in gpus):
+            self.log.warning(
+                "bmc_gpu_skipped",
+                uri=gpu.uri,
+                reason="a uuid named twice"
+                if len(gpus) < MAX_GPUS_PER_NODE
+                else f"over {MAX_GPUS_PER_NODE} GPUs",
+            )
+            return
+        gpus.append(gpu)
 
     # -- GpuBackend ----------------------------------------------------------------------
 
     def gpus(self) -> list[GpuInfo]:
         return [g.info for g in self.found.values()]
+
+    @property
+    def answering(self) -> bool:
+        """Whether the latest sample of the node was answered (False before the first)."""
+        sample = self._sample
+        return sample is not None and sample.error is None
 
     def read(self, uuid: str) -> GpuReading:
         gpu = self._gpu(uuid)
@@ -175,7 +268,7 @@ class RedfishBackend(GpuBackend):
             raise type(sample.error)(str(sample.error), uuid)
         reading = sample.readings.get(uuid)
         if reading is None:
-            raise GpuLost(f"the BMC gave no metrics for {gpu.metrics_uri}", uuid)
+            raise GpuLost(f"the BMC gave no metrics for {gpu.uri}", uuid)
         return reading
 
     def enforced_limit_w(self, uuid: str) -> float:
@@ -256,8 +349,16 @@ class RedfishBackend(GpuBackend):
         # Whole watts: BMCs take SetPoint as an integer (Redfish lets them); the agent
         # clamps to [AllowableMin, AllowableMax] first, which are whole watts too.
         set_point: float | int = round(watts) if abs(watts - round(watts)) < 1e-9 else watts
-        await self.client.patch(gpu.metrics_uri, {"PowerLimitWatts": {"SetPoint": set_point}})
-        return _reading(gpu, await self.client.get(gpu.metrics_uri))
+        body: Json = {"SetPoint": set_point}
+        after = await self.client.patch(
+            gpu.uri, body if gpu.via == "control" else {"PowerLimitWatts": body}
+        )
+        # The read-back: the resource the PATCH's answer carries (Redfish answers 200 with
+        # it, or 204), else a GET of it; one round trip a set, not two, where a BMC gives it.
+        if after is not None:
+            with contextlib.suppress(ValueError, TypeError):
+                return _reading(gpu, after)
+        return _reading(gpu, await self.client.get(gpu.uri))
 
     def _sample_all(self) -> _Sample:
         at = time.monotonic()
@@ -270,9 +371,7 @@ class RedfishBackend(GpuBackend):
 
     async def _read_all(self) -> dict[str, GpuReading]:
         gpus = list(self.found.values())
-        docs = await asyncio.gather(
-            *(self.client.get(g.metrics_uri) for g in gpus), return_exceptions=True
-        )
+        docs = await asyncio.gather(*(self.client.get(g.uri) for g in gpus), return_exceptions=True)
         out: dict[str, GpuReading] = {}
         for gpu, doc in zip(gpus, docs, strict=True):
             if isinstance(doc, BaseException):
@@ -330,19 +429,24 @@ def _backend_error(exc: RedfishError, what: str, uuid: str | None) -> BackendErr
 
 
 def _reading(gpu: BmcGpu, m: Json) -> GpuReading:
-    """EnvironmentMetrics as a reading; ValueError if the draw or the limit is missing."""
-    limit = m.get("PowerLimitWatts")
+    """EnvironmentMetrics (or a Control) as a reading; ValueError if the draw or the limit
+    is missing."""
+    if gpu.via == "control":  # the draw is the Sensor excerpt's; no energy, no temperature
+        limit: object = m
+        power = _number(m.get("Sensor"))
+        where = "Sensor.Reading or SetPoint"
+    else:
+        limit = m.get("PowerLimitWatts")
+        power = _number(m.get("PowerWatts"))
+        where = "PowerWatts.Reading or PowerLimitWatts.SetPoint"
     set_point = limit.get("SetPoint") if isinstance(limit, dict) else None
-    power = _number(m.get("PowerWatts"))
     if power is None or not isinstance(set_point, int | float) or isinstance(set_point, bool):
-        raise ValueError(f"{gpu.metrics_uri}: no PowerWatts.Reading or PowerLimitWatts.SetPoint")
+        raise ValueError(f"{gpu.uri}: no {where}")
     # A BMC is untrusted: a draw or a limit the wire would refuse (not a number, negative,
     # beyond MAX_SANE_WATTS) is no reading at all, as if the BMC had not answered.
-    for what, value in (("PowerWatts.Reading", power), ("PowerLimitWatts.SetPoint", set_point)):
+    for what, value in (("the draw", power), ("the SetPoint", set_point)):
         if not 0 <= value <= MAX_SANE_WATTS:  # False for NaN too
-            raise ValueError(
-                f"{gpu.metrics_uri}: {what} {value!r} is outside [0, {MAX_SANE_WATTS:g}] W"
-            )
+            raise ValueError(f"{gpu.uri}: {what} {value!r} is outside [0, {MAX_SANE_WATTS:g}] W")
     energy = _number(m.get("EnergyJoules"))
     temp = _number(m.get("TemperatureCelsius"))
     return GpuReading(
@@ -368,7 +472,8 @@ def _number(excerpt: object) -> float | None:
 
 
 def _limit_bounds(limit: object) -> tuple[float, float, float] | None:
-    """(AllowableMin, AllowableMax, default) of a PowerLimitWatts excerpt, if settable."""
+    """(AllowableMin, AllowableMax, default) of a PowerLimitWatts excerpt or a Control, if
+    settable."""
     if not isinstance(limit, dict):
         return None
     values = [limit.get(k) for k in ("SetPoint", "AllowableMin", "AllowableMax")]

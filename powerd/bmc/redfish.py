@@ -12,8 +12,10 @@ one.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import ssl
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,6 +28,29 @@ Json = dict[str, Any]
 SESSIONS = "/redfish/v1/SessionService/Sessions"
 BACKOFF_S = 0.1  # before the first retry; doubled for each further one
 MAX_BODY_BYTES = 4 << 20  # the largest answer read (a Redfish document: a few kB)
+
+
+# Upper bounds of the request-latency histogram's buckets (BMCs answer in 100–500 ms).
+LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
+
+
+@dataclass
+class RequestStats:
+    """Every attempt a client made: how many, how many failed (no answer, or an answer other
+    than 2xx), and how long each took until its answer was read (or it gave up), as
+    histogram counts over LATENCY_BUCKETS_S (the last count: beyond the last bound). Written
+    by the client's loop only; read from any thread (plain numbers)."""
+
+    attempts: int = 0
+    failed: int = 0
+    seconds_sum: float = 0.0
+    buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
+
+    def record(self, seconds: float, ok: bool) -> None:
+        self.attempts += 1
+        self.failed += 0 if ok else 1
+        self.seconds_sum += seconds
+        self.buckets[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
 
 
 class RedfishError(Exception):
@@ -101,6 +126,7 @@ class RedfishClient:
         self._login_lock = asyncio.Lock()
         self.requests = 0  # attempts made, for figures
         self.logins = 0
+        self.stats = RequestStats()
         self.log = log.bind(bmc=self.base_url)
 
     # -- sessions ------------------------------------------------------------------------
@@ -141,8 +167,16 @@ class RedfishClient:
     async def get(self, path: str) -> Json:
         return _json(await self._authed("GET", path), path)
 
-    async def patch(self, path: str, doc: Json) -> None:
-        await self._authed("PATCH", path, json=doc)
+    async def patch(self, path: str, doc: Json) -> Json | None:
+        """The resource as the answer gives it after the change (200 with a body), or None
+        (204, or a body that is no JSON object)."""
+        r = await self._authed("PATCH", path, json=doc)
+        if r.status_code != 200 or not r.content:
+            return None
+        try:
+            return _json(r, path)
+        except RedfishError:
+            return None
 
     async def _authed(self, method: str, path: str, json: Json | None = None) -> httpx.Response:
         if not self._basic and self._token is None:
@@ -182,6 +216,8 @@ class RedfishClient:
             elif authed and self._token is not None:
                 headers["X-Auth-Token"] = self._token
             self.requests += 1
+            started = time.monotonic()
+            answered = False
             try:
                 request = self._client.build_request(method, path, json=json, headers=headers)
                 r = await self._client.send(request, auth=auth, stream=True)
@@ -189,6 +225,7 @@ class RedfishClient:
                     await _read_bounded(r, f"{method} {path}")
                 finally:
                     await r.aclose()
+                answered = r.status_code < 300
             except httpx.DecodingError as exc:
                 raise RedfishError(f"{method} {path}: undecodable answer ({exc})") from None
             except (httpx.TimeoutException, httpx.TransportError) as exc:
@@ -199,6 +236,8 @@ class RedfishClient:
                     continue
                 what = type(exc).__name__ if not str(exc) else f"{type(exc).__name__}: {exc}"
                 raise RedfishError(f"{method} {path}: no answer ({what})") from None
+            finally:
+                self.stats.record(time.monotonic() - started, answered)
             if r.status_code >= 500 and attempt + 1 < attempts:
                 await asyncio.sleep(BACKOFF_S * 2**attempt)
                 continue

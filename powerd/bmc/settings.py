@@ -15,6 +15,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from powerd.agent.settings import AgentSettings
+from powerd.bmc.backend import LimitsAt
 from powerd.bmc.redfish import BmcTrust
 from powerd.settings import BrokerSettings, SettingsError
 from powerd.wire import MAX_SANE_WATTS, NodeId
@@ -37,6 +38,8 @@ class BmcNode(BaseModel):
     ca_file: Path | None = None
     pinned_cert_file: Path | None = None
     auth: Literal["session", "basic"] = "session"
+    # Where its GPU limits are: None, the bmc-agent's `limits` below.
+    limits: LimitsAt | None = None
     # Per BMC; None: the bmc-agent's defaults below.
     timeout_s: float | None = Field(default=None, gt=0, le=60)
     retries: int | None = Field(default=None, ge=0, le=5)
@@ -93,6 +96,13 @@ class BmcAgentSettings(BrokerSettings):
     timeout_s: float = Field(default=0.8, gt=0, le=60)
     retries: int = Field(default=1, ge=0, le=5)
     concurrency: int = Field(default=4, ge=1, le=64)
+    # The bmc-agent's own Prometheus metrics (per BMC: requests, failures, latency); None:
+    # off. 9401 is the node agent's example port, 9400 dcgm-exporter's.
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    # Where GPU limits are: "auto" (the Processors' EnvironmentMetrics, else Chassis
+    # Controls of type Power), "processors" or "controls" (that path only).
+    limits: LimitsAt = "auto"
 
     @field_validator("nodes")
     @classmethod

@@ -11,6 +11,12 @@ tests/test_redfish_emulator.py; docs/decisions/0005-redfish-client.md):
   `TemperatureCelsius.Reading` and `PowerLimitWatts` {`SetPoint`, `AllowableMin`,
   `AllowableMax`, `DefaultSetPoint`}; a `PATCH` of `PowerLimitWatts.SetPoint` sets the
   GPU's limit in the model (`MockBackend` over `SimulatedGpus`), so the draw follows it;
+- with GPUs whose limits are `Control` resources (`limits="controls"`): the same Processors,
+  whose `EnvironmentMetrics` then carry no `PowerLimitWatts`, and `Chassis/HGX_GPU_SXM_1..n`
+  → `Controls/TotalGPU_Power_0` (`ControlType: Power`, `SetPoint`, `AllowableMin/Max`,
+  `DefaultSetPoint`, a `Sensor` excerpt whose `Reading` is the draw, `RelatedItem` → the
+  Processor) and `Sensors/HGX_GPU_SXM_n_Power_0`; a `PATCH` of the Control's `SetPoint`
+  sets the limit in the model;
 - with a PDU: `PowerEquipment/RackPDUs/1` → `Metrics` with `PowerWatts.Reading`: the draw
   of the GPUs it meters plus `overhead_w`.
 
@@ -36,7 +42,7 @@ import uuid as uuidlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from powerd.backends.base import BackendError, GpuBackend, GpuInfo
 from powerd.backends.mock import MockBackend, SimulatedGpus, Workload
@@ -56,12 +62,18 @@ SCHEMAS = {
     "PowerEquipment": "v1_2_3",
     "PowerDistribution": "v1_6_0",
     "PowerDistributionMetrics": "v1_4_0",
+    "Chassis": "v1_28_0",
+    "Control": "v1_7_0",
+    "Sensor": "v1_12_0",
 }
 COLLECTIONS = (
     "ComputerSystemCollection",
     "ProcessorCollection",
     "SessionCollection",
     "PowerDistributionCollection",
+    "ChassisCollection",
+    "ControlCollection",
+    "SensorCollection",
 )
 COPYRIGHT_FREE_NAME = "powerd Redfish emulator"
 
@@ -79,6 +91,23 @@ def _link(path: str) -> Json:
 def gpu_processor_id(i: int) -> str:
     """The Processor Id of GPU i (0-based) on an H100 HGX baseboard: GPU_SXM_1..8."""
     return f"GPU_SXM_{i + 1}"
+
+
+def gpu_chassis_id(i: int) -> str:
+    """The Chassis Id of GPU i (0-based) where limits are Controls: HGX_GPU_SXM_1..8."""
+    return f"HGX_{gpu_processor_id(i)}"
+
+
+GPU_CONTROL_ID = "TotalGPU_Power_0"
+
+
+def gpu_control_uri(i: int) -> str:
+    """The URI of GPU i's power limit `Control` (with `limits="controls"`)."""
+    return f"{ROOT}/Chassis/{gpu_chassis_id(i)}/Controls/{GPU_CONTROL_ID}"
+
+
+def gpu_sensor_uri(i: int) -> str:
+    return f"{ROOT}/Chassis/{gpu_chassis_id(i)}/Sensors/{gpu_chassis_id(i)}_Power_0"
 
 
 @dataclass
@@ -119,8 +148,10 @@ class Response:
 class RedfishService:
     """One BMC (with `gpus`) or PDU (with `meter`), or both: requests in, responses out.
 
-    `gpus`: the node's GPUs as a `MockBackend` (see `RedfishService.hgx`). Credentials are
-    one account (`username`, `password`). `requests` counts requests by method.
+    `gpus`: the node's GPUs as a `MockBackend` (see `RedfishService.hgx`); `limits`: where
+    their limits are set, the Processors' `EnvironmentMetrics` or Chassis `Controls`.
+    Credentials are one account (`username`, `password`). `requests` counts requests by
+    method.
     """
 
     def __init__(
@@ -132,8 +163,10 @@ class RedfishService:
         password: str = "",
         faults: Faults | None = None,
         name: str = COPYRIGHT_FREE_NAME,
+        limits: Literal["processors", "controls"] = "processors",
     ) -> None:
         self.gpus = gpus
+        self.limits = limits
         self.meter = meter
         self.username = username
         self.password = password or secrets.token_urlsafe(12)
@@ -277,18 +310,24 @@ class RedfishService:
         return _error(404, "Base.1.0.ResourceMissingAtURI", sid)
 
     def _patch(self, path: str, body: bytes) -> Response:  # noqa: PLR0911 - each refusal
-        i = self._gpu_of(path, "/EnvironmentMetrics")
+        if self.limits == "controls":
+            i = self._control_of(path)
+            field, what = None, "SetPoint"
+        else:
+            i = self._gpu_of(path, "/EnvironmentMetrics")
+            field, what = "PowerLimitWatts", "PowerLimitWatts.SetPoint"
         if i is None:
             if self._resource(path) is None:
                 return _error(404, "Base.1.0.ResourceMissingAtURI", path)
             return _error(405, "Base.1.0.OperationNotAllowed", f"{path} cannot be changed")
         try:
             doc = json.loads(body or b"{}")
-            set_point = doc["PowerLimitWatts"]["SetPoint"]
+            inner = doc if field is None else doc[field]
+            set_point = inner["SetPoint"]
         except (ValueError, KeyError, TypeError):
-            return _error(400, "Base.1.0.PropertyMissing", "PowerLimitWatts.SetPoint")
-        if set(doc) != {"PowerLimitWatts"} or set(doc["PowerLimitWatts"]) != {"SetPoint"}:
-            return _error(400, "Base.1.0.PropertyNotWritable", "only PowerLimitWatts.SetPoint")
+            return _error(400, "Base.1.0.PropertyMissing", what)
+        if set(doc) != {field or "SetPoint"} or set(inner) != {"SetPoint"}:
+            return _error(400, "Base.1.0.PropertyNotWritable", f"only {what}")
         if isinstance(set_point, bool) or not isinstance(set_point, int | float):
             return _error(400, "Base.1.0.PropertyValueTypeError", "SetPoint must be a number")
         if self.faults.patch_status is not None:
@@ -302,6 +341,8 @@ class RedfishService:
                 f"SetPoint {set_point} is outside [{info.min_cap_w:g}, {info.max_cap_w:g}]",
             )
         self.gpus.set_power_limit_w(info.uuid, float(set_point))
+        if field is None:
+            return Response(200, self._control(i))
         return Response(200, self._environment_metrics(i))
 
     # -- resources -----------------------------------------------------------------------
@@ -315,6 +356,22 @@ class RedfishService:
             return None
         return int(number) - 1
 
+    def _chassis_of(self, path: str) -> tuple[int, str] | None:
+        """(GPU i, the rest of the path) of `Chassis/HGX_GPU_SXM_<i+1>[/rest]`, where
+        limits are Controls."""
+        prefix = f"{ROOT}/Chassis/{gpu_chassis_id(0).removesuffix('1')}"
+        if self.gpus is None or self.limits != "controls" or not path.startswith(prefix):
+            return None
+        number, _, rest = path[len(prefix) :].partition("/")
+        if not number.isdigit() or not 1 <= int(number) <= len(self._gpu_infos):
+            return None
+        i = int(number) - 1
+        return (i, rest) if path.startswith(f"{ROOT}/Chassis/{gpu_chassis_id(i)}") else None
+
+    def _control_of(self, path: str) -> int | None:
+        found = self._chassis_of(path)
+        return found[0] if found is not None and found[1] == f"Controls/{GPU_CONTROL_ID}" else None
+
     def _resource(self, path: str) -> Json | None:
         fixed: dict[str, Callable[[], Json]] = {
             f"{ROOT}/SessionService": self._session_service,
@@ -324,6 +381,8 @@ class RedfishService:
             fixed[f"{ROOT}/Systems"] = self._systems
             fixed[f"{ROOT}/Systems/{SYSTEM_ID}"] = self._system
             fixed[f"{ROOT}/Systems/{SYSTEM_ID}/Processors"] = self._processors
+            if self.limits == "controls":
+                fixed[f"{ROOT}/Chassis"] = self._chassis_collection
         if self.meter is not None:
             fixed[f"{ROOT}/PowerEquipment"] = self._power_equipment
             fixed[f"{ROOT}/PowerEquipment/RackPDUs"] = self._rack_pdus
@@ -341,7 +400,30 @@ class RedfishService:
         i = self._gpu_of(path, "")
         if i is not None:
             return self._processor(i)
-        return None
+        return self._chassis_resource(path)
+
+    def _chassis_resource(self, path: str) -> Json | None:
+        found = self._chassis_of(path)
+        if found is None:
+            return None
+        i, rest = found
+        base = f"{ROOT}/Chassis/{gpu_chassis_id(i)}"
+        sensor = gpu_sensor_uri(i).removeprefix(base + "/")
+        make: dict[str, Callable[[], Json]] = {
+            "": lambda: self._chassis(i),
+            "Controls": lambda: _collection(
+                "ControlCollection",
+                f"{base}/Controls",
+                f"GPU {i + 1} Controls",
+                [gpu_control_uri(i)],
+            ),
+            f"Controls/{GPU_CONTROL_ID}": lambda: self._control(i),
+            "Sensors": lambda: _collection(
+                "SensorCollection", f"{base}/Sensors", f"GPU {i + 1} Sensors", [gpu_sensor_uri(i)]
+            ),
+            sensor: lambda: self._sensor(i),
+        }
+        return make[rest]() if rest in make else None
 
     def _service_root(self) -> Json:
         doc: Json = {
@@ -356,12 +438,14 @@ class RedfishService:
         }
         if self.gpus is not None:
             doc["Systems"] = _link(f"{ROOT}/Systems")
+            if self.limits == "controls":
+                doc["Chassis"] = _link(f"{ROOT}/Chassis")
         if self.meter is not None:
             doc["PowerEquipment"] = _link(f"{ROOT}/PowerEquipment")
         return doc
 
     def _odata(self) -> Json:
-        names = ["Systems", "SessionService", "PowerEquipment"]
+        names = ["Systems", "Chassis", "SessionService", "PowerEquipment"]
         root = self._service_root()
         return {
             "@odata.context": f"{ROOT}/$metadata",
@@ -481,7 +565,7 @@ class RedfishService:
         reading = self.gpus.read(info.uuid)
         limit = reading.cap_w if self.faults.lie_limit_w is None else self.faults.lie_limit_w
         path = f"{ROOT}/Systems/{SYSTEM_ID}/Processors/{gpu_processor_id(i)}"
-        return {
+        doc: Json = {
             "@odata.id": f"{path}/EnvironmentMetrics",
             "@odata.type": _type("EnvironmentMetrics"),
             "Id": "EnvironmentMetrics",
@@ -496,6 +580,78 @@ class RedfishService:
                 "DefaultSetPoint": info.default_cap_w,
             },
         }
+        if self.limits == "controls":  # the limit is the Control's, not here
+            del doc["PowerLimitWatts"]
+        return doc
+
+    def _chassis_collection(self) -> Json:
+        return _collection(
+            "ChassisCollection",
+            f"{ROOT}/Chassis",
+            "Chassis",
+            [f"{ROOT}/Chassis/{gpu_chassis_id(i)}" for i in range(len(self._gpu_infos))],
+        )
+
+    def _chassis(self, i: int) -> Json:
+        path = f"{ROOT}/Chassis/{gpu_chassis_id(i)}"
+        return {
+            "@odata.id": path,
+            "@odata.type": _type("Chassis"),
+            "Id": gpu_chassis_id(i),
+            "Name": f"GPU {i + 1}",
+            "ChassisType": "Module",
+            "Status": {"State": "Enabled", "Health": "OK"},
+            "Controls": _link(f"{path}/Controls"),
+            "Sensors": _link(f"{path}/Sensors"),
+        }
+
+    def _control(self, i: int) -> Json:
+        assert self.gpus is not None
+        info = self._gpu_infos[i]
+        reading = self.gpus.read(info.uuid)
+        limit = reading.cap_w if self.faults.lie_limit_w is None else self.faults.lie_limit_w
+        processor = f"{ROOT}/Systems/{SYSTEM_ID}/Processors/{gpu_processor_id(i)}"
+        return {
+            "@odata.id": gpu_control_uri(i),
+            "@odata.type": _type("Control"),
+            "Id": GPU_CONTROL_ID,
+            "Name": f"GPU {i + 1} Power Limit",
+            "ControlType": "Power",
+            "ControlMode": "Automatic",
+            "SetPointType": "Single",
+            "SetPointUnits": "W",
+            "SetPoint": limit,
+            "AllowableMin": info.min_cap_w,
+            "AllowableMax": info.max_cap_w,
+            "DefaultSetPoint": info.default_cap_w,
+            "PhysicalContext": "GPU",
+            "Implementation": "Direct",
+            "Sensor": {
+                "Reading": self._drawn_w(i),
+                "DataSourceUri": gpu_sensor_uri(i),
+            },
+            "RelatedItem": [_link(processor)],
+            "Status": {"State": "Enabled", "Health": "OK"},
+        }
+
+    def _sensor(self, i: int) -> Json:
+        return {
+            "@odata.id": gpu_sensor_uri(i),
+            "@odata.type": _type("Sensor"),
+            "Id": f"{gpu_chassis_id(i)}_Power_0",
+            "Name": f"GPU {i + 1} Power",
+            "ReadingType": "Power",
+            "ReadingUnits": "W",
+            "Reading": self._drawn_w(i),
+            "PhysicalContext": "GPU",
+            "Status": {"State": "Enabled", "Health": "OK"},
+        }
+
+    def _drawn_w(self, i: int) -> float:
+        """What GPU i is said to draw (the truth times `lie_draw_factor`)."""
+        assert self.gpus is not None
+        power = self.gpus.read(self._gpu_infos[i].uuid).power_w
+        return round(power * self.faults.lie_draw_factor, 2)
 
     def metered_w(self) -> float:
         """What the PDU measures now: its GPUs' true draw plus its overhead."""
