@@ -34,13 +34,28 @@ from powerd.topology import Topology
 
 
 def with_control(policy: Policy, assignments: str) -> Policy:
-    """The policy with `key=value[,key=value]` set in its `control` (floats)."""
-    update: dict[str, float] = {}
-    for item in filter(None, assignments.split(",")):
-        key, _, value = item.partition("=")
-        update[key] = float(value)
+    """The policy with `key=value[,key=value]` set in its `control`: a number, or a word
+    for a choice; a dotted key sets a field of a section (`demand.window_s=120`), and
+    `defaults.KEY` one of the policy's defaults (`defaults.headroom_w=30`)."""
     spec = policy.spec
-    control = spec.control.model_validate({**spec.control.model_dump(), **update})
+    fields = spec.control.model_dump()
+    for item in filter(None, assignments.split(",")):
+        key, _, text = item.partition("=")
+        value: float | str
+        try:
+            value = float(text)
+        except ValueError:
+            value = text
+        if key.startswith("defaults."):
+            defaults = spec.defaults.model_copy(update={key.removeprefix("defaults."): value})
+            spec = spec.model_copy(update={"defaults": defaults})
+            continue
+        *path, name = key.split(".")
+        section = fields
+        for part in path:
+            section = section[part]
+        section[name] = value
+    control = spec.control.model_validate(fields)
     return replace(policy, spec=spec.model_copy(update={"control": control}))
 
 
@@ -122,6 +137,7 @@ def main() -> int:
         c = r.churn
         if args.json:
             row = {"variant": variant, **c, "work_loss": loss, "over_budget_s": r.over_budget_s}
+            row["work_gpu_s"] = r.work_gpu_s
             print(json.dumps(row | {"committed_over_ticks": r.committed_over_ticks}))
         else:
             print(

@@ -47,6 +47,11 @@ VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
     "margin-least": {"control": {"demand": {"held": "max"}}},
     # 3. + a held-back GPU climbs from its recent peak by headroom, not to its maximum
     "held-probe": {},  # the shipped default
+    # held-probe with the former 95 % rule for "held back by its cap" (no hysteresis against
+    # the least margin's 95 %; control.demand.held_share, docs/allocator.md, "Demand")
+    "held-share-95": {"control": {"demand": {"held_share": 0.95}}},
+    # held-probe with a 45 W cut deadband (control.deadband_w; docs/allocator.md, "Deadband")
+    "deadband-45": {"control": {"deadband_w": 45.0}},
     # 4. + class floors hold up to each GPU's recent draw (not shipped: see docs)
     "floors-follow": {"control": {"demand": {"floors": "follow"}}},
     # 5. + the swing: recent peak + the largest rise between samples

@@ -182,14 +182,18 @@ class DemandSpec(_Strict):
     `margin`: a GPU not held back by its cap wants the least cap it would not read as held
     back by, at most its draw + headroom (`least`; the rest of the headroom is spare power),
     or its draw + headroom (`headroom`). `held`: a GPU held back by its cap wants its recent
-    draw (at least its cap) + headroom (`probe`) or its maximum (`max`). `floors`: a class
-    floor holds up to the GPU's recent draw (`follow`) or whole (`fixed`)."""
+    draw (at least its cap) + headroom (`probe`) or its maximum (`max`). `held_share`: a GPU
+    reads as held back by its cap when it draws at least this share of it; above the least
+    margin's 95 %, so a GPU whose cap was just set to its draw / 0.95 is neither cut nor
+    probed while its draw wobbles between the two (hysteresis). `floors`: a class floor
+    holds up to the GPU's recent draw (`follow`) or whole (`fixed`)."""
 
     window_s: float = Field(default=60.0, ge=0, le=3600, allow_inf_nan=False)
     swing: float = Field(default=0.0, ge=0, le=10, allow_inf_nan=False)
     spare: Literal["recent", "caps"] = "recent"
     margin: Literal["least", "headroom"] = "least"
     held: Literal["probe", "max"] = "probe"
+    held_share: float = Field(default=0.98, ge=0.95, le=1.0, allow_inf_nan=False)
     floors: Literal["follow", "fixed"] = "fixed"
 
 

@@ -8,10 +8,18 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from powerd.allocator import allocate_arrays
-from powerd.allocator.problem import CAP_LIMITED_SHARE, GpuArrays, build_problem, demand_w
+from powerd.allocator.problem import (
+    CAP_LIMITED_SHARE,
+    GpuArrays,
+    build_problem,
+    demand_w,
+    held_share,
+)
 from powerd.controller.demand import BUCKETS, DemandEstimator
 from powerd.policy import DemandSpec, Policy
 from powerd.testing.synthetic import make_policy, policy_dict, random_fleet
@@ -172,6 +180,59 @@ def test_a_held_back_gpu_climbs_from_its_recent_peak_instead_of_asking_its_maxim
     assert demand_w(replace(fleet, recent_w=None), 50.0, policy.control.demand)[0] == 700.0
 
 
+def test_a_gpu_drawing_just_under_held_share_is_not_probed() -> None:
+    # 96 % of the cap: held back under the former 95 % rule (probed by the headroom, then
+    # cut back the next tick when the draw stays), not under `held_share` 0.98.
+    power, cap, recent = np.full(8, 480.0), np.full(8, 500.0), np.full(8, 480.0)
+    policy = _policy()
+    assert held_share(policy.control.demand) == 0.98
+    fleet = _fleet(policy, power, cap, recent)
+    d = demand_w(fleet, 50.0, policy.control.demand)
+    np.testing.assert_allclose(d, 480.0 / CAP_LIMITED_SHARE + 1.0)
+    former = demand_w(fleet, 50.0, DemandSpec(held_share=0.95))
+    np.testing.assert_allclose(former, 500.0 + 50.0)
+    # Without the estimate the former rule stands, whatever `held_share` says.
+    assert held_share(DemandSpec(window_s=0.0)) == CAP_LIMITED_SHARE
+    assert held_share(None) == CAP_LIMITED_SHARE
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    cap=st.floats(200.0, 700.0),
+    share=st.floats(CAP_LIMITED_SHARE, 1.0),
+    at=st.floats(0.0, 1.0),
+    above=st.floats(0.0, 1.0),
+    headroom=st.floats(40.0, 100.0),  # ≥ 5 % of the largest cap: the least margin binds
+)
+def test_between_the_least_margin_and_held_share_a_cap_is_neither_cut_nor_probed(
+    cap: float, share: float, at: float, above: float, headroom: float
+) -> None:
+    """The hysteresis: a GPU whose cap sits at its least cap (draw / 0.95 + 1 W) wobbles in
+    draw between 95 % of the cap and `held_share` of it without its demand falling below
+    the cap (a cut) or jumping by the headroom (a probe): its demand stays within
+    cap × (held_share / 0.95 − 1) + 1 W of the cap, under the default raise deadband (40 W,
+    held for a GPU not pressing on its cap) at any share up to 0.98. At `held_share` and
+    above, it is probed."""
+    policy = _policy(held_share=share)
+    spec = policy.control.demand
+    n = 8
+    # Draws in [0.95, share) × cap (`at`), and in [share, 1] × cap (`above`).
+    low = CAP_LIMITED_SHARE * cap + at * (share - CAP_LIMITED_SHARE) * cap
+    low = min(low, np.nextafter(share * cap, 0.0)) if share > CAP_LIMITED_SHARE else None
+    high = share * cap + above * (1.0 - share) * cap
+    caps = np.full(n, cap)
+    if low is not None:
+        fleet = _fleet(policy, np.full(n, low), caps, np.full(n, low))
+        d = demand_w(fleet, headroom, spec)
+        assert np.all(d >= cap - 1e-9)  # no cut, and no probe:
+        assert np.all(d - cap <= cap * (share / CAP_LIMITED_SHARE - 1.0) + 1.0 + 1e-9)
+        if share <= 0.98:
+            assert np.all(d - cap <= policy.control.raise_deadband_w)
+    fleet = _fleet(policy, np.full(n, high), caps, np.full(n, high))
+    d = demand_w(fleet, headroom, spec)
+    np.testing.assert_allclose(d, np.minimum(700.0, np.maximum(high, cap) + headroom))
+
+
 def test_following_floors_hold_only_up_to_recent_draw() -> None:
     d = policy_dict(1, 1, 2, 4, fractions=(1.0, 1.0, 1.0, 1.0), overhead_w=0.0)
     prof = next(iter(d["profiles"]))
@@ -189,7 +250,8 @@ def test_following_floors_hold_only_up_to_recent_draw() -> None:
 @pytest.mark.parametrize(
     "demand",
     [{"window_s": -1}, {"window_s": 3601}, {"swing": 11}, {"swing": float("nan")},
-     {"spare": "all"}, {"held": "guess"}, {"margin": 3}, {"floors": "none"}, {"bogus": 1}],
+     {"spare": "all"}, {"held": "guess"}, {"margin": 3}, {"floors": "none"}, {"bogus": 1},
+     {"held_share": 0.9}, {"held_share": 1.01}, {"held_share": float("nan")}],
 )  # fmt: skip
 def test_demand_settings_are_validated(demand: dict[str, Any]) -> None:
     with pytest.raises(ValidationError):

@@ -30,7 +30,8 @@ OPTIMAL = "optimal"
 FLOORS_DROPPED = "floors_dropped"
 INFEASIBLE_MIN = "infeasible_min"
 
-# A GPU drawing this share of its cap is held back by the cap and wants its maximum.
+# A GPU drawing this share of its cap is held back by the cap and wants its maximum; with
+# the demand estimate, `control.demand.held_share` (above it: hysteresis) decides that.
 CAP_LIMITED_SHARE = 0.95
 # `margin: least`: a GPU's demand is this much above the least cap it would not read as
 # held back by (its draw / CAP_LIMITED_SHARE).
@@ -492,21 +493,35 @@ class Problem:
         return OPTIMAL
 
 
+def held_share(spec: DemandSpec | None) -> float:
+    """The share of its cap a GPU draws at least when its cap holds it back: the demand
+    estimate's `held_share`, or CAP_LIMITED_SHARE without the estimate (no spec, or
+    `window_s: 0`). Above the least margin's CAP_LIMITED_SHARE, a GPU drawing between the
+    two shares of its cap is neither cut (its cap is at most its least cap + the deadband)
+    nor probed: measured, a 1 W gap let draw noise of a few watts flip a GPU to held back,
+    probe it by `headroom_w` and cut it back the next tick (docs/allocator.md, "Demand")."""
+    if spec is None or spec.window_s <= 0:
+        return CAP_LIMITED_SHARE
+    return spec.held_share
+
+
 def demand_w(fleet: GpuArrays, headroom_w: float, spec: DemandSpec | None = None) -> FloatArray:
     """What each GPU could use (docs/allocator.md, "Demand").
 
     Without `recent_w` (or `spec`): its maximum when its cap holds it back (it draws ≥ 95 %
-    of it), else its draw + headroom. With them, as `spec` says: a held-back GPU wants its
+    of it), else its draw + headroom. With them, as `spec` says: a held-back GPU (it draws
+    ≥ `held_share` of its cap, `held_share()`) wants its
     maximum (`held: max`) or what it has drawn recently, at least its cap, + headroom
     (`held: probe`: it climbs by headroom a tick until its draw no longer reaches its cap,
     instead of taking its maximum from GPUs that use what they have); any other wants its
     draw + headroom (`margin: headroom`) or the least cap it would not read as held back by,
     at most that (`margin: least`: the headroom is then spare power, spread by `anchor_kw`).
     """
-    limited = fleet.power_w >= CAP_LIMITED_SHARE * fleet.cap_w
     recent = fleet.recent_w
     if recent is None or spec is None:
+        limited = fleet.power_w >= CAP_LIMITED_SHARE * fleet.cap_w
         return np.where(limited, fleet.max_cap_w, fleet.power_w + headroom_w)
+    limited = fleet.power_w >= held_share(spec) * fleet.cap_w
     held = fleet.max_cap_w
     if spec.held == "probe":
         held = np.minimum(fleet.max_cap_w, np.maximum(recent, fleet.cap_w) + headroom_w)

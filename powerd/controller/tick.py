@@ -35,7 +35,7 @@ import structlog
 from numpy.typing import NDArray
 
 from powerd.alarms import Alarms
-from powerd.allocator.problem import CAP_LIMITED_SHARE
+from powerd.allocator.problem import held_share
 from powerd.allocator.scopes import DemandCurve
 from powerd.controller.budgets import Budgets, BudgetsInForce, ScopeRoot
 from powerd.controller.churn import cap_moves
@@ -499,7 +499,7 @@ class TickEngine:
             - topo.overhead_w
             - seen.shape.reserve_w,
             holdable=holdable,
-            pressed=fleet.power_w >= CAP_LIMITED_SHARE * prev,
+            pressed=fleet.power_w >= held_share(self.policy.control.demand) * prev,
             raise_band_w=raise_band,
         )
         return replace(targets, targets_w=held_w), int(held.sum())
@@ -663,6 +663,7 @@ class TickEngine:
                 seen.held,
                 seen.offline,
                 self.policy.control.slew_w,
+                held_share(self.policy.control.demand),
             )
             return why_frame(
                 decided,

@@ -108,6 +108,8 @@ class WhyFrame:
     waiting: frozenset[str]
     cuts: IntArray  # GPUs with a cut sent and not yet acknowledged (committed above sent)
     cuts_since: IntArray  # per entry of `cuts`: its oldest unacknowledged tick
+    # A GPU drawing this share of its cap reads as held back by it (problem.held_share).
+    held_share: float = CAP_LIMITED_SHARE
 
     def explain_uuid(self, uuid: str) -> dict[str, Any] | None:
         i = self.index.get(uuid)
@@ -138,6 +140,8 @@ class Decided:
     refused: BoolArray
     offline: Collection[str]
     slew_w: float | None
+    # A GPU drawing this share of its cap reads as held back by it (problem.held_share).
+    held_share: float = CAP_LIMITED_SHARE
 
 
 def why_frame(
@@ -203,6 +207,7 @@ def why_frame(
         waiting=frozenset(plan.waiting_nodes),
         cuts=cuts,
         cuts_since=planner.pending_since(cuts),
+        held_share=decided.held_share,
     )
 
 
@@ -414,7 +419,7 @@ def explain_many(
             "demand": {
                 "demand_w": _num(r.demand[k]),
                 # The allocator's own rule (problem.demand_w): near its cap, it wants its max.
-                "cap_limited": r.power[k] >= CAP_LIMITED_SHARE * prev,
+                "cap_limited": r.power[k] >= frame.held_share * prev,
                 "peak_w": _num(r.peak[k]),
                 "power_w": _num(r.power[k]),
                 "reported_cap_w": _num(r.cap[k]),
