@@ -26,6 +26,7 @@ from powerd.clock import Clock
 from powerd.controller.admin import AdminWrites, Ledger
 from powerd.controller.fleet import FleetState
 from powerd.controller.leadership import Leadership
+from powerd.controller.meter_reader import MeterReader, meter_specs
 from powerd.controller.opstate import ApiPolicy, OperatorState, StateFile
 from powerd.controller.overrides import Overrides
 from powerd.controller.report import TickReport, TickSummary
@@ -161,6 +162,10 @@ class Controller(AdminWrites):
         self.last_tick: TickReport | None = None
         self.on_tick: list[Callable[[TickReport], None]] = []  # metrics, live view, watchdog
         self.policy_version = start.policy_version
+        # Metered groups' meters, polled off the loop into the engine's book while `run`
+        # runs (controller/meter_reader.py); restarted when the policy in force changes.
+        self.meter_reader = MeterReader(engine.meter_book, clock)
+        self._metered_policy: Policy | None = None
         self._stored_gpus: set[str] = set()
         self._inventoried: tuple[int, int, int] | None = None  # the shape whose GPUs are stored
         # Operators' writes made durable (state file, database), from the state found at
@@ -578,8 +583,22 @@ class Controller(AdminWrites):
             draw_w=report.group_draw_w.copy(),
         )
 
+    def _follow_meters(self) -> None:
+        """Poll the meters of the policy in force (a new policy's: the old ones stop)."""
+        policy = self.engine.policy
+        if policy is self._metered_policy:
+            return
+        specs = meter_specs(policy)
+        if self._metered_policy is not None and specs == meter_specs(self._metered_policy):
+            self._metered_policy = policy
+            return
+        self.meter_reader.stop(wait=False)
+        self.meter_reader.start(specs)
+        self._metered_policy = policy
+
     async def tick_once(self) -> TickReport:
         t0 = time.perf_counter()
+        self._follow_meters()
         report, plan = self.step()
         try:
             await self.publish_plan(plan)
@@ -688,6 +707,8 @@ class Controller(AdminWrites):
                     retain=True,
                 )
             await self.transport.disconnect()
+            await asyncio.to_thread(self.meter_reader.stop)
+            self._metered_policy = None
             log.info("controller_stopped", ticks=self.counters.ticks)
 
     async def _subscribe(self) -> None:

@@ -1,0 +1,278 @@
+"""The meters' reader: polls every metered group's meter from a thread of its own, with
+its own event loop, so no meter (slow, hanging, streaming without end) ever touches the
+controller's loop or delays a tick (docs/operations.md, "Metered groups").
+
+Each meter is polled every `poll_s`, each poll bounded by `timeout_s` as a whole. A
+Redfish meter goes through powerd's Redfish client (powerd/bmc/redfish.py: sessions, TLS
+trust, bounded answers, credentials from a file); a Prometheus meter through one instant
+query (`GET /api/v1/query`), its answer read up to `MAX_PROM_BYTES`. Every answer is
+untrusted: controller/meters.py turns it into watts or a rejection (counted). A reading
+is stamped with the controller's own monotonic clock when it arrives, never with a time
+the meter gives; a failure keeps the last reading, which goes stale on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import ssl
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Protocol
+
+import httpx
+import structlog
+
+from powerd.bmc.redfish import BmcTrust, RedfishClient, RedfishError
+from powerd.clock import Clock
+from powerd.controller.meters import MeterBook, MeterRejected, prometheus_watts, redfish_watts
+from powerd.policy import MeterSpec, Policy, PrometheusMeter, RedfishMeter
+
+log = structlog.get_logger(__name__)
+
+MAX_PROM_BYTES = 1 << 20  # an instant query of one series answers in well under a kB
+MAX_PASSWORD_BYTES = 4096
+
+
+class MeterConfigError(Exception):
+    """A meter that cannot be set up: `field` names it in the policy."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        self.detail = message
+        super().__init__(f"{field}: {message}")
+
+
+def read_password(path: Path, field: str) -> str:
+    """The password alone from its file (a trailing newline ignored), MeterConfigError
+    naming the field if unreadable, empty or too long."""
+    try:
+        with path.open("rb") as f:  # a wrong path (/dev/zero) read whole would never end
+            raw = f.read(MAX_PASSWORD_BYTES + 1)
+    except OSError as exc:
+        raise MeterConfigError(field, f"cannot read {path}: {exc.strerror}") from None
+    if len(raw) > MAX_PASSWORD_BYTES:
+        raise MeterConfigError(field, f"{path} is over {MAX_PASSWORD_BYTES} bytes")
+    try:
+        password = raw.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError:
+        raise MeterConfigError(field, f"{path} is not UTF-8 text") from None
+    if not password:
+        raise MeterConfigError(field, f"{path} is empty")
+    return password
+
+
+class Source(Protocol):
+    async def read(self) -> float: ...
+
+    async def close(self) -> None: ...
+
+
+def redfish_setup(spec: RedfishMeter, where: str) -> tuple[str, BmcTrust]:
+    """The password and TLS trust of a Redfish meter, MeterConfigError naming the field."""
+    password = read_password(spec.password_file, where + ".redfish.password_file")
+    trust = BmcTrust(ca_file=spec.ca_file, pinned_cert_file=spec.pinned_cert_file)
+    try:
+        trust.ssl_context()
+    except (OSError, ValueError) as exc:
+        name = "ca_file" if spec.ca_file is not None else "pinned_cert_file"
+        raise MeterConfigError(
+            f"{where}.redfish.{name}", f"not a PEM certificate ({exc})"
+        ) from None
+    return password, trust
+
+
+def prometheus_verify(spec: PrometheusMeter, where: str) -> ssl.SSLContext | bool:
+    """The TLS check of a Prometheus meter (its CA, or the system's), MeterConfigError
+    naming the field if the CA file is unusable."""
+    if spec.ca_file is None:
+        return True
+    try:
+        return ssl.create_default_context(cafile=str(spec.ca_file))
+    except (OSError, ValueError) as exc:
+        raise MeterConfigError(
+            f"{where}.prometheus.ca_file", f"not a PEM certificate ({exc})"
+        ) from None
+
+
+def check_meters(policy: Policy) -> None:
+    """(blocking: reads files) Each meter's password and trust files usable, else
+    MeterConfigError naming the first field that is not (at a daemon's start)."""
+    for spec, where in meter_specs(policy).values():
+        if spec.redfish is not None:
+            redfish_setup(spec.redfish, where + ".meter")
+        elif spec.prometheus is not None:
+            prometheus_verify(spec.prometheus, where + ".meter")
+
+
+class RedfishSource:
+    """A Redfish PDU, outlet or power shelf: `PowerWatts.Reading` of the resource, or of
+    its `Metrics` (the link followed once, then read directly)."""
+
+    def __init__(self, spec: RedfishMeter, max_w: float, timeout_s: float, where: str) -> None:
+        password, trust = redfish_setup(spec, where)
+        self.max_w = max_w
+        self.path = spec.path
+        self.client = RedfishClient(
+            spec.url,
+            spec.username,
+            password,
+            trust=trust,
+            auth=spec.auth,
+            timeout_s=timeout_s,
+            retries=0,  # the next poll is the retry
+            concurrency=1,
+        )
+
+    async def read(self) -> float:
+        got = redfish_watts(await self.client.get(self.path), self.max_w)
+        if isinstance(got, str):
+            self.path = got  # a PowerDistribution: its Metrics from now on
+            got = redfish_watts(await self.client.get(got), self.max_w)
+            if isinstance(got, str):
+                raise MeterRejected("malformed", "Metrics without PowerWatts.Reading")
+        return got
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class PrometheusSource:
+    """One instant query against a Prometheus server."""
+
+    def __init__(self, spec: PrometheusMeter, max_w: float, timeout_s: float, where: str) -> None:
+        verify = prometheus_verify(spec, where)
+        self.max_w = max_w
+        self.query = spec.query
+        self.client = httpx.AsyncClient(
+            base_url=spec.url.rstrip("/"),
+            verify=verify,
+            timeout=httpx.Timeout(timeout_s),
+            follow_redirects=False,
+            headers={"Accept": "application/json"},
+        )
+
+    async def read(self) -> float:
+        async with self.client.stream("GET", "/api/v1/query", params={"query": self.query}) as r:
+            body = bytearray()
+            async for chunk in r.aiter_bytes():
+                body += chunk
+                if len(body) > MAX_PROM_BYTES:
+                    raise MeterRejected("too_large", f"an answer over {MAX_PROM_BYTES} bytes")
+        try:
+            doc = json.loads(body)
+        except (ValueError, RecursionError):
+            raise MeterRejected("malformed", f"HTTP {r.status_code}: not JSON") from None
+        if r.status_code != 200 and not (isinstance(doc, dict) and doc.get("status") == "error"):
+            raise MeterRejected("query_failed", f"HTTP {r.status_code}")
+        return prometheus_watts(doc, self.max_w)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+def make_source(spec: MeterSpec, where: str) -> Source:
+    """The source a spec names; MeterConfigError naming the field if it cannot be set up."""
+    if spec.redfish is not None:
+        return RedfishSource(spec.redfish, spec.max_w, spec.timeout_s, where + ".meter")
+    assert spec.prometheus is not None
+    return PrometheusSource(spec.prometheus, spec.max_w, spec.timeout_s, where + ".meter")
+
+
+class MeterReader:
+    """Polls each metered group's meter into `book`, from a thread with its own event loop.
+    `start(specs)` (group → (spec, its path in the policy)) begins; `stop` ends; a new
+    policy's meters: `stop(wait=False)` then `start`."""
+
+    def __init__(self, book: MeterBook, clock: Clock) -> None:
+        self.book = book
+        self.clock = clock
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self.polls = 0
+
+    def start(self, specs: Mapping[str, tuple[MeterSpec, str]]) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the meter reader is running")
+        if not specs:
+            return
+        ready = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(dict(specs), ready), name="powerd-meters", daemon=True
+        )
+        self._thread.start()
+        ready.wait(10)
+
+    def stop(self, *, wait: bool = True) -> None:
+        """Stop polling; with `wait`, until the thread has closed its connections (up to a
+        poll's timeout: call it off the event loop). Without, it ends on its own."""
+        thread, loop, stop = self._thread, self._loop, self._stop
+        if thread is None:
+            return
+        self._thread = self._loop = self._stop = None
+        if loop is not None and stop is not None:
+            loop.call_soon_threadsafe(stop.set)
+        if wait:
+            thread.join(timeout=70)
+
+    def _run(self, specs: dict[str, tuple[MeterSpec, str]], ready: threading.Event) -> None:
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            ready.set()
+            async with asyncio.TaskGroup() as tg:
+                for group, (spec, where) in specs.items():
+                    tg.create_task(self._poll(group, spec, where), name=f"meter-{group}")
+
+        try:
+            asyncio.run(main())
+        except Exception:
+            log.exception("meter_reader_failed")
+
+    async def _poll(self, group: str, spec: MeterSpec, where: str) -> None:
+        stop = self._stop
+        assert stop is not None
+        source: Source | None = None
+        try:
+            while not stop.is_set():
+                started = asyncio.get_running_loop().time()
+                if source is None:
+                    try:
+                        source = make_source(spec, where)
+                    except MeterConfigError as exc:
+                        self.book.fail(group, str(exc), self.clock.monotonic())
+                if source is not None:
+                    await self._read_once(group, spec, source)
+                left = spec.poll_s - (asyncio.get_running_loop().time() - started)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), max(left, 0.0))
+        finally:
+            if source is not None:
+                with contextlib.suppress(TimeoutError, httpx.HTTPError, OSError):
+                    await asyncio.wait_for(source.close(), spec.timeout_s)
+
+    async def _read_once(self, group: str, spec: MeterSpec, source: Source) -> None:
+        self.polls += 1
+        try:
+            watts = await asyncio.wait_for(source.read(), spec.timeout_s)
+        except MeterRejected as exc:
+            log.warning("meter_rejected", group=group, reason=exc.reason, error=str(exc))
+            self.book.fail(group, f"rejected: {exc}", self.clock.monotonic(), reason=exc.reason)
+        except TimeoutError:
+            self.book.fail(group, f"no answer within {spec.timeout_s:g} s", self.clock.monotonic())
+        except (RedfishError, httpx.HTTPError, OSError) as exc:
+            what = str(exc) or type(exc).__name__
+            self.book.fail(group, what, self.clock.monotonic())
+        except Exception as exc:  # an answer is untrusted: nothing it holds stops the polls
+            log.exception("meter_read_failed", group=group)
+            self.book.fail(group, f"{type(exc).__name__}: {exc}", self.clock.monotonic())
+        else:
+            self.book.put(group, watts, self.clock.monotonic())
+
+
+def meter_specs(policy: Policy) -> dict[str, tuple[MeterSpec, str]]:
+    """Group name → (its meter, its path in the policy file)."""
+    return {g.name: (g.meter, g.path) for g in policy.groups if g.meter is not None}
