@@ -405,6 +405,9 @@ class TickEngine:
     def _metered(self, seen: Seen, now: float) -> MeteredDraw | None:
         """The meters' latest readings against the nodes' figures, and their alarms."""
         if not self.meters.specs:
+            if self.meters.views or any(k.startswith("meter_") for k in self.alarms.active):
+                self.meters.views = ()
+                self.meters.alarm(self.alarms, now, self._wall)  # a policy that dropped them
             return None
         arrays, topo = seen.arrays, seen.shape.topology
         fresh = ~arrays.stale & np.isfinite(arrays.power_w)
