@@ -35,9 +35,13 @@ from powerd.controller.meters import (
     redfish_watts,
 )
 from powerd.controller.tick import TickEngine
-from powerd.policy import MeterSpec, Policy, PolicyError, parse_policy
+from powerd.policy import MeterSpec, Overload, Policy, PolicyError, parse_policy, with_overload
 from powerd.safety import OverloadRule
+from powerd.sim.run import simulate
+from powerd.sim.scenario import parse_scenario
+from powerd.sim.site import build_mix, build_site
 from powerd.testing.redfish import EmulatorServer, Meter, RedfishService, TestCa
+from powerd.testing.synthetic import policy_dict as synthetic_policy
 from powerd.wire import NodeTelemetry
 
 TOL = 1e-6
@@ -601,3 +605,44 @@ def test_the_live_controller_polls_its_meter_and_shows_it(tmp_path: Path, prom: 
         assert prom.queries and set(prom.queries) == {"sum(row_watts)"}
     finally:
         api.close()
+
+
+def test_the_simulator_reads_a_metered_groups_true_draw() -> None:
+    """In `powerd sim` a metered group reads its GPUs' true draw plus overhead; the
+    simulated nodes are honest, so the run is the unmetered one, meter and all."""
+    data = synthetic_policy(1, 2, 2, 4, overhead_w=300.0)
+    scenario = parse_scenario(
+        {
+            "name": "steady",
+            "duration_h": 0.25,
+            "tick_s": 5,
+            "seed": 3,
+            "workloads": [{"name": "batch", "class": "batch", "share": 1.0, "pattern": "steady"}],
+        },
+        "<steady>",
+    )
+    results = []
+    for metered in (False, True):
+        d = copy.deepcopy(data)
+        if metered:
+            d["facility"]["meter"] = {**PROM, "fresh_s": 30, "poll_s": 5, "timeout_s": 1}
+        policy = with_overload(parse_policy(d), Overload(pct=10, for_s=60))
+        site = build_site(policy)
+        seen: list[Any] = []
+        result = simulate(
+            scenario,
+            site,
+            build_mix(scenario, site),
+            "fast",
+            trace=lambda r, _p, out=seen: out.append(r),
+        )
+        results.append((result, seen))
+    (plain, _), (metered_run, reports) = results
+    assert len(reports) >= 180  # 15 minutes of 5 s ticks
+    assert all(r.meters and r.meters[0].state == "fresh" for r in reports)
+    assert all("meter_stale" not in r.alarms and "meter_disagrees" not in r.alarms for r in reports)
+    last = reports[-1].meters[0]
+    assert last.gap_w == pytest.approx(0.0, abs=1e-6)  # honest nodes: no gap
+    assert last.overhead_learned_w == pytest.approx(last.overhead_w)
+    assert metered_run.work_gpu_s == pytest.approx(plain.work_gpu_s)
+    assert metered_run.longest_over_s == plain.longest_over_s
