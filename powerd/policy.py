@@ -464,6 +464,8 @@ class Policy:
                         parent=new_index.get(g.parent, -1),
                         budget_w=budget,
                         overload=None if i in strict else g.overload,
+                        # A meter above a scope measures other scopes' nodes too.
+                        meter=None if i in free else g.meter,
                     )
                 )
         return Policy(

@@ -646,3 +646,19 @@ def test_the_simulator_reads_a_metered_groups_true_draw() -> None:
     assert last.overhead_learned_w == pytest.approx(last.overhead_w)
     assert metered_run.work_gpu_s == pytest.approx(plain.work_gpu_s)
     assert metered_run.longest_over_s == plain.longest_over_s
+
+
+def test_a_scope_keeps_the_meters_inside_it_not_those_above() -> None:
+    """A meter above a scope measures other scopes' nodes as well: a scope's controller
+    neither reads it nor compares it with its own nodes; meters inside the scope stay."""
+    data = metered_policy()  # the facility metered
+    rows = data["facility"]["rows"]
+    nodes = [{"name": "{rack}-n{1..2}", "budget_w": 2400, "gpus": 4}]
+    rows[0]["racks"] = [
+        {"name": "r1", "budget_w": 3800, "meter": PROM, "nodes": nodes},
+        {"name": "r2", "budget_w": 3800, "nodes": nodes},
+    ]
+    policy = parse_policy(data)
+    scope = {g.name: g for g in policy.scope("r1").groups}
+    assert scope["dc"].meter is None and scope["row"].meter is None
+    assert scope["r1"].meter is not None

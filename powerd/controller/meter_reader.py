@@ -181,17 +181,46 @@ def make_source(spec: MeterSpec, where: str) -> Source:
     return PrometheusSource(spec.prometheus, spec.max_w, spec.timeout_s, where + ".meter")
 
 
+class _Halt:
+    """A stop signal from any thread to one reader thread's loop: `set` from anywhere;
+    the loop's pollers wait on `event`. Either the setter sees the loop, or the loop,
+    once it exists, sees the flag (it looks after storing itself)."""
+
+    def __init__(self) -> None:
+        self.flag = threading.Event()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.event: asyncio.Event | None = None
+
+    def attach(self) -> asyncio.Event:
+        """(in the reader's loop) The event its pollers wait on."""
+        self.event = asyncio.Event()
+        self.loop = asyncio.get_running_loop()
+        if self.flag.is_set():
+            self.event.set()
+        return self.event
+
+    def set(self) -> None:
+        self.flag.set()
+        loop, event = self.loop, self.event
+        if loop is not None and event is not None:
+            with contextlib.suppress(RuntimeError):  # its loop has closed: nothing to stop
+                loop.call_soon_threadsafe(event.set)
+
+    def is_set(self) -> bool:
+        return self.flag.is_set()
+
+
 class MeterReader:
     """Polls each metered group's meter into `book`, from a thread with its own event loop.
     `start(specs)` (group → (spec, its path in the policy)) begins; `stop` ends; a new
-    policy's meters: `stop(wait=False)` then `start`."""
+    policy's meters: `stop(wait=False)` then `start`. Neither waits on the thread unless
+    asked: both are safe to call from the controller's event loop."""
 
     def __init__(self, book: MeterBook, clock: Clock) -> None:
         self.book = book
         self.clock = clock
         self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
+        self._halt = _Halt()
         self.polls = 0
 
     def start(self, specs: Mapping[str, tuple[MeterSpec, str]]) -> None:
@@ -199,54 +228,53 @@ class MeterReader:
             raise RuntimeError("the meter reader is running")
         if not specs:
             return
-        ready = threading.Event()
+        self._halt = halt = _Halt()
         self._thread = threading.Thread(
-            target=self._run, args=(dict(specs), ready), name="powerd-meters", daemon=True
+            target=self._run, args=(dict(specs), halt), name="powerd-meters", daemon=True
         )
         self._thread.start()
-        ready.wait(10)
 
     def stop(self, *, wait: bool = True) -> None:
         """Stop polling; with `wait`, until the thread has closed its connections (up to a
-        poll's timeout: call it off the event loop). Without, it ends on its own."""
-        thread, loop, stop = self._thread, self._loop, self._stop
-        if thread is None:
-            return
-        self._thread = self._loop = self._stop = None
-        if loop is not None and stop is not None:
-            loop.call_soon_threadsafe(stop.set)
-        if wait:
+        poll's timeout: call it off the event loop). Without, it ends on its own and writes
+        nothing more."""
+        thread, self._thread = self._thread, None
+        self._halt.set()
+        if thread is not None and wait:
             thread.join(timeout=70)
 
-    def _run(self, specs: dict[str, tuple[MeterSpec, str]], ready: threading.Event) -> None:
+    def _run(self, specs: dict[str, tuple[MeterSpec, str]], halt: _Halt) -> None:
         async def main() -> None:
-            self._loop = asyncio.get_running_loop()
-            self._stop = asyncio.Event()
-            ready.set()
+            stop = halt.attach()
             async with asyncio.TaskGroup() as tg:
                 for group, (spec, where) in specs.items():
-                    tg.create_task(self._poll(group, spec, where), name=f"meter-{group}")
+                    tg.create_task(self._poll(group, spec, where, stop), name=f"meter-{group}")
 
         try:
             asyncio.run(main())
         except Exception:
             log.exception("meter_reader_failed")
 
-    async def _poll(self, group: str, spec: MeterSpec, where: str) -> None:
-        stop = self._stop
-        assert stop is not None
+    async def _poll(self, group: str, spec: MeterSpec, where: str, stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
         source: Source | None = None
+        last_error: str | None = None
         try:
             while not stop.is_set():
-                started = asyncio.get_running_loop().time()
+                started = loop.time()
                 if source is None:
                     try:
                         source = make_source(spec, where)
                     except MeterConfigError as exc:
                         self.book.fail(group, str(exc), self.clock.monotonic())
                 if source is not None:
-                    await self._read_once(group, spec, source)
-                left = spec.poll_s - (asyncio.get_running_loop().time() - started)
+                    error = await self._read_once(group, spec, source, stop)
+                    if error != last_error and error is not None:
+                        log.warning("meter_failed", group=group, error=error)
+                    elif error is None and last_error is not None:
+                        log.info("meter_reads", group=group)
+                    last_error = error
+                left = spec.poll_s - (loop.time() - started)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), max(left, 0.0))
         finally:
@@ -254,23 +282,30 @@ class MeterReader:
                 with contextlib.suppress(TimeoutError, httpx.HTTPError, OSError):
                     await asyncio.wait_for(source.close(), spec.timeout_s)
 
-    async def _read_once(self, group: str, spec: MeterSpec, source: Source) -> None:
+    async def _read_once(
+        self, group: str, spec: MeterSpec, source: Source, halt: asyncio.Event
+    ) -> str | None:
+        """One poll into the book (nothing once halted); the failure, None if it read."""
         self.polls += 1
+        reason: str | None = None
         try:
             watts = await asyncio.wait_for(source.read(), spec.timeout_s)
         except MeterRejected as exc:
-            log.warning("meter_rejected", group=group, reason=exc.reason, error=str(exc))
-            self.book.fail(group, f"rejected: {exc}", self.clock.monotonic(), reason=exc.reason)
+            reason, error = exc.reason, f"rejected: {exc}"
         except TimeoutError:
-            self.book.fail(group, f"no answer within {spec.timeout_s:g} s", self.clock.monotonic())
+            error = f"no answer within {spec.timeout_s:g} s"
         except (RedfishError, httpx.HTTPError, OSError) as exc:
-            what = str(exc) or type(exc).__name__
-            self.book.fail(group, what, self.clock.monotonic())
+            error = str(exc) or type(exc).__name__
         except Exception as exc:  # an answer is untrusted: nothing it holds stops the polls
             log.exception("meter_read_failed", group=group)
-            self.book.fail(group, f"{type(exc).__name__}: {exc}", self.clock.monotonic())
+            error = f"{type(exc).__name__}: {exc}"
         else:
-            self.book.put(group, watts, self.clock.monotonic())
+            if not halt.is_set():
+                self.book.put(group, watts, self.clock.monotonic())
+            return None
+        if not halt.is_set():
+            self.book.fail(group, error, self.clock.monotonic(), reason=reason)
+        return error
 
 
 def meter_specs(policy: Policy) -> dict[str, tuple[MeterSpec, str]]:

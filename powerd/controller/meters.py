@@ -233,13 +233,14 @@ class MeterStage:
         self.specs: dict[str, MeterSpec] = {}
         self._learned: dict[str, _Learned] = {}
         self._gap_since: dict[str, float] = {}
-        self._started: float | None = None
+        self._first_seen: dict[str, float] = {}  # when each meter's group was first steered
         self.views: tuple[MeterView, ...] = ()
 
     def adopt(self, policy: Policy) -> None:
         self.specs = {g.name: g.meter for g in policy.groups if g.meter is not None}
         self._learned = {n: v for n, v in self._learned.items() if n in self.specs}
         self._gap_since = {n: t for n, t in self._gap_since.items() if n in self.specs}
+        self._first_seen = {n: t for n, t in self._first_seen.items() if n in self.specs}
 
     def see(
         self,
@@ -258,8 +259,6 @@ class MeterStage:
         if not self.specs:
             self.views = ()
             return None
-        if self._started is None:
-            self._started = now
         n = topo.n_groups
         metered = np.zeros(n, dtype=bool)
         fresh = np.zeros(n, dtype=bool)
@@ -271,6 +270,7 @@ class MeterStage:
             if spec is None:
                 continue
             metered[g] = True
+            self._first_seen.setdefault(name, now)
             s = samples.get(name, MeterSample())
             age = now - s.at
             is_fresh = s.reading_w is not None and -1.0 <= age <= spec.fresh_s
@@ -306,12 +306,13 @@ class MeterStage:
     def alarm(self, alarms: Alarms, now: float, wall: float) -> None:
         """Raise or clear the three meter alarms from this tick's views."""
         stale, disagree, overhead = [], [], []
-        started = self._started if self._started is not None else now
         for v in self.views:
             spec = self.specs[v.group]
             if v.state != "fresh":
                 self._gap_since.pop(v.group, None)
-                if v.state == "stale" or now - started >= spec.fresh_s:
+                # A meter never read yet gets fresh_s from when its group is first steered
+                # (a start, a new policy) before it alarms; its group is strict meanwhile.
+                if v.state == "stale" or now - self._first_seen.get(v.group, now) >= spec.fresh_s:
                     stale.append(v)
                 continue
             assert v.gap_w is not None and v.bound_w is not None
