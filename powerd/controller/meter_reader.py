@@ -294,7 +294,10 @@ class MeterReader:
             reason, error = exc.reason, f"rejected: {exc}"
         except TimeoutError:
             error = f"no answer within {spec.timeout_s:g} s"
-        except (RedfishError, httpx.HTTPError, OSError) as exc:
+        except RedfishError as exc:
+            error = str(exc)
+            reason = _redfish_rejection(error)
+        except (httpx.HTTPError, OSError) as exc:
             error = str(exc) or type(exc).__name__
         except Exception as exc:  # an answer is untrusted: nothing it holds stops the polls
             log.exception("meter_read_failed", group=group)
@@ -306,6 +309,16 @@ class MeterReader:
         if not halt.is_set():
             self.book.fail(group, error, self.clock.monotonic(), reason=reason)
         return error
+
+
+def _redfish_rejection(error: str) -> str | None:
+    """The rejection a Redfish client's error is, if the answer itself was refused (too
+    large, not JSON) rather than missing: counted as rejected answers are."""
+    if "larger than" in error:
+        return "too_large"
+    if "not JSON" in error or "not a JSON object" in error or "undecodable" in error:
+        return "malformed"
+    return None
 
 
 def meter_specs(policy: Policy) -> dict[str, tuple[MeterSpec, str]]:

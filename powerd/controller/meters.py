@@ -234,10 +234,13 @@ class MeterStage:
         self._learned: dict[str, _Learned] = {}
         self._gap_since: dict[str, float] = {}
         self._first_seen: dict[str, float] = {}  # when each meter's group was first steered
+        # The metered groups' indices in the last topology seen (names, [(index, name)]).
+        self._where: tuple[tuple[str, ...], list[tuple[int, str]]] | None = None
         self.views: tuple[MeterView, ...] = ()
 
     def adopt(self, policy: Policy) -> None:
         self.specs = {g.name: g.meter for g in policy.groups if g.meter is not None}
+        self._where = None
         self._learned = {n: v for n, v in self._learned.items() if n in self.specs}
         self._gap_since = {n: t for n, t in self._gap_since.items() if n in self.specs}
         self._first_seen = {n: t for n, t in self._first_seen.items() if n in self.specs}
@@ -265,10 +268,11 @@ class MeterStage:
         reading = np.full(n, np.nan)
         seq = np.zeros(n, dtype=np.int64)
         views = []
-        for g, name in enumerate(topo.names):
-            spec = self.specs.get(name)
-            if spec is None:
-                continue
+        if self._where is None or self._where[0] is not topo.names:
+            where = [(g, n) for g, n in enumerate(topo.names) if n in self.specs]
+            self._where = (topo.names, where)
+        for g, name in self._where[1]:
+            spec = self.specs[name]
             metered[g] = True
             self._first_seen.setdefault(name, now)
             s = samples.get(name, MeterSample())
