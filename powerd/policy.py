@@ -696,6 +696,13 @@ def overload_reaction_s(control: Control) -> float:
     return control.lease_s + control.stale_after_s + 2.0 * control.tick_s
 
 
+def metered_reaction_s(control: Control, meter: MeterSpec) -> float:
+    """The same with a meter, against nodes that under-report: the oldest reading still
+    used (`fresh_s` from its arrival, which took up to `timeout_s`) replaces the oldest
+    telemetry (docs/safety.md, "Overload")."""
+    return control.lease_s + meter.fresh_s + meter.timeout_s + 2.0 * control.tick_s
+
+
 def check_overload(groups: Sequence[GroupDef], control: Control) -> list[tuple[str, str]]:
     """A rating whose time is shorter than powerd can react in protects nothing."""
     need = overload_reaction_s(control)
@@ -703,18 +710,31 @@ def check_overload(groups: Sequence[GroupDef], control: Control) -> list[tuple[s
     reported: set[str] = set()
     for g in groups:
         o = g.overload
-        if o is None or g.path in reported or o.for_s >= need:
+        if o is None or g.path in reported:
             continue
-        reported.add(g.path)
-        problems.append(
-            (
-                g.path + ".overload.for_s",
-                f"{LEVELS[g.level]} '{g.name}': the rating's {o.for_s:g} s is shorter than "
-                f"powerd's worst-case reaction, {need:g} s (control.lease_s "
-                f"{control.lease_s:g} + stale_after_s {control.stale_after_s:g} + 2 × tick_s "
-                f"{control.tick_s:g}); shorten those or drop the overload",
+        if o.for_s < need:
+            reported.add(g.path)
+            problems.append(
+                (
+                    g.path + ".overload.for_s",
+                    f"{LEVELS[g.level]} '{g.name}': the rating's {o.for_s:g} s is shorter "
+                    f"than powerd's worst-case reaction, {need:g} s (control.lease_s "
+                    f"{control.lease_s:g} + stale_after_s {control.stale_after_s:g} + 2 × "
+                    f"tick_s {control.tick_s:g}); shorten those or drop the overload",
+                )
             )
-        )
+        elif g.meter is not None and o.for_s < (metered := metered_reaction_s(control, g.meter)):
+            reported.add(g.path)
+            problems.append(
+                (
+                    g.path + ".overload.for_s",
+                    f"{LEVELS[g.level]} '{g.name}': the rating's {o.for_s:g} s is shorter "
+                    f"than powerd's worst-case reaction on its meter, {metered:g} s "
+                    f"(control.lease_s {control.lease_s:g} + meter.fresh_s "
+                    f"{g.meter.fresh_s:g} + meter.timeout_s {g.meter.timeout_s:g} + 2 × "
+                    f"tick_s {control.tick_s:g}); shorten those or drop the overload",
+                )
+            )
     return problems
 
 

@@ -85,6 +85,12 @@ def test_a_meter_is_read_from_the_policy_and_its_errors_name_the_field() -> None
     refused(both, r"facility.meter.*redfish or prometheus, one of them")
     refused(metered_policy(poll_s=5.0), r"facility.meter.*poll_s \(5\) must be shorter")
     refused(metered_policy(disagree_w=-1), r"facility.meter.disagree_w")
+    # Against lying nodes the rating's time is the meter's: lease 4 + fresh 30 + timeout
+    # 0.5 + 2 ticks of 1 s is longer than the 30 s rating.
+    refused(
+        metered_policy(fresh_s=30.0),
+        r"facility.overload.for_s.*worst-case reaction on its meter, 36.5 s",
+    )
     assert parse_policy(metered_policy({"redfish": rf})).groups[0].meter is not None
     refused(metered_policy({"redfish": {**rf, "url": "https://u:p@pdu1"}}), r"redfish.url")
     refused(metered_policy({"redfish": {**rf, "resource": "/redfish/v1/x"}}), "one of them")
