@@ -63,7 +63,10 @@ def bounded_watts(value: Any, max_w: float = MAX_METER_W) -> float:
             value = float(value)
         except ValueError:
             raise MeterRejected("not_a_number", f"reading {value!r} is not a number") from None
-    watts = float(value)
+    try:
+        watts = float(value)
+    except OverflowError:  # a JSON integer past 1e308
+        raise MeterRejected("absurd", f"reading {str(value)[:20]}... is above {max_w:g}") from None
     if not math.isfinite(watts):
         raise MeterRejected("not_a_number", f"reading {watts} is not finite")
     if watts < 0:
