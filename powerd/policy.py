@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -59,6 +60,21 @@ class Overload(_Strict):
 MAX_METER_W = 1e9  # a reading above a gigawatt is no reading of any group powerd steers
 
 
+def _usable_url(url: str) -> str:
+    """A meter's URL with a host and, if any, a port in 1..65535: the patterns below let
+    through what an HTTP client refuses when it is built ("pdu:port", "h:1:2")."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"not a usable URL ({exc})") from None
+    if not parts.hostname:
+        raise ValueError("not a usable URL (no host)")
+    if port == 0:
+        raise ValueError("not a usable URL (port 0)")
+    return url
+
+
 class RedfishMeter(_Strict):
     """A Redfish PDU or power shelf: `resource` is the path of a `PowerDistribution` (its
     `Metrics` are read), of its `Metrics`, or of an outlet or any resource with
@@ -75,6 +91,8 @@ class RedfishMeter(_Strict):
     ca_file: Path | None = None
     pinned_cert_file: Path | None = None
     auth: Literal["session", "basic"] = "session"
+
+    _url = field_validator("url")(_usable_url)
 
     @model_validator(mode="after")
     def _one_each(self) -> RedfishMeter:
@@ -101,6 +119,8 @@ class PrometheusMeter(_Strict):
     url: str = Field(pattern=r"^https?://[A-Za-z0-9.\-\[\]:]+(/[A-Za-z0-9_./-]*)?$", max_length=300)
     query: str = Field(min_length=1, max_length=4000)
     ca_file: Path | None = None
+
+    _url = field_validator("url")(_usable_url)
 
 
 class MeterSpec(_Strict):

@@ -5,11 +5,22 @@ flight, credentials that change, against the real reader over real HTTP."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
-from test_meters import vector
+from test_meters import PromServer, fast, metered_policy, vector, wait_for
 
-from powerd.controller.meters import MeterRejected, prometheus_watts, redfish_watts
+from powerd.clock import SystemClock
+from powerd.controller.meter_reader import MeterReader
+from powerd.controller.meters import MeterBook, MeterRejected, prometheus_watts, redfish_watts
+from powerd.policy import PolicyError, parse_policy
+
+
+@pytest.fixture
+def prom() -> Iterator[PromServer]:
+    with PromServer() as s:
+        yield s
 
 
 def test_an_integer_too_large_for_a_float_is_rejected_not_raised() -> None:
@@ -25,3 +36,47 @@ def test_an_integer_too_large_for_a_float_is_rejected_not_raised() -> None:
         with pytest.raises(MeterRejected) as info:
             parse(doc)
         assert info.value.reason == "absurd"
+
+
+@pytest.mark.parametrize(
+    ("source", "url"),
+    [
+        ("prometheus", "http://prom:9090:9091"),
+        ("prometheus", "http://prom:99999"),
+        ("prometheus", "http://[::1"),
+        ("redfish", "https://pdu:port"),
+        ("redfish", "https://:443"),
+    ],
+)
+def test_a_url_no_client_can_use_is_refused_by_its_field(source: str, url: str) -> None:
+    """The URL patterns let through ports and hosts httpx refuses (InvalidURL when the
+    reader builds its client): the policy says so, by the field."""
+    spec: dict[str, Any] = (
+        {"prometheus": {"url": url, "query": "q"}}
+        if source == "prometheus"
+        else {"redfish": {"url": url, "username": "u", "password_file": "/p", "pdu": "1"}}
+    )
+    with pytest.raises(PolicyError, match=rf"facility.meter.{source}.url"):
+        parse_policy(metered_policy(spec))
+
+
+def test_a_meter_that_cannot_be_built_stops_no_other(prom: PromServer) -> None:
+    """One meter whose client cannot be built (InvalidURL) ended its poller with an
+    exception, and the TaskGroup cancelled every other meter's: every metered group went
+    stale for as long as the policy stayed. Now it fails alone, saying why."""
+    good = fast(prometheus={"url": prom.url, "query": "q"})
+    bad = good.model_copy(
+        update={"prometheus": good.prometheus.model_copy(update={"url": "http://p:1:2"})}
+    )
+    book = MeterBook()
+    reader = MeterReader(book, SystemClock())
+    reader.start({"bad": (bad, "facility.rows[0]"), "g": (good, "facility")})
+    try:
+        wait_for(book, lambda s: s is not None and s.reading_w == 5000.0)
+        prom.body = json.dumps(vector("4000")).encode()
+        wait_for(book, lambda s: s is not None and s.reading_w == 4000.0)
+        failed = book.latest()["bad"]
+        assert failed.reading_w is None and failed.error is not None
+        assert "facility.rows[0].meter" in failed.error
+    finally:
+        reader.stop()

@@ -267,6 +267,9 @@ class MeterReader:
                         source = make_source(spec, where)
                     except MeterConfigError as exc:
                         self.book.fail(group, str(exc), self.clock.monotonic())
+                    except Exception as exc:  # one meter's fault must not end the others' polls
+                        why = f"{where}.meter: cannot be set up ({type(exc).__name__}: {exc})"
+                        self.book.fail(group, why, self.clock.monotonic())
                 if source is not None:
                     error = await self._read_once(group, spec, source, stop)
                     if error != last_error and error is not None:
