@@ -5,16 +5,26 @@ flight, credentials that change, against the real reader over real HTTP."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from test_meters import PromServer, fast, metered_policy, vector, wait_for
+from test_meters import (
+    PromServer,
+    fast,
+    hungry_site,
+    metered_policy,
+    run_ticks,
+    true_draw,
+    vector,
+    wait_for,
+)
 
 from powerd.clock import SystemClock
 from powerd.controller.meter_reader import MeterReader
 from powerd.controller.meters import MeterBook, MeterRejected, prometheus_watts, redfish_watts
-from powerd.policy import PolicyError, parse_policy
+from powerd.policy import MeterSpec, PolicyError, parse_policy
 
 
 @pytest.fixture
@@ -80,3 +90,53 @@ def test_a_meter_that_cannot_be_built_stops_no_other(prom: PromServer) -> None:
         assert "facility.rows[0].meter" in failed.error
     finally:
         reader.stop()
+
+
+def test_a_changed_meter_starts_without_the_old_ones_reading(prom: PromServer) -> None:
+    """A policy that points a group at another meter restarts the reader; the book kept
+    the old meter's last reading (fresh for `fresh_s` more, taken as the new meter's), and
+    a reading in flight could still land after the restart. The new meter starts unread
+    (strict until it reads) and the old reader writes nothing more."""
+    spec = {"poll_s": 1.0, "timeout_s": 0.8, "fresh_s": 3.0}
+    old = MeterSpec.model_validate({"prometheus": {"url": prom.url, "query": "old"}, **spec})
+    book = MeterBook()
+    reader = MeterReader(book, SystemClock())
+    reader.start({"g": (old, "facility"), "same": (old, "facility.rows[0]")})
+    with PromServer() as other:
+        other.body, other.delay_s = json.dumps(vector("5000")).encode(), 0.5
+        new = MeterSpec.model_validate({"prometheus": {"url": other.url, "query": "new"}, **spec})
+        try:
+            wait_for(book, lambda s: s is not None and s.reading_w == 5000.0)
+            seq = book.latest()["g"].seq
+            prom.body, prom.delay_s = json.dumps(vector("9000")).encode(), 0.3
+            asked = len(prom.queries)
+            deadline = time.monotonic() + 5
+            while len(prom.queries) < asked + 2:  # both old pollers in flight
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            reader.stop(wait=False)
+            reader.start({"g": (new, "facility"), "same": (old, "facility.rows[0]")})
+            time.sleep(0.4)  # the old reader's answers are in by now
+            moved = book.latest()["g"]
+            assert moved.reading_w is None and moved.seq >= seq  # unread; seq goes on
+            wait_for(book, lambda s: s is not None and s.reading_w == 5000.0)
+            assert other.queries and set(other.queries) == {"new"}
+            # The unchanged meter keeps its reading across the restart.
+            assert book.latest()["same"].reading_w is not None
+        finally:
+            reader.stop()
+
+
+def test_a_group_pointed_at_another_meter_learns_its_overhead_anew() -> None:
+    engine, nodes = hungry_site()
+    for t in range(6):
+        report, _ = run_ticks(engine, nodes, t, meter_w=true_draw(nodes) + 300.0)
+    assert report.meters[0].readings == 6
+    engine.adopt(parse_policy(metered_policy(poll_s=1.0)))  # the same meter: kept
+    report, _ = run_ticks(engine, nodes, 6, meter_w=true_draw(nodes) + 300.0)
+    assert report.meters[0].readings == 7
+    other = {"prometheus": {"url": "http://127.0.0.1:9", "query": "sum(other_pdu_watts)"}}
+    engine.adopt(parse_policy(metered_policy(other)))
+    report, _ = run_ticks(engine, nodes, 7, meter_w=true_draw(nodes))
+    assert report.meters[0].readings == 1
+    assert report.meters[0].overhead_learned_w == pytest.approx(0.0, abs=1e-6)

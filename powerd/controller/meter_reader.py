@@ -221,14 +221,20 @@ class MeterReader:
         self.clock = clock
         self._thread: threading.Thread | None = None
         self._halt = _Halt()
+        self._specs: dict[str, MeterSpec] = {}  # what the book's readings were read with
         self.polls = 0
 
     def start(self, specs: Mapping[str, tuple[MeterSpec, str]]) -> None:
         if self._thread is not None:
             raise RuntimeError("the meter reader is running")
+        self._halt = halt = _Halt()
+        # A group whose meter changed starts unread: the old meter's last reading is not
+        # the new one's, and the old reader (its token refused) writes nothing more.
+        changed = [g for g, (spec, _) in specs.items() if self._specs.get(g) != spec]
+        self.book.claim(halt, specs, forget=changed)
+        self._specs = {g: spec for g, (spec, _) in specs.items()}
         if not specs:
             return
-        self._halt = halt = _Halt()
         self._thread = threading.Thread(
             target=self._run, args=(dict(specs), halt), name="powerd-meters", daemon=True
         )
@@ -248,14 +254,18 @@ class MeterReader:
             stop = halt.attach()
             async with asyncio.TaskGroup() as tg:
                 for group, (spec, where) in specs.items():
-                    tg.create_task(self._poll(group, spec, where, stop), name=f"meter-{group}")
+                    tg.create_task(
+                        self._poll(group, spec, where, halt, stop), name=f"meter-{group}"
+                    )
 
         try:
             asyncio.run(main())
         except Exception:
             log.exception("meter_reader_failed")
 
-    async def _poll(self, group: str, spec: MeterSpec, where: str, stop: asyncio.Event) -> None:
+    async def _poll(
+        self, group: str, spec: MeterSpec, where: str, halt: _Halt, stop: asyncio.Event
+    ) -> None:
         loop = asyncio.get_running_loop()
         source: Source | None = None
         last_error: str | None = None
@@ -266,12 +276,12 @@ class MeterReader:
                     try:
                         source = make_source(spec, where)
                     except MeterConfigError as exc:
-                        self.book.fail(group, str(exc), self.clock.monotonic())
+                        self.book.fail(group, str(exc), self.clock.monotonic(), token=halt)
                     except Exception as exc:  # one meter's fault must not end the others' polls
                         why = f"{where}.meter: cannot be set up ({type(exc).__name__}: {exc})"
-                        self.book.fail(group, why, self.clock.monotonic())
+                        self.book.fail(group, why, self.clock.monotonic(), token=halt)
                 if source is not None:
-                    error = await self._read_once(group, spec, source, stop)
+                    error = await self._read_once(group, spec, source, halt)
                     if error != last_error and error is not None:
                         log.warning("meter_failed", group=group, error=error)
                     elif error is None and last_error is not None:
@@ -286,7 +296,7 @@ class MeterReader:
                     await asyncio.wait_for(source.close(), spec.timeout_s)
 
     async def _read_once(
-        self, group: str, spec: MeterSpec, source: Source, halt: asyncio.Event
+        self, group: str, spec: MeterSpec, source: Source, halt: _Halt
     ) -> str | None:
         """One poll into the book (nothing once halted); the failure, None if it read."""
         self.polls += 1
@@ -307,10 +317,10 @@ class MeterReader:
             error = f"{type(exc).__name__}: {exc}"
         else:
             if not halt.is_set():
-                self.book.put(group, watts, self.clock.monotonic())
+                self.book.put(group, watts, self.clock.monotonic(), token=halt)
             return None
         if not halt.is_set():
-            self.book.fail(group, error, self.clock.monotonic(), reason=reason)
+            self.book.fail(group, error, self.clock.monotonic(), reason=reason, token=halt)
         return error
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,21 +139,53 @@ class MeterSample:
 
 class MeterBook:
     """The latest sample per metered group, written by the reader (any thread), read by the
-    tick; and the answers rejected, by group and reason."""
+    tick; and the answers rejected, by group and reason.
+
+    A reader claims the groups it polls (`claim`, with a token it passes to `put` and
+    `fail`): a write with another reader's token is dropped, so a reader stopped for a new
+    policy cannot land a reading in flight after its successor began. Writes without a
+    token (the simulator, tests) always land."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._samples: dict[str, MeterSample] = {}
+        self._writer: dict[str, object] = {}
         self.rejected: dict[tuple[str, str], int] = {}
 
-    def put(self, group: str, reading_w: float, now: float) -> None:
+    def claim(self, token: object, groups: Iterable[str], *, forget: Iterable[str] = ()) -> None:
+        """From now on only `token` writes `groups`; the groups in `forget` (a meter that
+        changed) lose their reading and failure, keeping their sequence number."""
         with self._lock:
+            for group in groups:
+                self._writer[group] = token
+            for group in forget:
+                last = self._samples.get(group)
+                if last is not None:
+                    self._samples[group] = MeterSample(seq=last.seq)
+
+    def _refused(self, group: str, token: object | None) -> bool:
+        return token is not None and self._writer.get(group) is not token
+
+    def put(self, group: str, reading_w: float, now: float, token: object | None = None) -> None:
+        with self._lock:
+            if self._refused(group, token):
+                return
             last = self._samples.get(group, MeterSample())
             self._samples[group] = MeterSample(reading_w, now, last.seq + 1)
 
-    def fail(self, group: str, error: str, now: float, *, reason: str | None = None) -> None:
+    def fail(
+        self,
+        group: str,
+        error: str,
+        now: float,
+        *,
+        reason: str | None = None,
+        token: object | None = None,
+    ) -> None:
         """A poll that gave no reading (`reason`: a rejected answer, counted)."""
         with self._lock:
+            if self._refused(group, token):
+                return
             last = self._samples.get(group, MeterSample())
             self._samples[group] = MeterSample(
                 last.reading_w, last.at, last.seq, error[:MAX_ERROR_CHARS], now
@@ -242,9 +274,13 @@ class MeterStage:
         self.views: tuple[MeterView, ...] = ()
 
     def adopt(self, policy: Policy) -> None:
-        self.specs = {g.name: g.meter for g in policy.groups if g.meter is not None}
+        old, self.specs = (
+            self.specs,
+            {g.name: g.meter for g in policy.groups if g.meter is not None},
+        )
         self._where = None
-        self._learned = {n: v for n, v in self._learned.items() if n in self.specs}
+        # A group pointed at another meter learns its overhead anew.
+        self._learned = {n: v for n, v in self._learned.items() if self.specs.get(n) == old.get(n)}
         self._gap_since = {n: t for n, t in self._gap_since.items() if n in self.specs}
         self._first_seen = {n: t for n, t in self._first_seen.items() if n in self.specs}
 
