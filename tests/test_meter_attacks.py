@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ from powerd.clock import SystemClock
 from powerd.controller.meter_reader import MeterReader
 from powerd.controller.meters import MeterBook, MeterRejected, prometheus_watts, redfish_watts
 from powerd.policy import MeterSpec, PolicyError, parse_policy
+from powerd.testing.redfish import EmulatorServer, Meter, RedfishService, TestCa
 
 
 @pytest.fixture
@@ -140,3 +142,50 @@ def test_a_group_pointed_at_another_meter_learns_its_overhead_anew() -> None:
     report, _ = run_ticks(engine, nodes, 7, meter_w=true_draw(nodes))
     assert report.meters[0].readings == 1
     assert report.meters[0].overhead_learned_w == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def ca(tmp_path_factory: pytest.TempPathFactory) -> TestCa:
+    return TestCa.make(tmp_path_factory.mktemp("ca"))
+
+
+def test_a_rotated_password_is_read_again_once_the_old_one_fails(
+    ca: TestCa, tmp_path: Path
+) -> None:
+    """The password was read once, when the reader built its client: after a rotation
+    (the PDU and the file both changed) every poll failed with 401 until a restart. Now a
+    failed poll whose files changed rebuilds the client from them; a missing file says so."""
+    pdu = RedfishService.pdu(Meter([], overhead_w=2500.0), password="first")
+    pw = tmp_path / "pw"
+    pw.write_text("first\n")
+    book = MeterBook()
+    reader = MeterReader(book, SystemClock())
+    with EmulatorServer([pdu], ca) as server:
+        redfish = {
+            "url": server.url(),
+            "username": "admin",
+            "password_file": str(pw),
+            "ca_file": str(ca.ca_file),
+            "pdu": "1",
+        }
+        reader.start({"g": (fast(redfish=redfish), "facility")})
+        try:
+            wait_for(book, lambda s: s is not None and s.reading_w == 2500.0)
+            pw.write_text("second\n")  # rotated in the file first: the session still works
+            pdu.meter = Meter([], overhead_w=2600.0)
+            wait_for(book, lambda s: s is not None and s.reading_w == 2600.0)
+            pdu.password = "second"  # then on the PDU, its sessions ended
+            pdu.drop_sessions()
+            pdu.meter = Meter([], overhead_w=2700.0)
+            wait_for(book, lambda s: s is not None and s.reading_w == 2700.0)
+            pw.unlink()  # gone while the session works: it still reads
+            pdu.meter = Meter([], overhead_w=2800.0)
+            wait_for(book, lambda s: s is not None and s.reading_w == 2800.0)
+            pdu.password = "third"  # rotated again with no file to read it from
+            pdu.drop_sessions()
+            wait_for(
+                book,
+                lambda s: s is not None and s.error is not None and "password_file" in s.error,
+            )
+        finally:
+            reader.stop()

@@ -173,6 +173,31 @@ class PrometheusSource:
         await self.client.aclose()
 
 
+def meter_files(spec: MeterSpec) -> tuple[Path, ...]:
+    """The files a meter's source is built from (password, trust)."""
+    if spec.redfish is not None:
+        r = spec.redfish
+        return tuple(p for p in (r.password_file, r.ca_file, r.pinned_cert_file) if p)
+    assert spec.prometheus is not None
+    return () if spec.prometheus.ca_file is None else (spec.prometheus.ca_file,)
+
+
+FileStamp = tuple[tuple[int, int, int] | None, ...]
+
+
+def file_stamp(paths: tuple[Path, ...]) -> FileStamp:
+    """(blocking: stat) What tells a changed file: inode, size, mtime; None if missing."""
+    stamps: list[tuple[int, int, int] | None] = []
+    for path in paths:
+        try:
+            st = path.stat()
+        except OSError:
+            stamps.append(None)
+        else:
+            stamps.append((st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(stamps)
+
+
 def make_source(spec: MeterSpec, where: str) -> Source:
     """The source a spec names; MeterConfigError naming the field if it cannot be set up."""
     if spec.redfish is not None:
@@ -269,10 +294,13 @@ class MeterReader:
         loop = asyncio.get_running_loop()
         source: Source | None = None
         last_error: str | None = None
+        files = meter_files(spec)
+        stamp: FileStamp = ()
         try:
             while not stop.is_set():
                 started = loop.time()
                 if source is None:
+                    stamp = file_stamp(files)  # this thread's loop: no tick waits on it
                     try:
                         source = make_source(spec, where)
                     except MeterConfigError as exc:
@@ -282,6 +310,11 @@ class MeterReader:
                         self.book.fail(group, why, self.clock.monotonic(), token=halt)
                 if source is not None:
                     error = await self._read_once(group, spec, source, halt)
+                    if error is not None and file_stamp(files) != stamp:
+                        # Rotated credentials or trust: the next poll builds from the files
+                        # as they are now (a session that still works is kept until then).
+                        await self._close(source, spec)
+                        source = None
                     if error != last_error and error is not None:
                         log.warning("meter_failed", group=group, error=error)
                     elif error is None and last_error is not None:
@@ -292,8 +325,12 @@ class MeterReader:
                     await asyncio.wait_for(stop.wait(), max(left, 0.0))
         finally:
             if source is not None:
-                with contextlib.suppress(TimeoutError, httpx.HTTPError, OSError):
-                    await asyncio.wait_for(source.close(), spec.timeout_s)
+                await self._close(source, spec)
+
+    @staticmethod
+    async def _close(source: Source, spec: MeterSpec) -> None:
+        with contextlib.suppress(TimeoutError, httpx.HTTPError, OSError):
+            await asyncio.wait_for(source.close(), spec.timeout_s)
 
     async def _read_once(
         self, group: str, spec: MeterSpec, source: Source, halt: _Halt
