@@ -142,6 +142,9 @@ class MeterSpec(_Strict):
     disagree_for_s: float = Field(default=15.0, ge=0, le=86400, allow_inf_nan=False)
     # The largest reading believed; above it an answer is rejected (counted) as absurd.
     max_w: float = Field(default=MAX_METER_W, gt=0, le=MAX_METER_W, allow_inf_nan=False)
+    # A reading unchanged this long is not fresh (a meter that answers but stopped
+    # measuring); None: max(60 s, 5 × poll_s); 0: never.
+    frozen_s: float | None = Field(default=None, ge=0, le=86400, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _one_source(self) -> MeterSpec:
@@ -156,7 +159,19 @@ class MeterSpec(_Strict):
                 f"poll_s ({self.poll_s:g}) must be shorter than fresh_s ({self.fresh_s:g}), "
                 "or every reading is stale before the next"
             )
+        if self.frozen_s and self.frozen_s < 3 * self.poll_s:
+            raise ValueError(
+                f"frozen_s ({self.frozen_s:g}) must be at least 3 × poll_s ({self.poll_s:g}), "
+                "or a meter that reads anew each poll looks frozen; 0 turns the check off"
+            )
         return self
+
+    @property
+    def frozen_after_s(self) -> float:
+        """How long a reading may stay unchanged and still be fresh (inf: no limit)."""
+        if self.frozen_s is None:
+            return max(60.0, 5.0 * self.poll_s)
+        return self.frozen_s or math.inf
 
     def bound_w(self, reading_w: float) -> float:
         """How far meter and nodes may disagree at this reading."""

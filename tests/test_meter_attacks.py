@@ -12,7 +12,11 @@ from typing import Any
 
 import pytest
 from test_meters import (
+    FACILITY_W,
+    NODES,
+    LyingNode,
     PromServer,
+    demand_for,
     fast,
     hungry_site,
     metered_policy,
@@ -25,6 +29,7 @@ from test_meters import (
 from powerd.clock import SystemClock
 from powerd.controller.meter_reader import MeterReader
 from powerd.controller.meters import MeterBook, MeterRejected, prometheus_watts, redfish_watts
+from powerd.controller.tick import TickEngine
 from powerd.policy import MeterSpec, PolicyError, parse_policy
 from powerd.testing.redfish import EmulatorServer, Meter, RedfishService, TestCa
 
@@ -189,3 +194,39 @@ def test_a_rotated_password_is_read_again_once_the_old_one_fails(
             )
         finally:
             reader.stop()
+
+
+def frozen_run(frozen_s: float) -> tuple[list[bool], Any, TickEngine]:
+    """Nodes reporting half their draw, half-busy, then at second 3 busy; the meter stuck
+    at 1500 W (a reading of a quiet night). Per second: the draw above the budget?"""
+    engine = TickEngine(parse_policy(metered_policy(frozen_s=frozen_s)))
+    nodes = {n: LyingNode(n, 0.5) for n in NODES}
+    over = []
+    for t in range(30):
+        demand_for(nodes, "half" if t < 3 else "all_max", 0)
+        over.append(true_draw(nodes) > FACILITY_W + 1e-6)
+        report, _ = run_ticks(engine, nodes, t, meter_w=1500.0)
+    return over, report, engine
+
+
+def test_a_meter_frozen_at_an_old_value_is_not_trusted_past_frozen_s() -> None:
+    """A PDU whose firmware stopped measuring, or a Prometheus query whose target stopped
+    being scraped (the last sample answers for five minutes), answers on time with the
+    same value: fresh by arrival, it held the group on the nodes' figures for as long as
+    it answered. With nodes under-reporting, the group stayed above its budget. A reading
+    unchanged for `frozen_s` is now not fresh: strict budget, `meter_stale` says why."""
+    over, _, _ = frozen_run(0)  # the check off: over budget as long as the nodes lie
+    assert all(over[3:])
+    over, report, engine = frozen_run(8)
+    assert any(over) and not any(over[8 + 3 :])  # frozen_s, then the cut and its acks
+    assert report.group_limit_w[0] == FACILITY_W
+    assert report.meters[0].state == "frozen"
+    assert "unchanged at 1,500 W" in engine.alarms.active["meter_stale"]
+    nodes = {n: LyingNode(n) for n in NODES}
+    # It moves again: fresh, the alarm clears.
+    for t in range(40, 43):
+        report, _ = run_ticks(engine, nodes, t, meter_w=true_draw(nodes) + t)
+    assert report.meters[0].state == "fresh" and "meter_stale" not in engine.alarms.active
+    with pytest.raises(PolicyError, match=r"frozen_s \(2\) must be at least 3 × poll_s"):
+        parse_policy(metered_policy(frozen_s=2))
+    assert parse_policy(metered_policy()).groups[0].meter.frozen_after_s == 60.0

@@ -79,9 +79,9 @@ class Readiness(_Out):
 class GroupMeterOut(_Out):
     """A metered group's meter (docs/operations.md, "Metered groups")."""
 
-    state: Literal["fresh", "stale", "none"] = Field(
-        description="fresh: the overload rule uses the reading; stale or none (never read): "
-        "a rated group steers on its strict budget."
+    state: Literal["fresh", "stale", "frozen", "none"] = Field(
+        description="fresh: the overload rule uses the reading; stale, frozen (unchanged for "
+        "the meter's frozen_s) or none (never read): a rated group steers on its strict budget."
     )
     reading_w: float | None = Field(description="The last reading.")
     age_s: float | None = Field(description="Its age on the controller's clock.")

@@ -127,14 +127,15 @@ def prometheus_watts(doc: Any, max_w: float = MAX_METER_W) -> float:
 @dataclass(frozen=True, slots=True)
 class MeterSample:
     """A group's meter as last heard: its last reading (None: none yet) with its arrival
-    time on the controller's monotonic clock and a sequence number, and the last failure
-    (None when the last poll read)."""
+    time on the controller's monotonic clock and a sequence number, when the reading
+    last changed value, and the last failure (None when the last poll read)."""
 
     reading_w: float | None = None
     at: float = -math.inf
     seq: int = 0
     error: str | None = None
     failed_at: float = -math.inf
+    changed_at: float = -math.inf
 
 
 class MeterBook:
@@ -171,7 +172,8 @@ class MeterBook:
             if self._refused(group, token):
                 return
             last = self._samples.get(group, MeterSample())
-            self._samples[group] = MeterSample(reading_w, now, last.seq + 1)
+            changed = now if reading_w != last.reading_w else last.changed_at
+            self._samples[group] = MeterSample(reading_w, now, last.seq + 1, changed_at=changed)
 
     def fail(
         self,
@@ -188,7 +190,7 @@ class MeterBook:
                 return
             last = self._samples.get(group, MeterSample())
             self._samples[group] = MeterSample(
-                last.reading_w, last.at, last.seq, error[:MAX_ERROR_CHARS], now
+                last.reading_w, last.at, last.seq, error[:MAX_ERROR_CHARS], now, last.changed_at
             )
             if reason is not None:
                 key = (group, reason)
@@ -230,7 +232,9 @@ class MeterView:
     """Per metered group, for the API and /metrics."""
 
     group: str
-    state: str  # "fresh", "stale" (a reading too old) or "none" (never read)
+    # "fresh", "stale" (a reading too old), "frozen" (unchanged for the meter's frozen_s)
+    # or "none" (never read)
+    state: str
     reading_w: float | None
     age_s: float | None
     nodes_w: float
@@ -241,6 +245,7 @@ class MeterView:
     overhead_error_w: float | None
     readings: int  # readings the learned overhead has taken
     error: str | None
+    unchanged_s: float | None = None  # how long the reading has kept its value
 
 
 @dataclass
@@ -316,7 +321,9 @@ class MeterStage:
             self._first_seen.setdefault(name, now)
             s = samples.get(name, MeterSample())
             age = now - s.at
-            is_fresh = s.reading_w is not None and -1.0 <= age <= spec.fresh_s
+            unchanged = now - s.changed_at
+            frozen = s.reading_w is not None and unchanged > spec.frozen_after_s
+            is_fresh = s.reading_w is not None and -1.0 <= age <= spec.fresh_s and not frozen
             gap = bound = None
             learned = self._learned.setdefault(name, _Learned())
             if is_fresh:
@@ -330,7 +337,15 @@ class MeterStage:
             views.append(
                 MeterView(
                     group=name,
-                    state="fresh" if is_fresh else ("none" if s.reading_w is None else "stale"),
+                    state=(
+                        "fresh"
+                        if is_fresh
+                        else "none"
+                        if s.reading_w is None
+                        else "frozen"
+                        if frozen
+                        else "stale"
+                    ),
                     reading_w=s.reading_w,
                     age_s=None if s.reading_w is None else max(age, 0.0),
                     nodes_w=float(nodes_w[g]),
@@ -341,6 +356,7 @@ class MeterStage:
                     overhead_error_w=None if learned.n == 0 else math.sqrt(learned.var_w2),
                     readings=learned.n,
                     error=s.error if s.failed_at >= s.at else None,
+                    unchanged_s=None if s.reading_w is None else max(unchanged, 0.0),
                 )
             )
         self.views = tuple(views)
@@ -355,7 +371,7 @@ class MeterStage:
                 self._gap_since.pop(v.group, None)
                 # A meter never read yet gets fresh_s from when its group is first steered
                 # (a start, a new policy) before it alarms; its group is strict meanwhile.
-                if v.state == "stale" or now - self._first_seen.get(v.group, now) >= spec.fresh_s:
+                if v.state != "none" or now - self._first_seen.get(v.group, now) >= spec.fresh_s:
                     stale.append(v)
                 continue
             assert v.gap_w is not None and v.bound_w is not None
@@ -401,7 +417,12 @@ def _listing(head: str, views: list[MeterView], why: Any) -> str | None:
 
 
 def _why_stale(v: MeterView) -> str:
-    last = "never read" if v.age_s is None else f"last read {v.age_s:.0f} s ago"
+    if v.state == "frozen" and v.reading_w is not None and v.unchanged_s is not None:
+        last = f"reading unchanged at {v.reading_w:,.0f} W for {v.unchanged_s:.0f} s"
+    elif v.age_s is None:
+        last = "never read"
+    else:
+        last = f"last read {v.age_s:.0f} s ago"
     return last + (f", {v.error}" if v.error else "")
 
 
