@@ -51,7 +51,7 @@ def _group_use(r: TickReport, g: int) -> GroupUse:
 
 
 def _meter(r: TickReport, name: str) -> GroupMeterOut | None:
-    view = next((v for v in r.meters if v.group == name), None)
+    view = r.meter_of.get(name)
     if view is None:
         return None
     return GroupMeterOut.model_validate({k: getattr(view, k) for k in GroupMeterOut.model_fields})
