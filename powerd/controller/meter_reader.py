@@ -19,6 +19,7 @@ import json
 import ssl
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -70,27 +71,94 @@ class Source(Protocol):
     async def close(self) -> None: ...
 
 
-def redfish_setup(spec: RedfishMeter, where: str) -> tuple[str, BmcTrust]:
+def meter_files(spec: MeterSpec) -> tuple[Path, ...]:
+    """The files a meter's source is built from (password, trust)."""
+    if spec.redfish is not None:
+        r = spec.redfish
+        return tuple(p for p in (r.password_file, r.ca_file, r.pinned_cert_file) if p)
+    assert spec.prometheus is not None
+    return () if spec.prometheus.ca_file is None else (spec.prometheus.ca_file,)
+
+
+FileStamp = tuple[tuple[int, int, int] | None, ...]
+
+
+def file_stamp(paths: tuple[Path, ...]) -> FileStamp:
+    """(blocking: stat) What tells a changed file: inode, size, mtime; None if missing."""
+    stamps: list[tuple[int, int, int] | None] = []
+    for path in paths:
+        try:
+            st = path.stat()
+        except OSError:
+            stamps.append(None)
+        else:
+            stamps.append((st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(stamps)
+
+
+class TlsContexts:
+    """(one reader's thread) One SSL context per trust file and that file's state, shared by
+    the meters that name it: building one loads a CA bundle (10-65 ms of this thread's
+    CPU), and a context per meter kept a thousand meters from reading for over a minute.
+    A file that changes (a rotation) gets a new context."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[str, Path | None], tuple[FileStamp, ssl.SSLContext]] = {}
+
+    def get(self, kind: str, path: Path | None) -> ssl.SSLContext:
+        """`kind` "ca" (`path` None: the system's, as httpx trusts) or "pinned"; OSError,
+        ValueError if the file is unusable."""
+        stamp = () if path is None else file_stamp((path,))
+        made = self._made.get((kind, path))
+        if made is not None and made[0] == stamp:
+            return made[1]
+        if kind == "pinned":
+            ctx = BmcTrust(pinned_cert_file=path).ssl_context()
+        elif path is None:
+            ctx = httpx.create_ssl_context()
+        else:
+            ctx = ssl.create_default_context(cafile=str(path))
+        self._made[(kind, path)] = (stamp, ctx)
+        return ctx
+
+
+@dataclass(frozen=True)
+class _SharedTrust(BmcTrust):
+    """A trust whose context is already built (TlsContexts)."""
+
+    context: ssl.SSLContext | None = None
+
+    def ssl_context(self) -> ssl.SSLContext:
+        return super().ssl_context() if self.context is None else self.context
+
+
+def redfish_setup(
+    spec: RedfishMeter, where: str, tls: TlsContexts | None = None
+) -> tuple[str, BmcTrust]:
     """The password and TLS trust of a Redfish meter, MeterConfigError naming the field."""
     password = read_password(spec.password_file, where + ".redfish.password_file")
-    trust = BmcTrust(ca_file=spec.ca_file, pinned_cert_file=spec.pinned_cert_file)
+    tls = tls or TlsContexts()
     try:
-        trust.ssl_context()
+        if spec.pinned_cert_file is not None:
+            ctx = tls.get("pinned", spec.pinned_cert_file)
+        else:
+            ctx = tls.get("ca", spec.ca_file)
     except (OSError, ValueError) as exc:
         name = "ca_file" if spec.ca_file is not None else "pinned_cert_file"
         raise MeterConfigError(
             f"{where}.redfish.{name}", f"not a PEM certificate ({exc})"
         ) from None
+    trust = _SharedTrust(spec.ca_file, spec.pinned_cert_file, context=ctx)
     return password, trust
 
 
-def prometheus_verify(spec: PrometheusMeter, where: str) -> ssl.SSLContext | bool:
+def prometheus_verify(
+    spec: PrometheusMeter, where: str, tls: TlsContexts | None = None
+) -> ssl.SSLContext:
     """The TLS check of a Prometheus meter (its CA, or the system's), MeterConfigError
     naming the field if the CA file is unusable."""
-    if spec.ca_file is None:
-        return True
     try:
-        return ssl.create_default_context(cafile=str(spec.ca_file))
+        return (tls or TlsContexts()).get("ca", spec.ca_file)
     except (OSError, ValueError) as exc:
         raise MeterConfigError(
             f"{where}.prometheus.ca_file", f"not a PEM certificate ({exc})"
@@ -111,8 +179,10 @@ class RedfishSource:
     """A Redfish PDU, outlet or power shelf: `PowerWatts.Reading` of the resource, or of
     its `Metrics` (the link followed once, then read directly)."""
 
-    def __init__(self, spec: RedfishMeter, max_w: float, timeout_s: float, where: str) -> None:
-        password, trust = redfish_setup(spec, where)
+    def __init__(
+        self, spec: RedfishMeter, max_w: float, timeout_s: float, where: str, tls: TlsContexts
+    ) -> None:
+        password, trust = redfish_setup(spec, where, tls)
         self.max_w = max_w
         self.path = spec.path
         self.client = RedfishClient(
@@ -142,8 +212,10 @@ class RedfishSource:
 class PrometheusSource:
     """One instant query against a Prometheus server."""
 
-    def __init__(self, spec: PrometheusMeter, max_w: float, timeout_s: float, where: str) -> None:
-        verify = prometheus_verify(spec, where)
+    def __init__(
+        self, spec: PrometheusMeter, max_w: float, timeout_s: float, where: str, tls: TlsContexts
+    ) -> None:
+        verify = prometheus_verify(spec, where, tls)
         self.max_w = max_w
         self.query = spec.query
         self.client = httpx.AsyncClient(
@@ -173,37 +245,12 @@ class PrometheusSource:
         await self.client.aclose()
 
 
-def meter_files(spec: MeterSpec) -> tuple[Path, ...]:
-    """The files a meter's source is built from (password, trust)."""
-    if spec.redfish is not None:
-        r = spec.redfish
-        return tuple(p for p in (r.password_file, r.ca_file, r.pinned_cert_file) if p)
-    assert spec.prometheus is not None
-    return () if spec.prometheus.ca_file is None else (spec.prometheus.ca_file,)
-
-
-FileStamp = tuple[tuple[int, int, int] | None, ...]
-
-
-def file_stamp(paths: tuple[Path, ...]) -> FileStamp:
-    """(blocking: stat) What tells a changed file: inode, size, mtime; None if missing."""
-    stamps: list[tuple[int, int, int] | None] = []
-    for path in paths:
-        try:
-            st = path.stat()
-        except OSError:
-            stamps.append(None)
-        else:
-            stamps.append((st.st_ino, st.st_size, st.st_mtime_ns))
-    return tuple(stamps)
-
-
-def make_source(spec: MeterSpec, where: str) -> Source:
+def make_source(spec: MeterSpec, where: str, tls: TlsContexts) -> Source:
     """The source a spec names; MeterConfigError naming the field if it cannot be set up."""
     if spec.redfish is not None:
-        return RedfishSource(spec.redfish, spec.max_w, spec.timeout_s, where + ".meter")
+        return RedfishSource(spec.redfish, spec.max_w, spec.timeout_s, where + ".meter", tls)
     assert spec.prometheus is not None
-    return PrometheusSource(spec.prometheus, spec.max_w, spec.timeout_s, where + ".meter")
+    return PrometheusSource(spec.prometheus, spec.max_w, spec.timeout_s, where + ".meter", tls)
 
 
 class _Halt:
@@ -277,10 +324,16 @@ class MeterReader:
     def _run(self, specs: dict[str, tuple[MeterSpec, str]], halt: _Halt) -> None:
         async def main() -> None:
             stop = halt.attach()
+            tls = TlsContexts()
             async with asyncio.TaskGroup() as tg:
-                for group, (spec, where) in specs.items():
+                for k, (group, (spec, where)) in enumerate(specs.items()):
+                    # First polls spread over a poll period, not all in one burst.
+                    first_s = spec.poll_s * k / len(specs)
                     tg.create_task(
-                        self._poll(group, spec, where, halt, stop), name=f"meter-{group}"
+                        self._poll(
+                            group, spec, where, halt=halt, stop=stop, tls=tls, first_s=first_s
+                        ),
+                        name=f"meter-{group}",
                     )
 
         try:
@@ -289,20 +342,30 @@ class MeterReader:
             log.exception("meter_reader_failed")
 
     async def _poll(
-        self, group: str, spec: MeterSpec, where: str, halt: _Halt, stop: asyncio.Event
+        self,
+        group: str,
+        spec: MeterSpec,
+        where: str,
+        *,
+        halt: _Halt,
+        stop: asyncio.Event,
+        tls: TlsContexts,
+        first_s: float = 0.0,
     ) -> None:
         loop = asyncio.get_running_loop()
         source: Source | None = None
         last_error: str | None = None
         files = meter_files(spec)
         stamp: FileStamp = ()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), first_s)
         try:
             while not stop.is_set():
                 started = loop.time()
                 if source is None:
                     stamp = file_stamp(files)  # this thread's loop: no tick waits on it
                     try:
-                        source = make_source(spec, where)
+                        source = make_source(spec, where, tls)
                     except MeterConfigError as exc:
                         self.book.fail(group, str(exc), self.clock.monotonic(), token=halt)
                     except Exception as exc:  # one meter's fault must not end the others' polls
