@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from structlog.testing import capture_logs
+from support.live_api import POLICY, LiveApi, wait_until
 from test_meters import (
     FACILITY_W,
     NODES,
@@ -296,3 +298,30 @@ def test_meters_share_one_tls_context_per_trust_file(ca: TestCa, tmp_path: Path)
     assert tls.get("ca", moved) is first
     moved.write_bytes(ca.ca_file.read_bytes() + b"\n")  # rotated
     assert tls.get("ca", moved) is not first
+
+
+def test_a_reader_whose_thread_ended_is_started_again(tmp_path: Path, prom: PromServer) -> None:
+    """The reader's thread can end (an exception past every guard): its groups went stale
+    (strict budget, `meter_stale`) and stayed so until the policy changed. The controller
+    now starts it again within METER_RESTART_S and says so."""
+    meter = (
+        f"      meter: {{prometheus: {{url: '{prom.url}', query: 'sum(row_watts)'}}, "
+        "poll_s: 0.2, timeout_s: 0.1, fresh_s: 2, disagree_w: 100000}\n"
+    )
+    policy = POLICY.replace("      budget_w: 3800\n", "      budget_w: 3800\n" + meter, 1)
+    api = LiveApi(tmp_path, policy, with_store=False).start()
+    try:
+        controller = api.controller
+        assert controller is not None
+        book = controller.engine.meter_book
+        wait_until(lambda: book.latest().get("row-1"), "a first reading")
+        with capture_logs() as logs:
+            controller.meter_reader.stop()  # its thread ends, as if it had died
+            seq = book.latest()["row-1"].seq
+            wait_until(
+                lambda: book.latest()["row-1"].seq > seq + 2, "readings again after the restart"
+            )
+        assert any(e["event"] == "meter_reader_restarted" for e in logs)
+        assert controller.meter_reader.running
+    finally:
+        api.close()

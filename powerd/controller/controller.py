@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -62,6 +63,9 @@ from powerd.wire import (
 )
 
 log = structlog.get_logger(__name__)
+# A meter reader whose thread ended (it should not: each meter's failures stay its own) is
+# started again, at most this often: its groups steer on their strict budgets meanwhile.
+METER_RESTART_S = 5.0
 
 # What the store keeps of each GPU, read off the fleet's record of it.
 _INVENTORY_FIELDS = tuple(f.name for f in fields(GpuRecord))
@@ -166,6 +170,7 @@ class Controller(AdminWrites):
         # runs (controller/meter_reader.py); restarted when the policy in force changes.
         self.meter_reader = MeterReader(engine.meter_book, clock)
         self._metered_policy: Policy | None = None
+        self._meters_started_at = -math.inf  # monotonic: a dead reader restarts at most so often
         self._stored_gpus: set[str] = set()
         self._inventoried: tuple[int, int, int] | None = None  # the shape whose GPUs are stored
         # Operators' writes made durable (state file, database), from the state found at
@@ -584,17 +589,26 @@ class Controller(AdminWrites):
         )
 
     def _follow_meters(self) -> None:
-        """Poll the meters of the policy in force (a new policy's: the old ones stop)."""
+        """Poll the meters of the policy in force (a new policy's: the old ones stop), and
+        start the reader again if its thread has ended (its groups went stale meanwhile)."""
         policy = self.engine.policy
         if policy is self._metered_policy:
-            return
-        specs = meter_specs(policy)
-        if self._metered_policy is not None and specs == meter_specs(self._metered_policy):
-            self._metered_policy = policy
-            return
+            if self.meter_reader.running or not self.engine.meters.specs:
+                return
+            now = self.clock.monotonic()
+            if now - self._meters_started_at < METER_RESTART_S:
+                return
+            log.warning("meter_reader_restarted", meters=len(self.engine.meters.specs))
+        else:
+            specs = meter_specs(policy)
+            old = self._metered_policy
+            if old is not None and specs == meter_specs(old) and self.meter_reader.running:
+                self._metered_policy = policy
+                return
         self.meter_reader.stop(wait=False)
-        self.meter_reader.start(specs)
+        self.meter_reader.start(meter_specs(policy))
         self._metered_policy = policy
+        self._meters_started_at = self.clock.monotonic()
 
     async def tick_once(self) -> TickReport:
         t0 = time.perf_counter()

@@ -312,6 +312,11 @@ class MeterReader:
         )
         self._thread.start()
 
+    @property
+    def running(self) -> bool:
+        """Whether its thread polls (False before `start`, after `stop`, or if it died)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self, *, wait: bool = True) -> None:
         """Stop polling; with `wait`, until the thread has closed its connections (up to a
         poll's timeout: call it off the event loop). Without, it ends on its own and writes
