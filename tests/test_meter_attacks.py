@@ -4,9 +4,12 @@ flight, credentials that change, against the real reader over real HTTP."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -325,3 +328,86 @@ def test_a_reader_whose_thread_ended_is_started_again(tmp_path: Path, prom: Prom
         assert controller.meter_reader.running
     finally:
         api.close()
+
+
+class DripServer:
+    """A query server that answers `mode`: "drip" (a valid answer, one byte every 50 ms),
+    "redirect" (302 to another host, with a valid answer as its body) or "html" (a 200
+    page of HTML)."""
+
+    def __init__(self, mode: str) -> None:
+        body = json.dumps(vector("5000")).encode()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                with contextlib.suppress(OSError):  # the reader gave up
+                    if mode == "redirect":
+                        self.send_response(302)
+                        self.send_header("Location", "http://203.0.113.9/api/v1/query")
+                    else:
+                        self.send_response(200)
+                    kind = "text/html" if mode == "html" else "application/json"
+                    self.send_header("Content-Type", kind)
+                    page = b"<html>no</html>" if mode == "html" else body
+                    self.send_header("Content-Length", str(len(page)))
+                    self.end_headers()
+                    if mode != "drip":
+                        self.wfile.write(page)
+                        return
+                    for b in page:
+                        self.wfile.write(bytes([b]))
+                        self.wfile.flush()
+                        time.sleep(0.05)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize(
+    ("mode", "says"),
+    [("drip", "no answer within"), ("redirect", "HTTP 302"), ("html", "not JSON")],
+)
+def test_a_dripping_redirecting_or_html_meter_never_reads(mode: str, says: str) -> None:
+    """Attacks that held: an answer dripped a byte at a time is cut at timeout_s as a
+    whole; a redirect is not followed (its body, a valid answer, is not taken); HTML is
+    rejected. None gives a reading; each says why."""
+    server = DripServer(mode)
+    book = MeterBook()
+    reader = MeterReader(book, SystemClock())
+    reader.start({"g": (fast(prometheus={"url": server.url, "query": "q"}), "facility")})
+    try:
+        wait_for(book, lambda s: s is not None and s.error is not None and says in s.error)
+        assert book.latest()["g"].reading_w is None
+    finally:
+        reader.stop()
+        server.close()
+
+
+def test_a_wall_clock_step_changes_no_meter_freshness() -> None:
+    """Attack that held: readings are stamped and aged on the monotonic clock; the wall
+    clock stepping an hour either way changes neither freshness nor the lending."""
+    limits = []
+    for step_s in (0.0, 3600.0, -3600.0):
+        engine, nodes = hungry_site()
+        for t in range(6):
+            engine.meter_book.put("dc", true_draw(nodes), float(t))
+            for node in nodes.values():
+                assert engine.on_telemetry(node.sample(1e9 + t), float(t))
+            wall = 1e9 + t + (step_s if t >= 3 else 0.0)
+            report, plan = engine.step(float(t), wall)
+            for cmd in plan.commands:
+                ack = nodes[cmd.node].apply_caps(cmd.tick, cmd.caps_w)
+                if ack is not None:
+                    engine.on_ack(cmd.node, ack)
+            assert report.meters[0].state == "fresh"
+        limits.append(float(report.group_limit_w[0]))
+    assert limits[0] > FACILITY_W and limits[0] == limits[1] == limits[2]
