@@ -411,3 +411,18 @@ def test_a_wall_clock_step_changes_no_meter_freshness() -> None:
             assert report.meters[0].state == "fresh"
         limits.append(float(report.group_limit_w[0]))
     assert limits[0] > FACILITY_W and limits[0] == limits[1] == limits[2]
+
+
+def test_a_meter_reading_absurdly_high_only_tightens_and_alarms() -> None:
+    """Attack that held: a meter reading near its max_w (a wrong scale, a wrong series)
+    drops the rated group to its budget at once, never below, and `meter_disagrees` names
+    it after disagree_for_s; nothing raises."""
+    engine, nodes = hungry_site(disagree_for_s=2)
+    for t in range(3):
+        report, _ = run_ticks(engine, nodes, t, meter_w=true_draw(nodes))
+    assert report.group_limit_w[0] > FACILITY_W
+    for t in range(3, 7):
+        report, plan = run_ticks(engine, nodes, t, meter_w=9e8 + t)
+        assert report.group_limit_w[0] == FACILITY_W
+    assert plan.group_committed_w[0] <= FACILITY_W + 1e-6
+    assert "dc (meter 900,000,00" in engine.alarms.active["meter_disagrees"]
