@@ -34,10 +34,14 @@ from test_meters import (
 )
 
 from powerd.clock import SystemClock
+from powerd.controller.leadership import Leadership
 from powerd.controller.meter_reader import MeterReader, TlsContexts, redfish_setup
 from powerd.controller.meters import MeterBook, MeterRejected, prometheus_watts, redfish_watts
 from powerd.controller.tick import TickEngine
 from powerd.policy import MeterSpec, PolicyError, RedfishMeter, parse_policy
+from powerd.store import upgrade
+from powerd.store.db import make_engine
+from powerd.store.leases import Leases
 from powerd.testing.redfish import EmulatorServer, Meter, RedfishService, TestCa
 
 
@@ -426,3 +430,42 @@ def test_a_meter_reading_absurdly_high_only_tightens_and_alarms() -> None:
         assert report.group_limit_w[0] == FACILITY_W
     assert plan.group_committed_w[0] <= FACILITY_W + 1e-6
     assert "dc (meter 900,000,00" in engine.alarms.active["meter_disagrees"]
+
+
+def test_a_controller_that_stands_by_stops_polling_its_meters(
+    tmp_path: Path, prom: PromServer
+) -> None:
+    """A leader that stood down kept its reader polling every meter (its ticks stopped,
+    its reader did not): twice the requests on each PDU, and PDUs serve few sessions. A
+    standby now reads no meter; leading again, it starts the reader again."""
+    meter = (
+        f"      meter: {{prometheus: {{url: '{prom.url}', query: 'sum(row_watts)'}}, "
+        "poll_s: 0.2, timeout_s: 0.1, fresh_s: 2, disagree_w: 100000}\n"
+    )
+    policy = POLICY.replace("      budget_w: 3800\n", "      budget_w: 3800\n" + meter, 1)
+    api = LiveApi(tmp_path, policy, with_store=False).start()
+    try:
+        controller = api.controller
+        assert controller is not None
+        wait_until(lambda: controller.meter_reader.running and prom.queries, "polling")
+        upgrade(f"sqlite:///{tmp_path / 'lease.db'}")
+        lease = Leadership(
+            Leases(make_engine(f"sqlite:///{tmp_path / 'lease.db'}", timeout_s=0.2)),
+            scope="dc",
+            holder="ctl-test",
+            lease_s=2.0,
+            renew_s=0.5,
+            mode="lease",
+            clock=time.monotonic,
+            margin_s=0.25,
+        )
+        assert not lease.may_command()  # it never took the lease: a standby
+        api.call(lambda: setattr(controller, "leadership", lease))
+        wait_until(lambda: not controller.meter_reader.running, "the reader stopped")
+        asked = len(prom.queries)
+        time.sleep(1.0)  # five poll periods
+        assert len(prom.queries) <= asked + 1  # at most one poll that was in flight
+        api.call(lambda: setattr(controller, "leadership", None))  # leads again
+        wait_until(lambda: len(prom.queries) > asked + 3, "polling again")
+    finally:
+        api.close()

@@ -774,6 +774,7 @@ class Controller(AdminWrites):
                     # keep their leases' failsafe; the next tick tries again.
                     log.exception("tick_lost", tick=self.tick_no)
             else:
+                self._rest_meters()
                 self._observe()
             self._round_hooks(leading)
             shape = self.engine.shape
@@ -788,6 +789,15 @@ class Controller(AdminWrites):
                 next_at = now
             if await self._sleep_or_change(next_at - now):
                 next_at = self.clock.monotonic()  # took over (or stepped down): at once
+
+    def _rest_meters(self) -> None:
+        """A controller that does not lead reads no meter (the leader does; a PDU serves
+        few sessions). Leading again, its first tick starts the reader, every meter unread
+        (strict until it reads), as at a start."""
+        if self._metered_policy is not None:
+            self.meter_reader.stop(wait=False, forget=True)
+            self._metered_policy = None
+            log.info("meters_rested", why="not leading")
 
     def _observe(self) -> None:
         """A standby's round: the view kept warm, nothing decided or sent."""

@@ -317,12 +317,14 @@ class MeterReader:
         """Whether its thread polls (False before `start`, after `stop`, or if it died)."""
         return self._thread is not None and self._thread.is_alive()
 
-    def stop(self, *, wait: bool = True) -> None:
+    def stop(self, *, wait: bool = True, forget: bool = False) -> None:
         """Stop polling; with `wait`, until the thread has closed its connections (up to a
         poll's timeout: call it off the event loop). Without, it ends on its own and writes
-        nothing more."""
+        nothing more. With `forget`, the next `start` begins with every meter unread."""
         thread, self._thread = self._thread, None
         self._halt.set()
+        if forget:
+            self._specs = {}
         if thread is not None and wait:
             thread.join(timeout=70)
 
