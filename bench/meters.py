@@ -2,6 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python bench/meters.py                 # 10,240 GPUs, 4 meters
     PYTHONPATH=. .venv/bin/python bench/meters.py --rows 2 --ticks 20
+    PYTHONPATH=. .venv/bin/python bench/meters.py --racks 250 --nodes 1 --rack-meters
 
 Runs the shipped tick (`powerd sim`'s engine, honest simulated agents) on a synthetic site
 with every row and the facility rated for 5 %, once without meters and once with a meter
@@ -80,6 +81,7 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=32)
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--ticks", type=int, default=40)
+    parser.add_argument("--rack-meters", action="store_true", help="a meter on every rack too")
     args = parser.parse_args()
     logging.disable(logging.WARNING)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
@@ -94,6 +96,13 @@ def main() -> None:
             {**copy.deepcopy(template), "name": f"row-{k}", "meter": PROM}
             for k in range(1, args.rows + 1)
         ]
+    if args.rack_meters:
+        for row in rows:
+            rack = row["racks"][0]
+            row["racks"] = [
+                {**copy.deepcopy(rack), "name": f"{row['name']}-rack-{j}", "meter": PROM}
+                for j in range(1, args.racks + 1)
+            ]
     n = args.rows * args.racks * args.nodes * args.gpus
     for label, d in (("no meters", data), ("meters", metered)):
         b, s = run(d, args.ticks)
