@@ -469,3 +469,23 @@ def test_a_controller_that_stands_by_stops_polling_its_meters(
         wait_until(lambda: len(prom.queries) > asked + 3, "polling again")
     finally:
         api.close()
+
+
+def test_a_meters_error_text_cannot_forge_lines_in_alarms(prom: PromServer) -> None:
+    """A Prometheus error message is the server's text: newlines and terminal escapes in it
+    went as they were into the book, the API's `error`, the `meter_stale` alarm and the
+    logs (a forged line: "\\nrow-2 reads fine"). They are now shown as '?'."""
+    prom.status = 400
+    prom.body = json.dumps(
+        {"status": "error", "error": "bad\nrow-2: fresh, all is well\x1b[2J\r"}
+    ).encode()
+    book = MeterBook()
+    reader = MeterReader(book, SystemClock())
+    reader.start({"g": (fast(prometheus={"url": prom.url, "query": "q"}), "facility")})
+    try:
+        wait_for(book, lambda s: s is not None and s.error is not None)
+        error = book.latest()["g"].error
+        assert error is not None and "row-2: fresh" in error
+        assert error.isprintable()
+    finally:
+        reader.stop()

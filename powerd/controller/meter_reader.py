@@ -28,7 +28,13 @@ import structlog
 
 from powerd.bmc.redfish import BmcTrust, RedfishClient, RedfishError
 from powerd.clock import Clock
-from powerd.controller.meters import MeterBook, MeterRejected, prometheus_watts, redfish_watts
+from powerd.controller.meters import (
+    MAX_ERROR_CHARS,
+    MeterBook,
+    MeterRejected,
+    prometheus_watts,
+    redfish_watts,
+)
 from powerd.policy import MeterSpec, Policy, PrometheusMeter, RedfishMeter
 
 log = structlog.get_logger(__name__)
@@ -386,7 +392,7 @@ class MeterReader:
                         await self._close(source, spec)
                         source = None
                     if error != last_error and error is not None:
-                        log.warning("meter_failed", group=group, error=error)
+                        log.warning("meter_failed", group=group, error=error[:MAX_ERROR_CHARS])
                     elif error is None and last_error is not None:
                         log.info("meter_reads", group=group)
                     last_error = error

@@ -175,6 +175,12 @@ class MeterBook:
             changed = now if reading_w != last.reading_w else last.changed_at
             self._samples[group] = MeterSample(reading_w, now, last.seq + 1, changed_at=changed)
 
+    @staticmethod
+    def _printable(error: str) -> str:
+        """The error as one printable line: its text may be the meter's own (an error
+        message, a status reason), which must not forge lines in alarms and logs."""
+        return "".join(c if c.isprintable() else "?" for c in error[:MAX_ERROR_CHARS])
+
     def fail(
         self,
         group: str,
@@ -190,7 +196,7 @@ class MeterBook:
                 return
             last = self._samples.get(group, MeterSample())
             self._samples[group] = MeterSample(
-                last.reading_w, last.at, last.seq, error[:MAX_ERROR_CHARS], now, last.changed_at
+                last.reading_w, last.at, last.seq, self._printable(error), now, last.changed_at
             )
             if reason is not None:
                 key = (group, reason)
