@@ -173,6 +173,12 @@ class MeterSpec(_Strict):
             return max(60.0, 5.0 * self.poll_s)
         return self.frozen_s or math.inf
 
+    @property
+    def source(self) -> tuple[object, ...]:
+        """What it reads and believes: a change here is another meter (its readings and
+        learned overhead are not this one's); poll, freshness and alarm settings are not."""
+        return (self.redfish, self.prometheus, self.max_w)
+
     def bound_w(self, reading_w: float) -> float:
         """How far meter and nodes may disagree at this reading."""
         return max(self.disagree_w, self.disagree_pct / 100.0 * abs(reading_w))

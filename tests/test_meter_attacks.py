@@ -120,6 +120,7 @@ def test_a_changed_meter_starts_without_the_old_ones_reading(prom: PromServer) -
     book = MeterBook()
     reader = MeterReader(book, SystemClock())
     reader.start({"g": (old, "facility"), "same": (old, "facility.rows[0]")})
+    retuned = old.model_copy(update={"disagree_w": 900.0})  # the same meter, other alarms
     with PromServer() as other:
         other.body, other.delay_s = json.dumps(vector("5000")).encode(), 0.5
         new = MeterSpec.model_validate({"prometheus": {"url": other.url, "query": "new"}, **spec})
@@ -133,7 +134,7 @@ def test_a_changed_meter_starts_without_the_old_ones_reading(prom: PromServer) -
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             reader.stop(wait=False)
-            reader.start({"g": (new, "facility"), "same": (old, "facility.rows[0]")})
+            reader.start({"g": (new, "facility"), "same": (retuned, "facility.rows[0]")})
             time.sleep(0.4)  # the old reader's answers are in by now
             moved = book.latest()["g"]
             assert moved.reading_w is None and moved.seq >= seq  # unread; seq goes on
@@ -150,7 +151,7 @@ def test_a_group_pointed_at_another_meter_learns_its_overhead_anew() -> None:
     for t in range(6):
         report, _ = run_ticks(engine, nodes, t, meter_w=true_draw(nodes) + 300.0)
     assert report.meters[0].readings == 6
-    engine.adopt(parse_policy(metered_policy(poll_s=1.0)))  # the same meter: kept
+    engine.adopt(parse_policy(metered_policy(disagree_w=400)))  # the same meter: kept
     report, _ = run_ticks(engine, nodes, 6, meter_w=true_draw(nodes) + 300.0)
     assert report.meters[0].readings == 7
     other = {"prometheus": {"url": "http://127.0.0.1:9", "query": "sum(other_pdu_watts)"}}

@@ -308,7 +308,11 @@ class MeterReader:
         self._halt = halt = _Halt()
         # A group whose meter changed starts unread: the old meter's last reading is not
         # the new one's, and the old reader (its token refused) writes nothing more.
-        changed = [g for g, (spec, _) in specs.items() if self._specs.get(g) != spec]
+        changed = [
+            g
+            for g, (spec, _) in specs.items()
+            if g not in self._specs or self._specs[g].source != spec.source
+        ]
         self.book.claim(halt, specs, forget=changed)
         self._specs = {g: spec for g, (spec, _) in specs.items()}
         if not specs:

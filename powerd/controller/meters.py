@@ -291,7 +291,11 @@ class MeterStage:
         )
         self._where = None
         # A group pointed at another meter learns its overhead anew.
-        self._learned = {n: v for n, v in self._learned.items() if self.specs.get(n) == old.get(n)}
+        self._learned = {
+            n: v
+            for n, v in self._learned.items()
+            if n in self.specs and n in old and self.specs[n].source == old[n].source
+        }
         self._gap_since = {n: t for n, t in self._gap_since.items() if n in self.specs}
         self._first_seen = {n: t for n, t in self._first_seen.items() if n in self.specs}
 
