@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
 from powerd.backends.base import throttle_mask
+from powerd.controller.meters import MeterView
 from powerd.node_metrics import (
     CLOCK_EVENTS,
     COMMITTED,
@@ -276,6 +277,16 @@ def _rows(f: GpuFamily, labels: Rows, values: FloatArray) -> RowFamily:
     return RowFamily(f.name, f.doc, f.typ, labels, values, sample=f.sample)
 
 
+METER_GAUGES = {
+    "powerd_group_meter_watts": "A metered group's last meter reading (in W).",
+    "powerd_group_meter_age_seconds": "Age of that reading on the controller's clock (in s).",
+    "powerd_group_meter_fresh": "1 while the reading is fresh (the overload rule uses it), 0 not.",
+    "powerd_group_meter_gap_watts": "Meter minus the nodes' draw plus overhead (in W).",
+    "powerd_group_overhead_learned_watts": "Overhead learned: meter minus GPUs' draw (in W).",
+    "powerd_group_overhead_error_watts": "Spread (RMS) of the learned overhead (in W).",
+}
+
+
 class _Families(Collector):
     """Controller-wide series from plain values the controller hands over each tick."""
 
@@ -304,8 +315,23 @@ class _Families(Collector):
         self.learn_samples: Mapping[str, float] = {}
         self.learn_in_use: Mapping[str, float] = {}
         self.learn_error: Mapping[str, float] = {}
+        # Metered groups (controller/meters.py), per group: gauges by name, and answers
+        # rejected.
+        self.meters: Mapping[str, Mapping[str, float]] = {}
+        self.meter_rejected: Mapping[str, float] = {}
 
     def collect(self) -> Iterator[Metric]:
+        for name, doc in METER_GAUGES.items():
+            values = self.meters.get(name)
+            if values:
+                yield gauges(name, doc, "group", values)
+        if self.meter_rejected:
+            yield counter(
+                "powerd_meter_rejected",
+                "Meter answers rejected (not a number, negative, absurd, malformed), per group.",
+                "group",
+                self.meter_rejected,
+            )
         if self.learn_samples:
             yield gauges(
                 "powerd_learn_samples",
@@ -525,6 +551,30 @@ class ControllerMetrics:
             _array(committed_w, n, "committed_w"),
             _array(draw_w, n, "draw_w"),
         )
+
+    def update_meters(
+        self, views: Sequence[MeterView], rejected: Mapping[tuple[str, str], int]
+    ) -> None:
+        """The metered groups' readings and learned overheads (controller/meters.py's
+        `MeterView`s), and the answers rejected by (group, reason)."""
+        out: dict[str, dict[str, float]] = {name: {} for name in METER_GAUGES}
+        for v in views:
+            fields = {
+                "powerd_group_meter_watts": v.reading_w,
+                "powerd_group_meter_age_seconds": v.age_s,
+                "powerd_group_meter_fresh": 1.0 if v.state == "fresh" else 0.0,
+                "powerd_group_meter_gap_watts": v.gap_w,
+                "powerd_group_overhead_learned_watts": v.overhead_learned_w,
+                "powerd_group_overhead_error_watts": v.overhead_error_w,
+            }
+            for name, value in fields.items():
+                if value is not None:
+                    out[name][v.group] = float(value)
+        by_group: dict[str, float] = {}
+        for (group, _reason), n in rejected.items():
+            by_group[group] = by_group.get(group, 0.0) + n
+        self._f.meters = out
+        self._f.meter_rejected = by_group
 
     def observe_tick(
         self,

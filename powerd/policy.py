@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -56,12 +57,140 @@ class Overload(_Strict):
     target_pct: float = Field(default=3.0, ge=0, le=50, allow_inf_nan=False)
 
 
+MAX_METER_W = 1e9  # a reading above a gigawatt is no reading of any group powerd steers
+
+
+def _usable_url(url: str) -> str:
+    """A meter's URL with a host and, if any, a port in 1..65535: the patterns below let
+    through what an HTTP client refuses when it is built ("pdu:port", "h:1:2")."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"not a usable URL ({exc})") from None
+    if not parts.hostname:
+        raise ValueError("not a usable URL (no host)")
+    if port == 0:
+        raise ValueError("not a usable URL (port 0)")
+    return url
+
+
+class RedfishMeter(_Strict):
+    """A Redfish PDU or power shelf: `resource` is the path of a `PowerDistribution` (its
+    `Metrics` are read), of its `Metrics`, or of an outlet or any resource with
+    `PowerWatts.Reading`; or `pdu`, the Id of a rack PDU under
+    /redfish/v1/PowerEquipment/RackPDUs. Credentials from `password_file` only."""
+
+    url: str = Field(pattern=r"^https://[A-Za-z0-9.\-\[\]:]+/?$", max_length=300)
+    resource: str | None = Field(
+        default=None, pattern=r"^/redfish/v1/[A-Za-z0-9_./#-]*$", max_length=500
+    )
+    pdu: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$", max_length=100)
+    username: str = Field(min_length=1, max_length=200)
+    password_file: Path
+    ca_file: Path | None = None
+    pinned_cert_file: Path | None = None
+    auth: Literal["session", "basic"] = "session"
+
+    _url = field_validator("url")(_usable_url)
+
+    @model_validator(mode="after")
+    def _one_each(self) -> RedfishMeter:
+        if (self.resource is None) == (self.pdu is None):
+            raise ValueError("give resource (a path) or pdu (a rack PDU's Id), one of them")
+        if self.ca_file is not None and self.pinned_cert_file is not None:
+            raise ValueError("give ca_file or pinned_cert_file, not both")
+        if ".." in (self.resource or ""):
+            raise ValueError("resource must not hold '..'")
+        return self
+
+    @property
+    def path(self) -> str:
+        """The path first read."""
+        if self.resource is not None:
+            return self.resource.rstrip("/") or "/"
+        return f"/redfish/v1/PowerEquipment/RackPDUs/{self.pdu}"
+
+
+class PrometheusMeter(_Strict):
+    """A Prometheus server (`url`: scheme, host, port and an optional path prefix) and an
+    instant query whose answer is one sample: the group's draw in W."""
+
+    url: str = Field(pattern=r"^https?://[A-Za-z0-9.\-\[\]:]+(/[A-Za-z0-9_./-]*)?$", max_length=300)
+    query: str = Field(min_length=1, max_length=4000)
+    ca_file: Path | None = None
+
+    _url = field_validator("url")(_usable_url)
+
+
+class MeterSpec(_Strict):
+    """What measures a group's draw at its breaker (docs/policy.md, "Meters"): a Redfish
+    PDU or power shelf, or a Prometheus query. Its reading, while younger than `fresh_s`,
+    is the group's measured draw for the overload rule (never below the nodes' figure); a
+    group whose meter is stale steers on its strict budget. `disagree_w`/`disagree_pct`: the
+    bound (the larger of the two) on |meter − (nodes + overhead)| before an alarm, after
+    `disagree_for_s` beyond it; the same bound alarms a learned overhead above
+    `overhead_w`."""
+
+    redfish: RedfishMeter | None = None
+    prometheus: PrometheusMeter | None = None
+    poll_s: float = Field(default=2.0, gt=0, le=3600, allow_inf_nan=False)
+    timeout_s: float = Field(default=1.0, gt=0, le=60, allow_inf_nan=False)
+    fresh_s: float = Field(default=10.0, gt=0, le=3600, allow_inf_nan=False)
+    disagree_w: NonNegWatts = 500.0
+    disagree_pct: float = Field(default=5.0, ge=0, le=100, allow_inf_nan=False)
+    disagree_for_s: float = Field(default=15.0, ge=0, le=86400, allow_inf_nan=False)
+    # The largest reading believed; above it an answer is rejected (counted) as absurd.
+    max_w: float = Field(default=MAX_METER_W, gt=0, le=MAX_METER_W, allow_inf_nan=False)
+    # A reading unchanged this long is not fresh (a meter that answers but stopped
+    # measuring); None: max(60 s, 5 × poll_s); 0: never.
+    frozen_s: float | None = Field(default=None, ge=0, le=86400, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> MeterSpec:
+        if (self.redfish is None) == (self.prometheus is None):
+            raise ValueError("a meter is redfish or prometheus, one of them")
+        if self.timeout_s >= self.poll_s:
+            raise ValueError(
+                f"timeout_s ({self.timeout_s:g}) must be shorter than poll_s ({self.poll_s:g})"
+            )
+        if self.poll_s >= self.fresh_s:
+            raise ValueError(
+                f"poll_s ({self.poll_s:g}) must be shorter than fresh_s ({self.fresh_s:g}), "
+                "or every reading is stale before the next"
+            )
+        if self.frozen_s and self.frozen_s < 3 * self.poll_s:
+            raise ValueError(
+                f"frozen_s ({self.frozen_s:g}) must be at least 3 × poll_s ({self.poll_s:g}), "
+                "or a meter that reads anew each poll looks frozen; 0 turns the check off"
+            )
+        return self
+
+    @property
+    def frozen_after_s(self) -> float:
+        """How long a reading may stay unchanged and still be fresh (inf: no limit)."""
+        if self.frozen_s is None:
+            return max(60.0, 5.0 * self.poll_s)
+        return self.frozen_s or math.inf
+
+    @property
+    def source(self) -> tuple[object, ...]:
+        """What it reads and believes: a change here is another meter (its readings and
+        learned overhead are not this one's); poll, freshness and alarm settings are not."""
+        return (self.redfish, self.prometheus, self.max_w)
+
+    def bound_w(self, reading_w: float) -> float:
+        """How far meter and nodes may disagree at this reading."""
+        return max(self.disagree_w, self.disagree_pct / 100.0 * abs(reading_w))
+
+
 class NodeSpec(_Strict):
     """One node, or many identical ones when `name` holds a range like `n{01..08}`."""
 
     name: str
     budget_w: Watts | None = None
     overload: Overload | None = None
+    meter: MeterSpec | None = None
     overhead_w: NonNegWatts = 0.0
     gpus: int | None = Field(default=None, ge=0, le=64)
     failsafe_w: Watts | None = None
@@ -71,6 +200,7 @@ class RackSpec(_Strict):
     name: str
     budget_w: Watts | None = None
     overload: Overload | None = None
+    meter: MeterSpec | None = None
     nodes: list[NodeSpec] = Field(default_factory=list)
 
 
@@ -78,6 +208,7 @@ class RowSpec(_Strict):
     name: str
     budget_w: Watts | None = None
     overload: Overload | None = None
+    meter: MeterSpec | None = None
     racks: list[RackSpec] = Field(default_factory=list)
 
 
@@ -85,6 +216,7 @@ class FacilitySpec(_Strict):
     name: str
     budget_w: Watts | None = None
     overload: Overload | None = None
+    meter: MeterSpec | None = None
     rows: list[RowSpec] = Field(min_length=1)
 
 
@@ -276,6 +408,7 @@ class GroupDef:
     failsafe_w: float  # nodes: failsafe cap per GPU; others: 0
     path: str
     overload: Overload | None = None  # its short-time rating, if declared
+    meter: MeterSpec | None = None  # what measures its draw, if declared
 
     @property
     def rating_w(self) -> float:
@@ -376,6 +509,8 @@ class Policy:
                         parent=new_index.get(g.parent, -1),
                         budget_w=budget,
                         overload=None if i in strict else g.overload,
+                        # A meter above a scope measures other scopes' nodes too.
+                        meter=None if i in free else g.meter,
                     )
                 )
         return Policy(
@@ -407,6 +542,7 @@ class _Expander:
         self.groups: list[GroupDef] = []
         self.problems: list[tuple[str, str]] = []
         self.seen: dict[tuple[int, str], str] = {}
+        self.metered: dict[str, str] = {}  # path of a group with a meter → its first name
 
     def add(
         self,
@@ -420,6 +556,7 @@ class _Expander:
         gpus: int = 0,
         failsafe: float = 0.0,
         overload: Overload | None = None,
+        meter: MeterSpec | None = None,
     ) -> int:
         if not NAME_RE.match(name):
             self.problems.append(
@@ -445,6 +582,18 @@ class _Expander:
                 (path + ".overload", "an overload rating needs the group's budget_w")
             )
             overload = None
+        if meter is not None:
+            first = self.metered.setdefault(path, name)
+            if first != name and (path + ".meter") not in {where for where, _ in self.problems}:
+                self.problems.append(
+                    (
+                        path + ".meter",
+                        f"a meter measures one group, but this {LEVELS[level]} expands to "
+                        f"several ('{first}', '{name}'...): declare each apart",
+                    )
+                )
+            if first != name:
+                meter = None
         self.groups.append(
             GroupDef(
                 name,
@@ -456,6 +605,7 @@ class _Expander:
                 failsafe,
                 path,
                 overload,
+                meter,
             )
         )
         return len(self.groups) - 1
@@ -483,16 +633,24 @@ class _Expander:
     def run(self) -> None:
         f = self.spec.facility
         d = self.spec.defaults
-        root = self.add(f.name, 0, -1, f.budget_w, "facility", overload=f.overload)
+        root = self.add(f.name, 0, -1, f.budget_w, "facility", overload=f.overload, meter=f.meter)
         for ri, row in enumerate(f.rows):
             rpath = f"facility.rows[{ri}]"
             for row_name in self.names(row.name, rpath, {}):
-                row_idx = self.add(row_name, 1, root, row.budget_w, rpath, overload=row.overload)
+                row_idx = self.add(
+                    row_name, 1, root, row.budget_w, rpath, overload=row.overload, meter=row.meter
+                )
                 for ki, rack in enumerate(row.racks):
                     kpath = f"{rpath}.racks[{ki}]"
                     for rack_name in self.names(rack.name, kpath, {"row": row_name}):
                         rack_idx = self.add(
-                            rack_name, 2, row_idx, rack.budget_w, kpath, overload=rack.overload
+                            rack_name,
+                            2,
+                            row_idx,
+                            rack.budget_w,
+                            kpath,
+                            overload=rack.overload,
+                            meter=rack.meter,
                         )
                         for ni, node in enumerate(rack.nodes):
                             npath = f"{kpath}.nodes[{ni}]"
@@ -510,6 +668,7 @@ class _Expander:
                                     if node.failsafe_w is None
                                     else node.failsafe_w,
                                     overload=node.overload,
+                                    meter=node.meter,
                                 )
             if len(self.groups) > MAX_EXPANSION:
                 self.problems.append(
@@ -582,6 +741,13 @@ def overload_reaction_s(control: Control) -> float:
     return control.lease_s + control.stale_after_s + 2.0 * control.tick_s
 
 
+def metered_reaction_s(control: Control, meter: MeterSpec) -> float:
+    """The same with a meter, against nodes that under-report: the oldest reading still
+    used (`fresh_s` from its arrival, which took up to `timeout_s`) replaces the oldest
+    telemetry (docs/safety.md, "Overload")."""
+    return control.lease_s + meter.fresh_s + meter.timeout_s + 2.0 * control.tick_s
+
+
 def check_overload(groups: Sequence[GroupDef], control: Control) -> list[tuple[str, str]]:
     """A rating whose time is shorter than powerd can react in protects nothing."""
     need = overload_reaction_s(control)
@@ -589,18 +755,31 @@ def check_overload(groups: Sequence[GroupDef], control: Control) -> list[tuple[s
     reported: set[str] = set()
     for g in groups:
         o = g.overload
-        if o is None or g.path in reported or o.for_s >= need:
+        if o is None or g.path in reported:
             continue
-        reported.add(g.path)
-        problems.append(
-            (
-                g.path + ".overload.for_s",
-                f"{LEVELS[g.level]} '{g.name}': the rating's {o.for_s:g} s is shorter than "
-                f"powerd's worst-case reaction, {need:g} s (control.lease_s "
-                f"{control.lease_s:g} + stale_after_s {control.stale_after_s:g} + 2 × tick_s "
-                f"{control.tick_s:g}); shorten those or drop the overload",
+        if o.for_s < need:
+            reported.add(g.path)
+            problems.append(
+                (
+                    g.path + ".overload.for_s",
+                    f"{LEVELS[g.level]} '{g.name}': the rating's {o.for_s:g} s is shorter "
+                    f"than powerd's worst-case reaction, {need:g} s (control.lease_s "
+                    f"{control.lease_s:g} + stale_after_s {control.stale_after_s:g} + 2 × "
+                    f"tick_s {control.tick_s:g}); shorten those or drop the overload",
+                )
             )
-        )
+        elif g.meter is not None and o.for_s < (metered := metered_reaction_s(control, g.meter)):
+            reported.add(g.path)
+            problems.append(
+                (
+                    g.path + ".overload.for_s",
+                    f"{LEVELS[g.level]} '{g.name}': the rating's {o.for_s:g} s is shorter "
+                    f"than powerd's worst-case reaction on its meter, {metered:g} s "
+                    f"(control.lease_s {control.lease_s:g} + meter.fresh_s "
+                    f"{g.meter.fresh_s:g} + meter.timeout_s {g.meter.timeout_s:g} + 2 × "
+                    f"tick_s {control.tick_s:g}); shorten those or drop the overload",
+                )
+            )
     return problems
 
 

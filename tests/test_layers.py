@@ -48,6 +48,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "powerd.controller.demand",
             "powerd.controller.churn",
             "powerd.controller.deadband",
+            "powerd.controller.meters",
         ),
     ),
     (

@@ -76,6 +76,27 @@ class Readiness(_Out):
 # ---- fleet ----
 
 
+class GroupMeterOut(_Out):
+    """A metered group's meter (docs/operations.md, "Metered groups")."""
+
+    state: Literal["fresh", "stale", "frozen", "none"] = Field(
+        description="fresh: the overload rule uses the reading; stale, frozen (unchanged for "
+        "the meter's frozen_s) or none (never read): a rated group steers on its strict budget."
+    )
+    reading_w: float | None = Field(description="The last reading.")
+    age_s: float | None = Field(description="Its age on the controller's clock.")
+    nodes_w: float = Field(description="The nodes' draw plus overhead, as the rule counts it.")
+    gap_w: float | None = Field(description="Meter minus nodes' figure (fresh readings only).")
+    bound_w: float | None = Field(description="The gap beyond which it alarms.")
+    overhead_w: float = Field(description="The policy's overhead_w below the group.")
+    overhead_learned_w: float | None = Field(
+        description="Meter minus the GPUs' reported draw, smoothed."
+    )
+    overhead_error_w: float | None = Field(description="The spread (RMS) of that estimate.")
+    readings: int = Field(description="Readings the learned overhead has taken.")
+    error: str | None = Field(description="The last poll's failure, if it failed.")
+
+
 class GroupUse(_Out):
     name: str
     level: str
@@ -92,6 +113,9 @@ class GroupUse(_Out):
         default=None,
         description="The budget's shadow price this tick (weighted throughput per kW; 0: not "
         "binding); null: the solver gives none, or the tick fell back.",
+    )
+    meter: GroupMeterOut | None = Field(
+        default=None, description="The group's meter, where the policy names one."
     )
 
 

@@ -5,7 +5,8 @@ In force: the policy's budget, or a lower temporary one (expired ones end here),
 scheduled one's ramp, or at a scope's root the coordinator's if lower; a rise is ramped at
 the policy's rate (powerd.ramp). The limit: the budget, or above it where a group is rated
 for an overload and its GPUs do not draw their reservation (OverloadRule), the room lent
-once per reading.
+once per reading. A metered group's draw is its meter's where the reading is fresh (never
+below the nodes' figure), and its strict budget where a meter reading is not.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from numpy.typing import NDArray
 
 from powerd.allocator.solve import group_values
 from powerd.controller.fleet import FleetArrays
+from powerd.controller.meters import MeteredDraw
 from powerd.controller.overrides import Overrides
 from powerd.controller.shape import Shape
 from powerd.policy import Policy
@@ -34,6 +36,7 @@ class Budgets:
 
     budget_w: FloatArray
     limit_w: FloatArray
+    meter: MeteredDraw | None = None  # this tick's meter readings, where groups have one
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,8 @@ class BudgetsInForce:
         # The overload limits of the last tick, with the telemetry count and shape they
         # were computed at.
         self._last_limit: tuple[int, Shape, FloatArray] | None = None
+        # Per group, the meter reading the last limits were lent on (0: none).
+        self._last_meter_seq: tuple[Shape, NDArray[np.int64]] | None = None
 
     def in_force(
         self,
@@ -102,28 +107,49 @@ class BudgetsInForce:
         shape: Shape,
         *,
         heard: int,
+        meter: MeteredDraw | None = None,
     ) -> FloatArray:
         """Per group, what committed caps may reach (OverloadRule): the budget, unless the
         group is rated. Draw and committed count alike: overhead, the reserve for GPUs not
         heard, and GPUs without fresh telemetry at their committed caps. `heard`: how many
-        telemetry messages the tick has heard, ever."""
+        telemetry messages the tick has heard, ever. `meter`: where a group has a meter,
+        its fresh reading is its draw if higher (`MeteredDraw.draw_w`), and a group whose
+        reading is not fresh gets its budget."""
         if rule is None:
             return budget_w
         topo = shape.topology
-        fresh = ~arrays.stale & np.isfinite(arrays.power_w)
-        power = np.where(fresh, arrays.power_w, committed)
+        draw = self.nodes_draw_w(committed, arrays, shape)
         base = topo.overhead_w + shape.reserve_w
-        limit = rule.limits_w(
-            budget_w, topo.group_sums(committed) + base, topo.group_sums(power) + base
-        )
+        if meter is not None:
+            draw = meter.draw_w(draw)
+        limit = rule.limits_w(budget_w, topo.group_sums(committed) + base, draw)
+        if meter is not None:
+            limit = np.where(meter.metered & ~meter.fresh, budget_w, limit)
         # The room between draw and target is lent once per reading: a tick that heard no
         # telemetry since the last one (ticks faster than the agents report) would
-        # otherwise lend the same room again on top of what it already committed.
+        # otherwise lend the same room again on top of what it already committed; nor a
+        # metered group's, until its meter reads anew.
         last = self._last_limit
-        if last is not None and last[0] == heard and last[1] is shape:
-            limit = np.maximum(np.minimum(limit, last[2]), budget_w)
+        if last is not None and last[1] is shape:
+            same = np.full(topo.n_groups, last[0] == heard)
+            seen = self._last_meter_seq
+            if meter is not None and seen is not None and seen[0] is shape:
+                same |= meter.fresh & (meter.seq == seen[1])
+            limit = np.where(same, np.maximum(np.minimum(limit, last[2]), budget_w), limit)
         self._last_limit = (heard, shape, limit)
+        if meter is not None:
+            self._last_meter_seq = (shape, meter.seq)
         return limit
+
+    @staticmethod
+    def nodes_draw_w(committed: FloatArray, arrays: FleetArrays, shape: Shape) -> FloatArray:
+        """Per group, the draw as the nodes report it: GPUs with fresh telemetry at their
+        draw, others at their committed caps, plus overhead and the reserve for GPUs not
+        heard."""
+        topo = shape.topology
+        fresh = ~arrays.stale & np.isfinite(arrays.power_w)
+        power = np.where(fresh, arrays.power_w, committed)
+        return topo.group_sums(power) + topo.overhead_w + shape.reserve_w
 
     def ramp_grace(self, topo: Topology, budget_w: FloatArray) -> FloatArray:
         """Per group, what committed caps may still be while a ramp's step down is on its way:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from powerd.clock import Clock
 from powerd.controller.admin import AdminWrites, Ledger
 from powerd.controller.fleet import FleetState
 from powerd.controller.leadership import Leadership
+from powerd.controller.meter_reader import MeterReader, meter_specs
 from powerd.controller.opstate import ApiPolicy, OperatorState, StateFile
 from powerd.controller.overrides import Overrides
 from powerd.controller.report import TickReport, TickSummary
@@ -61,6 +63,9 @@ from powerd.wire import (
 )
 
 log = structlog.get_logger(__name__)
+# A meter reader whose thread ended (it should not: each meter's failures stay its own) is
+# started again, at most this often: its groups steer on their strict budgets meanwhile.
+METER_RESTART_S = 5.0
 
 # What the store keeps of each GPU, read off the fleet's record of it.
 _INVENTORY_FIELDS = tuple(f.name for f in fields(GpuRecord))
@@ -161,6 +166,11 @@ class Controller(AdminWrites):
         self.last_tick: TickReport | None = None
         self.on_tick: list[Callable[[TickReport], None]] = []  # metrics, live view, watchdog
         self.policy_version = start.policy_version
+        # Metered groups' meters, polled off the loop into the engine's book while `run`
+        # runs (controller/meter_reader.py); restarted when the policy in force changes.
+        self.meter_reader = MeterReader(engine.meter_book, clock)
+        self._metered_policy: Policy | None = None
+        self._meters_started_at = -math.inf  # monotonic: a dead reader restarts at most so often
         self._stored_gpus: set[str] = set()
         self._inventoried: tuple[int, int, int] | None = None  # the shape whose GPUs are stored
         # Operators' writes made durable (state file, database), from the state found at
@@ -578,8 +588,31 @@ class Controller(AdminWrites):
             draw_w=report.group_draw_w.copy(),
         )
 
+    def _follow_meters(self) -> None:
+        """Poll the meters of the policy in force (a new policy's: the old ones stop), and
+        start the reader again if its thread has ended (its groups went stale meanwhile)."""
+        policy = self.engine.policy
+        if policy is self._metered_policy:
+            if self.meter_reader.running or not self.engine.meters.specs:
+                return
+            now = self.clock.monotonic()
+            if now - self._meters_started_at < METER_RESTART_S:
+                return
+            log.warning("meter_reader_restarted", meters=len(self.engine.meters.specs))
+        else:
+            specs = meter_specs(policy)
+            old = self._metered_policy
+            if old is not None and specs == meter_specs(old) and self.meter_reader.running:
+                self._metered_policy = policy
+                return
+        self.meter_reader.stop(wait=False)
+        self.meter_reader.start(meter_specs(policy))
+        self._metered_policy = policy
+        self._meters_started_at = self.clock.monotonic()
+
     async def tick_once(self) -> TickReport:
         t0 = time.perf_counter()
+        self._follow_meters()
         report, plan = self.step()
         try:
             await self.publish_plan(plan)
@@ -688,6 +721,8 @@ class Controller(AdminWrites):
                     retain=True,
                 )
             await self.transport.disconnect()
+            await asyncio.to_thread(self.meter_reader.stop)
+            self._metered_policy = None
             log.info("controller_stopped", ticks=self.counters.ticks)
 
     async def _subscribe(self) -> None:
@@ -739,6 +774,7 @@ class Controller(AdminWrites):
                     # keep their leases' failsafe; the next tick tries again.
                     log.exception("tick_lost", tick=self.tick_no)
             else:
+                self._rest_meters()
                 self._observe()
             self._round_hooks(leading)
             shape = self.engine.shape
@@ -753,6 +789,15 @@ class Controller(AdminWrites):
                 next_at = now
             if await self._sleep_or_change(next_at - now):
                 next_at = self.clock.monotonic()  # took over (or stepped down): at once
+
+    def _rest_meters(self) -> None:
+        """A controller that does not lead reads no meter (the leader does; a PDU serves
+        few sessions). Leading again, its first tick starts the reader, every meter unread
+        (strict until it reads), as at a start."""
+        if self._metered_policy is not None:
+            self.meter_reader.stop(wait=False, forget=True)
+            self._metered_policy = None
+            log.info("meters_rested", why="not leading")
 
     def _observe(self) -> None:
         """A standby's round: the view kept warm, nothing decided or sent."""

@@ -106,6 +106,7 @@ def metrics_hook(controller: Controller, metrics: ControllerMetrics) -> TickHook
             committed_w=r.group_committed_w,
             draw_w=r.group_draw_w,
         )
+        metrics.update_meters(r.meters, r.meter_rejected)
         metrics.observe_tick(
             duration_s=r.duration_ms / 1000.0,
             solve_s=r.solve_ms / 1000.0,

@@ -30,6 +30,7 @@ from powerd.controller.hooks import (
     watchdog_hook,
 )
 from powerd.controller.leadership import Leadership, for_daemon
+from powerd.controller.meter_reader import MeterConfigError, check_meters
 from powerd.controller.opstate import (
     ApiPolicy,
     OperatorState,
@@ -65,7 +66,7 @@ async def run_controller(settings: ControllerSettings, clock: Clock | None = Non
     The database may be down: the controller then starts from its policy file and state
     file, steers, raises an alarm and catches up (migrations, policy version, queued audit
     rows) when the database returns."""
-    file_policy = load_policy(settings.policy)
+    file_policy = await _load_policy_file(settings.policy)
     # The allocator's compiled kernels: loaded (or compiled) before the first tick.
     await asyncio.to_thread(kernel.warm_up)
     file_sha, file_text = await asyncio.to_thread(_policy_file, settings.policy)
@@ -236,6 +237,17 @@ def _close(writer: StoreWriter | None, store: Store) -> None:
         if writer.store is not store:  # a shadow's recording (record_db)
             writer.store.close()
     store.close()
+
+
+async def _load_policy_file(path: Path) -> Policy:
+    """The policy file, checked; a meter's credentials or trust that cannot work is said at
+    start, by its field (PolicyError)."""
+    policy = load_policy(path)
+    try:
+        await asyncio.to_thread(check_meters, policy)
+    except MeterConfigError as exc:
+        raise PolicyError(policy.source, [(exc.field, exc.detail)]) from None
+    return policy
 
 
 def _policy_file(path: Path) -> tuple[str | None, str]:

@@ -3,11 +3,14 @@ store) and what the controller remembers of past ticks (`TickSummary`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 from numpy.typing import NDArray
 
+from powerd.controller.meters import MeterView
 from powerd.controller.why import WhyFrame
 
 FloatArray = NDArray[np.float64]
@@ -72,6 +75,16 @@ class TickReport:
     caps_moved: int = 0
     moved_w: float = 0.0
     caps_held: int = 0
+    # Metered groups (controller/meters.py): each one's reading, gap and learned overhead,
+    # and the meters' answers rejected, by (group, reason).
+    meters: tuple[MeterView, ...] = ()
+    meter_rejected: Mapping[tuple[str, str], int] = field(default_factory=dict)
+
+    @cached_property
+    def meter_of(self) -> Mapping[str, MeterView]:
+        """The meters' views by group (the API looks each group up: a scan per group was
+        quadratic with thousands of metered groups, on the event loop)."""
+        return {v.group: v for v in self.meters}
 
     @property
     def throughput_total(self) -> float:

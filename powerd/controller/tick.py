@@ -48,6 +48,7 @@ from powerd.controller.fleet import (
     split_fleet,
 )
 from powerd.controller.input_alarms import InputAlarms
+from powerd.controller.meters import MeterBook, MeteredDraw, MeterStage
 from powerd.controller.obedience import Obedience
 from powerd.controller.overrides import Overrides
 from powerd.controller.report import TickReport
@@ -129,6 +130,9 @@ class TickEngine:
         self._heard = 0
         # The report's class labels per GPU, kept while the labels and classes are the same.
         self._class_labels: tuple[Sequence[str], list[int], tuple[str, ...]] | None = None
+        # Metered groups (controller/meters.py): the reader writes the book, off the tick.
+        self.meter_book = MeterBook()
+        self.meters = MeterStage()
         self.adopt(policy)
 
     def set_scope(self, name: str) -> None:
@@ -145,6 +149,7 @@ class TickEngine:
             self.scope_group = [g.name for g in policy.groups].index(self.scope_name)
         self.policy = policy
         self.overload = OverloadRule.from_policy(policy)
+        self.meters.adopt(policy)
         self.targets.adopt(policy)
         self.planner.policy = policy
         self.fleet.set_policy(policy)
@@ -454,10 +459,38 @@ class TickEngine:
         budget_w = self.budgets.in_force(
             self.policy, self.overrides, topo, now, wall, most_w=most_w, scope=self._scope()
         )
+        meter = self._metered(seen, now)
         limit_w = self.budgets.limits(
-            self.overload, budget_w, seen.committed_w, seen.arrays, seen.shape, heard=self._heard
+            self.overload,
+            budget_w,
+            seen.committed_w,
+            seen.arrays,
+            seen.shape,
+            heard=self._heard,
+            meter=meter,
         )
-        return Budgets(budget_w, limit_w)
+        return Budgets(budget_w, limit_w, meter)
+
+    def _metered(self, seen: Seen, now: float) -> MeteredDraw | None:
+        """The meters' latest readings against the nodes' figures, and their alarms."""
+        if not self.meters.specs:
+            if self.meters.views or any(k.startswith("meter_") for k in self.alarms.active):
+                self.meters.views = ()
+                self.meters.alarm(self.alarms, now, self._wall)  # a policy that dropped them
+            return None
+        arrays, topo = seen.arrays, seen.shape.topology
+        fresh = ~arrays.stale & np.isfinite(arrays.power_w)
+        complete = (topo.group_sums((~fresh).astype(np.float64)) == 0) & (seen.shape.reserve_w == 0)
+        meter = self.meters.see(
+            self.meter_book.latest(),
+            topo,
+            now,
+            nodes_w=self.budgets.nodes_draw_w(seen.committed_w, arrays, seen.shape),
+            gpus_w=topo.group_sums(np.where(fresh, arrays.power_w, 0.0)),
+            complete=complete,
+        )
+        self.meters.alarm(self.alarms, now, self._wall)
+        return meter
 
     def _scope(self) -> ScopeRoot | None:
         if self.scope_name is None:
@@ -628,6 +661,8 @@ class TickEngine:
             alarms=tuple(sorted(self.alarms.active)),
             set_w=arrays.set_w,
             perf=arrays.perf,
+            meters=self.meters.views,
+            meter_rejected=self.meter_book.rejected_counts() if self.meters.specs else {},
             why=(
                 self._explain(seen, budgets, targets, plan, tick=tick, wall=wall)
                 if self.explain

@@ -273,6 +273,7 @@ class _Run:
         engine, agents = self.engine, self.agents
         assert engine is not None and agents is not None
         engine.on_fleet_readings(*agents.fleet_readings(now), now)
+        self._read_meters(engine, now)
         caps_before = self.model.cap_w.copy()
         for _ in range(self.rounds):
             report, plan = engine.step(now, now)
@@ -294,6 +295,18 @@ class _Run:
                 break
         if now >= CHURN_AFTER_S:
             self.churn.add(caps_before, self.model.cap_w)
+
+    def _read_meters(self, engine: TickEngine, now: float) -> None:
+        """A metered group's meter reads what its GPUs truly draw now plus its overhead
+        (docs/simulator.md): the overload rule steers on it as a controller would."""
+        metered = engine.meters.specs
+        if not metered:
+            return
+        topo = self.site.topology
+        truth = self.tree.sums(self.model.power_w) + topo.overhead_w
+        for g, name in enumerate(topo.names):
+            if name in metered:
+                engine.meter_book.put(name, float(truth[g]), now)
 
     def grid_budget(self, t: float) -> FloatArray:
         return grid_budget_at(self.budget, self.windows, self.rates, t)

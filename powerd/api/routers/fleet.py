@@ -16,6 +16,7 @@ from powerd.api.bodies import (
     GpuCap,
     GpuOut,
     GpuStateName,
+    GroupMeterOut,
     GroupUse,
     LeadershipOut,
     MemberOut,
@@ -45,7 +46,15 @@ def _group_use(r: TickReport, g: int) -> GroupUse:
         over=bool(r.group_over[g]),
         limit_w=None if r.group_limit_w is None else finite_or_none(float(r.group_limit_w[g])),
         price_per_kw=_price(r, g),
+        meter=_meter(r, r.group_names[g]),
     )
+
+
+def _meter(r: TickReport, name: str) -> GroupMeterOut | None:
+    view = r.meter_of.get(name)
+    if view is None:
+        return None
+    return GroupMeterOut.model_validate({k: getattr(view, k) for k in GroupMeterOut.model_fields})
 
 
 def _price(r: TickReport, g: int) -> float | None:
