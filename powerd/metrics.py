@@ -284,6 +284,8 @@ METER_GAUGES = {
     "powerd_group_meter_gap_watts": "Meter minus the nodes' draw plus overhead (in W).",
     "powerd_group_overhead_learned_watts": "Overhead learned: meter minus GPUs' draw (in W).",
     "powerd_group_overhead_error_watts": "Spread (RMS) of the learned overhead (in W).",
+    "powerd_group_overhead_unseen_watts": "Learned overhead beyond the policy's: the limit "
+    "is that much lower (in W).",
 }
 
 
@@ -566,6 +568,7 @@ class ControllerMetrics:
                 "powerd_group_meter_gap_watts": v.gap_w,
                 "powerd_group_overhead_learned_watts": v.overhead_learned_w,
                 "powerd_group_overhead_error_watts": v.overhead_error_w,
+                "powerd_group_overhead_unseen_watts": v.overhead_unseen_w,
             }
             for name, value in fields.items():
                 if value is not None:

@@ -668,3 +668,40 @@ def test_a_scope_keeps_the_meters_inside_it_not_those_above() -> None:
     scope = {g.name: g for g in policy.scope("r1").groups}
     assert scope["dc"].meter is None and scope["row"].meter is None
     assert scope["r1"].meter is not None
+
+
+@pytest.mark.parametrize("rated", [False, True])
+def test_overhead_the_policy_lacks_lowers_the_limit_until_the_meter_agrees(rated: bool) -> None:
+    """The meter sees 600 W the policy's overhead_w does not count (fans, PSU losses): the
+    strict budget would let the true draw sit 600 W above it. Once learned, the group's
+    limit is that much lower (in steps) and the true draw with it fits the budget; when the
+    meter agrees with the policy again the limit comes back. Noise moves no cap."""
+    data = metered_policy(disagree_w=150, disagree_pct=0, disagree_for_s=1000)
+    if not rated:
+        del data["facility"]["overload"]
+    data.setdefault("control", {})["demand"] = {"window_s": 0.0}
+    engine = TickEngine(parse_policy(data))
+    nodes = {n: LyingNode(n) for n in NODES}
+    for node in nodes.values():
+        node.demand = dict.fromkeys(node.uuids, 700.0)  # every GPU wants its maximum
+    rng = np.random.default_rng(3)
+    limits, over = [], []
+    for t in range(40):
+        hidden = 600.0 + float(rng.normal(0, 15))
+        draw = true_draw(nodes) + hidden  # what the breaker sees
+        report, _ = run_ticks(engine, nodes, t, meter_w=draw)
+        limits.append(float(report.group_limit_w[0]))
+        over.append(draw - FACILITY_W)
+    view = report.meters[0]
+    assert view.overhead_unseen_w >= 500 and view.overhead_unseen_w % 50 == 0
+    assert limits[-1] <= FACILITY_W - view.overhead_unseen_w + TOL
+    # Learned after OVERHEAD_MIN_READINGS readings; from two ticks later (the cut applied)
+    # the breaker's draw is within the budget but for the meter's noise.
+    assert max(over[10:]) <= 100.0
+    assert max(over[:3]) > 400.0  # before: the strict budget let it through
+    assert len(set(limits[15:])) == 1  # noise in the learned figure moves no limit
+    # The policy is corrected (or the load went): the meter agrees, the limit comes back.
+    for t in range(40, 80):
+        report, _ = run_ticks(engine, nodes, t, meter_w=true_draw(nodes))
+    assert report.meters[0].overhead_unseen_w == 0.0
+    assert float(report.group_limit_w[0]) >= FACILITY_W - TOL

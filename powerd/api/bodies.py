@@ -93,6 +93,10 @@ class GroupMeterOut(_Out):
         description="Meter minus the GPUs' reported draw, smoothed."
     )
     overhead_error_w: float | None = Field(description="The spread (RMS) of that estimate.")
+    overhead_unseen_w: float = Field(
+        description="Learned overhead beyond the policy's (less its error, in steps): the "
+        "group's limit is that much below its budget."
+    )
     readings: int = Field(description="Readings the learned overhead has taken.")
     error: str | None = Field(description="The last poll's failure, if it failed.")
 

@@ -114,9 +114,11 @@ class BudgetsInForce:
         heard, and GPUs without fresh telemetry at their committed caps. `heard`: how many
         telemetry messages the tick has heard, ever. `meter`: where a group has a meter,
         its fresh reading is its draw if higher (`MeteredDraw.draw_w`), and a group whose
-        reading is not fresh gets its budget."""
+        reading is not fresh gets its budget. Either way a metered group's limit is lowered by
+        the overhead its meter has learned beyond the policy's (`MeteredDraw.unseen_w`): the
+        budget assumed less, and the meter is what the breaker sees."""
         if rule is None:
-            return budget_w
+            return budget_w if meter is None else self._less_unseen(budget_w, meter)
         topo = shape.topology
         draw = self.nodes_draw_w(committed, arrays, shape)
         base = topo.overhead_w + shape.reserve_w
@@ -139,7 +141,17 @@ class BudgetsInForce:
         self._last_limit = (heard, shape, limit)
         if meter is not None:
             self._last_meter_seq = (shape, meter.seq)
+            limit = self._less_unseen(limit, meter)
         return limit
+
+    @staticmethod
+    def _less_unseen(limit_w: FloatArray, meter: MeteredDraw) -> FloatArray:
+        """The limits, each lowered by the overhead its group's meter sees beyond the
+        policy's (kept out of the once-per-reading memory above, which never goes below the
+        budget)."""
+        if meter.unseen_w is None or not meter.unseen_w.any():
+            return limit_w
+        return np.asarray(limit_w, dtype=np.float64) - meter.unseen_w
 
     @staticmethod
     def nodes_draw_w(committed: FloatArray, arrays: FleetArrays, shape: Shape) -> FloatArray:

@@ -41,6 +41,14 @@ OVERHEAD_ALPHA = 0.2
 # Readings it needs before its alarm may sound.
 OVERHEAD_MIN_READINGS = 5
 MAX_ERROR_CHARS = 200
+# The overhead a meter sees beyond the policy's moves a group's limit in steps of at least
+# this (or half a percent of its budget), and back down only by more than one and a half
+# steps: the meter's noise moves no cap.
+UNSEEN_STEP_W = 50.0
+# ... and by at most this share of its budget: a meter that sees more than that unexplained
+# measures something else (a wrong outlet, scale or series), which `meter_disagrees` says;
+# it must not floor the group.
+UNSEEN_MAX_SHARE = 0.1
 
 
 class MeterRejected(Exception):
@@ -225,6 +233,10 @@ class MeteredDraw:
     reading_w: FloatArray
     seq: IntArray
     nodes_w: FloatArray
+    # Per group, overhead its meter has learned beyond the policy's `overhead_w` (learned
+    # mean less its error, in steps): the strict budget assumed less, so the limit is that
+    # much lower (BudgetsInForce.limits). 0 where none or not yet learned.
+    unseen_w: FloatArray | None = None
 
     def draw_w(self, nodes_w: FloatArray) -> FloatArray:
         """The measured draw the overload rule trusts: where a reading is fresh, the larger
@@ -252,6 +264,7 @@ class MeterView:
     readings: int  # readings the learned overhead has taken
     error: str | None
     unchanged_s: float | None = None  # how long the reading has kept its value
+    overhead_unseen_w: float = 0.0  # learned beyond the policy's: the limit is that much lower
 
 
 @dataclass
@@ -280,6 +293,7 @@ class MeterStage:
         self._learned: dict[str, _Learned] = {}
         self._gap_since: dict[str, float] = {}
         self._first_seen: dict[str, float] = {}  # when each meter's group was first steered
+        self._unseen: dict[str, float] = {}  # the overhead beyond the policy's, in force
         # The metered groups' indices in the last topology seen (names, [(index, name)]).
         self._where: tuple[tuple[str, ...], list[tuple[int, str]]] | None = None
         self.views: tuple[MeterView, ...] = ()
@@ -298,6 +312,7 @@ class MeterStage:
         }
         self._gap_since = {n: t for n, t in self._gap_since.items() if n in self.specs}
         self._first_seen = {n: t for n, t in self._first_seen.items() if n in self.specs}
+        self._unseen = {n: w for n, w in self._unseen.items() if n in self._learned}
 
     def see(
         self,
@@ -321,6 +336,7 @@ class MeterStage:
         fresh = np.zeros(n, dtype=bool)
         reading = np.full(n, np.nan)
         seq = np.zeros(n, dtype=np.int64)
+        unseen = np.zeros(n)
         views = []
         if self._where is None or self._where[0] is not topo.names:
             where = [(g, n) for g, n in enumerate(topo.names) if n in self.specs]
@@ -344,6 +360,9 @@ class MeterStage:
                 if complete[g] and s.seq != learned.seq:
                     learned.seq = s.seq
                     learned.add(s.reading_w - float(gpus_w[g]))
+            unseen[g] = self._unseen_w(
+                name, learned, float(topo.overhead_w[g]), float(topo.budget_w[g])
+            )
             views.append(
                 MeterView(
                     group=name,
@@ -367,10 +386,33 @@ class MeterStage:
                     readings=learned.n,
                     error=s.error if s.failed_at >= s.at else None,
                     unchanged_s=None if s.reading_w is None else max(unchanged, 0.0),
+                    overhead_unseen_w=float(unseen[g]),
                 )
             )
         self.views = tuple(views)
-        return MeteredDraw(metered, fresh, reading, seq, np.asarray(nodes_w, dtype=np.float64))
+        return MeteredDraw(
+            metered, fresh, reading, seq, np.asarray(nodes_w, dtype=np.float64), unseen
+        )
+
+    def _unseen_w(self, name: str, learned: _Learned, policy_w: float, budget_w: float) -> float:
+        """The overhead group `name`'s meter has learned beyond the policy's: the learned
+        mean less its error, once it has OVERHEAD_MIN_READINGS readings, rounded up to a
+        step, at most UNSEEN_MAX_SHARE of the budget; up at once, down only by more than one
+        and a half steps. Kept while the meter is stale (the hardware did not change): it
+        only ever lowers a limit."""
+        old = self._unseen.get(name, 0.0)
+        if learned.n < OVERHEAD_MIN_READINGS:
+            return old
+        if not math.isfinite(budget_w):
+            return 0.0  # no budget to keep
+        step = max(UNSEEN_STEP_W, 0.005 * budget_w)
+        excess = min(
+            learned.mean_w - math.sqrt(learned.var_w2) - policy_w, UNSEEN_MAX_SHARE * budget_w
+        )
+        new = math.ceil(max(excess, 0.0) / step) * step if math.isfinite(excess) else old
+        if new > old or excess < old - 1.5 * step:
+            self._unseen[name] = old = new
+        return old
 
     def alarm(self, alarms: Alarms, now: float, wall: float) -> None:
         """Raise or clear the three meter alarms from this tick's views."""
