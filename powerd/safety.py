@@ -727,14 +727,10 @@ class SafetyPlanner:
             raise ValueError(f"targets_w has shape {targets.shape}, expected ({n},)")
         budget = topo.budget_w if budget_w is None else np.asarray(budget_w, dtype=np.float64)
         reserve = np.zeros(topo.n_groups) if reserve_w is None else np.asarray(reserve_w)
-        capacity = budget - topo.overhead_w - reserve
         control = self.policy.control
 
         committed = self.committed_w()  # absorbs the queued messages first
         low = self._low_w()
-        group_caps_before = topo.group_sums(committed)  # Σ committed caps, no overhead
-        over_g = group_caps_before > capacity + TOL_W
-        in_over = over_g[topo.gpu_groups].any(axis=1)
 
         node_live = np.ones(len(self._node_names), dtype=bool)
         for name in offline:
@@ -761,17 +757,20 @@ class SafetyPlanner:
         pend = np.where(self._pend_tick >= 0, self._pend_tick, np.iinfo(np.int64).max)
         silent = pend.min(axis=1) < tick - UNRESPONSIVE_TICKS
         fixed = defiant | ~send | silent
-        wanted = self._keep_room(
+        wanted, budget = self._keep_room(
             self.keeps_limits(),
             wanted,
             committed,
-            send=send,
             fixed=fixed,
             budget=budget,
             strict=budget if strict_w is None else np.asarray(strict_w, dtype=np.float64),
             reserve=reserve,
             priority=priority,
         )
+        capacity = budget - topo.overhead_w - reserve
+        group_caps_before = topo.group_sums(committed)  # Σ committed caps, no overhead
+        over_g = group_caps_before > capacity + TOL_W
+        in_over = over_g[topo.gpu_groups].any(axis=1)
         caps = np.minimum(wanted, committed)
         shed = self._shed(np.where(fixed, committed, caps), capacity, fixed)
         caps = np.where(fixed, caps, shed)
@@ -845,54 +844,62 @@ class SafetyPlanner:
         wanted: FloatArray,
         committed: FloatArray,
         *,
-        send: BoolArray,
         fixed: BoolArray,
         budget: FloatArray,
         strict: FloatArray,
         reserve: FloatArray,
         priority: FloatArray | None,
-    ) -> FloatArray:
+    ) -> tuple[FloatArray, FloatArray]:
         """The targets, with those of GPUs whose actuators keep their limits (`keeps`) held
         within what such GPUs may hold (docs/safety.md, "BMC-managed nodes: the actuator
         keeps its limits"). Any of them may freeze at its cap in force for good, so per
-        group that has some, with the GPUs that cannot move now (those and the GPUs of
-        nodes we send nothing) `held` at their committed caps:
+        group that has some, with those GPUs (`held`) at their committed caps and the
+        others (their agents live with them, or are started again and go to failsafe):
 
         - a cut to the group's lowest budget must be met by the others at their minimum:
           Σ held + Σ others' minimum + overhead + reserve ≤ lowest budget
-          (declared, else the failsafe caps plus overhead and reserve);
+          (`lowest_budget_w`; undeclared: the policy's budget);
         - where an overload rating lends room (limit above the strict budget), the others'
           leases must be able to take it back: Σ held + Σ others' min(cap, failsafe cap)
           + overhead + reserve ≤ strict budget (the others counted at their targets if
           those are higher: they may be raised in this plan).
 
         Above the room, the movable ones are cut (their watts above the minimum scaled, as
-        `_shed` does); within it, their raises are admitted as far as it allows."""
+        `_shed` does); within it, their raises are admitted as far as it allows. A group
+        where even that leaves the lent room unmet (GPUs that keep their limits frozen above
+        it) lends nothing: its budget is returned as the strict one, so the others are cut
+        to it and their leases cannot leave it above.
+
+        Returns the targets and the budgets to plan with."""
         if not keeps.any():
-            return wanted
+            return wanted, budget
         layout = self._require_layout()
         topo = layout.topology
-        held = keeps | ~send
+        held = keeps
         movable = keeps & ~fixed
         others = ~held
         fill = topo.overhead_w + reserve
-        failsafe_total = topo.group_sums(layout.failsafe_w) + fill
-        lowest = np.where(np.isnan(layout.lowest_w), failsafe_total, layout.lowest_w)
+        # Undeclared, a group promises no cut below its policy budget (the budget itself is
+        # kept by the budget rule); a cut below is met if the others can, else alarmed.
+        lowest = np.where(np.isnan(layout.lowest_w), topo.budget_w, layout.lowest_w)
         room = lowest - fill - topo.group_sums(np.where(others, layout.min_cap_w, 0.0))
-        lending = budget > strict + TOL_W
+        has_keeps = topo.group_sums(keeps.astype(np.float64)) > 0
+        lending = has_keeps & (budget > strict + TOL_W)
+        floor_gpu = np.where(movable, layout.min_cap_w, committed)
+        floor = topo.group_sums(np.where(held, floor_gpu, 0.0))
         if lending.any():
             back = np.minimum(np.maximum(committed, wanted), layout.failsafe_w)
             lent_room = strict - fill - topo.group_sums(np.where(others, back, 0.0))
-            room = np.where(lending, np.minimum(room, lent_room), room)
-        has_keeps = topo.group_sums(keeps.astype(np.float64)) > 0
+            # Frozen above what the others' leases can take back: no lending there.
+            unlent = lending & (floor > lent_room + TOL_W)
+            budget = np.where(unlent, strict, budget)
+            room = np.where(lending & ~unlent, np.minimum(room, lent_room), room)
         room = np.where(has_keeps, room, np.inf)
         planned = np.where(movable, np.minimum(wanted, committed), committed)
         held_planned = topo.group_sums(np.where(held, planned, 0.0))
         short = held_planned > room + TOL_W
         out = wanted.copy()
         if short.any():
-            floor_gpu = np.where(movable, layout.min_cap_w, planned)
-            floor = topo.group_sums(np.where(held, floor_gpu, 0.0))
             span = np.maximum(held_planned - floor, TOL_W)
             factor = np.where(short, np.clip((room - floor) / span, 0.0, 1.0), 1.0)
             per_gpu = factor[topo.gpu_groups].min(axis=1)
@@ -916,7 +923,7 @@ class SafetyPlanner:
                 cand, out, committed, held_committed, room, priority=priority, jobs=None
             )
             out[cand] = committed[cand] + admitted[cand]
-        return out
+        return out, budget
 
     def _note_stuck(self, fixed: BoolArray, committed: FloatArray, capacity: FloatArray) -> None:
         """Event `cut_unreachable` per group whose budget in force cannot be met even with
