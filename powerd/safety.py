@@ -936,7 +936,8 @@ class SafetyPlanner:
         topo = layout.topology
         floor = topo.group_sums(np.where(fixed, committed, layout.min_cap_w))
         has_stuck = topo.group_sums(stuck.astype(np.float64)) > 0
-        for g in np.flatnonzero(has_stuck & (floor > capacity + TOL_W)).tolist():
+        # The first groups only (topology order: the largest first): an alarm names five.
+        for g in np.flatnonzero(has_stuck & (floor > capacity + TOL_W))[:16].tolist():
             in_g = stuck & (topo.gpu_groups == g).any(axis=1)
             self._events.append(
                 SafetyEvent(

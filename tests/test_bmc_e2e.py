@@ -254,6 +254,9 @@ async def test_a_dead_bmc_agent_leaves_limits_that_a_cut_to_the_lowest_budget_ge
     await site.until(lambda: mon.group_committed("dc") > 0.9 * 4000, "the budget in use")
     await site.ticks(4)
     room = KEPT_LOWEST_W - GPUS * 200.0 - 200.0
+    # Every status of the bmc-agent's node says its limits are kept; the agent's do not.
+    assert all(st.keeps_limits for st in mon.nodes[BMC_NODE].statuses)
+    assert not any(st.keeps_limits for st in mon.nodes[AGENT_NODE].statuses)
     assert mon.group_committed(BMC_NODE) - 100 <= room + TOL_W
     assert sum(site.truth()) <= room + TOL_W
 

@@ -12,6 +12,7 @@ budget, rated or not (docs/safety.md, "BMC-managed nodes: the actuator keeps its
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -20,11 +21,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.honest import GPUS, HonestNode, policy_dict
 
+from powerd.backends.mock import MockBackend
+from powerd.bmc.backend import RedfishBackend
 from powerd.controller.overrides import BudgetOverride
 from powerd.controller.tick import TickEngine
 from powerd.policy import Policy, PolicyError, parse_policy
 from powerd.safety import GpuLayout, SafetyPlanner
-from powerd.wire import CapAck, GpuAck, NodeState, NodeStatus
+from powerd.wire import CapAck, GpuAck, NodeState, NodeStatus, decode
 
 TOL = 1e-6
 LEASE_S = 4.0
@@ -280,6 +283,42 @@ def test_offline_nodes_that_keep_limits_count_at_their_committed_caps_and_block_
     alarm = world.engine.alarms.active["cut_unreachable"]
     assert alarm.startswith("budgets that cannot be met") and "r1 " in alarm and "r1-n2" in alarm
     assert world.caps_w("r1-n1") == pytest.approx(800.0)  # the others at their minimum
+
+
+def test_a_lowest_budget_the_check_refuses_is_one_a_dead_controller_leaves_behind() -> None:
+    """What the check refuses, run anyway: r1 may be cut to 1,800 W, below its failsafe
+    caps (8 × 250 W). The controller dies, every lease runs out, and then the cut comes (a
+    scheduled window that starts while nobody leads): the agents hold r1 at its failsafe
+    caps, above the cut. With the lowest budget the check asks for, they do not."""
+    keeps = {"r1-n2": True}
+    with pytest.raises(PolicyError, match="lowest_budget_w"):
+        parse_policy(site(keeps, failsafe_w=250.0, lowest={"r1": 1800.0}))
+    for lowest, holds in ((1800.0, False), (2000.0, True)):
+        valid = parse_policy(site(keeps, failsafe_w=250.0, lowest={"r1": 2000.0}))
+        policy = replace(
+            valid,
+            groups=tuple(
+                replace(g, lowest_budget_w=lowest) if g.name == "r1" else g for g in valid.groups
+            ),
+        )
+        world = World(policy, keeps, 250.0)
+        for node in world.nodes.values():
+            node.demand = dict.fromkeys(node.uuids, 700.0)
+        for _ in range(6):
+            world.tick()
+            world.check_live()
+        for s in range(int(LEASE_S) + 2):  # the controller is gone
+            for node in world.nodes.values():
+                node.lease(float(world.t + s))
+        assert (world.caps_w("r1") <= lowest + TOL) is holds
+
+
+def test_the_wire_says_it_only_where_the_actuator_keeps_limits() -> None:
+    # An older agent's status has no such field: it keeps nothing.
+    old = decode(b'{"v": 1, "node_id": "n1", "state": "offline"}', NodeStatus, topic_node="n1")
+    assert old.keeps_limits is False
+    assert RedfishBackend.keeps_limits is True
+    assert MockBackend.keeps_limits is False
 
 
 STEP = st.one_of(
