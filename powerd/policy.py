@@ -386,6 +386,8 @@ class Policy:
                         parent=new_index.get(g.parent, -1),
                         budget_w=budget,
                         overload=None if i in strict else g.overload,
+                        # A group whose budget the coordinator splits is cut there too.
+                        lowest_budget_w=None if i in free else g.lowest_budget_w,
                     )
                 )
         return Policy(

@@ -504,3 +504,11 @@ def test_at_every_tick_frozen_limits_fit_the_lowest_cut_and_what_leases_take_bac
         after_leases = {u: c if keeps_gpu[u] else min(c, failsafe) for u, c in caps.items()}
         over = world.sums(after_leases) - budget
         assert (over <= TOL).all(), f"left above the budget at {names[int(over.argmax())]}"
+
+
+def test_a_scope_leaves_the_lowest_budgets_above_it_to_the_coordinator() -> None:
+    policy = parse_policy(site({"r1-n2": True}, lowest={"dc": 5000.0, "r1": 2000.0}))
+    scoped = {g.name: g for g in policy.scope("r1").groups}
+    assert scoped["dc"].lowest_budget_w is None  # no budget there: the coordinator's
+    assert scoped["r1"].lowest_budget_w == 2000.0
+    assert scoped["r1-n2"].keeps_limits
