@@ -875,9 +875,9 @@ class SafetyPlanner:
             return wanted, budget
         layout = self._require_layout()
         topo = layout.topology
-        held = keeps
+        held = keeps  # counted at their committed caps, or cut if movable
         movable = keeps & ~fixed
-        others = ~held
+        others = ~keeps
         fill = topo.overhead_w + reserve
         # Undeclared, a group promises no cut below its policy budget (the budget itself is
         # kept by the budget rule); a cut below is met if the others can, else alarmed.
@@ -910,8 +910,7 @@ class SafetyPlanner:
                     SafetyEvent(
                         "kept_limits_unmet" if floor[g] > room[g] + TOL_W else "kept_limits_cut",
                         group=topo.names[g],
-                        value_w=float(held_planned[g]),
-                        committed_w=float(room[g]),
+                        value_w=float(held_planned[g] - room[g]),  # watts above the room
                     )
                 )
         # Raises: against the committed caps, so a raise waits for the cuts paying for it.
