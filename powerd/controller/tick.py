@@ -569,7 +569,10 @@ class TickEngine:
             group_budget_w=np.asarray(budgets.budget_w, dtype=np.float64),
             group_committed_w=plan.group_committed_w,
             group_draw_w=topo.group_sums(arrays.power_w) + topo.overhead_w,
-            group_limit_w=np.asarray(budgets.limit_w, dtype=np.float64),
+            # The planner's: a group whose frozen limits leave nothing to lend is held strict.
+            group_limit_w=np.minimum(
+                np.asarray(budgets.limit_w, dtype=np.float64), plan.group_budget_w
+            ),
             unused_w=targets.unused_w,
             group_over=over,
             group_settling=plan.group_settling,
