@@ -501,16 +501,18 @@ class SafetyPlanner:
             return
         layout = self._require_layout()
         self._events.append(SafetyEvent("node_offline", node=node))
-        # Actuators the policy says keep their limits (a BMC) hold the caps in force when
-        # their agent goes: what is committed still bounds them. A node's own claim does not
-        # count here: it would loosen what we count.
-        moves = idx[~layout.keeps_limits[idx]]
+        # Actuators that keep their limits (a BMC) hold the caps in force when their agent
+        # goes: what is committed still bounds them. This loosens what we count, so it takes
+        # both words: the policy's, and the node's own (`claim_keeps_limits`).
+        kept = node in self._claimed_keeps
+        moves = idx[~layout.keeps_limits[idx]] if kept else idx
         self._hi[moves] = layout.max_cap_w[moves]
         self._lo[moves] = layout.min_cap_w[moves]
 
     def claim_keeps_limits(self, nodes: Collection[str]) -> None:
         """Nodes that say their actuators keep their limits: their GPUs are planned as the
-        policy's `keeps_limits` nodes are (only as far as that constrains them)."""
+        policy's `keeps_limits` nodes are; offline, only a node both say so of counts at its
+        committed caps (`node_offline`)."""
         self._claimed_keeps = frozenset(nodes)
 
     def keeps_limits(self) -> BoolArray:

@@ -255,6 +255,24 @@ def test_a_node_that_says_it_keeps_limits_is_planned_so_and_can_loosen_nothing()
     assert planner.committed_w()[first] == 700.0  # its maximum
 
 
+def test_a_declared_node_whose_agent_does_not_say_so_counts_at_its_maximum_offline() -> None:
+    """The policy says r1-n2 keeps its limits; its agent (an NVML node declared by mistake,
+    or an older bmc-agent) does not: it is held within the room all the same, but its last
+    will counts it at its maximum, as any node's: only both words loosen that."""
+    keeps = {"r1-n2": True}
+    world = World(parse_policy(site(keeps)), keeps, 200.0)
+    for _ in range(4):
+        world.tick()
+    world.nodes["r1-n2"].dead = True
+    world.engine.on_status("r1-n2", NodeStatus(node_id="r1-n2", state=NodeState.OFFLINE))
+    world.tick()
+    planner = world.engine.planner
+    assert planner.layout is not None
+    idx = [planner.layout.uuids.index(u) for u in world.nodes["r1-n2"].uuids]
+    assert (planner.committed_w()[idx] == 700.0).all()
+    assert "r1-n2" in world.engine.alarms.active["keeps_limits_unconfirmed"]
+
+
 def test_offline_nodes_that_keep_limits_count_at_their_committed_caps_and_block_cuts() -> None:
     keeps = {"r1-n2": True}
     world = World(parse_policy(site(keeps, lowest={"r1": 2000.0})), keeps, 200.0)
@@ -418,6 +436,8 @@ class PlannerWorld:
         )
         self.layout = layout
         self.planner = SafetyPlanner(policy, layout)
+        # Their bmc-agent says so too: offline, they count at their committed caps.
+        self.planner.claim_keeps_limits([g.name for g in policy.groups if g.keeps_limits])
         self.caps = dict.fromkeys(self.uuids, failsafe_w)
         self.failsafe_w = failsafe_w
         self.dead: set[str] = set()

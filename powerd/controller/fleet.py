@@ -58,6 +58,7 @@ class FleetNode:
     # It said (a status, its last will) that its actuators keep their limits (a BMC): once
     # said, planned so for as long as we run (docs/safety.md, "BMC-managed nodes").
     keeps_limits: bool = False
+    heard_status: bool = False  # it has published a status (its agent runs this release?)
 
     @property
     def stopped(self) -> bool:
@@ -593,6 +594,12 @@ class FleetState:
         """Nodes that said their actuators keep their limits."""
         return sorted(n for n, rec in self.nodes.items() if rec.keeps_limits)
 
+    def keeps_limits_unsaid(self) -> list[str]:
+        """Nodes that have published a status without saying their limits are kept."""
+        return sorted(
+            n for n, rec in self.nodes.items() if rec.heard_status and not rec.keeps_limits
+        )
+
     def offline_nodes(self) -> list[str]:
         """Nodes whose last status is `offline` (their last will, or a clean stop)."""
         return sorted(n for n, rec in self.nodes.items() if rec.state is NodeState.OFFLINE)
@@ -604,6 +611,7 @@ class FleetState:
         was = (node.stopped, node.status_caps_w)
         node.state = msg.state
         node.keeps_limits |= msg.keeps_limits
+        node.heard_status = True
         if msg.caps_w:
             node.status_caps_w = dict(msg.caps_w)
             node.status_tick = msg.last_tick

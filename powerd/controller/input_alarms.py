@@ -86,7 +86,8 @@ class InputAlarms:
             + ", ".join(f"{d.uuid} ({', '.join(sorted(d.seen))})" for d in disputes[:5]),
         )
         offline = fleet.offline_nodes()
-        keeps = {g.name for g in fleet.policy.groups if g.level == 3 and g.keeps_limits}
+        declared = {g.name for g in fleet.policy.groups if g.level == 3 and g.keeps_limits}
+        keeps = declared & set(fleet.keeps_limits_claimed())
         lost = [n for n in offline if not fleet.nodes[n].stopped and n not in keeps]
         kept = [n for n in offline if not fleet.nodes[n].stopped and n in keeps]
         stopped = [n for n in offline if fleet.nodes[n].stopped]

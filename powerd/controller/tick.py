@@ -239,6 +239,7 @@ class TickEngine:
         ob.fenced(node, status.fenced)
         self.fleet.ingest_status(status)
         if status.state is NodeState.OFFLINE and not status.caps_w:
+            self.planner.claim_keeps_limits(self.fleet.keeps_limits_claimed())
             self.planner.node_offline(node)
         elif status.caps_w:  # a clean stop's `offline` too: the caps it left in force
             # The ticks of an older leader's order nothing of ours: as readings, they widen.
@@ -472,6 +473,15 @@ class TickEngine:
             else "nodes say their GPUs keep their limits when their agent dies, the policy "
             "does not (planned as keeping them; declare keeps_limits: true): "
             + ", ".join(undeclared[:10]),
+        )
+        unsaid = [n for n in self.fleet.keeps_limits_unsaid() if n in declared]
+        self._alarm(
+            "keeps_limits_unconfirmed",
+            None
+            if not unsaid
+            else "the policy says these nodes keep their limits, their agents do not (planned "
+            "as keeping them, but counted at their maximum while offline): "
+            + ", ".join(unsaid[:10]),
         )
         stuck = [e for e in plan.events if e.kind == "cut_unreachable"]
         self._alarm(
