@@ -767,7 +767,6 @@ class SafetyPlanner:
             budget=budget,
             strict=budget if strict_w is None else np.asarray(strict_w, dtype=np.float64),
             reserve=reserve,
-            priority=priority,
         )
         capacity = budget - topo.overhead_w - reserve
         group_caps_before = topo.group_sums(committed)  # Σ committed caps, no overhead
@@ -850,7 +849,6 @@ class SafetyPlanner:
         budget: FloatArray,
         strict: FloatArray,
         reserve: FloatArray,
-        priority: FloatArray | None,
     ) -> tuple[FloatArray, FloatArray]:
         """The targets, with those of GPUs whose actuators keep their limits (`keeps`) held
         within what such GPUs may hold (docs/safety.md, "BMC-managed nodes: the actuator
@@ -867,7 +865,8 @@ class SafetyPlanner:
           those are higher: they may be raised in this plan).
 
         Above the room, the movable ones are cut (their watts above the minimum scaled, as
-        `_shed` does); within it, their raises are admitted as far as it allows. A group
+        `_shed` does); within it, their raises are admitted as far as it allows (in
+        proportion where they do not all fit). A group
         where even that leaves the lent room unmet (GPUs that keep their limits frozen above
         it) lends nothing: its budget is returned as the strict one, so the others are cut
         to it and their leases cannot leave it above.
@@ -915,15 +914,19 @@ class SafetyPlanner:
                         value_w=float(held_planned[g] - room[g]),  # watts above the room
                     )
                 )
-        # Raises: against the committed caps, so a raise waits for the cuts paying for it.
-        held_committed = topo.group_sums(np.where(held, committed, 0.0))
-        rising = movable & (out > committed + TOL_W)
-        if rising.any():
-            cand = np.flatnonzero(rising)
-            admitted = self._admit(
-                cand, out, committed, held_committed, room, priority=priority, jobs=None
-            )
-            out[cand] = committed[cand] + admitted[cand]
+        # Raises: against the committed caps, so a raise waits for the cuts paying for it;
+        # where they do not all fit, each group's slack is shared in proportion to them
+        # (each GPU takes the smallest share of its groups: one vectorised pass, where a
+        # greedy pass by priority cost 30 ms a tick at 10k GPUs; the budgets' own admission
+        # that follows still goes by priority).
+        delta = np.where(movable, np.maximum(out - committed, 0.0), 0.0)
+        need = topo.group_sums(delta)
+        if need.any():
+            held_committed = topo.group_sums(np.where(held, committed, 0.0))
+            slack = np.maximum(room - held_committed, 0.0)
+            factor = np.where(need > slack + TOL_W, slack / np.maximum(need, TOL_W), 1.0)
+            share = factor[topo.gpu_groups].min(axis=1)
+            out = np.where(delta > 0.0, committed + delta * share, out)
         return out, budget
 
     def _note_stuck(self, fixed: BoolArray, committed: FloatArray, capacity: FloatArray) -> None:
