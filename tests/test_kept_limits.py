@@ -532,3 +532,35 @@ def test_a_scope_leaves_the_lowest_budgets_above_it_to_the_coordinator() -> None
     assert scoped["dc"].lowest_budget_w is None  # no budget there: the coordinator's
     assert scoped["r1"].lowest_budget_w == 2000.0
     assert scoped["r1-n2"].keeps_limits
+
+
+def test_a_group_whose_frozen_limits_the_leases_cannot_cover_is_lent_nothing() -> None:
+    """r1 is rated 25 % and may be cut to 2,600 W; r1-n1 keeps its limits, r1-n2 runs an
+    agent (failsafe 300 W). r1-n1 holds 2,600 − 4 × 200 = 1,800 W and freezes there. r1 is
+    cut to 2,600 W: were it still lent room, r1-n2 could rise above 800 W, and once the
+    controller died its lease would leave it at 4 × 300 W: 3,000 W in r1. So r1 is held
+    to its strict budget: r1-n2 at its minimum."""
+    keeps = {"r1-n1": True}
+    policy = parse_policy(site(keeps, failsafe_w=300.0, lowest={"r1": 2600.0}, rated={"r1": 25}))
+    world = PlannerWorld(policy, 300.0)
+    names = list(world.layout.topology.names)
+    r1 = names.index("r1")
+    budget = world.layout.topology.budget_w.copy()
+    pct = np.array([g.overload.pct if g.overload else 0.0 for g in policy.groups])
+    targets = np.full(len(world.uuids), 700.0)
+    for _ in range(4):
+        world.step(targets, budget * (1 + pct / 100), budget)
+    frozen = sum(c for u, c in world.caps.items() if world.node_of[u] == "r1-n1")
+    assert frozen == pytest.approx(1800.0)
+    world.dead.add("r1-n1")
+    world.planner.node_offline("r1-n1")
+    budget[r1] = 2600.0
+    for _ in range(3):
+        world.step(targets, budget * (1 + pct / 100), budget)
+        after_leases = {
+            u: c if keeps.get(world.node_of[u]) else min(c, 300.0) for u, c in world.caps.items()
+        }
+        assert world.sums(after_leases)[r1] <= 2600.0 + TOL
+    assert sum(c for u, c in world.caps.items() if world.node_of[u] == "r1-n2") == pytest.approx(
+        800.0
+    )
