@@ -194,6 +194,10 @@ class NodeSpec(_Strict):
     overhead_w: NonNegWatts = 0.0
     gpus: int | None = Field(default=None, ge=0, le=64)
     failsafe_w: Watts | None = None
+    # Its GPUs' limits stay where they were last set when the agent that set them dies (a
+    # BMC steered by `powerd bmc-agent`): docs/safety.md, "BMC-managed nodes".
+    keeps_limits: bool = False
+    lowest_budget_w: Watts | None = None
 
 
 class RackSpec(_Strict):
@@ -201,6 +205,8 @@ class RackSpec(_Strict):
     budget_w: Watts | None = None
     overload: Overload | None = None
     meter: MeterSpec | None = None
+    # The lowest budget a cut may give it (temporary, scheduled, a coordinator's share).
+    lowest_budget_w: Watts | None = None
     nodes: list[NodeSpec] = Field(default_factory=list)
 
 
@@ -209,6 +215,8 @@ class RowSpec(_Strict):
     budget_w: Watts | None = None
     overload: Overload | None = None
     meter: MeterSpec | None = None
+    # The lowest budget a cut may give it (temporary, scheduled, a coordinator's share).
+    lowest_budget_w: Watts | None = None
     racks: list[RackSpec] = Field(default_factory=list)
 
 
@@ -217,6 +225,8 @@ class FacilitySpec(_Strict):
     budget_w: Watts | None = None
     overload: Overload | None = None
     meter: MeterSpec | None = None
+    # The lowest budget a cut may give it (temporary, scheduled, a coordinator's share).
+    lowest_budget_w: Watts | None = None
     rows: list[RowSpec] = Field(min_length=1)
 
 
@@ -409,6 +419,10 @@ class GroupDef:
     path: str
     overload: Overload | None = None  # its short-time rating, if declared
     meter: MeterSpec | None = None  # what measures its draw, if declared
+    # The lowest budget a cut may give it (None: its failsafe caps plus overhead), and, for
+    # a node, whether its actuators keep their limits when its agent dies.
+    lowest_budget_w: float | None = None
+    keeps_limits: bool = False
 
     @property
     def rating_w(self) -> float:
@@ -511,6 +525,8 @@ class Policy:
                         overload=None if i in strict else g.overload,
                         # A meter above a scope measures other scopes' nodes too.
                         meter=None if i in free else g.meter,
+                        # A group whose budget the coordinator splits is cut there too.
+                        lowest_budget_w=None if i in free else g.lowest_budget_w,
                     )
                 )
         return Policy(
@@ -549,15 +565,15 @@ class _Expander:
         name: str,
         level: int,
         parent: int,
-        budget: float | None,
         path: str,
+        spec: FacilitySpec | RowSpec | RackSpec | NodeSpec,
         *,
         overhead: float = 0.0,
         gpus: int = 0,
         failsafe: float = 0.0,
-        overload: Overload | None = None,
-        meter: MeterSpec | None = None,
     ) -> int:
+        budget, overload = spec.budget_w, spec.overload
+        meter = spec.meter
         if not NAME_RE.match(name):
             self.problems.append(
                 (
@@ -606,6 +622,8 @@ class _Expander:
                 path,
                 overload,
                 meter,
+                spec.lowest_budget_w,
+                isinstance(spec, NodeSpec) and spec.keeps_limits,
             )
         )
         return len(self.groups) - 1
@@ -633,25 +651,15 @@ class _Expander:
     def run(self) -> None:
         f = self.spec.facility
         d = self.spec.defaults
-        root = self.add(f.name, 0, -1, f.budget_w, "facility", overload=f.overload, meter=f.meter)
+        root = self.add(f.name, 0, -1, "facility", f)
         for ri, row in enumerate(f.rows):
             rpath = f"facility.rows[{ri}]"
             for row_name in self.names(row.name, rpath, {}):
-                row_idx = self.add(
-                    row_name, 1, root, row.budget_w, rpath, overload=row.overload, meter=row.meter
-                )
+                row_idx = self.add(row_name, 1, root, rpath, row)
                 for ki, rack in enumerate(row.racks):
                     kpath = f"{rpath}.racks[{ki}]"
                     for rack_name in self.names(rack.name, kpath, {"row": row_name}):
-                        rack_idx = self.add(
-                            rack_name,
-                            2,
-                            row_idx,
-                            rack.budget_w,
-                            kpath,
-                            overload=rack.overload,
-                            meter=rack.meter,
-                        )
+                        rack_idx = self.add(rack_name, 2, row_idx, kpath, rack)
                         for ni, node in enumerate(rack.nodes):
                             npath = f"{kpath}.nodes[{ni}]"
                             ctx = {"row": row_name, "rack": rack_name}
@@ -660,15 +668,13 @@ class _Expander:
                                     node_name,
                                     3,
                                     rack_idx,
-                                    node.budget_w,
                                     npath,
+                                    node,
                                     overhead=node.overhead_w,
                                     gpus=d.gpus_per_node if node.gpus is None else node.gpus,
                                     failsafe=d.failsafe_w
                                     if node.failsafe_w is None
                                     else node.failsafe_w,
-                                    overload=node.overload,
-                                    meter=node.meter,
                                 )
             if len(self.groups) > MAX_EXPANSION:
                 self.problems.append(
@@ -727,6 +733,44 @@ def check_failsafe(groups: Sequence[GroupDef]) -> list[tuple[str, str]]:
                     f"{LEVELS[g.level]} '{g.name}': failsafe caps plus overhead "
                     f"({total:,.0f} W) exceed its budget ({g.budget_w:,.0f} W); lower "
                     "defaults.failsafe_w (or the node's failsafe_w) or raise the budget",
+                )
+            )
+    return problems
+
+
+def check_lowest(groups: Sequence[GroupDef]) -> list[tuple[str, str]]:
+    """A group's `lowest_budget_w` lies within its budget and holds its failsafe caps plus
+    overhead: a cut to it is met even if the controller dies (its agents fall to their
+    failsafe caps), and what GPUs whose actuators keep their limits may hold is planned
+    against it (docs/safety.md, "BMC-managed nodes")."""
+    totals = subtree_totals(
+        groups, [g.gpus * g.failsafe_w + g.overhead_w if g.level == 3 else 0.0 for g in groups]
+    )
+    problems = []
+    reported: set[str] = set()
+    for g, total in zip(groups, totals, strict=True):
+        lowest = g.lowest_budget_w
+        if lowest is None or g.path in reported:
+            continue
+        where = f"{LEVELS[g.level]} '{g.name}'"
+        if lowest > g.budget_w:
+            reported.add(g.path)
+            problems.append(
+                (
+                    g.path + ".lowest_budget_w",
+                    f"{where}: the lowest budget ({lowest:,.0f} W) is above its budget_w "
+                    f"({g.budget_w:,.0f} W); it must lie between its failsafe caps plus "
+                    f"overhead ({total:,.0f} W) and its budget",
+                )
+            )
+        elif lowest < total - 1e-9:
+            reported.add(g.path)
+            problems.append(
+                (
+                    g.path + ".lowest_budget_w",
+                    f"{where}: a cut to {lowest:,.0f} W is not met if the controller dies: "
+                    f"its failsafe caps plus overhead take {total:,.0f} W; raise "
+                    "lowest_budget_w to at least that or lower the failsafe caps",
                 )
             )
     return problems
@@ -882,6 +926,7 @@ def parse_policy(data: Any, source: str = "<policy>") -> Policy:
     problems += expander.problems
     if not problems:
         problems += check_failsafe(expander.groups)
+        problems += check_lowest(expander.groups)
         problems += check_overload(expander.groups, spec.control)
     if problems:
         raise PolicyError(source, problems)

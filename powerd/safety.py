@@ -51,6 +51,8 @@ class GpuLayout:
     min_cap_w: FloatArray
     max_cap_w: FloatArray
     failsafe_w: FloatArray  # per GPU: the node's failsafe cap clamped to the GPU's limits
+    keeps_limits: BoolArray  # per GPU: its node's actuators keep their limits (policy)
+    lowest_w: FloatArray  # per group: the policy's lowest_budget_w (NaN: not declared)
 
     @classmethod
     def build(
@@ -73,7 +75,13 @@ class GpuLayout:
         topology = Topology.build(policy, nodes)
         node_failsafe = np.array([g.failsafe_w for g in policy.groups], dtype=np.float64)
         failsafe = np.clip(node_failsafe[topology.gpu_groups[:, -1]], lo, hi)
-        return cls(topology, tuple(uuids), tuple(nodes), lo, hi, failsafe)
+        # The topology's groups are the policy's, in its order.
+        node_keeps = np.array([g.keeps_limits for g in policy.groups], dtype=np.bool_)
+        keeps = node_keeps[topology.gpu_groups[:, -1]]
+        lowest = np.array(
+            [math.nan if g.lowest_budget_w is None else g.lowest_budget_w for g in policy.groups]
+        )
+        return cls(topology, tuple(uuids), tuple(nodes), lo, hi, failsafe, keeps, lowest)
 
     @property
     def n_gpus(self) -> int:
@@ -207,6 +215,9 @@ class SafetyPlanner:
         self.policy = policy
         self._events: list[SafetyEvent] = []
         self._last_tick = -1
+        # Nodes that said their actuators keep their limits (NodeStatus.keeps_limits): planned
+        # so, whatever the policy says; a claim never loosens anything (docs/safety.md).
+        self._claimed_keeps: frozenset[str] = frozenset()
         self._set_empty()
         if layout is not None:
             self.set_layout(layout)
@@ -668,9 +679,29 @@ class SafetyPlanner:
         if idx is None:
             return
         layout = self._require_layout()
-        self._hi[idx] = layout.max_cap_w[idx]
-        self._lo[idx] = layout.min_cap_w[idx]
         self._events.append(SafetyEvent("node_offline", node=node))
+        # Actuators that keep their limits (a BMC) hold the caps in force when their agent
+        # goes: what is committed still bounds them. This loosens what we count, so it takes
+        # both words: the policy's, and the node's own (`claim_keeps_limits`).
+        kept = node in self._claimed_keeps
+        moves = idx[~layout.keeps_limits[idx]] if kept else idx
+        self._hi[moves] = layout.max_cap_w[moves]
+        self._lo[moves] = layout.min_cap_w[moves]
+
+    def claim_keeps_limits(self, nodes: Collection[str]) -> None:
+        """Nodes that say their actuators keep their limits: their GPUs are planned as the
+        policy's `keeps_limits` nodes are; offline, only a node both say so of counts at its
+        committed caps (`node_offline`)."""
+        self._claimed_keeps = frozenset(nodes)
+
+    def keeps_limits(self) -> BoolArray:
+        """Per GPU: planned as keeping its limit when its agent dies (policy or claim)."""
+        layout = self._require_layout()
+        if not self._claimed_keeps:
+            return layout.keeps_limits
+        claimed = np.array([n in self._claimed_keeps for n in self._node_names], dtype=np.bool_)
+        out: BoolArray = layout.keeps_limits | claimed[self._node_of_gpu]
+        return out
 
     def count_at_max(self) -> None:
         """Count every GPU at its maximum from now until a command of ours sent after this
@@ -859,6 +890,7 @@ class SafetyPlanner:
         offline: Collection[str] = (),
         record: bool = True,
         jobs: IntArray | None = None,
+        strict_w: FloatArray | None = None,
     ) -> SafePlan:
         """The commands to send at `tick` (controller time `now`) toward `targets_w`.
 
@@ -871,6 +903,8 @@ class SafetyPlanner:
         `jobs` (per GPU, -1: none) names GPUs that are raised together or not at all: a job
         with a member that cannot be raised now (stale, offline, under a group over its
         budget, or short of room) waits whole. Cuts still go at once, member by member.
+        `strict_w` (per group): the budgets where `budget_w` holds overload limits above them
+        (an overload rating lends room): GPUs that keep their limits are not lent it.
         """
         layout = self._require_layout()
         if tick <= self._last_tick:
@@ -883,14 +917,10 @@ class SafetyPlanner:
             raise ValueError(f"targets_w has shape {targets.shape}, expected ({n},)")
         budget = topo.budget_w if budget_w is None else np.asarray(budget_w, dtype=np.float64)
         reserve = np.zeros(topo.n_groups) if reserve_w is None else np.asarray(reserve_w)
-        capacity = budget - topo.overhead_w - reserve
         control = self.policy.control
 
         committed = self.committed_w()  # absorbs the queued messages first
         low = self._low_w()
-        group_caps_before = topo.group_sums(committed)  # Σ committed caps, no overhead
-        over_g = group_caps_before > capacity + TOL_W
-        in_over = over_g[topo.gpu_groups].any(axis=1)
 
         node_live = np.ones(len(self._node_names), dtype=bool)
         for name in offline:
@@ -910,7 +940,6 @@ class SafetyPlanner:
         wanted = np.clip(
             np.where(np.isnan(targets), committed, targets), layout.min_cap_w, layout.max_cap_w
         )
-        caps = np.minimum(wanted, committed)
         # A GPU that will not move keeps the cap it may have, and the others make room for it:
         # one that refused its cap (we keep asking), one whose node gets no command (offline,
         # waiting), one whose node has left our commands unacknowledged for over two ticks.
@@ -918,8 +947,23 @@ class SafetyPlanner:
         pend = np.where(self._pend_tick >= 0, self._pend_tick, np.iinfo(np.int64).max)
         silent = pend.min(axis=0) < tick - UNRESPONSIVE_TICKS
         fixed = defiant | ~send | silent
+        wanted, budget = self._keep_room(
+            self.keeps_limits(),
+            wanted,
+            committed,
+            fixed=fixed,
+            budget=budget,
+            strict=budget if strict_w is None else np.asarray(strict_w, dtype=np.float64),
+            reserve=reserve,
+        )
+        capacity = budget - topo.overhead_w - reserve
+        group_caps_before = topo.group_sums(committed)  # Σ committed caps, no overhead
+        over_g = group_caps_before > capacity + TOL_W
+        in_over = over_g[topo.gpu_groups].any(axis=1)
+        caps = np.minimum(wanted, committed)
         shed = self._shed(np.where(fixed, committed, caps), capacity, fixed)
         caps = np.where(fixed, caps, shed)
+        self._note_stuck(fixed, committed, capacity)
         for i in np.flatnonzero(defiant).tolist():
             self._events.append(
                 SafetyEvent(
@@ -982,6 +1026,120 @@ class SafetyPlanner:
             waiting_nodes=tuple(self._node_names[k] for k in np.flatnonzero(waiting)),
             events=events,
         )
+
+    def _keep_room(
+        self,
+        keeps: BoolArray,
+        wanted: FloatArray,
+        committed: FloatArray,
+        *,
+        fixed: BoolArray,
+        budget: FloatArray,
+        strict: FloatArray,
+        reserve: FloatArray,
+    ) -> tuple[FloatArray, FloatArray]:
+        """The targets, with those of GPUs whose actuators keep their limits (`keeps`) held
+        within what such GPUs may hold (docs/safety.md, "BMC-managed nodes: the actuator
+        keeps its limits"). Any of them may freeze at its cap in force for good, so per
+        group that has some, with those GPUs (`held`) at their committed caps and the
+        others (their agents live with them, or are started again and go to failsafe):
+
+        - a cut to the group's lowest budget must be met by the others at their minimum:
+          Σ held + Σ others' minimum + overhead + reserve ≤ lowest budget
+          (`lowest_budget_w`; undeclared: the policy's budget);
+        - where an overload rating lends room (limit above the strict budget), the others'
+          leases must be able to take it back: Σ held + Σ others' min(cap, failsafe cap)
+          + overhead + reserve ≤ strict budget (the others counted at their targets if
+          those are higher: they may be raised in this plan).
+
+        Above the room, the movable ones are cut (their watts above the minimum scaled, as
+        `_shed` does); within it, their raises are admitted as far as it allows (in
+        proportion where they do not all fit). A group
+        where even that leaves the lent room unmet (GPUs that keep their limits frozen above
+        it) lends nothing: its budget is returned as the strict one, so the others are cut
+        to it and their leases cannot leave it above.
+
+        Returns the targets and the budgets to plan with."""
+        if not keeps.any():
+            return wanted, budget
+        layout = self._require_layout()
+        topo = layout.topology
+        held = keeps  # counted at their committed caps, or cut if movable
+        movable = keeps & ~fixed
+        others = ~keeps
+        fill = topo.overhead_w + reserve
+        # Undeclared, a group promises no cut below its policy budget (the budget itself is
+        # kept by the budget rule); a cut below is met if the others can, else alarmed.
+        lowest = np.where(np.isnan(layout.lowest_w), topo.budget_w, layout.lowest_w)
+        room = lowest - fill - topo.group_sums(np.where(others, layout.min_cap_w, 0.0))
+        has_keeps = topo.group_sums(keeps.astype(np.float64)) > 0
+        lending = has_keeps & (budget > strict + TOL_W)
+        floor_gpu = np.where(movable, layout.min_cap_w, committed)
+        floor = topo.group_sums(np.where(held, floor_gpu, 0.0))
+        if lending.any():
+            back = np.minimum(np.maximum(committed, wanted), layout.failsafe_w)
+            lent_room = strict - fill - topo.group_sums(np.where(others, back, 0.0))
+            # Frozen above what the others' leases can take back: no lending there.
+            unlent = lending & (floor > lent_room + TOL_W)
+            budget = np.where(unlent, strict, budget)
+            room = np.where(lending & ~unlent, np.minimum(room, lent_room), room)
+        room = np.where(has_keeps, room, np.inf)
+        planned = np.where(movable, np.minimum(wanted, committed), committed)
+        held_planned = topo.group_sums(np.where(held, planned, 0.0))
+        short = held_planned > room + TOL_W
+        out = wanted.copy()
+        if short.any():
+            span = np.maximum(held_planned - floor, TOL_W)
+            factor = np.where(short, np.clip((room - floor) / span, 0.0, 1.0), 1.0)
+            per_gpu = factor[topo.gpu_groups].min(axis=1)
+            cut = floor_gpu + (planned - floor_gpu) * per_gpu
+            out = np.where(movable & (per_gpu < 1.0), np.minimum(out, cut), out)
+            for g in np.flatnonzero(short):
+                self._events.append(
+                    SafetyEvent(
+                        "kept_limits_unmet" if floor[g] > room[g] + TOL_W else "kept_limits_cut",
+                        group=topo.names[g],
+                        value_w=float(held_planned[g] - room[g]),  # watts above the room
+                    )
+                )
+        # Raises: against the committed caps, so a raise waits for the cuts paying for it;
+        # where they do not all fit, each group's slack is shared in proportion to them
+        # (each GPU takes the smallest share of its groups: one vectorised pass, where a
+        # greedy pass by priority cost 30 ms a tick at 10k GPUs; the budgets' own admission
+        # that follows still goes by priority).
+        delta = np.where(movable, np.maximum(out - committed, 0.0), 0.0)
+        need = topo.group_sums(delta)
+        if need.any():
+            held_committed = topo.group_sums(np.where(held, committed, 0.0))
+            slack = np.maximum(room - held_committed, 0.0)
+            factor = np.where(need > slack + TOL_W, slack / np.maximum(need, TOL_W), 1.0)
+            share = factor[topo.gpu_groups].min(axis=1)
+            out = np.where(delta > 0.0, committed + delta * share, out)
+        return out, budget
+
+    def _note_stuck(self, fixed: BoolArray, committed: FloatArray, capacity: FloatArray) -> None:
+        """Event `cut_unreachable` per group whose budget in force cannot be met even with
+        every GPU that can move at its minimum, because GPUs that keep their limits and
+        cannot move now (their agent gone, their BMC not answering) hold too much."""
+        stuck = self.keeps_limits() & fixed
+        if not stuck.any():
+            return
+        layout = self._require_layout()
+        topo = layout.topology
+        floor = topo.group_sums(np.where(fixed, committed, layout.min_cap_w))
+        has_stuck = topo.group_sums(stuck.astype(np.float64)) > 0
+        # The first groups only (topology order: the largest first): an alarm names five.
+        for g in np.flatnonzero(has_stuck & (floor > capacity + TOL_W))[:16].tolist():
+            in_g = stuck & (topo.gpu_groups == g).any(axis=1)
+            self._events.append(
+                SafetyEvent(
+                    "cut_unreachable",
+                    group=topo.names[g],
+                    node=",".join(sorted({layout.nodes[i] for i in np.flatnonzero(in_g)})),
+                    value_w=float(floor[g] - capacity[g]),
+                    committed_w=float(committed[in_g].sum()),
+                )
+            )
 
     def _shed(self, caps: FloatArray, capacity: FloatArray, fixed: BoolArray) -> FloatArray:
         """Lower caps where even the planned decreases do not fit a budget (targets too high,

@@ -219,6 +219,9 @@ class NodeStatus(_Msg):
     refused_controller: str = Field(default="", max_length=128)
     # The authority it obeyed before the current one, when it switched (an alarm).
     previous_authority: Authority | None = None
+    # Its GPUs keep the last limit set if this agent dies (a BMC: `powerd bmc-agent`). A
+    # controller only ever plans more strictly for it (docs/safety.md, "BMC-managed nodes").
+    keeps_limits: bool = False
 
 
 class ControllerState(StrEnum):

@@ -40,14 +40,22 @@ AGENT_NODE = "rack-2-n2"
 STALE_S = 3 * TICK_S
 
 
-def bmc_site(bmc_node_w: float = 2500) -> dict[str, Any]:
+def bmc_site(
+    bmc_node_w: float = 2500,
+    *,
+    keeps: bool = False,
+    dc_w: float = 4000,
+    lowest_w: float | None = None,
+) -> dict[str, Any]:
     """One rack: a BMC-managed node and an agent node, 4 GPUs (200–700 W) each; the
-    facility's budget binds."""
+    facility's budget binds. `keeps`: the policy declares the BMC node's limits kept."""
+    facility: dict[str, Any] = {} if lowest_w is None else {"lowest_budget_w": lowest_w}
     return {
         "version": 1,
         "facility": {
             "name": "dc",
-            "budget_w": 4000,
+            "budget_w": dc_w,
+            **facility,
             "rows": [
                 {
                     "name": "row",
@@ -56,7 +64,12 @@ def bmc_site(bmc_node_w: float = 2500) -> dict[str, Any]:
                             "name": "rack-2",
                             "budget_w": 4400,
                             "nodes": [
-                                {"name": BMC_NODE, "budget_w": bmc_node_w, "overhead_w": 100},
+                                {
+                                    "name": BMC_NODE,
+                                    "budget_w": bmc_node_w,
+                                    "overhead_w": 100,
+                                    "keeps_limits": keeps,
+                                },
                                 {"name": AGENT_NODE, "budget_w": 2500, "overhead_w": 100},
                             ],
                         }
@@ -120,18 +133,23 @@ class BmcSite:
 
 # Both places a BMC may keep GPU limits: the Processors' EnvironmentMetrics, and Chassis
 # Controls of type Power (found by the bmc-agent's default `limits = "auto"`).
-@pytest.fixture(params=["processors", "controls"])
+# A test may name the policy's keys (`bmc_site`) through indirect parametrisation.
+@pytest.fixture(
+    params=[{"limits": "processors"}, {"limits": "controls"}], ids=lambda p: p["limits"]
+)
 async def site(
     mosquitto: LocalMosquitto, tmp_path: Path, request: pytest.FixtureRequest
 ) -> AsyncIterator[BmcSite]:
     ca = TestCa.make(tmp_path / "pki")
+    param = dict(request.param)
+    limits = param.pop("limits", "processors")
     hgx = RedfishService.hgx(
-        GPUS, Workload.training(), password="s3cret", node=BMC_NODE, limits=request.param
+        GPUS, Workload.training(), password="s3cret", node=BMC_NODE, limits=limits
     )
     (tmp_path / "bmc.password").write_text("s3cret\n")
     config = tmp_path / "bmc-agent.toml"
     policy_file = tmp_path / "policy.yaml"
-    policy_file.write_text(yaml.safe_dump(bmc_site()))
+    policy_file.write_text(yaml.safe_dump(bmc_site(**param)))
     monitor = Monitor(mosquitto.url, load_policy(policy_file))
     procs = Procs(tmp_path, mosquitto.url)
     with EmulatorServer([hgx], ca) as server:
@@ -223,3 +241,71 @@ async def test_a_bmc_node_obeys_a_cut_and_a_silent_bmc_is_never_raised(site: Bmc
     assert procs.stop("bmc-agent") == 0
     assert all(w <= FAILSAFE_W + TOL_W for w in site.truth())
     assert hgx.sessions == {}  # logged out
+
+
+KEPT_LOWEST_W = 2600.0  # 8 × 250 W failsafe + 200 W overhead = 2,200 W at least
+
+
+@pytest.mark.parametrize("site", [{"keeps": True, "lowest_w": KEPT_LOWEST_W}], indirect=True)
+async def test_a_dead_bmc_agent_leaves_limits_that_a_cut_to_the_lowest_budget_gets_past(
+    site: BmcSite,
+) -> None:
+    """The policy says the BMC node keeps its limits and the facility may be cut to
+    2,600 W: the BMC node's GPUs hold at most 2,600 − 4 × 200 (the agent node at its
+    minimum) − 200 (overhead) = 1,600 W. The bmc-agent is killed (its GPUs frozen for good),
+    then the facility is cut to 2,600 W: the agent node alone makes room, the outside
+    watcher sees no budget exceeded, and the BMC's limits never moved. A cut below the
+    lowest budget is alarmed, naming the node that cannot move."""
+    mon, procs = site.monitor, site.procs
+    await site.until(
+        lambda: site.steered_since(BMC_NODE, 0) and site.steered_since(AGENT_NODE, 0),
+        "both nodes are steered",
+    )
+    await site.until(lambda: mon.group_committed("dc") > 0.9 * 4000, "the budget in use")
+    await site.ticks(4)
+    room = KEPT_LOWEST_W - GPUS * 200.0 - 200.0
+    # Every status of the bmc-agent's node says its limits are kept; the agent's do not.
+    assert all(st.keeps_limits for st in mon.nodes[BMC_NODE].statuses)
+    assert not any(st.keeps_limits for st in mon.nodes[AGENT_NODE].statuses)
+    assert mon.group_committed(BMC_NODE) - 100 <= room + TOL_W
+    assert sum(site.truth()) <= room + TOL_W
+
+    # -- the bmc-agent dies: its BMC keeps every limit -------------------------------------
+    procs.kill("bmc-agent")
+    frozen = site.truth_by_uuid()
+    await site.until(
+        lambda: (
+            mon.nodes[BMC_NODE].status is not None
+            and mon.nodes[BMC_NODE].status.state is NodeState.OFFLINE
+        ),
+        "its last will",
+    )
+    await site.ticks(2)
+
+    # -- the facility is cut to its lowest budget: met without the frozen GPUs -------------
+    site.policy_file.write_text(
+        yaml.safe_dump(bmc_site(keeps=True, dc_w=KEPT_LOWEST_W, lowest_w=KEPT_LOWEST_W))
+    )
+    cut = load_policy(site.policy_file)
+    mon.cut([g.budget_w for g in cut.groups], strict_from_tick=mon.last_tick + 4)
+    procs.signal("controller", signal.SIGHUP)
+    await site.ticks(8)
+    assert site.truth_by_uuid() == frozen
+    assert mon.group_committed("dc") <= KEPT_LOWEST_W + TOL_W
+    assert mon.breaches == [] and mon.bad == []
+    assert not [
+        a for a in site.controller_events("alarm_raised") if a["alarm"] == "cut_unreachable"
+    ]
+
+    # -- below the lowest budget, nothing can make room for them: said so, by name ---------
+    deeper = 2250.0  # above the failsafe caps plus overhead; below frozen + minimums + overhead
+    assert sum(frozen.values()) + GPUS * 200.0 + 200.0 > deeper
+    site.policy_file.write_text(yaml.safe_dump(bmc_site(keeps=True, dc_w=deeper)))
+    procs.signal("controller", signal.SIGHUP)
+    await site.until(
+        lambda: any(
+            a["alarm"] == "cut_unreachable" and BMC_NODE in a["message"]
+            for a in site.controller_events("alarm_raised")
+        ),
+        "the alarm naming the node that cannot move",
+    )

@@ -147,7 +147,13 @@ class Agent:
         self.log.info("agent_started", gpus=len(self.gpus), state=self.state)
         will = LastWill(
             self.topics.status(self.node_id),
-            encode(NodeStatus(node_id=self.node_id, state=NodeState.OFFLINE)),
+            encode(
+                NodeStatus(
+                    node_id=self.node_id,
+                    state=NodeState.OFFLINE,
+                    keeps_limits=self.backend.keeps_limits,
+                )
+            ),
         )
         await self.transport.connect(will=will, on_connect=self._publish_status)
         await self.transport.subscribe(self.topics.caps(self.node_id), qos=1)
@@ -660,6 +666,7 @@ class Agent:
             refused_authority=self.refused_authority,
             refused_controller=self.refused_controller,
             previous_authority=self.previous_authority,
+            keeps_limits=self.backend.keeps_limits,
         )
 
     async def _publish_status(self) -> None:

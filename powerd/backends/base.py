@@ -122,6 +122,10 @@ class GpuReading:
 class GpuBackend(ABC):
     """Access to the GPUs of one node."""
 
+    # The limits it sets stay when the agent dies (a BMC's), where NVML's go back to the
+    # default with the driver: the agent says so in its status (docs/safety.md).
+    keeps_limits: bool = False
+
     @abstractmethod
     def gpus(self) -> list[GpuInfo]:
         """The GPUs present, by index. May raise DriverNotLoaded."""

@@ -102,6 +102,8 @@ class RedfishBackend(GpuBackend):
     """One node's GPUs behind its BMC. `discover()` first (BackendError if the BMC cannot
     be walked); then the `GpuBackend` calls, each bounded by the client's timeouts."""
 
+    keeps_limits = True  # a BMC holds the last limit set when powerd dies
+
     def __init__(
         self,
         node_id: str,

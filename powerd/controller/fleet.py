@@ -55,6 +55,10 @@ class FleetNode:
     status_newer: bool = False  # the status arrived after the last telemetry
     gone_max_cap_w: float = 0.0  # the highest device maximum of GPUs it no longer has
     refused: int = 0  # GPUs in its last telemetry beyond its inventory (not taken)
+    # It said (a status, its last will) that its actuators keep their limits (a BMC): once
+    # said, planned so for as long as we run (docs/safety.md, "BMC-managed nodes").
+    keeps_limits: bool = False
+    heard_status: bool = False  # it has published a status (its agent runs this release?)
 
     @property
     def stopped(self) -> bool:
@@ -601,6 +605,16 @@ class FleetState:
         else:
             self._runs.pop(node_id, None)
 
+    def keeps_limits_claimed(self) -> list[str]:
+        """Nodes that said their actuators keep their limits."""
+        return sorted(n for n, rec in self.nodes.items() if rec.keeps_limits)
+
+    def keeps_limits_unsaid(self) -> list[str]:
+        """Nodes that have published a status without saying their limits are kept."""
+        return sorted(
+            n for n, rec in self.nodes.items() if rec.heard_status and not rec.keeps_limits
+        )
+
     def offline_nodes(self) -> list[str]:
         """Nodes whose last status is `offline` (their last will, or a clean stop)."""
         return sorted(n for n, rec in self.nodes.items() if rec.state is NodeState.OFFLINE)
@@ -611,6 +625,8 @@ class FleetState:
         node = self.node(msg.node_id)
         was = (node.stopped, node.status_caps_w)
         node.state = msg.state
+        node.keeps_limits |= msg.keeps_limits
+        node.heard_status = True
         if msg.caps_w:
             node.status_caps_w = dict(msg.caps_w)
             node.status_tick = msg.last_tick

@@ -86,12 +86,19 @@ class InputAlarms:
             + ", ".join(f"{d.uuid} ({', '.join(sorted(d.seen))})" for d in disputes[:5]),
         )
         offline = fleet.offline_nodes()
-        lost = [n for n in offline if not fleet.nodes[n].stopped]
+        declared = {g.name for g in fleet.policy.groups if g.level == 3 and g.keeps_limits}
+        keeps = declared & set(fleet.keeps_limits_claimed())
+        lost = [n for n in offline if not fleet.nodes[n].stopped and n not in keeps]
+        kept = [n for n in offline if not fleet.nodes[n].stopped and n in keeps]
         stopped = [n for n in offline if fleet.nodes[n].stopped]
         parts = []
         if lost:
             parts.append(
                 "counted at their GPUs' maximum until they report: " + ", ".join(lost[:10])
+            )
+        if kept:
+            parts.append(
+                "keep their limits, counted at their committed caps: " + ", ".join(kept[:10])
             )
         if stopped:
             parts.append("stopped, counted at the caps they left: " + ", ".join(stopped[:10]))

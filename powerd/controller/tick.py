@@ -306,6 +306,7 @@ class TickEngine:
         ob.fenced(node, status.fenced)
         self.fleet.ingest_status(status)
         if status.state is NodeState.OFFLINE and not status.caps_w:
+            self.planner.claim_keeps_limits(self.fleet.keeps_limits_claimed())
             self.planner.node_offline(node)
         elif status.caps_w:  # a clean stop's `offline` too: the caps it left in force
             # The ticks of an older leader's order nothing of ours: as readings, they widen.
@@ -546,11 +547,13 @@ class TickEngine:
             # in force are what the agents report.
             self.planner.assume_settled()
         self._count_foreign()
+        self.planner.claim_keeps_limits(self.fleet.keeps_limits_claimed())
         plan = self.planner.plan(
             tick,
             now,
             targets.targets_w,
             budget_w=budgets.limit_w,
+            strict_w=budgets.budget_w,
             reserve_w=seen.shape.reserve_w,
             priority=self.targets.classes.weight[targets.class_index],
             offline=seen.offline,
@@ -559,6 +562,49 @@ class TickEngine:
         )
         self._log_safety_events(plan)
         return plan
+
+    def _alarm_kept_limits(self, plan: SafePlan) -> None:
+        """Alarms of nodes whose actuators keep their limits (docs/safety.md, "BMC-managed
+        nodes: the actuator keeps its limits")."""
+        declared = {g.name for g in self.policy.groups if g.level == 3 and g.keeps_limits}
+        undeclared = [n for n in self.fleet.keeps_limits_claimed() if n not in declared]
+        self._alarm(
+            "keeps_limits_undeclared",
+            None
+            if not undeclared
+            else "nodes say their GPUs keep their limits when their agent dies, the policy "
+            "does not (planned as keeping them; declare keeps_limits: true): "
+            + ", ".join(undeclared[:10]),
+        )
+        unsaid = [n for n in self.fleet.keeps_limits_unsaid() if n in declared]
+        self._alarm(
+            "keeps_limits_unconfirmed",
+            None
+            if not unsaid
+            else "the policy says these nodes keep their limits, their agents do not (planned "
+            "as keeping them, but counted at their maximum while offline): "
+            + ", ".join(unsaid[:10]),
+        )
+        stuck = [e for e in plan.events if e.kind == "cut_unreachable"]
+        self._alarm(
+            "cut_unreachable",
+            None
+            if not stuck
+            else "budgets that cannot be met with every movable GPU at its minimum, for GPUs "
+            "that keep their limits and cannot move: "
+            + "; ".join(
+                f"{e.group} {e.value_w:,.0f} W over (nodes {e.node} hold {e.committed_w:,.0f} W)"
+                for e in stuck[:5]
+            ),
+        )
+        unmet = sorted({e.group for e in plan.events if e.kind == "kept_limits_unmet"})
+        self._alarm(
+            "kept_limits_unmet",
+            None
+            if not unmet
+            else "GPUs that keep their limits and cannot move hold more than a cut to the "
+            "lowest budget (or an overload's lease) allows: " + ", ".join(unmet[:10]),
+        )
 
     def _count_foreign(self) -> None:
         self.obedience.count_foreign(self.planner, handing_over=bool(self.overrides.handover))
@@ -586,6 +632,7 @@ class TickEngine:
         if self.overload is not None:
             rating = self.overload.ratings_w(budget_w)
             over &= ~((self.overload.pct > 0) & (plan.group_committed_w <= rating + 1e-6))
+        self._alarm_kept_limits(plan)
         refusing = np.flatnonzero(seen.held)
         self._alarm(
             "caps_refused",
@@ -641,7 +688,10 @@ class TickEngine:
             group_budget_w=np.asarray(budgets.budget_w, dtype=np.float64),
             group_committed_w=plan.group_committed_w,
             group_draw_w=topo.group_sums(arrays.power_w) + topo.overhead_w,
-            group_limit_w=np.asarray(budgets.limit_w, dtype=np.float64),
+            # The planner's: a group whose frozen limits leave nothing to lend is held strict.
+            group_limit_w=np.minimum(
+                np.asarray(budgets.limit_w, dtype=np.float64), plan.group_budget_w
+            ),
             unused_w=targets.unused_w,
             group_over=over,
             group_settling=plan.group_settling,
@@ -741,6 +791,7 @@ class TickEngine:
                 log.exception("fallback_budgets_failed", tick=tick)
                 budget_w = np.zeros(topo.n_groups)  # nothing may rise
             self._count_foreign()
+            self.planner.claim_keeps_limits(self.fleet.keeps_limits_claimed())
             plan = self.planner.plan(
                 tick,
                 now,
