@@ -1,0 +1,133 @@
+"""Attacks on the bmc-agent's Controls surface, each against the Redfish emulator over HTTPS
+(a lying variant where one is needed): what a broken or hostile BMC answers must never
+raise past the backend, never let a GPU enforce more than the agent acks, and never send
+our credentials to another host."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from powerd.backends.base import BackendError
+from powerd.backends.mock import Workload
+from powerd.bmc.backend import IoLoop, RedfishBackend
+from powerd.bmc.redfish import BmcTrust, RedfishClient, RedfishError
+from powerd.testing.redfish import (
+    EmulatorServer,
+    Json,
+    RedfishService,
+    TestCa,
+)
+
+NODE = "bmc-1"
+
+
+@pytest.fixture(scope="module")
+def ca(tmp_path_factory: pytest.TempPathFactory) -> TestCa:
+    return TestCa.make(tmp_path_factory.mktemp("ca"))
+
+
+@pytest.fixture
+def io() -> Iterator[IoLoop]:
+    loop = IoLoop()
+    yield loop
+    loop.close()
+
+
+def backend_for(server: EmulatorServer, io: IoLoop, ca: TestCa) -> RedfishBackend:
+    client = RedfishClient(
+        server.url(), "admin", "pw", trust=BmcTrust(ca_file=ca.ca_file), timeout_s=2.0
+    )
+    return RedfishBackend(NODE, client, io, max_age_s=0.0)
+
+
+def truth(bmc: RedfishService) -> list[float]:
+    assert bmc.gpus is not None
+    return [bmc.gpus.enforced_limit_w(g.uuid) for g in bmc.gpus.gpus()]
+
+
+def controls_bmc(cls: type[RedfishService], n: int = 2) -> RedfishService:
+    gpus = RedfishService.hgx(n, Workload.steady(650.0), node=NODE).gpus
+    return cls(gpus=gpus, password="pw", limits="controls")
+
+
+# -- a link no URL can hold --------------------------------------------------------------
+
+
+class _MemberUnsendable(RedfishService):
+    """The Chassis collection lists a member whose link holds a control character."""
+
+    def _chassis_collection(self) -> Json:
+        doc = super()._chassis_collection()
+        doc["Members"].append({"@odata.id": "/redfish/v1/Chassis/\x00"})
+        return doc
+
+
+def test_a_link_no_url_can_hold_is_a_redfish_error_not_an_exception() -> None:
+    """httpx refuses to build a request for a path with a control character
+    (`httpx.InvalidURL`, no `HTTPError`): a BMC naming one must fail that request like
+    any other bad answer, not raise past the backend (the node's thread would end)."""
+    hosts: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        hosts.append(request.url.host)
+        return httpx.Response(200, json={})
+
+    async def go() -> None:
+        client = RedfishClient(
+            "https://bmc.example",
+            "admin",
+            "pw",
+            trust=BmcTrust(),
+            auth="basic",
+            retries=0,
+            transport=httpx.MockTransport(handler),
+        )
+        with pytest.raises(RedfishError, match="not a path"):
+            await client.get("/redfish/v1/\tx")
+        await client.close()
+
+    asyncio.run(go())
+    assert hosts == []
+
+
+def test_a_member_link_no_url_can_hold_fails_discovery_as_a_backend_error(
+    io: IoLoop, ca: TestCa
+) -> None:
+    bmc = controls_bmc(_MemberUnsendable)
+    with EmulatorServer([bmc], ca) as server:
+        backend = backend_for(server, io, ca)
+        try:
+            with pytest.raises(BackendError):
+                backend.discover()
+        finally:
+            backend.close()
+
+
+# -- discovery's numbers -----------------------------------------------------------------
+
+
+class _BadBounds(RedfishService):
+    """GPU 0: AllowableMin above AllowableMax; GPU 1: a negative AllowableMin."""
+
+    def _control(self, i: int) -> Json:
+        doc = super()._control(i)
+        if i == 0:
+            doc["AllowableMin"], doc["AllowableMax"] = 700, 200
+        elif i == 1:
+            doc["AllowableMin"] = -100
+        return doc
+
+
+def test_controls_with_bounds_that_cannot_hold_are_not_steered(io: IoLoop, ca: TestCa) -> None:
+    bmc = controls_bmc(_BadBounds, n=3)
+    with EmulatorServer([bmc], ca) as server:
+        backend = backend_for(server, io, ca)
+        try:
+            found = backend.discover()
+        finally:
+            backend.close()
+    assert [g.uuid for g in found] == [f"GPU-{bmc.processor_uuid(2)}"]
