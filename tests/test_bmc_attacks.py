@@ -20,6 +20,7 @@ from powerd.testing.redfish import (
     Json,
     RedfishService,
     TestCa,
+    gpu_control_uri,
 )
 
 NODE = "bmc-1"
@@ -55,6 +56,16 @@ def controls_bmc(cls: type[RedfishService], n: int = 2) -> RedfishService:
 
 
 # -- a link no URL can hold --------------------------------------------------------------
+
+
+class _ControlNamedUnsendable(RedfishService):
+    """GPU 0's Control names itself with a control character in its `@odata.id`."""
+
+    def _control(self, i: int) -> Json:
+        doc = super()._control(i)
+        if i == 0:
+            doc["@odata.id"] = gpu_control_uri(0) + "\t"
+        return doc
 
 
 class _MemberUnsendable(RedfishService):
@@ -103,6 +114,51 @@ def test_a_member_link_no_url_can_hold_fails_discovery_as_a_backend_error(
         try:
             with pytest.raises(BackendError):
                 backend.discover()
+        finally:
+            backend.close()
+
+
+def test_a_control_named_with_an_unsendable_link_is_steered_where_it_was_found(
+    io: IoLoop, ca: TestCa
+) -> None:
+    bmc = controls_bmc(_ControlNamedUnsendable)
+    with EmulatorServer([bmc], ca) as server:
+        backend = backend_for(server, io, ca)
+        try:
+            found = backend.discover()
+            assert len(found) == 2
+            assert backend.read(found[0].uuid).cap_w == truth(bmc)[0]
+            assert backend.set_power_limit_w(found[0].uuid, 300.0) == 300.0
+            assert truth(bmc)[0] == 300.0
+        finally:
+            backend.close()
+
+
+# -- a Control naming another ----------------------------------------------------------
+
+
+class _ControlNamedAsNext(RedfishService):
+    """Each GPU's Control (found at its own URI) says it is the next GPU's (`@odata.id`):
+    a PATCH sent where the body says would change another GPU's limit."""
+
+    def _control(self, i: int) -> Json:
+        doc = super()._control(i)
+        assert self.gpus is not None
+        doc["@odata.id"] = gpu_control_uri((i + 1) % len(self._gpu_infos))
+        return doc
+
+
+def test_a_control_is_steered_at_the_uri_it_was_found_not_the_one_it_names(
+    io: IoLoop, ca: TestCa
+) -> None:
+    bmc = controls_bmc(_ControlNamedAsNext)
+    with EmulatorServer([bmc], ca) as server:
+        backend = backend_for(server, io, ca)
+        try:
+            found = backend.discover()
+            acked = backend.set_power_limit_w(found[0].uuid, 300.0)
+            assert truth(bmc) == [300.0, 700.0]
+            assert acked >= truth(bmc)[0]
         finally:
             backend.close()
 

@@ -179,14 +179,14 @@ class RedfishBackend(GpuBackend):
             controls_uri = _link(chassis, "Controls")
             if controls_uri is None:
                 continue
-            controls = await asyncio.gather(
-                *(c.get(u) for u in _members(await c.get(controls_uri)))
-            )
+            members = _members(await c.get(controls_uri))
+            controls = await asyncio.gather(*(c.get(u) for u in members))
+            # A Control is steered where it was read, whatever its `@odata.id` says: a BMC
+            # naming another GPU's Control there would have our PATCHes change that GPU.
             power = [
                 (control, uri)
-                for control in controls
+                for control, uri in zip(controls, members, strict=True)
                 if control.get("ControlType") == "Power"
-                and isinstance(uri := control.get("@odata.id"), str)
             ]
             related = await asyncio.gather(*(self._related_gpu(ctl) for ctl, _ in power))
             for (control, uri), (proc, system_id) in zip(power, related, strict=True):
