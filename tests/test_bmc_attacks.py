@@ -19,6 +19,7 @@ from powerd.testing.redfish import (
     EmulatorServer,
     Json,
     RedfishService,
+    Response,
     TestCa,
     gpu_control_uri,
 )
@@ -159,6 +160,30 @@ def test_a_control_is_steered_at_the_uri_it_was_found_not_the_one_it_names(
             acked = backend.set_power_limit_w(found[0].uuid, 300.0)
             assert truth(bmc) == [300.0, 700.0]
             assert acked >= truth(bmc)[0]
+        finally:
+            backend.close()
+
+
+# -- the PATCH's answer ------------------------------------------------------------------
+
+
+class _OtherResourceAnswer(RedfishService):
+    """A BMC answering a PATCH with another resource: GPU 1's Control, whatever was set."""
+
+    def _patch(self, path: str, body: bytes) -> Response:
+        r = super()._patch(path, body)
+        return Response(200, self._control(1)) if r.status == 200 else r
+
+
+def test_an_answer_for_another_resource_is_not_taken_as_the_gpus(io: IoLoop, ca: TestCa) -> None:
+    bmc = controls_bmc(_OtherResourceAnswer)
+    with EmulatorServer([bmc], ca) as server:
+        backend = backend_for(server, io, ca)
+        try:
+            found = backend.discover()
+            assert backend.set_power_limit_w(found[1].uuid, 250.0) == 250.0
+            # GPU 0 set to 600: the answer is GPU 1's Control, at 250 W
+            assert backend.set_power_limit_w(found[0].uuid, 600.0) == 600.0 == truth(bmc)[0]
         finally:
             backend.close()
 

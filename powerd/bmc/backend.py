@@ -355,7 +355,7 @@ class RedfishBackend(GpuBackend):
         )
         # The read-back: the resource the PATCH's answer carries (Redfish answers 200 with
         # it, or 204), else a GET of it; one round trip a set, not two, where a BMC gives it.
-        if after is not None:
+        if after is not None and _names(after, gpu.uri):
             with contextlib.suppress(ValueError, TypeError):
                 return _reading(gpu, after)
         return _reading(gpu, await self.client.get(gpu.uri))
@@ -486,6 +486,13 @@ def _limit_bounds(limit: object) -> tuple[float, float, float] | None:
     if not isinstance(default, int | float) or isinstance(default, bool):
         default = hi
     return lo, hi, min(max(float(default), lo), hi)
+
+
+def _names(doc: Json, uri: str) -> bool:
+    """Whether a document says it is the resource at `uri` (an answer for another resource,
+    or one that names none, says nothing of this one's limit)."""
+    named = doc.get("@odata.id")
+    return isinstance(named, str) and named.rstrip("/") == uri.rstrip("/")
 
 
 def _link(doc: Json, name: str) -> str | None:
