@@ -167,12 +167,40 @@ def test_a_control_is_steered_at_the_uri_it_was_found_not_the_one_it_names(
 # -- the PATCH's answer ------------------------------------------------------------------
 
 
+class _StaleAnswer(RedfishService):
+    """A BMC that applies a PATCH after it answered: the answer shows the Control as it
+    was before (a raise not yet in it)."""
+
+    def _patch(self, path: str, body: bytes) -> Response:
+        i = self._control_of(path)
+        before = None if i is None else self._control(i)
+        r = super()._patch(path, body)
+        return Response(200, before) if r.status == 200 and before is not None else r
+
+
 class _OtherResourceAnswer(RedfishService):
     """A BMC answering a PATCH with another resource: GPU 1's Control, whatever was set."""
 
     def _patch(self, path: str, body: bytes) -> Response:
         r = super()._patch(path, body)
         return Response(200, self._control(1)) if r.status == 200 else r
+
+
+def test_an_answer_below_the_set_point_asked_is_not_acked_below_what_is_enforced(
+    io: IoLoop, ca: TestCa
+) -> None:
+    bmc = controls_bmc(_StaleAnswer)
+    with EmulatorServer([bmc], ca) as server:
+        backend = backend_for(server, io, ca)
+        try:
+            found = backend.discover()
+            cut = backend.set_power_limit_w(found[0].uuid, 300.0)
+            assert cut >= truth(bmc)[0] == 300.0  # the old 700 W: more than enforced, safe
+            raised = backend.set_power_limit_w(found[0].uuid, 600.0)
+            assert truth(bmc)[0] == 600.0
+            assert raised >= 600.0  # the answer's 300 W would have the controller count less
+        finally:
+            backend.close()
 
 
 def test_an_answer_for_another_resource_is_not_taken_as_the_gpus(io: IoLoop, ca: TestCa) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import threading
 import time
@@ -47,7 +48,7 @@ from powerd.backends.base import (
     UnknownGpu,
 )
 from powerd.bmc.redfish import Json, RedfishClient, RedfishError
-from powerd.wire import MAX_GPUS_PER_NODE, MAX_SANE_WATTS
+from powerd.wire import CAP_TOLERANCE_W, MAX_GPUS_PER_NODE, MAX_SANE_WATTS
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -355,10 +356,19 @@ class RedfishBackend(GpuBackend):
         )
         # The read-back: the resource the PATCH's answer carries (Redfish answers 200 with
         # it, or 204), else a GET of it; one round trip a set, not two, where a BMC gives it.
+        answered: GpuReading | None = None
         if after is not None and _names(after, gpu.uri):
             with contextlib.suppress(ValueError, TypeError):
-                return _reading(gpu, after)
-        return _reading(gpu, await self.client.get(gpu.uri))
+                answered = _reading(gpu, after)
+        if answered is not None and answered.cap_w >= watts - CAP_TOLERANCE_W:
+            return answered
+        got = _reading(gpu, await self.client.get(gpu.uri))
+        if answered is not None and answered.cap_w > got.cap_w:
+            # An answer below what was asked may show the resource before the change (a
+            # BMC that applies after it answers): the higher of the two is acked, never a
+            # limit lower than one the BMC may enforce.
+            return dataclasses.replace(got, cap_w=answered.cap_w)
+        return got
 
     def _sample_all(self) -> _Sample:
         at = time.monotonic()
