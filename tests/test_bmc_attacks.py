@@ -6,6 +6,7 @@ our credentials to another host."""
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Iterator
 
 import httpx
@@ -23,6 +24,7 @@ from powerd.testing.redfish import (
     TestCa,
     gpu_control_uri,
 )
+from powerd.wire import GpuTelemetry
 
 NODE = "bmc-1"
 
@@ -219,6 +221,15 @@ def test_an_answer_for_another_resource_is_not_taken_as_the_gpus(io: IoLoop, ca:
 # -- discovery's numbers -----------------------------------------------------------------
 
 
+class _DefaultNaN(RedfishService):
+    """Controls whose `DefaultSetPoint` is NaN (Python's json reads the bare `NaN`)."""
+
+    def _control(self, i: int) -> Json:
+        doc = super()._control(i)
+        doc["DefaultSetPoint"] = math.nan
+        return doc
+
+
 class _BadBounds(RedfishService):
     """GPU 0: AllowableMin above AllowableMax; GPU 1: a negative AllowableMin."""
 
@@ -229,6 +240,34 @@ class _BadBounds(RedfishService):
         elif i == 1:
             doc["AllowableMin"] = -100
         return doc
+
+
+def test_a_nan_default_is_no_default(io: IoLoop, ca: TestCa) -> None:
+    """A NaN default would be in every telemetry message (the wire refuses NaN): the GPU's
+    default falls back to its AllowableMax, as when the BMC gives none."""
+    bmc = controls_bmc(_DefaultNaN)
+    with EmulatorServer([bmc], ca) as server:
+        backend = backend_for(server, io, ca)
+        try:
+            found = backend.discover()
+        finally:
+            backend.close()
+    assert [g.default_cap_w for g in found] == [g.max_cap_w for g in found]
+    for g in found:  # the wire takes it (a NaN would fail every telemetry message)
+        GpuTelemetry(
+            uuid=g.uuid,
+            index=g.index,
+            name=g.name,
+            power_w=0.0,
+            energy_j=0.0,
+            cap_w=g.max_cap_w,
+            min_cap_w=g.min_cap_w,
+            max_cap_w=g.max_cap_w,
+            default_cap_w=g.default_cap_w,
+            temp_c=0.0,
+            util_pct=0.0,
+            sm_clock_mhz=0.0,
+        )
 
 
 def test_controls_with_bounds_that_cannot_hold_are_not_steered(io: IoLoop, ca: TestCa) -> None:

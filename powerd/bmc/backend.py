@@ -493,8 +493,8 @@ def _limit_bounds(limit: object) -> tuple[float, float, float] | None:
     if not 0 < lo <= hi <= MAX_SANE_WATTS:  # the wire's bounds (False for NaN)
         return None
     default = limit.get("DefaultSetPoint")
-    if not isinstance(default, int | float) or isinstance(default, bool):
-        default = hi
+    if not isinstance(default, int | float) or isinstance(default, bool) or math.isnan(default):
+        default = hi  # NaN would pass the clamp below, and the wire refuses it
     return lo, hi, min(max(float(default), lo), hi)
 
 
