@@ -279,3 +279,36 @@ def test_controls_with_bounds_that_cannot_hold_are_not_steered(io: IoLoop, ca: T
         finally:
             backend.close()
     assert [g.uuid for g in found] == [f"GPU-{bmc.processor_uuid(2)}"]
+
+
+# -- huge collections ---------------------------------------------------------------------
+
+
+class _TenThousandControls(RedfishService):
+    """GPU 0's chassis lists 10,000 Controls: its own, then 9,999 other links (each a
+    valid URI, a query apart) to the same Control."""
+
+    def _chassis_resource(self, path: str) -> Json | None:
+        doc = super()._chassis_resource(path)
+        if doc is not None and path == gpu_control_uri(0).rsplit("/", 1)[0]:
+            uri = gpu_control_uri(0)
+            doc["Members"] = [{"@odata.id": uri}] + [
+                {"@odata.id": f"{uri}?n={k}"} for k in range(1, 10_000)
+            ]
+        return doc
+
+
+def test_a_collection_of_ten_thousand_members_is_read_in_part(io: IoLoop, ca: TestCa) -> None:
+    """Read whole (10,000 GETs) discovery ran past its bound every time: no GPU of the
+    node was ever steered. At most MAX_MEMBERS are read, the GPUs are found."""
+    from powerd.bmc.backend import MAX_MEMBERS
+
+    bmc = controls_bmc(_TenThousandControls)
+    with EmulatorServer([bmc], ca) as server:
+        backend = backend_for(server, io, ca)
+        try:
+            found = backend.discover()
+        finally:
+            backend.close()
+    assert len(found) == 2
+    assert bmc.requests["GET"] < 2 * MAX_MEMBERS + 50  # each Control and its Processor

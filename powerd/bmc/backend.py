@@ -52,6 +52,8 @@ from powerd.wire import CAP_TOLERANCE_W, MAX_GPUS_PER_NODE, MAX_SANE_WATTS
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
+# Members read of one collection (an HGX board lists ~60 Chassis, a few dozen Processors).
+MAX_MEMBERS = 256
 # Where a BMC's GPU limits are: "processors" (EnvironmentMetrics' PowerLimitWatts),
 # "controls" (Chassis Controls of type Power), "auto" (processors, else controls).
 LimitsAt = Literal["auto", "processors", "controls"]
@@ -513,10 +515,23 @@ def _link(doc: Json, name: str) -> str | None:
 
 
 def _members(collection: Json) -> list[str]:
+    """A collection's member links, each once, at most MAX_MEMBERS of them: every one is a
+    request, and a BMC listing thousands would have discovery run past its bound each time
+    (never steering the GPUs it does have) and hold a discovery slot while it does."""
     members = collection.get("Members")
     if not isinstance(members, list):
         return []
-    return [str(m["@odata.id"]) for m in members if isinstance(m, dict) and "@odata.id" in m]
+    links = dict.fromkeys(
+        str(m["@odata.id"]) for m in members if isinstance(m, dict) and "@odata.id" in m
+    )
+    if len(links) > MAX_MEMBERS:
+        log.warning(
+            "bmc_collection_truncated",
+            collection=str(collection.get("@odata.id", ""))[:200],
+            members=len(links),
+            read=MAX_MEMBERS,
+        )
+    return list(links)[:MAX_MEMBERS]
 
 
 def _gpu_uuid(node_id: str, system_id: str, proc: Json) -> str:
