@@ -312,3 +312,41 @@ def test_a_collection_of_ten_thousand_members_is_read_in_part(io: IoLoop, ca: Te
             backend.close()
     assert len(found) == 2
     assert bmc.requests["GET"] < 2 * MAX_MEMBERS + 50  # each Control and its Processor
+
+
+# -- the metrics port --------------------------------------------------------------------
+
+
+def test_idle_connections_to_the_metrics_port_hold_a_bounded_number_of_threads() -> None:
+    """The metrics server starts a thread per connection: connections that never send a
+    request held one each, for ever, so a peer could exhaust the process's tasks (then
+    no node's thread, nor the shared loop's helpers, could start). At most
+    MAX_SCRAPE_CONNECTIONS are served at once, and a scrape works once they are gone."""
+    import socket
+    import threading
+    import time
+    import urllib.request
+
+    from prometheus_client import CollectorRegistry
+
+    from powerd.node_metrics import MAX_SCRAPE_CONNECTIONS, start_metrics_server
+
+    server = start_metrics_server(CollectorRegistry(), "127.0.0.1", 0)
+    before = threading.active_count()
+    idle = [
+        socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        for _ in range(3 * MAX_SCRAPE_CONNECTIONS)
+    ]
+    try:
+        time.sleep(0.5)  # the server accepts them (and starts what threads it will)
+        assert threading.active_count() - before <= MAX_SCRAPE_CONNECTIONS
+    finally:
+        for s in idle:
+            s.close()
+    deadline = time.monotonic() + 10
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{server.port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        assert r.status == 200
+    server.close()
