@@ -218,6 +218,83 @@ def test_an_answer_for_another_resource_is_not_taken_as_the_gpus(io: IoLoop, ca:
             backend.close()
 
 
+class _OddAnswer(RedfishService):
+    """A BMC whose PATCH answers (200) are odd: `answer` is the body given instead of the
+    Control; GETs tell the truth."""
+
+    answer: Json | str | None = None
+
+    def _patch(self, path: str, body: bytes) -> Response:
+        r = super()._patch(path, body)
+        if r.status != 200:
+            return r
+        if isinstance(self.answer, dict):
+            return Response(200, {**r.body, **self.answer} if isinstance(r.body, dict) else r.body)
+        return Response(200, self.answer)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [None, "<html>OK</html>", {"SetPoint": math.nan}, {"SetPoint": -5}, {"SetPoint": 1e308}],
+    ids=["no-body", "not-json", "nan", "negative", "1e308"],
+)
+def test_an_odd_patch_answer_is_read_back_with_a_get(
+    io: IoLoop, ca: TestCa, answer: Json | str | None
+) -> None:
+    """Held: an answer without a body, not JSON, or with a SetPoint the wire refuses is no
+    read-back; the GET's is acked."""
+    bmc = controls_bmc(_OddAnswer)
+    bmc.answer = answer
+    with EmulatorServer([bmc], ca) as server:
+        backend = backend_for(server, io, ca)
+        try:
+            found = backend.discover()
+            before = bmc.requests["GET"]
+            assert backend.set_power_limit_w(found[0].uuid, 450.0) == 450.0 == truth(bmc)[0]
+            assert bmc.requests["GET"] - before == 1
+        finally:
+            backend.close()
+
+
+class _Vanishing(RedfishService):
+    """Controls that answer 404 once `gone` (a BMC whose Controls went away after
+    discovery, a firmware update say)."""
+
+    gone = False
+
+    def _chassis_resource(self, path: str) -> Json | None:
+        return None if self.gone and "/Controls" in path else super()._chassis_resource(path)
+
+    def _patch(self, path: str, body: bytes) -> Response:
+        if self.gone:
+            return Response(404, {"error": {"message": "gone"}})
+        return super()._patch(path, body)
+
+
+def test_a_control_gone_after_discovery_fails_its_sets_and_reads_as_lost(
+    io: IoLoop, ca: TestCa
+) -> None:
+    """Held: the GPU is lost (GpuLost, a BackendError), nothing else is raised, and the
+    limit the GPU enforces is unchanged."""
+    from powerd.backends.base import GpuLost
+
+    bmc = controls_bmc(_Vanishing)
+    with EmulatorServer([bmc], ca) as server:
+        backend = backend_for(server, io, ca)
+        try:
+            found = backend.discover()
+            bmc.gone = True
+            with pytest.raises(GpuLost):
+                backend.set_power_limit_w(found[0].uuid, 300.0)
+            results = backend.set_power_limits_w([(g.uuid, 300.0) for g in found])
+            assert all(isinstance(r, GpuLost) for r in results)
+            with pytest.raises(BackendError):
+                backend.read(found[0].uuid)
+            assert truth(bmc) == [700.0, 700.0]
+        finally:
+            backend.close()
+
+
 # -- discovery's numbers -----------------------------------------------------------------
 
 
