@@ -391,6 +391,36 @@ def test_a_collection_of_ten_thousand_members_is_read_in_part(io: IoLoop, ca: Te
     assert bmc.requests["GET"] < 2 * MAX_MEMBERS + 50  # each Control and its Processor
 
 
+class _EndlessRelated(RedfishService):
+    """GPU 0's Control links 20,000 RelatedItems that are no Processor (each a 404)
+    before its GPU's."""
+
+    def _control(self, i: int) -> Json:
+        doc = super()._control(i)
+        if i == 0:
+            base = "/redfish/v1/Systems/HGX_Baseboard_0/Processors/Nothing_"
+            doc["RelatedItem"] = [{"@odata.id": f"{base}{k}"} for k in range(20_000)] + doc[
+                "RelatedItem"
+            ]
+        return doc
+
+
+def test_a_control_linking_endless_related_items_costs_a_few_requests(
+    io: IoLoop, ca: TestCa
+) -> None:
+    """Every RelatedItem was read in turn until a GPU's: 20,000 requests for one Control.
+    A few are looked at; past them the Control is a GPU's by its PhysicalContext."""
+    bmc = controls_bmc(_EndlessRelated)
+    with EmulatorServer([bmc], ca) as server:
+        backend = backend_for(server, io, ca)
+        try:
+            found = backend.discover()
+        finally:
+            backend.close()
+    assert len(found) == 2
+    assert bmc.requests["GET"] < 100
+
+
 # -- the metrics port --------------------------------------------------------------------
 
 

@@ -54,6 +54,8 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 # Members read of one collection (an HGX board lists ~60 Chassis, a few dozen Processors).
 MAX_MEMBERS = 256
+# A Control's RelatedItem links read to find its GPU's Processor.
+MAX_RELATED = 8
 # Where a BMC's GPU limits are: "processors" (EnvironmentMetrics' PowerLimitWatts),
 # "controls" (Chassis Controls of type Power), "auto" (processors, else controls).
 LimitsAt = Literal["auto", "processors", "controls"]
@@ -210,7 +212,8 @@ class RedfishBackend(GpuBackend):
         """The GPU Processor a Control's `RelatedItem` links, and its system's Id; (None, "")
         if none does (or it cannot be read: then the Control is a GPU's by its context)."""
         items = control.get("RelatedItem")
-        for item in items if isinstance(items, list) else []:
+        # A few: each one looked at is a request, in turn (a GPU's Control links one or two).
+        for item in items[:MAX_RELATED] if isinstance(items, list) else []:
             uri = item.get("@odata.id") if isinstance(item, dict) else None
             if not isinstance(uri, str) or "/Processors/" not in uri:
                 continue
