@@ -11,6 +11,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from powerd.backends.base import BackendError
 from powerd.backends.mock import Workload
@@ -24,7 +26,7 @@ from powerd.testing.redfish import (
     TestCa,
     gpu_control_uri,
 )
-from powerd.wire import GpuTelemetry
+from powerd.wire import CAP_TOLERANCE_W, MAX_SANE_WATTS, GpuTelemetry
 
 NODE = "bmc-1"
 
@@ -457,3 +459,69 @@ def test_idle_connections_to_the_metrics_port_hold_a_bounded_number_of_threads()
     with urllib.request.urlopen(url, timeout=5) as r:
         assert r.status == 200
     server.close()
+
+
+# -- the read-back rule, as a property ---------------------------------------------------
+
+
+class _Answers:
+    """A client whose PATCH answers `answer` and whose GET tells `truth` (the limit the
+    GPU enforces), counting GETs."""
+
+    def __init__(self, uri: str, answer: Json | None, truth_w: float) -> None:
+        self.base_url = "https://bmc.example"
+        self.timeout_s = 1.0
+        self.retries = 0
+        self.uri = uri
+        self.answer = answer
+        self.truth_w = truth_w
+        self.gets = 0
+
+    async def patch(self, path: str, doc: Json) -> Json | None:
+        return self.answer
+
+    async def get(self, path: str) -> Json:
+        self.gets += 1
+        return {"@odata.id": self.uri, "SetPoint": self.truth_w, "Sensor": {"Reading": 100.0}}
+
+
+watts = st.integers(200, 700).map(float)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    asked=watts,
+    truth_w=watts,
+    answer_w=watts | st.sampled_from([math.nan, -1.0, 1e308]),
+    named=st.sampled_from(["self", "other", "none"]),
+    body=st.booleans(),
+)
+def test_a_set_never_acks_below_what_the_gpu_enforces_unless_told_what_was_asked(
+    asked: float, truth_w: float, answer_w: float, named: str, body: bool
+) -> None:
+    """Whatever a PATCH answers, the ack is at least the limit the GPU enforces, except
+    where the BMC's own answer for that resource says what was asked (or more): then the
+    set costs one round trip, and the next sample checks it (the agent's guard)."""
+    from powerd.backends.base import GpuInfo
+    from powerd.bmc.backend import BmcGpu
+
+    uri = gpu_control_uri(0)
+    answer: Json = {"SetPoint": answer_w, "Sensor": {"Reading": 100.0}}
+    if named != "none":
+        answer["@odata.id"] = uri if named == "self" else gpu_control_uri(1)
+    client = _Answers(uri, answer if body else None, truth_w)
+    io = IoLoop()
+    try:
+        backend = RedfishBackend(NODE, client, io, max_age_s=1.0)  # type: ignore[arg-type]
+        info = GpuInfo("GPU-0", 0, "GPU", 200.0, 700.0, 700.0)
+        gpu = BmcGpu(info, uri, "control")
+        backend.found = {info.uuid: gpu}
+        acked = backend.set_power_limit_w(info.uuid, asked)
+    finally:
+        io.close()
+    sane = 0 <= answer_w <= MAX_SANE_WATTS  # False for NaN
+    trusted = body and named == "self" and sane and answer_w >= asked - CAP_TOLERANCE_W
+    if trusted:
+        assert client.gets == 0 and acked == answer_w
+    else:
+        assert client.gets == 1 and acked >= truth_w
