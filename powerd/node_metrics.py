@@ -10,12 +10,15 @@ are named once here, after NVIDIA dcgm-exporter's fields where it has one (same 
 from __future__ import annotations
 
 import math
+import socket
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
@@ -229,13 +232,63 @@ class MetricsServer:
         self._thread.join(timeout=5)
 
 
+# Connections served at once (a scrape is one), and how long one may stay silent: every
+# connection is a thread, and idle ones held them for ever (a peer could open thousands).
+MAX_SCRAPE_CONNECTIONS = 16
+SCRAPE_IDLE_S = 10.0
+
+
+class _QuietHandler(WSGIRequestHandler):
+    timeout = SCRAPE_IDLE_S  # StreamRequestHandler sets it on the connection's socket
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes are not logged."""
+
+
+class _BoundedServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most MAX_SCRAPE_CONNECTIONS of them: one more is closed
+    at once (its scraper tries again at its next interval)."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[WSGIRequestHandler]) -> None:
+        self.address_family = socket.getaddrinfo(*address, type=socket.SOCK_STREAM)[0][0]
+        self._slots = threading.BoundedSemaphore(MAX_SCRAPE_CONNECTIONS)
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection that timed out or broke is no error of ours (no traceback)."""
+
+
 def start_metrics_server(
     registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 9400
 ) -> MetricsServer:
     """Serve `registry` at http://host:port/metrics (port 0: any free port).
 
-    The agent's option: a thread of its own, so a scrape never delays telemetry. 9400 is
-    dcgm-exporter's port; pick another when both run on a node.
+    The agent's option: threads of its own, so a scrape never delays telemetry; at most
+    MAX_SCRAPE_CONNECTIONS at once, each closed after SCRAPE_IDLE_S silent. 9400 is
+    dcgm-exporter's port; pick another when both run on a node. OSError if it cannot
+    serve there.
     """
-    server, thread = start_http_server(port, addr=host, registry=registry)
+    server = make_server(
+        host, port, make_wsgi_app(registry), _BoundedServer, handler_class=_QuietHandler
+    )
+    thread = threading.Thread(target=server.serve_forever, name="metrics", daemon=True)
+    thread.start()
     return MetricsServer(host, int(server.server_address[1]), server, thread)

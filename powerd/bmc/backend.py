@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import threading
 import time
@@ -47,10 +48,14 @@ from powerd.backends.base import (
     UnknownGpu,
 )
 from powerd.bmc.redfish import Json, RedfishClient, RedfishError
-from powerd.wire import MAX_GPUS_PER_NODE, MAX_SANE_WATTS
+from powerd.wire import CAP_TOLERANCE_W, MAX_GPUS_PER_NODE, MAX_SANE_WATTS
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
+# Members read of one collection (an HGX board lists ~60 Chassis, a few dozen Processors).
+MAX_MEMBERS = 256
+# A Control's RelatedItem links read to find its GPU's Processor.
+MAX_RELATED = 8
 # Where a BMC's GPU limits are: "processors" (EnvironmentMetrics' PowerLimitWatts),
 # "controls" (Chassis Controls of type Power), "auto" (processors, else controls).
 LimitsAt = Literal["auto", "processors", "controls"]
@@ -181,14 +186,14 @@ class RedfishBackend(GpuBackend):
             controls_uri = _link(chassis, "Controls")
             if controls_uri is None:
                 continue
-            controls = await asyncio.gather(
-                *(c.get(u) for u in _members(await c.get(controls_uri)))
-            )
+            members = _members(await c.get(controls_uri))
+            controls = await asyncio.gather(*(c.get(u) for u in members))
+            # A Control is steered where it was read, whatever its `@odata.id` says: a BMC
+            # naming another GPU's Control there would have our PATCHes change that GPU.
             power = [
                 (control, uri)
-                for control in controls
+                for control, uri in zip(controls, members, strict=True)
                 if control.get("ControlType") == "Power"
-                and isinstance(uri := control.get("@odata.id"), str)
             ]
             related = await asyncio.gather(*(self._related_gpu(ctl) for ctl, _ in power))
             for (control, uri), (proc, system_id) in zip(power, related, strict=True):
@@ -209,7 +214,8 @@ class RedfishBackend(GpuBackend):
         """The GPU Processor a Control's `RelatedItem` links, and its system's Id; (None, "")
         if none does (or it cannot be read: then the Control is a GPU's by its context)."""
         items = control.get("RelatedItem")
-        for item in items if isinstance(items, list) else []:
+        # A few: each one looked at is a request, in turn (a GPU's Control links one or two).
+        for item in items[:MAX_RELATED] if isinstance(items, list) else []:
             uri = item.get("@odata.id") if isinstance(item, dict) else None
             if not isinstance(uri, str) or "/Processors/" not in uri:
                 continue
@@ -357,10 +363,19 @@ class RedfishBackend(GpuBackend):
         )
         # The read-back: the resource the PATCH's answer carries (Redfish answers 200 with
         # it, or 204), else a GET of it; one round trip a set, not two, where a BMC gives it.
-        if after is not None:
+        answered: GpuReading | None = None
+        if after is not None and _names(after, gpu.uri):
             with contextlib.suppress(ValueError, TypeError):
-                return _reading(gpu, after)
-        return _reading(gpu, await self.client.get(gpu.uri))
+                answered = _reading(gpu, after)
+        if answered is not None and answered.cap_w >= watts - CAP_TOLERANCE_W:
+            return answered
+        got = _reading(gpu, await self.client.get(gpu.uri))
+        if answered is not None and answered.cap_w > got.cap_w:
+            # An answer below what was asked may show the resource before the change (a
+            # BMC that applies after it answers): the higher of the two is acked, never a
+            # limit lower than one the BMC may enforce.
+            return dataclasses.replace(got, cap_w=answered.cap_w)
+        return got
 
     def _sample_all(self) -> _Sample:
         at = time.monotonic()
@@ -485,9 +500,16 @@ def _limit_bounds(limit: object) -> tuple[float, float, float] | None:
     if not 0 < lo <= hi <= MAX_SANE_WATTS:  # the wire's bounds (False for NaN)
         return None
     default = limit.get("DefaultSetPoint")
-    if not isinstance(default, int | float) or isinstance(default, bool):
-        default = hi
+    if not isinstance(default, int | float) or isinstance(default, bool) or math.isnan(default):
+        default = hi  # NaN would pass the clamp below, and the wire refuses it
     return lo, hi, min(max(float(default), lo), hi)
+
+
+def _names(doc: Json, uri: str) -> bool:
+    """Whether a document says it is the resource at `uri` (an answer for another resource,
+    or one that names none, says nothing of this one's limit)."""
+    named = doc.get("@odata.id")
+    return isinstance(named, str) and named.rstrip("/") == uri.rstrip("/")
 
 
 def _link(doc: Json, name: str) -> str | None:
@@ -498,10 +520,23 @@ def _link(doc: Json, name: str) -> str | None:
 
 
 def _members(collection: Json) -> list[str]:
+    """A collection's member links, each once, at most MAX_MEMBERS of them: every one is a
+    request, and a BMC listing thousands would have discovery run past its bound each time
+    (never steering the GPUs it does have) and hold a discovery slot while it does."""
     members = collection.get("Members")
     if not isinstance(members, list):
         return []
-    return [str(m["@odata.id"]) for m in members if isinstance(m, dict) and "@odata.id" in m]
+    links = dict.fromkeys(
+        str(m["@odata.id"]) for m in members if isinstance(m, dict) and "@odata.id" in m
+    )
+    if len(links) > MAX_MEMBERS:
+        log.warning(
+            "bmc_collection_truncated",
+            collection=str(collection.get("@odata.id", ""))[:200],
+            members=len(links),
+            read=MAX_MEMBERS,
+        )
+    return list(links)[:MAX_MEMBERS]
 
 
 def _gpu_uuid(node_id: str, system_id: str, proc: Json) -> str:

@@ -202,10 +202,11 @@ class RedfishClient:
     async def _send(
         self, method: str, path: str, *, json: Json | None, retry: bool, authed: bool
     ) -> httpx.Response:
-        if not path.startswith("/") or path.startswith("//"):
+        if not path.startswith("/") or path.startswith("//") or not path.isprintable():
             # Paths come from the BMC's own documents (`@odata.id`); an absolute or
             # scheme-relative URL would be sent to its host with our credentials (and BMCs
-            # often share a password).
+            # often share a password). One with a control character is no URL at all
+            # (httpx raises InvalidURL, no HTTPError, which would end the node's thread).
             raise RedfishError(f"{method} {path[:200]!r}: not a path on the BMC")
         attempts = 1 + (self.retries if retry else 0)
         for attempt in range(attempts):
@@ -219,7 +220,12 @@ class RedfishClient:
             started = time.monotonic()
             answered = False
             try:
-                request = self._client.build_request(method, path, json=json, headers=headers)
+                try:
+                    request = self._client.build_request(method, path, json=json, headers=headers)
+                except httpx.InvalidURL as exc:  # not an HTTPError: caught nowhere above
+                    raise RedfishError(
+                        f"{method} {path[:200]!r}: not a path on the BMC ({exc})"
+                    ) from None
                 r = await self._client.send(request, auth=auth, stream=True)
                 try:
                     await _read_bounded(r, f"{method} {path}")
