@@ -20,6 +20,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from powerd.controller.meters import MeterView
 from powerd.metrics import ControllerMetrics, GpuSnapshot, Leadership, exposition
 from powerd.node_metrics import AgentMetrics
 from powerd.wire import GpuTelemetry
@@ -100,6 +101,12 @@ def exported() -> dict[str, set[str]]:
         "update_leadership",
         leadership=Leadership("site", "c1", True, 3, "c1", 1, 1, 0, 0, 0),
     )
+    meter = MeterView(
+        group="r1", state="fresh", reading_w=9000.0, age_s=1.0, nodes_w=8800.0, gap_w=200.0,
+        bound_w=500.0, overhead_w=400.0, overhead_learned_w=600.0, overhead_error_w=20.0,
+        readings=9, error=None, overhead_unseen_w=200.0,
+    )  # fmt: skip
+    call(c, "update_meters", views=[meter], rejected={("r1", "nan"): 1})
     agent_reg = CollectorRegistry()
     a = AgentMetrics(agent_reg, "a")
     gpu = {"name": "H100", "min_cap_w": 200.0, "max_cap_w": 700.0, "default_cap_w": 700.0}
