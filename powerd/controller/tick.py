@@ -633,13 +633,18 @@ class TickEngine:
             rating = self.overload.ratings_w(budget_w)
             over &= ~((self.overload.pct > 0) & (plan.group_committed_w <= rating + 1e-6))
         self._alarm_kept_limits(plan)
-        refusing = np.flatnonzero(seen.held)
-        self._alarm(
+        refusing = [seen.arrays.uuids[i] for i in np.flatnonzero(seen.held).tolist()]
+        # With the GPUs as its subjects: a GPU that starts refusing later is named (the
+        # alarm is raised anew, logged and stored), not left out of a message kept as it was.
+        self.alarms.set(
             "caps_refused",
             None
-            if not len(refusing)
-            else "GPUs refuse their caps (others cut to make room): "
-            + ", ".join(seen.arrays.uuids[i] for i in refusing[:5].tolist()),
+            if not refusing
+            else f"{len(refusing)} GPU(s) refuse their caps (others cut to make room): "
+            + ", ".join(refusing[:5])
+            + (", ..." if len(refusing) > 5 else ""),
+            self._wall,
+            subjects=tuple(refusing),
         )
         self._alarm(
             "budget_over",
