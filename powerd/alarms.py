@@ -54,9 +54,9 @@ class Alarms:
     ) -> None:
         """Raise (message) or clear (None) an alarm; a change only when it was not already so.
 
-        With `subjects` (what the alarm names, e.g. GPUs), an active alarm's message follows
-        the latest, and a change of its subjects clears it and raises it anew, so the store
-        keeps each set of them with its own times (`data` goes with each raise)."""
+        An active alarm's message follows the latest. With `subjects` (what the alarm names,
+        e.g. GPUs), a change of them clears it and raises it anew, so the store keeps each
+        set of them with its own times (`data` goes with each raise)."""
         active = kind in self.active
         if message is not None and active and subjects is not None:
             self.active[kind] = message
@@ -67,6 +67,11 @@ class Alarms:
                 # Just after the clear: the store clears only what was raised at or before it.
                 again = math.nextafter(ts, math.inf)
                 self._changes.append(AlarmChange(again, kind, message, data=data))
+        elif message is not None and active:
+            # No subjects: the active alarm says what is true now (`powerd status`, the
+            # API), while the store keeps the raise as it was; give `subjects` where a
+            # change of what it names must be logged and stored.
+            self.active[kind] = message
         elif message is not None and not active:
             self.active[kind] = message
             if subjects is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from support.honest import NODES, HonestNode, policy_dict
 
+from powerd.alarms import Alarms
 from powerd.controller.tick import TickEngine
 from powerd.policy import parse_policy
 from powerd.wire import AckError, CapAck, GpuAck
@@ -56,3 +57,14 @@ def test_a_gpu_refusing_after_the_alarm_was_raised_is_named() -> None:
     assert first in seen[0]
     assert first in seen[-1] and later in seen[-1]
     assert seen[-1].startswith("2 GPU(s) refuse their caps")
+
+
+def test_an_active_alarm_without_subjects_says_what_is_true_now() -> None:
+    """The class of the fault above: an alarm raised without subjects whose message changes
+    (budget_over naming other groups) kept its first text for as long as it was active."""
+    alarms = Alarms()
+    alarms.set("budget_over", "committed caps above budget at r1", 1.0)
+    alarms.set("budget_over", "committed caps above budget at r1, r2", 2.0)
+    assert alarms.active["budget_over"] == "committed caps above budget at r1, r2"
+    alarms.set("budget_over", None, 3.0)
+    assert "budget_over" not in alarms.active

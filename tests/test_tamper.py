@@ -326,10 +326,11 @@ def test_an_alarm_with_subjects_follows_them() -> None:
         (pytest.approx(3.0), "a and b", {"n": 2}),
         (4.0, None, None),
     ]
-    # Without subjects, as before: the first message stands while the alarm is active.
+    # Without subjects the live message follows too; the store keeps the raise as it was.
     alarms.set("j", "first", 1.0)
     alarms.set("j", "second", 2.0)
-    assert alarms.active["j"] == "first"
+    assert alarms.active["j"] == "second"
+    assert [c.message for c in alarms.take()] == ["first"]
 
 
 def test_a_node_flapping_a_limit_every_message_changes_the_alarm_at_most_every_hold() -> None:
