@@ -48,8 +48,8 @@ STAGES = [
     ("  4 safe plan", "powerd.controller.tick", "TickEngine", "_plan"),
     ("  alarms on the plan", "powerd.controller.tick", "TickEngine", "_alarm_plan"),
     ("  5 report", "powerd.controller.tick", "TickEngine", "_report"),
-    ("agents: apply commands", "powerd.sim.agents", "SimAgents", "apply"),
-    ("engine: take acks", "powerd.controller.tick", "TickEngine", "on_fleet_acked"),
+    ("agents: apply commands", "powerd.sim.agents", "SimAgents", "apply_plan"),
+    ("engine: take acks", "powerd.controller.tick", "TickEngine", "on_plan_acked"),
     ("GPU model and accounting (advance)", "powerd.sim.run", "_Run", "advance"),
 ]
 

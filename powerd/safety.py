@@ -188,6 +188,23 @@ class SafePlan:
     group_settling: BoolArray
     waiting_nodes: tuple[str, ...]  # live nodes not sent to: a GPU's cap in force is unknown
     events: tuple[SafetyEvent, ...] = field(default=())
+    # The GPUs `sent_w` and the per-GPU arrays are indexed by (the planner's at planning).
+    layout: GpuLayout | None = None
+
+    def acks(self, enforced_w: FloatArray) -> list[tuple[str, int, AckedCaps]]:
+        """Every command obeyed, as the acks of each (node, tick, its GPUs) would say:
+        `enforced_w` per GPU of `layout`, the limit read back where a command went."""
+        layout = self.layout
+        assert layout is not None
+        index = {u: i for i, u in enumerate(layout.uuids)}
+        out = []
+        for cmd in self.commands:
+            uuids = list(cmd.caps_w)
+            enforced: list[float | None] = [float(enforced_w[index[u]]) for u in uuids]
+            requested = list(cmd.caps_w.values())
+            acked = AckedCaps(uuids, requested, enforced, [None] * len(uuids), True)
+            out.append((cmd.node, cmd.tick, acked))
+        return out
 
 
 class _Rows(NamedTuple):
@@ -496,10 +513,39 @@ class SafetyPlanner:
         """Obeyed acks' rows as one block (as `on_ack` queues each); the lists are emptied."""
         if not idx:
             return
-        gpu = np.concatenate(idx)
+        self._queue_obeyed(
+            np.concatenate(idx),
+            np.array(enforced, dtype=np.float64),
+            np.repeat(np.array(ticks, dtype=np.int64), counts),
+        )
+        idx.clear()
+        enforced.clear()
+        ticks.clear()
+        counts.clear()
+
+    def on_plan_acked(self, plan: SafePlan, enforced_w: FloatArray) -> None:
+        """Every command of `plan` obeyed, `enforced_w` per GPU of its layout the limit read
+        back where a command went: the same as `on_fleet_acks(plan.acks(enforced_w))`, queued
+        as one block without a list of values per node."""
+        if plan.layout is None or plan.layout is not self.layout:
+            self.on_fleet_acks(plan.acks(enforced_w))
+            return
+        tick = plan.tick
+        last, index, node_gpus = self._last_ack, self._node_index, self._node_gpus
+        idx = []
+        for cmd in plan.commands:
+            node = cmd.node
+            if tick <= last.get(node, -1):
+                continue  # an ack older than what we know
+            last[node] = tick
+            idx.append(node_gpus[index[node]])
+        if idx:
+            gpu = np.concatenate(idx)
+            self._queue_obeyed(gpu, enforced_w[gpu], np.full(len(gpu), tick, dtype=np.int64))
+
+    def _queue_obeyed(self, gpu: IntArray, obeyed: FloatArray, tick: IntArray) -> None:
+        """Obeyed acks' rows (per row its GPU, the limit enforced, the tick acknowledged)."""
         n = len(gpu)
-        obeyed = np.array(enforced, dtype=np.float64)
-        tick = np.repeat(np.array(ticks, dtype=np.int64), counts)
         self._queue_block(
             _Rows(
                 gpu,
@@ -513,10 +559,6 @@ class SafetyPlanner:
                 None,
             )
         )
-        idx.clear()
-        enforced.clear()
-        ticks.clear()
-        counts.clear()
 
     def _fleet_rows(
         self, nodes: Sequence[str], uuids: Sequence[Sequence[str]]
@@ -1025,6 +1067,7 @@ class SafetyPlanner:
             group_settling=settling,
             waiting_nodes=tuple(self._node_names[k] for k in np.flatnonzero(waiting)),
             events=events,
+            layout=layout,
         )
 
     def _keep_room(

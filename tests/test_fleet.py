@@ -214,6 +214,7 @@ def test_a_whole_fleets_samples_at_once_are_recorded_as_each_in_turn() -> None:
     for r in samples:
         each.ingest(r, now=2.0)
     _same_arrays(one, each, now=2.0)
+    assert one.nodes == each.nodes  # each node's record: when, which sample, its state
     assert one.arrays(2.0, stale_after_s=5.0).power_w.tolist() == [250.0, 250.0, 350.0, 350.0]
     assert one.nodes[n1].seq == 1
     # Not in their slots' order, or a GPU in dispute: nothing recorded, each in turn instead.

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from powerd.backends.base import GpuLost, InvalidArgument, NoPermission, UnknownGpu
 from powerd.backends.mock import (
@@ -17,6 +20,9 @@ from powerd.backends.mock import (
     Pattern,
     SimulatedGpus,
     Workload,
+    _all_edges,
+    _edge_series,
+    _edges,
 )
 from powerd.clock import ManualClock
 
@@ -293,3 +299,65 @@ def test_held_sampling_would_miss_what_integration_counts() -> None:
         f = SimulatedGpus(1, job, spec=MockGpuSpec(noise_frac=0.0), start_s=start)
         f.advance(60.0)
         assert f.energy_j[0] / 60.0 == pytest.approx(0.75 * 680 + 0.25 * 300, abs=1.3)
+
+
+_times = st.floats(-50.0, 5000.0, allow_nan=False)
+
+
+@st.composite
+def _workload(draw: st.DrawFn) -> Workload:
+    """A training job or an inference service with every kind of edge, at any phase."""
+    phase = draw(st.floats(0.0, 100.0))
+    if draw(st.booleans()):
+        start = draw(_times)
+        return replace(
+            Workload.of(Pattern.TRAINING),
+            period_s=draw(st.floats(0.3, 30.0)),
+            duty=draw(st.sampled_from([0.0, 0.3, 0.7, 1.0])),
+            phase_s=phase,
+            ckpt_every_s=draw(st.sampled_from([0.0, 7.0, 600.0])),
+            ckpt_s=draw(st.floats(0.5, 5.0)),
+            ckpt_phase_s=draw(st.floats(0.0, 50.0)),
+            runs=((start, start + draw(st.floats(0.0, 100.0))),),
+        )
+    return replace(
+        Workload.of(Pattern.INFERENCE),
+        phase_s=phase,
+        burst_w=draw(st.sampled_from([0.0, 80.0])),
+        burst_prob=draw(st.sampled_from([0.0, 0.2])),
+        burst_slot_s=draw(st.floats(0.2, 10.0)),
+        surge_w=draw(st.sampled_from([0.0, 120.0])),
+        surge_prob=draw(st.sampled_from([0.0, 0.1])),
+        surge_slot_s=draw(st.floats(1.0, 120.0)),
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_workload(), max_size=6), _times, st.floats(0.0, 30.0))
+def test_every_workloads_edges_at_once_are_each_ones_edges(
+    workloads: list[Workload], t0: float, dt: float
+) -> None:
+    """The model's step cuts at `_all_edges`: for all workloads at once, exactly the times
+    (to the bit) that walking each workload's `_edges` finds."""
+    t1 = t0 + dt
+    walked = sorted({x for w in workloads for x in _edges(w, t0, t1)})
+    assert _all_edges(*_edge_series(workloads), t0, t1).tolist() == walked
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(_workload(), min_size=1, max_size=5),
+    _times,
+    st.lists(st.floats(0.01, 12.0), min_size=1, max_size=40),
+)
+def test_steps_that_skip_looking_for_edges_miss_none(
+    workloads: list[Workload], t0: float, steps: list[float]
+) -> None:
+    """Step after step, the model finds each step's edges (`_edges_within`, which skips
+    looking until the next edge it knows of) exactly as looking every time does."""
+    model = SimulatedGpus(len(workloads), workloads)
+    series = _edge_series([w for w in workloads if w.pattern is not Pattern.STEADY])
+    t = t0
+    for dt in steps:
+        assert model._edges_within(t, t + dt).tolist() == _all_edges(*series, t, t + dt).tolist()
+        t += dt

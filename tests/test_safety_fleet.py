@@ -121,3 +121,60 @@ def test_fleet_telemetry_from_nodes_the_planner_does_not_know_is_refused() -> No
     assert planner.on_fleet_telemetry(["n0", "n1"], [["g0-0"], ["g1-0"]], [200, 300], 0, [1, 1])
     planner.assume_settled()
     assert planner.committed_w().tolist() == [200.0, 300.0]
+
+
+# One round: targets for every GPU, the enforced limit's offset from each cap sent (a
+# device clamps), and whether an older ack of one node arrives first.
+_round = st.tuples(
+    st.lists(st.floats(100.0, 400.0), min_size=8, max_size=8),
+    st.lists(st.sampled_from([0.0, 0.0, -10.0, 5.0]), min_size=8, max_size=8),
+    st.booleans(),
+)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_round, min_size=1, max_size=6), st.booleans())
+def test_a_plan_acknowledged_as_one_block_leaves_the_planner_as_its_acks_do(
+    rounds: list[tuple[list[float], list[float], bool]], settled: bool
+) -> None:
+    """`on_plan_acked(plan, enforced)` (the simulator's agents) = `on_fleet_acks` of the
+    acks each command gets (`plan.acks`), even after a newer ack of a node came first."""
+    policy, layout = simple_fleet(NODES, facility=2400.0)
+    one, block = SafetyPlanner(policy, layout), SafetyPlanner(policy, layout)
+    uuids = _node_uuids(layout)
+    for p in (one, block):
+        p.on_fleet_telemetry(list(uuids), list(uuids.values()), [250.0] * 8, 0.0, [None] * 4)
+        if settled:
+            p.assume_settled()
+    for step, (targets, offsets, late) in enumerate(rounds):
+        tick = 200 * (step + 1)
+        now = float(step)
+        plans = [p.plan(tick, now, np.array(targets)) for p in (one, block)]
+        assert repr(plans[0].sent_w.tolist()) == repr(plans[1].sent_w.tolist())
+        assert len(plans[0].commands) == len(NODES)  # every node heard: every node sent to
+        if late and plans[0].commands:
+            # A newer tick's ack of the first node commanded: this plan's ack of it is old.
+            node = plans[0].commands[0].node
+            for p, plan in zip((one, block), plans, strict=True):
+                p.on_fleet_acks(plan.acks(plan.sent_w)[:1])
+                p.on_fleet_acks([(node, tick + 1, plan.acks(plan.sent_w)[0][2])])
+        for p, plan in zip((one, block), plans, strict=True):
+            enforced = plan.sent_w + np.array(offsets)
+            if p is one:
+                p.on_fleet_acks(plan.acks(enforced))
+            else:
+                p.on_plan_acked(plan, enforced)
+        assert _state(one, 100 + tick, now) == _state(block, 100 + tick, now)
+
+
+def test_a_plan_of_another_layout_is_acknowledged_command_by_command() -> None:
+    policy, layout = simple_fleet([1, 1])
+    planner = SafetyPlanner(policy, layout)
+    planner.on_fleet_telemetry(["n0", "n1"], [["g0-0"], ["g1-0"]], [250, 250], 0.0, [None] * 2)
+    planner.assume_settled()
+    plan = planner.plan(1, 0.0, np.array([200.0, 300.0]))
+    assert [c.node for c in plan.commands] == ["n0", "n1"]
+    _, other = simple_fleet([1, 1])
+    planner.set_layout(other)  # the same GPUs, another layout object
+    planner.on_plan_acked(plan, np.array([180.0, 300.0]))
+    assert planner.committed_w().tolist() == [180.0, 300.0]

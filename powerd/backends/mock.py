@@ -245,6 +245,69 @@ def _edges(w: Workload, t0: float, t1: float) -> list[float]:
     return sorted(set(out))
 
 
+_NO_EDGES = np.zeros(0)
+
+
+def _edge_series(workloads: Sequence[Workload]) -> tuple[FloatArray, FloatArray, FloatArray]:
+    """What `_edges` of each workload walks, for `_all_edges`: its periodic edges as
+    (periods, origins), one pair per series, and its fixed ones (a job's runs)."""
+    periods: list[float] = []
+    origins: list[float] = []
+    fixed: list[float] = []
+
+    def series(period: float, origin: float) -> None:
+        periods.append(period)
+        origins.append(origin)
+
+    for w in workloads:
+        if w.pattern is Pattern.TRAINING:
+            if 0.0 < w.duty < 1.0 and w.low_w != w.high_w:
+                series(w.period_s, -w.phase_s)
+                series(w.period_s, w.duty * w.period_s - w.phase_s)
+            if w.ckpt_every_s > 0.0:
+                series(w.ckpt_every_s, -w.ckpt_phase_s)
+                series(w.ckpt_every_s, w.ckpt_s - w.ckpt_phase_s)
+            fixed.extend(x for run in w.runs for x in run)
+        else:
+            if w.burst_prob > 0.0 and w.burst_w != 0.0:
+                series(w.burst_slot_s, -w.phase_s)
+            if w.surge_prob > 0.0 and w.surge_w != 0.0:
+                series(w.surge_slot_s, -w.phase_s)
+    return (
+        np.array(periods, dtype=np.float64),
+        np.array(origins, dtype=np.float64),
+        np.array(fixed, dtype=np.float64),
+    )
+
+
+def _all_edges(
+    periods: FloatArray, origins: FloatArray, fixed: FloatArray, t0: float, t1: float
+) -> FloatArray:
+    """`sorted({x for w in workloads for x in _edges(w, t0, t1)})` of the workloads
+    `_edge_series` took apart, as an array: the same times, computed as `_periodic` does
+    (origin + n·period from n = floor((t0 - origin) / period)), for every series at once."""
+    out = fixed[(fixed > t0) & (fixed < t1)]
+    if periods.size:
+        first = np.floor((t0 - origins) / periods)
+        # Enough steps for the shortest period to pass t1 from at or below t0.
+        k = int(np.ceil((t1 - t0) / periods.min())) + 3
+        x = origins[:, None] + (first[:, None] + np.arange(k, dtype=np.float64)) * periods[:, None]
+        out = np.concatenate((out, x[(x > t0) & (x < t1)]))
+    return np.unique(out)
+
+
+def _next_edge(periods: FloatArray, origins: FloatArray, fixed: FloatArray, t: float) -> float:
+    """The first time after `t` at which any of the series `_edge_series` took apart has an
+    edge (the same float `_all_edges` would give), inf where none ever does."""
+    later = fixed[fixed > t]
+    best = float(later.min()) if later.size else math.inf
+    if periods.size:
+        first = np.floor((t - origins) / periods)
+        x = origins[:, None] + (first[:, None] + np.arange(4, dtype=np.float64)) * periods[:, None]
+        best = min(best, float(x.min(initial=math.inf, where=x > t)))
+    return best
+
+
 def _intern(items: list[T], item: T) -> int:
     """Index of `item` in `items` by identity, appending it if new (profiles hold arrays)."""
     for k, existing in enumerate(items):
@@ -419,6 +482,9 @@ class SimulatedGpus:
             (np.array(gpus, dtype=np.int64), self._workloads[w]) for w, gpus in grouped.items()
         ]
         self._run_groups = [(g, w) for g, w in self._groups if w.runs]
+        self._edge_series = _edge_series([w for _, w in self._groups])
+        # (t, e): no edge in (t, e) (`_edges_within`); none known yet.
+        self._no_edge = (math.inf, -math.inf)
         self._surge_groups = [
             (g, w) for g, w in self._groups if w.surge_prob > 0.0 and w.surge_w != 0.0
         ]
@@ -528,11 +594,11 @@ class SimulatedGpus:
         lagged = target + gap * decay
         mean_target = target.copy()  # per GPU, over the step (for the temperature)
         g = self._group_gpus
-        edges = sorted({x for _, w in self._groups for x in _edges(w, t0, t1)})
+        edges = self._edges_within(t0, t1)
         pieces = None
-        if edges:
+        if edges.size:
             # Every job and service at once, cut at every edge of any of them.
-            bounds = np.array([t0, *edges, t1])
+            bounds = np.concatenate(([t0], edges, [t1]))
             lo, hi = bounds[:-1], bounds[1:]
             length = hi - lo
             grid, works = self._grid(0.5 * (lo + hi))
@@ -569,6 +635,16 @@ class SimulatedGpus:
         self.step_throughput = self.throughput()
         if pieces is not None:
             self.step_throughput[g] = pieces
+
+    def _edges_within(self, t0: float, t1: float) -> FloatArray:
+        """`_all_edges` of the jobs and services in (t0, t1): none, without looking, while
+        the step ends before the first edge after the last step that looked (most steps)."""
+        after, until = self._no_edge
+        if after <= t0 and t1 <= until:
+            return _NO_EDGES
+        edges = _all_edges(*self._edge_series, t0, t1)
+        self._no_edge = (t1, _next_edge(*self._edge_series, t1))
+        return edges
 
     def advance_to(self, t: float) -> None:
         self.advance(t - self.t)

@@ -29,6 +29,8 @@ FloatArray = NDArray[np.float64]
 BoolArray = NDArray[np.bool_]
 IntArray = NDArray[np.int64]
 T = TypeVar("T")
+# A node state by its value (a sample's `state`), without the enum's lookup per node.
+_STATES: dict[str, NodeState] = {s.value: s for s in NodeState}
 
 
 @overload
@@ -501,6 +503,24 @@ class FleetState:
         node.state = NodeState(r.state)
         return node
 
+    def _heard_all(self, samples: Sequence[NodeReadings], now: float) -> None:
+        """`_heard(r, now).refused = 0` of each sample in turn, without a call per node."""
+        nodes, offline = self.nodes, NodeState.OFFLINE
+        for r in samples:
+            node = nodes.get(r.node_id)
+            if node is None:
+                node = self.node(r.node_id)
+            if node.state is offline and node.status_caps_w:  # `stopped`
+                self.stops += 1
+            node.seen_at = now
+            node.seq = r.seq
+            node.agent_ts = r.ts
+            node.tick = r.tick
+            node.status_newer = False
+            state = _STATES.get(r.state)
+            node.state = NodeState(r.state) if state is None else state
+            node.refused = 0
+
     def ingest_fleet(
         self, samples: Sequence[NodeReadings], whole: NodeReadings, now: float
     ) -> bool:
@@ -526,8 +546,7 @@ class FleetState:
         if b - a != len(whole.uuid):
             return False
         cols = self._cols
-        for r in samples:
-            self._heard(r, now).refused = 0
+        self._heard_all(samples, now)
         if cols.index[a:b] != whole.index or cols.job[a:b] != whole.job:
             # As `ingest` counts them: one change a node.
             for r in samples:

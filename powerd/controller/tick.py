@@ -287,6 +287,23 @@ class TickEngine:
         self.fleet.acks_heard([node for node, _, _ in acks])
         self.planner.on_fleet_acks(acks)
 
+    def on_plan_acked(self, plan: SafePlan, enforced_w: FloatArray) -> None:
+        """Every command of `plan` obeyed (epoch 0, no authority, as the simulator's agents
+        acknowledge), `enforced_w` per GPU of the plan's layout the limit read back where a
+        command went: the same as `on_fleet_acked(plan.acks(enforced_w))`, without the
+        per-node columns of each ack."""
+        ob, order = self.obedience, self.fleet.node_order
+        if ob.foreign or ob.ahead or ob.epoch != 0 or plan.layout is not self.planner.layout:
+            self.on_fleet_acked(plan.acks(enforced_w))
+            return
+        acks = [(cmd.node, cmd.tick, None) for cmd in plan.commands]
+        if any(node not in order for node, _, _ in acks):
+            self.on_fleet_acked(plan.acks(enforced_w))
+            return
+        ob.seen_acks(acks, 0)
+        self.fleet.acks_heard([node for node, _, _ in acks])
+        self.planner.on_plan_acked(plan, enforced_w)
+
     def on_status(self, node: str, status: NodeStatus) -> bool:
         if node not in self.fleet.node_order:
             return False

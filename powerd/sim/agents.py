@@ -24,7 +24,7 @@ from numpy.typing import NDArray
 
 from powerd.backends.mock import SimulatedGpus
 from powerd.controller.fleet import NodeReadings
-from powerd.safety import AckedCaps, NodeCommand
+from powerd.safety import AckedCaps, GpuLayout, NodeCommand, SafePlan
 from powerd.wire import MAX_SANE_WATTS, NodeTelemetry
 
 FloatArray = NDArray[np.float64]
@@ -65,6 +65,9 @@ class SimAgents:
         self.applied: dict[str, int | None] = dict.fromkeys(names)
         self._none_for: dict[int, list[object]] = {}
         self._positions: dict[str, tuple[list[str], IntArray]] = {}
+        # The last plan layout's GPUs' positions in the model (`apply_plan`).
+        self._layout: GpuLayout | None = None
+        self._layout_pos: IntArray = np.zeros(0, dtype=np.int64)
         # Per node, its sample as columns: the identity and what never changes set here,
         # the readings replaced by `readings` (the constant columns are shared, never written);
         # last, the whole fleet's, the nodes' columns end to end (`fleet_readings`).
@@ -230,6 +233,46 @@ class SimAgents:
                 none = self._none_for[b - a] = [None] * (b - a)
             out.append((cmd, AckedCaps(node_uuids, node_req, enforced[a:b], none, True)))
             a = b
+        return out
+
+    def apply_plan(self, plan: SafePlan) -> FloatArray:
+        """`apply(plan.commands)` with the plan's caps as columns: every command's caps
+        (`plan.sent_w`, per GPU of the plan's layout) clamped to the device and set at once.
+        Returns the limit each GPU enforces where a command went (NaN elsewhere), per GPU
+        of the layout, for `TickEngine.on_plan_acked`: what the acks would say."""
+        layout = plan.layout
+        assert layout is not None
+        out = np.full(layout.n_gpus, np.nan)
+        if not plan.commands:
+            return out
+        m = self.model
+        if self._layout is not layout:
+            pos = self.position
+            self._layout = layout
+            self._layout_pos = np.fromiter(
+                (pos[u] for u in layout.uuids), dtype=np.int64, count=layout.n_gpus
+            )
+        sent = plan.sent_w
+        gpu = np.flatnonzero(~np.isnan(sent))
+        req = sent[gpu]
+        # The wire's bounds on a requested cap (GpuAck.requested_w): a command out of them
+        # would be refused by an agent's transport (a NaN cap, too: then the commands name
+        # more GPUs than `sent_w` holds).
+        if (
+            len(gpu) != sum(len(cmd.caps_w) for cmd in plan.commands)
+            or not ((req >= 0.0) & (req <= MAX_SANE_WATTS)).all()
+        ):
+            raise ValueError("simulated agents: a command's cap is out of the wire's bounds")
+        idx = self._layout_pos[gpu]
+        target = np.clip(req, m.min_cap_w[idx], m.max_cap_w[idx])
+        # SimulatedGpus.set_cap for many GPUs at once.
+        m.requested_cap_w[idx] = target
+        enforced = np.minimum(target, m.override_w[idx])
+        m.cap_w[idx] = enforced
+        out[gpu] = enforced
+        applied, tick = self.applied, plan.tick
+        for cmd in plan.commands:
+            applied[cmd.node] = tick
         return out
 
 

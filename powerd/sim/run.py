@@ -281,9 +281,7 @@ class _Run:
                 self.trace(report, plan)
             self.statuses[report.status] = self.statuses.get(report.status, 0) + 1
             self.solve_ms.append(report.solve_ms)
-            engine.on_fleet_acked(
-                [(cmd.node, cmd.tick, acked) for cmd, acked in agents.apply(plan.commands)]
-            )
+            engine.on_plan_acked(plan, agents.apply_plan(plan))
             # Committed caps once the tick's commands are acknowledged: above a budget (or
             # a rated group's limit) would be a planner bug.
             layout = engine.planner.layout
