@@ -228,3 +228,12 @@ def test_breakers_start_warm_from_the_first_draw() -> None:
     r = np.array([1.2, 1.1])
     # A site already running at 120 % of a rating trips at once; at 110 % it never does.
     assert b.tripped(b.heat(b.start_heat(r), r, 1.0), r).tolist() == [True, False]
+
+
+def test_a_gain_against_a_baseline_that_delivered_almost_nothing_is_a_multiple() -> None:
+    from powerd.sim.report import _gain
+
+    assert _gain(145.0, 100.0) == "+45%"
+    assert _gain(90.0, 100.0) == "-10%"
+    assert _gain(295.26, 1.0) == "295× the"  # not "+29426%"
+    assert _gain(1.0, 0.0) == "-"

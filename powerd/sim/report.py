@@ -259,7 +259,12 @@ def header(report: Report) -> list[str]:
 
 
 def _gain(a: float, b: float) -> str:
-    return f"{a / b - 1:+.0%}" if b > 0 else "-"
+    """`a` against `b` as a change (+45%), or as a multiple from 3× up (a baseline that
+    tripped and delivered almost nothing is "295× the", not "+29426%")."""
+    if not b > 0:
+        return "-"
+    ratio = a / b
+    return f"{ratio:,.0f}× the" if ratio >= 3 else f"{ratio - 1:+.0%}"
 
 
 def _energy(j: float) -> str:
