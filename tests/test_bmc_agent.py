@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support.bmc import scripted_client
 
 from powerd.agent.agent import Agent
 from powerd.backends.base import BackendError, NoPermission
@@ -704,15 +705,7 @@ def test_an_enormous_answer_is_refused_before_it_is_read_whole() -> None:
         return httpx.Response(200, content=chunks())
 
     async def go() -> None:
-        client = RedfishClient(
-            "https://bmc.example",
-            "admin",
-            "pw",
-            trust=BmcTrust(),
-            auth="basic",
-            retries=0,
-            transport=httpx.MockTransport(handler),
-        )
+        client = scripted_client(handler)
         with pytest.raises(RedfishError, match="larger than"):
             await client.get("/redfish/v1")
         await client.close()
@@ -737,15 +730,7 @@ def test_a_redirect_is_an_error_and_is_not_followed() -> None:
         )
 
     async def go() -> None:
-        client = RedfishClient(
-            "https://bmc.example",
-            "admin",
-            "pw",
-            trust=BmcTrust(),
-            auth="basic",
-            retries=0,
-            transport=httpx.MockTransport(handler),
-        )
+        client = scripted_client(handler)
         with pytest.raises(RedfishError, match="HTTP 302"):
             await client.get("/redfish/v1")
         with pytest.raises(RedfishError, match="HTTP 302"):
@@ -765,15 +750,7 @@ def test_a_deeply_nested_answer_is_not_json_to_us() -> None:
         return httpx.Response(200, content=b"[" * 200_000 + b"]" * 200_000)
 
     async def go() -> None:
-        client = RedfishClient(
-            "https://bmc.example",
-            "admin",
-            "pw",
-            trust=BmcTrust(),
-            auth="basic",
-            retries=0,
-            transport=httpx.MockTransport(handler),
-        )
+        client = scripted_client(handler)
         with pytest.raises(RedfishError, match="not JSON"):
             await client.get("/redfish/v1")
         await client.close()
@@ -797,15 +774,7 @@ def test_a_link_to_another_host_is_not_followed_with_our_credentials(link: str) 
         return httpx.Response(200, json={})
 
     async def go() -> None:
-        client = RedfishClient(
-            "https://bmc.example",
-            "admin",
-            "pw",
-            trust=BmcTrust(),
-            auth="basic",
-            retries=0,
-            transport=httpx.MockTransport(handler),
-        )
+        client = scripted_client(handler)
         with pytest.raises(RedfishError, match="not a path on the BMC"):
             await client.get(link)
         assert await client.get("/redfish/v1") == {}

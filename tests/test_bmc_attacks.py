@@ -13,6 +13,7 @@ import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.bmc import scripted_client
 
 from powerd.backends.base import BackendError
 from powerd.backends.mock import Workload
@@ -93,15 +94,7 @@ def test_a_link_no_url_can_hold_is_a_redfish_error_not_an_exception() -> None:
         return httpx.Response(200, json={})
 
     async def go() -> None:
-        client = RedfishClient(
-            "https://bmc.example",
-            "admin",
-            "pw",
-            trust=BmcTrust(),
-            auth="basic",
-            retries=0,
-            transport=httpx.MockTransport(handler),
-        )
+        client = scripted_client(handler)
         with pytest.raises(RedfishError, match="not a path"):
             await client.get("/redfish/v1/\tx")
         await client.close()
