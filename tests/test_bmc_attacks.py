@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -49,6 +50,17 @@ def backend_for(server: EmulatorServer, io: IoLoop, ca: TestCa) -> RedfishBacken
         server.url(), "admin", "pw", trust=BmcTrust(ca_file=ca.ca_file), timeout_s=2.0
     )
     return RedfishBackend(NODE, client, io, max_age_s=0.0)
+
+
+@contextmanager
+def serving(bmc: RedfishService, io: IoLoop, ca: TestCa) -> Iterator[RedfishBackend]:
+    """`bmc` served over HTTPS, and a backend for it, closed on the way out."""
+    with EmulatorServer([bmc], ca) as server:
+        backend = backend_for(server, io, ca)
+        try:
+            yield backend
+        finally:
+            backend.close()
 
 
 def truth(bmc: RedfishService) -> list[float]:
@@ -107,29 +119,20 @@ def test_a_member_link_no_url_can_hold_fails_discovery_as_a_backend_error(
     io: IoLoop, ca: TestCa
 ) -> None:
     bmc = controls_bmc(_MemberUnsendable)
-    with EmulatorServer([bmc], ca) as server:
-        backend = backend_for(server, io, ca)
-        try:
-            with pytest.raises(BackendError):
-                backend.discover()
-        finally:
-            backend.close()
+    with serving(bmc, io, ca) as backend, pytest.raises(BackendError):
+        backend.discover()
 
 
 def test_a_control_named_with_an_unsendable_link_is_steered_where_it_was_found(
     io: IoLoop, ca: TestCa
 ) -> None:
     bmc = controls_bmc(_ControlNamedUnsendable)
-    with EmulatorServer([bmc], ca) as server:
-        backend = backend_for(server, io, ca)
-        try:
-            found = backend.discover()
-            assert len(found) == 2
-            assert backend.read(found[0].uuid).cap_w == truth(bmc)[0]
-            assert backend.set_power_limit_w(found[0].uuid, 300.0) == 300.0
-            assert truth(bmc)[0] == 300.0
-        finally:
-            backend.close()
+    with serving(bmc, io, ca) as backend:
+        found = backend.discover()
+        assert len(found) == 2
+        assert backend.read(found[0].uuid).cap_w == truth(bmc)[0]
+        assert backend.set_power_limit_w(found[0].uuid, 300.0) == 300.0
+        assert truth(bmc)[0] == 300.0
 
 
 # -- a Control naming another ----------------------------------------------------------
@@ -150,15 +153,11 @@ def test_a_control_is_steered_at_the_uri_it_was_found_not_the_one_it_names(
     io: IoLoop, ca: TestCa
 ) -> None:
     bmc = controls_bmc(_ControlNamedAsNext)
-    with EmulatorServer([bmc], ca) as server:
-        backend = backend_for(server, io, ca)
-        try:
-            found = backend.discover()
-            acked = backend.set_power_limit_w(found[0].uuid, 300.0)
-            assert truth(bmc) == [300.0, 700.0]
-            assert acked >= truth(bmc)[0]
-        finally:
-            backend.close()
+    with serving(bmc, io, ca) as backend:
+        found = backend.discover()
+        acked = backend.set_power_limit_w(found[0].uuid, 300.0)
+        assert truth(bmc) == [300.0, 700.0]
+        assert acked >= truth(bmc)[0]
 
 
 # -- the PATCH's answer ------------------------------------------------------------------
@@ -187,30 +186,22 @@ def test_an_answer_below_the_set_point_asked_is_not_acked_below_what_is_enforced
     io: IoLoop, ca: TestCa
 ) -> None:
     bmc = controls_bmc(_StaleAnswer)
-    with EmulatorServer([bmc], ca) as server:
-        backend = backend_for(server, io, ca)
-        try:
-            found = backend.discover()
-            cut = backend.set_power_limit_w(found[0].uuid, 300.0)
-            assert cut >= truth(bmc)[0] == 300.0  # the old 700 W: more than enforced, safe
-            raised = backend.set_power_limit_w(found[0].uuid, 600.0)
-            assert truth(bmc)[0] == 600.0
-            assert raised >= 600.0  # the answer's 300 W would have the controller count less
-        finally:
-            backend.close()
+    with serving(bmc, io, ca) as backend:
+        found = backend.discover()
+        cut = backend.set_power_limit_w(found[0].uuid, 300.0)
+        assert cut >= truth(bmc)[0] == 300.0  # the old 700 W: more than enforced, safe
+        raised = backend.set_power_limit_w(found[0].uuid, 600.0)
+        assert truth(bmc)[0] == 600.0
+        assert raised >= 600.0  # the answer's 300 W would have the controller count less
 
 
 def test_an_answer_for_another_resource_is_not_taken_as_the_gpus(io: IoLoop, ca: TestCa) -> None:
     bmc = controls_bmc(_OtherResourceAnswer)
-    with EmulatorServer([bmc], ca) as server:
-        backend = backend_for(server, io, ca)
-        try:
-            found = backend.discover()
-            assert backend.set_power_limit_w(found[1].uuid, 250.0) == 250.0
-            # GPU 0 set to 600: the answer is GPU 1's Control, at 250 W
-            assert backend.set_power_limit_w(found[0].uuid, 600.0) == 600.0 == truth(bmc)[0]
-        finally:
-            backend.close()
+    with serving(bmc, io, ca) as backend:
+        found = backend.discover()
+        assert backend.set_power_limit_w(found[1].uuid, 250.0) == 250.0
+        # GPU 0 set to 600: the answer is GPU 1's Control, at 250 W
+        assert backend.set_power_limit_w(found[0].uuid, 600.0) == 600.0 == truth(bmc)[0]
 
 
 class _OddAnswer(RedfishService):
@@ -240,15 +231,11 @@ def test_an_odd_patch_answer_is_read_back_with_a_get(
     read-back; the GET's is acked."""
     bmc = controls_bmc(_OddAnswer)
     bmc.answer = answer
-    with EmulatorServer([bmc], ca) as server:
-        backend = backend_for(server, io, ca)
-        try:
-            found = backend.discover()
-            before = bmc.requests["GET"]
-            assert backend.set_power_limit_w(found[0].uuid, 450.0) == 450.0 == truth(bmc)[0]
-            assert bmc.requests["GET"] - before == 1
-        finally:
-            backend.close()
+    with serving(bmc, io, ca) as backend:
+        found = backend.discover()
+        before = bmc.requests["GET"]
+        assert backend.set_power_limit_w(found[0].uuid, 450.0) == 450.0 == truth(bmc)[0]
+        assert bmc.requests["GET"] - before == 1
 
 
 class _Vanishing(RedfishService):
@@ -274,20 +261,16 @@ def test_a_control_gone_after_discovery_fails_its_sets_and_reads_as_lost(
     from powerd.backends.base import GpuLost
 
     bmc = controls_bmc(_Vanishing)
-    with EmulatorServer([bmc], ca) as server:
-        backend = backend_for(server, io, ca)
-        try:
-            found = backend.discover()
-            bmc.gone = True
-            with pytest.raises(GpuLost):
-                backend.set_power_limit_w(found[0].uuid, 300.0)
-            results = backend.set_power_limits_w([(g.uuid, 300.0) for g in found])
-            assert all(isinstance(r, GpuLost) for r in results)
-            with pytest.raises(BackendError):
-                backend.read(found[0].uuid)
-            assert truth(bmc) == [700.0, 700.0]
-        finally:
-            backend.close()
+    with serving(bmc, io, ca) as backend:
+        found = backend.discover()
+        bmc.gone = True
+        with pytest.raises(GpuLost):
+            backend.set_power_limit_w(found[0].uuid, 300.0)
+        results = backend.set_power_limits_w([(g.uuid, 300.0) for g in found])
+        assert all(isinstance(r, GpuLost) for r in results)
+        with pytest.raises(BackendError):
+            backend.read(found[0].uuid)
+        assert truth(bmc) == [700.0, 700.0]
 
 
 # -- discovery's numbers -----------------------------------------------------------------
@@ -318,12 +301,8 @@ def test_a_nan_default_is_no_default(io: IoLoop, ca: TestCa) -> None:
     """A NaN default would be in every telemetry message (the wire refuses NaN): the GPU's
     default falls back to its AllowableMax, as when the BMC gives none."""
     bmc = controls_bmc(_DefaultNaN)
-    with EmulatorServer([bmc], ca) as server:
-        backend = backend_for(server, io, ca)
-        try:
-            found = backend.discover()
-        finally:
-            backend.close()
+    with serving(bmc, io, ca) as backend:
+        found = backend.discover()
     assert [g.default_cap_w for g in found] == [g.max_cap_w for g in found]
     for g in found:  # the wire takes it (a NaN would fail every telemetry message)
         GpuTelemetry(
@@ -344,12 +323,8 @@ def test_a_nan_default_is_no_default(io: IoLoop, ca: TestCa) -> None:
 
 def test_controls_with_bounds_that_cannot_hold_are_not_steered(io: IoLoop, ca: TestCa) -> None:
     bmc = controls_bmc(_BadBounds, n=3)
-    with EmulatorServer([bmc], ca) as server:
-        backend = backend_for(server, io, ca)
-        try:
-            found = backend.discover()
-        finally:
-            backend.close()
+    with serving(bmc, io, ca) as backend:
+        found = backend.discover()
     assert [g.uuid for g in found] == [f"GPU-{bmc.processor_uuid(2)}"]
 
 
@@ -376,12 +351,8 @@ def test_a_collection_of_ten_thousand_members_is_read_in_part(io: IoLoop, ca: Te
     from powerd.bmc.backend import MAX_MEMBERS
 
     bmc = controls_bmc(_TenThousandControls)
-    with EmulatorServer([bmc], ca) as server:
-        backend = backend_for(server, io, ca)
-        try:
-            found = backend.discover()
-        finally:
-            backend.close()
+    with serving(bmc, io, ca) as backend:
+        found = backend.discover()
     assert len(found) == 2
     assert bmc.requests["GET"] < 2 * MAX_MEMBERS + 50  # each Control and its Processor
 
@@ -406,12 +377,8 @@ def test_a_control_linking_endless_related_items_costs_a_few_requests(
     """Every RelatedItem was read in turn until a GPU's: 20,000 requests for one Control.
     A few are looked at; past them the Control is a GPU's by its PhysicalContext."""
     bmc = controls_bmc(_EndlessRelated)
-    with EmulatorServer([bmc], ca) as server:
-        backend = backend_for(server, io, ca)
-        try:
-            found = backend.discover()
-        finally:
-            backend.close()
+    with serving(bmc, io, ca) as backend:
+        found = backend.discover()
     assert len(found) == 2
     assert bmc.requests["GET"] < 100
 
