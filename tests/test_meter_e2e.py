@@ -17,14 +17,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from support.e2e import FAILSAFE_W, GPUS, LEASE_S, TICK_S, TOL_W, WAIT_S, Monitor, Procs
+from support.e2e import FAILSAFE_W, GPUS, LEASE_S, TICK_S, TOL_W, E2eSite, Monitor, Procs
 
 from powerd.backends.mock import Workload
 from powerd.policy import load_policy
@@ -86,24 +86,9 @@ def metered_site(pdu: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass
-class MeteredSite:
-    monitor: Monitor
-    procs: Procs
+class MeteredSite(E2eSite):
     pdu: RedfishService
     strict_w: list[float]  # the policy's budgets, group by group
-
-    async def until(self, cond: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + WAIT_S
-        while not cond():
-            self.procs.check_alive()
-            if time.monotonic() > deadline:
-                logs = "\n".join(f"-- {n}\n{self.procs.tail(n)}" for n in self.procs.running)
-                pytest.fail(f"timed out waiting until {what}; {self.monitor.breaches}\n{logs}")
-            await asyncio.sleep(0.05)
-
-    async def ticks(self, n: int) -> None:
-        target = self.monitor.last_tick + n
-        await self.until(lambda: self.monitor.last_tick >= target, f"tick {target}")
 
     def alarms(self, kind: str) -> list[str]:
         log = self.procs.workdir / f"controller.{self.procs.started['controller']}.log"

@@ -12,9 +12,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from powerd.policy import GroupDef, Policy, subtree_totals
 from powerd.testing.synthetic import TRAIN_AND_INFER
@@ -339,3 +343,27 @@ class Procs:
         for proc in self.running.values():
             proc.wait()
         self.running.clear()
+
+
+@dataclass
+class E2eSite:
+    """The watcher and the processes of an end-to-end site, and the waits every test of one
+    needs (a test's own site adds its parts)."""
+
+    monitor: Monitor
+    procs: Procs
+
+    async def until(self, cond: Callable[[], bool], what: str, poll_s: float = 0.02) -> None:
+        """Wait until `cond()`, failing with every process's log tail after WAIT_S, or at
+        once when a process exited."""
+        deadline = time.monotonic() + WAIT_S
+        while not cond():
+            self.procs.check_alive()
+            if time.monotonic() > deadline:
+                logs = "\n".join(f"-- {n}\n{self.procs.tail(n)}" for n in self.procs.running)
+                pytest.fail(f"timed out waiting until {what}; {self.monitor.breaches}\n{logs}")
+            await asyncio.sleep(poll_s)
+
+    async def ticks(self, n: int) -> None:
+        target = self.monitor.last_tick + n
+        await self.until(lambda: self.monitor.last_tick >= target, f"tick {target}")
