@@ -28,7 +28,7 @@ from support.e2e import FAILSAFE_W, GPUS, LEASE_S, TICK_S, TOL_W, E2eSite, Monit
 from powerd.backends.mock import Workload
 from powerd.policy import load_policy
 from powerd.testing.mosquitto import LocalMosquitto
-from powerd.testing.redfish import EmulatorServer, RedfishService, TestCa
+from powerd.testing.redfish import EmulatorServer, Meter, RedfishService, TestCa
 from powerd.testing.synthetic import TRAIN_AND_INFER
 from powerd.wire import NodeState
 
@@ -39,15 +39,25 @@ AGENT_NODE = "rack-2-n2"
 STALE_S = 3 * TICK_S
 
 
+# The rack's PDU is wired to the BMC node only (the agent node's GPUs live in its own
+# process): it reads far below what the nodes report, for good. A meter reading low never
+# loosens anything (docs/safety.md, "Overload"); `meter_disagrees` names the rack.
+PDU_METER = {"poll_s": 0.5, "timeout_s": 0.3, "fresh_s": 3.0, "disagree_w": 300,
+             "disagree_pct": 0, "disagree_for_s": 2.0}  # fmt: skip
+
+
 def bmc_site(
     bmc_node_w: float = 2500,
     *,
     keeps: bool = False,
     dc_w: float = 4000,
     lowest_w: float | None = None,
+    meter: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One rack: a BMC-managed node and an agent node, 4 GPUs (200–700 W) each; the
-    facility's budget binds. `keeps`: the policy declares the BMC node's limits kept."""
+    facility's budget binds. `keeps`: the policy declares the BMC node's limits kept.
+    `meter`: the rack's PDU (`redfish` settings), which measures the BMC node alone."""
+    rack: dict[str, Any] = {} if meter is None else {"meter": {"redfish": meter, **PDU_METER}}
     facility: dict[str, Any] = {} if lowest_w is None else {"lowest_budget_w": lowest_w}
     return {
         "version": 1,
@@ -62,6 +72,7 @@ def bmc_site(
                         {
                             "name": "rack-2",
                             "budget_w": 4400,
+                            **rack,
                             "nodes": [
                                 {
                                     "name": BMC_NODE,
@@ -86,6 +97,7 @@ def bmc_site(
 class BmcSite(E2eSite):
     hgx: RedfishService
     policy_file: Path
+    meter: dict[str, Any]  # the rack PDU's settings, for each policy the test writes
 
     def steered_since(self, node: str, tick: int) -> bool:
         view = self.monitor.nodes[node]
@@ -133,10 +145,20 @@ async def site(
     (tmp_path / "bmc.password").write_text("s3cret\n")
     config = tmp_path / "bmc-agent.toml"
     policy_file = tmp_path / "policy.yaml"
-    policy_file.write_text(yaml.safe_dump(bmc_site(**param)))
-    monitor = Monitor(mosquitto.url, load_policy(policy_file))
+    assert hgx.gpus is not None
+    pdu = RedfishService.pdu(Meter([hgx.gpus], overhead_w=100.0), password="pdu-pw")
+    (tmp_path / "pdu.password").write_text("pdu-pw\n")
     procs = Procs(tmp_path, mosquitto.url)
-    with EmulatorServer([hgx], ca) as server:
+    with EmulatorServer([hgx, pdu], ca) as server:
+        meter = {
+            "url": server.url(1),
+            "pdu": "1",
+            "username": "admin",
+            "password_file": str(tmp_path / "pdu.password"),
+            "ca_file": str(ca.ca_file),
+        }
+        policy_file.write_text(yaml.safe_dump(bmc_site(**param, meter=meter)))
+        monitor = Monitor(mosquitto.url, load_policy(policy_file))
         config.write_text(
             f'broker = "{mosquitto.url}"\n'
             "period_s = 0.5\ntimeout_s = 0.2\nretries = 0\n"
@@ -150,7 +172,7 @@ async def site(
             procs.agent(AGENT_NODE)
             procs.start("bmc-agent", "bmc-agent", f"--config={config}")
             procs.controller("ctl-a", policy_file, f"sqlite:///{tmp_path / 'powerd.db'}")
-            yield BmcSite(monitor, procs, hgx, policy_file)
+            yield BmcSite(monitor, procs, hgx, policy_file, meter)
         finally:
             procs.close()
             await monitor.stop()
@@ -171,8 +193,21 @@ async def test_a_bmc_node_obeys_a_cut_and_a_silent_bmc_is_never_raised(site: Bmc
     assert hgx.sessions, "the bmc-agent holds a Redfish session"
     await site.until(lambda: mon.group_committed("dc") > 0.9 * 4000, "the budget in use")
 
+    # -- the rack's PDU disagrees with its nodes: named, and nothing loosened --------------
+    def disagrees() -> list[dict[str, Any]]:
+        return [
+            a
+            for e in ("alarm_raised", "alarm_changed")
+            for a in site.controller_events(e)
+            if a["alarm"] == "meter_disagrees"
+        ]
+
+    await site.until(lambda: bool(disagrees()), "meter_disagrees")
+    assert "rack-2 (meter " in disagrees()[-1]["message"]
+    assert mon.breaches == []
+
     # -- a cut of the BMC node's budget is obeyed through the BMC --------------------------
-    site.policy_file.write_text(yaml.safe_dump(bmc_site(bmc_node_w=1200)))
+    site.policy_file.write_text(yaml.safe_dump(bmc_site(bmc_node_w=1200, meter=site.meter)))
     cut = load_policy(site.policy_file)
     mon.cut([g.budget_w for g in cut.groups], strict_from_tick=mon.last_tick + 4)
     procs.signal("controller", signal.SIGHUP)
@@ -274,7 +309,9 @@ async def test_a_dead_bmc_agent_leaves_limits_that_a_cut_to_the_lowest_budget_ge
 
     # -- the facility is cut to its lowest budget: met without the frozen GPUs -------------
     site.policy_file.write_text(
-        yaml.safe_dump(bmc_site(keeps=True, dc_w=KEPT_LOWEST_W, lowest_w=KEPT_LOWEST_W))
+        yaml.safe_dump(
+            bmc_site(keeps=True, dc_w=KEPT_LOWEST_W, lowest_w=KEPT_LOWEST_W, meter=site.meter)
+        )
     )
     cut = load_policy(site.policy_file)
     mon.cut([g.budget_w for g in cut.groups], strict_from_tick=mon.last_tick + 4)
@@ -290,7 +327,7 @@ async def test_a_dead_bmc_agent_leaves_limits_that_a_cut_to_the_lowest_budget_ge
     # -- below the lowest budget, nothing can make room for them: said so, by name ---------
     deeper = 2250.0  # above the failsafe caps plus overhead; below frozen + minimums + overhead
     assert sum(frozen.values()) + GPUS * 200.0 + 200.0 > deeper
-    site.policy_file.write_text(yaml.safe_dump(bmc_site(keeps=True, dc_w=deeper)))
+    site.policy_file.write_text(yaml.safe_dump(bmc_site(keeps=True, dc_w=deeper, meter=site.meter)))
     procs.signal("controller", signal.SIGHUP)
     await site.until(
         lambda: any(
