@@ -120,10 +120,11 @@ class BudgetsInForce:
         if rule is None:
             return budget_w if meter is None else self._less_unseen(budget_w, meter)
         topo = shape.topology
-        draw = self.nodes_draw_w(committed, arrays, shape)
         base = topo.overhead_w + shape.reserve_w
-        if meter is not None:
-            draw = meter.draw_w(draw)
+        if meter is None:
+            draw = self.nodes_draw_w(committed, arrays, shape)
+        else:  # the nodes' figure the tick already summed for the meters
+            draw = meter.draw_w(meter.nodes_w)
         limit = rule.limits_w(budget_w, topo.group_sums(committed) + base, draw)
         if meter is not None:
             limit = np.where(meter.metered & ~meter.fresh, budget_w, limit)
