@@ -22,8 +22,10 @@ from support.live_api import LiveApi
 from support.needs import NEEDS, Guard, complaint, marks_from_fixtures
 from support.pg import pg_database
 
+from powerd.bmc.backend import IoLoop
 from powerd.policy import load_policy
 from powerd.testing.mosquitto import MOSQUITTO, LocalMosquitto
+from powerd.testing.redfish import TestCa
 
 GUARD = Guard()
 UNUSED = pytest.StashKey[dict[str, set[str]]]()  # nodeid → needs marked but not used
@@ -96,6 +98,20 @@ async def _eventually(cond: Condition, what: str = "") -> None:
             return
         await asyncio.sleep(0.005)
     pytest.fail(f"timed out waiting for {what or cond}")
+
+
+@pytest.fixture(scope="module")
+def ca(tmp_path_factory: pytest.TempPathFactory) -> TestCa:
+    """A CA and a localhost certificate for the Redfish emulator over HTTPS."""
+    return TestCa.make(tmp_path_factory.mktemp("ca"))
+
+
+@pytest.fixture
+def io() -> Iterator[IoLoop]:
+    """The loop a bmc-agent's Redfish backends run their requests on."""
+    loop = IoLoop()
+    yield loop
+    loop.close()
 
 
 @pytest.fixture

@@ -54,18 +54,6 @@ NODE = "bmc-1"
 TOPICS = Topics()
 
 
-@pytest.fixture(scope="module")
-def ca(tmp_path_factory: pytest.TempPathFactory) -> TestCa:
-    return TestCa.make(tmp_path_factory.mktemp("ca"))
-
-
-@pytest.fixture
-def io() -> Iterator[IoLoop]:
-    loop = IoLoop()
-    yield loop
-    loop.close()
-
-
 # Every test on `hgx` or `small` runs on both layouts: limits in the Processors'
 # EnvironmentMetrics, and limits as Chassis Controls (found when the former have none).
 LAYOUTS = ["processors", "controls"]

@@ -33,18 +33,6 @@ from powerd.wire import CAP_TOLERANCE_W, MAX_SANE_WATTS, GpuTelemetry
 NODE = "bmc-1"
 
 
-@pytest.fixture(scope="module")
-def ca(tmp_path_factory: pytest.TempPathFactory) -> TestCa:
-    return TestCa.make(tmp_path_factory.mktemp("ca"))
-
-
-@pytest.fixture
-def io() -> Iterator[IoLoop]:
-    loop = IoLoop()
-    yield loop
-    loop.close()
-
-
 def backend_for(server: EmulatorServer, io: IoLoop, ca: TestCa) -> RedfishBackend:
     client = RedfishClient(
         server.url(), "admin", "pw", trust=BmcTrust(ca_file=ca.ca_file), timeout_s=2.0

@@ -161,11 +161,6 @@ def test_a_group_pointed_at_another_meter_learns_its_overhead_anew() -> None:
     assert report.meters[0].overhead_learned_w == pytest.approx(0.0, abs=1e-6)
 
 
-@pytest.fixture(scope="module")
-def ca(tmp_path_factory: pytest.TempPathFactory) -> TestCa:
-    return TestCa.make(tmp_path_factory.mktemp("ca"))
-
-
 def test_a_rotated_password_is_read_again_once_the_old_one_fails(
     ca: TestCa, tmp_path: Path
 ) -> None:

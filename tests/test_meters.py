@@ -278,11 +278,6 @@ def test_the_reader_polls_prometheus_and_counts_what_it_rejects(prom: PromServer
     assert reader.polls >= 6
 
 
-@pytest.fixture(scope="module")
-def ca(tmp_path_factory: pytest.TempPathFactory) -> TestCa:
-    return TestCa.make(tmp_path_factory.mktemp("ca"))
-
-
 def test_the_reader_reads_a_redfish_pdu_over_https(ca: TestCa, tmp_path: Path) -> None:
     pdu = RedfishService.pdu(Meter([], overhead_w=4321.0), password="pdu-secret")
     (tmp_path / "pw").write_text("pdu-secret\n")
