@@ -235,6 +235,8 @@ class SafetyPlanner:
         # Nodes that said their actuators keep their limits (NodeStatus.keeps_limits): planned
         # so, whatever the policy says; a claim never loosens anything (docs/safety.md).
         self._claimed_keeps: frozenset[str] = frozenset()
+        # keeps_limits() for the claims and the layout it was computed at (each plan asks).
+        self._keeps_memo: tuple[frozenset[str], object, BoolArray] | None = None
         self._set_empty()
         if layout is not None:
             self.set_layout(layout)
@@ -741,8 +743,12 @@ class SafetyPlanner:
         layout = self._require_layout()
         if not self._claimed_keeps:
             return layout.keeps_limits
+        memo = self._keeps_memo
+        if memo is not None and memo[1] is layout and memo[0] == self._claimed_keeps:
+            return memo[2]
         claimed = np.array([n in self._claimed_keeps for n in self._node_names], dtype=np.bool_)
         out: BoolArray = layout.keeps_limits | claimed[self._node_of_gpu]
+        self._keeps_memo = (self._claimed_keeps, layout, out)
         return out
 
     def count_at_max(self) -> None:
