@@ -59,6 +59,10 @@ VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
     # held-probe without holding small raises of GPUs not pressing on their cap
     # (control.raise_deadband_w: 0; docs/allocator.md, "Deadband")
     "no-raise-band": {"control": {"raise_deadband_w": 0.0}},
+    # held-probe with a dwell: a cap that moved stays 15 / 30 s unless its move is larger
+    # than 80 W (control.dwell_s, dwell_max_w; docs/allocator.md, "Deadband")
+    "dwell-15": {"control": {"dwell_s": 15.0}},
+    "dwell-30": {"control": {"dwell_s": 30.0}},
 }
 
 

@@ -358,6 +358,12 @@ class Control(_Strict):
     # on their cap (below 95 % of it): such a raise follows the demand estimate's recent
     # peak and no work waits on it. A pressed GPU's raise is never held; 0: off.
     raise_deadband_w: NonNegWatts = 40.0
+    # A cap that moved stays at least this long (s; 0: off): its later moves of at most
+    # dwell_max_w, up or down, pressed or not, are held, except cuts a limit needs
+    # (docs/allocator.md, "Deadband", "Dwell"). Off by default: it costs work where a
+    # budget has room (docs/performance.md, "Cap churn").
+    dwell_s: float = Field(default=0.0, ge=0, le=3600, allow_inf_nan=False)
+    dwell_max_w: NonNegWatts = 80.0
     # Power no GPU can turn into throughput: "peak" leaves it unallocated (no cap above its
     # profile's peak), "max" hands it out up to each GPU's maximum cap.
     leftover: Literal["peak", "max"] = "peak"

@@ -4,6 +4,7 @@ churn less where neighbours swing under shared budgets."""
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,7 @@ TOL = 1e-6
     tight=st.floats(0.0, 1.0),
     cut=st.booleans(),
     raise_band=st.sampled_from([0.0, 20.0, 60.0]),
+    dwell_max=st.sampled_from([0.0, 80.0, np.inf]),
 )
 def test_held_caps_never_break_a_limit_and_a_cap_inside_the_band_stays(
     shape: tuple[int, int, int, int],
@@ -42,6 +44,7 @@ def test_held_caps_never_break_a_limit_and_a_cap_inside_the_band_stays(
     tight: float,
     cut: bool,
     raise_band: float,
+    dwell_max: float,
 ) -> None:
     policy = make_policy(*shape)
     topo = _topology(policy)
@@ -61,6 +64,8 @@ def test_held_caps_never_break_a_limit_and_a_cap_inside_the_band_stays(
     capacity = topo.group_sums(counted) + slack
     holdable = rng.random(n) < 0.9
     pressed = rng.random(n) < 0.3
+    # GPUs whose cap moved lately (`control.dwell_s`): their moves up to dwell_max stay.
+    dwelling = rng.random(n) < 0.4 if dwell_max > 0 else None
     out, held = hold_small_cuts(
         targets,
         prev,
@@ -70,7 +75,11 @@ def test_held_caps_never_break_a_limit_and_a_cap_inside_the_band_stays(
         holdable=holdable,
         pressed=pressed,
         raise_band_w=raise_band,
+        dwelling=dwelling,
+        dwell_max_w=dwell_max,
     )
+    dwell = np.zeros(n, dtype=np.bool_) if dwelling is None else dwelling
+    dwell = dwell & holdable & (np.abs(targets - prev) <= dwell_max)  # NaN compares False
     after = np.where(np.isnan(out), prev, out)
     # Every limit the targets fit still holds.
     assert (topo.group_sums(after) <= capacity + TOL).all()
@@ -84,28 +93,31 @@ def test_held_caps_never_break_a_limit_and_a_cap_inside_the_band_stays(
     held_cut = held & (targets < prev)
     held_raise = held & (targets > prev)
     assert np.array_equal(held, held_cut | held_raise)
-    assert (np.abs(targets - prev)[held_cut] <= band + TOL).all()
-    # A cut outside the band is made in full, and cuts a limit needs are never held back.
-    big_cut = finite & (targets < prev - band)
+    assert ((np.abs(targets - prev) <= band + TOL) | dwell)[held_cut].all()
+    # A cut outside the band (of a GPU not dwelling) is made in full, and cuts a limit
+    # needs are never held back.
+    big_cut = finite & (targets < prev - band) & ~dwell
     assert np.allclose(out[big_cut], targets[big_cut])
     # A raise is held only within `raise_band`, and never a pressed GPU's (its work waits
     # on it): those are made in full or funded by the room left, never below the cap in
     # force.
-    assert not (held_raise & pressed).any()
-    assert (targets[held_raise] - prev[held_raise] <= raise_band + TOL).all()
+    assert not (held_raise & pressed & ~dwell).any()
+    assert ((targets - prev <= raise_band + TOL) | dwell)[held_raise].all()
     if raise_band == 0:
-        assert not held_raise.any()
+        assert not (held_raise & ~dwell).any()
     up = finite & (targets > prev)
     assert (after[up & pressed] >= prev[up & pressed] - TOL).all()
     # Where every limit has room for every raise, each raise outside the band, or of a
-    # pressed GPU, is made in full, and each inside it of a GPU not pressed is held.
+    # pressed GPU, is made in full unless it dwells, and each inside it of a GPU not
+    # pressed is held, as is each of a dwelling GPU.
     if (topo.group_sums(np.maximum(counted, prev)) <= capacity - 1e-3).all():
-        free = up & ~(holdable & ~pressed & (targets - prev <= raise_band))
+        small = holdable & ~pressed & (targets - prev <= raise_band)
+        free = up & ~small & ~dwell
         assert np.allclose(out[free], targets[free])
-        assert np.array_equal(held_raise, up & holdable & ~pressed & (targets - prev <= raise_band))
-    # Inside the band a cut stays unless the held cuts alone (everyone else at
-    # min(target, cap in force)) break a limit.
-    cut_in = holdable & finite & (targets < prev) & (targets >= prev - band)
+        assert np.array_equal(held_raise, up & (small | dwell))
+    # Inside the band (or dwelling) a cut stays unless the held cuts alone (everyone else
+    # at min(target, cap in force)) break a limit.
+    cut_in = holdable & finite & (targets < prev) & ((targets >= prev - band) | dwell)
     base = np.where(cut_in, prev, np.minimum(counted, prev))
     room = capacity - topo.group_sums(base)
     safe = (room[topo.gpu_groups] > 1e-3).all(axis=1)
@@ -139,10 +151,11 @@ class SwingingNode(HonestNode):
         return {u: min(self.caps[u], self.demand[u]) for u in self.uuids}
 
 
-def _deadband_policy(band: float, raise_band: float = 0.0) -> Any:
+def _deadband_policy(band: float, raise_band: float = 0.0, dwell_s: float = 0.0) -> Any:
     data = policy_dict()
     data["control"]["deadband_w"] = band
     data["control"]["raise_deadband_w"] = raise_band
+    data["control"]["dwell_s"] = dwell_s
     return parse_policy(data)
 
 
@@ -158,11 +171,12 @@ def _deadband_policy(band: float, raise_band: float = 0.0) -> Any:
     ),
     band=st.sampled_from([10.0, 40.0, 120.0]),
     raise_band=st.sampled_from([0.0, 40.0, 120.0]),
+    dwell_s=st.sampled_from([0.0, 3.0]),
 )
 def test_every_budget_holds_at_every_tick_through_swings_and_cuts(
-    steps: list[tuple[str, int]], band: float, raise_band: float
+    steps: list[tuple[str, int]], band: float, raise_band: float, dwell_s: float
 ) -> None:
-    policy = _deadband_policy(band, raise_band)
+    policy = _deadband_policy(band, raise_band, dwell_s)
     engine = TickEngine(policy)
     nodes = {n: SwingingNode(n) for n in NODES}
     wall0 = 1_700_000_000.0
@@ -249,3 +263,47 @@ def test_churn_falls_in_a_swinging_neighbourhood_at_little_cost() -> None:
     assert on["share_moved"] < off["share_moved"] / 2
     assert on["median_move_w"] > off["median_move_w"]
     assert on["work"] > 0.98 * off["work"]
+
+
+def _flapping_moves(dwell_s: float) -> tuple[list[int], list[float]]:
+    """Per tick whether one GPU's cap moved, while its demand flips 300 ↔ 360 W each tick
+    (window_s 0: the demand estimate follows the last sample), and its caps in order."""
+    data = policy_dict()
+    data["control"]["deadband_w"] = 30.0
+    data["control"]["dwell_s"] = dwell_s
+    data["control"]["demand"] = {"window_s": 0.0}
+    engine = TickEngine(parse_policy(data))
+    nodes = {n: SwingingNode(n) for n in NODES}
+    node = nodes[NODES[0]]
+    gpu = node.uuids[0]
+    wall0 = 1_700_000_000.0
+    moved: list[int] = []
+    caps: list[float] = []
+    for t in range(40):
+        now, wall = float(t), wall0 + t
+        if t >= 10:
+            node.demand[gpu] = 360.0 if t % 2 else 300.0
+        for n in nodes.values():
+            engine.on_telemetry(n.sample(wall), now)
+        before = node.caps[gpu]
+        _, plan = engine.step(now, wall)
+        for cmd in plan.commands:
+            ack = nodes[cmd.node].apply_caps(cmd.tick, cmd.caps_w)
+            if ack is not None:
+                engine.on_ack(cmd.node, ack)
+        moved.append(int(abs(node.caps[gpu] - before) > 0.5))
+        caps.append(node.caps[gpu])
+    return moved, caps
+
+
+def test_a_dwell_keeps_a_flapping_gpus_cap_for_its_time() -> None:
+    off, _ = _flapping_moves(0.0)
+    on, caps = _flapping_moves(5.0)
+    # Without the dwell the cap moves every other tick (a pressed GPU's raise is never
+    # held by the deadband).
+    assert sum(off[12:]) >= 12
+    # With a 5 s dwell (1 s ticks) it still moves, but at most once in any 5 ticks.
+    ticks = [t for t, m in enumerate(on) if m and t >= 10]
+    assert 3 <= len(ticks) <= 6
+    assert all(b - a >= 5 for a, b in pairwise(ticks))
+    assert caps[-1] > caps[10]  # and follows the GPU's demand up

@@ -50,6 +50,8 @@ def hold_small_cuts(
     holdable: BoolArray,
     pressed: BoolArray | None = None,
     raise_band_w: float = 0.0,
+    dwelling: BoolArray | None = None,
+    dwell_max_w: float = np.inf,
 ) -> tuple[FloatArray, BoolArray]:
     """(targets, held): the targets with every cut of at most `deadband_w` held at the cap
     in force, and per GPU whether it was held.
@@ -62,13 +64,21 @@ def hold_small_cuts(
     `raise_band_w`: raises of at most this much are held too, but only of holdable GPUs
     not `pressed` (None: no GPU's raise is held): such a raise follows the demand
     estimate's recent peak, no work waits on it, and holding it only leaves power unused.
+    `dwelling`: per GPU whether its cap moved lately (`control.dwell_s`; None: none did):
+    a holdable dwelling GPU's moves of at most `dwell_max_w`, up or down, pressed or not,
+    are held too (its cuts released, like any held cut, where a limit needs them).
     """
     targets = np.asarray(targets_w, dtype=np.float64)
-    if (deadband_w <= 0 and raise_band_w <= 0) or targets.size == 0:
+    dwell = None if dwelling is None or not dwelling.any() else holdable & dwelling
+    if (deadband_w <= 0 and raise_band_w <= 0 and dwell is None) or targets.size == 0:
         return targets, np.zeros(targets.shape, dtype=np.bool_)
     prev = np.asarray(in_force_w, dtype=np.float64)
     delta = targets - prev
     held = holdable & (delta < 0) & (delta >= -deadband_w)  # NaN compares False
+    if dwell is not None:
+        # A cap that moved lately stays, up or down, unless the move is larger than
+        # `dwell_max_w`: such a held cut is released below where a limit needs it.
+        held = held | (dwell & (delta != 0) & (np.abs(delta) <= dwell_max_w))
     if raise_band_w > 0 and pressed is not None:
         # A held raise only lowers a group's sum: it never breaks a limit, and it is never
         # released below (its cut is 0), so the cut logic is unchanged.

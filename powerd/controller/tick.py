@@ -38,7 +38,7 @@ from powerd.alarms import Alarms
 from powerd.allocator.problem import held_share
 from powerd.allocator.scopes import DemandCurve
 from powerd.controller.budgets import Budgets, BudgetsInForce, ScopeRoot
-from powerd.controller.churn import cap_moves
+from powerd.controller.churn import MOVE_TOL_W, cap_moves
 from powerd.controller.deadband import hold_small_cuts
 from powerd.controller.fleet import (
     FleetArrays,
@@ -128,6 +128,9 @@ class TickEngine:
         # Telemetry messages heard of nodes that obey us: the overload's room is lent once
         # per reading (controller/budgets.py).
         self._heard = 0
+        # The dwell (`control.dwell_s`): the shape's version, the caps in force last tick
+        # and when each last moved.
+        self._dwell_last: tuple[object, FloatArray, FloatArray] | None = None
         # The report's class labels per GPU, kept while the labels and classes are the same.
         self._class_labels: tuple[Sequence[str], list[int], tuple[str, ...]] | None = None
         # Metered groups (controller/meters.py): the reader writes the book, off the tick.
@@ -530,14 +533,17 @@ class TickEngine:
 
     def _deadband(self, seen: Seen, budgets: Budgets, targets: Targets) -> tuple[Targets, int]:
         """Small cuts held at the cap in force (controller/deadband.py), and how many.
-        Operators' pins and GPUs whose cap in force lies outside their class's bounds move."""
+        Operators' pins and GPUs whose cap in force lies outside their class's bounds move.
+        With `control.dwell_s`, moves of GPUs whose cap moved lately are held too."""
         band = self.policy.control.deadband_w
         raise_band = self.policy.control.raise_deadband_w
-        if band <= 0 and raise_band <= 0:
+        dwell_s = self.policy.control.dwell_s
+        if band <= 0 and raise_band <= 0 and dwell_s <= 0:
             return targets, 0
         fleet, topo = targets.fleet, seen.shape.topology
         classes = self.targets.classes
         prev = fleet.cap_w
+        dwelling = self._dwelling(seen, prev, dwell_s)
         lo = np.maximum(fleet.min_cap_w, classes.floor_w[targets.class_index])
         hi = np.minimum(fleet.max_cap_w, classes.ceiling_w[targets.class_index])
         holdable = np.isnan(fleet.pinned_w) & (prev >= lo) & (prev <= hi)
@@ -552,8 +558,27 @@ class TickEngine:
             holdable=holdable,
             pressed=fleet.power_w >= held_share(self.policy.control.demand) * prev,
             raise_band_w=raise_band,
+            dwelling=dwelling,
+            dwell_max_w=self.policy.control.dwell_max_w,
         )
         return replace(targets, targets_w=held_w), int(held.sum())
+
+    def _dwelling(self, seen: Seen, in_force_w: FloatArray, dwell_s: float) -> BoolArray | None:
+        """Per GPU whether its cap in force moved less than `dwell_s` ago (None: off); a new
+        fleet shape (GPUs joined or left) starts every GPU as not having moved."""
+        if dwell_s <= 0:
+            return None
+        now = self.inputs.now
+        key = seen.shape.version
+        last = self._dwell_last
+        if last is None or last[0] != key or last[1].shape != in_force_w.shape:
+            moved_at = np.full(in_force_w.shape, -np.inf)
+        else:
+            moved_at = last[2]
+            moved = np.abs(in_force_w - last[1]) > MOVE_TOL_W
+            moved_at = np.where(moved, now, moved_at)
+        self._dwell_last = (key, in_force_w.copy(), moved_at)
+        return now - moved_at < dwell_s
 
     def _plan(
         self, tick: int, now: float, seen: Seen, budgets: Budgets, targets: Targets
