@@ -356,7 +356,8 @@ class Control(_Strict):
     deadband_w: NonNegWatts = 40.0
     # Raises of at most this much are held too, but only of GPUs whose draw does not press
     # on their cap (below 95 % of it): such a raise follows the demand estimate's recent
-    # peak and no work waits on it. A pressed GPU's raise is never held; 0: off.
+    # peak and no work waits on it. A pressed GPU's raise is never held (but by
+    # dwell_s); 0: off.
     raise_deadband_w: NonNegWatts = 40.0
     # A cap that moved stays at least this long (s; 0: off): its later moves of at most
     # dwell_max_w, up or down, pressed or not, are held, except cuts a limit needs

@@ -14,11 +14,15 @@ move is a call on the node (NVML, a BMC) and a message on the broker. The deadba
   (a budget cut, a limit that fell), held cuts under that group go, the largest first,
   until it fits (the last in part): no more than the limit needs, so caps follow a ramping
   budget down as smoothly as without the deadband;
-- **never holds a pressed GPU's raise**: a held raise would only leave power unused, but
-  measured, holding raises cost the work the headroom above an inference GPU's draw is
-  there for (docs/allocator.md, "Deadband"); only raises of at most `raise_band_w`
-  (`control.raise_deadband_w`) of GPUs whose draw does not press on their cap are held
-  (they follow the demand estimate's recent peak; no work waits on them).
+- **never holds a pressed GPU's raise** (but for the opt-in dwell below): a held raise
+  would only leave power unused, but measured, holding raises cost the work the headroom
+  above an inference GPU's draw is there for (docs/allocator.md, "Deadband"); only raises
+  of at most `raise_band_w` (`control.raise_deadband_w`) of GPUs whose draw does not
+  press on their cap are held (they follow the demand estimate's recent peak; no work
+  waits on them);
+- **holds the moves of a GPU whose cap moved lately** only where `control.dwell_s` asks
+  (off by default): its moves of at most `dwell_max_w`, up or down, pressed or not, wait
+  until its cap has stayed `dwell_s`; its cuts still go where a limit needs them.
 
 So the targets it returns fit every group's limit wherever the allocator's did: each group
 either fits as it is or ends at most at min(target, cap in force) per GPU. Pinned GPUs (an
