@@ -1,12 +1,14 @@
 """Bench: cap churn against work, one rule at a time (docs/allocator.md, "Deadband").
 
 Runs `powerd sim`'s `fast` policy on a scenario once per variant of the policy's `control`
-(the deadband, the damping), and prints per variant the churn after the first minute
+(the deadband, the dwell, the damping), and prints per variant the churn after the first minute
 (share of GPUs whose cap moved per tick, median/p95 move, W moved per tick) and the work
 lost against the first variant (the same run without the rule: same seed, same demand).
 
     .venv/bin/python bench/churn.py policies/scenarios/recorded.yaml --tick-s 5 \\
         --duration-h 0.25 --variants deadband_w=0 deadband_w=40 deadband_w=0,damping=1
+    .venv/bin/python bench/churn.py policies/scenarios/recorded.yaml --tick-s 5 \\
+        --duration-h 0.25 --variants deadband_w=0,raise_deadband_w=0 deadband_w=40 dwell_s=30
 
 `--rule-cost` instead times the rule itself (controller/deadband.py) on a synthetic site of
 10 rows × 10 racks × 125 nodes × 8 GPUs (100,000 GPUs): a tick whose held cuts fit, and one
