@@ -273,40 +273,69 @@ def decompose(rec: Recorder, policy: Policy, mix: Mix, feed_w: float, room_w: fl
 
 
 def spread_by_chance(
-    seen: Array, rises: Array, key: Array, n_keys: int, value: Any, room_w: float
+    seen: Array,
+    changes: list[tuple[Array, float]],
+    key: Array,
+    n_keys: int,
+    value: Any,
+    bounds: tuple[Array, Array],
+    room_w: float,
+    weight: Array,
 ) -> Array:
-    """Caps where every GPU's expected marginal work (the profile's slope × the chance its
-    demand rises past the cap, from the rises of the GPUs that share its key) meets one
-    price, within the room (bisection per steer, 5 W steps)."""
+    """Caps where every GPU's expected marginal work meets one price within the room: the
+    profile's slope at the cap × the chance its demand lies above the cap in the pieces
+    ahead (each piece's changes from the seen demand, weighted by its length, from the GPUs
+    that share its key), within [lo, hi] (bisection per steer, 5 W steps)."""
     step = 5.0
-    xs = np.arange(0.0, 400.0 + step, step)
+    xs = np.arange(-400.0, 400.0 + step, step)
     table = np.zeros((n_keys, xs.size))
+    length = sum(dt for _, dt in changes)
     for k in range(n_keys):
         sel = key == k
         if sel.any():
-            table[k] = (rises[sel][None, :] > xs[:, None]).mean(axis=1)
+            for change, dt in changes:
+                table[k] += dt / length * (change[sel][None, :] > xs[:, None]).mean(axis=1)
+    lo_w, hi_w = bounds
     out = np.empty_like(seen)
     for t in range(seen.shape[0]):
         levels = seen[t][None, :] + xs[:, None]  # (x, gpu)
-        marginal = (value(levels + step) - value(levels)) / step * table[key[t]].T
-        lo, hi = 0.0, float(marginal.max()) + 1.0
+        marginal = (value(levels + step) - value(levels)) / step * table[key[t]].T * weight
+        # Below its lower bound a GPU is given the watt anyway: counted first, so the
+        # watts taken stay a prefix of the levels (concave profile, falling chance).
+        marginal = np.where(levels < lo_w[None, :], np.inf, marginal)
+
+        def caps(price: float, t: int = t, marginal: Array = marginal) -> Array:
+            got = seen[t] + xs[0] + (marginal >= price).sum(axis=0) * step
+            return np.clip(got, lo_w, hi_w)
+
+        lo, hi = 0.0, float(marginal[np.isfinite(marginal)].max(initial=0.0)) + 1.0
         for _ in range(40):
             price = 0.5 * (lo + hi)
-            if (seen[t] + (marginal >= price).sum(axis=0) * step).sum() <= room_w:
+            if caps(price).sum() <= room_w:
                 hi = price
             else:
                 lo = price
-        out[t] = seen[t] + (marginal >= hi).sum(axis=0) * step
+        out[t] = caps(hi)
     return out
 
 
-def view_oracles(rec: Recorder, policy: Policy, mix: Mix, room_w: float) -> None:
-    """Loss of allocators that know each GPU's true demand at the steer's sample."""
+def view_oracles(
+    rec: Recorder,
+    policy: Policy,
+    mix: Mix,
+    room_w: float,
+    *,
+    floors: bool = True,
+    weighted: bool = False,
+) -> None:
+    """Loss of allocators that know each GPU's true demand at the steer's sample (holding
+    the class floors as powerd does, unless `floors` is False)."""
     value = profile_values(mix)
     cls = mix.class_index
     names = list(policy.spec.classes)
     by_t0 = {round(pc.t0, 6): pc for pc in rec.pieces}
-    rows: list[tuple[Array, Array, Array, Array]] = []
+    rows: list[tuple[Array, Array, Array, Array, Array]] = []
+    order = sorted(by_t0)
     dt_a = dt_b = 0.0
     for st in rec.steers:
         before = by_t0.get(round(st.t - 1.0, 6))  # the piece the steer's sample came from
@@ -314,11 +343,12 @@ def view_oracles(rec: Recorder, policy: Policy, mix: Mix, room_w: float) -> None
         b = None if a is None else by_t0.get(round(st.t + a.dt, 6))
         if before is None or a is None or b is None:
             continue
-        rows.append((before.demand, a.demand, b.demand, st.cap_after))
+        past = [by_t0[t0].demand for t0 in order if st.t - 61.0 <= t0 < st.t]
+        rows.append((before.demand, a.demand, b.demand, st.cap_after, np.max(past, axis=0)))
         dt_a, dt_b = a.dt, b.dt
     if not rows:
         return
-    seen, nxt, nxt2, ctl = (np.asarray(x) for x in zip(*rows, strict=True))
+    seen, nxt, nxt2, ctl, peak = (np.asarray(x) for x in zip(*rows, strict=True))
     ideal = (value(nxt) * dt_a + value(nxt2) * dt_b).sum()
 
     def loss(caps: Array) -> str:
@@ -326,25 +356,37 @@ def view_oracles(rec: Recorder, policy: Policy, mix: Mix, room_w: float) -> None
         b = (value(nxt2) - value(np.minimum(caps, nxt2))).sum() * dt_b
         return f"{pct(a + b, ideal)} ({pct(a, ideal)} after the steer, {pct(b, ideal)} the next)"
 
-    free = np.maximum(room_w - seen.sum(axis=1, keepdims=True), 0.0)
-    even = seen + free / seen.shape[1]
-    rises = np.maximum(np.maximum(nxt, nxt2) - seen, 0.0)
+    floor_w = np.asarray([policy.spec.classes[c].floor_w or 0.0 for c in names])[cls]
+    lo_w = np.maximum(floor_w if floors else 0.0, policy.spec.defaults.gpu.min_cap_w)
+    bounds = (lo_w, np.full(cls.size, policy.spec.defaults.gpu.max_cap_w))
+    changes = [(nxt - seen, dt_a), (nxt2 - seen, dt_b)]
     by_class = np.broadcast_to(cls, seen.shape)
     change = np.diff(seen, axis=0, prepend=seen[:1])
     trend = np.where(change > 5.0, 2, np.where(change < -5.0, 0, 1))
     level = np.clip((seen / 100.0).astype(np.int64), 0, 7)
     k = len(names)
-    best_class = spread_by_chance(seen, rises, by_class, k, value, room_w)
-    best_trend = spread_by_chance(seen, rises, by_class * 3 + trend, 3 * k, value, room_w)
-    best = spread_by_chance(seen, rises, (by_class * 3 + trend) * 8 + level, 24 * k, value, room_w)
+    one = np.zeros(seen.shape, dtype=np.int64)
+    class_weight = np.asarray([policy.spec.classes[c].weight for c in names])
+    weight = class_weight[cls] if weighted else np.ones(cls.size)
+    args = (value, bounds, room_w, weight)
+    exact = spread_by_chance(seen, [(np.zeros(seen.shape), 1.0)], one, 1, *args)
+    left = np.maximum(room_w - exact.sum(axis=1, keepdims=True), 0.0)
+    even = np.minimum(exact + left / seen.shape[1], bounds[1])
+    best_class = spread_by_chance(seen, changes, by_class, k, *args)
+    best_trend = spread_by_chance(seen, changes, by_class * 3 + trend, 3 * k, *args)
+    best = spread_by_chance(seen, changes, (by_class * 3 + trend) * 8 + level, 24 * k, *args)
+    gap = np.digitize(peak - seen, [25.0, 100.0, 200.0])  # the 60 s peak's height above
+    key = ((by_class * 3 + trend) * 8 + level) * 4 + gap
+    best_peak = spread_by_chance(seen, changes, key, 96 * k, *args)
     print("on the same pieces (the steer's 4 s and the next tick's first second):")
     print(f"  powerd's caps: {loss(ctl)}")
     print("view oracles (true demand at the steer's sample, nothing after it):")
-    print(f"  that demand, no margin: {loss(seen)}")
+    print(f"  that demand where it fits (by the profiles' slopes), no margin: {loss(exact)}")
     print(f"  + the room left spread evenly: {loss(even)}")
     print(f"  spread by the chance of a rise, by class: {loss(best_class)}")
     print(f"  ... by class and last change: {loss(best_trend)}")
     print(f"  ... by class, last change and level (100 W): {loss(best)}")
+    print(f"  ... and the 60 s peak's height above it (4 bins): {loss(best_peak)}")
     print("margin above the demand the sample came from, mean W (powerd / the last oracle):")
     for c in range(k):
         cells = []
@@ -367,6 +409,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tick-s", type=float, default=5.0)
     ap.add_argument("--set", nargs="*", default=[], help="control settings, e.g. deadband_w=0")
     ap.add_argument("--no-oracles", action="store_true")
+    ap.add_argument("--oracles-without-floors", action="store_true", help="a lower bound")
+    ap.add_argument(
+        "--oracles-weighted", action="store_true", help="oracles maximise weighted work, as powerd"
+    )
     args = ap.parse_args(argv)
     configure_logging("console", "warning")
     scenario = load_scenario(args.scenario, {"duration_h": args.duration_h, "tick_s": args.tick_s})
@@ -387,7 +433,14 @@ def main(argv: list[str] | None = None) -> int:
         f"engine rounds a steer: {np.mean([s.rounds for s in rec.steers]):.2f}"
     )
     if not args.no_oracles:
-        view_oracles(rec, policy, mix, room_w)
+        view_oracles(
+            rec,
+            policy,
+            mix,
+            room_w,
+            floors=not args.oracles_without_floors,
+            weighted=args.oracles_weighted,
+        )
     return 0
 
 
