@@ -180,6 +180,7 @@ def decompose(rec: Recorder, policy: Policy, mix: Mix, feed_w: float, room_w: fl
     by_slack, time_slack = np.zeros(len(bins) - 1), np.zeros(len(bins) - 1)
     pressed_why = dict.fromkeys(("rose after", "estimate short", "target short", "deadband"), 0.0)
     deadband_cls = np.zeros(len(names))
+    target_cls = np.zeros(len(names))
     short_w: list[float] = []
     over_room, floor_idle, unallocated = [], [], []
     total = 0.0
@@ -225,6 +226,7 @@ def decompose(rec: Recorder, policy: Policy, mix: Mix, feed_w: float, room_w: fl
         pressed_why["target short"] += float(short[tshort].sum())
         pressed_why["deadband"] += float(short[dband].sum())
         deadband_cls += np.bincount(cls[dband], weights=short[dband], minlength=len(names))
+        target_cls += np.bincount(cls[tshort], weights=short[tshort], minlength=len(names))
         if after:
             over_room.append(float(est.sum()) - room_w)
             floor_idle.append(float(np.maximum(floor_w - est, 0.0).sum()))
@@ -248,8 +250,9 @@ def decompose(rec: Recorder, policy: Policy, mix: Mix, feed_w: float, room_w: fl
             f"  new cap below the demand the sample came from by median "
             f"{np.median(short_w):.0f} W, p90 {np.percentile(short_w, 90):.0f} W"
         )
-    by_cls = zip(names, deadband_cls, strict=True)
-    print("  deadband part by class: " + ", ".join(f"{c} {pct(x, total)}" for c, x in by_cls))
+    for what, arr in (("target short", target_cls), ("deadband", deadband_cls)):
+        by_cls = zip(names, arr, strict=True)
+        print(f"  {what}, by class: " + ", ".join(f"{c} {pct(x, total)}" for c, x in by_cls))
     if over_room:
         orr = np.asarray(over_room)
         print(
