@@ -56,6 +56,12 @@ VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
     "floors-follow": {"control": {"demand": {"floors": "follow"}}},
     # 5. + the swing: recent peak + the largest rise between samples
     "swing-1": {"control": {"demand": {"swing": 1.0}}},
+    # 6. spare power around a held-back GPU's probe + held_spare_w (not claimed; 100 W is
+    # the default since h-lag: held-probe is it; held-spare-0 is the default before)
+    "held-spare-0": {"control": {"demand": {"held_spare_w": 0.0}}},
+    "held-spare-50": {"control": {"demand": {"held_spare_w": 50.0}}},
+    "held-spare-100": {"control": {"demand": {"held_spare_w": 100.0}}},
+    "held-spare-200": {"control": {"demand": {"held_spare_w": 200.0}}},
     # held-probe without holding small raises of GPUs not pressing on their cap
     # (control.raise_deadband_w: 0; docs/allocator.md, "Deadband")
     "no-raise-band": {"control": {"raise_deadband_w": 0.0}},

@@ -328,7 +328,10 @@ class DemandSpec(_Strict):
     reads as held back by its cap when it draws at least this share of it; above the least
     margin's 95 %, so a GPU whose cap was just set to its draw / 0.95 is neither cut nor
     probed while its draw wobbles between the two (hysteresis). `floors`: a class floor
-    holds up to the GPU's recent draw (`follow`) or whole (`fixed`)."""
+    holds up to the GPU's recent draw (`follow`) or whole (`fixed`). `held_spare_w`: with
+    `spare: recent`, spare power goes around a held-back GPU's demand + this (its probe,
+    not claimed: the power is still anyone's demand first), so it reaches the GPUs known
+    to want more than their cap before the margins of those that may rise; 0: off."""
 
     window_s: float = Field(default=60.0, ge=0, le=3600, allow_inf_nan=False)
     swing: float = Field(default=0.0, ge=0, le=10, allow_inf_nan=False)
@@ -337,6 +340,7 @@ class DemandSpec(_Strict):
     held: Literal["probe", "max"] = "probe"
     held_share: float = Field(default=0.98, ge=0.95, le=1.0, allow_inf_nan=False)
     floors: Literal["follow", "fixed"] = "fixed"
+    held_spare_w: NonNegWatts = 100.0
 
 
 class Control(_Strict):

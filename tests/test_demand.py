@@ -180,6 +180,28 @@ def test_a_held_back_gpu_climbs_from_its_recent_peak_instead_of_asking_its_maxim
     assert demand_w(replace(fleet, recent_w=None), 50.0, policy.control.demand)[0] == 700.0
 
 
+def test_spare_power_reaches_held_back_gpus_first_with_held_spare() -> None:
+    # Four GPUs draw their 500 W cap (held back: probe to 550 W), four draw 400 W with a
+    # recent peak of 450 W (least cap ≈ 422 W). Demand fits 4,300 W with ~410 W to spare.
+    power = np.array([500.0] * 4 + [400.0] * 4)
+    cap = np.array([500.0] * 4 + [450.0] * 4)
+    recent = np.array([500.0] * 4 + [450.0] * 4)
+    caps = {}
+    for extra in (0.0, 100.0):
+        policy = _policy(held_spare_w=extra)
+        fleet = _fleet(policy, power, cap, recent)
+        budget = _site_budget(policy, fleet, 4300.0)
+        alloc = allocate_arrays(fleet, policy, budget_w=budget)
+        demand = demand_w(fleet, 50.0, policy.control.demand)
+        assert np.all(alloc.caps_w >= demand - 1e-6)  # every demand is met either way
+        assert alloc.caps_w.sum() <= 4300.0 + 1e-6
+        caps[extra] = alloc.caps_w
+    # Without it the spare goes around each GPU's recent peak alike (+37.5 W each); with
+    # it, the held-back GPUs sit at their probe + 100 W less one common amount.
+    np.testing.assert_allclose(caps[0.0], [587.5] * 4 + [487.5] * 4, atol=1.0)
+    np.testing.assert_allclose(caps[100.0], [637.5] * 4 + [437.5] * 4, atol=1.0)
+
+
 def test_a_gpu_drawing_just_under_held_share_is_not_probed() -> None:
     # 96 % of the cap: held back under the former 95 % rule (probed by the headroom, then
     # cut back the next tick when the draw stays), not under `held_share` 0.98.
@@ -251,7 +273,8 @@ def test_following_floors_hold_only_up_to_recent_draw() -> None:
     "demand",
     [{"window_s": -1}, {"window_s": 3601}, {"swing": 11}, {"swing": float("nan")},
      {"spare": "all"}, {"held": "guess"}, {"margin": 3}, {"floors": "none"}, {"bogus": 1},
-     {"held_share": 0.9}, {"held_share": 1.01}, {"held_share": float("nan")}],
+     {"held_share": 0.9}, {"held_share": 1.01}, {"held_share": float("nan")},
+     {"held_spare_w": -1}, {"held_spare_w": float("inf")}],
 )  # fmt: skip
 def test_demand_settings_are_validated(demand: dict[str, Any]) -> None:
     with pytest.raises(ValidationError):

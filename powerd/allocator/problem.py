@@ -556,10 +556,18 @@ def anchor_kw(
     or more where room is left). The cap in force (`spare: caps`, or without `recent_w`), or
     what the GPU has drawn recently at most, its swing included, or its demand, whichever is
     higher (`spare: recent`): spare power then goes where draw has recently been, not where
-    caps happened to be."""
+    caps happened to be. A GPU held back by its cap (`held_share`) has its anchor
+    `held_spare_w` above its demand (its probe): it is the one GPU known to want more than
+    its cap, so spare power reaches it before the margins of GPUs that may rise; measured,
+    its probe claimed at its class's weight instead costs work (docs/performance.md,
+    "Demand that follows the work")."""
     if fleet.recent_w is None or spec.spare == "caps":
         return prev
-    return np.asarray(np.clip(np.maximum(fleet.recent_w, demand) / 1000.0, lo, hi))
+    anchor = np.maximum(fleet.recent_w, demand)
+    if spec.held_spare_w > 0:
+        held = fleet.power_w >= held_share(spec) * fleet.cap_w
+        anchor = np.where(held, demand + spec.held_spare_w, anchor)
+    return np.asarray(np.clip(anchor / 1000.0, lo, hi))
 
 
 def capacities_kw(
