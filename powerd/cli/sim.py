@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import structlog
 
-from powerd.argtypes import positive_float
+from powerd.argtypes import loss_share, positive_float
 from powerd.cli.admin import parse_time
 from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from powerd.cli.extras import require
@@ -155,9 +155,10 @@ def _add_study_arguments(sim: argparse.ArgumentParser) -> None:
     )
     sim.add_argument(
         "--threshold",
-        type=positive_float,
+        type=loss_share,
         default=DEFAULT_THRESHOLD,
-        help="throughput loss allowed by --oversubscribe (default %(default)s)",
+        help="throughput loss allowed by --oversubscribe, a share between 0 and 1 (default "
+        "%(default)s: 3 %%)",
     )
     sim.add_argument(
         "--metric",
