@@ -3,9 +3,15 @@ nothing written half-way."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
+import yaml
+from support.sim import scenario_dict, small_policy
 
 from powerd.cli import build_parser
+from powerd.cli import main as powerd_main
 
 
 def parse_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -29,3 +35,43 @@ def test_threshold_is_a_share_of_throughput(value: str, capsys: pytest.CaptureFi
 def test_a_threshold_below_one_is_taken() -> None:
     args = build_parser().parse_args(["sim", "s.yaml", "--threshold", "0.05"])
     assert args.threshold == 0.05
+
+
+def write_scenario(tmp_path: Path, **changes: Any) -> Path:
+    """The small scenario (support.sim) on the small policy (8 nodes of 4 GPUs), as files."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(yaml.safe_dump(small_policy()))
+    sc = tmp_path / "scenario.yaml"
+    sc.write_text(yaml.safe_dump(scenario_dict(policy=str(policy), **changes)))
+    return sc
+
+
+def run_sim(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    rc = powerd_main(["sim", *argv, "--policies", "fast", "--baselines", "none", "--jobs", "1"])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return rc, err
+
+
+def test_a_workload_that_gets_no_node_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 5 % of 8 nodes rounds to none: the run would simulate a mix without that workload.
+    workloads = scenario_dict()["workloads"][:2]
+    workloads[0]["share"], workloads[1]["share"] = 0.95, 0.05
+    rc, err = run_sim([str(write_scenario(tmp_path, workloads=workloads))], capsys)
+    assert rc == 2
+    assert "workloads[1].share" in err
+    assert "no node" in err
+
+
+def test_more_training_jobs_than_nodes_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # train has 3 of the 8 nodes: a fourth job would hold no GPU.
+    workloads = scenario_dict()["workloads"]
+    workloads[1]["jobs"] = 4
+    rc, err = run_sim([str(write_scenario(tmp_path, workloads=workloads))], capsys)
+    assert rc == 2
+    assert "workloads[1].jobs" in err
+    assert "at most 3 jobs" in err

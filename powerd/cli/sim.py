@@ -311,7 +311,7 @@ def _run(args: argparse.Namespace) -> int:
     from powerd.sim.baselines import BaselineResult
     from powerd.sim.report import Report
     from powerd.sim.scenario import ScenarioError
-    from powerd.sim.site import site_for
+    from powerd.sim.site import check_mix_fits, site_for
     from powerd.sim.study import (
         Runner,
         budget_sweep,
@@ -324,6 +324,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.points < 2:
         raise ScenarioError("--points", [("", "at least 2 site sizes")])
     site = site_for(scenario, policy)
+    check_mix_fits(scenario, site)
     if args.learning:
         return _learning(scenario, site, args)
     show = args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())

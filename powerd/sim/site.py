@@ -19,7 +19,7 @@ from powerd.backends.mock import Workload
 from powerd.policy import GroupDef, Policy
 from powerd.profile import Profile
 from powerd.sim.recorded import replay
-from powerd.sim.scenario import HOUR_S, Scenario, WorkloadSpec
+from powerd.sim.scenario import HOUR_S, Scenario, ScenarioError, WorkloadSpec
 from powerd.sim.traces import load_traces
 from powerd.topology import Topology
 
@@ -208,6 +208,40 @@ def assign_nodes(shares: list[float], n_nodes: int, placement: str) -> IntArray:
         out[k] = w
         given[w] += 1
     return out
+
+
+def check_mix_fits(scenario: Scenario, site: Site) -> None:
+    """Every workload gets at least one node of the scenario's own site, and a training
+    workload a node per job (a job holds whole nodes): otherwise a workload, or some of its
+    jobs, would silently run on no GPU and the mix simulated would not be the one asked for.
+    (A search's smaller sites may leave a small share out: those are sizes, not the mix.)"""
+    specs = scenario.spec.workloads
+    n_nodes = site.n_nodes
+    counts = np.bincount(
+        assign_nodes([w.share for w in specs], n_nodes, scenario.spec.site.placement),
+        minlength=len(specs),
+    )
+    problems = []
+    for i, (w, n) in enumerate(zip(specs, counts.tolist(), strict=True)):
+        if n == 0:
+            problems.append(
+                (
+                    f"workloads[{i}].share",
+                    f"a share of {w.share:g} of the site's {n_nodes} node(s) is no node: "
+                    "workloads hold whole nodes; give the site more nodes (site.nodes) or "
+                    "this workload a larger share",
+                )
+            )
+        elif w.kind == "training" and w.jobs > n:
+            problems.append(
+                (
+                    f"workloads[{i}].jobs",
+                    f"{w.jobs} jobs on the workload's {n} node(s): a job holds whole nodes; "
+                    f"at most {n} jobs, or more nodes",
+                )
+            )
+    if problems:
+        raise ScenarioError(scenario.source, problems)
 
 
 def workload_profile(spec: WorkloadSpec, policy: Policy) -> Profile:
