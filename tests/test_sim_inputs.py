@@ -75,3 +75,19 @@ def test_more_training_jobs_than_nodes_is_refused(
     assert rc == 2
     assert "workloads[1].jobs" in err
     assert "at most 3 jobs" in err
+
+
+@pytest.mark.parametrize(
+    ("feed_w", "said"),
+    [("1", "runs no node, even at device minimums"), ("1e12", "up to 100,000 nodes")],
+)
+def test_a_search_feed_outside_what_a_site_can_be_is_refused_before_any_run(
+    feed_w: str, said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: 1 W ran the comparison, then crashed rendering an empty search; 1e12 W grew
+    # sites of hundreds of millions of nodes (a search that never ended).
+    sc = write_scenario(tmp_path)
+    rc, err = run_sim([str(sc), "--oversubscribe", "--points", "2", "--feed-w", feed_w], capsys)
+    assert rc == 2
+    assert err.startswith("--feed-w: invalid argument")
+    assert said in err

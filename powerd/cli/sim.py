@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -224,6 +225,12 @@ def _add_output_arguments(sim: argparse.ArgumentParser) -> None:
     )
 
 
+class FlagError(InputError):
+    """A flag whose value cannot be used with this scenario: the flag, and what would do."""
+
+    kind = "argument"
+
+
 class ProgressBar:
     """One line on stderr, redrawn at most ten times a second."""
 
@@ -325,6 +332,8 @@ def _run(args: argparse.Namespace) -> int:
         raise ScenarioError("--points", [("", "at least 2 site sizes")])
     site = site_for(scenario, policy)
     check_mix_fits(scenario, site)
+    if args.oversubscribe:
+        _check_feed(site, args.feed_w)
     if args.learning:
         return _learning(scenario, site, args)
     show = args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
@@ -373,6 +382,41 @@ def _run(args: argparse.Namespace) -> int:
         log.error("sim_budget_exceeded", policies=steered_over)
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _check_feed(site: Site, feed_w: float | None) -> None:
+    """The search's feed runs at least one node and at most a site the simulator builds:
+    checked before any run, rather than after hours of them (or a search that never ends)."""
+    from powerd.sim.scenario import MAX_NODES
+
+    feed = site.feed_w if feed_w is None else feed_w
+    flag = "--feed-w" if feed_w is not None else "--oversubscribe"
+    if not math.isfinite(feed):
+        raise FlagError(flag, [("", "the site has no facility budget: give --feed-w WATTS")])
+    node_min = site.node_min_w()
+    if feed < node_min:
+        raise FlagError(
+            flag,
+            [
+                (
+                    "",
+                    f"a {feed:,.0f} W feed runs no node, even at device minimums "
+                    f"({node_min:,.0f} W a node): give at least {node_min:,.0f} W",
+                )
+            ],
+        )
+    if feed // node_min > MAX_NODES:
+        raise FlagError(
+            flag,
+            [
+                (
+                    "",
+                    f"a {feed:,.0f} W feed holds {feed // node_min:,.0f} nodes at device minimums; "
+                    f"the search grows a site up to {MAX_NODES:,} nodes: give at most "
+                    f"{MAX_NODES * node_min:,.0f} W",
+                )
+            ],
+        )
 
 
 def _breaker(args: argparse.Namespace) -> Breaker:

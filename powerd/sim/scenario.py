@@ -28,6 +28,7 @@ HOUR_S = 3600.0
 MAX_SWINGS_PER_TICK = 500
 MAX_TICKS = 10_000_000
 MAX_SCHEDULE = 64  # windows in one scenario, as many as a controller keeps
+MAX_NODES = 100_000  # a site's nodes, the scenario's or a search's
 
 
 if TYPE_CHECKING:
@@ -184,7 +185,7 @@ class ScheduledBudgetSpec(_Strict):
 class SiteSpec(_Strict):
     """Reshape the policy's site: its tree grown or shrunk to `nodes`, and/or a new feed."""
 
-    nodes: int | None = Field(default=None, ge=1, le=100_000)
+    nodes: int | None = Field(default=None, ge=1, le=MAX_NODES)
     gpus_per_node: int | None = Field(default=None, ge=1, le=64)
     facility_budget_w: Watts | None = None
     # The feed as a share of the site's nameplate (every GPU at TDP plus node overhead).

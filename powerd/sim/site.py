@@ -60,6 +60,11 @@ class Site:
         node = next(g for g in self.policy.groups if g.level == NODE)
         return node.gpus * self.tdp_w + node.overhead_w
 
+    def node_min_w(self) -> float:
+        """One node of this site's design with every GPU at its device minimum."""
+        node = next(g for g in self.policy.groups if g.level == NODE)
+        return node.gpus * self.min_cap_w + node.overhead_w
+
     def with_budgets(self, budget_w: FloatArray, note: str) -> Site:
         groups = tuple(
             replace(g, budget_w=float(b)) for g, b in zip(self.policy.groups, budget_w, strict=True)
