@@ -158,12 +158,20 @@ class StoreSource:
             raise PilotError(f"{self.flag} {_shown(self.url)}: {_why(exc)}") from None
         return WindowData(window, fleet, groups, excursions, caps, notes=notes)
 
-    def _chunks(self, window: Window) -> list[tuple[int, int]]:
-        first = int(window.start // MINUTE_S * MINUTE_S)
+    def _chunks(
+        self, window: Window, first_s: float | None, last_s: float | None
+    ) -> list[tuple[int, int]]:
+        """The window in CHUNK_S pieces, from the first to the last time the store holds in
+        it (`first_s`, `last_s`; None: nothing), so a window of years over a week of data
+        costs a week of rounds, not a round per six hours of the years."""
+        if first_s is None or last_s is None:
+            return []
+        first = int(max(window.start, first_s) // MINUTE_S * MINUTE_S)
+        end = min(window.end, last_s + MINUTE_S)
         out = []
         lo = first
-        while lo < window.end:
-            hi = min(lo + CHUNK_S, int(math.ceil(window.end / MINUTE_S) * MINUTE_S))
+        while lo < end:
+            hi = min(lo + CHUNK_S, int(math.ceil(end / MINUTE_S) * MINUTE_S))
             out.append((lo, hi))
             lo = hi
         return out
@@ -181,8 +189,13 @@ class StoreSource:
             func.sum(m.mean_cap_w),
         ).group_by(m.minute)
         rows: list[tuple[int, int, float, float, float, int, float]] = []
-        chunks = self._chunks(window)
         with self.store.engine.connect() as conn:
+            first, last = conn.execute(
+                select(func.min(m.minute), func.max(m.minute)).where(
+                    m.minute + MINUTE_S > window.start, m.minute < window.end
+                )
+            ).one()
+            chunks = self._chunks(window, first, last)
             for i, (lo, hi) in enumerate(chunks, 1):
                 self.progress(
                     f"{window.name}: GPU minutes {i}/{len(chunks)} "
@@ -257,8 +270,13 @@ class StoreSource:
         rows: list[dict[str, Any]] = []
         runs: list[dict[str, Any]] = []
         stmt = select(t.ts, t.budget_w, t.committed_w, t.draw_w, t.rows).order_by(t.ts, t.id)
-        chunks = self._chunks(window)
         with self.store.engine.connect() as conn:
+            first, last = conn.execute(
+                select(func.min(t.ts), func.max(t.ts)).where(
+                    t.ts >= window.start, t.ts < window.end
+                )
+            ).one()
+            chunks = self._chunks(window, first, last)
             for i, (lo, hi) in enumerate(chunks, 1):
                 self.progress(f"{window.name}: ticks {i}/{len(chunks)} (no group minutes stored)")
                 lo_ts, hi_ts = max(lo, window.start), min(hi, window.end)
