@@ -4,11 +4,15 @@ test_pilot)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
-from test_pilot import B0, SPAN_S, filled
+from test_pilot import B0, BASELINE, MANAGED, SPAN_S, filled, iso
 
+from powerd.cli import main
+from powerd.cli.exits import EXIT_OK
 from powerd.pilot.source import StoreSource
 from powerd.pilot.windows import Window
 
@@ -38,3 +42,26 @@ def test_a_window_of_years_reads_only_where_the_store_has_data(
     assert rounds and all(" 1/1 " in ln for ln in rounds), rounds[:3]
     assert (wide.fleet.minute == tight.fleet.minute).all()
     assert [g.name for g in wide.groups] == [g.name for g in tight.groups]
+
+
+def pilot_json(url: str, out: Path, baseline: str, managed: str = MANAGED) -> dict[str, Any]:
+    argv = ["pilot", "report", "--db", url, "--baseline", baseline, "--managed", managed]
+    assert main([*argv, "--out", str(out), "--quiet"]) == EXIT_OK
+    doc: dict[str, Any] = json.loads((out / "pilot.json").read_text())
+    return doc
+
+
+def test_work_per_hour_is_over_the_hours_with_data(sqlite_store: str, tmp_path: Path) -> None:
+    # The baseline window twice as long as its 30 recorded minutes. Before: its work per hour
+    # was halved (the empty half counted as no work) and the managed window's lead doubled.
+    tight = pilot_json(sqlite_store, tmp_path / "tight", BASELINE)
+    wide = pilot_json(sqlite_store, tmp_path / "wide", f"{iso(B0)}..{iso(B0 + 2 * SPAN_S)}")
+    t, w = tight["baseline"]["work"], wide["baseline"]["work"]
+    assert w["total"] == pytest.approx(t["total"])
+    assert w["hours"] == pytest.approx(SPAN_S / 3600) == t["hours"]
+    assert w["per_hour"] == pytest.approx(t["per_hour"])
+    assert wide["comparison"]["work_per_hour"] == pytest.approx(
+        tight["comparison"]["work_per_hour"]
+    )
+    assert any("covers 50% of this window" in n for n in wide["baseline"]["notes"])
+    assert not any("covers" in n for n in tight["baseline"]["notes"])
