@@ -12,7 +12,7 @@ import pytest
 from test_pilot import B0, BASELINE, MANAGED, SPAN_S, filled, iso
 
 from powerd.cli import main
-from powerd.cli.exits import EXIT_OK
+from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_OK
 from powerd.pilot.source import StoreSource
 from powerd.pilot.windows import Window
 
@@ -65,3 +65,39 @@ def test_work_per_hour_is_over_the_hours_with_data(sqlite_store: str, tmp_path: 
     )
     assert any("covers 50% of this window" in n for n in wide["baseline"]["notes"])
     assert not any("covers" in n for n in tight["baseline"]["notes"])
+
+
+def test_an_out_that_cannot_be_a_folder_is_refused_before_the_store_is_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: the store was read and the figures made, then mkdir failed (exit 1).
+    in_the_way = tmp_path / "report"
+    in_the_way.write_text("not a folder")
+    missing = f"sqlite:///{tmp_path / 'none.db'}"  # never opened: the folder is checked first
+    argv = ["pilot", "report", "--db", missing, "--baseline", BASELINE, "--managed", MANAGED]
+    assert main([*argv, "--out", str(in_the_way / "sub"), "--quiet"]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == f"--out {in_the_way / 'sub'}: cannot write there: a file is in the way (give a folder)"
+    )
+    assert in_the_way.read_text() == "not a folder"
+
+
+def test_the_report_files_are_written_both_or_neither(
+    sqlite_store: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "out"
+    pilot_json(sqlite_store, out, BASELINE)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert set(before) == {"pilot.json", "pilot.html"}
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("a plot failed")
+
+    # Before: the new pilot.json was already over the old one when the page failed.
+    monkeypatch.setattr("powerd.pilot.report.write_html", broken)
+    argv = ["pilot", "report", "--db", sqlite_store, "--baseline", f"{iso(B0)}..{iso(B0 + 600)}"]
+    with pytest.raises(RuntimeError):
+        main([*argv, "--managed", MANAGED, "--out", str(out), "--quiet"])
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before

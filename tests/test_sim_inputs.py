@@ -91,3 +91,37 @@ def test_a_search_feed_outside_what_a_site_can_be_is_refused_before_any_run(
     assert rc == 2
     assert err.startswith("--feed-w: invalid argument")
     assert said in err
+
+
+def test_an_out_that_is_a_file_is_refused_before_any_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: the whole simulation ran, then FileExistsError came out as a traceback.
+    in_the_way = tmp_path / "results"
+    in_the_way.write_text("not a folder")
+    rc, err = run_sim([str(write_scenario(tmp_path)), "--out", str(in_the_way)], capsys)
+    assert rc == 2
+    assert (
+        err.strip()
+        == f"--out {in_the_way}: cannot write there: a file is in the way (give a folder)"
+    )
+    assert in_the_way.read_text() == "not a folder"
+
+
+def test_outputs_are_written_whole_or_not_at_all(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "out"
+    sc = str(write_scenario(tmp_path, duration_h=0.25))
+    assert run_sim([sc, "--out", str(out)], capsys)[0] == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert {"report.html", "results.json", "power.png"} <= set(before)
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("the plot failed half-way")
+
+    # Before: power.png of the new run was already over the old one when this raised.
+    monkeypatch.setattr("powerd.sim.report.plot_throughput", broken)
+    with pytest.raises(RuntimeError):
+        run_sim([sc, "--seed", "8", "--out", str(out)], capsys)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before

@@ -20,6 +20,7 @@ WINDOW_HELP = (
 
 
 def cmd_pilot_report(args: argparse.Namespace) -> int:
+    from powerd.outputs import check_out_dir
     from powerd.pilot.report import PromQuery, build, write
     from powerd.pilot.windows import PilotError, parse_window
 
@@ -33,6 +34,7 @@ def cmd_pilot_report(args: argparse.Namespace) -> int:
     try:
         baseline = parse_window("baseline", args.baseline)
         managed = parse_window("managed", args.managed)
+        check_out_dir(args.out)  # before the store is read
         prom = (
             None
             if args.throughput_prom is None

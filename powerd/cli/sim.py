@@ -24,6 +24,7 @@ from powerd.cli.admin import parse_time
 from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from powerd.cli.extras import require
 from powerd.input_errors import InputError
+from powerd.outputs import check_out_dir, staged
 from powerd.sim import (
     BASELINES,
     DEFAULT_FRACTIONS,
@@ -328,6 +329,8 @@ def _run(args: argparse.Namespace) -> int:
     )
 
     scenario, policy = _scenario_and_policy(args)
+    if args.out:
+        check_out_dir(Path(args.out))
     if args.points < 2:
         raise ScenarioError("--points", [("", "at least 2 site sizes")])
     site = site_for(scenario, policy)
@@ -438,10 +441,9 @@ def _learning(scenario: Scenario, site: Site, args: argparse.Namespace) -> int:
         raise ScenarioError(scenario.source, [("", str(exc))]) from None
     doc = study.to_json()
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "learning.json").write_text(json.dumps(doc, indent=2), encoding="utf-8")
-        plot_learning(study, out / "learning.png")
+        with staged(Path(args.out)) as out:
+            (out / "learning.json").write_text(json.dumps(doc, indent=2), encoding="utf-8")
+            plot_learning(study, out / "learning.png")
     if args.json:
         print(json.dumps({k: v for k, v in doc.items() if k != "series"}, indent=2))
     else:
@@ -455,10 +457,11 @@ def _show(report: Report, args: argparse.Namespace) -> None:
 
     doc = to_json(report)
     if args.out:
-        out = Path(args.out)
-        written = write_outputs(report, out)
-        (out / "results.json").write_text(json.dumps(doc, indent=2), encoding="utf-8")
-        log.info("sim_outputs_written", files=[str(p) for p in written])
+        with staged(Path(args.out)) as out:
+            written = write_outputs(report, out)
+            (out / "results.json").write_text(json.dumps(doc, indent=2), encoding="utf-8")
+        names = [p.name for p in written] + ["results.json"]
+        log.info("sim_outputs_written", files=[str(Path(args.out) / n) for n in names])
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
