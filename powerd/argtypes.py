@@ -44,3 +44,7 @@ def int_range(lo: int, hi: int, why: str = "") -> Callable[[str], int]:
 
     parse.__name__ = f"int in [{lo}, {hi}]"
     return parse
+
+
+PORT = int_range(0, 65_535, "a TCP port")
+SEED = int_range(0, 2**32 - 1, "a 32-bit seed")
