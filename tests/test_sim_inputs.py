@@ -3,6 +3,7 @@ nothing written half-way."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -125,3 +126,23 @@ def test_outputs_are_written_whole_or_not_at_all(
     with pytest.raises(RuntimeError):
         run_sim([sc, "--seed", "8", "--out", str(out)], capsys)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "said"),
+    [
+        ("--jobs", "0", "must be from 1 to"),
+        ("--jobs", "-1", "must be from 1 to"),
+        ("--jobs", str((os.cpu_count() or 1) + 1), "this machine's CPUs"),
+        ("--points", "1", "must be from 2 to 1,000"),
+        ("--points", "1000000000", "must be from 2 to 1,000"),
+        ("--points", "eight", "'eight' is not a whole number"),
+    ],
+)
+def test_jobs_and_points_are_bounded(
+    flag: str, value: str, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: --jobs 0 and -1 ran as 1 without a word; --jobs 1000 let a search start a
+    # process per grid size; --points 1e9 built a grid of a billion sizes (never returned).
+    err = parse_error(["sim", "s.yaml", flag, value], capsys)
+    assert f"argument {flag}: " in err and said in err

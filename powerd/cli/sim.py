@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import structlog
 
-from powerd.argtypes import loss_share, positive_float
+from powerd.argtypes import int_range, loss_share, positive_float
 from powerd.cli.admin import parse_time
 from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from powerd.cli.extras import require
@@ -45,6 +45,8 @@ if TYPE_CHECKING:  # the simulator itself loads with the command (numpy, the tic
 log = structlog.get_logger(__name__)
 
 MAX_DEFAULT_JOBS = 4
+CPUS = os.cpu_count() or 1
+MAX_POINTS = 1000  # grid sizes: the search bisects between them, more only cost runs
 
 
 def _fractions(text_: str) -> list[float]:
@@ -175,9 +177,9 @@ def _add_study_arguments(sim: argparse.ArgumentParser) -> None:
     )
     sim.add_argument(
         "--points",
-        type=int,
+        type=int_range(2, MAX_POINTS),
         default=DEFAULT_POINTS,
-        help="site sizes on the oversubscription grid (default %(default)s)",
+        help=f"site sizes on the oversubscription grid, 2 to {MAX_POINTS} (default %(default)s)",
     )
 
 
@@ -214,9 +216,9 @@ def _add_output_arguments(sim: argparse.ArgumentParser) -> None:
     sim.add_argument("--out", help="directory for PNG plots, report.html and results.json")
     sim.add_argument(
         "--jobs",
-        type=int,
-        default=min(os.cpu_count() or 1, MAX_DEFAULT_JOBS),
-        help="runs in parallel processes (default: CPUs, at most 4)",
+        type=int_range(1, CPUS, "this machine's CPUs: more processes only add memory"),
+        default=min(CPUS, MAX_DEFAULT_JOBS),
+        help=f"runs in parallel processes, 1 to the CPUs ({CPUS}) (default: CPUs, at most 4)",
     )
     sim.add_argument(
         "--progress",
@@ -331,8 +333,6 @@ def _run(args: argparse.Namespace) -> int:
     scenario, policy = _scenario_and_policy(args)
     if args.out:
         check_out_dir(Path(args.out))
-    if args.points < 2:
-        raise ScenarioError("--points", [("", "at least 2 site sizes")])
     site = site_for(scenario, policy)
     check_mix_fits(scenario, site)
     if args.oversubscribe:
