@@ -146,3 +146,20 @@ def test_jobs_and_points_are_bounded(
     # process per grid size; --points 1e9 built a grid of a billion sizes (never returned).
     err = parse_error(["sim", "s.yaml", flag, value], capsys)
     assert f"argument {flag}: " in err and said in err
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        ("0.1:2:0.000000001", "1,900,000,001 feeds; at most 100"),
+        ("0.1:inf:0.1", "give shares of nameplate"),
+        (",".join(["0.5"] * 101), "101 feeds; at most 100"),
+    ],
+)
+def test_a_budget_sweep_is_a_bounded_list_of_feeds(
+    value: str, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: a tiny STEP built a list of two billion shares (memory, never returned); an
+    # infinite STOP was an OverflowError traceback.
+    err = parse_error(["sim", "s.yaml", "--budget-sweep", value], capsys)
+    assert "argument --budget-sweep: " in err and said in err

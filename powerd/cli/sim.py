@@ -46,6 +46,7 @@ log = structlog.get_logger(__name__)
 
 MAX_DEFAULT_JOBS = 4
 CPUS = os.cpu_count() or 1
+MAX_SWEEP = 100  # feeds in a budget sweep
 MAX_POINTS = 1000  # grid sizes: the search bisects between them, more only cost runs
 
 
@@ -54,18 +55,27 @@ def _fractions(text_: str) -> list[float]:
     try:
         if ":" in text_:
             start, stop, step = (float(x) for x in text_.split(":"))
-            if step <= 0 or stop < start:
+            if not step > 0 or not stop >= start:  # NaN too
                 raise ValueError
             count = round((stop - start) / step) + 1
+            if count > MAX_SWEEP:
+                raise argparse.ArgumentTypeError(
+                    f"'{text_}' is {count:,} feeds; at most {MAX_SWEEP} (a run per feed and "
+                    "policy): give a larger STEP"
+                )
             values = [round(start + k * step, 10) for k in range(count)]
         else:
             values = [float(x) for x in text_.split(",") if x.strip()]
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: an infinite STOP or START
         raise argparse.ArgumentTypeError(
             f"'{text_}': give shares of nameplate as 0.5,0.75,0.9 or START:STOP:STEP"
         ) from None
     if not values or any(not 0 < v <= 2 for v in values):
         raise argparse.ArgumentTypeError(f"'{text_}': every share must be in (0, 2]")
+    if len(values) > MAX_SWEEP:
+        raise argparse.ArgumentTypeError(
+            f"'{text_}' is {len(values):,} feeds; at most {MAX_SWEEP} (a run per feed and policy)"
+        )
     return values
 
 
