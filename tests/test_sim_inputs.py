@@ -163,3 +163,40 @@ def test_a_budget_sweep_is_a_bounded_list_of_feeds(
     # infinite STOP was an OverflowError traceback.
     err = parse_error(["sim", "s.yaml", "--budget-sweep", value], capsys)
     assert "argument --budget-sweep: " in err and said in err
+
+
+def test_from_db_reads_and_never_creates_a_database(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: a mistyped SQLite path was created (an empty database beside the real one)
+    # and the error was SQLAlchemy's, SQL statement and all, over four lines.
+    sc = str(write_scenario(tmp_path))
+    typo = tmp_path / "powerd.dbb"
+    rc, err = run_sim([sc, "--from-db", f"sqlite:///{typo}"], capsys)
+    assert rc == 2
+    assert f"at <top>: no such SQLite file ({typo})" in err
+    assert not typo.exists()
+
+
+def test_from_db_errors_name_the_flag_and_hide_the_password(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sc = str(write_scenario(tmp_path))
+    url = "postgresql://powerd:s3cret@127.0.0.1:9/powerd"  # nothing listens on port 9
+    rc, err = run_sim([sc, "--from-db", url], capsys)
+    assert rc == 2
+    assert err.startswith("--from-db postgresql://powerd:***@127.0.0.1:9/powerd: invalid trace")
+    assert "cannot read the recording: OperationalError" in err
+    assert "s3cret" not in err and "SELECT" not in err
+
+
+def test_from_db_refuses_a_reversed_window(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sc = str(write_scenario(tmp_path))
+    db = tmp_path / "rec.db"
+    db.touch()
+    argv = ["--from-db", f"sqlite:///{db}", "--since", "2000", "--until", "1000"]
+    rc, err = run_sim([sc, *argv], capsys)
+    assert rc == 2
+    assert "--until must be after --since" in err

@@ -15,7 +15,6 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,6 +26,7 @@ from sqlalchemy.orm import InstrumentedAttribute
 from powerd.pilot.windows import PilotError, Window
 from powerd.store import Store
 from powerd.store.aggregate import GroupAggregator
+from powerd.store.db import missing_sqlite_file, shown_url
 from powerd.store.tables import BudgetExcursion, CapChange, GpuMinute, GroupMinute, Tick
 
 FloatArray = npt.NDArray[np.float64]
@@ -478,26 +478,14 @@ def _floats(values: list[Any]) -> FloatArray:
 
 def _check_sqlite_file(url: str, flag: str) -> None:
     """A report reads a store: a SQLite path that is not there is a typo, not a new file."""
-    from sqlalchemy.engine import make_url
-
-    try:
-        parsed = make_url(url)
-    except Exception:
-        return  # make_engine says what is wrong with it
-    path = Path(parsed.database or ":memory:")
-    on_disk = parsed.get_backend_name() == "sqlite" and str(path) != ":memory:"
-    if on_disk and not path.is_file():
-        raise PilotError(f"{flag} {url}: no such SQLite file ({path.resolve()})")
+    path = missing_sqlite_file(url)
+    if path is not None:
+        raise PilotError(f"{flag} {url}: no such SQLite file ({path})")
 
 
 def _shown(url: str) -> str:
     """The URL without its password."""
-    from sqlalchemy.engine import make_url
-
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return url
+    return shown_url(url)
 
 
 def _why(exc: BaseException) -> str:
