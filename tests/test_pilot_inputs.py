@@ -14,7 +14,7 @@ from test_pilot import B0, BASELINE, MANAGED, SPAN_S, filled, iso
 from powerd.cli import main
 from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_OK
 from powerd.pilot.source import StoreSource
-from powerd.pilot.windows import Window
+from powerd.pilot.windows import PilotError, Window
 
 YEAR_S = 365 * 86400.0
 
@@ -101,3 +101,26 @@ def test_the_report_files_are_written_both_or_neither(
     with pytest.raises(RuntimeError):
         main([*argv, "--managed", MANAGED, "--out", str(out), "--quiet"])
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def _matrix(*series: list[list[object]]) -> dict[str, Any]:
+    result = [{"metric": {"i": str(i)}, "values": v} for i, v in enumerate(series)]
+    return {"status": "success", "data": {"resultType": "matrix", "result": result}}
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        # Before: the sum became inf, and the report printed "n/a -> n/a (+nan %)", exit 0.
+        (_matrix([[60.0, "1e308"]], [[60.0, "1e308"]]), "add up to more than a float holds"),
+        # Before: negative work per hour and per kWh, compared as if they were figures.
+        (_matrix([[60.0, "5"], [120.0, "-5"]]), "gave -5 at 1970-01-01T00:02:00Z"),
+    ],
+)
+def test_prometheus_values_that_are_no_throughput_are_refused(body: object, said: str) -> None:
+    from powerd.pilot.source import _parse_matrix
+
+    with pytest.raises(PilotError) as err:
+        _parse_matrix(body, "http://prom.example", "--query", 60.0, worst=False)
+    assert str(err.value).startswith("--throughput-prom http://prom.example: --query")
+    assert said in str(err.value) and "\n" not in str(err.value)

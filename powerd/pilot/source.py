@@ -15,6 +15,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
@@ -450,10 +451,21 @@ def _parse_matrix(body: object, url: str, flag: str, step: float, *, worst: bool
             except (TypeError, ValueError):
                 raise garbage from None
             if math.isfinite(v) and math.isfinite(t):
+                if v < 0:
+                    raise PilotError(
+                        f"--throughput-prom {url}: {flag} gave {v:g} at {_iso_s(t)}: a "
+                        "throughput or a latency is never negative (a counter wants rate())"
+                    )
                 if worst:
                     sums[t] = max(sums.get(t, -math.inf), v)
                 else:
                     sums[t] = sums.get(t, 0.0) + v
+    overflow = next((t for t, v in sums.items() if not math.isfinite(v)), None)
+    if overflow is not None:
+        raise PilotError(
+            f"--throughput-prom {url}: {flag}'s series add up to more than a float holds "
+            f"at {_iso_s(overflow)}: is it a rate?"
+        )
     ts_sorted = sorted(sums)
     return Series(
         ts=np.asarray(ts_sorted, dtype=np.float64),
@@ -461,6 +473,10 @@ def _parse_matrix(body: object, url: str, flag: str, step: float, *, worst: bool
         step_s=step,
         series=len(result),
     )
+
+
+def _iso_s(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _prom_error(raw: bytes) -> str:
