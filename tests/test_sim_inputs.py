@@ -200,3 +200,20 @@ def test_from_db_refuses_a_reversed_window(
     rc, err = run_sim([sc, *argv], capsys)
     assert rc == 2
     assert "--until must be after --since" in err
+
+
+@pytest.mark.parametrize("stamp", ["nan", "inf", "-inf"])
+def test_a_trace_time_that_is_no_number_names_its_line(stamp: str, tmp_path: Path) -> None:
+    # Before: float() took them; the file failed later as "sampled every nan s".
+    from powerd.sim.traces import TraceError, read_nvidia_smi_csv
+
+    csv = tmp_path / "gpu.csv"
+    csv.write_text(f"timestamp, power.draw [W]\n1000, 100 W\n{stamp}, 200 W\n")
+    with pytest.raises(TraceError) as err:
+        read_nvidia_smi_csv(csv)
+    assert err.value.problems == [
+        (
+            "line 3, column 'timestamp'",
+            f"'{stamp}' is not a time (nvidia-smi writes YYYY/MM/DD HH:MM:SS.mmm)",
+        )
+    ]
