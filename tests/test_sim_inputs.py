@@ -3,7 +3,12 @@ nothing written half-way."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -217,3 +222,54 @@ def test_a_trace_time_that_is_no_number_names_its_line(stamp: str, tmp_path: Pat
             f"'{stamp}' is not a time (nvidia-smi writes YYYY/MM/DD HH:MM:SS.mmm)",
         )
     ]
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(x) for x in path.read_text().split()] if path.exists() else []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(
+    (os.cpu_count() or 1) < 2 or not Path("/proc/self/task").exists(),
+    reason="two worker processes, read from Linux's /proc",
+)
+@pytest.mark.process
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stopped_sim_leaves_no_worker_running(signum: int, tmp_path: Path) -> None:
+    # Before: SIGINT to the command (not its process group) waited for every running run to
+    # finish (minutes); SIGTERM left the workers running as orphans until their runs ended.
+    sc = write_scenario(tmp_path, duration_h=24, tick_s=1)
+    argv = ["sim", str(sc), "--policies", "fast,uniform", "--baselines", "none"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "powerd.cli", *argv, "--jobs", "2", "--progress", "never"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # signals reach the command alone, as `kill PID` sends them
+    )
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(workers := _children(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(workers) == 2
+        time.sleep(1.0)  # both inside their runs
+        proc.send_signal(signum)
+        rc = proc.wait(timeout=15)
+        assert rc == (130 if signum == signal.SIGINT else -signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [w for w in workers if _alive(w)]
+    finally:
+        for pid in {proc.pid, *workers, *_children(proc.pid)}:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
