@@ -3,7 +3,12 @@ it starts anything (no store, no threads, no half-printed header)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -45,3 +50,31 @@ def test_a_ui_port_in_use_is_one_line_before_the_demo_starts(
     assert err.strip().startswith(f"powerd demo: --ui {port}: cannot serve on 127.0.0.1:{port}")
     assert "\n" not in err.strip() and "Traceback" not in err
     assert out == ""  # nothing started, nothing printed
+
+
+@pytest.mark.process
+def test_sigterm_stops_the_demo_through_its_cleanup(tmp_path: Path) -> None:
+    # Before: SIGTERM ended the process where it stood (exit -15), leaving its temporary
+    # store (powerd-demo-*/powerd.db) behind.
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
+    argv = ["demo", "--duration", "120", "--nodes", "1", "--json"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "powerd.cli", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()  # the first tick: the store is in use
+        assert first.startswith(b"{")
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith("powerd-demo-")]
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=30)[0]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert b'"summary"' in rest.splitlines()[-1]
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("powerd-demo-")]

@@ -8,15 +8,18 @@ below them), then runs the daemon until it stops.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
-from collections.abc import Coroutine
-from typing import Any
+from collections.abc import Awaitable, Coroutine
+from typing import Any, TypeVar
 
 from powerd.argtypes import PORT, SEED, positive_float
 from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from powerd.cli.extras import require
 
 # powerd.agent.kubelet.DEFAULT_SOCKET, not imported for a parser every command builds.
+T = TypeVar("T")
+
 KUBELET_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 
 
@@ -43,19 +46,45 @@ def cmd_demo(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_BAD_INPUT
-    result = asyncio.run(
-        run_demo(
-            policy,
-            duration_s=args.duration,
-            nodes=args.nodes,
-            broker=args.broker,
-            db_url=args.db,
-            as_json=args.json,
-            seed=args.seed,
-            ui_port=args.ui,
-        )
+    demo = run_demo(
+        policy,
+        duration_s=args.duration,
+        nodes=args.nodes,
+        broker=args.broker,
+        db_url=args.db,
+        as_json=args.json,
+        seed=args.seed,
+        ui_port=args.ui,
     )
+    terminated: list[int] = []
+    try:
+        result = asyncio.run(_cancelled_by_sigterm(demo, terminated))
+    except asyncio.CancelledError:
+        if terminated:
+            return 128 + signal.SIGTERM
+        raise
     return EXIT_OK if result["ticks_committed_over_budget"] == 0 else EXIT_FAILED
+
+
+async def _cancelled_by_sigterm(main: Awaitable[T], came: list[int]) -> T:
+    """`main`, cancelled by SIGTERM as asyncio.run cancels it on Ctrl-C: through its cleanup
+    (the demo's temporary store, the writer's last flush, the summary), instead of the
+    process ending where it stands. `came` says whether it did."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+
+    def on_term() -> None:
+        came.append(signal.SIGTERM)
+        task.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, on_term)
+    try:
+        return await main
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
 
 
 def _bind_once(host: str, port: int) -> None:
