@@ -19,6 +19,8 @@ from support.sim import scenario_dict, small_policy
 from powerd.cli import build_parser
 from powerd.cli import main as powerd_main
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def parse_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     """argparse's refusal of `argv` (exit 2): its message."""
@@ -273,3 +275,29 @@ def test_a_stopped_sim_leaves_no_worker_running(signum: int, tmp_path: Path) -> 
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         proc.wait()
+
+
+def test_a_scenario_key_given_twice_is_refused_with_both_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: YAML kept the last `tick_s` silently and the run took 30 s ticks.
+    sc = write_scenario(tmp_path)
+    sc.write_text(sc.read_text().replace("tick_s: 60\n", "tick_s: 60\ntick_s: 30\n"))
+    rc, err = run_sim([str(sc)], capsys)
+    assert rc == 2
+    line = sc.read_text().splitlines().index("tick_s: 30") + 1
+    assert f"at line {line}, column 1: malformed YAML: duplicate key 'tick_s'" in err
+    assert f"(first given on line {line - 1})" in err
+
+
+def test_a_budget_given_twice_in_a_policy_is_refused() -> None:
+    # The same loader reads policies: a group with two budgets ran on the last one.
+    from powerd.policy import PolicyError, load_policy_text
+
+    text = (ROOT / "policies" / "example.yaml").read_text()
+    assert "  budget_w: 250000" in text
+    doubled = text.replace("  budget_w: 250000", "  budget_w: 250000\n  budget_w: 400000", 1)
+    with pytest.raises(PolicyError) as err:
+        load_policy_text(doubled, "doubled.yaml")
+    assert "duplicate key 'budget_w'" in str(err.value)
+    load_policy_text(text, "example.yaml")  # merge keys and the rest still load
