@@ -301,3 +301,15 @@ def test_a_budget_given_twice_in_a_policy_is_refused() -> None:
         load_policy_text(doubled, "doubled.yaml")
     assert "duplicate key 'budget_w'" in str(err.value)
     load_policy_text(text, "example.yaml")  # merge keys and the rest still load
+
+
+def test_a_feed_below_the_device_minimums_is_the_scenarios_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: every steered run went over the budget and the command exited 1, the code for
+    # a bug in powerd, for a feed no policy can keep.
+    sc = write_scenario(tmp_path, site={"feed_fraction": 0.1}, duration_h=0.25)
+    rc, err = run_sim([str(sc)], capsys)
+    assert rc == 2
+    assert "at site: " in err
+    assert "below its GPUs at their device minimums plus overhead" in err

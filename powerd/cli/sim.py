@@ -331,7 +331,7 @@ def _run(args: argparse.Namespace) -> int:
     from powerd.sim.baselines import BaselineResult
     from powerd.sim.report import Report
     from powerd.sim.scenario import ScenarioError
-    from powerd.sim.site import check_mix_fits, site_for
+    from powerd.sim.site import check_minimums_fit, check_mix_fits, site_for
     from powerd.sim.study import (
         Runner,
         budget_sweep,
@@ -344,6 +344,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.out:
         check_out_dir(Path(args.out))
     site = site_for(scenario, policy)
+    check_minimums_fit(scenario, site)
     check_mix_fits(scenario, site)
     if args.oversubscribe:
         _check_feed(site, args.feed_w)

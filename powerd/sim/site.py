@@ -16,7 +16,7 @@ from numpy.typing import NDArray
 
 from powerd.backends.mock import Pattern as MockPattern
 from powerd.backends.mock import Workload
-from powerd.policy import GroupDef, Policy
+from powerd.policy import GroupDef, Policy, subtree_totals
 from powerd.profile import Profile
 from powerd.sim.recorded import replay
 from powerd.sim.scenario import HOUR_S, Scenario, ScenarioError, WorkloadSpec
@@ -213,6 +213,28 @@ def assign_nodes(shares: list[float], n_nodes: int, placement: str) -> IntArray:
         out[k] = w
         given[w] += 1
     return out
+
+
+def check_minimums_fit(scenario: Scenario, site: Site) -> None:
+    """Every budget of the scenario's site holds its GPUs at their device minimums plus
+    overhead: below that no policy keeps it (every run would end as a steered policy over a
+    budget, exit 1, the code for a bug), so it is the scenario's feed that is wrong."""
+    groups = site.policy.groups
+    mins = subtree_totals(
+        groups, [g.gpus * site.min_cap_w + g.overhead_w if g.level == NODE else 0.0 for g in groups]
+    )
+    problems = [
+        (
+            "site" if g.level == FACILITY else f"site (group '{g.name}')",
+            f"{g.name}'s budget ({g.budget_w:,.0f} W) is below its GPUs at their device minimums "
+            f"plus overhead ({total:,.0f} W): no policy can keep it; raise the feed "
+            "(site.facility_budget_w or site.feed_fraction) or give the site fewer nodes",
+        )
+        for g, total in zip(groups, mins, strict=True)
+        if total > g.budget_w + 1e-9
+    ]
+    if problems:
+        raise ScenarioError(scenario.source, problems[:1])  # the highest: the rest follow
 
 
 def check_mix_fits(scenario: Scenario, site: Site) -> None:
