@@ -313,3 +313,18 @@ def test_a_feed_below_the_device_minimums_is_the_scenarios_error(
     assert rc == 2
     assert "at site: " in err
     assert "below its GPUs at their device minimums plus overhead" in err
+
+
+def test_a_schedule_window_after_the_end_is_said(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: a window past the end (a scenario run with a shorter --duration-h) was
+    # silently never simulated, and the report read as if the schedule had been kept.
+    schedule = [{"fraction": 0.8, "start_h": 0.5, "end_h": 0.75}]
+    sc = write_scenario(tmp_path, schedule=schedule)
+    rc, err = run_sim([str(sc), "--duration-h", "0.25"], capsys)
+    assert rc == 0
+    assert (
+        "powerd sim: schedule[0] (0.5 to 0.75 h) starts after the simulation ends (0.25 h): "
+        "not simulated" in err
+    )

@@ -315,6 +315,13 @@ def _scenario_and_policy(args: argparse.Namespace) -> tuple[Scenario, Policy]:
     if args.overload is not None:
         policy = with_overload(policy, args.overload)
     check_against_policy(scenario, policy)
+    for i, window in enumerate(scenario.spec.schedule):
+        if window.start_h >= scenario.spec.duration_h:  # e.g. a shorter --duration-h
+            print(
+                f"powerd sim: schedule[{i}] ({window.start_h:g} to {window.end_h:g} h) starts "
+                f"after the simulation ends ({scenario.spec.duration_h:g} h): not simulated",
+                file=sys.stderr,
+            )
     if args.from_db is not None:
         recording = read_recording(args.from_db, args.since, args.until)
         if recording.skipped:
