@@ -216,7 +216,7 @@ def summary(
     stats: DemoStats,
     policy: Policy,
     n_gpus: int,
-    db_url: str,
+    db_url: str | None,  # None: a temporary store, removed at exit
     solver: WarmUp | None = None,
 ) -> dict[str, Any]:
     def pct(xs: list[float], q: float) -> float:
@@ -330,7 +330,12 @@ def print_summary(s: dict[str, Any], out: TextIO) -> None:
         "the controller's event loop)",
         file=out,
     )
-    print(f"  allocation statuses: {s['statuses']}; history in {s['db']}", file=out)
+    history = (
+        f"history in {s['db']}"
+        if s["db"]
+        else "history not kept (a temporary store, removed at exit; --db URL keeps it)"
+    )
+    print(f"  allocation statuses: {s['statuses']}; {history}", file=out)
 
 
 def _print_startup(s: dict[str, Any], out: TextIO) -> None:
@@ -577,7 +582,9 @@ async def run_demo(
             stop.set()
     finally:
         await asyncio.to_thread(writer.stop)
-        result = summary(stats, policy, len(per_gpu), db_url, solver)
+        # A temporary store is gone when the summary is read: no path to point at.
+        kept = db_url if tmp is None else None
+        result = summary(stats, policy, len(per_gpu), kept, solver)
         if as_json:
             print(json.dumps({"summary": result}), file=out, flush=True)
         else:

@@ -78,3 +78,17 @@ def test_sigterm_stops_the_demo_through_its_cleanup(tmp_path: Path) -> None:
     assert proc.returncode == 128 + signal.SIGTERM
     assert b'"summary"' in rest.splitlines()[-1]
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("powerd-demo-")]
+
+
+def test_the_summary_points_at_no_store_it_has_removed(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # Before: "history in sqlite:////tmp/powerd-demo-…/powerd.db", a file removed at exit.
+    assert main(["demo", "--duration", "1", "--nodes", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "history not kept (a temporary store, removed at exit; --db URL keeps it)" in out
+    assert "powerd-demo-" not in out
+    kept = f"sqlite:///{tmp_path / 'demo.db'}"
+    assert main(["demo", "--duration", "1", "--nodes", "1", "--db", kept]) == 0
+    assert f"history in {kept}" in capsys.readouterr().out
+    assert (tmp_path / "demo.db").is_file()
