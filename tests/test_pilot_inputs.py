@@ -124,3 +124,24 @@ def test_prometheus_values_that_are_no_throughput_are_refused(body: object, said
         _parse_matrix(body, "http://prom.example", "--query", 60.0, worst=False)
     assert str(err.value).startswith("--throughput-prom http://prom.example: --query")
     assert said in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "url", ["prom:9090", "ftp://127.0.0.1/", "http://127.0.0.1:99999", "http:///"]
+)
+def test_a_prometheus_url_that_is_none_is_refused_before_the_store_is_read(
+    url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: both windows were read from the store (minutes for weeks of data), then
+    # 'unreachable: unknown url type' or an FTP connection attempt, exit 1.
+    from powerd.cli import build_parser
+
+    argv = ["pilot", "report", "--baseline", BASELINE, "--managed", MANAGED, "--query", "x"]
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([*argv, "--throughput-prom", url])
+    assert exc.value.code == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (
+        f"powerd pilot report: error: argument --throughput-prom: {url!r} is not a "
+        "Prometheus server's URL: give http://HOST:PORT or https://..."
+    )

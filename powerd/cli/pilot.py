@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,21 @@ WINDOW_HELP = (
     "START..END, each ISO 8601 with a time zone (2026-11-02T00:00Z, "
     "2026-11-02T00:00:00+01:00; a time without a zone is refused)"
 )
+
+
+def prom_url(text: str) -> str:
+    """An http(s) URL with a host (and a port that exists): urllib would otherwise try FTP or
+    a file, or say 'unknown url type' only after both windows were read from the store."""
+    parsed = urllib.parse.urlsplit(text)
+    try:
+        port_ok = parsed.port is None or parsed.port > 0
+    except ValueError:
+        port_ok = False
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or not port_ok:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a Prometheus server's URL: give http://HOST:PORT or https://..."
+        )
+    return text
 
 
 def cmd_pilot_report(args: argparse.Namespace) -> int:
@@ -102,6 +118,7 @@ def add_parser(sub: Any) -> None:
     )
     rep.add_argument(
         "--throughput-prom",
+        type=prom_url,
         metavar="URL",
         help="take work from a Prometheus server (http://prom:9090) instead of the agents' "
         "reported perf",
