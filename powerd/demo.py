@@ -497,10 +497,11 @@ async def run_demo(
     db_url: str | None = None,
     as_json: bool = False,
     seed: int = 0,
-    out: TextIO = sys.stdout,
+    out: TextIO | None = None,  # default: sys.stdout when called, not when imported
     clock: Clock | None = None,
     ui_port: int | None = None,  # also serve the live page (/ui) there: live_page()
 ) -> dict[str, Any]:
+    out = sys.stdout if out is None else out
     clock = clock or SystemClock()
     policy, node_names = _first_nodes(policy, nodes)
     groups = {g.name: g for g in policy.groups}
@@ -583,8 +584,7 @@ async def run_demo(
     finally:
         await asyncio.to_thread(writer.stop)
         # A temporary store is gone when the summary is read: no path to point at.
-        kept = db_url if tmp is None else None
-        result = summary(stats, policy, len(per_gpu), kept, solver)
+        result = summary(stats, policy, len(per_gpu), db_url if tmp is None else None, solver)
         if as_json:
             print(json.dumps({"summary": result}), file=out, flush=True)
         else:
