@@ -328,3 +328,19 @@ def test_a_schedule_window_after_the_end_is_said(
         "powerd sim: schedule[0] (0.5 to 0.75 h) starts after the simulation ends (0.25 h): "
         "not simulated" in err
     )
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        ("5:0", "SECONDS input should be greater than 0"),
+        ("1e9:30", "PCT input should be less than or equal to 100"),
+        ("nan:30", "PCT input should be a finite number"),
+    ],
+)
+def test_an_overload_out_of_range_says_which_and_the_range(
+    value: str, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: "... 1 validation error for Overload", naming neither the part nor its range.
+    err = parse_error(["sim", "s.yaml", "--overload", value], capsys)
+    assert err.endswith(f"(5 % above the budget for 30 s): {said}")

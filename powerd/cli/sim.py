@@ -276,6 +276,9 @@ class ProgressBar:
 def _overload(text: str) -> Overload:
     """PCT:SECONDS, as `overload: {pct, for_s}` in a policy."""
     require("powerd sim", "sim")  # Overload is the policy's model (numpy): refuse as `sim` does
+    from pydantic import ValidationError
+
+    from powerd.input_errors import validation_problems
     from powerd.policy import Overload
 
     pct, sep, secs = text.partition(":")
@@ -283,11 +286,16 @@ def _overload(text: str) -> Overload:
         if not sep:
             raise ValueError("no ':'")
         return Overload(pct=float(pct), for_s=float(secs))
-    except ValueError as exc:  # pydantic's ValidationError is a ValueError
-        first = str(exc).splitlines()[0]
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: want PCT:SECONDS, e.g. 5:30 (5 % above the budget for 30 s): {first}"
-        ) from None
+    except ValidationError as exc:  # which of the two, and its range
+        why = "; ".join(
+            f"{'PCT' if path == 'pct' else 'SECONDS'} {msg[0].lower()}{msg[1:]}"
+            for path, msg in validation_problems(exc)
+        )
+    except ValueError as exc:
+        why = str(exc)
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: want PCT:SECONDS, e.g. 5:30 (5 % above the budget for 30 s): {why}"
+    )
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
