@@ -344,3 +344,20 @@ def test_an_overload_out_of_range_says_which_and_the_range(
     # Before: "... 1 validation error for Overload", naming neither the part nor its range.
     err = parse_error(["sim", "s.yaml", "--overload", value], capsys)
     assert err.endswith(f"(5 % above the budget for 30 s): {said}")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "path"),
+    [
+        ("--seed", "-5", "seed"),
+        ("--tick-s", "0.5", "tick_s"),
+        ("--duration-h", "9000", "duration_h"),
+    ],
+)
+def test_an_override_out_of_range_names_its_flag(
+    flag: str, value: str, path: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: "at seed: ..." under the scenario file's name: the operator looked in the file.
+    rc, err = run_sim([str(write_scenario(tmp_path)), flag, value], capsys)
+    assert rc == 2
+    assert f"  at {path} (from {flag}): " in err

@@ -339,14 +339,23 @@ def parse_scenario(
             source,
             [("", "a scenario is a mapping with keys name, duration_h, tick_s and workloads")],
         )
-    data = {**data, **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    data = {**data, **given}
+
+    def named(problems: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        # A value from the command line is looked for there, not in the file.
+        return [
+            (f"{path} (from --{path.replace('_', '-')})" if path in given else path, msg)
+            for path, msg in problems
+        ]
+
     try:
         spec = ScenarioSpec.model_validate(data)
     except ValidationError as exc:
-        raise ScenarioError(source, validation_problems(exc)) from None
+        raise ScenarioError(source, named(validation_problems(exc))) from None
     problems = _check(spec)
     if problems:
-        raise ScenarioError(source, problems)
+        raise ScenarioError(source, named(problems))
     policy_path = None
     if spec.policy is not None:
         policy_path = (base_dir or Path.cwd()) / spec.policy
