@@ -361,3 +361,14 @@ def test_an_override_out_of_range_names_its_flag(
     rc, err = run_sim([str(write_scenario(tmp_path)), flag, value], capsys)
     assert rc == 2
     assert f"  at {path} (from {flag}): " in err
+
+
+def test_an_inner_budget_below_its_minimums_points_at_the_site_shape(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 64 GPUs on a node whose budget was drawn for 4: raising the feed would not help.
+    sc = write_scenario(tmp_path, site={"gpus_per_node": 64}, duration_h=0.25)
+    rc, err = run_sim([str(sc)], capsys)
+    assert rc == 2
+    assert "at site (group '" in err
+    assert "give the site fewer nodes or GPUs per node, or this group a larger budget" in err

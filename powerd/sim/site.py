@@ -223,18 +223,24 @@ def check_minimums_fit(scenario: Scenario, site: Site) -> None:
     mins = subtree_totals(
         groups, [g.gpus * site.min_cap_w + g.overhead_w if g.level == NODE else 0.0 for g in groups]
     )
-    problems = [
-        (
+    first_per_level: dict[int, tuple[str, str]] = {}
+    for g, total in zip(groups, mins, strict=True):
+        if total <= g.budget_w + 1e-9 or g.level in first_per_level:
+            continue
+        first_per_level[g.level] = (
             "site" if g.level == FACILITY else f"site (group '{g.name}')",
             f"{g.name}'s budget ({g.budget_w:,.0f} W) is below its GPUs at their device minimums "
-            f"plus overhead ({total:,.0f} W): no policy can keep it; raise the feed "
-            "(site.facility_budget_w or site.feed_fraction) or give the site fewer nodes",
+            f"plus overhead ({total:,.0f} W): no policy can keep it; "
+            + (
+                "raise the feed (site.facility_budget_w or site.feed_fraction) or give the "
+                "site fewer nodes"
+                if g.level == FACILITY
+                else "give the site fewer nodes or GPUs per node, or this group a larger "
+                "budget in the policy"
+            ),
         )
-        for g, total in zip(groups, mins, strict=True)
-        if total > g.budget_w + 1e-9
-    ]
-    if problems:
-        raise ScenarioError(scenario.source, problems[:1])  # the highest: the rest follow
+    if first_per_level:  # the first group of each level: the others are alike
+        raise ScenarioError(scenario.source, list(first_per_level.values()))
 
 
 def check_mix_fits(scenario: Scenario, site: Site) -> None:
