@@ -372,3 +372,18 @@ def test_an_inner_budget_below_its_minimums_points_at_the_site_shape(
     assert rc == 2
     assert "at site (group '" in err
     assert "give the site fewer nodes or GPUs per node, or this group a larger budget" in err
+
+
+def test_the_text_points_at_the_search_only_when_it_was_not_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: "(how many GPUs ...: --oversubscribe)" printed under the search's own answer.
+    hint = "(how many GPUs the feed runs within a loss threshold: --oversubscribe)"
+    sc = str(write_scenario(tmp_path, duration_h=0.25))
+    argv = [sc, "--policies", "fast,static", "--baselines", "none", "--jobs", "1"]
+    assert powerd_main(["sim", *argv]) == 0
+    assert hint in capsys.readouterr().out
+    assert powerd_main(["sim", *argv, "--oversubscribe", "--points", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "--oversubscribe at 3.0% loss: fast fits" in out
+    assert hint not in out
