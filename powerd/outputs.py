@@ -56,7 +56,11 @@ def staged(out: Path, flag: str = "--out") -> Iterator[Path]:
         raise _refused(flag, out, exc) from None
     try:
         yield stage
-        for path in sorted(stage.iterdir()):
+        files = sorted(stage.iterdir())
+        for path in files:  # all checked before any moves: none, or all of them
+            if (out / path.name).is_dir():
+                raise IsADirectoryError(21, f"{path.name} is a folder there", str(out))
+        for path in files:
             os.replace(path, out / path.name)
     except OSError as exc:
         raise _refused(flag, out, exc) from None

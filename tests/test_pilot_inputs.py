@@ -145,3 +145,18 @@ def test_a_prometheus_url_that_is_none_is_refused_before_the_store_is_read(
         f"powerd pilot report: error: argument --throughput-prom: {url!r} is not a "
         "Prometheus server's URL: give http://HOST:PORT or https://..."
     )
+
+
+def test_a_folder_in_the_way_of_one_file_leaves_the_other_untouched(
+    sqlite_store: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: pilot.html (first by name) was replaced, then pilot.json, a folder, failed.
+    out = tmp_path / "out"
+    (out / "pilot.json").mkdir(parents=True)
+    (out / "pilot.html").write_text("the old page")
+    argv = ["pilot", "report", "--db", sqlite_store, "--baseline", BASELINE, "--managed", MANAGED]
+    assert main([*argv, "--out", str(out), "--quiet"]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert err == f"--out {out}: cannot write there: pilot.json is a folder there"
+    assert (out / "pilot.html").read_text() == "the old page"
+    assert sorted(p.name for p in out.iterdir()) == ["pilot.html", "pilot.json"]
