@@ -216,7 +216,7 @@ def summary(
     stats: DemoStats,
     policy: Policy,
     n_gpus: int,
-    db_url: str,
+    db_url: str | None,  # None: a temporary store, removed at exit
     solver: WarmUp | None = None,
 ) -> dict[str, Any]:
     def pct(xs: list[float], q: float) -> float:
@@ -330,7 +330,12 @@ def print_summary(s: dict[str, Any], out: TextIO) -> None:
         "the controller's event loop)",
         file=out,
     )
-    print(f"  allocation statuses: {s['statuses']}; history in {s['db']}", file=out)
+    history = (
+        f"history in {s['db']}"
+        if s["db"]
+        else "history not kept (a temporary store, removed at exit; --db URL keeps it)"
+    )
+    print(f"  allocation statuses: {s['statuses']}; {history}", file=out)
 
 
 def _print_startup(s: dict[str, Any], out: TextIO) -> None:
@@ -492,10 +497,11 @@ async def run_demo(
     db_url: str | None = None,
     as_json: bool = False,
     seed: int = 0,
-    out: TextIO = sys.stdout,
+    out: TextIO | None = None,  # default: sys.stdout when called, not when imported
     clock: Clock | None = None,
     ui_port: int | None = None,  # also serve the live page (/ui) there: live_page()
 ) -> dict[str, Any]:
+    out = sys.stdout if out is None else out
     clock = clock or SystemClock()
     policy, node_names = _first_nodes(policy, nodes)
     groups = {g.name: g for g in policy.groups}
@@ -577,7 +583,8 @@ async def run_demo(
             stop.set()
     finally:
         await asyncio.to_thread(writer.stop)
-        result = summary(stats, policy, len(per_gpu), db_url, solver)
+        # A temporary store is gone when the summary is read: no path to point at.
+        result = summary(stats, policy, len(per_gpu), db_url if tmp is None else None, solver)
         if as_json:
             print(json.dumps({"summary": result}), file=out, flush=True)
         else:

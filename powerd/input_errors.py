@@ -58,10 +58,41 @@ def read_text(path: str | Path, error: type[InputError]) -> str:
         raise error(str(p), [("", "the file is not UTF-8 text")]) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load's loader, refusing a key given twice in one mapping: YAML keeps the last
+    silently, so `tick_s: 60` then `tick_s: 30` (or a budget given twice) would run on
+    whichever came last, with no word."""
+
+
+def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: keys given here win
+            continue
+        key = loader.construct_object(key_node)
+        try:
+            first = seen.get(key)
+        except TypeError:  # an unhashable key: construct_mapping says so
+            continue
+        seen.setdefault(key, key_node.start_mark.line)
+        if first is not None:
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"duplicate key {key!r} (first given on line {first + 1}): give each key once",
+                key_node.start_mark,
+            )
+    return loader.construct_mapping(node)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
 def parse_yaml(text: str, source: str, error: type[InputError]) -> Any:
-    """YAML data, or `error` with the line and column of the mistake."""
+    """YAML data, or `error` with the line and column of the mistake (a key given twice in
+    one mapping is one)."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no Python objects
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""

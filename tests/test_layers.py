@@ -62,6 +62,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "powerd.sdnotify",
             "powerd.auth",
             "powerd.logs",
+            "powerd.outputs",
             "powerd.controller.opstate",
             "powerd.bmc.redfish",
             "powerd.bmc.backend",

@@ -453,7 +453,7 @@ def test_a_garbage_prometheus_answer_is_a_one_line_error(body: object) -> None:
 
 def test_non_finite_prometheus_points_are_skipped() -> None:
     """NaN and ±Inf values (Prometheus sends them as strings) and non-finite times are no
-    points; huge values sum as they come and stay out of the JSON as non-finite."""
+    points (series whose sum overflows are refused: test_pilot_inputs)."""
     from powerd.pilot.source import _parse_matrix
 
     body = _matrix([{"values": [[60.0, "NaN"], [120.0, "+Inf"], ["NaN", "5"], [180.0, "2"]]}])

@@ -161,9 +161,11 @@ def test_reports_carry_the_baselines_and_the_headline(
         yaml.safe_dump(policy_dict(1, 1, 4, 4, overhead_w=400.0, fractions=(0.6, 1, 1, 1)))
     )
     sc = tmp_path / "scenario.yaml"
-    sc.write_text(
-        yaml.safe_dump({**scenario_dict(duration_h=0.05, tick_s=10), "policy": "policy.yaml"})
-    )
+    # 4 nodes: serving and training on two each (the batch share would hold none).
+    workloads = scenario_dict()["workloads"][:2]
+    workloads[0]["share"] = workloads[1]["share"] = 0.5
+    data = scenario_dict(duration_h=0.05, tick_s=10, workloads=workloads)
+    sc.write_text(yaml.safe_dump({**data, "policy": "policy.yaml"}))
     argv = ["sim", str(sc), "--policies", "fast,static", "--jobs", "1", "--progress", "never"]
     argv += ["--breaker-rating", "1.25", "--restore-s", "600", "--oversubscribe", "--points", "2"]
     assert powerd_main([*argv, "--json", "--out", str(tmp_path / "out")]) == 0

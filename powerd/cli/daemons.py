@@ -8,15 +8,18 @@ below them), then runs the daemon until it stops.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
-from collections.abc import Coroutine
-from typing import Any
+from collections.abc import Awaitable, Coroutine
+from typing import Any, TypeVar
 
-from powerd.argtypes import positive_float
+from powerd.argtypes import PORT, SEED, positive_float
 from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from powerd.cli.extras import require
 
 # powerd.agent.kubelet.DEFAULT_SOCKET, not imported for a parser every command builds.
+T = TypeVar("T")
+
 KUBELET_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 
 
@@ -26,6 +29,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from powerd.demo import load_demo_policy, run_demo
 
     policy = load_demo_policy(args.policy)
+    if args.ui:
+        try:
+            _bind_once("127.0.0.1", args.ui)
+        except OSError as exc:
+            print(
+                f"powerd demo: --ui {args.ui}: cannot serve on 127.0.0.1:{args.ui}: "
+                f"{exc.strerror or exc} (give another port, or 0 for a free one)",
+                file=sys.stderr,
+            )
+            return EXIT_BAD_INPUT
     if args.nodes is not None and not 1 <= args.nodes <= len(policy.node_names()):
         print(
             f"powerd demo: --nodes must be between 1 and {len(policy.node_names())} for "
@@ -33,19 +46,55 @@ def cmd_demo(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_BAD_INPUT
-    result = asyncio.run(
-        run_demo(
-            policy,
-            duration_s=args.duration,
-            nodes=args.nodes,
-            broker=args.broker,
-            db_url=args.db,
-            as_json=args.json,
-            seed=args.seed,
-            ui_port=args.ui,
-        )
+    demo = run_demo(
+        policy,
+        duration_s=args.duration,
+        nodes=args.nodes,
+        broker=args.broker,
+        db_url=args.db,
+        as_json=args.json,
+        seed=args.seed,
+        ui_port=args.ui,
     )
+    terminated: list[int] = []
+    try:
+        result = asyncio.run(_cancelled_by_sigterm(demo, terminated))
+    except asyncio.CancelledError:
+        if terminated:
+            return 128 + signal.SIGTERM
+        raise
     return EXIT_OK if result["ticks_committed_over_budget"] == 0 else EXIT_FAILED
+
+
+async def _cancelled_by_sigterm(main: Awaitable[T], came: list[int]) -> T:
+    """`main`, cancelled by SIGTERM as asyncio.run cancels it on Ctrl-C: through its cleanup
+    (the demo's temporary store, the writer's last flush, the summary), instead of the
+    process ending where it stands. `came` says whether it did."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+
+    def on_term() -> None:
+        came.append(signal.SIGTERM)
+        task.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, on_term)
+    try:
+        return await main
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
+def _bind_once(host: str, port: int) -> None:
+    """OSError if `port` cannot be served on `host` now (in use, not allowed): said in one
+    line before the demo starts its threads, rather than as a traceback after."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ApiServer binds
+        sock.bind((host, port))
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
@@ -214,10 +263,12 @@ def _add_demo_parser(sub: Any) -> None:
     demo.add_argument(
         "--json", action="store_true", help="one JSON object per tick, then a summary"
     )
-    demo.add_argument("--seed", type=int, default=0, help="seed of the simulated workloads")
+    demo.add_argument(
+        "--seed", type=SEED, default=0, help="seed of the simulated workloads (0 to 2^63-1)"
+    )
     demo.add_argument(
         "--ui",
-        type=int,
+        type=PORT,
         metavar="PORT",
         default=None,
         help="also serve the live page on 127.0.0.1:PORT (0: a free port); prints its link",
@@ -251,7 +302,7 @@ def _add_agent_parser(sub: Any) -> None:
         choices=("steady", "training", "inference", "idle"),
         help="demand pattern of the mock GPUs",
     )
-    agent.add_argument("--mock-seed", type=int, help="seed of the mock GPUs")
+    agent.add_argument("--mock-seed", type=SEED, help="seed of the mock GPUs")
     agent.add_argument(
         "--record",
         help="append every telemetry sample to this file as nvidia-smi CSV (a trace for "

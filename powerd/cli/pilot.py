@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,23 @@ WINDOW_HELP = (
 )
 
 
+def prom_url(text: str) -> str:
+    """An http(s) URL with a host (and a port that exists): urllib would otherwise try FTP or
+    a file, or say 'unknown url type' only after both windows were read from the store."""
+    parsed = urllib.parse.urlsplit(text)
+    try:
+        port_ok = parsed.port is None or parsed.port > 0
+    except ValueError:
+        port_ok = False
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or not port_ok:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a Prometheus server's URL: give http://HOST:PORT or https://..."
+        )
+    return text
+
+
 def cmd_pilot_report(args: argparse.Namespace) -> int:
+    from powerd.outputs import check_out_dir
     from powerd.pilot.report import PromQuery, build, write
     from powerd.pilot.windows import PilotError, parse_window
 
@@ -33,6 +50,7 @@ def cmd_pilot_report(args: argparse.Namespace) -> int:
     try:
         baseline = parse_window("baseline", args.baseline)
         managed = parse_window("managed", args.managed)
+        check_out_dir(args.out)  # before the store is read
         prom = (
             None
             if args.throughput_prom is None
@@ -100,6 +118,7 @@ def add_parser(sub: Any) -> None:
     )
     rep.add_argument(
         "--throughput-prom",
+        type=prom_url,
         metavar="URL",
         help="take work from a Prometheus server (http://prom:9090) instead of the agents' "
         "reported perf",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -18,11 +19,12 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import structlog
 
-from powerd.argtypes import positive_float
+from powerd.argtypes import int_range, loss_share, positive_float
 from powerd.cli.admin import parse_time
 from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from powerd.cli.extras import require
 from powerd.input_errors import InputError
+from powerd.outputs import check_out_dir, staged
 from powerd.sim import (
     BASELINES,
     DEFAULT_FRACTIONS,
@@ -43,6 +45,9 @@ if TYPE_CHECKING:  # the simulator itself loads with the command (numpy, the tic
 log = structlog.get_logger(__name__)
 
 MAX_DEFAULT_JOBS = 4
+CPUS = os.cpu_count() or 1
+MAX_SWEEP = 100  # feeds in a budget sweep
+MAX_POINTS = 1000  # grid sizes: the search bisects between them, more only cost runs
 
 
 def _fractions(text_: str) -> list[float]:
@@ -50,18 +55,27 @@ def _fractions(text_: str) -> list[float]:
     try:
         if ":" in text_:
             start, stop, step = (float(x) for x in text_.split(":"))
-            if step <= 0 or stop < start:
+            if not step > 0 or not stop >= start:  # NaN too
                 raise ValueError
             count = round((stop - start) / step) + 1
+            if count > MAX_SWEEP:
+                raise argparse.ArgumentTypeError(
+                    f"'{text_}' is {count:,} feeds; at most {MAX_SWEEP} (a run per feed and "
+                    "policy): give a larger STEP"
+                )
             values = [round(start + k * step, 10) for k in range(count)]
         else:
             values = [float(x) for x in text_.split(",") if x.strip()]
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: an infinite STOP or START
         raise argparse.ArgumentTypeError(
             f"'{text_}': give shares of nameplate as 0.5,0.75,0.9 or START:STOP:STEP"
         ) from None
     if not values or any(not 0 < v <= 2 for v in values):
         raise argparse.ArgumentTypeError(f"'{text_}': every share must be in (0, 2]")
+    if len(values) > MAX_SWEEP:
+        raise argparse.ArgumentTypeError(
+            f"'{text_}' is {len(values):,} feeds; at most {MAX_SWEEP} (a run per feed and policy)"
+        )
     return values
 
 
@@ -155,9 +169,10 @@ def _add_study_arguments(sim: argparse.ArgumentParser) -> None:
     )
     sim.add_argument(
         "--threshold",
-        type=positive_float,
+        type=loss_share,
         default=DEFAULT_THRESHOLD,
-        help="throughput loss allowed by --oversubscribe (default %(default)s)",
+        help="throughput loss allowed by --oversubscribe, a share between 0 and 1 (default "
+        "%(default)s: 3 %%)",
     )
     sim.add_argument(
         "--metric",
@@ -172,9 +187,9 @@ def _add_study_arguments(sim: argparse.ArgumentParser) -> None:
     )
     sim.add_argument(
         "--points",
-        type=int,
+        type=int_range(2, MAX_POINTS),
         default=DEFAULT_POINTS,
-        help="site sizes on the oversubscription grid (default %(default)s)",
+        help=f"site sizes on the oversubscription grid, 2 to {MAX_POINTS} (default %(default)s)",
     )
 
 
@@ -211,9 +226,9 @@ def _add_output_arguments(sim: argparse.ArgumentParser) -> None:
     sim.add_argument("--out", help="directory for PNG plots, report.html and results.json")
     sim.add_argument(
         "--jobs",
-        type=int,
-        default=min(os.cpu_count() or 1, MAX_DEFAULT_JOBS),
-        help="runs in parallel processes (default: CPUs, at most 4)",
+        type=int_range(1, CPUS, "this machine's CPUs: more processes only add memory"),
+        default=min(CPUS, MAX_DEFAULT_JOBS),
+        help=f"runs in parallel processes, 1 to the CPUs ({CPUS}) (default: CPUs, at most 4)",
     )
     sim.add_argument(
         "--progress",
@@ -221,6 +236,12 @@ def _add_output_arguments(sim: argparse.ArgumentParser) -> None:
         default="auto",
         help="progress bar on stderr (auto: when stderr is a terminal)",
     )
+
+
+class FlagError(InputError):
+    """A flag whose value cannot be used with this scenario: the flag, and what would do."""
+
+    kind = "argument"
 
 
 class ProgressBar:
@@ -255,6 +276,9 @@ class ProgressBar:
 def _overload(text: str) -> Overload:
     """PCT:SECONDS, as `overload: {pct, for_s}` in a policy."""
     require("powerd sim", "sim")  # Overload is the policy's model (numpy): refuse as `sim` does
+    from pydantic import ValidationError
+
+    from powerd.input_errors import validation_problems
     from powerd.policy import Overload
 
     pct, sep, secs = text.partition(":")
@@ -262,11 +286,16 @@ def _overload(text: str) -> Overload:
         if not sep:
             raise ValueError("no ':'")
         return Overload(pct=float(pct), for_s=float(secs))
-    except ValueError as exc:  # pydantic's ValidationError is a ValueError
-        first = str(exc).splitlines()[0]
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: want PCT:SECONDS, e.g. 5:30 (5 % above the budget for 30 s): {first}"
-        ) from None
+    except ValidationError as exc:  # which of the two, and its range
+        why = "; ".join(
+            f"{'PCT' if path == 'pct' else 'SECONDS'} {msg[0].lower()}{msg[1:]}"
+            for path, msg in validation_problems(exc)
+        )
+    except ValueError as exc:
+        why = str(exc)
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: want PCT:SECONDS, e.g. 5:30 (5 % above the budget for 30 s): {why}"
+    )
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
@@ -294,6 +323,13 @@ def _scenario_and_policy(args: argparse.Namespace) -> tuple[Scenario, Policy]:
     if args.overload is not None:
         policy = with_overload(policy, args.overload)
     check_against_policy(scenario, policy)
+    for i, window in enumerate(scenario.spec.schedule):
+        if window.start_h >= scenario.spec.duration_h:  # e.g. a shorter --duration-h
+            print(
+                f"powerd sim: schedule[{i}] ({window.start_h:g} to {window.end_h:g} h) starts "
+                f"after the simulation ends ({scenario.spec.duration_h:g} h): not simulated",
+                file=sys.stderr,
+            )
     if args.from_db is not None:
         recording = read_recording(args.from_db, args.since, args.until)
         if recording.skipped:
@@ -310,7 +346,7 @@ def _run(args: argparse.Namespace) -> int:
     from powerd.sim.baselines import BaselineResult
     from powerd.sim.report import Report
     from powerd.sim.scenario import ScenarioError
-    from powerd.sim.site import site_for
+    from powerd.sim.site import check_minimums_fit, check_mix_fits, site_for
     from powerd.sim.study import (
         Runner,
         budget_sweep,
@@ -320,9 +356,13 @@ def _run(args: argparse.Namespace) -> int:
     )
 
     scenario, policy = _scenario_and_policy(args)
-    if args.points < 2:
-        raise ScenarioError("--points", [("", "at least 2 site sizes")])
+    if args.out:
+        check_out_dir(Path(args.out))
     site = site_for(scenario, policy)
+    check_minimums_fit(scenario, site)
+    check_mix_fits(scenario, site)
+    if args.oversubscribe:
+        _check_feed(site, args.feed_w)
     if args.learning:
         return _learning(scenario, site, args)
     show = args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
@@ -373,6 +413,41 @@ def _run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _check_feed(site: Site, feed_w: float | None) -> None:
+    """The search's feed runs at least one node and at most a site the simulator builds:
+    checked before any run, rather than after hours of them (or a search that never ends)."""
+    from powerd.sim.scenario import MAX_NODES
+
+    feed = site.feed_w if feed_w is None else feed_w
+    flag = "--feed-w" if feed_w is not None else "--oversubscribe"
+    if not math.isfinite(feed):
+        raise FlagError(flag, [("", "the site has no facility budget: give --feed-w WATTS")])
+    node_min = site.node_min_w()
+    if feed < node_min:
+        raise FlagError(
+            flag,
+            [
+                (
+                    "",
+                    f"a {feed:,.0f} W feed runs no node, even at device minimums "
+                    f"({node_min:,.0f} W a node): give at least {node_min:,.0f} W",
+                )
+            ],
+        )
+    if feed // node_min > MAX_NODES:
+        raise FlagError(
+            flag,
+            [
+                (
+                    "",
+                    f"a {feed:,.0f} W feed holds {feed // node_min:,.0f} nodes at device minimums; "
+                    f"the search grows a site up to {MAX_NODES:,} nodes: give at most "
+                    f"{MAX_NODES * node_min:,.0f} W",
+                )
+            ],
+        )
+
+
 def _breaker(args: argparse.Namespace) -> Breaker:
     from powerd.sim.baselines import RESTORE_S, Breaker
 
@@ -392,10 +467,9 @@ def _learning(scenario: Scenario, site: Site, args: argparse.Namespace) -> int:
         raise ScenarioError(scenario.source, [("", str(exc))]) from None
     doc = study.to_json()
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "learning.json").write_text(json.dumps(doc, indent=2), encoding="utf-8")
-        plot_learning(study, out / "learning.png")
+        with staged(Path(args.out)) as out:
+            (out / "learning.json").write_text(json.dumps(doc, indent=2), encoding="utf-8")
+            plot_learning(study, out / "learning.png")
     if args.json:
         print(json.dumps({k: v for k, v in doc.items() if k != "series"}, indent=2))
     else:
@@ -409,10 +483,11 @@ def _show(report: Report, args: argparse.Namespace) -> None:
 
     doc = to_json(report)
     if args.out:
-        out = Path(args.out)
-        written = write_outputs(report, out)
-        (out / "results.json").write_text(json.dumps(doc, indent=2), encoding="utf-8")
-        log.info("sim_outputs_written", files=[str(p) for p in written])
+        with staged(Path(args.out)) as out:
+            written = write_outputs(report, out)
+            (out / "results.json").write_text(json.dumps(doc, indent=2), encoding="utf-8")
+        names = [p.name for p in written] + ["results.json"]
+        log.info("sim_outputs_written", files=[str(Path(args.out) / n) for n in names])
     if args.json:
         print(json.dumps(doc, indent=2))
     else:

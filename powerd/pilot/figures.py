@@ -13,6 +13,7 @@ from powerd.pilot.source import MINUTE_S, Series, WindowData
 
 J_PER_KWH = 3.6e6
 SAME_ENVELOPE_TOL = 0.005  # facility budgets within 0.5 % are the same envelope
+COVERED_WARN = 0.99  # a window its work source covers less than this says so
 
 
 def throughput_series(data: WindowData) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
@@ -45,6 +46,13 @@ def window_figures(data: WindowData) -> dict[str, Any]:
         "caps": _caps(data),
         "notes": list(data.notes),
     }
+    covered = min(work["hours"] / w.hours, 1.0) if w.hours > 0 else 0.0
+    if covered < COVERED_WARN:
+        out["notes"].append(
+            f"the work source covers {covered:.0%} of this window "
+            f"({work['hours']:,.1f} of {w.hours:,.1f} h): rates are over the hours it covers; "
+            "choose windows the recording covers"
+        )
     if data.throughput is None and not data.fleet.perf_gpus.any():
         out["notes"].append(
             "no GPU reported perf in this window: its work is unknown, not 0 "
@@ -107,6 +115,7 @@ def _work(data: WindowData) -> dict[str, Any]:
         coverage = float((reporting / np.maximum(data.fleet.gpus, 1)).mean())
         source = "agents' reported perf (gpu_minutes.mean_perf)"
         rate = data.fleet.work / MINUTE_S
+        hours = data.fleet.minute.size * MINUTE_S / 3600.0
     else:
         s = data.throughput
         inside = (s.ts >= w.start) & (s.ts < w.end)
@@ -114,10 +123,14 @@ def _work(data: WindowData) -> dict[str, Any]:
         coverage = float(inside.sum() * s.step_s / max(w.end - w.start, 1.0))
         source = f"Prometheus query ({s.series} series, step {s.step_s:g} s)"
         rate = s.value[inside]
+        hours = float(inside.sum()) * s.step_s / 3600.0
+    # The rate over the hours the source has, not the window's: a window the recording
+    # covers in half would otherwise halve its work per hour (and double the other's lead).
     return {
         "source": source,
         "total": total,
-        "per_hour": total / w.hours,
+        "hours": hours,
+        "per_hour": total / hours if hours > 0 else None,
         "coverage": coverage,  # perf: GPUs that reported; Prometheus: time with points
         "rate": _stats(rate) if rate.size else None,
     }

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from powerd.outputs import staged
 from powerd.pilot.figures import compare, window_figures
 from powerd.pilot.render import summary, write_html, write_json
 from powerd.pilot.source import Progress, PromSource, StoreSource, WindowData
@@ -75,11 +76,9 @@ def build(
 def write(
     report: dict[str, Any], windows: dict[str, WindowData], out: Path, title: str = "powerd pilot"
 ) -> Written:
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        json_path, html_path = out / "pilot.json", out / "pilot.html"
-        write_json(report, json_path)
-        write_html(report, windows, html_path, title)
-    except OSError as exc:
-        raise PilotError(f"--out {out}: cannot write: {exc.strerror or exc}") from None
-    return Written(report, json_path, html_path, summary(report))
+    """pilot.json and pilot.html into `out`, both or neither (OutputError if it cannot take
+    them)."""
+    with staged(out) as stage:
+        write_json(report, stage / "pilot.json")
+        write_html(report, windows, stage / "pilot.html", title)
+    return Written(report, out / "pilot.json", out / "pilot.html", summary(report))

@@ -15,7 +15,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,7 @@ from sqlalchemy.orm import InstrumentedAttribute
 from powerd.pilot.windows import PilotError, Window
 from powerd.store import Store
 from powerd.store.aggregate import GroupAggregator
+from powerd.store.db import missing_sqlite_file, shown_url
 from powerd.store.tables import BudgetExcursion, CapChange, GpuMinute, GroupMinute, Tick
 
 FloatArray = npt.NDArray[np.float64]
@@ -158,12 +159,20 @@ class StoreSource:
             raise PilotError(f"{self.flag} {_shown(self.url)}: {_why(exc)}") from None
         return WindowData(window, fleet, groups, excursions, caps, notes=notes)
 
-    def _chunks(self, window: Window) -> list[tuple[int, int]]:
-        first = int(window.start // MINUTE_S * MINUTE_S)
+    def _chunks(
+        self, window: Window, first_s: float | None, last_s: float | None
+    ) -> list[tuple[int, int]]:
+        """The window in CHUNK_S pieces, from the first to the last time the store holds in
+        it (`first_s`, `last_s`; None: nothing), so a window of years over a week of data
+        costs a week of rounds, not a round per six hours of the years."""
+        if first_s is None or last_s is None:
+            return []
+        first = int(max(window.start, first_s) // MINUTE_S * MINUTE_S)
+        end = min(window.end, last_s + MINUTE_S)
         out = []
         lo = first
-        while lo < window.end:
-            hi = min(lo + CHUNK_S, int(math.ceil(window.end / MINUTE_S) * MINUTE_S))
+        while lo < end:
+            hi = min(lo + CHUNK_S, int(math.ceil(end / MINUTE_S) * MINUTE_S))
             out.append((lo, hi))
             lo = hi
         return out
@@ -181,8 +190,13 @@ class StoreSource:
             func.sum(m.mean_cap_w),
         ).group_by(m.minute)
         rows: list[tuple[int, int, float, float, float, int, float]] = []
-        chunks = self._chunks(window)
         with self.store.engine.connect() as conn:
+            first, last = conn.execute(
+                select(func.min(m.minute), func.max(m.minute)).where(
+                    m.minute + MINUTE_S > window.start, m.minute < window.end
+                )
+            ).one()
+            chunks = self._chunks(window, first, last)
             for i, (lo, hi) in enumerate(chunks, 1):
                 self.progress(
                     f"{window.name}: GPU minutes {i}/{len(chunks)} "
@@ -257,8 +271,13 @@ class StoreSource:
         rows: list[dict[str, Any]] = []
         runs: list[dict[str, Any]] = []
         stmt = select(t.ts, t.budget_w, t.committed_w, t.draw_w, t.rows).order_by(t.ts, t.id)
-        chunks = self._chunks(window)
         with self.store.engine.connect() as conn:
+            first, last = conn.execute(
+                select(func.min(t.ts), func.max(t.ts)).where(
+                    t.ts >= window.start, t.ts < window.end
+                )
+            ).one()
+            chunks = self._chunks(window, first, last)
             for i, (lo, hi) in enumerate(chunks, 1):
                 self.progress(f"{window.name}: ticks {i}/{len(chunks)} (no group minutes stored)")
                 lo_ts, hi_ts = max(lo, window.start), min(hi, window.end)
@@ -432,10 +451,21 @@ def _parse_matrix(body: object, url: str, flag: str, step: float, *, worst: bool
             except (TypeError, ValueError):
                 raise garbage from None
             if math.isfinite(v) and math.isfinite(t):
+                if v < 0:
+                    raise PilotError(
+                        f"--throughput-prom {url}: {flag} gave {v:g} at {_iso_s(t)}: a "
+                        "throughput or a latency is never negative (a counter wants rate())"
+                    )
                 if worst:
                     sums[t] = max(sums.get(t, -math.inf), v)
                 else:
                     sums[t] = sums.get(t, 0.0) + v
+    overflow = next((t for t, v in sums.items() if not math.isfinite(v)), None)
+    if overflow is not None:
+        raise PilotError(
+            f"--throughput-prom {url}: {flag}'s series add up to more than a float holds "
+            f"at {_iso_s(overflow)}: is it a rate?"
+        )
     ts_sorted = sorted(sums)
     return Series(
         ts=np.asarray(ts_sorted, dtype=np.float64),
@@ -443,6 +473,10 @@ def _parse_matrix(body: object, url: str, flag: str, step: float, *, worst: bool
         step_s=step,
         series=len(result),
     )
+
+
+def _iso_s(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _prom_error(raw: bytes) -> str:
@@ -460,26 +494,14 @@ def _floats(values: list[Any]) -> FloatArray:
 
 def _check_sqlite_file(url: str, flag: str) -> None:
     """A report reads a store: a SQLite path that is not there is a typo, not a new file."""
-    from sqlalchemy.engine import make_url
-
-    try:
-        parsed = make_url(url)
-    except Exception:
-        return  # make_engine says what is wrong with it
-    path = Path(parsed.database or ":memory:")
-    on_disk = parsed.get_backend_name() == "sqlite" and str(path) != ":memory:"
-    if on_disk and not path.is_file():
-        raise PilotError(f"{flag} {url}: no such SQLite file ({path.resolve()})")
+    path = missing_sqlite_file(url)
+    if path is not None:
+        raise PilotError(f"{flag} {url}: no such SQLite file ({path})")
 
 
 def _shown(url: str) -> str:
     """The URL without its password."""
-    from sqlalchemy.engine import make_url
-
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return url
+    return shown_url(url)
 
 
 def _why(exc: BaseException) -> str:

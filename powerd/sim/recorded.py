@@ -23,6 +23,7 @@ from powerd.backends.mock import Pattern as MockPattern
 from powerd.backends.mock import Workload
 from powerd.sim.traces import GpuTrace, TraceError
 from powerd.store import Store
+from powerd.store.db import missing_sqlite_file, shown_url
 
 # Minutes a GPU needs in the window to be replayed.
 MIN_MINUTES = 2
@@ -42,8 +43,15 @@ class Recording:
 
 
 def read_recording(url: str, since: float | None, until: float | None) -> Recording:
-    """Every GPU's per-minute draw in [since, until) (epoch seconds; None: all kept)."""
-    store = Store(url)
+    """Every GPU's per-minute draw in [since, until) (epoch seconds; None: all kept), read
+    only: a SQLite file that is not there is refused, not created."""
+    shown = f"--from-db {shown_url(url)}"
+    if since is not None and until is not None and until <= since:
+        raise TraceError(shown, "--until must be after --since")
+    missing = missing_sqlite_file(url)
+    if missing is not None:
+        raise TraceError(shown, f"no such SQLite file ({missing})")
+    store = Store(url, read_only=True)
     try:
         gpus = store.gpus()
         by_place: dict[tuple[str, int], GpuTrace] = {}
@@ -62,12 +70,16 @@ def read_recording(url: str, since: float | None, until: float | None) -> Record
                 limit_w=np.array([float(r.mean_cap_w) for r in rows]),
             )
     except Exception as exc:  # an unreachable or foreign database: say which and why
-        raise TraceError(url, f"cannot read the recording: {type(exc).__name__}: {exc}") from None
+        orig = getattr(exc, "orig", None) or exc  # the driver's words, not SQLAlchemy's SQL
+        first = (str(orig).strip().splitlines() or [""])[0][:300]
+        raise TraceError(
+            shown, f"cannot read the recording: {type(orig).__name__}: {first}"
+        ) from None
     finally:
         store.close()
     if not by_place:
         raise TraceError(
-            url, "no GPU has two or more recorded minutes in that window (--since/--until)"
+            shown, "no GPU has two or more recorded minutes in that window (--since/--until)"
         )
     return Recording(url, by_place, tuple(skipped))
 

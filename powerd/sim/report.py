@@ -272,7 +272,9 @@ def _energy(j: float) -> str:
     return f"{kwh / 1000:,.2f} MWh" if kwh >= 1000 else f"{kwh:,.1f} kWh"
 
 
-def headline_lines(results: dict[str, RunResult], base: RunResult) -> list[str]:
+def headline_lines(
+    results: dict[str, RunResult], base: RunResult, *, searched: bool = False
+) -> list[str]:
     """What steering buys under the same feed, against the GPUs that feed holds at TDP."""
     lines = [
         f"under the same {kw_text(base.feed_w)} feed: provisioned at TDP (static), "
@@ -291,7 +293,8 @@ def headline_lines(results: dict[str, RunResult], base: RunResult) -> list[str]:
             f"{_energy(r.facility_energy_j)} ({energy} energy, "
             f"{_gain(r.work_per_joule, base.work_per_joule)} work per joule)"
         )
-    lines.append("  (how many GPUs the feed runs within a loss threshold: --oversubscribe)")
+    if not searched:  # a pointer to the search, not printed beside its answer
+        lines.append("  (how many GPUs the feed runs within a loss threshold: --oversubscribe)")
     return lines
 
 
@@ -547,7 +550,8 @@ def text(report: Report) -> str:
     if head:
         lines += ["", *head]
     if report.compare and report.provisioned is not None:
-        lines += ["", *headline_lines(report.compare, report.provisioned)]
+        searched = report.oversub is not None
+        lines += ["", *headline_lines(report.compare, report.provisioned, searched=searched)]
     if report.baselines:
         lines += ["", *baseline_lines(report)]
     if report.compare:

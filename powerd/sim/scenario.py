@@ -28,6 +28,7 @@ HOUR_S = 3600.0
 MAX_SWINGS_PER_TICK = 500
 MAX_TICKS = 10_000_000
 MAX_SCHEDULE = 64  # windows in one scenario, as many as a controller keeps
+MAX_NODES = 100_000  # a site's nodes, the scenario's or a search's
 
 
 if TYPE_CHECKING:
@@ -184,7 +185,7 @@ class ScheduledBudgetSpec(_Strict):
 class SiteSpec(_Strict):
     """Reshape the policy's site: its tree grown or shrunk to `nodes`, and/or a new feed."""
 
-    nodes: int | None = Field(default=None, ge=1, le=100_000)
+    nodes: int | None = Field(default=None, ge=1, le=MAX_NODES)
     gpus_per_node: int | None = Field(default=None, ge=1, le=64)
     facility_budget_w: Watts | None = None
     # The feed as a share of the site's nameplate (every GPU at TDP plus node overhead).
@@ -338,14 +339,23 @@ def parse_scenario(
             source,
             [("", "a scenario is a mapping with keys name, duration_h, tick_s and workloads")],
         )
-    data = {**data, **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    data = {**data, **given}
+
+    def named(problems: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        # A value from the command line is looked for there, not in the file.
+        return [
+            (f"{path} (from --{path.replace('_', '-')})" if path in given else path, msg)
+            for path, msg in problems
+        ]
+
     try:
         spec = ScenarioSpec.model_validate(data)
     except ValidationError as exc:
-        raise ScenarioError(source, validation_problems(exc)) from None
+        raise ScenarioError(source, named(validation_problems(exc))) from None
     problems = _check(spec)
     if problems:
-        raise ScenarioError(source, problems)
+        raise ScenarioError(source, named(problems))
     policy_path = None
     if spec.policy is not None:
         policy_path = (base_dir or Path.cwd()) / spec.policy

@@ -16,10 +16,10 @@ from numpy.typing import NDArray
 
 from powerd.backends.mock import Pattern as MockPattern
 from powerd.backends.mock import Workload
-from powerd.policy import GroupDef, Policy
+from powerd.policy import GroupDef, Policy, subtree_totals
 from powerd.profile import Profile
 from powerd.sim.recorded import replay
-from powerd.sim.scenario import HOUR_S, Scenario, WorkloadSpec
+from powerd.sim.scenario import HOUR_S, Scenario, ScenarioError, WorkloadSpec
 from powerd.sim.traces import load_traces
 from powerd.topology import Topology
 
@@ -59,6 +59,11 @@ class Site:
         """Nameplate of one node of this site's design (its first node)."""
         node = next(g for g in self.policy.groups if g.level == NODE)
         return node.gpus * self.tdp_w + node.overhead_w
+
+    def node_min_w(self) -> float:
+        """One node of this site's design with every GPU at its device minimum."""
+        node = next(g for g in self.policy.groups if g.level == NODE)
+        return node.gpus * self.min_cap_w + node.overhead_w
 
     def with_budgets(self, budget_w: FloatArray, note: str) -> Site:
         groups = tuple(
@@ -208,6 +213,68 @@ def assign_nodes(shares: list[float], n_nodes: int, placement: str) -> IntArray:
         out[k] = w
         given[w] += 1
     return out
+
+
+def check_minimums_fit(scenario: Scenario, site: Site) -> None:
+    """Every budget of the scenario's site holds its GPUs at their device minimums plus
+    overhead: below that no policy keeps it (every run would end as a steered policy over a
+    budget, exit 1, the code for a bug), so it is the scenario's feed that is wrong."""
+    groups = site.policy.groups
+    mins = subtree_totals(
+        groups, [g.gpus * site.min_cap_w + g.overhead_w if g.level == NODE else 0.0 for g in groups]
+    )
+    first_per_level: dict[int, tuple[str, str]] = {}
+    for g, total in zip(groups, mins, strict=True):
+        if total <= g.budget_w + 1e-9 or g.level in first_per_level:
+            continue
+        first_per_level[g.level] = (
+            "site" if g.level == FACILITY else f"site (group '{g.name}')",
+            f"{g.name}'s budget ({g.budget_w:,.0f} W) is below its GPUs at their device minimums "
+            f"plus overhead ({total:,.0f} W): no policy can keep it; "
+            + (
+                "raise the feed (site.facility_budget_w or site.feed_fraction) or give the "
+                "site fewer nodes"
+                if g.level == FACILITY
+                else "give the site fewer nodes or GPUs per node, or this group a larger "
+                "budget in the policy"
+            ),
+        )
+    if first_per_level:  # the first group of each level: the others are alike
+        raise ScenarioError(scenario.source, list(first_per_level.values()))
+
+
+def check_mix_fits(scenario: Scenario, site: Site) -> None:
+    """Every workload gets at least one node of the scenario's own site, and a training
+    workload a node per job (a job holds whole nodes): otherwise a workload, or some of its
+    jobs, would silently run on no GPU and the mix simulated would not be the one asked for.
+    (A search's smaller sites may leave a small share out: those are sizes, not the mix.)"""
+    specs = scenario.spec.workloads
+    n_nodes = site.n_nodes
+    counts = np.bincount(
+        assign_nodes([w.share for w in specs], n_nodes, scenario.spec.site.placement),
+        minlength=len(specs),
+    )
+    problems = []
+    for i, (w, n) in enumerate(zip(specs, counts.tolist(), strict=True)):
+        if n == 0:
+            problems.append(
+                (
+                    f"workloads[{i}].share",
+                    f"a share of {w.share:g} of the site's {n_nodes} node(s) is no node: "
+                    "workloads hold whole nodes; give the site more nodes (site.nodes) or "
+                    "this workload a larger share",
+                )
+            )
+        elif w.kind == "training" and w.jobs > n:
+            problems.append(
+                (
+                    f"workloads[{i}].jobs",
+                    f"{w.jobs} jobs on the workload's {n} node(s): a job holds whole nodes; "
+                    f"at most {n} jobs, or more nodes",
+                )
+            )
+    if problems:
+        raise ScenarioError(scenario.source, problems)
 
 
 def workload_profile(spec: WorkloadSpec, policy: Policy) -> Profile:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import multiprocessing.sharedctypes
+import os
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -60,16 +61,22 @@ def run_one(task: Task, progress: Progress | None) -> RunResult:
 
 
 _counter: Any = None
+_stop: Any = None  # set by the parent when it stops early (Ctrl-C): workers leave
+_parent = 0
 
 
-def _init_worker(counter: Any) -> None:
-    global _counter
-    _counter = counter
+def _init_worker(counter: Any, stop: Any) -> None:
+    global _counter, _stop, _parent
+    _counter, _stop, _parent = counter, stop, os.getppid()
 
 
 def _tick(n: int) -> None:
     with _counter.get_lock():
         _counter.value += n
+    # A worker outlives its parent (killed: SIGTERM) or finishes a run it was told to drop
+    # (Ctrl-C) only until its next progress step: no stray processes burning CPU.
+    if _stop.value or os.getppid() != _parent:
+        os._exit(1)
 
 
 def _run_task(task: Task) -> RunResult:
@@ -102,24 +109,30 @@ class Runner:
     def _parallel(self, tasks: Sequence[Task]) -> dict[tuple[Any, ...], RunResult]:
         ctx = multiprocessing.get_context()
         counter = ctx.Value("q", 0)
+        stop = ctx.Value("b", 0, lock=False)  # one byte, written once
         base = self.done_ticks
         out: dict[tuple[Any, ...], RunResult] = {}
         with ProcessPoolExecutor(
             max_workers=min(self.jobs, len(tasks)),
             mp_context=ctx,
             initializer=_init_worker,
-            initargs=(counter,),
+            initargs=(counter, stop),
         ) as pool:
             # Longest first (most GPUs × ticks), so the last worker does not start last.
             order = sorted(tasks, key=lambda t: -t.site.n_gpus * t.scenario.ticks)
             pending: dict[Future[RunResult], Task] = {pool.submit(_run_task, t): t for t in order}
-            while pending:
-                done, _ = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
-                for fut in done:
-                    out[pending.pop(fut).key] = fut.result()
-                self.done_ticks = base + int(counter.value)
-                if self.progress is not None:
-                    self.progress(self.done_ticks, self.total_ticks)
+            try:
+                while pending:
+                    done, _ = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
+                    for fut in done:
+                        out[pending.pop(fut).key] = fut.result()
+                    self.done_ticks = base + int(counter.value)
+                    if self.progress is not None:
+                        self.progress(self.done_ticks, self.total_ticks)
+            except BaseException:  # Ctrl-C, or a run that failed: the others stop too
+                stop.value = 1
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
         return out
 
 

@@ -123,7 +123,10 @@ def _time(text: str) -> float:
             return datetime.strptime(text, fmt).replace(tzinfo=UTC).timestamp()
         except ValueError:
             continue
-    return float(text)  # epoch seconds (a recording of powerd's own): ValueError if not
+    value = float(text)  # epoch seconds (a recording of powerd's own): ValueError if not
+    if not math.isfinite(value):  # float() takes "nan" and "inf": no time
+        raise ValueError(text)
+    return value
 
 
 def _watts(path: Path, line: int, column: str, text: str, *, required: bool) -> float:

@@ -34,6 +34,26 @@ def normalize_url(url: str | URL) -> URL:
     return parsed
 
 
+def shown_url(url: str | URL) -> str:
+    """The URL as a message may show it: without its password."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return str(url)
+
+
+def missing_sqlite_file(url: str | URL) -> Path | None:
+    """The file of a SQLite URL that is not there (None: there, in memory, or not SQLite).
+    A reader refuses it: opening it would create an empty database where a typo pointed."""
+    try:
+        parsed = make_url(url)
+    except Exception:  # make_engine says what is wrong with it
+        return None
+    path = Path(parsed.database or ":memory:")
+    on_disk = parsed.get_backend_name() == "sqlite" and str(path) != ":memory:"
+    return path.resolve() if on_disk and not path.is_file() else None
+
+
 def make_engine(
     url: str | URL = DEFAULT_URL, *, timeout_s: float | None = None, read_only: bool = False
 ) -> Engine:
