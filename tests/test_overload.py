@@ -237,7 +237,10 @@ def test_without_a_rating_committed_caps_never_pass_the_budget() -> None:
 
 
 def test_the_simulator_measures_overshoot_and_time_over_and_the_rating_buys_work() -> None:
-    data = synthetic_policy(2, 2, 2, 4, overhead_w=400.0)
+    # A feed that binds (the facility leaves 80 % of its rows' room): at 92 % the rating
+    # bought 0.1-0.4 % of work with seeds 1-5 and lost 0.03 % with seed 11 (float noise
+    # decides); at 80 % it buys 0.4-1.0 % with every seed 1-5 and 11.
+    data = synthetic_policy(2, 2, 2, 4, overhead_w=400.0, fractions=(0.80, 0.92, 0.92, 0.85))
     scenario = parse_scenario(
         {
             "name": "jumpy",
