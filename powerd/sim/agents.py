@@ -68,6 +68,8 @@ class SimAgents:
         # The last plan layout's GPUs' positions in the model (`apply_plan`).
         self._layout: GpuLayout | None = None
         self._layout_pos: IntArray = np.zeros(0, dtype=np.int64)
+        # Every GPU's `set_w` (none reported), as an array (never written).
+        self._no_set_w = np.full(len(gpu_nodes), math.nan)
         # Per node, its sample as columns: the identity and what never changes set here,
         # the readings replaced by `readings` (the constant columns are shared, never written);
         # last, the whole fleet's, the nodes' columns end to end (`fleet_readings`).
@@ -186,6 +188,17 @@ class SimAgents:
         w.ts, w.seq = ts, seq
         w.power_w, w.energy_j, w.cap_w, w.min_cap_w, w.max_cap_w = power, energy, cap, lo, hi
         w.default_cap_w, w.temp_c, w.util_pct, w.sm_clock_mhz, w.perf = default, t, u, c, p
+        # The same numbers as arrays, for the fleet's (copies: the model writes its own).
+        w.arrays = {
+            "min_cap_w": m.min_cap_w.copy(),
+            "max_cap_w": m.max_cap_w.copy(),
+            "power_w": m.power_w.copy(),
+            "cap_w": m.cap_w.copy(),
+            "energy_j": m.energy_j.copy(),
+            "temp_c": temp,
+            "perf": perf,
+            "set_w": self._no_set_w,
+        }
         return list(self._readings), w
 
     def apply(self, commands: Sequence[NodeCommand]) -> list[tuple[NodeCommand, AckedCaps]]:
