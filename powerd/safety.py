@@ -11,8 +11,9 @@ The rules, exactly as implemented, are in docs/safety.md ("Safety planner").
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
@@ -174,7 +175,9 @@ class SafePlan:
     """What to send this tick, and where every GPU and group stands after sending it."""
 
     tick: int
-    commands: list[NodeCommand]
+    # The nodes that get a command (`commands`, in its order) and how many GPUs those name.
+    sent_nodes: tuple[str, ...]
+    sent_gpus: int
     sent_w: FloatArray  # per GPU; NaN where its node gets no command
     committed_w: FloatArray  # per GPU, after this tick's sends
     raised: BoolArray  # sent above the committed cap (admitted by the budget check)
@@ -190,6 +193,14 @@ class SafePlan:
     events: tuple[SafetyEvent, ...] = field(default=())
     # The GPUs `sent_w` and the per-GPU arrays are indexed by (the planner's at planning).
     layout: GpuLayout | None = None
+    # Builds `commands` (one map of caps per node: the simulator, which applies `sent_w`,
+    # never reads them).
+    build_commands: Callable[[], list[NodeCommand]] = field(default=list, repr=False, compare=False)
+
+    @cached_property
+    def commands(self) -> list[NodeCommand]:
+        """One command per node in `sent_nodes`: its GPUs' caps, its lease renewed."""
+        return self.build_commands()
 
     def acks(self, enforced_w: FloatArray) -> list[tuple[str, int, AckedCaps]]:
         """Every command obeyed, as the acks of each (node, tick, its GPUs) would say:
@@ -535,8 +546,7 @@ class SafetyPlanner:
         tick = plan.tick
         last, index, node_gpus = self._last_ack, self._node_index, self._node_gpus
         idx = []
-        for cmd in plan.commands:
-            node = cmd.node
+        for node in plan.sent_nodes:
             if tick <= last.get(node, -1):
                 continue  # an ack older than what we know
             last[node] = tick
@@ -1046,7 +1056,7 @@ class SafetyPlanner:
         group_caps = topo.group_sums(committed_after)
         group_committed = group_caps + topo.overhead_w + reserve
 
-        commands = self._commands(tick, control.lease_s, node_send, caps)
+        sent_k = np.flatnonzero(node_send).tolist()
         group_over = group_committed > budget + TOL_W
         settling = np.zeros_like(group_over)
         if group_over.any() and self._prior_hi.any():
@@ -1060,7 +1070,8 @@ class SafetyPlanner:
         self._events = []
         return SafePlan(
             tick=tick,
-            commands=commands,
+            sent_nodes=tuple([self._node_names[k] for k in sent_k]),
+            sent_gpus=int(send.sum()),
             sent_w=sent,
             committed_w=committed_after,
             raised=raised,
@@ -1074,6 +1085,7 @@ class SafetyPlanner:
             waiting_nodes=tuple(self._node_names[k] for k in np.flatnonzero(waiting)),
             events=events,
             layout=layout,
+            build_commands=self._commands(tick, control.lease_s, sent_k, caps),
         )
 
     def _keep_room(
@@ -1302,27 +1314,34 @@ class SafetyPlanner:
         self._pend_tick[slot, idx] = tick
 
     def _commands(
-        self, tick: int, lease_s: float, node_send: BoolArray, caps: FloatArray
-    ) -> list[NodeCommand]:
-        by_node = caps[self._node_order].tolist()
-        bounds, names, uuids, failsafe = (
+        self, tick: int, lease_s: float, sent: list[int], caps: FloatArray
+    ) -> Callable[[], list[NodeCommand]]:
+        """The commands to the nodes `sent` (by index) with `caps`, built when first read:
+        from the layout of now (a later one does not change them; `caps` is not written)."""
+        order, bounds, names, uuids, failsafe = (
+            self._node_order,
             self._node_bounds,
             self._node_names,
             self._node_uuids,
             self._node_failsafe,
         )
-        # Positional: (node, tick, lease_s, caps_w, failsafe_w); a node's uuids and its slice
-        # of caps have the same length by construction.
-        return [
-            NodeCommand(
-                names[k],
-                tick,
-                lease_s,
-                dict(zip(uuids[k], by_node[bounds[k] : bounds[k + 1]])),  # noqa: B905
-                failsafe[k],
-            )
-            for k in np.flatnonzero(node_send).tolist()
-        ]
+
+        def build() -> list[NodeCommand]:
+            by_node = caps[order].tolist()
+            # Positional: (node, tick, lease_s, caps_w, failsafe_w); a node's uuids and its
+            # slice of caps have the same length by construction.
+            return [
+                NodeCommand(
+                    names[k],
+                    tick,
+                    lease_s,
+                    dict(zip(uuids[k], by_node[bounds[k] : bounds[k + 1]])),  # noqa: B905
+                    failsafe[k],
+                )
+                for k in sent
+            ]
+
+        return build
 
 
 def _unique(gpu: IntArray, pos: IntArray, n: int) -> tuple[IntArray, IntArray]:

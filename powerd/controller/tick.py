@@ -296,12 +296,13 @@ class TickEngine:
         if ob.foreign or ob.ahead or ob.epoch != 0 or plan.layout is not self.planner.layout:
             self.on_fleet_acked(plan.acks(enforced_w))
             return
-        acks = [(cmd.node, cmd.tick, None) for cmd in plan.commands]
-        if any(node not in order for node, _, _ in acks):
+        tick = plan.tick
+        acks = [(node, tick, None) for node in plan.sent_nodes]
+        if any(node not in order for node in plan.sent_nodes):
             self.on_fleet_acked(plan.acks(enforced_w))
             return
         ob.seen_acks(acks, 0)
-        self.fleet.acks_heard([node for node, _, _ in acks])
+        self.fleet.acks_heard(plan.sent_nodes)
         self.planner.on_plan_acked(plan, enforced_w)
 
     def on_status(self, node: str, status: NodeStatus) -> bool:

@@ -256,7 +256,7 @@ class SimAgents:
         layout = plan.layout
         assert layout is not None
         out = np.full(layout.n_gpus, np.nan)
-        if not plan.commands:
+        if not plan.sent_nodes:
             return out
         m = self.model
         if self._layout is not layout:
@@ -271,10 +271,7 @@ class SimAgents:
         # The wire's bounds on a requested cap (GpuAck.requested_w): a command out of them
         # would be refused by an agent's transport (a NaN cap, too: then the commands name
         # more GPUs than `sent_w` holds).
-        if (
-            len(gpu) != sum(len(cmd.caps_w) for cmd in plan.commands)
-            or not ((req >= 0.0) & (req <= MAX_SANE_WATTS)).all()
-        ):
+        if len(gpu) != plan.sent_gpus or not ((req >= 0.0) & (req <= MAX_SANE_WATTS)).all():
             raise ValueError("simulated agents: a command's cap is out of the wire's bounds")
         idx = self._layout_pos[gpu]
         target = np.clip(req, m.min_cap_w[idx], m.max_cap_w[idx])
@@ -284,8 +281,8 @@ class SimAgents:
         m.cap_w[idx] = enforced
         out[gpu] = enforced
         applied, tick = self.applied, plan.tick
-        for cmd in plan.commands:
-            applied[cmd.node] = tick
+        for node in plan.sent_nodes:
+            applied[node] = tick
         return out
 
 
