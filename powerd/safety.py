@@ -323,10 +323,14 @@ class SafetyPlanner:
             old_i = np.array(keep_old)
             for dst, src in zip(self._per_gpu(), old_state, strict=True):
                 dst[new_i] = src[old_i]
+            self._committed = None
 
     def _new_gpus(self, max_cap_w: FloatArray) -> None:
         """The per-GPU arrays (listed again in `_per_gpu`) for GPUs nothing is known of."""
         n = len(max_cap_w)
+        # `committed_w` while none of what it reads has changed (None: compute it again):
+        # every write to _hi, _pend_hi, _prior_hi or the layout sets it to None.
+        self._committed: FloatArray | None = None
         self._hi = np.full(n, np.nan)  # reading, as an upper bound of the cap in force
         self._lo = np.full(n, np.nan)  # reading, as a lower bound (differs after failed sets)
         self._key = np.full(n, NO_TICK, dtype=np.int64)  # the tick the reading reflects
@@ -373,8 +377,12 @@ class SafetyPlanner:
         """Per GPU: the highest cap that may be in force now or later from anything sent."""
         layout = self._require_layout()
         self._absorb()
-        base = np.where(np.isnan(self._hi), layout.max_cap_w, self._hi)
-        out: FloatArray = np.maximum(np.maximum(base, self._pend_hi.max(axis=0)), self._prior_hi)
+        kept = self._committed
+        if kept is None:
+            base = np.where(np.isnan(self._hi), layout.max_cap_w, self._hi)
+            kept = np.maximum(np.maximum(base, self._pend_hi.max(axis=0)), self._prior_hi)
+            self._committed = kept
+        out: FloatArray = kept.copy()
         return out
 
     def _low_w(self) -> FloatArray:
@@ -411,6 +419,7 @@ class SafetyPlanner:
         at once instead of at their maximum until their first ack."""
         self._require_layout()
         self._prior_hi[:] = 0.0
+        self._committed = None
 
     def _queue_readings(
         self,
@@ -741,6 +750,7 @@ class SafetyPlanner:
         moves = idx[~layout.keeps_limits[idx]] if kept else idx
         self._hi[moves] = layout.max_cap_w[moves]
         self._lo[moves] = layout.min_cap_w[moves]
+        self._committed = None
 
     def claim_keeps_limits(self, nodes: Collection[str]) -> None:
         """Nodes that say their actuators keep their limits: their GPUs are planned as the
@@ -788,6 +798,7 @@ class SafetyPlanner:
         self._pend_hi[:, idx] = 0.0
         self._pend_lo[:, idx] = np.inf
         self._last_ack.pop(node, None)
+        self._committed = None
 
     def _absorbed_gpus(self, node: str) -> IntArray | None:
         """The node's GPUs (None: not in the layout, or no layout yet), with the queued
@@ -802,6 +813,7 @@ class SafetyPlanner:
         layout = self._require_layout()
         self._prior_hi[idx] = layout.max_cap_w[idx]
         self._prior_tick[idx] = _UNSENT
+        self._committed = None
 
     def _clear_queue(self) -> None:
         self._clear_rows()
@@ -838,6 +850,7 @@ class SafetyPlanner:
         layout = self._require_layout()
         gpu, hi, lo, key, tick, guess, defiant, src, _ = self._queued()
         self._clear_queue()
+        self._committed = None
         pos = np.arange(len(gpu))
         touched, local = _unique(gpu, pos, layout.n_gpus)
         # One row per GPU in layout order (a whole fleet's sample, or its acks): the GPUs'
@@ -1298,6 +1311,7 @@ class SafetyPlanner:
         return admitted
 
     def _record_sent(self, tick: int, idx: IntArray, caps: FloatArray) -> None:
+        self._committed = None
         first = self._prior_tick[idx]
         self._prior_tick[idx] = np.where(first == _UNSENT, tick, first)
         slot = tick % PENDING_SLOTS

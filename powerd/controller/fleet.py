@@ -684,7 +684,9 @@ class FleetState:
 
     def acks_heard(self, node_ids: Sequence[str]) -> None:
         """`ack_heard` of each node."""
-        if any(rec.stopped for rec in self.nodes.values()):
+        offline = NodeState.OFFLINE
+        # (`stopped` of any node, without a call per node.)
+        if any(rec.state is offline and rec.status_caps_w for rec in self.nodes.values()):
             for node_id in node_ids:
                 self.ack_heard(node_id)
 

@@ -120,6 +120,17 @@ class Obedience:
             ticks[node] = max(ticks.get(node, 0), tick)
             epochs[node] = max(epochs.get(node, 0), epoch)
 
+    def seen_tick(self, nodes: Sequence[str], tick: int, epoch: int) -> None:
+        """`seen(node, tick, epoch)` of each node in turn (one tick's acks)."""
+        ticks, epochs = self._node_ticks, self._node_epochs
+        for node in nodes:
+            t = ticks.get(node)
+            if t is None or t < tick:
+                ticks[node] = max(0, tick) if t is None else tick
+            e = epochs.get(node)
+            if e is None or e < epoch:
+                epochs[node] = max(0, epoch) if e is None else epoch
+
     def restarted(self, node: str) -> None:
         """A new agent process: it applies any tick."""
         self._node_ticks.pop(node, None)

@@ -296,12 +296,10 @@ class TickEngine:
         if ob.foreign or ob.ahead or ob.epoch != 0 or plan.layout is not self.planner.layout:
             self.on_fleet_acked(plan.acks(enforced_w))
             return
-        tick = plan.tick
-        acks = [(node, tick, None) for node in plan.sent_nodes]
         if any(node not in order for node in plan.sent_nodes):
             self.on_fleet_acked(plan.acks(enforced_w))
             return
-        ob.seen_acks(acks, 0)
+        ob.seen_tick(plan.sent_nodes, plan.tick, 0)
         self.fleet.acks_heard(plan.sent_nodes)
         self.planner.on_plan_acked(plan, enforced_w)
 
