@@ -248,6 +248,9 @@ class SafetyPlanner:
         self._claimed_keeps: frozenset[str] = frozenset()
         # keeps_limits() for the claims and the layout it was computed at (each plan asks).
         self._keeps_memo: tuple[frozenset[str], object, BoolArray] | None = None
+        # `committed_w` while none of what it reads has changed (None: compute it again):
+        # every write to _hi, _pend_hi, _prior_hi or the layout sets it to None.
+        self._committed: FloatArray | None = None
         self._set_empty()
         if layout is not None:
             self.set_layout(layout)
@@ -328,9 +331,7 @@ class SafetyPlanner:
     def _new_gpus(self, max_cap_w: FloatArray) -> None:
         """The per-GPU arrays (listed again in `_per_gpu`) for GPUs nothing is known of."""
         n = len(max_cap_w)
-        # `committed_w` while none of what it reads has changed (None: compute it again):
-        # every write to _hi, _pend_hi, _prior_hi or the layout sets it to None.
-        self._committed: FloatArray | None = None
+        self._committed = None
         self._hi = np.full(n, np.nan)  # reading, as an upper bound of the cap in force
         self._lo = np.full(n, np.nan)  # reading, as a lower bound (differs after failed sets)
         self._key = np.full(n, NO_TICK, dtype=np.int64)  # the tick the reading reflects
