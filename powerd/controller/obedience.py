@@ -231,10 +231,15 @@ class Obedience:
         as 0) is not followed. A predecessor sends all nodes the same ticks, so honest nodes
         agree; the outlier's agent refuses our commands and stays at its failsafe caps, and
         it is alarmed (`tick_outliers`)."""
-        ticks = [self._node_ticks.get(n, 0) for n in nodes]
+        known = self._node_ticks
+        ticks = [known.get(n, 0) for n in nodes]
         ceiling = sorted(ticks)[len(ticks) // 2] + TAKEOVER_TICK_GAP if ticks else 0
-        self.outliers = tuple(sorted(n for n, t in self._node_ticks.items() if t > ceiling))
-        needed = max((t for t in ticks if t <= ceiling), default=0)
+        if max(known.values(), default=0) <= ceiling:  # no outlier (the common case)
+            self.outliers = ()
+            needed = max(ticks, default=0)
+        else:
+            self.outliers = tuple(sorted(n for n, t in known.items() if t > ceiling))
+            needed = max((t for t in ticks if t <= ceiling), default=0)
         tick = last + 1
         if needed >= tick:
             if last:

@@ -582,7 +582,7 @@ class TickEngine:
     def _alarm_kept_limits(self, plan: SafePlan) -> None:
         """Alarms of nodes whose actuators keep their limits (docs/safety.md, "BMC-managed
         nodes: the actuator keeps its limits")."""
-        declared = {g.name for g in self.policy.groups if g.level == 3 and g.keeps_limits}
+        declared = self.policy.keeps_limits_nodes
         undeclared = [n for n in self.fleet.keeps_limits_claimed() if n not in declared]
         self._alarm(
             "keeps_limits_undeclared",
