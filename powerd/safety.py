@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -857,6 +857,7 @@ class SafetyPlanner:
         # One row per GPU in layout order (a whole fleet's sample, or its acks): the GPUs'
         # state is read and written through slices, not copies by index.
         at_gpus: IntArray | slice = slice(None) if touched is gpu else touched
+        one = touched is gpu  # (then each row folds into a slot of its own)
         known = ~np.isnan(self._hi[at_gpus])
 
         # The bound before these messages, including the commands they acknowledge.
@@ -878,7 +879,7 @@ class SafetyPlanner:
             hi[acks] = np.where(g, np.maximum.reduce([hi[acks], prev_hi, res_hi]), hi[acks])
             lo[acks] = np.where(g, np.minimum.reduce([lo[acks], prev_lo, res_lo]), lo[acks])
             upto = np.full(len(touched), -1, dtype=np.int64)
-            np.maximum.at(upto, local[acks], at)
+            _fold(np.maximum, upto, local[acks], at, one)
             slots = self._pend_tick[:, at_gpus]
             done = (slots >= 0) & (slots <= upto[None, :])
             self._pend_tick[:, at_gpus] = np.where(done, -1, slots)
@@ -889,23 +890,23 @@ class SafetyPlanner:
             self._prior_hi[at_gpus] = np.where(prior_done, 0.0, self._prior_hi[at_gpus])
             # Whether the GPU obeys: its latest ack says.
             last_ack = np.full(len(touched), -1, dtype=np.int64)
-            np.maximum.at(last_ack, local[acks], acks)
+            _fold(np.maximum, last_ack, local[acks], acks, one)
             has = last_ack >= 0
             self._defiant[touched[has]] = defiant[last_ack[has]] > 0
 
         # The newest tick wins; among readings of that tick the last to arrive, and whatever
         # arrived after it (older ticks) can only widen the bounds.
         newest = np.where(known, self._key[at_gpus], np.iinfo(np.int64).min)
-        np.maximum.at(newest, local, key)
+        _fold(np.maximum, newest, local, key, one)
         is_newest = key == newest[local]
         last_pos = np.full(len(touched), -1, dtype=np.int64)
-        np.maximum.at(last_pos, local[is_newest], pos[is_newest])
+        _fold(np.maximum, last_pos, local[is_newest], pos[is_newest], one)
         kept = pos >= last_pos[local]
         keep_state = known & (last_pos < 0)
         new_hi = np.where(keep_state, self._hi[at_gpus], -np.inf)
         new_lo = np.where(keep_state, self._lo[at_gpus], np.inf)
-        np.maximum.at(new_hi, local[kept], hi[kept])
-        np.minimum.at(new_lo, local[kept], lo[kept])
+        _fold(np.maximum, new_hi, local[kept], hi[kept], one)
+        _fold(np.minimum, new_lo, local[kept], lo[kept], one)
         self._hi[at_gpus] = new_hi
         self._lo[at_gpus] = new_lo
         self._key[at_gpus] = newest
@@ -1366,6 +1367,17 @@ def _unique(gpu: IntArray, pos: IntArray, n: int) -> tuple[IntArray, IntArray]:
         return gpu, pos
     touched, local = np.unique(gpu, return_inverse=True)
     return touched, local
+
+
+def _fold(
+    op: np.ufunc, out: NDArray[Any], idx: IntArray, values: NDArray[Any], distinct: bool
+) -> None:
+    """`op.at(out, idx, values)`: where no slot is named twice in `idx` (`distinct`), one
+    call of `op` on the slots named (the same values, without `.at`'s per-row loop)."""
+    if distinct:
+        out[idx] = op(out[idx], values)
+    else:
+        op.at(out, idx, values)
 
 
 def _take_whole(groups: IntArray, delta: FloatArray, slack: list[float]) -> bool:

@@ -303,6 +303,17 @@ def check_readings(**columns: FloatArray) -> None:
     }
     for name, values in columns.items():
         lo, hi = bounds[name]
+        if values.size:
+            # Within the bounds, every value finite (NaN fails both tests, an infinity one):
+            # two reductions; the values one by one only to name the first out of them.
+            least, most = float(values.min()), float(values.max())
+            if (
+                lo <= least
+                and most <= hi
+                and math.isfinite(most)
+                and (name != "max_cap_w" or least > 0.0)
+            ):
+                continue
         ok = np.isfinite(values) & (values >= lo) & (values <= hi)
         if name == "max_cap_w":
             ok &= values > 0.0
