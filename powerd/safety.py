@@ -869,22 +869,12 @@ class SafetyPlanner:
             whole = isinstance(at_gpus, slice) and len(acks) == len(gpu)
             ag: IntArray | slice = slice(None) if whole else gpu[acks]
             at = tick[acks]
-            pend_tick = self._pend_tick[:, ag]
-            res = (pend_tick >= 0) & (pend_tick <= at[None, :])
-            res_hi = self._pend_hi[:, ag].max(axis=0, where=res, initial=0.0)
-            res_lo = self._pend_lo[:, ag].min(axis=0, where=res, initial=np.inf)
-            prev_hi = np.where(np.isnan(self._hi[ag]), layout.max_cap_w[ag], self._hi[ag])
-            prev_lo = np.where(np.isnan(self._lo[ag]), layout.min_cap_w[ag], self._lo[ag])
             g = guess[acks]
-            hi[acks] = np.where(g, np.maximum.reduce([hi[acks], prev_hi, res_hi]), hi[acks])
-            lo[acks] = np.where(g, np.minimum.reduce([lo[acks], prev_lo, res_lo]), lo[acks])
+            if g.any():  # (else no ack's bounds widen: every GPU read back its limit)
+                self._widen(layout, hi, lo, acks=acks, ag=ag, at=at, g=g)
             upto = np.full(len(touched), -1, dtype=np.int64)
             _fold(np.maximum, upto, local[acks], at, one)
-            slots = self._pend_tick[:, at_gpus]
-            done = (slots >= 0) & (slots <= upto[None, :])
-            self._pend_tick[:, at_gpus] = np.where(done, -1, slots)
-            self._pend_hi[:, at_gpus] = np.where(done, 0.0, self._pend_hi[:, at_gpus])
-            self._pend_lo[:, at_gpus] = np.where(done, np.inf, self._pend_lo[:, at_gpus])
+            self._resolve(at_gpus, upto)
             # Our own command acknowledged: nothing a predecessor sent can land any more.
             prior_done = upto >= self._prior_tick[at_gpus]
             self._prior_hi[at_gpus] = np.where(prior_done, 0.0, self._prior_hi[at_gpus])
@@ -917,6 +907,42 @@ class SafetyPlanner:
         self._alarm_above(
             layout, np.flatnonzero(above), gpu=gpu, hi=hi, src=src, before=before[local]
         )
+
+    def _widen(
+        self,
+        layout: GpuLayout,
+        hi: FloatArray,
+        lo: FloatArray,
+        *,
+        acks: IntArray,
+        ag: IntArray | slice,
+        at: IntArray,
+        g: BoolArray,
+    ) -> None:
+        """The bounds of the acks that guess (`g`, of rows `acks`; their GPUs `ag`, the ticks
+        they acknowledge `at`) widened by the earlier bounds and the commands they resolve."""
+        pend_tick = self._pend_tick[:, ag]
+        res = (pend_tick >= 0) & (pend_tick <= at[None, :])
+        res_hi = self._pend_hi[:, ag].max(axis=0, where=res, initial=0.0)
+        res_lo = self._pend_lo[:, ag].min(axis=0, where=res, initial=np.inf)
+        prev_hi = np.where(np.isnan(self._hi[ag]), layout.max_cap_w[ag], self._hi[ag])
+        prev_lo = np.where(np.isnan(self._lo[ag]), layout.min_cap_w[ag], self._lo[ag])
+        hi[acks] = np.where(g, np.maximum.reduce([hi[acks], prev_hi, res_hi]), hi[acks])
+        lo[acks] = np.where(g, np.minimum.reduce([lo[acks], prev_lo, res_lo]), lo[acks])
+
+    def _resolve(self, at_gpus: IntArray | slice, upto: IntArray) -> None:
+        """The pending commands of these GPUs up to each one's tick acknowledged (`upto`)
+        resolved: their slots freed."""
+        slots = self._pend_tick[:, at_gpus]
+        done = (slots >= 0) & (slots <= upto[None, :])
+        if isinstance(at_gpus, slice):  # every GPU's slots: freed in place
+            np.copyto(self._pend_tick, -1, where=done)
+            np.copyto(self._pend_hi, 0.0, where=done)
+            np.copyto(self._pend_lo, np.inf, where=done)
+            return
+        self._pend_tick[:, at_gpus] = np.where(done, -1, slots)
+        self._pend_hi[:, at_gpus] = np.where(done, 0.0, self._pend_hi[:, at_gpus])
+        self._pend_lo[:, at_gpus] = np.where(done, np.inf, self._pend_lo[:, at_gpus])
 
     def _absorb_seen(self) -> None:
         """When each GPU was last named by its node (the queue's sightings)."""
