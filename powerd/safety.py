@@ -846,7 +846,8 @@ class SafetyPlanner:
         """
         self._absorb_seen()
         if not self._q_gpu and not self._q_blocks:
-            self._clear_queue()
+            if self._q_seen_gpu:  # (the rest of the queue is empty already)
+                self._q_seen_gpu, self._q_seen_at = [], []
             return
         layout = self._require_layout()
         gpu, hi, lo, key, tick, guess, defiant, src, _ = self._queued()

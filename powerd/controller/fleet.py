@@ -404,8 +404,13 @@ class FleetState:
         forgotten. Their node's missing GPUs are reserved at the maximum again."""
         dispute_s = after_s if dispute_s is None else dispute_s
         cols = self._cols
-        # Every GPU named within after_s (the common case) needs no look at each.
-        recent = not cols.seen_at or now - min(cols.seen_at) <= after_s
+        # Every GPU named within after_s (the common case) needs no look at each; after a
+        # whole fleet's sample every slot holds its time.
+        given = self._col_arrays
+        oldest = given[1] if given is not None and given[0] is cols and cols.seen_at else None
+        if oldest is None and cols.seen_at:
+            oldest = min(cols.seen_at)
+        recent = oldest is None or now - oldest <= after_s
         gone = (
             []
             if recent
