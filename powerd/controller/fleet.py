@@ -378,6 +378,10 @@ class FleetState:
         # The fleet version, the workload column and the workloads in fleet order then.
         self._workloads: tuple[int, list[str | None], list[str | None]] = (-1, [], [])
         self._layout_key = 0
+        # Bumps whenever a node's `keeps_limits` or `heard_status` may change (a status, a
+        # node forgotten): the nodes that claim or leave unsaid kept limits, kept meanwhile.
+        self._status_version = 0
+        self._keeps: tuple[int, list[str], list[str]] | None = None
         self.set_policy(policy)
 
     def set_policy(self, policy: Policy) -> None:
@@ -391,6 +395,7 @@ class FleetState:
             del self.gpus[uuid]
         for name in [n for n in self.nodes if n not in self.node_order]:
             del self.nodes[name]
+        self._status_version += 1
         if gone:
             self._compact()
         self._node_gpus = {}
@@ -646,13 +651,24 @@ class FleetState:
 
     def keeps_limits_claimed(self) -> list[str]:
         """Nodes that said their actuators keep their limits."""
-        return sorted(n for n, rec in self.nodes.items() if rec.keeps_limits)
+        return list(self._keeps_lists()[1])
 
     def keeps_limits_unsaid(self) -> list[str]:
         """Nodes that have published a status without saying their limits are kept."""
-        return sorted(
-            n for n, rec in self.nodes.items() if rec.heard_status and not rec.keeps_limits
-        )
+        return list(self._keeps_lists()[2])
+
+    def _keeps_lists(self) -> tuple[int, list[str], list[str]]:
+        """(version, claimed, unsaid), computed again only after a status (each tick asks;
+        a node's record made by its telemetry has neither)."""
+        kept = self._keeps
+        if kept is None or kept[0] != self._status_version:
+            nodes = self.nodes.items()
+            kept = self._keeps = (
+                self._status_version,
+                sorted(n for n, rec in nodes if rec.keeps_limits),
+                sorted(n for n, rec in nodes if rec.heard_status and not rec.keeps_limits),
+            )
+        return kept
 
     def offline_nodes(self) -> list[str]:
         """Nodes whose last status is `offline` (their last will, or a clean stop)."""
@@ -666,6 +682,7 @@ class FleetState:
         node.state = msg.state
         node.keeps_limits |= msg.keeps_limits
         node.heard_status = True
+        self._status_version += 1
         if msg.caps_w:
             node.status_caps_w = dict(msg.caps_w)
             node.status_tick = msg.last_tick
