@@ -720,11 +720,14 @@ class SimulatedGpus:
         busy = (np.atleast_1d(self.demand_w[sel]) - IDLE_W) / np.maximum(high - IDLE_W, 1.0)
         return np.asarray(100.0 * np.clip(busy, 0.0, 1.0), dtype=np.float64)
 
-    def sm_clock_mhz(self, sel: Selector = ALL) -> FloatArray:
-        """Clocks rise with load and drop roughly with the square root of the power cut."""
+    def sm_clock_mhz(
+        self, sel: Selector = ALL, *, util_pct: FloatArray | None = None
+    ) -> FloatArray:
+        """Clocks rise with load and drop roughly with the square root of the power cut
+        (`util_pct`: these GPUs' `util_pct`, where the caller has it already)."""
         demand = np.maximum(np.atleast_1d(self.demand_w[sel]), 1.0)
         share = np.sqrt(np.clip(np.atleast_1d(self._lagged_w[sel]) / demand, 0.0, 1.0))
-        busy = self.util_pct(sel) / 100.0
+        busy = (self.util_pct(sel) if util_pct is None else util_pct) / 100.0
         clock = IDLE_SM_CLOCK_MHZ + (MAX_SM_CLOCK_MHZ - IDLE_SM_CLOCK_MHZ) * busy * share
         return np.asarray(clock, dtype=np.float64)
 

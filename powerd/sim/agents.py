@@ -165,7 +165,8 @@ class SimAgents:
         m = self.model
         self.seq += 1
         temp = np.clip(m.temp_c, -50.0, 200.0)
-        util, clock, perf = m.util_pct(), m.sm_clock_mhz(), m.throughput()
+        util = m.util_pct()
+        clock, perf = m.sm_clock_mhz(util_pct=util), m.throughput()
         check_readings(
             power_w=m.power_w, energy_j=m.energy_j, cap_w=m.cap_w, min_cap_w=m.min_cap_w,
             max_cap_w=m.max_cap_w, default_cap_w=m.default_cap_w, temp_c=temp,

@@ -352,7 +352,13 @@ class _Run:
             self.over_s += dt
             self.over_by_level[np.unique(topo.level[over])] += dt
             self.max_excess = max(self.max_excess, float(excess[over].max()))
-        ratio = draw / np.where(budget < self.budget, budget, self.ratio_budget)
+        # (The policy's budgets themselves where no window moves them: none below them.)
+        below = budget is not self.budget
+        ratio = draw / (
+            np.where(budget < self.budget, budget, self.ratio_budget)
+            if below
+            else self.ratio_budget
+        )
         self.max_ratio = max(self.max_ratio, float(ratio.max()))
         if self.levels_full:
             peaks = np.maximum.reduceat(ratio[self.by_level], self.level_starts).tolist()
