@@ -864,7 +864,8 @@ class SafetyPlanner:
         # The bound before these messages, including the commands they acknowledge.
         base = np.where(known, self._hi[at_gpus], layout.max_cap_w[at_gpus])
         before = np.maximum(base, self._pend_hi[:, at_gpus].max(axis=0))
-        acks = np.flatnonzero(tick >= 0)
+        is_ack = tick >= 0
+        acks = np.flatnonzero(is_ack)
         if len(acks):
             # Every row an ack of one GPU in layout order: the acknowledged GPUs are all.
             whole = isinstance(at_gpus, slice) and len(acks) == len(gpu)
@@ -874,39 +875,43 @@ class SafetyPlanner:
             if g.any():  # (else no ack's bounds widen: every GPU read back its limit)
                 self._widen(layout, hi, lo, acks=acks, ag=ag, at=at, g=g)
             upto = np.full(len(touched), -1, dtype=np.int64)
-            _fold(np.maximum, upto, local[acks], at, one)
+            _fold(np.maximum, upto, local, tick, is_ack, one=one)
             self._resolve(at_gpus, upto)
             # Our own command acknowledged: nothing a predecessor sent can land any more.
             prior_done = upto >= self._prior_tick[at_gpus]
             self._prior_hi[at_gpus] = np.where(prior_done, 0.0, self._prior_hi[at_gpus])
             # Whether the GPU obeys: its latest ack says.
             last_ack = np.full(len(touched), -1, dtype=np.int64)
-            _fold(np.maximum, last_ack, local[acks], acks, one)
+            _fold(np.maximum, last_ack, local, pos, is_ack, one=one)
             has = last_ack >= 0
             self._defiant[touched[has]] = defiant[last_ack[has]] > 0
 
         # The newest tick wins; among readings of that tick the last to arrive, and whatever
         # arrived after it (older ticks) can only widen the bounds.
+        def rows(per_gpu: NDArray[Any]) -> NDArray[Any]:
+            """A value per touched GPU, per row (row r's GPU is touched GPU r where `one`)."""
+            return per_gpu if one else per_gpu[local]
+
         newest = np.where(known, self._key[at_gpus], np.iinfo(np.int64).min)
-        _fold(np.maximum, newest, local, key, one)
-        is_newest = key == newest[local]
+        _fold(np.maximum, newest, local, key, None, one=one)
+        is_newest = key == rows(newest)
         last_pos = np.full(len(touched), -1, dtype=np.int64)
-        _fold(np.maximum, last_pos, local[is_newest], pos[is_newest], one)
-        kept = pos >= last_pos[local]
+        _fold(np.maximum, last_pos, local, pos, is_newest, one=one)
+        kept = pos >= rows(last_pos)
         keep_state = known & (last_pos < 0)
         new_hi = np.where(keep_state, self._hi[at_gpus], -np.inf)
         new_lo = np.where(keep_state, self._lo[at_gpus], np.inf)
-        _fold(np.maximum, new_hi, local[kept], hi[kept], one)
-        _fold(np.minimum, new_lo, local[kept], lo[kept], one)
+        _fold(np.maximum, new_hi, local, hi, kept, one=one)
+        _fold(np.minimum, new_lo, local, lo, kept, one=one)
         self._hi[at_gpus] = new_hi
         self._lo[at_gpus] = new_lo
         self._key[at_gpus] = newest
 
         # A reading above the committed cap: something outside powerd raised the limit (or the
         # device clamped a request up). The bound follows the reading; the controller alarms.
-        above = kept & known[local] & (hi > before[local] + ALARM_TOL_W)
+        above = kept & rows(known) & (hi > rows(before) + ALARM_TOL_W)
         self._alarm_above(
-            layout, np.flatnonzero(above), gpu=gpu, hi=hi, src=src, before=before[local]
+            layout, np.flatnonzero(above), gpu=gpu, hi=hi, src=src, before=rows(before)
         )
 
     def _widen(
@@ -1339,8 +1344,10 @@ class SafetyPlanner:
             # else the job waits: raising part of it would split it
         return admitted
 
-    def _record_sent(self, tick: int, idx: IntArray, caps: FloatArray) -> None:
+    def _record_sent(self, tick: int, gpus: IntArray, caps: FloatArray) -> None:
         self._committed = None
+        # Every GPU (sorted, as `flatnonzero` gives them): the same slots as views.
+        idx: IntArray | slice = slice(None) if len(gpus) == len(self._prior_tick) else gpus
         first = self._prior_tick[idx]
         self._prior_tick[idx] = np.where(first == _UNSENT, tick, first)
         slot = tick % PENDING_SLOTS
@@ -1397,14 +1404,26 @@ def _unique(gpu: IntArray, pos: IntArray, n: int) -> tuple[IntArray, IntArray]:
 
 
 def _fold(
-    op: np.ufunc, out: NDArray[Any], idx: IntArray, values: NDArray[Any], distinct: bool
+    op: np.ufunc,
+    out: NDArray[Any],
+    idx: IntArray,
+    values: NDArray[Any],
+    where: BoolArray | None,
+    *,
+    one: bool,
 ) -> None:
-    """`op.at(out, idx, values)`: where no slot is named twice in `idx` (`distinct`), one
-    call of `op` on the slots named (the same values, without `.at`'s per-row loop)."""
-    if distinct:
-        out[idx] = op(out[idx], values)
-    else:
+    """`op.at(out, idx[where], values[where])` (`where` None: every row). `one`: row r's slot
+    is r (idx is 0, 1, ...): one call of `op` over the rows, the same values without
+    `.at`'s loop over them."""
+    if one:
+        if where is None:
+            op(out, values, out=out)
+        else:
+            np.copyto(out, op(out, values), where=where)
+    elif where is None:
         op.at(out, idx, values)
+    else:
+        op.at(out, idx[where], values[where])
 
 
 def _take_whole(groups: IntArray, delta: FloatArray, slack: list[float]) -> bool:
