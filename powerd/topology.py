@@ -59,6 +59,12 @@ class Topology:
         return np.flatnonzero(self.level == level)
 
     @cached_property
+    def gpu_group_columns(self) -> tuple[IntArray, ...]:
+        """`gpu_groups[:, level]` of every level as a contiguous array (each tick's deadband
+        sums by them), kept: do not write."""
+        return tuple(np.ascontiguousarray(self.gpu_groups[:, lv]) for lv in range(N_LEVELS))
+
+    @cached_property
     def level_groups(self) -> tuple[IntArray, ...]:
         """`groups_at` of every level, kept (each allocation reads them): do not write."""
         return tuple(self.groups_at(level) for level in range(N_LEVELS))
