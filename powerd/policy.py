@@ -11,6 +11,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -474,6 +475,12 @@ class Policy:
 
     def node_names(self) -> list[str]:
         return [g.name for g in self.groups if g.level == 3]
+
+    @cached_property
+    def keeps_limits_nodes(self) -> frozenset[str]:
+        """The nodes the policy says keep their limits when their agent dies (each tick's
+        alarms ask)."""
+        return frozenset(g.name for g in self.groups if g.level == 3 and g.keeps_limits)
 
     def subset(self, nodes: Sequence[str]) -> Policy:
         """The same policy over only these nodes (and the groups above them), e.g. a demo or

@@ -11,9 +11,10 @@ The rules, exactly as implemented, are in docs/safety.md ("Safety planner").
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from functools import cached_property
+from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -174,7 +175,9 @@ class SafePlan:
     """What to send this tick, and where every GPU and group stands after sending it."""
 
     tick: int
-    commands: list[NodeCommand]
+    # The nodes that get a command (`commands`, in its order) and how many GPUs those name.
+    sent_nodes: tuple[str, ...]
+    sent_gpus: int
     sent_w: FloatArray  # per GPU; NaN where its node gets no command
     committed_w: FloatArray  # per GPU, after this tick's sends
     raised: BoolArray  # sent above the committed cap (admitted by the budget check)
@@ -190,6 +193,14 @@ class SafePlan:
     events: tuple[SafetyEvent, ...] = field(default=())
     # The GPUs `sent_w` and the per-GPU arrays are indexed by (the planner's at planning).
     layout: GpuLayout | None = None
+    # Builds `commands` (one map of caps per node: the simulator, which applies `sent_w`,
+    # never reads them).
+    build_commands: Callable[[], list[NodeCommand]] = field(default=list, repr=False, compare=False)
+
+    @cached_property
+    def commands(self) -> list[NodeCommand]:
+        """One command per node in `sent_nodes`: its GPUs' caps, its lease renewed."""
+        return self.build_commands()
 
     def acks(self, enforced_w: FloatArray) -> list[tuple[str, int, AckedCaps]]:
         """Every command obeyed, as the acks of each (node, tick, its GPUs) would say:
@@ -237,6 +248,9 @@ class SafetyPlanner:
         self._claimed_keeps: frozenset[str] = frozenset()
         # keeps_limits() for the claims and the layout it was computed at (each plan asks).
         self._keeps_memo: tuple[frozenset[str], object, BoolArray] | None = None
+        # `committed_w` while none of what it reads has changed (None: compute it again):
+        # every write to _hi, _pend_hi, _prior_hi or the layout sets it to None.
+        self._committed: FloatArray | None = None
         self._set_empty()
         if layout is not None:
             self.set_layout(layout)
@@ -312,10 +326,12 @@ class SafetyPlanner:
             old_i = np.array(keep_old)
             for dst, src in zip(self._per_gpu(), old_state, strict=True):
                 dst[new_i] = src[old_i]
+            self._committed = None
 
     def _new_gpus(self, max_cap_w: FloatArray) -> None:
         """The per-GPU arrays (listed again in `_per_gpu`) for GPUs nothing is known of."""
         n = len(max_cap_w)
+        self._committed = None
         self._hi = np.full(n, np.nan)  # reading, as an upper bound of the cap in force
         self._lo = np.full(n, np.nan)  # reading, as a lower bound (differs after failed sets)
         self._key = np.full(n, NO_TICK, dtype=np.int64)  # the tick the reading reflects
@@ -362,8 +378,12 @@ class SafetyPlanner:
         """Per GPU: the highest cap that may be in force now or later from anything sent."""
         layout = self._require_layout()
         self._absorb()
-        base = np.where(np.isnan(self._hi), layout.max_cap_w, self._hi)
-        out: FloatArray = np.maximum(np.maximum(base, self._pend_hi.max(axis=0)), self._prior_hi)
+        kept = self._committed
+        if kept is None:
+            base = np.where(np.isnan(self._hi), layout.max_cap_w, self._hi)
+            kept = np.maximum(np.maximum(base, self._pend_hi.max(axis=0)), self._prior_hi)
+            self._committed = kept
+        out: FloatArray = kept.copy()
         return out
 
     def _low_w(self) -> FloatArray:
@@ -400,6 +420,7 @@ class SafetyPlanner:
         at once instead of at their maximum until their first ack."""
         self._require_layout()
         self._prior_hi[:] = 0.0
+        self._committed = None
 
     def _queue_readings(
         self,
@@ -535,8 +556,7 @@ class SafetyPlanner:
         tick = plan.tick
         last, index, node_gpus = self._last_ack, self._node_index, self._node_gpus
         idx = []
-        for cmd in plan.commands:
-            node = cmd.node
+        for node in plan.sent_nodes:
             if tick <= last.get(node, -1):
                 continue  # an ack older than what we know
             last[node] = tick
@@ -731,6 +751,7 @@ class SafetyPlanner:
         moves = idx[~layout.keeps_limits[idx]] if kept else idx
         self._hi[moves] = layout.max_cap_w[moves]
         self._lo[moves] = layout.min_cap_w[moves]
+        self._committed = None
 
     def claim_keeps_limits(self, nodes: Collection[str]) -> None:
         """Nodes that say their actuators keep their limits: their GPUs are planned as the
@@ -778,6 +799,7 @@ class SafetyPlanner:
         self._pend_hi[:, idx] = 0.0
         self._pend_lo[:, idx] = np.inf
         self._last_ack.pop(node, None)
+        self._committed = None
 
     def _absorbed_gpus(self, node: str) -> IntArray | None:
         """The node's GPUs (None: not in the layout, or no layout yet), with the queued
@@ -792,6 +814,7 @@ class SafetyPlanner:
         layout = self._require_layout()
         self._prior_hi[idx] = layout.max_cap_w[idx]
         self._prior_tick[idx] = _UNSENT
+        self._committed = None
 
     def _clear_queue(self) -> None:
         self._clear_rows()
@@ -823,75 +846,109 @@ class SafetyPlanner:
         """
         self._absorb_seen()
         if not self._q_gpu and not self._q_blocks:
-            self._clear_queue()
+            if self._q_seen_gpu:  # (the rest of the queue is empty already)
+                self._q_seen_gpu, self._q_seen_at = [], []
             return
         layout = self._require_layout()
         gpu, hi, lo, key, tick, guess, defiant, src, _ = self._queued()
         self._clear_queue()
+        self._committed = None
         pos = np.arange(len(gpu))
         touched, local = _unique(gpu, pos, layout.n_gpus)
         # One row per GPU in layout order (a whole fleet's sample, or its acks): the GPUs'
         # state is read and written through slices, not copies by index.
         at_gpus: IntArray | slice = slice(None) if touched is gpu else touched
+        one = touched is gpu  # (then each row folds into a slot of its own)
         known = ~np.isnan(self._hi[at_gpus])
 
         # The bound before these messages, including the commands they acknowledge.
         base = np.where(known, self._hi[at_gpus], layout.max_cap_w[at_gpus])
         before = np.maximum(base, self._pend_hi[:, at_gpus].max(axis=0))
-        acks = np.flatnonzero(tick >= 0)
+        is_ack = tick >= 0
+        acks = np.flatnonzero(is_ack)
         if len(acks):
             # Every row an ack of one GPU in layout order: the acknowledged GPUs are all.
             whole = isinstance(at_gpus, slice) and len(acks) == len(gpu)
             ag: IntArray | slice = slice(None) if whole else gpu[acks]
             at = tick[acks]
-            pend_tick = self._pend_tick[:, ag]
-            res = (pend_tick >= 0) & (pend_tick <= at[None, :])
-            res_hi = self._pend_hi[:, ag].max(axis=0, where=res, initial=0.0)
-            res_lo = self._pend_lo[:, ag].min(axis=0, where=res, initial=np.inf)
-            prev_hi = np.where(np.isnan(self._hi[ag]), layout.max_cap_w[ag], self._hi[ag])
-            prev_lo = np.where(np.isnan(self._lo[ag]), layout.min_cap_w[ag], self._lo[ag])
             g = guess[acks]
-            hi[acks] = np.where(g, np.maximum.reduce([hi[acks], prev_hi, res_hi]), hi[acks])
-            lo[acks] = np.where(g, np.minimum.reduce([lo[acks], prev_lo, res_lo]), lo[acks])
+            if g.any():  # (else no ack's bounds widen: every GPU read back its limit)
+                self._widen(layout, hi, lo, acks=acks, ag=ag, at=at, g=g)
             upto = np.full(len(touched), -1, dtype=np.int64)
-            np.maximum.at(upto, local[acks], at)
-            slots = self._pend_tick[:, at_gpus]
-            done = (slots >= 0) & (slots <= upto[None, :])
-            self._pend_tick[:, at_gpus] = np.where(done, -1, slots)
-            self._pend_hi[:, at_gpus] = np.where(done, 0.0, self._pend_hi[:, at_gpus])
-            self._pend_lo[:, at_gpus] = np.where(done, np.inf, self._pend_lo[:, at_gpus])
+            _fold(np.maximum, upto, local, tick, is_ack, one=one)
+            self._resolve(at_gpus, upto)
             # Our own command acknowledged: nothing a predecessor sent can land any more.
             prior_done = upto >= self._prior_tick[at_gpus]
             self._prior_hi[at_gpus] = np.where(prior_done, 0.0, self._prior_hi[at_gpus])
             # Whether the GPU obeys: its latest ack says.
             last_ack = np.full(len(touched), -1, dtype=np.int64)
-            np.maximum.at(last_ack, local[acks], acks)
+            _fold(np.maximum, last_ack, local, pos, is_ack, one=one)
             has = last_ack >= 0
             self._defiant[touched[has]] = defiant[last_ack[has]] > 0
 
         # The newest tick wins; among readings of that tick the last to arrive, and whatever
         # arrived after it (older ticks) can only widen the bounds.
+        def rows(per_gpu: NDArray[Any]) -> NDArray[Any]:
+            """A value per touched GPU, per row (row r's GPU is touched GPU r where `one`)."""
+            return per_gpu if one else per_gpu[local]
+
         newest = np.where(known, self._key[at_gpus], np.iinfo(np.int64).min)
-        np.maximum.at(newest, local, key)
-        is_newest = key == newest[local]
+        _fold(np.maximum, newest, local, key, None, one=one)
+        is_newest = key == rows(newest)
         last_pos = np.full(len(touched), -1, dtype=np.int64)
-        np.maximum.at(last_pos, local[is_newest], pos[is_newest])
-        kept = pos >= last_pos[local]
+        _fold(np.maximum, last_pos, local, pos, is_newest, one=one)
+        kept = pos >= rows(last_pos)
         keep_state = known & (last_pos < 0)
         new_hi = np.where(keep_state, self._hi[at_gpus], -np.inf)
         new_lo = np.where(keep_state, self._lo[at_gpus], np.inf)
-        np.maximum.at(new_hi, local[kept], hi[kept])
-        np.minimum.at(new_lo, local[kept], lo[kept])
+        _fold(np.maximum, new_hi, local, hi, kept, one=one)
+        _fold(np.minimum, new_lo, local, lo, kept, one=one)
         self._hi[at_gpus] = new_hi
         self._lo[at_gpus] = new_lo
         self._key[at_gpus] = newest
 
         # A reading above the committed cap: something outside powerd raised the limit (or the
         # device clamped a request up). The bound follows the reading; the controller alarms.
-        above = kept & known[local] & (hi > before[local] + ALARM_TOL_W)
+        above = kept & rows(known) & (hi > rows(before) + ALARM_TOL_W)
         self._alarm_above(
-            layout, np.flatnonzero(above), gpu=gpu, hi=hi, src=src, before=before[local]
+            layout, np.flatnonzero(above), gpu=gpu, hi=hi, src=src, before=rows(before)
         )
+
+    def _widen(
+        self,
+        layout: GpuLayout,
+        hi: FloatArray,
+        lo: FloatArray,
+        *,
+        acks: IntArray,
+        ag: IntArray | slice,
+        at: IntArray,
+        g: BoolArray,
+    ) -> None:
+        """The bounds of the acks that guess (`g`, of rows `acks`; their GPUs `ag`, the ticks
+        they acknowledge `at`) widened by the earlier bounds and the commands they resolve."""
+        pend_tick = self._pend_tick[:, ag]
+        res = (pend_tick >= 0) & (pend_tick <= at[None, :])
+        res_hi = self._pend_hi[:, ag].max(axis=0, where=res, initial=0.0)
+        res_lo = self._pend_lo[:, ag].min(axis=0, where=res, initial=np.inf)
+        prev_hi = np.where(np.isnan(self._hi[ag]), layout.max_cap_w[ag], self._hi[ag])
+        prev_lo = np.where(np.isnan(self._lo[ag]), layout.min_cap_w[ag], self._lo[ag])
+        hi[acks] = np.where(g, np.maximum.reduce([hi[acks], prev_hi, res_hi]), hi[acks])
+        lo[acks] = np.where(g, np.minimum.reduce([lo[acks], prev_lo, res_lo]), lo[acks])
+
+    def _resolve(self, at_gpus: IntArray | slice, upto: IntArray) -> None:
+        """The pending commands of these GPUs up to each one's tick acknowledged (`upto`)
+        resolved: their slots freed."""
+        slots = self._pend_tick[:, at_gpus]
+        done = (slots >= 0) & (slots <= upto[None, :])
+        if isinstance(at_gpus, slice):  # every GPU's slots: freed in place
+            np.copyto(self._pend_tick, -1, where=done)
+            np.copyto(self._pend_hi, 0.0, where=done)
+            np.copyto(self._pend_lo, np.inf, where=done)
+            return
+        self._pend_tick[:, at_gpus] = np.where(done, -1, slots)
+        self._pend_hi[:, at_gpus] = np.where(done, 0.0, self._pend_hi[:, at_gpus])
+        self._pend_lo[:, at_gpus] = np.where(done, np.inf, self._pend_lo[:, at_gpus])
 
     def _absorb_seen(self) -> None:
         """When each GPU was last named by its node (the queue's sightings)."""
@@ -1046,7 +1103,7 @@ class SafetyPlanner:
         group_caps = topo.group_sums(committed_after)
         group_committed = group_caps + topo.overhead_w + reserve
 
-        commands = self._commands(tick, control.lease_s, node_send, caps)
+        sent_k = np.flatnonzero(node_send).tolist()
         group_over = group_committed > budget + TOL_W
         settling = np.zeros_like(group_over)
         if group_over.any() and self._prior_hi.any():
@@ -1060,7 +1117,8 @@ class SafetyPlanner:
         self._events = []
         return SafePlan(
             tick=tick,
-            commands=commands,
+            sent_nodes=tuple([self._node_names[k] for k in sent_k]),
+            sent_gpus=int(send.sum()),
             sent_w=sent,
             committed_w=committed_after,
             raised=raised,
@@ -1074,6 +1132,7 @@ class SafetyPlanner:
             waiting_nodes=tuple(self._node_names[k] for k in np.flatnonzero(waiting)),
             events=events,
             layout=layout,
+            build_commands=self._commands(tick, control.lease_s, sent_k, caps),
         )
 
     def _keep_room(
@@ -1285,7 +1344,10 @@ class SafetyPlanner:
             # else the job waits: raising part of it would split it
         return admitted
 
-    def _record_sent(self, tick: int, idx: IntArray, caps: FloatArray) -> None:
+    def _record_sent(self, tick: int, gpus: IntArray, caps: FloatArray) -> None:
+        self._committed = None
+        # Every GPU (sorted, as `flatnonzero` gives them): the same slots as views.
+        idx: IntArray | slice = slice(None) if len(gpus) == len(self._prior_tick) else gpus
         first = self._prior_tick[idx]
         self._prior_tick[idx] = np.where(first == _UNSENT, tick, first)
         slot = tick % PENDING_SLOTS
@@ -1302,27 +1364,34 @@ class SafetyPlanner:
         self._pend_tick[slot, idx] = tick
 
     def _commands(
-        self, tick: int, lease_s: float, node_send: BoolArray, caps: FloatArray
-    ) -> list[NodeCommand]:
-        by_node = caps[self._node_order].tolist()
-        bounds, names, uuids, failsafe = (
+        self, tick: int, lease_s: float, sent: list[int], caps: FloatArray
+    ) -> Callable[[], list[NodeCommand]]:
+        """The commands to the nodes `sent` (by index) with `caps`, built when first read:
+        from the layout of now (a later one does not change them; `caps` is not written)."""
+        order, bounds, names, uuids, failsafe = (
+            self._node_order,
             self._node_bounds,
             self._node_names,
             self._node_uuids,
             self._node_failsafe,
         )
-        # Positional: (node, tick, lease_s, caps_w, failsafe_w); a node's uuids and its slice
-        # of caps have the same length by construction.
-        return [
-            NodeCommand(
-                names[k],
-                tick,
-                lease_s,
-                dict(zip(uuids[k], by_node[bounds[k] : bounds[k + 1]])),  # noqa: B905
-                failsafe[k],
-            )
-            for k in np.flatnonzero(node_send).tolist()
-        ]
+
+        def build() -> list[NodeCommand]:
+            by_node = caps[order].tolist()
+            # Positional: (node, tick, lease_s, caps_w, failsafe_w); a node's uuids and its
+            # slice of caps have the same length by construction.
+            return [
+                NodeCommand(
+                    names[k],
+                    tick,
+                    lease_s,
+                    dict(zip(uuids[k], by_node[bounds[k] : bounds[k + 1]])),  # noqa: B905
+                    failsafe[k],
+                )
+                for k in sent
+            ]
+
+        return build
 
 
 def _unique(gpu: IntArray, pos: IntArray, n: int) -> tuple[IntArray, IntArray]:
@@ -1332,6 +1401,29 @@ def _unique(gpu: IntArray, pos: IntArray, n: int) -> tuple[IntArray, IntArray]:
         return gpu, pos
     touched, local = np.unique(gpu, return_inverse=True)
     return touched, local
+
+
+def _fold(
+    op: np.ufunc,
+    out: NDArray[Any],
+    idx: IntArray,
+    values: NDArray[Any],
+    where: BoolArray | None,
+    *,
+    one: bool,
+) -> None:
+    """`op.at(out, idx[where], values[where])` (`where` None: every row). `one`: row r's slot
+    is r (idx is 0, 1, ...): one call of `op` over the rows, the same values without
+    `.at`'s loop over them."""
+    if one:
+        if where is None:
+            op(out, values, out=out)
+        else:
+            np.copyto(out, op(out, values), where=where)
+    elif where is None:
+        op.at(out, idx, values)
+    else:
+        op.at(out, idx[where], values[where])
 
 
 def _take_whole(groups: IntArray, delta: FloatArray, slack: list[float]) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 from numpy.typing import NDArray
@@ -56,6 +57,17 @@ class Topology:
 
     def groups_at(self, level: int) -> IntArray:
         return np.flatnonzero(self.level == level)
+
+    @cached_property
+    def gpu_group_columns(self) -> tuple[IntArray, ...]:
+        """`gpu_groups[:, level]` of every level as a contiguous array (each tick's deadband
+        sums by them), kept: do not write."""
+        return tuple(np.ascontiguousarray(self.gpu_groups[:, lv]) for lv in range(N_LEVELS))
+
+    @cached_property
+    def level_groups(self) -> tuple[IntArray, ...]:
+        """`groups_at` of every level, kept (each allocation reads them): do not write."""
+        return tuple(self.groups_at(level) for level in range(N_LEVELS))
 
     def subtree_gpus(self, group: int) -> IntArray:
         """Indices of the GPUs under one group."""

@@ -274,3 +274,42 @@ def test_whole_fleet_samples_are_read_from_their_columns_end_to_end() -> None:
     assert [(r.node_id, r.power_w, r.index) for r in parts] == [
         (r.node_id, r.power_w, r.index) for r in samples
     ]
+
+
+def _with_arrays(whole: NodeReadings) -> NodeReadings:
+    """The whole fleet's sample carrying its float columns as arrays too (as the simulated
+    agents send it)."""
+    names = ("min_cap_w", "max_cap_w", "power_w", "cap_w", "energy_j", "temp_c", "perf", "set_w")
+    arrays = {n: np.array(getattr(whole, n), dtype=np.float64) for n in names}
+    return dataclasses.replace(whole, arrays=arrays)
+
+
+def test_a_sample_carrying_arrays_reads_the_same_and_later_samples_are_not_hidden() -> None:
+    """A whole fleet's sample that carries its columns as arrays gives the fleet the same
+    arrays as the lists do; a node's later sample (or a forgotten GPU) is read from the lists
+    again, not from the arrays of the sample before."""
+    n2, n1 = "row-1-rack-1-node-02", "row-1-rack-1-node-01"
+    one, each = FleetState(load_policy(EXAMPLE)), FleetState(load_policy(EXAMPLE))
+    for fleet in (one, each):
+        fleet.ingest_telemetry(telemetry(n2, ["c", "d"]), now=1.0)
+        fleet.ingest_telemetry(telemetry(n1, ["b", "a"]), now=1.0)
+    samples = [
+        NodeReadings.from_message(telemetry(n2, ["c", "d"], power=350.0, seq=1)),
+        NodeReadings.from_message(telemetry(n1, ["b", "a"], power=250.0, seq=1)),
+    ]
+    assert one.ingest_fleet(samples, _with_arrays(_end_to_end(samples)), now=2.0)
+    assert each.ingest_fleet(samples, _end_to_end(samples), now=2.0)
+    _same_arrays(one, each, now=4.0)
+    for fleet in (one, each):
+        fleet.ingest_telemetry(telemetry(n1, ["b", "a"], power=150.0, seq=2), now=3.0)
+    _same_arrays(one, each, now=4.0)
+    assert one.arrays(4.0, stale_after_s=5.0).power_w.tolist() == [150.0, 150.0, 350.0, 350.0]
+    assert one.arrays(4.0, stale_after_s=5.0).age_s.tolist() == [1.0, 1.0, 2.0, 2.0]
+    # Again from arrays; then n2's GPUs go unheard past forget_after_s and are forgotten.
+    assert one.ingest_fleet(samples, _with_arrays(_end_to_end(samples)), now=5.0)
+    assert each.ingest_fleet(samples, _end_to_end(samples), now=5.0)
+    for fleet in (one, each):
+        fleet.ingest_telemetry(telemetry(n1, ["b", "a"], power=100.0, seq=3), now=20.0)
+        assert sorted(fleet.forget(now=20.0, after_s=10.0)) == ["c", "d"]
+    _same_arrays(one, each, now=20.0)
+    assert one.arrays(20.0, stale_after_s=5.0).power_w.tolist() == [100.0, 100.0]

@@ -738,3 +738,22 @@ def test_fitting_targets_are_reached_when_messages_flow(seed: int) -> None:
     world.run()
     # Cuts land in tick 1, the raises they pay for by tick 3 at the latest.
     assert np.allclose(world.true, goal, atol=1e-6)
+
+
+def test_a_plans_commands_are_its_nodes_caps_whenever_read() -> None:
+    """A plan's commands (built when first read) are those of the layout it was planned on,
+    after the planner has moved to another; `sent_nodes` names them and `sent_gpus` counts
+    their GPUs."""
+    policy, layout = simple_fleet([2, 3])
+    planner = SafetyPlanner(policy, layout)
+    teach(planner, layout, np.full(5, 300.0), at=0.0)
+    targets = np.array([250.0, 260.0, 270.0, 280.0, 290.0])
+    plan = planner.plan(1, 0.0, targets)
+    _, other = simple_fleet([1, 1])
+    planner.set_layout(other)  # a later layout: the plan's commands do not follow it
+    assert plan.sent_nodes == ("n0", "n1") and plan.sent_gpus == 5
+    assert [(c.node, c.tick, c.lease_s) for c in plan.commands] == [("n0", 1, 4.0), ("n1", 1, 4.0)]
+    assert plan.commands[0].caps_w == {"g0-0": 250.0, "g0-1": 260.0}
+    assert plan.commands[1].caps_w == {"g1-0": 270.0, "g1-1": 280.0, "g1-2": 290.0}
+    assert plan.commands[1].failsafe_w == dict.fromkeys(("g1-0", "g1-1", "g1-2"), FAILSAFE_W)
+    assert plan.commands is plan.commands  # built once

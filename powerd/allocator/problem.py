@@ -99,6 +99,12 @@ class ClassTable:
     TABLE_OFFSET_W = 1e7
 
     @cached_property
+    def weights(self) -> FloatArray:
+        """The classes' distinct weights, lowest first (floors drop in that order): kept,
+        each allocation reads them."""
+        return np.unique(self.weight)
+
+    @cached_property
     def value_table(self) -> tuple[FloatArray, FloatArray]:
         """All profiles as one interpolation table, equal to Profile.value on [0, offset/2]:
         the linear extension below the first point (clamped at 0) and flat past the peak.
@@ -580,7 +586,7 @@ def capacities_kw(
         # Power committed at a group also draws on every ancestor's budget.
         below = np.asarray(reserved_w, dtype=np.float64).copy()
         for level in range(N_LEVELS - 1, 0, -1):
-            g = topology.groups_at(level)
+            g = topology.level_groups[level]
             np.add.at(below, topology.parent[g], below[g])
         cap = cap - below
     return np.asarray(cap / 1000.0, dtype=np.float64)
@@ -746,7 +752,7 @@ def build_problem(
         np.maximum(lo_dev, floors_w(fleet, classes, ctl.demand) / 1000.0), hi_base
     )
     dropped = np.zeros(fleet.n, dtype=np.bool_)
-    for w in np.unique(classes.weight):
+    for w in classes.weights:
         over = _over(tree, lo_floor, capacity)
         if not over.any():
             break

@@ -468,6 +468,19 @@ class SimulatedGpus:
         self._training_idx = np.flatnonzero(self._pattern == training)
         self._ckpt_idx = np.flatnonzero((self._pattern == training) & (self._ckpt_every > 0))
         self._inference_idx = np.flatnonzero(self._pattern == _PATTERN_CODES[Pattern.INFERENCE])
+        # Each pattern's GPUs' values, gathered once per change of workloads (`_grid` reads
+        # them at every step; they change only with a workload).
+        tr, ck, inf = self._training_idx, self._ckpt_idx, self._inference_idx
+        self._idle = self._pattern == _PATTERN_CODES[Pattern.IDLE]
+        self._tr_cols = tuple(a[tr] for a in (self._phase, self._period, self._duty))
+        self._tr_levels = (self._high[tr], self._low[tr])
+        self._ck_cols = tuple(
+            a[ck] for a in (self._ckpt_phase, self._ckpt_every, self._ckpt_s, self._ckpt_w)
+        )
+        self._inf_cols = tuple(
+            a[inf] for a in (self._high, self._low, self._phase, self._period, self._burst_slot)
+        )
+        self._inf_burst = (self._seeds[inf], self._burst_prob[inf], self._burst_w[inf])
         self._by_profile = [
             (p, np.flatnonzero(self._profile_idx == k)) for k, p in enumerate(self._profiles)
         ]
@@ -536,13 +549,15 @@ class SimulatedGpus:
         working = np.ones((k, self.n), dtype=bool)
         tr = self._training_idx
         if tr.size:
-            cycle = (at + self._phase[tr]) / self._period[tr]
-            on = cycle - np.floor(cycle) < self._duty[tr]
-            demand[:, tr] = np.where(on, self._high[tr], self._low[tr])
+            phase, period, duty = self._tr_cols
+            cycle = (at + phase) / period
+            on = cycle - np.floor(cycle) < duty
+            demand[:, tr] = np.where(on, *self._tr_levels)
         ck = self._ckpt_idx
         if ck.size:
-            saving = np.mod(at + self._ckpt_phase[ck], self._ckpt_every[ck]) < self._ckpt_s[ck]
-            demand[:, ck] = np.where(saving, self._ckpt_w[ck], demand[:, ck])
+            ck_phase, every, ck_s, ck_w = self._ck_cols
+            saving = np.mod(at + ck_phase, every) < ck_s
+            demand[:, ck] = np.where(saving, ck_w, demand[:, ck])
             working[:, ck] = ~saving
         for gpus, w in self._run_groups:
             running = np.zeros(k, dtype=bool)
@@ -553,14 +568,13 @@ class SimulatedGpus:
             working[stopped] = False
         inf = self._inference_idx
         if inf.size:
-            high, low = self._high[inf], self._low[inf]
-            shifted = at + self._phase[inf]
-            daily = low + (high - low) * (
-                0.5 - 0.5 * np.cos(2 * np.pi * shifted / self._period[inf])
-            )
-            slot = np.floor(shifted / self._burst_slot[inf]).astype(np.uint64)
-            burst = _uniform(self._seeds[inf] + slot * _GOLDEN) < self._burst_prob[inf]
-            demand[:, inf] = daily + np.where(burst, self._burst_w[inf], 0.0)
+            high, low, inf_phase, inf_period, burst_slot = self._inf_cols
+            seeds, burst_prob, burst_w = self._inf_burst
+            shifted = at + inf_phase
+            daily = low + (high - low) * (0.5 - 0.5 * np.cos(2 * np.pi * shifted / inf_period))
+            slot = np.floor(shifted / burst_slot).astype(np.uint64)
+            burst = _uniform(seeds + slot * _GOLDEN) < burst_prob
+            demand[:, inf] = daily + np.where(burst, burst_w, 0.0)
         for gpus, w in self._surge_groups:
             demand[np.ix_(_surging(w, times), gpus)] += w.surge_w
         return demand, working
@@ -690,12 +704,13 @@ class SimulatedGpus:
         if isinstance(sel, slice) and sel == ALL:
             for profile, gpus in self._by_profile:
                 out[gpus] = profile.value(power[gpus])
+            out[self._idle] = 0.0
         else:
             profile_idx = np.atleast_1d(self._profile_idx[sel])
             for k in np.unique(profile_idx):
                 mask = profile_idx == k
                 out[mask] = self._profiles[int(k)].value(power[mask])
-        out[np.atleast_1d(self._pattern[sel]) == _PATTERN_CODES[Pattern.IDLE]] = 0.0
+            out[np.atleast_1d(self._pattern[sel]) == _PATTERN_CODES[Pattern.IDLE]] = 0.0
         out[~np.atleast_1d(self._working[sel])] = 0.0
         return out
 
@@ -705,11 +720,14 @@ class SimulatedGpus:
         busy = (np.atleast_1d(self.demand_w[sel]) - IDLE_W) / np.maximum(high - IDLE_W, 1.0)
         return np.asarray(100.0 * np.clip(busy, 0.0, 1.0), dtype=np.float64)
 
-    def sm_clock_mhz(self, sel: Selector = ALL) -> FloatArray:
-        """Clocks rise with load and drop roughly with the square root of the power cut."""
+    def sm_clock_mhz(
+        self, sel: Selector = ALL, *, util_pct: FloatArray | None = None
+    ) -> FloatArray:
+        """Clocks rise with load and drop roughly with the square root of the power cut
+        (`util_pct`: these GPUs' `util_pct`, where the caller has it already)."""
         demand = np.maximum(np.atleast_1d(self.demand_w[sel]), 1.0)
         share = np.sqrt(np.clip(np.atleast_1d(self._lagged_w[sel]) / demand, 0.0, 1.0))
-        busy = self.util_pct(sel) / 100.0
+        busy = (self.util_pct(sel) if util_pct is None else util_pct) / 100.0
         clock = IDLE_SM_CLOCK_MHZ + (MAX_SM_CLOCK_MHZ - IDLE_SM_CLOCK_MHZ) * busy * share
         return np.asarray(clock, dtype=np.float64)
 

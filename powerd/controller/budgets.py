@@ -55,7 +55,9 @@ class BudgetsInForce:
         self.ramp = BudgetRamp()
         # Per group: the budgets of the last tick, and this tick's before any schedule (a
         # ramp's step down is not `budget_over` while the cut that follows it is on its way).
-        self._last_budget: dict[str, float] = {}
+        # (Over the groups of `_last_names`: the last tick's topology's.)
+        self._last_names: tuple[str, ...] = ()
+        self._last_budget_w: FloatArray = np.zeros(0)
         self._immediate_w: FloatArray | None = None
         # The overload limits of the last tick, with the telemetry count and shape they
         # were computed at.
@@ -168,11 +170,15 @@ class BudgetsInForce:
         """Per group, what committed caps may still be while a ramp's step down is on its way:
         last tick's budget where only a schedule's ramp lowered it since (an immediate cut
         gets no grace: `budget_over` until its acks, as ever)."""
-        last = np.fromiter(
-            (self._last_budget.get(n, -np.inf) for n in topo.names),
-            dtype=np.float64,
-            count=topo.n_groups,
-        )
-        self._last_budget = dict(zip(topo.names, budget_w.tolist(), strict=True))
+        names = topo.names
+        if names == self._last_names:
+            last = self._last_budget_w
+        else:  # by name, where the groups changed
+            before = dict(zip(self._last_names, self._last_budget_w.tolist(), strict=True))
+            last = np.fromiter(
+                (before.get(n, -np.inf) for n in names), dtype=np.float64, count=topo.n_groups
+            )
+        self._last_names = names
+        self._last_budget_w = np.array(budget_w, dtype=np.float64)
         immediate = budget_w if self._immediate_w is None else self._immediate_w
         return np.maximum(budget_w, np.minimum(last, immediate))

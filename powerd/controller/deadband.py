@@ -97,7 +97,7 @@ def hold_small_cuts(
     n_groups = topology.n_groups
     rank: NDArray[np.int64] | None = None
     for level in range(N_LEVELS):
-        group = topology.gpu_groups[:, level]
+        group = topology.gpu_group_columns[level]
         sums = np.bincount(group, weights=counted, minlength=n_groups)
         excess = sums - capacity
         over = excess > TOL_W

@@ -113,17 +113,24 @@ class DemandEstimator:
                 self._rise[s % BUCKETS] = 0.0
             self.slot = max(slot, self.slot)
         col = self.slot % BUCKETS
-        draw = np.clip(np.nan_to_num(power_w, nan=0.0), 0.0, max_cap_w)
+        draw = _draw(power_w, max_cap_w)
         take = fresh & np.isfinite(power_w)
         rise = np.where(np.isnan(self.last), 0.0, draw - self.last)
         self._peak[col] = np.where(take, np.maximum(self._peak[col], draw), self._peak[col])
         self._rise[col] = np.where(take, np.maximum(self._rise[col], rise), self._rise[col])
         self.last = np.where(take, draw, self.last)
-        return self.recent_w(power_w, max_cap_w)
+        return self._recent(draw, max_cap_w)
 
     def recent_w(self, power_w: FloatArray, max_cap_w: FloatArray) -> FloatArray:
         """Per GPU: min(max cap, max(draw now, recent peak) + swing × largest recent rise)."""
-        draw = np.clip(np.nan_to_num(power_w, nan=0.0), 0.0, max_cap_w)
+        return self._recent(_draw(power_w, max_cap_w), max_cap_w)
+
+    def _recent(self, draw: FloatArray, max_cap_w: FloatArray) -> FloatArray:
         peak = np.maximum(self._peak.max(axis=0), draw)
         swing = self.spec.swing * self._rise.max(axis=0)
         return np.asarray(np.minimum(peak + swing, max_cap_w), dtype=np.float64)
+
+
+def _draw(power_w: FloatArray, max_cap_w: FloatArray) -> FloatArray:
+    """Per GPU the draw the estimate counts: the sample within [0, max cap] (NaN: 0)."""
+    return np.asarray(np.clip(np.nan_to_num(power_w, nan=0.0), 0.0, max_cap_w), dtype=np.float64)

@@ -256,6 +256,11 @@ class NodeReadings:
     found_w: list[float]  # NaN: none
     no_errors: bool  # no GPU reported an error
     any_restores: bool  # some GPU reports restores
+    # The same values as min_cap_w, max_cap_w, power_w, cap_w, energy_j, temp_c, perf and
+    # set_w as float arrays by those names, where the sender holds them so (the simulator's
+    # agents, a whole fleet's sample; never written after): the fleet's arrays are then
+    # taken from them, not converted back from the lists. None: only the lists.
+    arrays: dict[str, FloatArray] | None = None
 
     @classmethod
     def from_message(cls, msg: NodeTelemetry) -> NodeReadings:
@@ -360,6 +365,11 @@ class FleetState:
         self._order: list[str] = []
         self._order_nodes: list[str] = []
         self._perm: IntArray = np.zeros(0, dtype=np.int64)  # ordered position → slot
+        self._perm_identity = True  # the fleet's order is the slots' order
+        # Every slot's float columns as arrays (the columns' object, when they were written,
+        # the arrays by name), while nothing else has written the columns since a whole
+        # fleet's sample that carried them (`NodeReadings.arrays`); None: convert the lists.
+        self._col_arrays: tuple[_Columns, float, dict[str, FloatArray]] | None = None
         self._order_version = -1
         self._node_gpus: dict[str, set[str]] = {}
         # Per node: the uuids it named last, the slots a..b they sit in, and the layout
@@ -368,6 +378,10 @@ class FleetState:
         # The fleet version, the workload column and the workloads in fleet order then.
         self._workloads: tuple[int, list[str | None], list[str | None]] = (-1, [], [])
         self._layout_key = 0
+        # Bumps whenever a node's `keeps_limits` or `heard_status` may change (a status, a
+        # node forgotten): the nodes that claim or leave unsaid kept limits, kept meanwhile.
+        self._status_version = 0
+        self._keeps: tuple[int, list[str], list[str]] | None = None
         self.set_policy(policy)
 
     def set_policy(self, policy: Policy) -> None:
@@ -381,6 +395,7 @@ class FleetState:
             del self.gpus[uuid]
         for name in [n for n in self.nodes if n not in self.node_order]:
             del self.nodes[name]
+        self._status_version += 1
         if gone:
             self._compact()
         self._node_gpus = {}
@@ -394,8 +409,13 @@ class FleetState:
         forgotten. Their node's missing GPUs are reserved at the maximum again."""
         dispute_s = after_s if dispute_s is None else dispute_s
         cols = self._cols
-        # Every GPU named within after_s (the common case) needs no look at each.
-        recent = not cols.seen_at or now - min(cols.seen_at) <= after_s
+        # Every GPU named within after_s (the common case) needs no look at each; after a
+        # whole fleet's sample every slot holds its time.
+        given = self._col_arrays
+        oldest = given[1] if given is not None and given[0] is cols and cols.seen_at else None
+        if oldest is None and cols.seen_at:
+            oldest = min(cols.seen_at)
+        recent = oldest is None or now - oldest <= after_s
         gone = (
             []
             if recent
@@ -427,6 +447,7 @@ class FleetState:
         """New slots for the GPUs that remain, after some were forgotten."""
         recs = list(self.gpus.values())
         self._layout_key += 1
+        self._col_arrays = None
         self._cols = self._cols.take([rec.slot for rec in recs])
         for slot, rec in enumerate(recs):
             rec.slot, rec.columns = slot, self._cols
@@ -462,6 +483,7 @@ class FleetState:
     def ingest(self, r: NodeReadings, now: float) -> bool:
         """Record one node's sample as columns (a wire message's, or the simulator's
         agents'). False (and nothing recorded) for nodes not in the policy."""
+        self._col_arrays = None
         node_id = r.node_id
         if node_id not in self.node_order:
             if node_id not in self.unknown_nodes:
@@ -530,6 +552,7 @@ class FleetState:
         slice where the nodes' GPUs sit in consecutive slots in that order (as they stay
         while no GPU comes, goes or is disputed). False, with nothing recorded, where they
         do not: then `ingest` each sample."""
+        self._col_arrays = None
         if self.disputes or not samples:
             return False
         runs, key, order = self._runs, self._layout_key, self.node_order
@@ -557,6 +580,8 @@ class FleetState:
                 if cols.job[run[1] : run[2]] != whole.job[x:y]:
                     self.jobs_version += 1
         cols.write_run(a, b, whole, now)
+        if whole.arrays is not None and whole.no_errors and a == 0 and b == len(cols.seen_at):
+            self._col_arrays = (cols, now, whole.arrays)
         return True
 
     def _ingest_each(self, node: FleetNode, r: NodeReadings, now: float) -> None:
@@ -626,13 +651,24 @@ class FleetState:
 
     def keeps_limits_claimed(self) -> list[str]:
         """Nodes that said their actuators keep their limits."""
-        return sorted(n for n, rec in self.nodes.items() if rec.keeps_limits)
+        return list(self._keeps_lists()[1])
 
     def keeps_limits_unsaid(self) -> list[str]:
         """Nodes that have published a status without saying their limits are kept."""
-        return sorted(
-            n for n, rec in self.nodes.items() if rec.heard_status and not rec.keeps_limits
-        )
+        return list(self._keeps_lists()[2])
+
+    def _keeps_lists(self) -> tuple[int, list[str], list[str]]:
+        """(version, claimed, unsaid), computed again only after a status (each tick asks;
+        a node's record made by its telemetry has neither)."""
+        kept = self._keeps
+        if kept is None or kept[0] != self._status_version:
+            nodes = self.nodes.items()
+            kept = self._keeps = (
+                self._status_version,
+                sorted(n for n, rec in nodes if rec.keeps_limits),
+                sorted(n for n, rec in nodes if rec.heard_status and not rec.keeps_limits),
+            )
+        return kept
 
     def offline_nodes(self) -> list[str]:
         """Nodes whose last status is `offline` (their last will, or a clean stop)."""
@@ -646,6 +682,7 @@ class FleetState:
         node.state = msg.state
         node.keeps_limits |= msg.keeps_limits
         node.heard_status = True
+        self._status_version += 1
         if msg.caps_w:
             node.status_caps_w = dict(msg.caps_w)
             node.status_tick = msg.last_tick
@@ -669,7 +706,9 @@ class FleetState:
 
     def acks_heard(self, node_ids: Sequence[str]) -> None:
         """`ack_heard` of each node."""
-        if any(rec.stopped for rec in self.nodes.values()):
+        offline = NodeState.OFFLINE
+        # (`stopped` of any node, without a call per node.)
+        if any(rec.state is offline and rec.status_caps_w for rec in self.nodes.values()):
             for node_id in node_ids:
                 self.ack_heard(node_id)
 
@@ -683,6 +722,7 @@ class FleetState:
         self._perm = np.fromiter(
             (gpus[u].slot for u in self._order), dtype=np.int64, count=len(self._order)
         )
+        self._perm_identity = bool((self._perm == np.arange(len(self._perm))).all())
         self._order_version = self.version
 
     def ordered_uuids(self) -> list[str]:
@@ -692,12 +732,31 @@ class FleetState:
     def arrays(self, now: float, stale_after_s: float) -> FleetArrays:
         self._refresh_order()
         perm, cols = self._perm, self._cols
+        identity = self._perm_identity
+        given = self._col_arrays
+        if given is not None and given[0] is not cols:
+            given = None
 
         def col(values: list[float]) -> FloatArray:
-            return np.array(values, dtype=np.float64)[perm]
+            out = np.array(values, dtype=np.float64)
+            return out if identity else out[perm]
 
-        age = now - col(cols.seen_at)
-        lost = np.array(cols.lost, dtype=np.bool_)[perm]
+        def column(name: str) -> FloatArray:
+            """A float column in the fleet's order: from the sample's arrays if they hold
+            the columns' values (the same numbers), else from the list."""
+            if given is None:
+                return col(getattr(cols, name))
+            values = given[2][name]
+            return values.copy() if identity else values[perm]
+
+        if given is None:
+            age = now - col(cols.seen_at)
+            lost = np.array(cols.lost, dtype=np.bool_)
+            if not identity:
+                lost = lost[perm]
+        else:  # one sample's time in every slot, no GPU's error
+            age = now - np.full(len(perm), given[1])
+            lost = np.zeros(len(perm), dtype=np.bool_)
         workload = cols.workload
         # The same list while no GPU's reported workload changes (TargetStage keys on it).
         kept = self._workloads
@@ -714,16 +773,16 @@ class FleetState:
         return FleetArrays(
             uuids=self._order,
             nodes=self._order_nodes,
-            min_cap_w=col(cols.min_cap_w),
-            max_cap_w=col(cols.max_cap_w),
-            power_w=col(cols.power_w),
-            cap_w=col(cols.cap_w),
-            energy_j=col(cols.energy_j),
-            temp_c=col(cols.temp_c),
+            min_cap_w=column("min_cap_w"),
+            max_cap_w=column("max_cap_w"),
+            power_w=column("power_w"),
+            cap_w=column("cap_w"),
+            energy_j=column("energy_j"),
+            temp_c=column("temp_c"),
             age_s=age,
             stale=is_stale(age, lost, stale_after_s),
             workloads=kept[2],
-            perf=col(cols.perf),
+            perf=column("perf"),
             jobs=self._jobs[2],
-            set_w=col(cols.set_w),
+            set_w=column("set_w"),
         )

@@ -86,7 +86,7 @@ class InputAlarms:
             + ", ".join(f"{d.uuid} ({', '.join(sorted(d.seen))})" for d in disputes[:5]),
         )
         offline = fleet.offline_nodes()
-        declared = {g.name for g in fleet.policy.groups if g.level == 3 and g.keeps_limits}
+        declared = fleet.policy.keeps_limits_nodes
         keeps = declared & set(fleet.keeps_limits_claimed())
         lost = [n for n in offline if not fleet.nodes[n].stopped and n not in keeps]
         kept = [n for n in offline if not fleet.nodes[n].stopped and n in keeps]

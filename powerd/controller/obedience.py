@@ -120,6 +120,17 @@ class Obedience:
             ticks[node] = max(ticks.get(node, 0), tick)
             epochs[node] = max(epochs.get(node, 0), epoch)
 
+    def seen_tick(self, nodes: Sequence[str], tick: int, epoch: int) -> None:
+        """`seen(node, tick, epoch)` of each node in turn (one tick's acks)."""
+        ticks, epochs = self._node_ticks, self._node_epochs
+        for node in nodes:
+            t = ticks.get(node)
+            if t is None or t < tick:
+                ticks[node] = max(0, tick) if t is None else tick
+            e = epochs.get(node)
+            if e is None or e < epoch:
+                epochs[node] = max(0, epoch) if e is None else epoch
+
     def restarted(self, node: str) -> None:
         """A new agent process: it applies any tick."""
         self._node_ticks.pop(node, None)
@@ -220,10 +231,15 @@ class Obedience:
         as 0) is not followed. A predecessor sends all nodes the same ticks, so honest nodes
         agree; the outlier's agent refuses our commands and stays at its failsafe caps, and
         it is alarmed (`tick_outliers`)."""
-        ticks = [self._node_ticks.get(n, 0) for n in nodes]
+        known = self._node_ticks
+        ticks = [known.get(n, 0) for n in nodes]
         ceiling = sorted(ticks)[len(ticks) // 2] + TAKEOVER_TICK_GAP if ticks else 0
-        self.outliers = tuple(sorted(n for n, t in self._node_ticks.items() if t > ceiling))
-        needed = max((t for t in ticks if t <= ceiling), default=0)
+        if max(known.values(), default=0) <= ceiling:  # no outlier (the common case)
+            self.outliers = ()
+            needed = max(ticks, default=0)
+        else:
+            self.outliers = tuple(sorted(n for n, t in known.items() if t > ceiling))
+            needed = max((t for t in ticks if t <= ceiling), default=0)
         tick = last + 1
         if needed >= tick:
             if last:

@@ -299,12 +299,11 @@ class TickEngine:
         if ob.foreign or ob.ahead or ob.epoch != 0 or plan.layout is not self.planner.layout:
             self.on_fleet_acked(plan.acks(enforced_w))
             return
-        acks = [(cmd.node, cmd.tick, None) for cmd in plan.commands]
-        if any(node not in order for node, _, _ in acks):
+        if any(node not in order for node in plan.sent_nodes):
             self.on_fleet_acked(plan.acks(enforced_w))
             return
-        ob.seen_acks(acks, 0)
-        self.fleet.acks_heard([node for node, _, _ in acks])
+        ob.seen_tick(plan.sent_nodes, plan.tick, 0)
+        self.fleet.acks_heard(plan.sent_nodes)
         self.planner.on_plan_acked(plan, enforced_w)
 
     def on_status(self, node: str, status: NodeStatus) -> bool:
@@ -608,7 +607,7 @@ class TickEngine:
     def _alarm_kept_limits(self, plan: SafePlan) -> None:
         """Alarms of nodes whose actuators keep their limits (docs/safety.md, "BMC-managed
         nodes: the actuator keeps its limits")."""
-        declared = {g.name for g in self.policy.groups if g.level == 3 and g.keeps_limits}
+        declared = self.policy.keeps_limits_nodes
         undeclared = [n for n in self.fleet.keeps_limits_claimed() if n not in declared]
         self._alarm(
             "keeps_limits_undeclared",

@@ -68,6 +68,8 @@ class SimAgents:
         # The last plan layout's GPUs' positions in the model (`apply_plan`).
         self._layout: GpuLayout | None = None
         self._layout_pos: IntArray = np.zeros(0, dtype=np.int64)
+        # Every GPU's `set_w` (none reported), as an array (never written).
+        self._no_set_w = np.full(len(gpu_nodes), math.nan)
         # Per node, its sample as columns: the identity and what never changes set here,
         # the readings replaced by `readings` (the constant columns are shared, never written);
         # last, the whole fleet's, the nodes' columns end to end (`fleet_readings`).
@@ -163,7 +165,8 @@ class SimAgents:
         m = self.model
         self.seq += 1
         temp = np.clip(m.temp_c, -50.0, 200.0)
-        util, clock, perf = m.util_pct(), m.sm_clock_mhz(), m.throughput()
+        util = m.util_pct()
+        clock, perf = m.sm_clock_mhz(util_pct=util), m.throughput()
         check_readings(
             power_w=m.power_w, energy_j=m.energy_j, cap_w=m.cap_w, min_cap_w=m.min_cap_w,
             max_cap_w=m.max_cap_w, default_cap_w=m.default_cap_w, temp_c=temp,
@@ -186,6 +189,17 @@ class SimAgents:
         w.ts, w.seq = ts, seq
         w.power_w, w.energy_j, w.cap_w, w.min_cap_w, w.max_cap_w = power, energy, cap, lo, hi
         w.default_cap_w, w.temp_c, w.util_pct, w.sm_clock_mhz, w.perf = default, t, u, c, p
+        # The same numbers as arrays, for the fleet's (copies: the model writes its own).
+        w.arrays = {
+            "min_cap_w": m.min_cap_w.copy(),
+            "max_cap_w": m.max_cap_w.copy(),
+            "power_w": m.power_w.copy(),
+            "cap_w": m.cap_w.copy(),
+            "energy_j": m.energy_j.copy(),
+            "temp_c": temp,
+            "perf": perf,
+            "set_w": self._no_set_w,
+        }
         return list(self._readings), w
 
     def apply(self, commands: Sequence[NodeCommand]) -> list[tuple[NodeCommand, AckedCaps]]:
@@ -243,7 +257,7 @@ class SimAgents:
         layout = plan.layout
         assert layout is not None
         out = np.full(layout.n_gpus, np.nan)
-        if not plan.commands:
+        if not plan.sent_nodes:
             return out
         m = self.model
         if self._layout is not layout:
@@ -258,10 +272,7 @@ class SimAgents:
         # The wire's bounds on a requested cap (GpuAck.requested_w): a command out of them
         # would be refused by an agent's transport (a NaN cap, too: then the commands name
         # more GPUs than `sent_w` holds).
-        if (
-            len(gpu) != sum(len(cmd.caps_w) for cmd in plan.commands)
-            or not ((req >= 0.0) & (req <= MAX_SANE_WATTS)).all()
-        ):
+        if len(gpu) != plan.sent_gpus or not ((req >= 0.0) & (req <= MAX_SANE_WATTS)).all():
             raise ValueError("simulated agents: a command's cap is out of the wire's bounds")
         idx = self._layout_pos[gpu]
         target = np.clip(req, m.min_cap_w[idx], m.max_cap_w[idx])
@@ -271,8 +282,8 @@ class SimAgents:
         m.cap_w[idx] = enforced
         out[gpu] = enforced
         applied, tick = self.applied, plan.tick
-        for cmd in plan.commands:
-            applied[cmd.node] = tick
+        for node in plan.sent_nodes:
+            applied[node] = tick
         return out
 
 
@@ -293,6 +304,17 @@ def check_readings(**columns: FloatArray) -> None:
     }
     for name, values in columns.items():
         lo, hi = bounds[name]
+        if values.size:
+            # Within the bounds, every value finite (NaN fails both tests, an infinity one):
+            # two reductions; the values one by one only to name the first out of them.
+            least, most = float(values.min()), float(values.max())
+            if (
+                lo <= least
+                and most <= hi
+                and math.isfinite(most)
+                and (name != "max_cap_w" or least > 0.0)
+            ):
+                continue
         ok = np.isfinite(values) & (values >= lo) & (values <= hi)
         if name == "max_cap_w":
             ok &= values > 0.0

@@ -218,6 +218,12 @@ class _Run:
             )
             self.engine = self._engine(scenario, learn=learn, profiles=profiles or {})
         self.level_masks = [topo.level == lv for lv in range(len(LEVELS))]
+        # The groups level by level, and where each level starts: every level's highest ratio
+        # in one reduction (where every level has groups, as a site's tree does).
+        self.by_level = np.argsort(topo.level, kind="stable")
+        counts = np.array([int(m.sum()) for m in self.level_masks])
+        self.level_starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        self.levels_full = bool((counts > 0).all())
         n_classes = len(classes.names)
         n_levels = len(LEVELS)
         # Accounting.
@@ -346,10 +352,21 @@ class _Run:
             self.over_s += dt
             self.over_by_level[np.unique(topo.level[over])] += dt
             self.max_excess = max(self.max_excess, float(excess[over].max()))
-        ratio = draw / np.where(budget < self.budget, budget, self.ratio_budget)
+        # (The policy's budgets themselves where no window moves them: none below them.)
+        below = budget is not self.budget
+        ratio = draw / (
+            np.where(budget < self.budget, budget, self.ratio_budget)
+            if below
+            else self.ratio_budget
+        )
         self.max_ratio = max(self.max_ratio, float(ratio.max()))
-        for lv, mask in enumerate(self.level_masks):
-            self.step_peak[lv] = max(self.step_peak[lv], float(ratio[mask].max()))
+        if self.levels_full:
+            peaks = np.maximum.reduceat(ratio[self.by_level], self.level_starts).tolist()
+            for lv, peak in enumerate(peaks):
+                self.step_peak[lv] = max(self.step_peak[lv], peak)
+        else:
+            for lv, mask in enumerate(self.level_masks):
+                self.step_peak[lv] = max(self.step_peak[lv], float(ratio[mask].max()))
         tput = model.step_throughput  # the interval's mean (phases within it integrated)
         self.work += np.bincount(cls, weights=tput, minlength=self.work.size) * dt
         self.weighted_work += float(np.dot(self.weight, tput)) * dt
