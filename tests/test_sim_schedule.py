@@ -144,5 +144,8 @@ def test_the_shipped_demand_response_scenario_runs_from_the_cli(
     doc = json.loads(capsys.readouterr().out)
     fast = doc["compare"]["fast"]
     assert fast["over_budget_s"] == 0
+    # Committed caps within the ramped budget in force at every tick (the ramp is on the
+    # budget: below it, caps handed back after a dip may rise faster than `up`).
+    assert fast["committed_over_ticks"] == 0
     assert 0 < fast["ramp_w_per_s"]["committed_down"] <= 100 + 1e-6
-    assert 0 < fast["ramp_w_per_s"]["committed_up"] <= 50 + 1e-6
+    assert fast["ramp_w_per_s"]["committed_up"] > 0
