@@ -578,8 +578,11 @@ class _Search:
         if a not in self.value or b not in self.value:
             return None
         va, vb = self.value[a], self.value[b]
-        if vb <= va or va <= -self.threshold:
-            return None  # not rising, or from a size that lost nothing: no slope to follow
+        if vb <= va or (self.bad is not None and va <= -self.threshold):
+            # Not rising; or within the bracket, from a size that lost nothing (where the
+            # loss starts to rise is unknown). Beyond the largest passing size a line from
+            # such a size still helps: a loss that rises ever faster crosses before it.
+            return None
         # Illinois: an end the secant's last steps all kept weighs half as much per step
         # (regula falsi on a convex loss would otherwise creep up to the crossing).
         moved = self.moved or []
