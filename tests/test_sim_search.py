@@ -213,21 +213,30 @@ def prefix_work(run: RunResult, ticks: int) -> tuple[float, float]:
     )
 
 
-@pytest.mark.parametrize("metric", ["total", "weighted"])
+@pytest.mark.parametrize(
+    ("metric", "keep_inner", "feed_w"),
+    [("total", False, FEED_W), ("weighted", False, FEED_W), ("total", True, 24_400.0)],
+)
 def test_the_search_finds_the_fits_it_found_before(
-    small: tuple[Scenario, Site], metric: str
+    small: tuple[Scenario, Site], metric: str, keep_inner: bool, feed_w: float
 ) -> None:
     """The new search (the secant, runs stopped once they fail) against the old one (grid
-    walk and bisection, every run to the end): the same fits, every policy and baseline."""
+    walk and bisection, every run to the end): the same fits, every policy and baseline.
+    With the policy's own inner budgets, static provisioning's size already fails, and
+    the fits lie below the grid."""
     scenario, site = small
-    kw: dict[str, Any] = {"threshold": 0.03, "points": 5, "metric": metric}
-    kw["baselines"] = ["uncapped", "oracle"]
+    kw: dict[str, Any] = {"threshold": 0.03, "points": 5, "metric": metric, "feed_w": feed_w}
+    kw |= {"keep_inner": keep_inner, "baselines": ["uncapped", "oracle"]}
+    if keep_inner:
+        site = build_site(parse_policy(policy_dict(2, 2, 2, 4, overhead_w=400.0)))
     new = oversubscribe(scenario, site, ["fast", "uniform"], Runner(), **kw)
     old = oversubscribe(
         scenario, site, ["fast", "uniform"], Runner(), secant=False, early_stop=False, **kw
     )
     assert new.fit_nodes == old.fit_nodes
     assert new.uncapped_fit_nodes == old.uncapped_fit_nodes
+    if keep_inner:
+        assert any(n is not None and n < new.static_tdp_nodes for n in new.fit_nodes.values())
     stopped = [(pt, p) for pt in new.points for p in pt.stopped_h]
     assert stopped and not any(pt.stopped_h for pt in old.points)
     for pt, p in stopped:

@@ -538,8 +538,9 @@ class _Search:
     bisects, as the search always did. With one, the next size is where the line through the
     two known sizes nearest the threshold crosses it (the secant: `good` and `bad`, or while
     walking the two largest passing sizes, never past the next grid size), both sizes beside
-    the crossing at once where the jobs allow; after two steps that moved the same end, one
-    bisection (or grid) step. Either way the answer is the size whose next one fails, so for
+    the crossing at once where the jobs allow; an end kept twice weighs half (Illinois), and
+    where two steps did not halve the bracket the next bisects (Dekker); the walk starts at
+    the grid's second size (`_walk`). Either way the answer is the size whose next one fails, so for
     a loss that rises with the size it is the one the bisection finds, from fewer runs."""
 
     grid: Sequence[int]
@@ -557,12 +558,24 @@ class _Search:
     secant_step: bool = False  # the sizes asked for last came from the secant
     widths: list[int] = field(default_factory=list)  # bad − good after each step, once bad
 
+    def _walk(self) -> list[int]:
+        """The grid sizes a walk would step to next. With the secant it starts at the
+        second: the first, static provisioning's, loses nothing by construction (the
+        estimate it starts from), so it is run only where a larger size fails with no
+        passing size below it."""
+        skip = self.secant and len(self.grid) > 1 and not self.failed
+        return [m for m in self.grid[1 if skip else 0 :] if m > self.good and m not in self.failed]
+
     def _top(self) -> int:
         """The largest size the next step may try: below `bad`, or while walking, the next
         grid size above `good`."""
         if self.bad is not None:
             return self.bad - 1
-        return next(n for n in self.grid if n > self.good)
+        return self._walk()[0]
+
+    def _values(self) -> dict[int, float]:
+        """The known values, and the first grid size's estimate (no loss) if not known."""
+        return {self.grid[0]: -self.threshold, **self.value} if self.secant else self.value
 
     def crossing(self) -> float | None:
         """Where the line through the two known sizes nearest the threshold crosses it."""
@@ -572,12 +585,15 @@ class _Search:
             a, b = self.good, self.bad
         else:
             passing = sorted(n for n, f in self.failed.items() if not f)
+            if len(passing) == 1 and passing[0] > self.grid[0]:
+                passing.insert(0, self.grid[0])  # from its estimate
             if len(passing) < 2:
                 return None
             a, b = passing[-2], passing[-1]
-        if a not in self.value or b not in self.value:
+        values = self._values()
+        if a not in values or b not in values:
             return None
-        va, vb = self.value[a], self.value[b]
+        va, vb = values[a], values[b]
         if vb <= va or (self.bad is not None and va <= -self.threshold):
             # Not rising; or within the bracket, from a size that lost nothing (where the
             # loss starts to rise is unknown). Beyond the largest passing size a line from
@@ -617,8 +633,9 @@ class _Search:
             pair = [m for m in (n + 1, n) if lo <= m <= hi and m not in self.failed]
             return pair[: max(1, share)]
         if self.bad is None:
-            above = [m for m in self.grid if m > self.good and m not in self.failed]
-            return above[:share]
+            return self._walk()[:share]
+        if self.good == 0 and self.grid[0] < self.bad and self.grid[0] not in self.failed:
+            return [self.grid[0]]  # as the walk would have been, had it started there
         return [(self.good + self.bad) // 2]
 
     def learn(self, failed: dict[int, bool], value: dict[int, float] | None = None) -> None:
