@@ -102,6 +102,14 @@ def main() -> None:
     parser.add_argument("--search", action="store_true", help="also time --oversubscribe")
     parser.add_argument("--points", type=int, default=8, help="the search's grid sizes")
     parser.add_argument("--jobs", type=int, default=1, help="the search's processes")
+    parser.add_argument(
+        "--old-search",
+        action="store_true",
+        help="the search as it was: bisection, every run to its end (no secant, no stop)",
+    )
+    parser.add_argument(
+        "--search-only", action="store_true", help="time the search alone (not the day's runs)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
@@ -128,34 +136,47 @@ def main() -> None:
         "policy": args.policy,
     }
 
-    spent = _instrument()
-    rounds = _count_steps()
-    cpu0, wall0 = _cpu(), time.perf_counter()
-    run = simulate(scenario, site, mix, args.policy)
-    cpu, wall = _cpu() - cpu0, time.perf_counter() - wall0
-    out["run"] = {
-        "cpu_s": cpu,
-        "wall_s": wall,
-        "ms_per_tick": 1000.0 * cpu / scenario.ticks,
-        "engine_ticks": rounds["n"],
-        "work_gpu_h": run.work_gpu_s / 3600.0,
-        "over_budget_s": run.over_budget_s,
-    }
-    out["stages_cpu_s"] = dict(spent)  # the steered run's alone
-    cpu0, wall0 = _cpu(), time.perf_counter()
-    simulate(scenario, site, mix, STATIC)
-    out["unconstrained"] = {"cpu_s": _cpu() - cpu0, "wall_s": time.perf_counter() - wall0}
-
-    if args.search:
-        runner = Runner(jobs=args.jobs)
+    if not args.search_only:
+        spent = _instrument()
+        rounds = _count_steps()
         cpu0, wall0 = _cpu(), time.perf_counter()
-        o = oversubscribe(scenario, site, [args.policy, STATIC], runner, points=args.points)
+        run = simulate(scenario, site, mix, args.policy)
+        cpu, wall = _cpu() - cpu0, time.perf_counter() - wall0
+        out["run"] = {
+            "cpu_s": cpu,
+            "wall_s": wall,
+            "ms_per_tick": 1000.0 * cpu / scenario.ticks,
+            "engine_ticks": rounds["n"],
+            "work_gpu_h": run.work_gpu_s / 3600.0,
+            "over_budget_s": run.over_budget_s,
+        }
+        out["stages_cpu_s"] = dict(spent)  # the steered run's alone
+        cpu0, wall0 = _cpu(), time.perf_counter()
+        simulate(scenario, site, mix, STATIC)
+        out["unconstrained"] = {"cpu_s": _cpu() - cpu0, "wall_s": time.perf_counter() - wall0}
+
+    if args.search or args.search_only:
+        runner = Runner(jobs=args.jobs)
+        new = not args.old_search
+        cpu0, wall0 = _cpu(), time.perf_counter()
+        o = oversubscribe(
+            scenario,
+            site,
+            [args.policy, STATIC],
+            runner,
+            points=args.points,
+            secant=new,
+            early_stop=new,
+        )
         out["search"] = {
             "cpu_s": _cpu() - cpu0,
             "wall_s": time.perf_counter() - wall0,
             "jobs": args.jobs,
+            "search": "old" if args.old_search else "new",
             "sizes": len(o.points),
             "steered_runs": sum(1 for pt in o.points if args.policy in pt.loss),
+            "stopped_runs": {pt.gpus: pt.stopped_h[args.policy] for pt in o.points if pt.stopped_h},
+            "losses": {pt.gpus: pt.loss.get(args.policy) for pt in o.points},
             "fit_gpus": o.fit_gpus(args.policy),
             "static_tdp_gpus": o.static_tdp_gpus,
         }
@@ -163,11 +184,26 @@ def main() -> None:
     if args.json:
         print(json.dumps(out, indent=2))
         return
-    r = out["run"]
     print(
         f"{out['scenario']}: {out['gpus']} GPUs, {args.duration_h:g} h of {args.tick_s:g} s "
         f"ticks ({out['ticks']:,}), {args.policy}"
     )
+    if "run" in out:
+        _print_run(out)
+    if "search" in out:
+        s = out["search"]
+        stopped = ", ".join(f"{g} at {h:.1f} h" for g, h in s["stopped_runs"].items())
+        print(
+            f"  search ({s['search']})   {s['cpu_s']:7.1f} s CPU {s['wall_s']:7.1f} s wall  "
+            f"(--jobs {s['jobs']}): {s['steered_runs']} {args.policy} runs over {s['sizes']} "
+            f"sizes ({len(s['stopped_runs'])} stopped: {stopped or 'none'}); fits "
+            f"{s['fit_gpus']} GPUs (static TDP {s['static_tdp_gpus']})"
+        )
+    sys.stdout.flush()
+
+
+def _print_run(out: dict[str, Any]) -> None:
+    r = out["run"]
     print(
         f"  steered run      {r['cpu_s']:7.1f} s CPU {r['wall_s']:7.1f} s wall  "
         f"{r['ms_per_tick']:.2f} ms CPU a tick, {r['engine_ticks'] / out['ticks']:.2f} engine "
@@ -182,14 +218,6 @@ def main() -> None:
         print(f"    {label:38s} {s:7.2f} s {100 * s / r['cpu_s']:5.1f} %")
     top = sum(stages.get(label, 0.0) for label, *_ in STAGES if not label.startswith(" "))
     print(f"    {'the rest (committed check, loop)':38s} {r['cpu_s'] - top:7.2f} s")
-    if "search" in out:
-        s = out["search"]
-        print(
-            f"  search           {s['cpu_s']:7.1f} s CPU {s['wall_s']:7.1f} s wall  "
-            f"(--jobs {s['jobs']}): {s['steered_runs']} {args.policy} runs over {s['sizes']} "
-            f"sizes; fits {s['fit_gpus']} GPUs (static TDP {s['static_tdp_gpus']})"
-        )
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from powerd.sim.baselines import BaselineResult, Breaker, Trips, trips_of
 from powerd.sim.run import RunResult
 from powerd.sim.scenario import Scenario
 from powerd.sim.site import Site
-from powerd.sim.study import Oversubscription, SweepPoint
+from powerd.sim.study import OversubPoint, Oversubscription, SweepPoint
 
 COLORS = {
     "fast": "#1f77b4",
@@ -162,6 +162,9 @@ def to_json(report: Report) -> dict[str, Any]:
                     "weighted_loss": pt.weighted_loss,
                     "over_budget_s": pt.over_budget_s,
                     "trips": pt.trips,
+                    # Runs the search ended once they provably failed: their losses are the
+                    # least they can have lost, their time over budget up to that hour.
+                    "stopped_h": pt.stopped_h,
                 }
                 for pt in o.points
             ],
@@ -505,6 +508,15 @@ def sweep_lines(points: list[SweepPoint]) -> list[str]:
     return lines
 
 
+def _loss_cell(pt: OversubPoint, p: str) -> str:
+    """A size's loss; for a run stopped once it provably failed, the least it lost."""
+    if p not in pt.loss:
+        return "-"
+    if p in pt.stopped_h:
+        return f"≥ {pt.loss[p]:.2%} (stopped at {pt.stopped_h[p]:.1f} h)"
+    return f"{pt.loss[p]:.2%}"
+
+
 def oversub_lines(o: Oversubscription) -> list[str]:
     lines = [
         f"oversubscription under a {kw_text(o.feed_w)} feed, loss threshold {o.threshold:.1%} "
@@ -532,7 +544,7 @@ def oversub_lines(o: Oversubscription) -> list[str]:
     for pt in o.points:
         row = [
             f"{pt.gpus:,}",
-            *(f"{pt.loss[p]:.2%}" if p in pt.loss else "-" for p in policies),
+            *(_loss_cell(pt, p) for p in policies),
             _duration(pt.over_budget_s.get(STATIC, 0.0)),
         ]
         if uncapped:
@@ -676,6 +688,17 @@ def plot_oversub(o: Oversubscription, path: Path) -> None:
             color=COLORS.get(p),
             label=p,
         )
+        # Runs stopped once they failed: the least they lost, a bound from below.
+        low = [pt for pt in pts if p in pt.stopped_h]
+        if low:
+            ax.plot(
+                [pt.gpus for pt in low],
+                [100 * _metric_loss(o, pt)[p] for pt in low],
+                "^",
+                ms=6,
+                color=COLORS.get(p),
+                label=f"{p}: at least (run stopped)",
+            )
     pts = [pt for pt in o.points if UNCAPPED in pt.loss]
     if pts:
         ax.plot(

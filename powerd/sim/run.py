@@ -66,6 +66,10 @@ CHURN_AFTER_S = 60.0
 FLOOR_TOL_W = 0.5
 
 Progress = Callable[[int], None]
+# Asked after every simulated tick with (tick index, work so far, weighted work so far, in
+# GPU-seconds): True ends the run there, before its last tick (the oversubscription search's
+# proof that a size fails, powerd/sim/study.py `StopRule`). The result covers the ticks run.
+Stop = Callable[[int, float, float], bool]
 # Called with every engine tick's report and plan as the controller would publish them.
 Trace = Callable[["TickReport", "SafePlan"], None]
 
@@ -113,6 +117,8 @@ class RunResult:
     series: Series = field(repr=False)
     # Cap moves per steer after the first minute (controller/churn.py; empty for static).
     churn: dict[str, float | int] = field(default_factory=dict)
+    # Where a `stop` rule ended the run (s into the scenario); None: it ran to the end.
+    stopped_s: float | None = None
 
     @property
     def mean_throughput(self) -> float:
@@ -486,13 +492,17 @@ def simulate(
     learn: bool = False,
     profiles: Mapping[str, Profile] | None = None,
     trace: Trace | None = None,
+    stop: Stop | None = None,
+    steered_steps: bool = False,
 ) -> RunResult:
     """Run the scenario on the site under one policy (a solver name, or `static`).
 
     `learn`: steer by curves learned online from the GPUs' perf (docs/simulator.md,
     "Learning profiles"); `profiles`: steer these classes by these curves instead of the
     policy's (e.g. the workloads' true curves: the best the allocator can do); `trace`: called
-    with every engine tick's report and plan."""
+    with every engine tick's report and plan; `stop`: asked after every tick whether to end
+    the run there; `steered_steps`: `static` advanced in a steered run's steps (the reaction,
+    then the rest of the tick), so that its work bounds a steered run's tick by tick."""
     if policy_name not in POLICIES:
         raise ValueError(f"unknown policy '{policy_name}'; valid: {', '.join(POLICIES)}")
     t_start = time.perf_counter()
@@ -505,6 +515,7 @@ def simulate(
     events = mix.events
     next_event = 0
     n_levels = len(LEVELS)
+    stopped_s: float | None = None
     fac_draw = np.zeros(n_ticks)
     fac_committed = np.zeros(n_ticks)
     peak_ratio = np.zeros((n_ticks, n_levels))
@@ -529,7 +540,11 @@ def simulate(
             fac_committed[k] = run.committed_facility_w()
             run.advance(tick_s - react_s, now + tick_s)
         else:
-            run.advance(tick_s, now + tick_s)
+            if steered_steps:
+                run.advance(react_s, now + react_s)
+                run.advance(tick_s - react_s, now + tick_s)
+            else:
+                run.advance(tick_s, now + tick_s)
             fac_committed[k] = float(site.topology.group_sums(run.model.cap_w)[0]) + float(
                 site.topology.overhead_w[0]
             )
@@ -541,6 +556,17 @@ def simulate(
         weighted_series[k] = (run.weighted_work - weighted_before) / tick_s
         if progress is not None:
             progress(1)
+        if (
+            stop is not None
+            and k < n_ticks - 1
+            and stop(k, float(run.work.sum()), run.weighted_work)
+        ):
+            stopped_s = (k + 1) * tick_s
+            n_ticks = k + 1
+            fac_draw, fac_committed = fac_draw[:n_ticks], fac_committed[:n_ticks]
+            peak_ratio, tput_series = peak_ratio[:n_ticks], tput_series[:n_ticks]
+            weighted_series = weighted_series[:n_ticks]
+            break
 
     duration = n_ticks * tick_s
     gpu_energy = float(run.model.energy_j.sum())
@@ -582,6 +608,7 @@ def simulate(
         wall_s=wall,
         solve_ms_mean=float(np.mean(run.solve_ms)) if run.solve_ms else 0.0,
         churn=run.churn.summary() if run.engine is not None else {},
+        stopped_s=stopped_s,
         series=Series(
             t_h=np.arange(1, n_ticks + 1, dtype=np.float64) * (tick_s / 3600.0),
             facility_draw_w=fac_draw,

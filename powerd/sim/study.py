@@ -15,10 +15,20 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import structlog
+from numpy.typing import NDArray
 
 from powerd.policy import Policy
-from powerd.sim import BASELINES, DEFAULT_POINTS, DEFAULT_THRESHOLD, ORACLE, STATIC, UNCAPPED
+from powerd.sim import (
+    BASELINES,
+    DEFAULT_POINTS,
+    DEFAULT_THRESHOLD,
+    ORACLE,
+    STATIC,
+    STEERED,
+    UNCAPPED,
+)
 from powerd.sim.baselines import BaselineResult, Breaker, run_baseline
 from powerd.sim.run import Progress, RunResult, simulate
 from powerd.sim.scenario import Scenario
@@ -29,6 +39,9 @@ log = structlog.get_logger(__name__)
 ProgressHook = Callable[[int, int], None]  # (ticks done, ticks in total)
 # What fails a size in the oversubscription search, judged on the size's point.
 Fails = Callable[["OversubPoint"], bool]
+# How far a size's point is past the threshold (its loss − threshold: > 0 fails), for the
+# search's secant; None where a search has no such measure (uncapped's, by risk).
+Measure = Callable[["OversubPoint"], float]
 # `uncapped`'s searches by risk: no breaker trip; draw never over a budget.
 NO_TRIP = "no_trip"
 NEVER_OVER = "never_over"
@@ -43,6 +56,8 @@ class Task:
     policy: str  # a policy, or a baseline (powerd/sim/baselines.py)
     breaker: Breaker | None = None  # baselines: the breakers' model (default Breaker())
     objective: str = "weighted"  # the oracle's: weighted or total work
+    stop: StopRule | None = None  # a steered run: end it once it provably fails
+    steered_steps: bool = False  # `static` in a steered run's steps (a `StopRule`'s bound)
 
 
 def run_one(task: Task, progress: Progress | None) -> RunResult:
@@ -57,7 +72,18 @@ def run_one(task: Task, progress: Progress | None) -> RunResult:
             objective=task.objective,
             progress=progress,
         )
-    return simulate(task.scenario, task.site, task.mix, task.policy, progress=progress)
+    result = simulate(
+        task.scenario,
+        task.site,
+        task.mix,
+        task.policy,
+        progress=progress,
+        stop=task.stop,
+        steered_steps=task.steered_steps,
+    )
+    if progress is not None and result.stopped_s is not None:
+        progress(task.scenario.ticks - round(result.stopped_s / task.scenario.spec.tick_s))
+    return result
 
 
 _counter: Any = None
@@ -213,6 +239,94 @@ class OversubPoint:
     weighted_loss: dict[str, float]  # the same, weighted by class weight
     over_budget_s: dict[str, float]  # per policy, static included
     trips: dict[str, int] = field(default_factory=dict)  # per run a breaker model watched
+    # Per steered run a `StopRule` ended: the hour it stopped at. Its loss and weighted loss
+    # are then the least it can have lost (the metric's already over the threshold), its
+    # time over budget the time up to that hour.
+    stopped_h: dict[str, float] = field(default_factory=dict)
+    # And the metric's loss it would have had, lost at its rate so far: the secant's
+    # estimate for the search's next size, not a result.
+    projected_loss: dict[str, float] = field(default_factory=dict)
+
+
+# A stop rule's margin, as a share of the unconstrained work: it covers rounding (the same
+# sums taken in another order, ~1e-15 of them), and moves a stop by a few ticks at most.
+STOP_MARGIN = 1e-6
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """Ends a steered run at the first tick where it provably loses more than `threshold`.
+
+    The bound: the same GPUs' `static` run in the steered run's own steps (`simulate`'s
+    `steered_steps`) does, tick by tick, at least the work of any run of them capped at or
+    below their TDP (every GPU's draw follows min(cap, demand) through the same lag from a
+    start no higher, demand depends on time alone, and throughput never falls as draw
+    rises). So a steered run's work at the end is at most its work so far plus that run's
+    work after this tick; once that is below (1 − threshold) × the unconstrained work (the
+    loss's reference, the `static` run in whole ticks), the size fails whatever follows.
+    The unconstrained run itself is no such bound: in its whole ticks a GPU whose demand
+    rises within a tick draws less than one that steps at the reaction."""
+
+    bound_gpu_s: NDArray[np.float64]  # per tick k: the bound's work up to tick k included
+    bound_weighted_gpu_s: NDArray[np.float64]
+    unconstrained_gpu_s: float  # the loss's reference
+    unconstrained_weighted_gpu_s: float
+    threshold: float
+    weighted: bool  # the metric that decides
+
+    @classmethod
+    def of(cls, bound: RunResult, point: OversubPoint, threshold: float, metric: str) -> StopRule:
+        tick_s = bound.duration_s / bound.series.t_h.size
+        return cls(
+            bound_gpu_s=np.cumsum(bound.series.throughput) * tick_s,
+            bound_weighted_gpu_s=np.cumsum(bound.series.weighted_throughput) * tick_s,
+            unconstrained_gpu_s=point.work_unconstrained_gpu_h * 3600.0,
+            unconstrained_weighted_gpu_s=point.weighted_unconstrained_gpu_h * 3600.0,
+            threshold=threshold,
+            weighted=metric == "weighted",
+        )
+
+    def __call__(self, k: int, work_gpu_s: float, weighted_gpu_s: float) -> bool:
+        if self.weighted:
+            bound, done, ref = (
+                self.bound_weighted_gpu_s,
+                weighted_gpu_s,
+                self.unconstrained_weighted_gpu_s,
+            )
+        else:
+            bound, done, ref = self.bound_gpu_s, work_gpu_s, self.unconstrained_gpu_s
+        most = done + float(bound[-1] - bound[k])
+        return most < (1.0 - self.threshold - STOP_MARGIN) * ref
+
+    def least_loss(self, run: RunResult) -> tuple[float, float]:
+        """A stopped run's least loss, total and weighted: 1 − (its work so far + the
+        bound's work after) / unconstrained work, less the margin."""
+        k = run.series.t_h.size - 1
+        return (
+            1.0
+            - (run.work_gpu_s + self._after(self.bound_gpu_s, k)) / self.unconstrained_gpu_s
+            - STOP_MARGIN,
+            1.0
+            - (run.weighted_work_gpu_s + self._after(self.bound_weighted_gpu_s, k))
+            / self.unconstrained_weighted_gpu_s
+            - STOP_MARGIN,
+        )
+
+    def projected_loss(self, run: RunResult) -> float:
+        """The metric's loss a stopped run would have kept its share of the bound's work
+        at: an estimate, for the search's next size only (never reported as a loss)."""
+        k = run.series.t_h.size - 1
+        bound, done, ref = (
+            (self.bound_weighted_gpu_s, run.weighted_work_gpu_s, self.unconstrained_weighted_gpu_s)
+            if self.weighted
+            else (self.bound_gpu_s, run.work_gpu_s, self.unconstrained_gpu_s)
+        )
+        share = done / float(bound[k]) if bound[k] > 0 else 1.0
+        return 1.0 - share * float(bound[-1]) / ref
+
+    @staticmethod
+    def _after(bound: NDArray[np.float64], k: int) -> float:
+        return float(bound[-1] - bound[k])
 
 
 @dataclass
@@ -243,9 +357,25 @@ class Oversubscription:
         return self.static_tdp_nodes * self.gpus_per_node
 
 
+# A size's bound for stop rules: `static` in the steered runs' steps (`StopRule`).
+BOUND = "static-bound"
+
+
+@dataclass(frozen=True)
+class _SearchSpec:
+    """One search: the policy it simulates, what fails a size, and how far past the
+    threshold a size is (None: no such measure; the search then bisects)."""
+
+    policy: str
+    fails: Fails
+    measure: Measure | None = None
+
+
 class _Sizes:
     """The site at each size tried by `oversubscribe`: built, simulated (the unconstrained
-    `static` run once a size, each policy once), and its loss against unconstrained."""
+    `static` run once a size, each policy once), and its loss against unconstrained. With
+    `early_stop`, a steered policy's run at a size its search expects to fail stops as soon
+    as it provably fails (`StopRule`)."""
 
     def __init__(
         self,
@@ -257,6 +387,8 @@ class _Sizes:
         *,
         keep_inner: bool,
         metric: str,
+        threshold: float = DEFAULT_THRESHOLD,
+        early_stop: bool = True,
         breaker: Breaker | None = None,
     ) -> None:
         self.breaker = breaker
@@ -267,15 +399,19 @@ class _Sizes:
         self.gpus_per_node = gpus_per_node
         self.keep_inner = keep_inner
         self.metric = metric
+        self.threshold = threshold
+        self.early_stop = early_stop
         self.evaluated: dict[int, OversubPoint] = {}
+        self.bounds: dict[int, RunResult] = {}  # size → its `BOUND` run
 
     def _record(
         self,
         n: int,
         which: Sequence[str],
         results: dict[tuple[Any, ...], RunResult | BaselineResult],
+        rules: dict[tuple[Any, ...], StopRule],
     ) -> None:
-        pt = self._point(n, results.get((n, STATIC)))
+        pt = self.evaluated[n]
         for p in which:
             r = results.get((n, p))
             if isinstance(r, BaselineResult):
@@ -284,6 +420,12 @@ class _Sizes:
                 pt.over_budget_s[p] = r.over_budget_s
                 if r.trips is not None:
                     pt.trips[p] = r.trips.trips
+            elif r is not None and r.stopped_s is not None:
+                rule = rules[(n, p)]
+                pt.loss[p], pt.weighted_loss[p] = rule.least_loss(r)
+                pt.projected_loss[p] = max(rule.projected_loss(r), self.loss(n, p))
+                pt.over_budget_s[p] = r.over_budget_s
+                pt.stopped_h[p] = r.stopped_s / 3600.0
             elif r is not None:
                 pt.loss[p] = 1.0 - r.work_gpu_s / (pt.work_unconstrained_gpu_h * 3600.0)
                 pt.weighted_loss[p] = 1.0 - r.weighted_work_gpu_s / (
@@ -291,111 +433,245 @@ class _Sizes:
                 )
                 pt.over_budget_s[p] = r.over_budget_s
 
-    def _point(self, n: int, ref: RunResult | None) -> OversubPoint:
-        """Size `n`'s point, made from its unconstrained run `ref` the first time."""
-        if n not in self.evaluated:
-            assert ref is not None
-            self.evaluated[n] = OversubPoint(
-                nodes=n,
-                gpus=n * self.gpus_per_node,
-                work_unconstrained_gpu_h=ref.work_gpu_s / 3600.0,
-                weighted_unconstrained_gpu_h=ref.weighted_work_gpu_s / 3600.0,
-                loss={},
-                weighted_loss={},
-                over_budget_s={STATIC: ref.over_budget_s},
-            )
+    def _point(self, n: int, ref: RunResult) -> OversubPoint:
+        """Size `n`'s point, made from its unconstrained run `ref`."""
+        self.evaluated[n] = OversubPoint(
+            nodes=n,
+            gpus=n * self.gpus_per_node,
+            work_unconstrained_gpu_h=ref.work_gpu_s / 3600.0,
+            weighted_unconstrained_gpu_h=ref.weighted_work_gpu_s / 3600.0,
+            loss={},
+            weighted_loss={},
+            over_budget_s={STATIC: ref.over_budget_s},
+        )
         return self.evaluated[n]
 
     def loss(self, n: int, p: str) -> float:
         pt = self.evaluated[n]
         return pt.weighted_loss[p] if self.metric == "weighted" else pt.loss[p]
 
-    def fits(
-        self, searches: dict[str, tuple[str, Fails]], grid: Sequence[int]
-    ) -> dict[str, int | None]:
-        """Per search (its name → the policy it simulates and what fails a size), the most
-        nodes its policy passes (`_Search`). Each round simulates every search's next sizes
-        in one batch over the runner's jobs: its next grid sizes (as many as the jobs give
-        it) or its bisection's midpoint."""
-        walks = {k: _Search(grid) for k in searches}
+    def fits(self, searches: dict[str, _SearchSpec], grid: Sequence[int]) -> dict[str, int | None]:
+        """Per search (its name → what it simulates and judges), the most nodes its policy
+        passes (`_Search`). Each round simulates every search's next sizes in one batch over
+        the runner's jobs."""
+        walks = {
+            k: _Search(grid, secant=spec.measure is not None, threshold=self.threshold)
+            for k, spec in searches.items()
+        }
         while True:
             active = [k for k, s in walks.items() if not s.done]
             if not active:
                 return {k: s.fit for k, s in walks.items()}
             share = max(1, self.runner.jobs // len(active))
             want: dict[int, list[str]] = {}
+            doubtful: set[tuple[int, str]] = set()
             for k in active:
+                policy = searches[k].policy
                 for n in walks[k].next_sizes(share):
                     which = want.setdefault(n, [])
-                    if searches[k][0] not in which:
-                        which.append(searches[k][0])
-            self.evaluate_each(want)
+                    if policy not in which:
+                        which.append(policy)
+                    if walks[k].doubtful(n):
+                        doubtful.add((n, policy))
+            self.evaluate_each(want, doubtful)
             for k in active:
-                policy, fails = searches[k]
-                have = {n: fails(self.evaluated[n]) for n in want if policy in want[n]}
-                walks[k].learn(have)
+                spec = searches[k]
+                pts = {n: self.evaluated[n] for n in want if spec.policy in want[n]}
+                walks[k].learn(
+                    {n: spec.fails(pt) for n, pt in pts.items()},
+                    {n: spec.measure(pt) for n, pt in pts.items()} if spec.measure else {},
+                )
 
-    def evaluate_each(self, want: dict[int, list[str]]) -> None:
-        """Simulate each size for its policies (and unconstrained), all in one batch."""
-        tasks = []
-        for n, which in sorted(want.items()):
-            s = build_site(self.policy, nodes=n, facility_budget_w=self.feed_w)
-            if not self.keep_inner:
-                s = s.inner_at_nameplate()
-            mix = build_mix(self.scenario, s)
-            have = self.evaluated.get(n)
-            tasks += [
-                Task((n, p), self.scenario, s, mix, p, breaker=self.breaker, objective=self.metric)
-                for p in (STATIC, *which)
-                if have is None or (p != STATIC and p not in have.loss)
-            ]
+    def _site(self, n: int) -> tuple[Site, Mix]:
+        s = build_site(self.policy, nodes=n, facility_budget_w=self.feed_w)
+        if not self.keep_inner:
+            s = s.inner_at_nameplate()
+        return s, build_mix(self.scenario, s)
+
+    def evaluate_each(
+        self, want: dict[int, list[str]], doubtful: set[tuple[int, str]] | None = None
+    ) -> None:
+        """Simulate each size for its policies (and unconstrained), in two batches: the
+        unconstrained runs, with the bounds of the steered runs that `doubtful` names
+        (size, policy: its search expects it to fail), then the policies, those with a
+        stop rule."""
+        sites = {n: self._site(n) for n in sorted(want)}
+        stops = {
+            (n, p)
+            for n, p in doubtful or ()
+            if self.early_stop and p in STEERED and p not in self._have(n)
+        }
+        refs = []
+        for n, (s, mix) in sites.items():
+            if n not in self.evaluated:
+                refs.append(Task((n, STATIC), self.scenario, s, mix, STATIC))
+            if n not in self.bounds and any(m == n for m, _ in stops):
+                refs.append(Task((n, BOUND), self.scenario, s, mix, STATIC, steered_steps=True))
+        for (n, key), r in self.runner.run(refs).items():
+            if key == STATIC:
+                self._point(n, r)
+            else:
+                self.bounds[n] = r
+        rules = {
+            (n, p): StopRule.of(self.bounds[n], self.evaluated[n], self.threshold, self.metric)
+            for n, p in stops
+        }
+        tasks = [
+            Task(
+                (n, p),
+                self.scenario,
+                s,
+                mix,
+                p,
+                breaker=self.breaker,
+                objective=self.metric,
+                stop=rules.get((n, p)),
+            )
+            for n, (s, mix) in sites.items()
+            for p in want[n]
+            if p != STATIC and p not in self.evaluated[n].loss
+        ]
         results = self.runner.run(tasks)
         for n, which in want.items():
-            self._record(n, which, results)
+            self._record(n, which, results, rules)
+
+    def _have(self, n: int) -> dict[str, float]:
+        pt = self.evaluated.get(n)
+        return {} if pt is None else pt.loss
 
 
 @dataclass
 class _Search:
-    """One policy's search for its fit on a grid of sizes: the grid walked upwards to its
-    first failing size, then bisection between it and the grid size below it, down to one
-    node (fit None: not even the smallest size passes). A size beyond the first failing one
-    cannot change the fit, so the walk stops there: the answer is the one a walk of the whole
-    grid gives, from fewer runs."""
+    """One search for a fit on a grid of sizes: the most nodes that pass, where a passing
+    size has only passing sizes below it (the loss rises with the size).
+
+    The grid is walked upwards to its first failing size (no further: larger sizes cannot
+    change the fit) and the crossing then narrowed to one node: `bad` − `good` = 1, `good`
+    passing (or 0: fit None) and `bad` failing. Without a measure (`secant` False) each step
+    bisects, as the search always did. With one, the next size is where the line through the
+    two known sizes nearest the threshold crosses it (the secant: `good` and `bad`, or while
+    walking the two largest passing sizes, never past the next grid size), both sizes beside
+    the crossing at once where the jobs allow; an end kept twice weighs half (Illinois), and
+    where two steps did not halve the bracket the next bisects (Dekker); the walk starts at
+    the grid's second size (`_walk`). Either way the answer is the size whose next one fails, so for
+    a loss that rises with the size it is the one the bisection finds, from fewer runs."""
 
     grid: Sequence[int]
-    i: int = 0  # the next grid index to look at while walking
-    good: int = 0
-    bad: int | None = None  # bisecting once set
+    secant: bool = False
+    threshold: float = DEFAULT_THRESHOLD  # a value of −threshold: no loss at all
+    good: int = 0  # the largest passing size below `bad` (0: none yet)
+    bad: int | None = None  # the smallest failing size (None: none yet)
     done: bool = False
     fit: int | None = None
     failed: dict[int, bool] = field(default_factory=dict)  # size → lost over the threshold
+    value: dict[int, float] = field(default_factory=dict)  # size → loss − threshold
+    # The ends the secant's steps in a row moved ("good", "bad", "both"); None: the last
+    # step was no secant step.
+    moved: list[str] | None = None
+    secant_step: bool = False  # the sizes asked for last came from the secant
+    widths: list[int] = field(default_factory=list)  # bad − good after each step, once bad
+
+    def _walk(self) -> list[int]:
+        """The grid sizes a walk would step to next. With the secant it starts at the
+        second: the first, static provisioning's, loses nothing by construction (the
+        estimate it starts from), so it is run only where a larger size fails with no
+        passing size below it."""
+        skip = self.secant and len(self.grid) > 1 and not self.failed
+        return [m for m in self.grid[1 if skip else 0 :] if m > self.good and m not in self.failed]
+
+    def _top(self) -> int:
+        """The largest size the next step may try: below `bad`, or while walking, the next
+        grid size above `good`."""
+        if self.bad is not None:
+            return self.bad - 1
+        return self._walk()[0]
+
+    def _values(self) -> dict[int, float]:
+        """The known values, and the first grid size's estimate (no loss) if not known."""
+        return {self.grid[0]: -self.threshold, **self.value} if self.secant else self.value
+
+    def crossing(self) -> float | None:
+        """Where the line through the two known sizes nearest the threshold crosses it."""
+        if not self.secant:
+            return None
+        if self.bad is not None:
+            a, b = self.good, self.bad
+        else:
+            passing = sorted(n for n, f in self.failed.items() if not f)
+            if len(passing) == 1 and passing[0] > self.grid[0]:
+                passing.insert(0, self.grid[0])  # from its estimate
+            if len(passing) < 2:
+                return None
+            a, b = passing[-2], passing[-1]
+        values = self._values()
+        if a not in values or b not in values:
+            return None
+        va, vb = values[a], values[b]
+        if vb <= va or (self.bad is not None and va <= -self.threshold):
+            # Not rising; or within the bracket, from a size that lost nothing (where the
+            # loss starts to rise is unknown). Beyond the largest passing size a line from
+            # such a size still helps: a loss that rises ever faster crosses before it.
+            return None
+        # Illinois: an end the secant's last steps all kept weighs half as much per step
+        # (regula falsi on a convex loss would otherwise creep up to the crossing).
+        moved = self.moved or []
+        kept = 0
+        while kept < len(moved) and moved[-1 - kept] == moved[-1]:
+            kept += 1
+        if self.bad is not None and moved and moved[-1] == "good":
+            vb /= 2.0**kept
+        elif self.bad is not None and moved and moved[-1] == "bad":
+            va /= 2.0**kept
+        return a - va * (b - a) / (vb - va)
+
+    def doubtful(self, n: int) -> bool:
+        """Whether size n may well fail: beyond the crossing, or none known yet (but the
+        grid's first size, static provisioning's, which only inner budgets could fail)."""
+        x = self.crossing()
+        return n > x if x is not None else n != self.grid[0]
 
     def next_sizes(self, share: int) -> list[int]:
+        if self.done:
+            return []
+        lo, hi = self.good + 1, self._top()
+        x = self.crossing()
+        w = self.widths
+        # As Dekker's method: a bisection step where the last two steps did not halve the
+        # bracket, so the search takes at most twice the bisection's steps; while walking, a
+        # grid step after a secant step that passed.
+        slow = len(w) >= 3 and w[-1] > w[-3] / 2 if self.bad is not None else self.moved is not None
+        self.secant_step = x is not None and not slow and (self.bad is not None or x < hi)
+        if x is not None and self.secant_step:
+            n = min(max(math.floor(x), self.good), hi)  # the fit it predicts
+            pair = [m for m in (n + 1, n) if lo <= m <= hi and m not in self.failed]
+            return pair[: max(1, share)]
         if self.bad is None:
-            return list(self.grid[self.i : self.i + share])
+            return self._walk()[:share]
+        if self.good == 0 and self.grid[0] < self.bad and self.grid[0] not in self.failed:
+            return [self.grid[0]]  # as the walk would have been, had it started there
         return [(self.good + self.bad) // 2]
 
-    def learn(self, failed: dict[int, bool]) -> None:
+    def learn(self, failed: dict[int, bool], value: dict[int, float] | None = None) -> None:
         self.failed.update(failed)
-        grid = self.grid
-        if self.bad is None:
-            while self.i < len(grid) and self.failed.get(grid[self.i]) is False:
-                self.i += 1
-            if self.i == len(grid):
-                self.done, self.fit = True, grid[-1]
-                return
-            if not self.failed.get(grid[self.i]):
-                return  # not simulated yet
-            self.good, self.bad = (grid[self.i - 1] if self.i > 0 else 0), grid[self.i]
-        else:
-            mid = (self.good + self.bad) // 2
-            if mid in self.failed:
-                if self.failed[mid]:
-                    self.bad = mid
-                else:
-                    self.good = mid
-        if self.bad - self.good <= 1:
+        self.value.update(value or {})
+        good, bad = self.good, self.bad
+        failing = [n for n, f in self.failed.items() if f]
+        self.bad = min(failing) if failing else None
+        self.good = max(
+            (n for n, f in self.failed.items() if not f and (self.bad is None or n < self.bad)),
+            default=0,
+        )
+        ends = [e for e, moved in (("good", self.good != good), ("bad", self.bad != bad)) if moved]
+        if self.bad is not None:
+            self.widths.append(self.bad - self.good)
+        if not self.secant_step:
+            self.moved = None
+        elif ends:
+            self.moved = [*(self.moved or []), ends[0] if len(ends) == 1 else "both"]
+        if self.bad is not None and self.bad - self.good <= 1:
             self.done, self.fit = True, self.good or None
+        elif self.bad is None and self.good == self.grid[-1]:
+            self.done, self.fit = True, self.grid[-1]
 
 
 def oversubscribe(  # noqa: PLR0913 (the search's knobs, keyword-only, each a CLI flag)
@@ -411,6 +687,8 @@ def oversubscribe(  # noqa: PLR0913 (the search's knobs, keyword-only, each a CL
     keep_inner: bool = False,
     baselines: Sequence[str] = (),
     breaker: Breaker | None = None,
+    secant: bool = True,
+    early_stop: bool = True,
 ) -> Oversubscription:
     """Grow the site node by node under a fixed feed; per policy, the most nodes whose
     throughput stays within `threshold` of the same GPUs unconstrained (every GPU free to
@@ -418,7 +696,10 @@ def oversubscribe(  # noqa: PLR0913 (the search's knobs, keyword-only, each a CL
 
     A grid of `points` sizes from static TDP provisioning up to where device minimums fill
     the feed is walked upwards to each policy's first size over the threshold (no further:
-    larger sizes cannot change the fit), and the crossing is then bisected to one node.
+    larger sizes cannot change the fit), and the crossing is then narrowed to one node
+    (`_Search`: by the secant on the loss, `secant`, else by bisection). With `early_stop`,
+    a steered run at a size its search expects to fail ends once it provably fails
+    (`StopRule`; the point then holds the least loss it can have, and the hour it stopped).
     Rows, racks and nodes are budgeted at their nameplate, so the feed is the question;
     `keep_inner` keeps the policy's own inner budgets instead (which may bind at any size).
     Baselines: the `oracle` fits by the same threshold (its loss against the same GPUs
@@ -456,16 +737,25 @@ def oversubscribe(  # noqa: PLR0913 (the search's knobs, keyword-only, each a CL
         gpn,
         keep_inner=keep_inner,
         metric=metric,
+        threshold=threshold,
+        early_stop=early_stop,
         breaker=breaker,
     )
 
-    def over_threshold(p: str) -> Fails:
-        return lambda pt: (pt.weighted_loss[p] if metric == "weighted" else pt.loss[p]) > threshold
+    def search(p: str) -> _SearchSpec:
+        def loss(pt: OversubPoint) -> float:
+            return pt.weighted_loss[p] if metric == "weighted" else pt.loss[p]
 
-    searches: dict[str, tuple[str, Fails]] = {p: (p, over_threshold(p)) for p in steered}
+        return _SearchSpec(
+            p,
+            lambda pt: loss(pt) > threshold,
+            (lambda pt: pt.projected_loss.get(p, loss(pt)) - threshold) if secant else None,
+        )
+
+    searches = {p: search(p) for p in steered}
     if UNCAPPED in baselines:
-        searches[NO_TRIP] = (UNCAPPED, lambda pt: pt.trips[UNCAPPED] > 0)
-        searches[NEVER_OVER] = (UNCAPPED, lambda pt: pt.over_budget_s[UNCAPPED] > 0)
+        searches[NO_TRIP] = _SearchSpec(UNCAPPED, lambda pt: pt.trips[UNCAPPED] > 0)
+        searches[NEVER_OVER] = _SearchSpec(UNCAPPED, lambda pt: pt.over_budget_s[UNCAPPED] > 0)
     if searches:
         fits = sizes.fits(searches, grid)
         result.fit_nodes.update({p: fits[p] for p in steered})
