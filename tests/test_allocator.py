@@ -20,6 +20,7 @@ from powerd.allocator import (
     allocate_arrays,
     build_problem,
 )
+from powerd.allocator.problem import Tree
 from powerd.policy import Policy, parse_policy
 from powerd.testing.synthetic import random_fleet
 from powerd.topology import Topology
@@ -271,3 +272,22 @@ def test_fast_from_any_start_agrees_with_cvxpy(case: Case, seed: int, start: str
         assert abs(fast.objective - ref.objective) <= 1e-6 * max(abs(ref.objective), 1.0)
         if ref.status != "infeasible_min":
             assert excess_w(moved, fast.caps_w) <= TOL_W
+
+
+def test_a_kept_tree_answers_each_ticks_budgets_as_a_new_one() -> None:
+    """The tree keeps which budgets their children's imply (Problem.solver_capacity) while
+    capacities and bounds stay the same: a budget that changes between two problems on one
+    tree is answered as on a new tree, before and after it changes back."""
+    policy = policy_for((1, 2, 2, 2), (1.0, 1.0, 1.0, 1.0), 0.01, None, "peak")
+    fleet = random_fleet(policy, 11, limited_share=0.5)
+    tree = Tree(fleet.topology)
+    roomy = fleet.topology.budget_w * 10.0
+    tight = roomy.copy()
+    tight[0] = 0.8 * fleet.topology.budget_w[0]  # the facility's below its rows' sum
+    for budget in (roomy, tight, roomy, tight):
+        kept = build_problem(fleet, policy, tree=tree, budget_w=budget).solver_capacity
+        fresh = build_problem(fleet, policy, budget_w=budget).solver_capacity
+        assert np.array_equal(kept, fresh)
+    implied = build_problem(fleet, policy, tree=tree, budget_w=roomy).solver_capacity
+    assert not np.isfinite(implied).all()  # the roomy budgets are implied: left out
+    assert np.isfinite(build_problem(fleet, policy, tree=tree, budget_w=tight).solver_capacity[0])

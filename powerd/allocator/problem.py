@@ -243,6 +243,9 @@ class Tree:
         # not change (_fleet_jobs).
         self.jobs_memo: tuple[IntArray, tuple[str, ...], JobMap | None, BoolArray | None] | None
         self.jobs_memo = None
+        # The last capacities and upper bounds `implied_by_children` answered, with its
+        # answer: the same from tick to tick while budgets and bounds hold still.
+        self.implied_memo: tuple[FloatArray, FloatArray, BoolArray] | None = None
 
     @cached_property
     def first_gpu(self) -> IntArray:
@@ -454,7 +457,7 @@ class Problem:
         set is the same; the dual loses a degenerate direction (two budgets that bind only
         together, with one price between them to share). Repair and verification hold
         every budget."""
-        implied = _implied_by_children(self.tree, self.capacity, self.hi)
+        implied = _implied_kept(self.tree, self.capacity, self.hi)
         capacity = np.where(implied, np.inf, self.capacity)
         if self.single_job is not None:
             capacity = np.where(self.single_job, np.inf, capacity)
@@ -617,6 +620,17 @@ def _implied_by_children(tree: Tree, capacity: FloatArray, hi: FloatArray) -> Bo
         most[g] = np.minimum(most[g], cap)
         if level > 0:
             most += np.bincount(tree.parents[level], weights=most[g], minlength=tree.n_groups)
+    return implied
+
+
+def _implied_kept(tree: Tree, capacity: FloatArray, hi: FloatArray) -> BoolArray:
+    """`_implied_by_children`, kept on the tree while the capacities and upper bounds are
+    the same as the last call's (most ticks: budgets and device bounds seldom move)."""
+    memo = tree.implied_memo
+    if memo is not None and np.array_equal(memo[0], capacity) and np.array_equal(memo[1], hi):
+        return memo[2]
+    implied = _implied_by_children(tree, capacity, hi)
+    tree.implied_memo = (capacity.copy(), hi.copy(), implied)
     return implied
 
 
