@@ -291,3 +291,21 @@ def test_a_kept_tree_answers_each_ticks_budgets_as_a_new_one() -> None:
     implied = build_problem(fleet, policy, tree=tree, budget_w=roomy).solver_capacity
     assert not np.isfinite(implied).all()  # the roomy budgets are implied: left out
     assert np.isfinite(build_problem(fleet, policy, tree=tree, budget_w=tight).solver_capacity[0])
+
+
+def test_tree_sums_add_as_the_bincounts_do() -> None:
+    """Tree.sums (compiled) adds in numpy's bincount order: each node's GPUs in order, then
+    each level's groups by parent, the sum added to the parent's: the same bits."""
+    policy = policy_for((2, 3, 2, 4), (1.0, 1.0, 1.0, 1.0), 0.01, None, "peak")
+    fleet = random_fleet(policy, 3, limited_share=0.5)
+    tree = Tree(fleet.topology)
+    rng = np.random.default_rng(7)
+    for _ in range(50):
+        x = rng.uniform(-1e3, 1e3, fleet.n) * rng.choice([1e-9, 1.0, 1e9], fleet.n)
+        want = np.bincount(tree.node_of_gpu, weights=x, minlength=tree.n_groups)
+        for level in range(len(tree.levels) - 1, 0, -1):
+            g = tree.levels[level]
+            want += np.bincount(tree.parents[level], weights=want[g], minlength=tree.n_groups)
+        assert tree.sums(x).tobytes() == want.tobytes()
+    x[1] = np.nan
+    assert np.isnan(tree.sums(x)[tree.gpu_groups[1]]).all()

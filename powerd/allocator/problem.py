@@ -272,14 +272,33 @@ class Tree:
         )
 
     def sums(self, per_gpu: FloatArray) -> FloatArray:
-        """Sum over every group, like Topology.group_sums but one n-long pass only."""
-        s = np.bincount(self.node_of_gpu, weights=per_gpu, minlength=self.n_groups).astype(
-            np.float64, copy=False
+        """Sum over every group, like Topology.group_sums but one n-long pass only: a
+        bincount of the GPUs by node, then one of each level's groups by parent, compiled
+        into one call (kernel.tree_sums, the same additions in the same order)."""
+        from powerd.allocator import kernel  # numba: loaded by the first call
+
+        return np.asarray(
+            kernel.tree_sums(
+                self._node_of_gpu64,
+                np.ascontiguousarray(per_gpu, dtype=np.float64),
+                self.n_groups,
+                *self._sum_order,
+            )
         )
-        for level in range(N_LEVELS - 1, 0, -1):
-            g = self.levels[level]
-            s += np.bincount(self.parents[level], weights=s[g], minlength=self.n_groups)
-        return s
+
+    @cached_property
+    def _node_of_gpu64(self) -> IntArray:
+        return np.ascontiguousarray(self.node_of_gpu, dtype=np.int64)
+
+    @cached_property
+    def _sum_order(self) -> tuple[IntArray, IntArray, IntArray]:
+        """The groups of every level but the root's, deepest first, their parents, and
+        where each level starts among them (kernel.tree_sums)."""
+        deep = range(N_LEVELS - 1, 0, -1)
+        groups = np.concatenate([self.levels[lv] for lv in deep]).astype(np.int64)
+        parents = np.concatenate([self.parents[lv] for lv in deep]).astype(np.int64)
+        sizes = [0] + [self.levels[lv].size for lv in deep]
+        return groups, parents, np.cumsum(sizes).astype(np.int64)
 
     def under(self, groups: BoolArray) -> BoolArray:
         """GPUs below any of the marked groups."""
