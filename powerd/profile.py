@@ -106,6 +106,9 @@ class Profile:
         """Throughput at the given power (vectorised)."""
         p = np.asarray(power_w, dtype=np.float64)
         inside = np.interp(p, self.power_w, self.throughput)
+        low = p < self.power_w[0]
+        if not low.any():  # (most calls: every draw on the curve; the line below unused)
+            return np.asarray(inside, dtype=np.float64)
         below = self.throughput[0] - self.first_slope_per_w * (self.power_w[0] - p)
-        out = np.where(p < self.power_w[0], np.maximum(below, 0.0), inside)
+        out = np.where(low, np.maximum(below, 0.0), inside)
         return np.asarray(out, dtype=np.float64)

@@ -20,6 +20,7 @@ from powerd.allocator import (
     allocate_arrays,
     build_problem,
 )
+from powerd.allocator.problem import Tree
 from powerd.policy import Policy, parse_policy
 from powerd.testing.synthetic import random_fleet
 from powerd.topology import Topology
@@ -271,3 +272,40 @@ def test_fast_from_any_start_agrees_with_cvxpy(case: Case, seed: int, start: str
         assert abs(fast.objective - ref.objective) <= 1e-6 * max(abs(ref.objective), 1.0)
         if ref.status != "infeasible_min":
             assert excess_w(moved, fast.caps_w) <= TOL_W
+
+
+def test_a_kept_tree_answers_each_ticks_budgets_as_a_new_one() -> None:
+    """The tree keeps which budgets their children's imply (Problem.solver_capacity) while
+    capacities and bounds stay the same: a budget that changes between two problems on one
+    tree is answered as on a new tree, before and after it changes back."""
+    policy = policy_for((1, 2, 2, 2), (1.0, 1.0, 1.0, 1.0), 0.01, None, "peak")
+    fleet = random_fleet(policy, 11, limited_share=0.5)
+    tree = Tree(fleet.topology)
+    roomy = fleet.topology.budget_w * 10.0
+    tight = roomy.copy()
+    tight[0] = 0.8 * fleet.topology.budget_w[0]  # the facility's below its rows' sum
+    for budget in (roomy, tight, roomy, tight):
+        kept = build_problem(fleet, policy, tree=tree, budget_w=budget).solver_capacity
+        fresh = build_problem(fleet, policy, budget_w=budget).solver_capacity
+        assert np.array_equal(kept, fresh)
+    implied = build_problem(fleet, policy, tree=tree, budget_w=roomy).solver_capacity
+    assert not np.isfinite(implied).all()  # the roomy budgets are implied: left out
+    assert np.isfinite(build_problem(fleet, policy, tree=tree, budget_w=tight).solver_capacity[0])
+
+
+def test_tree_sums_add_as_the_bincounts_do() -> None:
+    """Tree.sums (compiled) adds in numpy's bincount order: each node's GPUs in order, then
+    each level's groups by parent, the sum added to the parent's: the same bits."""
+    policy = policy_for((2, 3, 2, 4), (1.0, 1.0, 1.0, 1.0), 0.01, None, "peak")
+    fleet = random_fleet(policy, 3, limited_share=0.5)
+    tree = Tree(fleet.topology)
+    rng = np.random.default_rng(7)
+    for _ in range(50):
+        x = rng.uniform(-1e3, 1e3, fleet.n) * rng.choice([1e-9, 1.0, 1e9], fleet.n)
+        want = np.bincount(tree.node_of_gpu, weights=x, minlength=tree.n_groups)
+        for level in range(len(tree.levels) - 1, 0, -1):
+            g = tree.levels[level]
+            want += np.bincount(tree.parents[level], weights=want[g], minlength=tree.n_groups)
+        assert tree.sums(x).tobytes() == want.tobytes()
+    x[1] = np.nan
+    assert np.isnan(tree.sums(x)[tree.gpu_groups[1]]).all()

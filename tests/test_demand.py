@@ -327,3 +327,17 @@ def test_the_tick_feeds_every_gpus_draw_to_the_estimator() -> None:
 
 def parse(d: dict[str, Any]) -> Policy:
     return make_policy_from(d)
+
+
+def test_the_draw_counted_is_the_sample_within_its_bounds() -> None:
+    """NaN counts as 0, +inf as the GPU's maximum, -inf and negatives as 0; a sample
+    within [0, max cap] as itself, bit for bit (-0.0 included)."""
+    from powerd.controller.demand import _draw
+
+    power = np.array([np.nan, np.inf, -np.inf, -5.0, -0.0, 0.0, 312.25, 900.0])
+    top = np.full(power.size, 700.0)
+    want = np.array([0.0, 700.0, 0.0, 0.0, -0.0, 0.0, 312.25, 700.0])
+    got = _draw(power, top)
+    assert got.dtype == np.float64
+    assert got.tobytes() == np.clip(np.nan_to_num(power, nan=0.0), 0.0, top).tobytes()
+    assert np.array_equal(got, want)

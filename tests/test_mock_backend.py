@@ -361,3 +361,20 @@ def test_steps_that_skip_looking_for_edges_miss_none(
     for dt in steps:
         assert model._edges_within(t, t + dt).tolist() == _all_edges(*series, t, t + dt).tolist()
         t += dt
+
+
+def test_a_step_without_edges_counts_the_jobs_work_as_the_whole_fleets() -> None:
+    """A step that no job's or service's edge cuts counts their GPUs' work from their
+    profiles at their level alone: the same numbers, bit for bit, as the whole fleet's
+    throughput at those levels (idle, steady and checkpointing GPUs among them)."""
+    workloads = [_sync_job(), Workload.inference(), Workload.idle(), Workload.training()]
+    gpus = SimulatedGpus(8, workloads * 2, spec=MockGpuSpec(noise_frac=0.0))
+    gpus.set_cap(1, 350.0)
+    gpus.set_cap(6, 250.0)
+    g = gpus._group_gpus
+    assert g.size
+    for _ in range(40):
+        target = np.minimum(gpus.cap_w, gpus.demand_w) * np.linspace(0.1, 1.0, 8)
+        whole = gpus._throughput_at(target, slice(None))[g]
+        assert gpus._group_throughput(target[g]).tobytes() == whole.tobytes()
+        gpus.advance(5.0)

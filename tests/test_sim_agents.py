@@ -103,3 +103,21 @@ def test_a_plan_with_a_cap_out_of_the_wires_bounds_is_refused() -> None:
     bad[0] = 1e9
     with pytest.raises(ValueError, match="wire's bounds"):
         a.apply_plan(replace(plan, sent_w=bad))
+
+
+def test_the_fleets_sample_lists_the_device_bounds_as_they_are_now() -> None:
+    """The bounds' lists are kept from sample to sample while the model's bounds stay the
+    same: a bound that changes (a GPU's device replaced) shows in the next sample."""
+    a = agents()
+    m = a.model
+    _, first = a.fleet_readings(5.0)
+    before = list(first.max_cap_w)  # (the sample object is reused: its lists replaced)
+    assert before == m.max_cap_w.tolist()
+    m.max_cap_w[2] -= 50.0
+    m.min_cap_w[5] += 10.0
+    m.default_cap_w[0] = -0.0 if m.default_cap_w[0] == 0.0 else m.default_cap_w[0] - 1.0
+    _, second = a.fleet_readings(10.0)
+    assert second.max_cap_w == m.max_cap_w.tolist()
+    assert second.min_cap_w == m.min_cap_w.tolist()
+    assert second.default_cap_w == m.default_cap_w.tolist()
+    assert second.max_cap_w[2] == before[2] - 50.0

@@ -86,6 +86,15 @@ def _jit(fn: F) -> F:
     return _compile(fn)
 
 
+def _jit_exact(fn: F) -> F:
+    """A kernel whose floating-point sums must come out bit for bit as numpy's (no
+    fast-math: its `reassoc` would let the compiler add in another order)."""
+    try:
+        return cast(F, numba.njit(cache=True, nogil=True)(fn))
+    except RuntimeError:  # (as _compile: no writable cache directory)
+        return cast(F, numba.njit(nogil=True)(fn))
+
+
 def _inline(fn: F) -> F:
     """A helper compiled into its callers (a call per GPU costs more than its work)."""
     return _compile(fn, inline="always")
@@ -1510,6 +1519,32 @@ class _CompileWatch(numba.core.event.Listener):
         pass
 
 
+@_jit_exact
+def tree_sums(
+    node_of_gpu: IntArray,
+    per_gpu: FloatArray,
+    n_groups: int,
+    groups: IntArray,
+    parents: IntArray,
+    starts: IntArray,
+) -> FloatArray:
+    """Tree.sums: each group's sum of a per-GPU value, bit for bit as its bincounts add
+    (each node's GPUs in order; then level by level, deepest first — `groups[starts[k]:
+    starts[k + 1]]` with their `parents` — each parent's children summed in order from 0
+    and that added to what the parent held)."""
+    s = np.zeros(n_groups)
+    for i in range(node_of_gpu.size):
+        s[node_of_gpu[i]] += per_gpu[i]
+    t = np.empty(n_groups)
+    for lv in range(starts.size - 1):
+        t[:] = 0.0
+        for j in range(starts[lv], starts[lv + 1]):
+            t[parents[j]] += s[groups[j]]
+        for k in range(n_groups):
+            s[k] = s[k] + t[k]
+    return s
+
+
 def _kernels() -> list[Any]:
     """The kernels Python calls (the private ones are called only by other kernels: they
     compile with their callers and are never loaded from the cache on their own)."""
@@ -1625,4 +1660,6 @@ def _run_every_kernel() -> None:
     job_incidence(job, one, np.zeros(1, dtype=np.int64), gg, 2, 1)
     job_parts(job, one, np.zeros(1, dtype=np.int64), attach, 2)
     single_job_groups(job, gg, 2)
+    tree_sums(np.array([1, 1], dtype=np.int64), ones, 2, np.array([1], dtype=np.int64),
+              np.array([0], dtype=np.int64), np.array([0, 1], dtype=np.int64))  # fmt: skip
     job_units(job, 1)

@@ -243,6 +243,9 @@ class Tree:
         # not change (_fleet_jobs).
         self.jobs_memo: tuple[IntArray, tuple[str, ...], JobMap | None, BoolArray | None] | None
         self.jobs_memo = None
+        # The last capacities and upper bounds `implied_by_children` answered, with its
+        # answer: the same from tick to tick while budgets and bounds hold still.
+        self.implied_memo: tuple[FloatArray, FloatArray, BoolArray] | None = None
 
     @cached_property
     def first_gpu(self) -> IntArray:
@@ -269,14 +272,33 @@ class Tree:
         )
 
     def sums(self, per_gpu: FloatArray) -> FloatArray:
-        """Sum over every group, like Topology.group_sums but one n-long pass only."""
-        s = np.bincount(self.node_of_gpu, weights=per_gpu, minlength=self.n_groups).astype(
-            np.float64, copy=False
+        """Sum over every group, like Topology.group_sums but one n-long pass only: a
+        bincount of the GPUs by node, then one of each level's groups by parent, compiled
+        into one call (kernel.tree_sums, the same additions in the same order)."""
+        from powerd.allocator import kernel  # numba: loaded by the first call
+
+        return np.asarray(
+            kernel.tree_sums(
+                self._node_of_gpu64,
+                np.ascontiguousarray(per_gpu, dtype=np.float64),
+                self.n_groups,
+                *self._sum_order,
+            )
         )
-        for level in range(N_LEVELS - 1, 0, -1):
-            g = self.levels[level]
-            s += np.bincount(self.parents[level], weights=s[g], minlength=self.n_groups)
-        return s
+
+    @cached_property
+    def _node_of_gpu64(self) -> IntArray:
+        return np.ascontiguousarray(self.node_of_gpu, dtype=np.int64)
+
+    @cached_property
+    def _sum_order(self) -> tuple[IntArray, IntArray, IntArray]:
+        """The groups of every level but the root's, deepest first, their parents, and
+        where each level starts among them (kernel.tree_sums)."""
+        deep = range(N_LEVELS - 1, 0, -1)
+        groups = np.concatenate([self.levels[lv] for lv in deep]).astype(np.int64)
+        parents = np.concatenate([self.parents[lv] for lv in deep]).astype(np.int64)
+        sizes = [0] + [self.levels[lv].size for lv in deep]
+        return groups, parents, np.cumsum(sizes).astype(np.int64)
 
     def under(self, groups: BoolArray) -> BoolArray:
         """GPUs below any of the marked groups."""
@@ -454,7 +476,7 @@ class Problem:
         set is the same; the dual loses a degenerate direction (two budgets that bind only
         together, with one price between them to share). Repair and verification hold
         every budget."""
-        implied = _implied_by_children(self.tree, self.capacity, self.hi)
+        implied = _implied_kept(self.tree, self.capacity, self.hi)
         capacity = np.where(implied, np.inf, self.capacity)
         if self.single_job is not None:
             capacity = np.where(self.single_job, np.inf, capacity)
@@ -617,6 +639,17 @@ def _implied_by_children(tree: Tree, capacity: FloatArray, hi: FloatArray) -> Bo
         most[g] = np.minimum(most[g], cap)
         if level > 0:
             most += np.bincount(tree.parents[level], weights=most[g], minlength=tree.n_groups)
+    return implied
+
+
+def _implied_kept(tree: Tree, capacity: FloatArray, hi: FloatArray) -> BoolArray:
+    """`_implied_by_children`, kept on the tree while the capacities and upper bounds are
+    the same as the last call's (most ticks: budgets and device bounds seldom move)."""
+    memo = tree.implied_memo
+    if memo is not None and np.array_equal(memo[0], capacity) and np.array_equal(memo[1], hi):
+        return memo[2]
+    implied = _implied_by_children(tree, capacity, hi)
+    tree.implied_memo = (capacity.copy(), hi.copy(), implied)
     return implied
 
 

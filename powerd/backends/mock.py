@@ -642,13 +642,23 @@ class SimulatedGpus:
         # Jobs and services work at their level all step (lag-free, as over pieces); the
         # others at their draw at the step's end, as they always have.
         if pieces is None and g.size:
-            pieces = self._throughput_at(target, ALL)[g]
+            pieces = self._group_throughput(target[g])
         self.t += dt_s
         self._refresh_demand()
         self._update_reported_power()
         self.step_throughput = self.throughput()
         if pieces is not None:
             self.step_throughput[g] = pieces
+
+    def _group_throughput(self, power_w: FloatArray) -> FloatArray:
+        """`_throughput_at(·, ALL)[_group_gpus]` from the jobs' and services' GPUs' draw
+        alone (`power_w`, in `_group_gpus` order): the other GPUs' profiles not evaluated."""
+        g = self._group_gpus
+        out = np.zeros(g.size)
+        for profile, cols in self._group_profiles:
+            out[cols] = profile.value(power_w[cols])
+        out[self._idle[g] | ~self._working[g]] = 0.0
+        return out
 
     def _edges_within(self, t0: float, t1: float) -> FloatArray:
         """`_all_edges` of the jobs and services in (t0, t1): none, without looking, while

@@ -70,6 +70,9 @@ class SimAgents:
         self._layout_pos: IntArray = np.zeros(0, dtype=np.int64)
         # Every GPU's `set_w` (none reported), as an array (never written).
         self._no_set_w = np.full(len(gpu_nodes), math.nan)
+        # The device bounds as lists, with the bytes they were listed from: kept while the
+        # model's bounds stay the same (they change only with a GPU's device).
+        self._bounds_listed: tuple[bytes, list[list[float]]] | None = None
         # Per node, its sample as columns: the identity and what never changes set here,
         # the readings replaced by `readings` (the constant columns are shared, never written);
         # last, the whole fleet's, the nodes' columns end to end (`fleet_readings`).
@@ -172,13 +175,10 @@ class SimAgents:
             max_cap_w=m.max_cap_w, default_cap_w=m.default_cap_w, temp_c=temp,
             util_pct=util, sm_clock_mhz=clock, perf=perf,
         )  # fmt: skip
-        power, energy, cap, lo, hi, default, t, u, c, p = (
-            a.tolist()
-            for a in (
-                m.power_w, m.energy_j, m.cap_w, m.min_cap_w, m.max_cap_w, m.default_cap_w,
-                temp, util, clock, perf,
-            )
-        )  # fmt: skip
+        power, energy, cap, t, u, c, p = (
+            a.tolist() for a in (m.power_w, m.energy_j, m.cap_w, temp, util, clock, perf)
+        )
+        lo, hi, default = self._bounds_lists()
         seq = self.seq
         # One NodeReadings per node, its header replaced each sample (the engine copies what
         # it keeps; nothing holds a sample past `on_readings`).
@@ -201,6 +201,17 @@ class SimAgents:
             "set_w": self._no_set_w,
         }
         return list(self._readings), w
+
+    def _bounds_lists(self) -> list[list[float]]:
+        """The model's min, max and default caps as lists (`fleet_readings`), listed again
+        only when their bytes change (the lists are shared by samples, never written)."""
+        m = self.model
+        key = m.min_cap_w.tobytes() + m.max_cap_w.tobytes() + m.default_cap_w.tobytes()
+        kept = self._bounds_listed
+        if kept is None or kept[0] != key:
+            lists = [a.tolist() for a in (m.min_cap_w, m.max_cap_w, m.default_cap_w)]
+            kept = self._bounds_listed = (key, lists)
+        return kept[1]
 
     def apply(self, commands: Sequence[NodeCommand]) -> list[tuple[NodeCommand, AckedCaps]]:
         """Apply each command's caps (clamped to the device) and acknowledge them: per
