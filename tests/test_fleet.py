@@ -199,17 +199,24 @@ def _same_arrays(a: FleetState, b: FleetState, now: float) -> None:
     assert (a.version, a.jobs_version, a.stops) == (b.version, b.jobs_version, b.stops)
 
 
-def test_a_whole_fleets_samples_at_once_are_recorded_as_each_in_turn() -> None:
-    n2, n1 = "row-1-rack-1-node-02", "row-1-rack-1-node-01"
+def _two_fleets_and_a_sample(n2: str, n1: str) -> tuple[FleetState, FleetState, list[NodeReadings]]:
+    """Two fleets that found n2's GPUs c, d, then n1's b, a (their slots in that order), and
+    a sample of both nodes (n2 at 350 W, n1 at 250 W, seq 1)."""
     one, each = FleetState(load_policy(EXAMPLE)), FleetState(load_policy(EXAMPLE))
     for fleet in (one, each):
         fleet.ingest_telemetry(telemetry(n2, ["c", "d"]), now=1.0)
         fleet.ingest_telemetry(telemetry(n1, ["b", "a"]), now=1.0)
-    # The GPUs sit in slots in the order they were found: n2's, then n1's.
     samples = [
         NodeReadings.from_message(telemetry(n2, ["c", "d"], power=350.0, seq=1)),
         NodeReadings.from_message(telemetry(n1, ["b", "a"], power=250.0, seq=1)),
     ]
+    return one, each, samples
+
+
+def test_a_whole_fleets_samples_at_once_are_recorded_as_each_in_turn() -> None:
+    n2, n1 = "row-1-rack-1-node-02", "row-1-rack-1-node-01"
+    # The GPUs sit in slots in the order they were found: n2's, then n1's.
+    one, each, samples = _two_fleets_and_a_sample(n2, n1)
     assert one.ingest_fleet(samples, _end_to_end(samples), now=2.0)
     for r in samples:
         each.ingest(r, now=2.0)
@@ -256,14 +263,7 @@ def test_whole_fleet_samples_are_read_from_their_columns_end_to_end() -> None:
     """`ingest_fleet` and `split_fleet` take each node's columns from `whole`: samples that
     carry only each node's identity record the same as full ones, an index change included."""
     n2, n1 = "row-1-rack-1-node-02", "row-1-rack-1-node-01"
-    one, each = FleetState(load_policy(EXAMPLE)), FleetState(load_policy(EXAMPLE))
-    for fleet in (one, each):
-        fleet.ingest_telemetry(telemetry(n2, ["c", "d"]), now=1.0)
-        fleet.ingest_telemetry(telemetry(n1, ["b", "a"]), now=1.0)
-    samples = [
-        NodeReadings.from_message(telemetry(n2, ["c", "d"], power=350.0, seq=1)),
-        NodeReadings.from_message(telemetry(n1, ["b", "a"], power=250.0, seq=1)),
-    ]
+    one, each, samples = _two_fleets_and_a_sample(n2, n1)
     samples[1].index = [1, 0]  # n1's GPUs swap indices: the fleet's order changes
     whole = _end_to_end(samples)
     assert one.ingest_fleet(_headers(samples), whole, now=2.0)
@@ -289,14 +289,7 @@ def test_a_sample_carrying_arrays_reads_the_same_and_later_samples_are_not_hidde
     arrays as the lists do; a node's later sample (or a forgotten GPU) is read from the lists
     again, not from the arrays of the sample before."""
     n2, n1 = "row-1-rack-1-node-02", "row-1-rack-1-node-01"
-    one, each = FleetState(load_policy(EXAMPLE)), FleetState(load_policy(EXAMPLE))
-    for fleet in (one, each):
-        fleet.ingest_telemetry(telemetry(n2, ["c", "d"]), now=1.0)
-        fleet.ingest_telemetry(telemetry(n1, ["b", "a"]), now=1.0)
-    samples = [
-        NodeReadings.from_message(telemetry(n2, ["c", "d"], power=350.0, seq=1)),
-        NodeReadings.from_message(telemetry(n1, ["b", "a"], power=250.0, seq=1)),
-    ]
+    one, each, samples = _two_fleets_and_a_sample(n2, n1)
     assert one.ingest_fleet(samples, _with_arrays(_end_to_end(samples)), now=2.0)
     assert each.ingest_fleet(samples, _end_to_end(samples), now=2.0)
     _same_arrays(one, each, now=4.0)
