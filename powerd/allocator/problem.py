@@ -533,6 +533,13 @@ def held_share(spec: DemandSpec | None) -> float:
     return spec.held_share
 
 
+def held_back(fleet: GpuArrays, spec: DemandSpec | None) -> BoolArray:
+    """Per GPU whether its cap holds it back: it draws at least `held_share(spec)` of it.
+    The one test the demand estimate, the spare power's anchors and the deadband's pressed
+    GPUs share."""
+    return np.asarray(fleet.power_w >= held_share(spec) * fleet.cap_w)
+
+
 def demand_w(fleet: GpuArrays, headroom_w: float, spec: DemandSpec | None = None) -> FloatArray:
     """What each GPU could use (docs/allocator.md, "Demand").
 
@@ -549,7 +556,7 @@ def demand_w(fleet: GpuArrays, headroom_w: float, spec: DemandSpec | None = None
     if recent is None or spec is None:
         limited = fleet.power_w >= CAP_LIMITED_SHARE * fleet.cap_w
         return np.where(limited, fleet.max_cap_w, fleet.power_w + headroom_w)
-    limited = fleet.power_w >= held_share(spec) * fleet.cap_w
+    limited = held_back(fleet, spec)
     held = fleet.max_cap_w
     if spec.held == "probe":
         held = np.minimum(fleet.max_cap_w, np.maximum(recent, fleet.cap_w) + headroom_w)
@@ -593,8 +600,7 @@ def anchor_kw(
         return prev
     anchor = np.maximum(fleet.recent_w, demand)
     if spec.held_spare_w > 0:
-        held = fleet.power_w >= held_share(spec) * fleet.cap_w
-        anchor = np.where(held, demand + spec.held_spare_w, anchor)
+        anchor = np.where(held_back(fleet, spec), demand + spec.held_spare_w, anchor)
     return np.asarray(np.clip(anchor / 1000.0, lo, hi))
 
 

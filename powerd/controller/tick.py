@@ -35,7 +35,7 @@ import structlog
 from numpy.typing import NDArray
 
 from powerd.alarms import Alarms
-from powerd.allocator.problem import held_share
+from powerd.allocator.problem import held_back, held_share
 from powerd.allocator.scopes import DemandCurve
 from powerd.controller.budgets import Budgets, BudgetsInForce, ScopeRoot
 from powerd.controller.churn import MOVE_TOL_W, cap_moves
@@ -555,7 +555,7 @@ class TickEngine:
             - topo.overhead_w
             - seen.shape.reserve_w,
             holdable=holdable,
-            pressed=fleet.power_w >= held_share(self.policy.control.demand) * prev,
+            pressed=held_back(fleet, self.policy.control.demand),
             raise_band_w=raise_band,
             dwelling=dwelling,
             dwell_max_w=self.policy.control.dwell_max_w,
