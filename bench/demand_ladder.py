@@ -17,6 +17,7 @@ first minute, > 1 W).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from dataclasses import replace
@@ -87,6 +88,28 @@ def with_settings(policy: Policy, settings: dict[str, dict[str, Any]]) -> Policy
     return replace(policy, spec=spec.model_copy(update=update))
 
 
+def variant(name: str) -> dict[str, dict[str, Any]]:
+    """A named rung, or `key=value[,key=value]` control settings (`demand.window_s=120`)."""
+    if name in VARIANTS:
+        return VARIANTS[name]
+    if "=" not in name:
+        raise SystemExit(f"--variants {name}: not one of {', '.join(VARIANTS)} nor key=value")
+    control: dict[str, Any] = {}
+    for item in name.split(","):
+        key, value = item.split("=", 1)
+        parsed: Any = value
+        with contextlib.suppress(ValueError):
+            parsed = float(value)
+        with contextlib.suppress(ValueError):
+            parsed = int(value)
+        if "." in key:
+            sub, field = key.split(".", 1)
+            control.setdefault(sub, {})[field] = parsed
+        else:
+            control[key] = parsed
+    return {"control": control}
+
+
 class Moves:
     """Per simulated tick, how many GPUs' committed caps moved since the last one."""
 
@@ -121,7 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tick-s", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument(
-        "--variants", nargs="+", default=["last-sample", "held-probe"], choices=list(VARIANTS)
+        "--variants",
+        nargs="+",
+        default=["last-sample", "held-probe"],
+        help=f"names ({', '.join(VARIANTS)}) or control settings, e.g. deadband_w=0,dwell_s=30",
     )
     ap.add_argument("--solver", default="fast")
     ap.add_argument("--uncapped-only", action="store_true", help="only the reference runs")
@@ -165,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             continue
         for name in args.variants:
-            policy = with_settings(base, VARIANTS[name])
+            policy = with_settings(base, variant(name))
             site = build_site(policy, nodes=n, facility_budget_w=feed).inner_at_nameplate()
             moves = Moves(args.tick_s)
             t0 = time.perf_counter()
