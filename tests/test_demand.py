@@ -18,7 +18,9 @@ from powerd.allocator.problem import (
     GpuArrays,
     build_problem,
     demand_w,
+    held_back,
     held_share,
+    pressing_cap_w,
 )
 from powerd.controller.demand import BUCKETS, DemandEstimator
 from powerd.policy import DemandSpec, Policy
@@ -178,6 +180,31 @@ def test_a_held_back_gpu_climbs_from_its_recent_peak_instead_of_asking_its_maxim
     old = demand_w(fleet, 50.0, DemandSpec(held="max", margin="headroom"))
     np.testing.assert_allclose(old, [700.0] * 4 + [550.0] * 4)
     assert demand_w(replace(fleet, recent_w=None), 50.0, policy.control.demand)[0] == 700.0
+
+
+def test_a_raise_since_the_sample_is_no_evidence_and_a_cut_since_is() -> None:
+    # All eight drew their 500 W cap when sampled. Since then four were raised to 550 W (a
+    # tick on acks, before the next sample) and two cut to 450 W: the raised ones still
+    # read as held back and probe from the cap they pressed (no second step on the same
+    # sample: 550 W, where they are), the cut ones press their new cap (probe from their
+    # recent 500 W: 550 W).
+    policy = _policy()
+    power = np.full(8, 500.0)
+    recent = np.full(8, 500.0)
+    committed = np.array([550.0] * 4 + [450.0] * 2 + [500.0] * 2)
+    fleet = replace(_fleet(policy, power, committed, recent), sampled_cap_w=np.full(8, 500.0))
+    spec = policy.control.demand
+    assert held_back(fleet, spec).all()
+    np.testing.assert_allclose(pressing_cap_w(fleet), [500.0] * 4 + [450.0] * 2 + [500.0] * 2)
+    np.testing.assert_allclose(demand_w(fleet, 50.0, spec), 550.0)
+    # Judged against the committed caps alone (as before), the raised four read as no
+    # longer held back, and their demand falls to the least cap of their draw: cut back.
+    before = replace(fleet, sampled_cap_w=None)
+    assert not held_back(before, spec)[:4].any()
+    assert np.all(demand_w(before, 50.0, spec)[:4] < 550.0 - 20.0)
+    # A GPU that reported no cap (NaN) is judged by its committed cap.
+    unknown = replace(fleet, sampled_cap_w=np.full(8, np.nan))
+    np.testing.assert_allclose(pressing_cap_w(unknown), committed)
 
 
 def test_spare_power_reaches_held_back_gpus_first_with_held_spare() -> None:

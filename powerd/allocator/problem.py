@@ -72,6 +72,10 @@ class GpuArrays:
     # What each GPU has drawn recently at most, its swing included (controller/demand.py);
     # None: the last sample (`power_w`) alone.
     recent_w: FloatArray | None = None
+    # The cap in force when `power_w` was sampled, as the GPU's agent reported it (NaN: not
+    # reported); None: `cap_w`. A tick that comes before the next sample (on acks,
+    # control.ack_ticks) must not read a GPU it has just raised as no longer held back.
+    sampled_cap_w: FloatArray | None = None
 
     @property
     def n(self) -> int:
@@ -533,11 +537,25 @@ def held_share(spec: DemandSpec | None) -> float:
     return spec.held_share
 
 
+def pressing_cap_w(fleet: GpuArrays) -> FloatArray:
+    """Per GPU the cap its draw is judged against: the lesser of the cap that may be in
+    force (`cap_w`) and the one in force when the draw was sampled (`sampled_cap_w`, where
+    reported). A raise made since the sample is not yet evidence that the GPU's demand fits
+    (its draw under the new cap is unknown); a cut made since is (the draw will press it)."""
+    sampled = fleet.sampled_cap_w
+    if sampled is None:
+        return fleet.cap_w
+    return np.asarray(
+        np.where(np.isfinite(sampled), np.minimum(sampled, fleet.cap_w), fleet.cap_w),
+        dtype=np.float64,
+    )
+
+
 def held_back(fleet: GpuArrays, spec: DemandSpec | None) -> BoolArray:
-    """Per GPU whether its cap holds it back: it draws at least `held_share(spec)` of it.
-    The one test the demand estimate, the spare power's anchors and the deadband's pressed
-    GPUs share."""
-    return np.asarray(fleet.power_w >= held_share(spec) * fleet.cap_w)
+    """Per GPU whether its cap holds it back: it draws at least `held_share(spec)` of it
+    (`pressing_cap_w`). The one test the demand estimate, the spare power's anchors and the
+    deadband's pressed GPUs share."""
+    return np.asarray(fleet.power_w >= held_share(spec) * pressing_cap_w(fleet))
 
 
 def demand_w(fleet: GpuArrays, headroom_w: float, spec: DemandSpec | None = None) -> FloatArray:
@@ -554,12 +572,14 @@ def demand_w(fleet: GpuArrays, headroom_w: float, spec: DemandSpec | None = None
     """
     recent = fleet.recent_w
     if recent is None or spec is None:
-        limited = fleet.power_w >= CAP_LIMITED_SHARE * fleet.cap_w
+        limited = fleet.power_w >= CAP_LIMITED_SHARE * pressing_cap_w(fleet)
         return np.where(limited, fleet.max_cap_w, fleet.power_w + headroom_w)
     limited = held_back(fleet, spec)
     held = fleet.max_cap_w
     if spec.held == "probe":
-        held = np.minimum(fleet.max_cap_w, np.maximum(recent, fleet.cap_w) + headroom_w)
+        # One step above the cap it pressed on, per sample: a tick before the next sample
+        # (on acks) does not climb again on the same evidence.
+        held = np.minimum(fleet.max_cap_w, np.maximum(recent, pressing_cap_w(fleet)) + headroom_w)
     free = fleet.power_w + headroom_w
     if spec.margin == "least":
         free = np.minimum(free, fleet.power_w / CAP_LIMITED_SHARE + LEAST_MARGIN_W)

@@ -133,6 +133,7 @@ class TargetStage:
             job_index=job_idx,
             job_names=job_names,
             recent_w=recent,
+            sampled_cap_w=arrays.cap_w,
         )
         targets, status, objective, solve_ms, unused_w = self.allocate(
             tick, fleet, limit_w, shape, alarm
