@@ -436,3 +436,45 @@ def test_storage_settings_reach_the_store_writer(monkeypatch: pytest.MonkeyPatch
     assert (s.cap_epsilon_w, s.cap_interval_s) == (2.0, 0.0)
     with pytest.raises(SettingsError, match="keep_minutes_days"):
         ControllerSettings.load(keep_minutes_days=0)
+
+
+@pytest.mark.parametrize("ack_ticks", [2, 0])
+async def test_raises_held_for_their_cuts_go_on_the_acks_not_a_tick_later(
+    stepped_clock: SteppedClock, ack_ticks: int
+) -> None:
+    # Draining rack-1-n1 frees power in rack-1 that rack-1-n2's GPUs take up: the tick that
+    # cuts n1 must hold n2's raises until n1's agent has acknowledged (decreases before
+    # increases). With control.ack_ticks the controller ticks again as soon as it has, at
+    # the same instant here (acks travel at once in memory); with 0 the raises wait for the
+    # next regular tick. Every budget holds at every quarter tick.
+    raw = site_policy()
+    raw["control"]["ack_ticks"] = ack_ticks
+    site = Site(parse_policy(raw, "site.yaml"), stepped_clock, None)
+    await site.settle()
+    try:
+        ctl = site.start_controller()
+        await site.step(8 * TICK)
+        first = len(site.reports)
+        ctl.drain("rack-1-n1", actor="op", reason="maintenance")
+        await site.step(3 * TICK)
+        assert site.breaches == []
+        new = site.reports[first:]
+        nodes = np.array(new[0].nodes)
+        n1, n2 = nodes == "rack-1-n1", nodes == "rack-1-n2"
+        cut = next(k for k, r in enumerate(new) if float(r.sent_w[n1].sum()) < 1000.0)
+        before = float(new[cut].committed_w[n2].sum())
+        raised = next(
+            k for k, r in enumerate(new) if float(r.committed_w[n2].sum()) > before + 100.0
+        )
+        # The tick that raised n2: at the cut's own instant on acks, a tick later without.
+        assert raised > cut
+        late = new[raised].ts - new[cut].ts
+        if ack_ticks:
+            assert late == 0.0 and ctl.counters.ack_ticks >= 1
+        else:
+            assert late == pytest.approx(TICK) and ctl.counters.ack_ticks == 0
+        # Extra ticks are bounded: at most ack_ticks between two regular ones.
+        per_instant = np.unique([r.ts for r in site.reports], return_counts=True)[1]
+        assert per_instant.max() <= 1 + ack_ticks
+    finally:
+        await site.close()

@@ -17,6 +17,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import numpy as np
 import structlog
@@ -80,6 +81,7 @@ class Counters:
     withheld: int = 0  # commands planned but not sent: the lease ran out first
     shadowed: int = 0  # commands a shadow controller would have sent
     ticks: int = 0
+    ack_ticks: int = 0  # of them, extra ticks run on the acks of a tick that held raises
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,10 @@ class Controller(AdminWrites):
         self.topics = options.topics
         self.policy_path = options.policy_path
         self.counters = Counters()
+        # Raises on acks (control.ack_ticks): the nodes the last tick commanded while it held
+        # raises back, not yet heard acknowledging; the event is set when the last one has.
+        self._ack_wait: set[str] = set()
+        self._acks_in: asyncio.Event | None = None
         self.history: deque[TickSummary] = deque(maxlen=options.history)
         self.last_tick: TickReport | None = None
         self.on_tick: list[Callable[[TickReport], None]] = []  # metrics, live view, watchdog
@@ -309,6 +315,8 @@ class Controller(AdminWrites):
             )
         elif kind == "ack":
             known = self.engine.on_ack(node, decode(message.payload, CapAck, topic_node=node))
+            if known:
+                self._ack_heard(node)
         elif kind == "status":
             known = self.engine.on_status(
                 node, decode(message.payload, NodeStatus, topic_node=node)
@@ -454,6 +462,7 @@ class Controller(AdminWrites):
         )
 
     async def publish_plan(self, plan: SafePlan) -> None:
+        self._await_acks(plan)
         if self.engine.shadow:
             # Stored and shown as what would have been sent (the tick's record); never sent.
             self.counters.shadowed += len(plan.commands)
@@ -483,6 +492,27 @@ class Controller(AdminWrites):
                 log.warning("caps_publish_failed", tick=plan.tick, commands=failed)
         self.counters.caps_sent += len(batch) - failed
         self.counters.publish_failed += failed
+        if failed:
+            self._ack_wait = set()  # an ack that may never come: the next tick as usual
+
+    def _await_acks(self, plan: SafePlan) -> None:
+        """A tick that held raises back for want of room waits on the acks of what it sends
+        (its cuts free that room): once every node it commanded has acknowledged, the loop
+        ticks again at once (`control.ack_ticks`), not a whole tick later. Armed before the
+        commands leave, so that no ack can come before it."""
+        if self._acks_in is not None:
+            self._acks_in.clear()
+        self._ack_wait = set()
+        if self.engine.shadow or not self.leading():
+            return
+        if plan.sent_nodes and plan.withheld.any():
+            self._ack_wait = set(plan.sent_nodes)
+
+    def _ack_heard(self, node: str) -> None:
+        if node in self._ack_wait:
+            self._ack_wait.discard(node)
+            if not self._ack_wait and self._acks_in is not None:
+                self._acks_in.set()
 
     def _record(self, report: TickReport, plan: SafePlan) -> None:
         self.last_tick = report
@@ -752,6 +782,8 @@ class Controller(AdminWrites):
         next_at = self.clock.monotonic()
         frozen: tuple[int, int, int] | None = None
         announced: bool | None = None
+        early, extra = False, 0  # a tick on acks (control.ack_ticks), and how many this period
+        self._acks_in = asyncio.Event()
         while not stop.is_set():
             lead = self.leadership
             if lead is not None:
@@ -781,14 +813,32 @@ class Controller(AdminWrites):
             if shape is not None and shape.version != frozen:
                 frozen = shape.version
                 _freeze_heap()
-            tick_s = self.policy.control.tick_s
-            next_at += tick_s
-            now = self.clock.monotonic()
-            if now > next_at:  # overran: skip the missed ticks rather than bunching them
+            next_at, early, extra = await self._until_next(next_at, early, extra, leading)
+
+    async def _until_next(
+        self, next_at: float, early: bool, extra: int, leading: bool
+    ) -> tuple[float, bool, int]:
+        """Wait for the next tick: the next regular one (`next_at` moves on by a tick after
+        a regular one), one at once on a change of leadership, or an extra one on acks
+        (`control.ack_ticks` of them at most between two regular ticks). Returns the next
+        regular tick's time, whether the next tick is an extra one, and how many extra ones
+        this period has had."""
+        if not early:
+            next_at += self.policy.control.tick_s
+            extra = 0
+        now = self.clock.monotonic()
+        if now > next_at:  # overran: skip the missed ticks rather than bunching them
+            if not early:
                 log.warning("tick_overrun", late_s=round(now - next_at, 3))
-                next_at = now
-            if await self._sleep_or_change(next_at - now):
-                next_at = self.clock.monotonic()  # took over (or stepped down): at once
+            next_at = now
+        acks = leading and extra < self.policy.control.ack_ticks
+        woke = await self._sleep_or_change(next_at - now, acks=acks)
+        if woke == "acks":
+            self.counters.ack_ticks += 1
+            return next_at, True, extra + 1
+        if woke == "leadership":
+            next_at = self.clock.monotonic()  # took over (or stepped down): at once
+        return next_at, False, extra
 
     def _rest_meters(self) -> None:
         """A controller that does not lead reads no meter (the leader does; a PDU serves
@@ -813,19 +863,36 @@ class Controller(AdminWrites):
             except Exception:
                 log.exception("round_hook_failed")
 
-    async def _sleep_or_change(self, delay: float) -> bool:
-        """Sleep `delay`; True if the leadership changed meanwhile (the sleep ends then)."""
+    async def _sleep_or_change(self, delay: float, *, acks: bool = False) -> str:
+        """Sleep `delay`: "time" when it has passed, "leadership" if the leadership changed
+        meanwhile, "acks" (with `acks`) once every node the last tick commanded while it
+        held raises back has acknowledged (the sleep ends then)."""
         lead = self.leadership
-        if lead is None:
+        waiting = acks and self._acks_in is not None and bool(self._ack_wait)
+        ready = acks and self._acks_in is not None and self._acks_in.is_set()
+        if ready:
+            assert self._acks_in is not None
+            self._acks_in.clear()
+            return "acks"
+        if lead is None and not waiting:
             await self.clock.sleep(delay)
-            return False
-        sleeping = asyncio.ensure_future(self.clock.sleep(delay))
-        changed = asyncio.ensure_future(lead.changed.wait())
+            return "time"
+        tasks: list[asyncio.Task[Any]] = [asyncio.ensure_future(self.clock.sleep(delay))]
+        if lead is not None:
+            tasks.append(asyncio.ensure_future(lead.changed.wait()))
+        if waiting:
+            assert self._acks_in is not None
+            tasks.append(asyncio.ensure_future(self._acks_in.wait()))
         try:
-            await asyncio.wait((sleeping, changed), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            await cancel_and_wait([sleeping, changed])
-        return lead.changed.is_set()
+            await cancel_and_wait(tasks)
+        if lead is not None and lead.changed.is_set():
+            return "leadership"
+        if waiting and self._acks_in is not None and self._acks_in.is_set():
+            self._acks_in.clear()
+            return "acks"
+        return "time"
 
 
 def _freeze_heap() -> None:

@@ -54,8 +54,11 @@ MAX_ROUNDS = 6
 
 def rounds_per_steer(policy: Policy, tick_s: float) -> int:
     """How many times the engine may tick in one steer: as often as the controller ticks
-    (`control.tick_s`) within a simulated tick, at least once, at most MAX_ROUNDS."""
-    return max(1, min(MAX_ROUNDS, math.floor(tick_s / policy.control.tick_s + 1e-9)))
+    (`control.tick_s`) within a simulated tick, or its first tick and the extra ones it
+    makes on the acks of a tick that held raises back (`control.ack_ticks`: within a
+    controller tick, acks being instant here), whichever is more; at most MAX_ROUNDS."""
+    regular = math.floor(tick_s / policy.control.tick_s + 1e-9)
+    return max(1, min(MAX_ROUNDS, max(regular, 1 + policy.control.ack_ticks)))
 
 
 # Measured draw above a budget by more than this counts as an excess (float noise below).
