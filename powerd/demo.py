@@ -285,14 +285,14 @@ def print_summary(s: dict[str, Any], out: TextIO) -> None:
         # The gain as operators judge it: work under the same feed, not GPUs alone.
         gain = s["mean_throughput"] / max(s["static_throughput"], 1e-9) - 1.0
         energy = s["mean_draw_w"] / max(s["static_mean_draw_w"], 1e-9) - 1.0
-        per_j = (1.0 + gain) / (1.0 + energy) - 1.0
+        per_j = (1.0 + gain) / (1.0 + energy) - 1.0  # facility draw: GPUs plus overhead
         print(
             f"  provisioned at full TDP, this feed would power {static} GPUs, delivering "
             f"{s['static_throughput']:.1f} GPU-equivalents of this mix at "
             f"{s['static_mean_draw_w'] / 1000:.1f} kW; powerd steered {s['gpus']} within every "
             f"budget, delivering {s['mean_throughput']:.1f} at {s['mean_draw_w'] / 1000:.1f} kW "
             f"({gain:+.0%} throughput and {energy:+.0%} energy under the same feed, "
-            f"{per_j:+.0%} work per joule)",
+            f"{per_j:+.0%} work per facility joule)",
             file=out,
         )
     _print_startup(s, out)

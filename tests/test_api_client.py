@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
+import inspect
 import io
 import json
 import re
 import tomllib
+from typing import Any
 
 import pytest
 from support.live_api import LiveApi, run, wait_until
 
 from powerd.auth import Principal, Role, TokenStore
+from powerd.cli import main as powerd_main
 from powerd.cli.admin import parse_duration, print_gpus
 from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 
@@ -149,3 +154,53 @@ def test_durations() -> None:
     ]
     with pytest.raises(argparse.ArgumentTypeError):
         parse_duration("soon")
+
+
+def test_commands_print_to_the_stdout_of_when_they_run(
+    live: LiveApi, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: `out: TextIO = sys.stdout` bound the stdout of import time, so capsys (or a
+    # redirect made later) never saw a command's output: it went to the old stream.
+    viewer = ["--url", live.url, "--token", live.tokens["viewer"]]
+
+    def printed(text: str) -> list[Any]:  # the command's JSON, not the live API's log lines
+        return [json.loads(line) for line in text.splitlines() if line.startswith(("{", "["))]
+
+    assert powerd_main(["status", "--json", *viewer]) == EXIT_OK
+    (doc,) = printed(capsys.readouterr().out)
+    assert set(doc) == {"fleet", "groups", "overrides", "alarms"}
+    swapped = io.StringIO()
+    with contextlib.redirect_stdout(swapped):
+        assert powerd_main(["gpus", "--json", *viewer]) == EXIT_OK
+    (gpus,) = printed(swapped.getvalue())
+    assert isinstance(gpus, list)
+    assert printed(capsys.readouterr().out) == []
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "powerd.cli",
+        "powerd.cli.admin",
+        "powerd.cli.daemons",
+        "powerd.cli.db",
+        "powerd.cli.extras",
+        "powerd.cli.pilot",
+        "powerd.cli.policy",
+        "powerd.cli.profile",
+        "powerd.cli.sim",
+        "powerd.demo",
+        "powerd.profilefit",
+    ],
+)
+def test_no_function_holds_a_stream_as_its_default(module: str) -> None:
+    """A stream as a default is the one of import time: the class of fault above."""
+    mod = importlib.import_module(module)
+    bound = [
+        f"{name}({param.name}=...)"
+        for name, fn in vars(mod).items()
+        if inspect.isfunction(fn) and fn.__module__ == module
+        for param in inspect.signature(fn).parameters.values()
+        if isinstance(param.default, io.IOBase)
+    ]
+    assert bound == []

@@ -21,7 +21,7 @@ from support.live_api import run, wait_until
 from powerd.allocator.kernel import WarmUp
 from powerd.cli.exits import EXIT_OK
 from powerd.cli.policy import warm_text
-from powerd.demo import default_policy, run_demo
+from powerd.demo import default_policy, print_summary, run_demo
 
 NODE = "row-1-rack-1-node-01"
 
@@ -138,6 +138,27 @@ def start_up_labelled_and_counted_apart(s: dict[str, Any], text: str) -> None:
     # The solver was made ready before the first tick and said how, apart from solve times.
     assert s["solver_ready_s"] is not None and s["solver_kernels_compiled"] is not None
     assert "before the first tick, not in the solve times" in summary
+    per_facility_joule_beside_facility_energy(s)
+
+
+def per_facility_joule_beside_facility_energy(s: dict[str, Any]) -> None:
+    """The headline's gain per joule is on the energy printed beside it: the facility's
+    draw (GPUs plus overhead), as `static_mean_draw_w` counts it. This run's feed holds all
+    its GPUs at TDP (no headline), so the summary is shown as for a feed that holds half."""
+    work, energy = 1.35, 1.26
+    half = {
+        **s,
+        "gpus_static_provisioning": s["gpus"] // 2,
+        "static_throughput": s["mean_throughput"] / work,
+        "static_mean_draw_w": s["mean_draw_w"] / energy,
+    }
+    out = io.StringIO()
+    print_summary(half, out)
+    line = next(x for x in out.getvalue().splitlines() if "provisioned at full TDP" in x)
+    assert line.endswith(
+        f"({work - 1:+.0%} throughput and {energy - 1:+.0%} energy under the same feed, "
+        f"{work / energy - 1:+.0%} work per facility joule)"
+    )
 
 
 @pytest.mark.process

@@ -15,7 +15,7 @@ from support.sim import scenario_dict, small_policy
 
 from powerd.cli import main as powerd_main
 from powerd.policy import Policy, parse_policy
-from powerd.sim.report import Report, text, to_json, write_outputs
+from powerd.sim.report import Report, headline_lines, text, to_json, write_outputs
 from powerd.sim.run import STATIC, simulate
 from powerd.sim.scenario import (
     Scenario,
@@ -332,3 +332,32 @@ def test_the_headline_judges_steering_against_the_gpus_the_feed_holds_at_tdp(
     out = text(report)
     assert f"provisioned at TDP (static), {base.n_gpus:,} GPUs" in out
     assert f"{runs['fast'].work_gpu_s / base.work_gpu_s - 1:+.0%} work" in out
+
+
+def test_work_per_joule_is_on_the_energy_printed_beside_it(
+    scenario: Scenario, site: Site, runs: dict[str, Any]
+) -> None:
+    # Before: the headline gave facility energy and, beside it, "work per joule" of GPU
+    # energy, so the gains did not add up (+44% work for +40% energy read "+10% per joule").
+    base = static_provisioning(scenario, site, Runner())
+    assert base is not None
+    fast = runs["fast"]
+    work = fast.work_gpu_s / base.work_gpu_s
+    facility = fast.facility_energy_j / base.facility_energy_j
+    gpu = fast.gpu_energy_j / base.gpu_energy_j
+    assert abs(facility - gpu) > 0.005  # node overhead: the two energies differ here
+    doc = to_json(Report(scenario=scenario, site=site, compare=runs, provisioned=base))
+    gain = doc["compare"]["fast"]["vs_provisioned"]
+    assert gain["work_per_facility_joule"] == pytest.approx(work / facility)
+    assert gain["work_per_joule"] == pytest.approx(work / gpu)  # its meaning kept: GPU energy
+    summary = doc["compare"]["fast"]
+    assert summary["work_per_facility_joule"] == pytest.approx(
+        fast.work_gpu_s / fast.facility_energy_j
+    )
+    assert summary["work_per_joule"] == pytest.approx(fast.work_gpu_s / fast.gpu_energy_j)
+    line = next(
+        x for x in headline_lines(runs, base) if x.startswith(f"  fast on {fast.n_gpus:,} GPUs")
+    )
+    assert work < 3 and line.endswith(
+        f"({facility - 1:+.0%} energy, {work / facility - 1:+.0%} work per facility joule)"
+    )

@@ -78,8 +78,10 @@ def test_stepping_the_thermal_image_trips_when_the_curve_says() -> None:
 def test_rating_relative_to_the_budget() -> None:
     b = Breaker(rating=1.25)  # NEC: a continuous load at 80 % of the breaker's rating
     assert b.safe_below() == pytest.approx(1.25 * PICKUP)
-    with pytest.raises(ValueError, match="positive"):
-        Breaker(rating=0)
+    # The model refuses what the command line does: one rule, whatever the caller.
+    for below in (0.0, 0.5, math.nan, math.inf):
+        with pytest.raises(ValueError, match="must be at least 1"):
+            Breaker(rating=below)
 
 
 # -- oracle --------------------------------------------------------------------------------

@@ -45,6 +45,30 @@ def test_a_threshold_below_one_is_taken() -> None:
     assert args.threshold == 0.05
 
 
+@pytest.mark.parametrize("value", ["0.5", "0.999", "0", "-1", "nan", "inf", "-inf"])
+def test_a_breaker_rated_below_its_budget_is_refused(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 0.5 was taken: a breaker tripping at half the budget powerd keeps, so every
+    # comparison with uncapped judged a site against a breaker that is not there.
+    err = parse_error(["sim", "s.yaml", f"--breaker-rating={value}"], capsys)
+    assert err.endswith(
+        f"argument --breaker-rating: must be a number of at least 1 "
+        f"(a breaker rated below its budget trips under it), not {value}"
+    )
+
+
+def test_a_breaker_rating_that_is_no_number_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    err = parse_error(["sim", "s.yaml", "--breaker-rating", "80%"], capsys)
+    assert err.endswith("argument --breaker-rating: '80%' is not a number")
+
+
+@pytest.mark.parametrize("value", ["1", "1.25", "100"])
+def test_a_breaker_at_or_above_its_budget_is_taken(value: str) -> None:
+    args = build_parser().parse_args(["sim", "s.yaml", "--breaker-rating", value])
+    assert args.breaker_rating == float(value)
+
+
 def write_scenario(tmp_path: Path, **changes: Any) -> Path:
     """The small scenario (support.sim) on the small policy (8 nodes of 4 GPUs), as files."""
     policy = tmp_path / "policy.yaml"

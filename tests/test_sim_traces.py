@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import structlog.testing
 from support.sim import small_policy
 
 from powerd.backends.mock import SimulatedGpus
@@ -84,6 +85,24 @@ def test_powerd_keeps_every_budget_on_replayed_demand(tmp_path: Path) -> None:
     assert fast.max_excess_ratio <= 1.0 + 1e-9
     assert static.over_budget_s > 0  # the recorded demand is more than the feed
     assert 0 < fast.work_gpu_s < static.work_gpu_s
+
+
+def test_a_study_reads_a_growing_trace_once(tmp_path: Path) -> None:
+    # Every run of a study builds its mix; each used to read the files again, so a
+    # recording still being written replayed different samples per run (and a cut last
+    # line warned once per run).
+    sc = parse_scenario(scenario(tmp_path), "s.yaml", base_dir=tmp_path)
+    serve = tmp_path / "traces" / "serve.csv"
+    serve.write_text(serve.read_text()[:-5])  # cut mid-line, as while recording
+    site = build_site(parse_policy(small_policy()))
+    with structlog.testing.capture_logs() as logs:
+        first = build_mix(sc, site)
+        with serve.open("a") as f:  # the recording goes on
+            f.write("1 W\n" + "garbage\n")
+        again = build_mix(sc, site)
+    assert [e["event"] for e in logs] == ["trace_last_line_dropped"]
+    pairs = zip(first.workloads, again.workloads, strict=True)
+    assert all(a.trace is b.trace and a.trace is not None for a, b in pairs)
 
 
 def test_bad_trace_references_are_clear(tmp_path: Path) -> None:

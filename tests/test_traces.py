@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import structlog.testing
 
 from powerd.sim.traces import TraceError, load_traces, read_nvidia_smi_csv
 
@@ -149,3 +150,57 @@ def test_globs_relative_to_the_scenario(tmp_path: Path) -> None:
         load_traces(["traces/rack-*.csv"], tmp_path)
     with pytest.raises(TraceError, match="no such trace file"):
         load_traces(["traces/missing.csv"], tmp_path)
+
+
+def draw_last(n: int = 10) -> list[str]:
+    """One GPU, power.draw the last column: a cut line can end inside the number."""
+    return ["timestamp, power.draw [W]"] + [f"{stamp(k)}, 312.40 W" for k in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("lines", "cut_to"),
+    [
+        (draw_last(), f"{stamp(9)}, 31"),  # parses: 31 W would be replayed as drawn
+        (draw_last(), f"{stamp(9)}, 312.40 W"),  # whole, only its newline missing
+        (draw_last(), f"{stamp(9)[:7]}"),  # no longer a time
+        (two_gpus(), f"{stamp(9)}, 1, {UUID_B}, 491.00"),  # fields missing
+        (two_gpus(), f"{stamp(9)}, 1, {UUID_B}, 491.00 W, 65"),  # a cut limit
+    ],
+    ids=["number-still-parses", "whole-line", "cut-time", "fields-missing", "cut-limit"],
+)
+def test_a_last_line_cut_mid_write_is_left_out_with_a_warning(
+    tmp_path: Path, lines: list[str], cut_to: str
+) -> None:
+    # Before: a cut number that still parsed was replayed (31 W for 312.4 W, a 65 W
+    # limit), and one that did not refused the whole file, still being recorded.
+    path = tmp_path / "live.csv"
+    path.write_text("\n".join([*lines[:-1], cut_to]))  # no newline: cut mid-write
+    with structlog.testing.capture_logs() as logs:
+        traces = read_nvidia_smi_csv(path)
+    whole = read_nvidia_smi_csv(write(tmp_path, lines[:-1], "whole.csv"))
+    assert [t.gpu for t in traces] == [t.gpu for t in whole]
+    for got, want in zip(traces, whole, strict=True):
+        assert got.draw_w.tolist() == want.draw_w.tolist()
+        assert got.t_s.tolist() == want.t_s.tolist()
+    (event,) = [e for e in logs if e["event"] == "trace_last_line_dropped"]
+    assert event["log_level"] == "warning"
+    assert event["file"] == str(path) and event["line"] == len(lines)
+    assert event["text"] == cut_to and "no newline" in event["why"]
+
+
+def test_a_bad_line_with_its_newline_is_still_refused_by_file_and_line(tmp_path: Path) -> None:
+    lines = draw_last()
+    cut_middle = [*lines[:4], f"{stamp(4)}, 31x", *lines[5:]]
+    for name, bad, line in [("middle.csv", cut_middle, 5), ("last.csv", [*lines, "2026/1"], 12)]:
+        path = write(tmp_path, bad, name)
+        with structlog.testing.capture_logs() as logs, pytest.raises(TraceError) as err:
+            read_nvidia_smi_csv(path)
+        assert str(path) in str(err.value) and err.value.line == line
+        assert not logs
+
+
+def test_a_lone_header_without_newline_is_not_dropped(tmp_path: Path) -> None:
+    path = tmp_path / "head.csv"
+    path.write_text("timestamp, power.draw [W]")
+    with pytest.raises(TraceError, match="has a header but no samples"):
+        read_nvidia_smi_csv(path)

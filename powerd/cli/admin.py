@@ -276,7 +276,9 @@ def _run(args: argparse.Namespace, action: Callable[[Client], Any], out: TextIO)
     return EXIT_OK
 
 
-def cmd_status(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def cmd_status(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = sys.stdout if out is None else out
+
     def show(c: Client) -> None:
         fleet, overrides, alarms = c.fleet(), c.overrides(), c.alarms()
         deepest = LEVELS.index(args.level)
@@ -321,7 +323,9 @@ def print_gpus(gpus: list[dict[str, Any]], out: TextIO) -> None:
     )
 
 
-def cmd_gpus(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def cmd_gpus(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = sys.stdout if out is None else out
+
     def show(c: Client) -> None:
         gpus = c.gpus(
             node=args.node,
@@ -345,7 +349,9 @@ def _filtered(args: argparse.Namespace) -> bool:
     return any(v is not None for v in (args.node, args.rack, args.row, args.cls, args.job))
 
 
-def cmd_why(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def cmd_why(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = sys.stdout if out is None else out
+
     def show(c: Client) -> None:
         doc = c.why(args.uuid, args.at)
         if args.json:
@@ -356,7 +362,8 @@ def cmd_why(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     return _run(args, show, out)
 
 
-def cmd_budget_set(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def cmd_budget_set(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = sys.stdout if out is None else out
     until = args.until if args.until is not None else args.end
     if args.start is not None:
         # A window: ramped in by its start and out from its end (a schedule).
@@ -383,7 +390,9 @@ def _utc(t: float | None) -> str:
     return datetime.fromtimestamp(t, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def cmd_budget_schedules(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def cmd_budget_schedules(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = sys.stdout if out is None else out
+
     def show(c: Client) -> None:
         items = c.schedules()
         if args.json:
@@ -414,23 +423,28 @@ def cmd_budget_schedules(args: argparse.Namespace, out: TextIO = sys.stdout) -> 
     return _run(args, show, out)
 
 
-def cmd_budget_cancel(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def cmd_budget_cancel(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = sys.stdout if out is None else out
     return _run(args, lambda c: c.cancel_schedule(args.id, args.reason), out)
 
 
-def cmd_budget_clear(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def cmd_budget_clear(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = sys.stdout if out is None else out
     return _run(args, lambda c: c.clear_budget(args.group, args.reason), out)
 
 
-def cmd_pin(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def cmd_pin(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = sys.stdout if out is None else out
     return _run(args, lambda c: c.pin(args.uuid, args.watts, args.reason), out)
 
 
-def cmd_unpin(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def cmd_unpin(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = sys.stdout if out is None else out
     return _run(args, lambda c: c.unpin(args.uuid, args.reason), out)
 
 
-def cmd_handover(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def cmd_handover(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = sys.stdout if out is None else out
     if args.cancel:
         return _run(args, lambda c: c.cancel_handover(args.reason), out)
     if not args.domain:
@@ -440,15 +454,18 @@ def cmd_handover(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     return _run(args, lambda c: c.hand_over(to, args.reason), out)
 
 
-def cmd_drain(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def cmd_drain(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = sys.stdout if out is None else out
     return _run(args, lambda c: c.drain(args.node, args.reason), out)
 
 
-def cmd_undrain(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def cmd_undrain(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = sys.stdout if out is None else out
     return _run(args, lambda c: c.undrain(args.node, args.reason), out)
 
 
-def cmd_class_assign(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def cmd_class_assign(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = sys.stdout if out is None else out
     return _run(
         args,
         lambda c: c.assign_class(args.cls, args.reason, uuids=args.gpu, nodes=args.node),
@@ -456,7 +473,8 @@ def cmd_class_assign(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     )
 
 
-def cmd_class_clear(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def cmd_class_clear(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = sys.stdout if out is None else out
     return _run(args, lambda c: c.clear_class(args.reason, uuids=args.gpu, nodes=args.node), out)
 
 
@@ -488,7 +506,8 @@ def load_profile_points(path: str) -> list[list[float]]:
     return [[float(p), float(t)] for p, t in data]
 
 
-def cmd_job_put(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def cmd_job_put(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = sys.stdout if out is None else out
     uuids, nodes = split_list(args.gpus or ""), split_list(args.nodes or "")
     if not uuids and not nodes:
         print("powerd job put: give --gpus or --nodes (or both)", file=sys.stderr)
@@ -521,7 +540,9 @@ def cmd_job_put(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     return _run(args, put, out)
 
 
-def cmd_job_list(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def cmd_job_list(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = sys.stdout if out is None else out
+
     def show(c: Client) -> None:
         jobs = c.jobs()
         if args.json:
@@ -552,11 +573,13 @@ def cmd_job_list(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     return _run(args, show, out)
 
 
-def cmd_job_delete(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def cmd_job_delete(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = sys.stdout if out is None else out
     return _run(args, lambda c: c.delete_job(args.name, args.reason or f"job {args.name}"), out)
 
 
-def cmd_token_new(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def cmd_token_new(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = sys.stdout if out is None else out
     token, entry = new_token_entry(args.name, args.role)
     print(
         f"# token for {args.name} ({args.role}); hand it out, it is not stored anywhere:", file=out

@@ -192,9 +192,10 @@ def print_allocation(
     table(["gpu", "node", "class", "job", "draw", "cap now", "cap"], rows, out)
 
 
-def cmd_warm(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def cmd_warm(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Compile the allocator's kernels into numba's cache (or load them from it) and say
     what it took; exit 1 where nothing could be cached (every start would compile)."""
+    out = sys.stdout if out is None else out
     from powerd.allocator import kernel
 
     def compiling(cache_dir: str | None) -> None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import structlog
 
-from powerd.argtypes import int_range, loss_share, positive_float
+from powerd.argtypes import BREAKER_RATING, int_range, loss_share, positive_float
 from powerd.cli.admin import parse_time
 from powerd.cli.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 from powerd.cli.extras import require
@@ -127,11 +127,11 @@ def add_parser(subparsers: Any) -> None:
     )
     sim.add_argument(
         "--breaker-rating",
-        type=positive_float,
+        type=BREAKER_RATING,
         default=1.0,
         metavar="SHARE",
-        help="every budgeted group's breaker rating as a share of its budget (default "
-        "%(default)s; 1.25 where the budget is NEC's 80 %% continuous load)",
+        help="every budgeted group's breaker rating as a share of its budget, at least 1 "
+        "(default %(default)s; 1.25 where the budget is NEC's 80 %% continuous load)",
     )
     sim.add_argument(
         "--restore-s",

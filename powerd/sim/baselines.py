@@ -91,8 +91,13 @@ class Breaker:
     restore_s: float = RESTORE_S
 
     def __post_init__(self) -> None:
-        if not (self.rating > 0 and self.pickup > 0 and self.tau_s > 0):
-            raise ValueError("breaker rating, pickup and tau_s must be positive")
+        if not (math.isfinite(self.rating) and self.rating >= 1.0):
+            raise ValueError(
+                f"breaker rating {self.rating:g} × the budget: must be at least 1 (a breaker "
+                "rated below its budget trips under it)"
+            )
+        if not (self.pickup > 0 and self.tau_s > 0):
+            raise ValueError("breaker pickup and tau_s must be positive")
         if self.instant <= self.pickup or self.restore_s < 0:
             raise ValueError("breaker instant must exceed its pickup, restore_s be >= 0")
 

@@ -119,6 +119,9 @@ def to_json(report: Report) -> dict[str, Any]:
                 "work_per_joule": r.work_per_joule / base.work_per_joule
                 if base.work_per_joule
                 else None,
+                "work_per_facility_joule": r.work_per_facility_joule / base.work_per_facility_joule
+                if base.work_per_facility_joule
+                else None,
             }
     if report.sweep:
         out["budget_sweep"] = [
@@ -294,7 +297,8 @@ def headline_lines(
             f"({_gain(r.work_gpu_s, base.work_gpu_s)} work, "
             f"{_gain(r.weighted_work_gpu_s, base.weighted_work_gpu_s)} weighted) for "
             f"{_energy(r.facility_energy_j)} ({energy} energy, "
-            f"{_gain(r.work_per_joule, base.work_per_joule)} work per joule)"
+            f"{_gain(r.work_per_facility_joule, base.work_per_facility_joule)} work per "
+            "facility joule)"
         )
     if not searched:  # a pointer to the search, not printed beside its answer
         lines.append("  (how many GPUs the feed runs within a loss threshold: --oversubscribe)")
@@ -406,7 +410,7 @@ def compare_lines(results: dict[str, RunResult]) -> list[str]:
     floored = sorted({c for r in results.values() for c in r.below_floor_share})
     head = ["policy", "throughput", "weighted", "vs unconstrained"]
     head += [f"{c} GPU-h" for c in classes]
-    head += ["energy MWh", "GPU-h/MWh", "over budget", "max draw/budget"]
+    head += ["facility MWh", "GPU-h/GPU-MWh", "over budget", "max draw/budget"]
     head += [f"{c}<floor" for c in floored]
     rows = []
     for p, r in results.items():
@@ -438,7 +442,8 @@ def compare_lines(results: dict[str, RunResult]) -> list[str]:
     lines.append(
         "throughput: mean GPU-equivalents at full speed; weighted: by class weight (what powerd "
         "maximises); vs unconstrained: against the same GPUs free to draw their TDP (static, "
-        "ignoring the budgets); GPU-h/MWh: per MWh of GPU energy; over budget: time any budget "
+        "ignoring the budgets); facility MWh: GPUs plus overhead; GPU-h/GPU-MWh: per MWh of GPU "
+        "energy alone; over budget: time any budget "
         "was exceeded by measured draw"
     )
     return lines

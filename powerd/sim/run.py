@@ -129,8 +129,15 @@ class RunResult:
 
     @property
     def work_per_joule(self) -> float:
-        """Full-speed GPU-seconds per joule of GPU energy."""
+        """Full-speed GPU-seconds per joule of GPU energy (the GPUs' efficiency)."""
         return self.work_gpu_s / self.gpu_energy_j if self.gpu_energy_j > 0 else math.nan
+
+    @property
+    def work_per_facility_joule(self) -> float:
+        """Full-speed GPU-seconds per joule of facility energy (GPUs plus overhead): what
+        the feed's energy buys, beside the facility energy a report shows."""
+        e = self.facility_energy_j
+        return self.work_gpu_s / e if e > 0 else math.nan
 
     def summary(self) -> dict[str, object]:
         """The run's figures as JSON-ready values (no timing: those are not deterministic)."""
@@ -146,7 +153,8 @@ class RunResult:
             "gpu_h_per_mwh": self.work_gpu_s / 3600.0 / (self.gpu_energy_j / 3.6e9)
             if self.gpu_energy_j > 0
             else None,
-            "work_per_joule": self.work_per_joule,
+            "work_per_joule": self.work_per_joule,  # per joule of GPU energy
+            "work_per_facility_joule": self.work_per_facility_joule,
             "over_budget_s": self.over_budget_s,
             "longest_over_budget_s": self.longest_over_s,
             "over_budget_s_by_level": self.over_budget_s_by_level,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -33,6 +34,7 @@ MAX_NODES = 100_000  # a site's nodes, the scenario's or a search's
 
 if TYPE_CHECKING:
     from powerd.sim.recorded import Recording
+    from powerd.sim.traces import GpuTrace
 
 
 class ScenarioError(InputError):
@@ -231,6 +233,18 @@ class Scenario:
     @property
     def ticks(self) -> int:
         return max(1, round(self.duration_s / self.spec.tick_s))
+
+    @cached_property
+    def traces(self) -> dict[int, list[GpuTrace]]:
+        """The recorded GPUs of each trace workload (by index), read once: every run of a
+        study replays the same samples (and warns once) even while a file still grows."""
+        from powerd.sim.traces import load_traces
+
+        return {
+            i: load_traces(w.traces, self.base_dir)
+            for i, w in enumerate(self.spec.workloads)
+            if w.kind == "trace"
+        }
 
 
 def _check_patterns(i: int, w: WorkloadSpec, tick_s: float) -> list[tuple[str, str]]:

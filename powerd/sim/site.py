@@ -20,7 +20,7 @@ from powerd.policy import GroupDef, Policy, subtree_totals
 from powerd.profile import Profile
 from powerd.sim.recorded import replay
 from powerd.sim.scenario import HOUR_S, Scenario, ScenarioError, WorkloadSpec
-from powerd.sim.traces import load_traces
+from powerd.sim.traces import GpuTrace
 from powerd.topology import Topology
 
 IntArray = NDArray[np.int64]
@@ -364,8 +364,8 @@ def _job_runs(spec: WorkloadSpec, job: int) -> tuple[tuple[float, float], ...]:
 
 def _trace_workloads(
     spec: WorkloadSpec,
+    traces: list[GpuTrace],
     *,
-    scenario: Scenario,
     policy: Policy,
     nodes: IntArray,
     gpus_of_node: IntArray,
@@ -374,7 +374,6 @@ def _trace_workloads(
     """One Workload per GPU of these nodes: GPU k replays recorded GPU k mod the number
     recorded, from an offset drawn once per node (`lockstep`: none), so a fleet of one
     recording is not in step unless the scenario asks."""
-    traces = load_traces(spec.traces, scenario.base_dir)
     profile = workload_profile(spec, policy)
     out: list[Workload] = []
     k = 0
@@ -427,7 +426,7 @@ def build_mix(scenario: Scenario, site: Site) -> Mix:
         if spec.kind == "trace":
             replays = _trace_workloads(
                 spec,
-                scenario=scenario,
+                scenario.traces[w],
                 policy=policy,
                 nodes=nodes,
                 gpus_of_node=gpus_of_node,

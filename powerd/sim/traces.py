@@ -13,6 +13,11 @@ is wrong (`TraceError`), never half-read: a missing column, a number that does n
 a reading of `[N/A]` where a number is needed, time running backwards for a GPU, sample
 intervals outside 100 ms – 60 s, a GPU whose samples stop before the file ends.
 
+The one exception is a last line without its newline: a file still being written (or
+copied while it was), cut mid-line. Whether or not it parses ("312.4 W" cut to "31"
+parses), its values cannot be trusted, so it is left out with a warning
+(`trace_last_line_dropped`, naming the file and line) and the rest is replayed.
+
 Timestamps only place a GPU's samples relative to each other: replay starts each GPU at its
 own first sample (docs/simulator.md, "Recorded traces").
 """
@@ -26,11 +31,13 @@ from functools import cached_property
 from pathlib import Path
 
 import numpy as np
+import structlog
 from numpy.typing import NDArray
 
 from powerd.input_errors import InputError
 
 FloatArray = NDArray[np.float64]
+log = structlog.get_logger(__name__)
 
 # Readings nvidia-smi writes instead of a number.
 NOT_A_READING = ("[N/A]", "[Not Supported]", "[Unknown Error]", "[GPU is lost]", "N/A")
@@ -156,12 +163,15 @@ def read_nvidia_smi_csv(path: str | Path) -> list[GpuTrace]:
     """Every GPU of one `nvidia-smi --format=csv[,nounits]` file (TraceError if unusable)."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise TraceError(path, f"cannot be read: {exc}") from None
+    lines = text.splitlines()
     numbered = [(k + 1, ln) for k, ln in enumerate(lines) if ln.strip()]
     if not numbered:
         raise TraceError(path, "is empty")
+    if len(numbered) > 1 and numbered[-1][0] == len(lines) and not text.endswith(("\n", "\r")):
+        _drop_cut_line(path, *numbered.pop())
     header_line, header = numbered[0]
     cols = _columns(header)
     if "timestamp" not in cols:
@@ -222,6 +232,19 @@ def read_nvidia_smi_csv(path: str | Path) -> list[GpuTrace]:
     if not samples:
         raise TraceError(path, "has a header but no samples")
     return _checked(path, samples, limit is not None)
+
+
+def _drop_cut_line(path: Path, line: int, text: str) -> None:
+    """nvidia-smi and `powerd agent --record` end every line with a newline: a last line
+    without one was cut while being written, and a cut number can still parse."""
+    log.warning(
+        "trace_last_line_dropped",
+        file=str(path),
+        line=line,
+        text=text[:120],
+        why="no newline at its end: the file was cut mid-line (still being written?); "
+        "left out, the samples before it are replayed",
+    )
 
 
 def _checked(
