@@ -478,3 +478,21 @@ async def test_raises_held_for_their_cuts_go_on_the_acks_not_a_tick_later(
         assert per_instant.max() <= 1 + ack_ticks
     finally:
         await site.close()
+
+
+async def test_only_the_awaited_ticks_acks_end_the_wait(site: Site) -> None:
+    # The wait on acks ends on an ack of the awaited tick (or a later one) from every node
+    # it commanded: a late ack of an older tick, or a node it did not command, does not.
+    ctl = site.start_controller()
+    await site.step(3 * TICK)
+    acks_in = ctl._acks_in
+    assert acks_in is not None
+    ctl._ack_wait, ctl._ack_tick = {"rack-1-n1", "rack-1-n2"}, 100
+    acks_in.clear()
+    ctl._ack_heard("rack-1-n1", 99)  # late: an older tick's
+    ctl._ack_heard("rack-2-n1", 100)  # not awaited
+    assert ctl._ack_wait == {"rack-1-n1", "rack-1-n2"} and not acks_in.is_set()
+    ctl._ack_heard("rack-1-n1", 100)
+    assert not acks_in.is_set()
+    ctl._ack_heard("rack-1-n2", 101)
+    assert acks_in.is_set() and not ctl._ack_wait

@@ -167,6 +167,7 @@ class Controller(AdminWrites):
         # Raises on acks (control.ack_ticks): the nodes the last tick commanded while it held
         # raises back, not yet heard acknowledging; the event is set when the last one has.
         self._ack_wait: set[str] = set()
+        self._ack_tick = 0  # the tick whose acks those are
         self._acks_in: asyncio.Event | None = None
         self.history: deque[TickSummary] = deque(maxlen=options.history)
         self.last_tick: TickReport | None = None
@@ -314,9 +315,10 @@ class Controller(AdminWrites):
                 decode(message.payload, NodeTelemetry, topic_node=node), now
             )
         elif kind == "ack":
-            known = self.engine.on_ack(node, decode(message.payload, CapAck, topic_node=node))
+            ack = decode(message.payload, CapAck, topic_node=node)
+            known = self.engine.on_ack(node, ack)
             if known:
-                self._ack_heard(node)
+                self._ack_heard(node, ack.tick)
         elif kind == "status":
             known = self.engine.on_status(
                 node, decode(message.payload, NodeStatus, topic_node=node)
@@ -506,10 +508,11 @@ class Controller(AdminWrites):
         if self.engine.shadow or not self.leading():
             return
         if plan.sent_nodes and plan.withheld.any():
-            self._ack_wait = set(plan.sent_nodes)
+            self._ack_wait, self._ack_tick = set(plan.sent_nodes), plan.tick
 
-    def _ack_heard(self, node: str) -> None:
-        if node in self._ack_wait:
+    def _ack_heard(self, node: str, tick: int) -> None:
+        """An ack of `tick` from `node`: an older tick's (late) does not answer the wait."""
+        if tick >= self._ack_tick and node in self._ack_wait:
             self._ack_wait.discard(node)
             if not self._ack_wait and self._acks_in is not None:
                 self._acks_in.set()
