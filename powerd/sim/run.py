@@ -7,8 +7,8 @@ Each tick (virtual time, nothing sleeps, no broker):
    ramps, overload ratings, jobs, learning, the allocator, the safety planner); its commands
    are applied and acknowledged at once. Cuts are admitted at once but raises only once the
    cuts paying for them are acknowledged, so while raises wait the engine ticks again at
-   the same instant, a few times at most (a real controller, ticking every second, does
-   this within the first seconds of a simulated tick);
+   the same instant, a few times at most (a real controller ticks again as soon as the
+   acks are in, `control.ack_ticks`, and ticks every second);
 3. the GPU model advances by the tick, and measured draw is checked against every budget.
 
 The engine runs the policy with its tick set to the simulation's (a controller that ticks
