@@ -496,3 +496,37 @@ async def test_only_the_awaited_ticks_acks_end_the_wait(site: Site) -> None:
     assert not acks_in.is_set()
     ctl._ack_heard("rack-1-n2", 101)
     assert acks_in.is_set() and not ctl._ack_wait
+
+
+async def test_a_regular_tick_due_serves_the_acks_no_extra_tick_before_it(
+    stepped_clock: SteppedClock,
+) -> None:
+    # An extra tick on acks when the regular one is due would be followed at once by the
+    # regular one: two ticks bunched where one serves. Acks in after a tick that overran, or
+    # at the very instant the regular tick comes due, make the regular tick (next_at moves
+    # on, the period's extra ticks start again); before it, an extra tick at once.
+    ctl = build_controller(
+        parse_policy(site_policy(), "site.yaml"),
+        MemoryBroker().client("controller"),
+        stepped_clock,
+        ControllerOptions(controller_id="controller"),
+    )
+    acks_in = ctl._acks_in = asyncio.Event()
+    now = stepped_clock.now
+
+    acks_in.set()  # in during a tick that overran by half a tick
+    assert await ctl._until_next(now - 1.5 * TICK, False, 1, True) == (now, False, 0)
+    assert ctl.counters.ack_ticks == 0
+
+    acks_in.set()  # in before the regular tick is due: an extra one at once
+    assert await ctl._until_next(now - 0.5 * TICK, False, 1, True) == (now + 0.5, True, 1)
+    assert ctl.counters.ack_ticks == 1 and not acks_in.is_set()
+
+    ctl._ack_wait, ctl._ack_tick = {"rack-1-n1"}, 7  # awaited as the regular tick comes due
+    waiting = asyncio.ensure_future(ctl._until_next(now + TICK, True, 1, True))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    stepped_clock.advance(TICK)
+    ctl._ack_heard("rack-1-n1", 7)
+    assert await waiting == (now + TICK, False, 1)
+    assert ctl.counters.ack_ticks == 1

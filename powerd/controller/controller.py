@@ -834,7 +834,8 @@ class Controller(AdminWrites):
             if not early:
                 log.warning("tick_overrun", late_s=round(now - next_at, 3))
             next_at = now
-        acks = leading and extra < self.policy.control.ack_ticks
+        # A regular tick that is due serves the acks as well: no extra tick just before it.
+        acks = leading and extra < self.policy.control.ack_ticks and next_at > now
         woke = await self._sleep_or_change(next_at - now, acks=acks)
         if woke == "acks":
             self.counters.ack_ticks += 1
@@ -880,7 +881,8 @@ class Controller(AdminWrites):
         if lead is None and not waiting:
             await self.clock.sleep(delay)
             return "time"
-        tasks: list[asyncio.Task[Any]] = [asyncio.ensure_future(self.clock.sleep(delay))]
+        slept = asyncio.ensure_future(self.clock.sleep(delay))
+        tasks: list[asyncio.Task[Any]] = [slept]
         if lead is not None:
             tasks.append(asyncio.ensure_future(lead.changed.wait()))
         if waiting:
@@ -888,11 +890,13 @@ class Controller(AdminWrites):
             tasks.append(asyncio.ensure_future(self._acks_in.wait()))
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            timed = slept.done()
         finally:
             await cancel_and_wait(tasks)
         if lead is not None and lead.changed.is_set():
             return "leadership"
-        if waiting and self._acks_in is not None and self._acks_in.is_set():
+        # Acks in as the sleep ends: the regular tick (it serves them, and moves on).
+        if waiting and not timed and self._acks_in is not None and self._acks_in.is_set():
             self._acks_in.clear()
             return "acks"
         return "time"
