@@ -28,8 +28,8 @@ from powerd.policy import Policy, PolicyError, parse_policy
 from powerd.settings import SettingsError
 from powerd.store import Retention, Store, StoreWriter, upgrade
 from powerd.testing.synthetic import TRAIN_AND_INFER
-from powerd.transport import MemoryBroker
-from powerd.wire import NodeState, Topics
+from powerd.transport import MemoryBroker, Message
+from powerd.wire import Authority, CapAck, NodeState, Topics, encode
 
 TICK = 1.0
 LEASE = 4.0
@@ -530,3 +530,34 @@ async def test_a_regular_tick_due_serves_the_acks_no_extra_tick_before_it(
     ctl._ack_heard("rack-1-n1", 7)
     assert await waiting == (now + TICK, False, 1)
     assert ctl.counters.ack_ticks == 1
+
+
+async def test_an_ack_of_another_epoch_or_authority_ends_no_wait(
+    stepped_clock: SteppedClock,
+) -> None:
+    # The wait on acks ends when every node commanded has acknowledged *our* commands. An
+    # older leader's ack (its ticks may run above ours), a newer one's, or one for another
+    # authority resolves none of them: the planner ignores it, so an extra tick on it would
+    # find the raises still held and spend the period's extra ticks for nothing.
+    ctl = build_controller(
+        parse_policy(site_policy(), "site.yaml"),
+        MemoryBroker().client("controller"),
+        stepped_clock,
+        ControllerOptions(controller_id="controller"),
+    )
+    ours = Authority(site="dc", store="s1", domain="dc")
+    ctl.engine.obedience.epoch, ctl.engine.obedience.authority = 5, ours
+    acks_in = ctl._acks_in = asyncio.Event()
+    ctl._ack_wait, ctl._ack_tick = {"rack-1-n1"}, 7
+
+    def ack(epoch: int, authority: Authority) -> None:
+        payload = CapAck(node_id="rack-1-n1", tick=9, epoch=epoch, authority=authority, gpus={})
+        ctl.handle(Message(ctl.topics.ack("rack-1-n1"), encode(payload)), stepped_clock.now)
+
+    ack(4, ours)  # an older leader's
+    ack(6, ours)  # a newer one's
+    ack(5, Authority(site="dc", store="s2", domain="dc"))  # another store's
+    assert ctl._ack_wait == {"rack-1-n1"} and not acks_in.is_set()
+    assert ctl.counters.dropped["unknown_node"] == 0
+    ack(5, ours)
+    assert not ctl._ack_wait and acks_in.is_set()

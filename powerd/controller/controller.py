@@ -33,7 +33,7 @@ from powerd.controller.opstate import ApiPolicy, OperatorState, StateFile
 from powerd.controller.overrides import Overrides
 from powerd.controller.report import TickReport, TickSummary
 from powerd.controller.scope import ScopeLink
-from powerd.controller.tick import TickEngine
+from powerd.controller.tick import AckHeard, TickEngine
 from powerd.numeric import finite_or_none
 from powerd.policy import Policy
 from powerd.safety import SafePlan, SafetyPlanner
@@ -316,8 +316,9 @@ class Controller(AdminWrites):
             )
         elif kind == "ack":
             ack = decode(message.payload, CapAck, topic_node=node)
-            known = self.engine.on_ack(node, ack)
-            if known:
+            heard = self.engine.on_ack(node, ack)
+            known = bool(heard)
+            if heard is AckHeard.OURS:  # another epoch's or authority's answers no wait
                 self._ack_heard(node, ack.tick)
         elif kind == "status":
             known = self.engine.on_status(

@@ -25,6 +25,7 @@ publish or apply the plan and record the report, and a test drives it without a 
 
 from __future__ import annotations
 
+import enum
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -73,6 +74,14 @@ WALL_STEP_S = 2.0
 
 FloatArray = NDArray[np.float64]
 BoolArray = NDArray[np.bool_]
+
+
+class AckHeard(enum.IntEnum):
+    """What an ack was to the engine: false only for a node not ours to steer."""
+
+    UNKNOWN = 0  # not a node of ours
+    NOT_OURS = 1  # another authority's or an older or newer epoch's: resolves none of ours
+    OURS = 2  # news of our commands: the planner has it
 
 
 @dataclass(frozen=True)
@@ -245,26 +254,26 @@ class TickEngine:
         tick = None if older else r.tick
         self.planner.on_telemetry(r.node_id, caps, received_at=now, as_of_tick=tick)
 
-    def on_ack(self, node: str, ack: CapAck) -> bool:
+    def on_ack(self, node: str, ack: CapAck) -> AckHeard:
         return self.on_acked(
             node, ack.tick, ack.epoch, ack.authority, AckedCaps.from_acks(ack.gpus)
         )
 
     def on_acked(
         self, node: str, tick: int, epoch: int, authority: Authority | None, gpus: AckedCaps
-    ) -> bool:
+    ) -> AckHeard:
         """One ack as columns (a wire message's, or the simulator's agents')."""
         if node not in self.fleet.node_order:
-            return False
+            return AckHeard.UNKNOWN
         ob = self.obedience
         if not ob.obeys_us(node, authority) or not ob.our_epoch(node, epoch):
-            return True
+            return AckHeard.NOT_OURS
         # Even an ack of a tick we did not send resolves our commands up to it: the agent
         # applies only newer ticks, so none of them can still land.
         ob.seen(node, tick, epoch)
         self.fleet.ack_heard(node)
         self.planner.on_ack(node, tick, gpus)
-        return True
+        return AckHeard.OURS
 
     def on_fleet_acked(
         self,
