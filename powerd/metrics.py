@@ -298,6 +298,7 @@ class _Families(Collector):
         self.dropped: Mapping[str, float] = {}
         self.caps_sent = 0.0
         self.acks = 0.0
+        self.ack_ticks = 0.0
         self.ticks: dict[str, float] = {}
         self.solver_status = ""
         self.statuses: set[str] = set()
@@ -403,6 +404,13 @@ class _Families(Collector):
             self.caps_held,
         )
         yield counter("powerd_ticks", "Controller ticks, by solver status.", "status", self.ticks)
+        yield scalar(
+            "powerd_ack_ticks",
+            "Of the ticks, the extra ones run on the acks of a tick that held raises back"
+            " (control.ack_ticks).",
+            "counter",
+            self.ack_ticks,
+        )
         yield family(
             "powerd_solver_status",
             "1 for the last tick's solver status, 0 for the others seen.",
@@ -613,12 +621,14 @@ class ControllerMetrics:
         dropped: Mapping[str, float],
         caps_sent: float,
         acks: float,
+        ack_ticks: float = 0.0,
     ) -> None:
         """The controller's own cumulative counts (never reset while it runs)."""
         self._f.received = dict(received)
         self._f.dropped = dict(dropped)
         self._f.caps_sent = caps_sent
         self._f.acks = acks
+        self._f.ack_ticks = ack_ticks
 
     def update_fleet(self, *, gpus: Mapping[str, float], nodes: Mapping[str, float]) -> None:
         """Counts by state, e.g. gpus={"fresh": 9990, "stale": 10}, nodes={"steered": ...}."""

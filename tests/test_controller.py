@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry
 from support.clock import SteppedClock
 
 from powerd.agent.agent import Agent
@@ -21,9 +22,11 @@ from powerd.agent.settings import AgentSettings
 from powerd.backends.mock import MockBackend, SimulatedGpus, Workload
 from powerd.controller.build import ControllerOptions, build_controller
 from powerd.controller.controller import Controller
+from powerd.controller.hooks import metrics_hook
 from powerd.controller.overrides import OverrideError
 from powerd.controller.report import TickReport
 from powerd.controller.settings import ControllerSettings
+from powerd.metrics import ControllerMetrics
 from powerd.policy import Policy, PolicyError, parse_policy
 from powerd.settings import SettingsError
 from powerd.store import Retention, Store, StoreWriter, upgrade
@@ -453,6 +456,8 @@ async def test_raises_held_for_their_cuts_go_on_the_acks_not_a_tick_later(
     await site.settle()
     try:
         ctl = site.start_controller()
+        registry = CollectorRegistry()
+        ctl.on_tick.append(metrics_hook(ctl, ControllerMetrics(registry)))
         await site.step(8 * TICK)
         first = len(site.reports)
         ctl.drain("rack-1-n1", actor="op", reason="maintenance")
@@ -476,6 +481,8 @@ async def test_raises_held_for_their_cuts_go_on_the_acks_not_a_tick_later(
         # Extra ticks are bounded: at most ack_ticks between two regular ones.
         per_instant = np.unique([r.ts for r in site.reports], return_counts=True)[1]
         assert per_instant.max() <= 1 + ack_ticks
+        # The operator sees them: powerd_ack_ticks_total, of powerd_ticks_total.
+        assert registry.get_sample_value("powerd_ack_ticks_total") == ctl.counters.ack_ticks
     finally:
         await site.close()
 

@@ -85,7 +85,15 @@ def exported() -> dict[str, set[str]]:
         throughput={"training": 1.0},
         unused_w=100.0,
     )
-    call(c, "update_counters", received={"telemetry": 1}, dropped={"bad": 1}, caps_sent=2, acks=2)
+    call(
+        c,
+        "update_counters",
+        received={"telemetry": 1},
+        dropped={"bad": 1},
+        caps_sent=2,
+        acks=2,
+        ack_ticks=1,
+    )
     call(c, "update_fleet", gpus={"fresh": 2}, nodes={"steered": 1})
     call(c, "alarm_raised", kind="x")
     call(c, "set_active_alarms", active={"x": 1})

@@ -136,7 +136,11 @@ def test_groups_tick_counters_alarms() -> None:
     )
     m.observe_tick(duration_s=0.3, solve_s=0.2, status="fallback", ts=1.7e9 + 1, unused_w=1234.5)
     m.update_counters(
-        received={"telemetry": 10, "ack": 4}, dropped={"malformed": 2}, caps_sent=40, acks=4
+        received={"telemetry": 10, "ack": 4},
+        dropped={"malformed": 2},
+        caps_sent=40,
+        acks=4,
+        ack_ticks=3,
     )
     m.update_fleet(gpus={"fresh": 3, "stale": 1}, nodes={"steered": 2})
     m.alarm_raised("solver_failed")
@@ -152,6 +156,7 @@ def test_groups_tick_counters_alarms() -> None:
     assert got["powerd_tick_duration_seconds_bucket"][(("le", "0.15"),)] == 1
     assert got["powerd_solve_duration_seconds_sum"][()] == pytest.approx(0.23)
     assert got["powerd_ticks_total"] == {(("status", "fallback"),): 1, (("status", "optimal"),): 1}
+    assert got["powerd_ack_ticks_total"][()] == 3
     assert got["powerd_solver_status"] == {
         (("status", "fallback"),): 1.0,
         (("status", "optimal"),): 0.0,

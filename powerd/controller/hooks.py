@@ -122,6 +122,7 @@ def metrics_hook(controller: Controller, metrics: ControllerMetrics) -> TickHook
             dropped=dict(c.dropped),
             caps_sent=c.caps_sent,
             acks=c.received.get("ack", 0),
+            ack_ticks=c.ack_ticks,
         )
         stale = int(r.stale.sum())
         metrics.update_fleet(
