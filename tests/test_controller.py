@@ -30,8 +30,9 @@ from powerd.metrics import ControllerMetrics
 from powerd.policy import Policy, PolicyError, parse_policy
 from powerd.settings import SettingsError
 from powerd.store import Retention, Store, StoreWriter, upgrade
+from powerd.testing.mosquitto import LocalMosquitto
 from powerd.testing.synthetic import TRAIN_AND_INFER
-from powerd.transport import MemoryBroker, Message
+from powerd.transport import MemoryBroker, Message, MqttConfig, MqttTransport
 from powerd.wire import Authority, CapAck, NodeState, Topics, encode
 
 TICK = 1.0
@@ -73,10 +74,12 @@ def site_policy() -> dict[str, Any]:
 class Site:
     """A controller and four agents on one in-process broker, driven by a stepped clock."""
 
-    def __init__(self, policy: Policy, clock: SteppedClock, store: Store | None) -> None:
+    def __init__(
+        self, policy: Policy, clock: SteppedClock, store: Store | None, broker: Any = None
+    ) -> None:
         self.policy = policy
         self.clock = clock
-        self.broker = MemoryBroker()
+        self.broker = MemoryBroker() if broker is None else broker  # anything with `client`
         self.store = store
         self.writer = StoreWriter(store) if store is not None else None
         self.writer_started = False
@@ -529,6 +532,22 @@ async def test_a_regular_tick_due_serves_the_acks_no_extra_tick_before_it(
     assert await ctl._until_next(now - 0.5 * TICK, False, 1, True) == (now + 0.5, True, 1)
     assert ctl.counters.ack_ticks == 1 and not acks_in.is_set()
 
+    # A flood: acks in again at once after every extra tick (an event set as soon as it
+    # is cleared). After ack_ticks extra ones the loop sleeps until the regular tick.
+    at, early, extra = now + 0.5, True, 1
+    acks_in.set()
+    assert await ctl._until_next(at, early, extra, True) == (at, True, 2)
+    acks_in.set()
+    flooded = asyncio.ensure_future(ctl._until_next(at, True, 2, True))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not flooded.done()  # asleep, not spinning
+    stepped_clock.advance(0.5)
+    assert await flooded == (at, False, 2)
+    assert ctl.counters.ack_ticks == 2
+    now = stepped_clock.now
+    acks_in.clear()
+
     ctl._ack_wait, ctl._ack_tick = {"rack-1-n1"}, 7  # awaited as the regular tick comes due
     waiting = asyncio.ensure_future(ctl._until_next(now + TICK, True, 1, True))
     for _ in range(5):
@@ -536,7 +555,7 @@ async def test_a_regular_tick_due_serves_the_acks_no_extra_tick_before_it(
     stepped_clock.advance(TICK)
     ctl._ack_heard("rack-1-n1", 7)
     assert await waiting == (now + TICK, False, 1)
-    assert ctl.counters.ack_ticks == 1
+    assert ctl.counters.ack_ticks == 2
 
 
 async def test_an_ack_of_another_epoch_or_authority_ends_no_wait(
@@ -568,3 +587,82 @@ async def test_an_ack_of_another_epoch_or_authority_ends_no_wait(
     assert ctl.counters.dropped["unknown_node"] == 0
     ack(5, ours)
     assert not ctl._ack_wait and acks_in.is_set()
+
+
+class _Mosquitto:
+    """Clients of a real broker, as a Site's `broker`."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def client(self, name: str) -> MqttTransport:
+        return MqttTransport(MqttConfig.from_url(self.url, client_id=name))
+
+
+class _RealIoSite(Site):
+    """A Site whose messages cross a real broker: each settle gives the I/O real time."""
+
+    async def settle(self) -> None:
+        for _ in range(4):
+            await asyncio.sleep(0.01)
+
+
+async def test_an_ack_flood_over_mosquitto_buys_no_more_than_ack_ticks(
+    stepped_clock: SteppedClock, mosquitto: LocalMosquitto
+) -> None:
+    # A rogue client floods every node's ack topic with acks of the controller's latest
+    # tick (which ends any wait on acks the moment it is armed) while a drain moves power.
+    # The controller must still run at most ack_ticks extra ticks between two regular
+    # ones, never spin, keep ticking on time, and every budget must hold at every moment.
+    ack_ticks = 2
+    raw = site_policy()
+    raw["control"]["ack_ticks"] = ack_ticks
+    site = _RealIoSite(
+        parse_policy(raw, "site.yaml"), stepped_clock, None, _Mosquitto(mosquitto.url)
+    )
+    rogue = MqttTransport(MqttConfig.from_url(mosquitto.url, client_id="rogue"))
+    await rogue.connect()
+    flooding = asyncio.Event()
+
+    async def flood() -> None:
+        ctl = site.controller
+        assert ctl is not None
+        while not flooding.is_set():
+            batch = [
+                (ctl.topics.ack(node), encode(CapAck(node_id=node, tick=ctl.tick_no, gpus={})))
+                for node in site.agents
+            ]
+            await rogue.publish_many(batch, qos=0)
+            await asyncio.sleep(0.001)
+
+    flooder: asyncio.Task[None] | None = None
+    try:
+        await rogue.wait_connected()
+        ctl = site.start_controller()
+        for _ in range(8):
+            await site.step(TICK)
+        first = len(site.reports)
+        heard = ctl.counters.received["ack"]
+        flooder = asyncio.create_task(flood(), name="rogue")
+        ctl.drain("rack-1-n1", actor="op", reason="maintenance")
+        for _ in range(6):
+            await site.step(TICK)
+        flooding.set()
+        await flooder
+        assert site.breaches == []
+        assert ctl.counters.received["ack"] - heard > 100  # the flood got through
+        new = site.reports[first:]
+        # Ticks per regular period (the stepped clock stands still within a step).
+        start = new[0].ts
+        periods = np.floor((np.array([r.ts for r in new]) - start) / TICK + 1e-9)
+        counts = np.unique(periods, return_counts=True)[1]
+        assert counts.max() <= 1 + ack_ticks
+        assert len(counts) >= 6  # a regular tick every period: none starved
+        assert 1 <= ctl.counters.ack_ticks <= ack_ticks * ctl.counters.ticks
+    finally:
+        flooding.set()
+        if flooder is not None:
+            with contextlib.suppress(Exception):
+                await flooder
+        await rogue.disconnect()
+        await site.close()
