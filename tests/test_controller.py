@@ -666,3 +666,42 @@ async def test_an_ack_flood_over_mosquitto_buys_no_more_than_ack_ticks(
                 await flooder
         await rogue.disconnect()
         await site.close()
+
+
+async def test_a_budget_cut_and_a_drain_during_a_wait_on_acks_hold_every_budget(
+    stepped_clock: SteppedClock,
+) -> None:
+    # The tick that drains rack-1-n1 holds rack-1-n2's raises and waits on n1's ack. Before
+    # any ack is in (in the tick's own hook, its commands just out), the operator cuts
+    # rack-1's budget and drains rack-2-n1 too. The extra tick on the acks must plan under
+    # the cut: every budget holds at every quarter tick, the old one throughout and the cut
+    # one from two ticks on, as without acks (test_budget_cut_is_obeyed_within_two_ticks).
+    raw = site_policy()
+    raw["control"]["ack_ticks"] = 2
+    site = Site(parse_policy(raw, "site.yaml"), stepped_clock, None)
+    await site.settle()
+    cut: list[float] = []
+    try:
+        ctl = site.start_controller()
+        await site.step(8 * TICK)
+
+        def during_the_wait(_: TickReport) -> None:
+            if ctl._ack_wait and not cut:
+                cut.append(stepped_clock.now)
+                ctl.set_budget("rack-1", 3000, expires_at=None, actor="grid", reason="cut")
+                ctl.drain("rack-2-n1", actor="op", reason="maintenance")
+
+        ctl.on_tick.append(during_the_wait)
+        # And at every tick, extra ones included (they come at one instant of the clock).
+        ctl.on_tick.append(lambda _: site.check_budgets())
+        ticks = ctl.counters.ack_ticks
+        ctl.drain("rack-1-n1", actor="op", reason="maintenance")
+        await site.step(2 * TICK)
+        assert cut and ctl.counters.ack_ticks > ticks  # the cut came during a wait
+        assert site.breaches == []
+        await site.step(6 * TICK, budgets={"rack-1": 3000})
+        assert site.breaches == []
+        rack1 = ctl.policy.groups.index(next(g for g in ctl.policy.groups if g.name == "rack-1"))
+        assert site.reports[-1].group_committed_w[rack1] <= 3000 + 1e-6
+    finally:
+        await site.close()
