@@ -347,8 +347,8 @@ class DemandSpec(_Strict):
 class Control(_Strict):
     tick_s: float = Field(default=1.0, gt=0, le=3600)
     # Extra ticks between two regular ones, each at once when every node the last tick
-    # commanded has acknowledged while that tick held raises back for want of room its
-    # cuts free (decreases before increases: a raise waits on the acks of its cuts). 0: a
+    # cut has acknowledged while that tick held raises back for want of room its cuts
+    # free (decreases before increases: a raise waits on the acks of its cuts). 0: a
     # held raise waits for the next regular tick (docs/allocator.md, "Raises on acks").
     ack_ticks: int = Field(default=2, ge=0, le=5)
     lease_s: float = Field(default=10.0, gt=0, le=86400)

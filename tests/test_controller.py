@@ -671,11 +671,11 @@ async def test_an_ack_flood_over_mosquitto_buys_no_more_than_ack_ticks(
 async def test_a_budget_cut_and_a_drain_during_a_wait_on_acks_hold_every_budget(
     stepped_clock: SteppedClock,
 ) -> None:
-    # The tick that drains rack-1-n1 holds rack-1-n2's raises and waits on n1's ack. Before
-    # any ack is in (in the tick's own hook, its commands just out), the operator cuts
-    # rack-1's budget and drains rack-2-n1 too. The extra tick on the acks must plan under
-    # the cut: every budget holds at every quarter tick, the old one throughout and the cut
-    # one from two ticks on, as without acks (test_budget_cut_is_obeyed_within_two_ticks).
+    # The tick that drains rack-1-n1 holds rack-1-n2's raises and waits on n1's ack. As it
+    # ends (in its own hook: its commands out, the extra tick not yet run), the operator
+    # cuts rack-1's budget and drains rack-2-n1 too. The extra tick on the acks must plan
+    # under the cut: every budget holds at every quarter tick, the old one throughout and
+    # the cut one from two ticks on, as without acks (test_budget_cut_is_obeyed_within_two_ticks).
     raw = site_policy()
     raw["control"]["ack_ticks"] = 2
     site = Site(parse_policy(raw, "site.yaml"), stepped_clock, None)
@@ -685,8 +685,8 @@ async def test_a_budget_cut_and_a_drain_during_a_wait_on_acks_hold_every_budget(
         ctl = site.start_controller()
         await site.step(8 * TICK)
 
-        def during_the_wait(_: TickReport) -> None:
-            if ctl._ack_wait and not cut:
+        def during_the_wait(r: TickReport) -> None:
+            if ctl._ack_tick == r.tick and not cut:
                 cut.append(stepped_clock.now)
                 ctl.set_budget("rack-1", 3000, expires_at=None, actor="grid", reason="cut")
                 ctl.drain("rack-2-n1", actor="op", reason="maintenance")
@@ -703,5 +703,39 @@ async def test_a_budget_cut_and_a_drain_during_a_wait_on_acks_hold_every_budget(
         assert site.breaches == []
         rack1 = ctl.policy.groups.index(next(g for g in ctl.policy.groups if g.name == "rack-1"))
         assert site.reports[-1].group_committed_w[rack1] <= 3000 + 1e-6
+    finally:
+        await site.close()
+
+
+async def test_no_extra_ticks_for_raises_no_ack_can_release(stepped_clock: SteppedClock) -> None:
+    # rack-2-n2's agent goes away: its GPUs count at the caps they may have, and rack-2-n1
+    # wants that room, a raise held every tick that no ack can release (no cut is in
+    # flight: the gone node gets no command). Waiting on
+    # every commanded node's acks made an extra tick (a whole solve) follow every regular
+    # one for as long as the node was gone. The wait is on the nodes a tick cuts: a drain
+    # still gets its raises on the acks, and the fleet at rest runs its regular ticks only.
+    raw = site_policy()
+    raw["control"]["ack_ticks"] = 2
+    site = Site(parse_policy(raw, "site.yaml"), stepped_clock, None)
+    await site.settle()
+    try:
+        ctl = site.start_controller()
+        await site.step(8 * TICK)
+        site.tasks["rack-2-n2"].cancel()
+        await site.step(6 * TICK)
+        before = ctl.counters.ack_ticks
+        ctl.drain("rack-1-n1", actor="op", reason="maintenance")
+        await site.step(2 * TICK)
+        assert ctl.counters.ack_ticks > before  # the drain's raises went on the acks
+        rest, ticks = ctl.counters.ack_ticks, len(site.reports)
+        await site.step(8 * TICK)
+        assert len(site.reports) - ticks == 8 and ctl.counters.ack_ticks == rest
+        # Raises were held meanwhile: rack-2-n1 wants room its gone neighbour is counted at.
+        held = [
+            bool((r.targets_w > r.sent_w + 1.0)[np.array(r.nodes) == "rack-2-n1"].any())
+            for r in site.reports[ticks:]
+        ]
+        assert sum(held) >= 4
+        assert site.breaches == []
     finally:
         await site.close()

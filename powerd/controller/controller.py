@@ -36,7 +36,7 @@ from powerd.controller.scope import ScopeLink
 from powerd.controller.tick import AckHeard, TickEngine
 from powerd.numeric import finite_or_none
 from powerd.policy import Policy
-from powerd.safety import SafePlan, SafetyPlanner
+from powerd.safety import ALARM_TOL_W, SafePlan, SafetyPlanner
 from powerd.store import (
     EventRecord,
     GpuRecord,
@@ -499,17 +499,30 @@ class Controller(AdminWrites):
             self._ack_wait = set()  # an ack that may never come: the next tick as usual
 
     def _await_acks(self, plan: SafePlan) -> None:
-        """A tick that held raises back for want of room waits on the acks of what it sends
-        (its cuts free that room): once every node it commanded has acknowledged, the loop
-        ticks again at once (`control.ack_ticks`), not a whole tick later. Armed before the
-        commands leave, so that no ack can come before it."""
+        """A tick that held raises back for want of room waits on the acks of its cuts (they
+        free that room): once every node it cuts has acknowledged, the loop ticks again at
+        once (`control.ack_ticks`), not a whole tick later. Armed before the commands leave,
+        so that no ack can come before it.
+
+        Only raises another tick could make count (GPUs this tick commands, on fresh
+        readings), and only cuts that are not refused: a raise held for an offline node or a
+        stale reading, or a cap a node refuses, no ack answers, and waiting on it would buy
+        an extra tick every period for nothing."""
         if self._acks_in is not None:
             self._acks_in.clear()
         self._ack_wait = set()
-        if self.engine.shadow or not self.leading():
+        layout = plan.layout
+        if self.engine.shadow or not self.leading() or layout is None:
             return
-        if plan.sent_nodes and plan.withheld.any():
-            self._ack_wait, self._ack_tick = set(plan.sent_nodes), plan.tick
+        sent = np.isfinite(plan.sent_w)
+        if not (plan.withheld & sent & ~plan.stale).any():
+            return
+        cuts = sent & (plan.sent_w < plan.committed_w - ALARM_TOL_W)
+        cuts &= ~self.engine.planner.defiant()
+        if cuts.any():
+            nodes = layout.nodes
+            self._ack_wait = {nodes[i] for i in np.flatnonzero(cuts).tolist()}
+            self._ack_tick = plan.tick
 
     def _ack_heard(self, node: str, tick: int) -> None:
         """An ack of `tick` from `node`: an older tick's (late) does not answer the wait."""
@@ -870,7 +883,7 @@ class Controller(AdminWrites):
 
     async def _sleep_or_change(self, delay: float, *, acks: bool = False) -> str:
         """Sleep `delay`: "time" when it has passed, "leadership" if the leadership changed
-        meanwhile, "acks" (with `acks`) once every node the last tick commanded while it
+        meanwhile, "acks" (with `acks`) once every node the last tick cut while it
         held raises back has acknowledged (the sleep ends then)."""
         lead = self.leadership
         waiting = acks and self._acks_in is not None and bool(self._ack_wait)
