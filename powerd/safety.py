@@ -202,6 +202,22 @@ class SafePlan:
         """One command per node in `sent_nodes`: its GPUs' caps, its lease renewed."""
         return self.build_commands()
 
+    def cuts_awaited(self, defiant: BoolArray) -> set[str]:
+        """The nodes whose acks may let another tick make a raise this one held back: none
+        unless a raise is held on a GPU this tick commands with fresh readings; then those
+        with a cut in flight (sent below the cap that may be in force) not refused
+        (`defiant`, per GPU). A raise held for room an offline node's or a stale GPU's cap
+        takes, or a refused cap, no ack releases (docs/allocator.md, "Raises on acks")."""
+        layout = self.layout
+        if layout is None:
+            return set()
+        sent = np.isfinite(self.sent_w)
+        if not (self.withheld & sent & ~self.stale).any():
+            return set()
+        cuts = sent & (self.sent_w < self.committed_w - ALARM_TOL_W) & ~defiant
+        nodes = layout.nodes
+        return {nodes[i] for i in np.flatnonzero(cuts).tolist()}
+
     def acks(self, enforced_w: FloatArray) -> list[tuple[str, int, AckedCaps]]:
         """Every command obeyed, as the acks of each (node, tick, its GPUs) would say:
         `enforced_w` per GPU of `layout`, the limit read back where a command went."""

@@ -182,6 +182,33 @@ def test_decreases_go_at_once_and_the_raises_they_pay_for_wait_for_the_ack() -> 
     assert plan.group_committed_w[0] <= 600.0
 
 
+def test_the_acks_awaited_are_those_of_cuts_that_release_a_held_raise() -> None:
+    # What the controller waits on before an extra tick (control.ack_ticks): the nodes with
+    # a cut in flight, and only while a raise another tick could make is held.
+    policy, layout = simple_fleet([1, 1, 1], facility=800.0)
+    planner = SafetyPlanner(policy, layout)
+    teach(planner, layout, np.array([400.0, 200.0, 200.0]), at=0.0)
+    targets = np.array([200.0, 400.0, 200.0])
+    none = np.zeros(3, dtype=bool)
+    plan = planner.plan(1, 0.0, targets)  # n0's cut pays for n1's raise, held
+    assert plan.withheld.tolist() == [False, True, False]
+    assert plan.cuts_awaited(none) == {"n0"}  # not n2: commanded, but cut nothing
+    assert plan.cuts_awaited(np.array([True, False, False])) == set()  # a refused cut
+    ack_all(planner, plan, at=0.1)
+    plan = planner.plan(2, 1.0, targets)
+    assert plan.raised.tolist() == [False, True, False]
+    assert plan.cuts_awaited(none) == set()  # nothing held
+    # A raise held for room no ack frees: n2 gone (counted at its maximum, 400 W), n0
+    # wanting more than the 100 W left under a budget raised to 1100 W.
+    ack_all(planner, plan, at=1.1)
+    planner.node_offline("n2")
+    budget = layout.topology.budget_w.copy()
+    budget[0] = 1100.0
+    plan = planner.plan(3, 1.5, np.array([400.0, 400.0, 200.0]), offline={"n2"}, budget_w=budget)
+    assert plan.sent_w[0] == 300.0 and plan.withheld[0]
+    assert plan.cuts_awaited(none) == set()
+
+
 def test_partial_raises_follow_priority_then_uuid() -> None:
     policy, layout = simple_fleet([1, 1, 1], facility=3 * 200.0 + 150.0)
     planner = SafetyPlanner(policy, layout)

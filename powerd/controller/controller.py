@@ -36,7 +36,7 @@ from powerd.controller.scope import ScopeLink
 from powerd.controller.tick import AckHeard, TickEngine
 from powerd.numeric import finite_or_none
 from powerd.policy import Policy
-from powerd.safety import ALARM_TOL_W, SafePlan, SafetyPlanner
+from powerd.safety import SafePlan, SafetyPlanner
 from powerd.store import (
     EventRecord,
     GpuRecord,
@@ -504,25 +504,17 @@ class Controller(AdminWrites):
         once (`control.ack_ticks`), not a whole tick later. Armed before the commands leave,
         so that no ack can come before it.
 
-        Only raises another tick could make count (GPUs this tick commands, on fresh
-        readings), and only cuts that are not refused: a raise held for an offline node or a
-        stale reading, or a cap a node refuses, no ack answers, and waiting on it would buy
-        an extra tick every period for nothing."""
+        Only raises another tick could make count, and only cuts not refused
+        (`SafePlan.cuts_awaited`): waiting on what no ack answers would buy an extra tick
+        every period for nothing."""
         if self._acks_in is not None:
             self._acks_in.clear()
         self._ack_wait = set()
-        layout = plan.layout
-        if self.engine.shadow or not self.leading() or layout is None:
+        if self.engine.shadow or not self.leading() or not plan.withheld.any():
             return
-        sent = np.isfinite(plan.sent_w)
-        if not (plan.withheld & sent & ~plan.stale).any():
-            return
-        cuts = sent & (plan.sent_w < plan.committed_w - ALARM_TOL_W)
-        cuts &= ~self.engine.planner.defiant()
-        if cuts.any():
-            nodes = layout.nodes
-            self._ack_wait = {nodes[i] for i in np.flatnonzero(cuts).tolist()}
-            self._ack_tick = plan.tick
+        awaited = plan.cuts_awaited(self.engine.planner.defiant())
+        if awaited:
+            self._ack_wait, self._ack_tick = awaited, plan.tick
 
     def _ack_heard(self, node: str, tick: int) -> None:
         """An ack of `tick` from `node`: an older tick's (late) does not answer the wait."""

@@ -304,6 +304,9 @@ class _Run:
                 self.trace(report, plan)
             self.statuses[report.status] = self.statuses.get(report.status, 0) + 1
             self.solve_ms.append(report.solve_ms)
+            # Another round only where acks can release a held raise, as the controller
+            # waits (`SafePlan.cuts_awaited`: a cut in flight, not refused).
+            again = plan.withheld.any() and bool(plan.cuts_awaited(engine.planner.defiant()))
             engine.on_plan_acked(plan, agents.apply_plan(plan))
             # Committed caps once the tick's commands are acknowledged: above a budget (or
             # a rated group's limit) would be a planner bug.
@@ -312,7 +315,7 @@ class _Run:
             limit = report.group_budget_w if report.group_limit_w is None else report.group_limit_w
             after = topo.group_sums(engine.planner.committed_w()) + topo.overhead_w
             self.committed_over += int((after > limit + 1e-6).any())
-            if not plan.withheld.any():
+            if not again:
                 break
         if now >= CHURN_AFTER_S:
             self.churn.add(caps_before, self.model.cap_w)
