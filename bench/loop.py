@@ -59,12 +59,14 @@ GPUS_PER_NODE = 8
 SHAPES = {1000: (1, 5, 25), 10_000: (2, 25, 25), 100: (1, 1, 13)}
 
 
-def write_policy(path: Path, gpus: int, tick_s: float) -> None:
+def write_policy(path: Path, gpus: int, tick_s: float, ack_ticks: int | None = None) -> None:
     rows, racks, nodes = SHAPES[gpus]
     data = policy_dict(rows, racks, nodes, GPUS_PER_NODE)
     if gpus % GPUS_PER_NODE == 0 and rows * racks * nodes * GPUS_PER_NODE != gpus:
         raise SystemExit(f"no shape for {gpus} GPUs")
     data["control"] |= {"tick_s": tick_s, "lease_s": 10 * tick_s, "stale_after_s": 5 * tick_s}
+    if ack_ticks is not None:
+        data["control"]["ack_ticks"] = ack_ticks
     path.write_text(yaml.safe_dump(data))
 
 
@@ -236,7 +238,7 @@ def show_allocations(snapshot: tracemalloc.Snapshot, top: int) -> None:
 def bench(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Broker and fleet simulator here; the controller's part in `measure`."""
     policy_file = workdir / "policy.yaml"
-    write_policy(policy_file, args.gpus, args.tick)
+    write_policy(policy_file, args.gpus, args.tick, args.ack_ticks)
     db = f"sqlite:///{workdir / 'powerd.db'}"
     upgrade(db)
     with LocalMosquitto(workdir / "mosquitto", extra_config=BENCH_BROKER_LIMITS) as broker:
@@ -295,6 +297,7 @@ async def measure(
     c0, w0 = cpu_s(), time.monotonic()
     b0, s0 = proc_cpu_s(broker_pid), proc_cpu_s(sim_pid)
     sent0, received0 = counters.caps_sent, sum(counters.received.values())
+    ack0 = counters.ack_ticks
     rss["warm"] = rss_mb()
     run.measuring = True
     if profiler is not None:
@@ -346,6 +349,8 @@ async def measure(
         "broker_cpu_pct": 100 * broker_cpu / wall,
         "fleetsim_cpu_pct": 100 * sim_cpu / wall,
         "commands_per_s": sent / wall,
+        # of the ticks, those on acks (control.ack_ticks: raises held for their cuts' acks)
+        "ack_ticks": counters.ack_ticks - ack0,
         "messages_in_per_s": received / wall,
         "controller_dropped": dict(counters.dropped),
         "transport_dropped": run.transport.dropped_messages,
@@ -359,7 +364,8 @@ def show(r: dict[str, Any]) -> None:
     t = r["tick_ms"]
     print(
         f"{r['gpus']:,} GPUs ({r['nodes']} nodes), tick {r['tick_s']:g} s, "
-        f"{r['ticks']} ticks over {r['measured_s']} s on {r['machine']['nproc']} × "
+        f"{r['ticks']} ticks ({r['ack_ticks']} on acks) over {r['measured_s']} s on "
+        f"{r['machine']['nproc']} × "
         f"{r['machine']['cpu']}"
     )
     print(
@@ -401,6 +407,12 @@ def main() -> None:
         type=int,
         default=ControllerSettings.model_fields["command_window"].default,
         help="the controller's QoS 1 window, as its command_window setting (0: no limit)",
+    )
+    parser.add_argument(
+        "--ack-ticks",
+        type=int,
+        default=None,
+        help="the policy's control.ack_ticks (default: the policy's default)",
     )
     parser.add_argument("--json", action="store_true")
     parser.add_argument(

@@ -20,7 +20,7 @@ from powerd.allocator import (
     allocate_arrays,
     build_problem,
 )
-from powerd.allocator.problem import Tree
+from powerd.allocator.problem import Problem, Tree
 from powerd.policy import Policy, parse_policy
 from powerd.testing.synthetic import random_fleet
 from powerd.topology import Topology
@@ -309,3 +309,45 @@ def test_tree_sums_add_as_the_bincounts_do() -> None:
         assert tree.sums(x).tobytes() == want.tobytes()
     x[1] = np.nan
     assert np.isnan(tree.sums(x)[tree.gpu_groups[1]]).all()
+
+
+def _cleared(
+    problem: Problem, p: np.ndarray, want: np.ndarray, groups: np.ndarray, g: int, i: int
+) -> bool:
+    """Group g has nothing above demand left and every band below GPU i's at its minimum."""
+    tol = 1e-9
+    members = np.flatnonzero((groups == g).any(axis=1))
+    lower = members[problem.weight[members] < problem.weight[i]]
+    return bool(
+        np.all(p[members] <= want[members] + tol) and np.all(p[lower] <= problem.lo[lower] + tol)
+    )
+
+
+@EXAMPLES
+@given(cases())
+def test_priority_bands_caps_only_where_a_budget_needs_it(case: Case) -> None:
+    # Dynamo's scheme: a GPU stays at its maximum unless a group above it is full; one is
+    # held below its demand only where such a group has no power above demand left to cut,
+    # and a higher band's GPU only where that group's lower bands are at their minimum.
+    from powerd.allocator.baselines import priority_bands
+
+    problem = build_problem(case.fleet, case.policy)
+    if problem.status == "infeasible_min":
+        return
+    p, _ = priority_bands(problem)
+    tree, lo, hi = problem.tree, problem.lo, problem.hi
+    want = np.clip(problem.demand_w / 1000.0, lo, hi)
+    sums = tree.sums(p)
+    assert np.all(sums <= problem.capacity + 1e-9)
+    full = sums >= problem.capacity - 1e-9
+    groups = case.fleet.topology.gpu_groups
+    under_full = full[groups].any(axis=1)
+    assert np.all(p[~under_full] == hi[~under_full])
+    tol = 1e-9
+    for i in np.flatnonzero(p < want - tol):
+        binding = [g for g in groups[i] if full[g]]
+        assert binding
+
+        # In the group that cut it (one of the full ones), nothing above demand is left and
+        # every lower band sits at its minimum.
+        assert any(_cleared(problem, p, want, groups, g, i) for g in binding)

@@ -38,13 +38,16 @@ def uniform(problem: Problem, warm: FloatArray | None = None) -> tuple[FloatArra
 
 
 def priority_bands(problem: Problem, warm: FloatArray | None = None) -> tuple[FloatArray, None]:
-    """Facebook Dynamo's scheme: every GPU asks for its demand; a group over budget cuts its
-    lowest-priority band first, proportionally to each GPU's room above its minimum, and
-    touches the next band only once the lower one is at its minimum. Nodes first, then up.
-    Power beyond demand is not handed out (as in Dynamo)."""
+    """Facebook Dynamo's scheme: a GPU is capped only where a budget needs it (every GPU
+    starts at its maximum, as Dynamo leaves servers uncapped until a breaker's limit
+    nears). Nodes first, then up, a group over budget cuts first what its GPUs have above
+    their demand, proportionally, then its lowest-priority band below demand,
+    proportionally to each GPU's room above its minimum, touching the next band only once
+    the lower one is at its minimum."""
     del warm
-    lo = problem.lo
-    p = np.clip(problem.demand_w / 1000.0, lo, problem.hi)
+    lo, hi = problem.lo, problem.hi
+    want = np.clip(problem.demand_w / 1000.0, lo, hi)
+    p = hi.copy()
     weights, band = np.unique(problem.weight, return_inverse=True)
     n_bands = max(weights.size, 1)
     tree = problem.tree
@@ -52,6 +55,16 @@ def priority_bands(problem: Problem, warm: FloatArray | None = None) -> tuple[Fl
     for level in range(N_LEVELS - 1, -1, -1):
         idx = tree.gpu_groups[:, level]
         excess = np.bincount(idx, weights=p, minlength=n_groups) - problem.capacity
+        if not np.any(excess > 0.0):
+            continue
+        # Power above demand goes first, alike for every band.
+        spare = np.maximum(p - want, 0.0)
+        pool = np.bincount(idx, weights=spare, minlength=n_groups)
+        take = np.clip(excess, 0.0, pool)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            frac = np.where(pool > 0.0, take / pool, 0.0)
+        p = p - spare * frac[idx]
+        excess = excess - take
         if not np.any(excess > 0.0):
             continue
         key = idx * n_bands + band
