@@ -172,12 +172,12 @@ class Run:
         self._waiting = False  # a measured tick's commands not all written yet
         inner_tick = self.controller.tick_once
 
-        async def timed_tick() -> TickReport:
+        async def timed_tick(*, early: bool = False) -> TickReport:
             if self._waiting:
                 self.unwritten_ticks += 1
                 self._waiting = False
             self._tick_t0 = time.perf_counter()
-            report = await inner_tick()
+            report = await inner_tick(early=early)
             if self.measuring:
                 if self.transport.unwritten == 0:
                     # Written when the transport last ran empty: often within publish_many,

@@ -999,7 +999,7 @@ class SafetyPlanner:
 
     # ---- planning -----------------------------------------------------------------------
 
-    def plan(
+    def plan(  # noqa: PLR0913 (keyword-only options past `targets_w`)
         self,
         tick: int,
         now: float,
@@ -1012,8 +1012,13 @@ class SafetyPlanner:
         record: bool = True,
         jobs: IntArray | None = None,
         strict_w: FloatArray | None = None,
+        changes_only: bool = False,
     ) -> SafePlan:
         """The commands to send at `tick` (controller time `now`) toward `targets_w`.
+
+        `changes_only`: command only the nodes where a cap moves (a tick on acks,
+        `control.ack_ticks`: the regular ticks renew every node's lease; a node left out
+        keeps the cap it may have, which is what it would have been sent).
 
         `record=False`: the commands will not be sent (shadow mode): they are planned from
         the caps in force as they are, and nothing is remembered of them.
@@ -1032,10 +1037,9 @@ class SafetyPlanner:
             raise ValueError(f"tick {tick} is not after the last planned tick {self._last_tick}")
         self._last_tick = tick
         topo = layout.topology
-        n = layout.n_gpus
         targets = np.asarray(targets_w, dtype=np.float64)
-        if targets.shape != (n,):
-            raise ValueError(f"targets_w has shape {targets.shape}, expected ({n},)")
+        if targets.shape != (layout.n_gpus,):
+            raise ValueError(f"targets_w has shape {targets.shape}, expected ({layout.n_gpus},)")
         budget = topo.budget_w if budget_w is None else np.asarray(budget_w, dtype=np.float64)
         reserve = np.zeros(topo.n_groups) if reserve_w is None else np.asarray(reserve_w)
         control = self.policy.control
@@ -1112,6 +1116,12 @@ class SafetyPlanner:
         caps = np.where(raise_mask, committed + admitted, caps)
         raised = raise_mask & (admitted > TOL_W)
 
+        # A tick on acks commands only the nodes whose caps move (the others keep theirs).
+        node_send, send = _commanded(
+            node_send,
+            self._node_of_gpu,
+            send & (np.abs(caps - committed) > TOL_W) if changes_only else None,
+        )
         sent = np.where(send, caps, np.nan)
         if record:
             self._record_sent(tick, np.flatnonzero(send), caps)
@@ -1119,7 +1129,6 @@ class SafetyPlanner:
         group_caps = topo.group_sums(committed_after)
         group_committed = group_caps + topo.overhead_w + reserve
 
-        sent_k = np.flatnonzero(node_send).tolist()
         group_over = group_committed > budget + TOL_W
         settling = np.zeros_like(group_over)
         if group_over.any() and self._prior_hi.any():
@@ -1129,6 +1138,7 @@ class SafetyPlanner:
             known_after = np.maximum(base, self._pend_hi.max(axis=0))  # this tick's included
             known_committed = topo.group_sums(known_after) + topo.overhead_w + reserve
             settling = group_over & (known_committed <= budget + TOL_W)
+        sent_k = np.flatnonzero(node_send).tolist()
         events = tuple(self._events)
         self._events = []
         return SafePlan(
@@ -1408,6 +1418,17 @@ class SafetyPlanner:
             ]
 
         return build
+
+
+def _commanded(
+    node_send: BoolArray, node_of_gpu: IntArray, moves: BoolArray | None
+) -> tuple[BoolArray, BoolArray]:
+    """The nodes to command and their GPUs: of `node_send`, those where a GPU's cap moves
+    (`moves`), or all of them (None)."""
+    if moves is not None:
+        moved = np.bincount(node_of_gpu, weights=moves, minlength=node_send.size) > 0
+        node_send = np.asarray(node_send & moved, dtype=np.bool_)
+    return node_send, np.asarray(node_send[node_of_gpu], dtype=np.bool_)
 
 
 def _unique(gpu: IntArray, pos: IntArray, n: int) -> tuple[IntArray, IntArray]:

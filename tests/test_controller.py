@@ -479,6 +479,14 @@ async def test_raises_held_for_their_cuts_go_on_the_acks_not_a_tick_later(
         late = new[raised].ts - new[cut].ts
         if ack_ticks:
             assert late == 0.0 and ctl.counters.ack_ticks >= 1
+            # A tick on acks commands only the nodes whose caps move: every node it sent
+            # to has a GPU whose cap moved from the tick before, and at least one did not.
+            extra, prev = new[raised], new[raised - 1]
+            sent = ~np.isnan(extra.sent_w)
+            moved = np.abs(np.nan_to_num(extra.sent_w) - prev.committed_w) > 1e-6
+            for node in set(nodes[sent]):
+                assert (moved & (nodes == node)).any(), node
+            assert not sent.all()
         else:
             assert late == pytest.approx(TICK) and ctl.counters.ack_ticks == 0
         # Extra ticks are bounded: at most ack_ticks between two regular ones.

@@ -391,10 +391,11 @@ class Controller(AdminWrites):
 
     # -- the tick ------------------------------------------------------------------------
 
-    def step(self) -> tuple[TickReport, SafePlan]:
-        """One tick's decisions, synchronously (publishing is `run`'s job)."""
+    def step(self, *, early: bool = False) -> tuple[TickReport, SafePlan]:
+        """One tick's decisions, synchronously (publishing is `run`'s job); `early`: a tick
+        on acks, commanding only the nodes whose caps move."""
         try:
-            return self.engine.step(self.clock.monotonic(), self.clock.wall())
+            return self.engine.step(self.clock.monotonic(), self.clock.wall(), early=early)
         finally:
             self._record_alarms()
             self._store_inventory()
@@ -649,10 +650,11 @@ class Controller(AdminWrites):
         self._metered_policy = policy
         self._meters_started_at = self.clock.monotonic()
 
-    async def tick_once(self) -> TickReport:
+    async def tick_once(self, *, early: bool = False) -> TickReport:
+        """One tick, published; `early`: a tick on acks (`control.ack_ticks`)."""
         t0 = time.perf_counter()
         self._follow_meters()
-        report, plan = self.step()
+        report, plan = self.step(early=early)
         try:
             await self.publish_plan(plan)
             if self.scope is not None and self.leading():
@@ -809,7 +811,7 @@ class Controller(AdminWrites):
                 await self._announce(leading)
             if leading:
                 try:
-                    await self.tick_once()
+                    await self.tick_once(early=early)
                 except Exception:
                     # Only when not even the fallback could plan (no fleet yet): agents
                     # keep their leases' failsafe; the next tick tries again.

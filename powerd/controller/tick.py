@@ -379,8 +379,9 @@ class TickEngine:
         self._shape_for(arrays, now)
         self.planner.committed_w()  # folds the queued messages in
 
-    def step(self, now: float, wall: float) -> tuple[TickReport, SafePlan]:
-        """One tick's decisions at monotonic time `now` and wall time `wall`.
+    def step(self, now: float, wall: float, *, early: bool = False) -> tuple[TickReport, SafePlan]:
+        """One tick's decisions at monotonic time `now` and wall time `wall`; `early`: a
+        tick on acks (`control.ack_ticks`), which commands only the nodes whose caps move.
 
         A tick never ends without caps: a fault anywhere in it falls back to the failsafe
         caps through the safety planner (cuts at once, raises only where they fit), alarms
@@ -400,7 +401,7 @@ class TickEngine:
         self._watch_wall_clock(now, wall)
         planned: list[SafePlan] = []
         try:
-            report, plan = self._decide(tick, now, wall, t0, planned)
+            report, plan = self._decide(tick, now, wall, t0, planned, early=early)
         except Exception as exc:
             log.exception("tick_failed", tick=tick)
             self._alarm("tick_failed", f"tick {tick}: {type(exc).__name__}: {exc}"[:300])
@@ -409,7 +410,14 @@ class TickEngine:
         return report, plan
 
     def _decide(
-        self, tick: int, now: float, wall: float, t0: float, planned: list[SafePlan]
+        self,
+        tick: int,
+        now: float,
+        wall: float,
+        t0: float,
+        planned: list[SafePlan],
+        *,
+        early: bool = False,
     ) -> tuple[TickReport, SafePlan]:
         """The five stages (the module's docstring)."""
         seen = self._see(now)
@@ -430,7 +438,7 @@ class TickEngine:
         self._alarm_targets(targets)
         t_plan = time.perf_counter()
         targets, held = self._deadband(seen, budgets, targets)
-        plan = self._plan(tick, now, seen, budgets, targets)
+        plan = self._plan(tick, now, seen, budgets, targets, changes_only=early)
         planned.append(plan)
         plan_ms = (time.perf_counter() - t_plan) * 1000.0
         over = self._alarm_plan(seen, budgets, plan)
@@ -589,7 +597,14 @@ class TickEngine:
         return now - moved_at < dwell_s
 
     def _plan(
-        self, tick: int, now: float, seen: Seen, budgets: Budgets, targets: Targets
+        self,
+        tick: int,
+        now: float,
+        seen: Seen,
+        budgets: Budgets,
+        targets: Targets,
+        *,
+        changes_only: bool = False,
     ) -> SafePlan:
         """The commands: cuts at once, raises only within the limits in force."""
         if self.shadow:
@@ -609,6 +624,7 @@ class TickEngine:
             offline=seen.offline,
             record=not self.shadow,
             jobs=targets.job_index,  # a job's GPUs rise together or wait
+            changes_only=changes_only,
         )
         self._log_safety_events(plan)
         return plan
