@@ -11,6 +11,7 @@ The rules, exactly as implemented, are in docs/safety.md ("Safety planner").
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -31,9 +32,13 @@ PENDING_SLOTS = 8
 # Watts of float noise tolerated in budget comparisons and in "reading above committed".
 TOL_W = 1e-6
 ALARM_TOL_W = 0.5
-# A node that has left our commands unacknowledged for more ticks than this is planned as
-# if it kept the caps it may have: the others make room for it.
+# A node that has left our commands unacknowledged for longer than this many regular ticks
+# (`control.tick_s` each: ticks on acks come faster) is planned as if it kept the caps it
+# may have: the others make room for it.
 UNRESPONSIVE_TICKS = 2
+# When the last plans were made (tick, controller time), to tell how long a command has
+# waited for its ack; a command older than these counts as unacknowledged for long.
+PLAN_TIMES_KEPT = 64
 # A reading's key when it names no tick (an agent that has applied no command since it started).
 NO_TICK = -1
 # `_prior_tick` of a GPU this planner has not yet sent a command to.
@@ -259,6 +264,8 @@ class SafetyPlanner:
         self.policy = policy
         self._events: list[SafetyEvent] = []
         self._last_tick = -1
+        self._plan_ticks: deque[int] = deque(maxlen=PLAN_TIMES_KEPT)
+        self._plan_times: deque[float] = deque(maxlen=PLAN_TIMES_KEPT)
         # Nodes that said their actuators keep their limits (NodeStatus.keeps_limits): planned
         # so, whatever the policy says; a claim never loosens anything (docs/safety.md).
         self._claimed_keeps: frozenset[str] = frozenset()
@@ -1069,8 +1076,7 @@ class SafetyPlanner:
         # one that refused its cap (we keep asking), one whose node gets no command (offline,
         # waiting), one whose node has left our commands unacknowledged for over two ticks.
         defiant = self._defiant
-        pend = np.where(self._pend_tick >= 0, self._pend_tick, np.iinfo(np.int64).max)
-        silent = pend.min(axis=0) < tick - UNRESPONSIVE_TICKS
+        silent = self._silent(now)
         fixed = defiant | ~send | silent
         wanted, budget = self._keep_room(
             self.keeps_limits(),
@@ -1124,7 +1130,7 @@ class SafetyPlanner:
         )
         sent = np.where(send, caps, np.nan)
         if record:
-            self._record_sent(tick, np.flatnonzero(send), caps)
+            self._record_sent(tick, now, np.flatnonzero(send), caps)
         committed_after = np.where(send, np.maximum(committed, caps), committed)
         group_caps = topo.group_sums(committed_after)
         group_committed = group_caps + topo.overhead_w + reserve
@@ -1160,6 +1166,23 @@ class SafetyPlanner:
             layout=layout,
             build_commands=self._commands(tick, control.lease_s, sent_k, caps),
         )
+
+    def _silent(self, now: float) -> BoolArray:
+        """Per GPU: a command of ours to it has waited for its ack longer than
+        UNRESPONSIVE_TICKS regular ticks (and half of one, for jitter), told by when the
+        oldest one still pending was planned, not by how many ticks came since: ticks on
+        acks (`control.ack_ticks`) would call a node silent in a fraction of a second."""
+        none = np.iinfo(np.int64).max
+        oldest = np.where(self._pend_tick >= 0, self._pend_tick, none).min(axis=0, initial=none)
+        if not self._plan_ticks:
+            return np.asarray(oldest != none, dtype=np.bool_)
+        ticks = np.fromiter(self._plan_ticks, dtype=np.int64, count=len(self._plan_ticks))
+        times = np.fromiter(self._plan_times, dtype=np.float64, count=len(self._plan_times))
+        pos = np.minimum(np.searchsorted(ticks, oldest), ticks.size - 1)
+        # Pending since a plan no longer kept: long ago; nothing pending: never.
+        at = np.where(ticks[pos] == oldest, times[pos], np.where(oldest == none, np.inf, -np.inf))
+        limit = (UNRESPONSIVE_TICKS + 0.5) * self.policy.control.tick_s
+        return np.asarray(at < now - limit, dtype=np.bool_)
 
     def _keep_room(
         self,
@@ -1370,7 +1393,9 @@ class SafetyPlanner:
             # else the job waits: raising part of it would split it
         return admitted
 
-    def _record_sent(self, tick: int, gpus: IntArray, caps: FloatArray) -> None:
+    def _record_sent(self, tick: int, now: float, gpus: IntArray, caps: FloatArray) -> None:
+        self._plan_ticks.append(tick)  # when (for `_silent`)
+        self._plan_times.append(now)
         self._committed = None
         # Every GPU (sorted, as `flatnonzero` gives them): the same slots as views.
         idx: IntArray | slice = slice(None) if len(gpus) == len(self._prior_tick) else gpus

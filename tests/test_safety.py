@@ -209,6 +209,29 @@ def test_the_acks_awaited_are_those_of_cuts_that_release_a_held_raise() -> None:
     assert plan.cuts_awaited(none) == set()
 
 
+def test_a_node_is_silent_after_two_ticks_time_not_two_ticks_on_acks() -> None:
+    # n0 never acknowledges its cut of tick 1 (t = 0). Ticks on acks come at 0.05 s
+    # intervals: by tick count it would be "silent" (planned as keeping the cap it may
+    # have) at tick 4, a fifth of a second later; by time it is so only once its command
+    # has waited over 2.5 regular ticks (tick_s 1 s), as before the ticks on acks.
+    policy, layout = simple_fleet([1, 1], facility=600.0)
+    planner = SafetyPlanner(policy, layout)
+    teach(planner, layout, np.array([400.0, 200.0]), at=0.0)
+    targets = np.array([200.0, 400.0])
+    planner.plan(1, 0.0, targets)
+    planner.on_ack("n1", 1, {"g1-0": GpuAck(requested_w=200, enforced_w=200)})
+    for tick, at in ((2, 0.05), (3, 0.1), (4, 0.15), (5, 0.2)):
+        planner.plan(tick, at, targets)
+        planner.on_ack("n1", tick, {"g1-0": GpuAck(requested_w=200, enforced_w=200)})
+    planner.committed_w()  # folds the queued acks in, as a plan does first
+    assert not planner._silent(0.25).any()
+    assert planner._silent(2.6).tolist() == [True, False]
+    # Acknowledged at last: not silent, however late.
+    planner.on_ack("n0", 5, {"g0-0": GpuAck(requested_w=200, enforced_w=200)})
+    planner.committed_w()
+    assert not planner._silent(9.0).any()
+
+
 def test_partial_raises_follow_priority_then_uuid() -> None:
     policy, layout = simple_fleet([1, 1, 1], facility=3 * 200.0 + 150.0)
     planner = SafetyPlanner(policy, layout)
