@@ -31,7 +31,6 @@ taken over the whole run: optimistic). They bound what a causal controller can r
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +47,7 @@ from powerd.sim.scenario import load_scenario
 from powerd.sim.site import Mix, build_mix, build_site
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from demand_ladder import with_settings
+from demand_ladder import variant, with_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 Array = np.ndarray
@@ -56,18 +55,7 @@ Array = np.ndarray
 
 def parse_set(items: list[str]) -> dict[str, dict[str, Any]]:
     """`demand.window_s=120`, `deadband_w=0` → policy settings under `control`."""
-    control: dict[str, Any] = {}
-    for item in items:
-        key, value = item.split("=", 1)
-        parsed: Any = value
-        with contextlib.suppress(ValueError):
-            parsed = float(value)
-        if "." in key:
-            sub, name = key.split(".", 1)
-            control.setdefault(sub, {})[name] = parsed
-        else:
-            control[key] = parsed
-    return {"control": control} if control else {}
+    return variant(",".join(items)) if items else {}
 
 
 @dataclass

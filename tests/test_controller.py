@@ -516,6 +516,17 @@ async def test_only_the_awaited_ticks_acks_end_the_wait(site: Site) -> None:
     assert acks_in.is_set() and not ctl._ack_wait
 
 
+def _bare_controller(clock: SteppedClock) -> Controller:
+    """The site's controller on a broker of its own, not running (its loop's parts called
+    one at a time)."""
+    return build_controller(
+        parse_policy(site_policy(), "site.yaml"),
+        MemoryBroker().client("controller"),
+        clock,
+        ControllerOptions(controller_id="controller"),
+    )
+
+
 async def test_a_regular_tick_due_serves_the_acks_no_extra_tick_before_it(
     stepped_clock: SteppedClock,
 ) -> None:
@@ -523,12 +534,7 @@ async def test_a_regular_tick_due_serves_the_acks_no_extra_tick_before_it(
     # regular one: two ticks bunched where one serves. Acks in after a tick that overran, or
     # at the very instant the regular tick comes due, make the regular tick (next_at moves
     # on, the period's extra ticks start again); before it, an extra tick at once.
-    ctl = build_controller(
-        parse_policy(site_policy(), "site.yaml"),
-        MemoryBroker().client("controller"),
-        stepped_clock,
-        ControllerOptions(controller_id="controller"),
-    )
+    ctl = _bare_controller(stepped_clock)
     acks_in = ctl._acks_in = asyncio.Event()
     now = stepped_clock.now
 
@@ -573,12 +579,7 @@ async def test_an_ack_of_another_epoch_or_authority_ends_no_wait(
     # older leader's ack (its ticks may run above ours), a newer one's, or one for another
     # authority resolves none of them: the planner ignores it, so an extra tick on it would
     # find the raises still held and spend the period's extra ticks for nothing.
-    ctl = build_controller(
-        parse_policy(site_policy(), "site.yaml"),
-        MemoryBroker().client("controller"),
-        stepped_clock,
-        ControllerOptions(controller_id="controller"),
-    )
+    ctl = _bare_controller(stepped_clock)
     ours = Authority(site="dc", store="s1", domain="dc")
     ctl.engine.obedience.epoch, ctl.engine.obedience.authority = 5, ours
     acks_in = ctl._acks_in = asyncio.Event()
