@@ -168,7 +168,7 @@ class Controller(AdminWrites):
         # raises back, not yet heard acknowledging; the event is set when the last one has.
         self._ack_wait: set[str] = set()
         self._ack_tick = 0  # the tick whose acks those are
-        self._acks_in: asyncio.Event | None = None
+        self._acks_in = asyncio.Event()
         self.history: deque[TickSummary] = deque(maxlen=options.history)
         self.last_tick: TickReport | None = None
         self.on_tick: list[Callable[[TickReport], None]] = []  # metrics, live view, watchdog
@@ -508,12 +508,11 @@ class Controller(AdminWrites):
         Only raises another tick could make count, and only cuts not refused
         (`SafePlan.cuts_awaited`): waiting on what no ack answers would buy an extra tick
         every period for nothing."""
-        if self._acks_in is not None:
-            self._acks_in.clear()
+        self._acks_in.clear()
         self._ack_wait = set()
-        if self.engine.shadow or not self.leading() or not plan.withheld.any():
+        if self.engine.shadow or not self.leading():
             return
-        awaited = plan.cuts_awaited(self.engine.planner.defiant())
+        awaited = self.engine.cuts_awaited(plan)
         if awaited:
             self._ack_wait, self._ack_tick = awaited, plan.tick
 
@@ -521,7 +520,7 @@ class Controller(AdminWrites):
         """An ack of `tick` from `node`: an older tick's (late) does not answer the wait."""
         if tick >= self._ack_tick and node in self._ack_wait:
             self._ack_wait.discard(node)
-            if not self._ack_wait and self._acks_in is not None:
+            if not self._ack_wait:
                 self._acks_in.set()
 
     def _record(self, report: TickReport, plan: SafePlan) -> None:
@@ -794,7 +793,7 @@ class Controller(AdminWrites):
         frozen: tuple[int, int, int] | None = None
         announced: bool | None = None
         early, extra = False, 0  # a tick on acks (control.ack_ticks), and how many this period
-        self._acks_in = asyncio.Event()
+        self._acks_in = asyncio.Event()  # of this loop (an Event binds to the first that waits)
         while not stop.is_set():
             lead = self.leadership
             if lead is not None:
@@ -879,13 +878,11 @@ class Controller(AdminWrites):
         """Sleep `delay`: "time" when it has passed, "leadership" if the leadership changed
         meanwhile, "acks" (with `acks`) once every node the last tick cut while it
         held raises back has acknowledged (the sleep ends then)."""
-        lead = self.leadership
-        waiting = acks and self._acks_in is not None and bool(self._ack_wait)
-        ready = acks and self._acks_in is not None and self._acks_in.is_set()
-        if ready:
-            assert self._acks_in is not None
-            self._acks_in.clear()
+        lead, acks_in = self.leadership, self._acks_in
+        if acks and acks_in.is_set():
+            acks_in.clear()
             return "acks"
+        waiting = acks and bool(self._ack_wait)
         if lead is None and not waiting:
             await self.clock.sleep(delay)
             return "time"
@@ -894,8 +891,7 @@ class Controller(AdminWrites):
         if lead is not None:
             tasks.append(asyncio.ensure_future(lead.changed.wait()))
         if waiting:
-            assert self._acks_in is not None
-            tasks.append(asyncio.ensure_future(self._acks_in.wait()))
+            tasks.append(asyncio.ensure_future(acks_in.wait()))
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             timed = slept.done()
@@ -904,8 +900,8 @@ class Controller(AdminWrites):
         if lead is not None and lead.changed.is_set():
             return "leadership"
         # Acks in as the sleep ends: the regular tick (it serves them, and moves on).
-        if waiting and not timed and self._acks_in is not None and self._acks_in.is_set():
-            self._acks_in.clear()
+        if waiting and not timed and acks_in.is_set():
+            acks_in.clear()
             return "acks"
         return "time"
 

@@ -315,6 +315,14 @@ class TickEngine:
         self.fleet.acks_heard(plan.sent_nodes)
         self.planner.on_plan_acked(plan, enforced_w)
 
+    def cuts_awaited(self, plan: SafePlan) -> set[str]:
+        """The nodes whose acks of `plan` may let another tick make a raise it held back
+        (`SafePlan.cuts_awaited`, with the planner's refused caps): what the controller's
+        ticks on acks wait for, and what the simulator's rounds of a steer follow."""
+        if not plan.withheld.any():
+            return set()
+        return plan.cuts_awaited(self.planner.defiant())
+
     def on_status(self, node: str, status: NodeStatus) -> bool:
         if node not in self.fleet.node_order:
             return False

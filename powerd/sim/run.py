@@ -306,7 +306,7 @@ class _Run:
             self.solve_ms.append(report.solve_ms)
             # Another round only where acks can release a held raise, as the controller
             # waits (`SafePlan.cuts_awaited`: a cut in flight, not refused).
-            again = plan.withheld.any() and bool(plan.cuts_awaited(engine.planner.defiant()))
+            again = bool(engine.cuts_awaited(plan))
             engine.on_plan_acked(plan, agents.apply_plan(plan))
             # Committed caps once the tick's commands are acknowledged: above a budget (or
             # a rated group's limit) would be a planner bug.
