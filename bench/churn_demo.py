@@ -19,7 +19,6 @@ import asyncio
 import io
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -34,12 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from churn import with_control
 
 SETTLE_S = 60.0
-
-
-def with_deadband(policy: Policy, band: float) -> Policy:
-    spec = policy.spec
-    control = spec.control.model_copy(update={"deadband_w": band})
-    return replace(policy, spec=spec.model_copy(update={"control": control}))
 
 
 def measure(policy: Policy, duration_s: float) -> dict[str, float | int]:
@@ -89,7 +82,7 @@ def main() -> int:
             print(json.dumps({"variant": v, **row}), flush=True)
         return 0
     for band in (float(b) for b in args.deadbands.split(",")):
-        row = measure(with_deadband(default_policy(), band), args.duration)
+        row = measure(with_control(default_policy(), f"deadband_w={band}"), args.duration)
         print(json.dumps({"deadband_w": band, **row}), flush=True)
     return 0
 

@@ -17,7 +17,6 @@ first minute, > 1 W).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
 from dataclasses import replace
@@ -33,6 +32,9 @@ from powerd.sim.baselines import oracle
 from powerd.sim.run import simulate
 from powerd.sim.scenario import load_scenario
 from powerd.sim.site import build_mix, build_site
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from churn import with_control
 
 ROOT = Path(__file__).resolve().parent.parent
 MOVE_W = 1.0  # a cap counts as moved when it changes by more than this
@@ -88,26 +90,14 @@ def with_settings(policy: Policy, settings: dict[str, dict[str, Any]]) -> Policy
     return replace(policy, spec=spec.model_copy(update=update))
 
 
-def variant(name: str) -> dict[str, dict[str, Any]]:
-    """A named rung, or `key=value[,key=value]` control settings (`demand.window_s=120`)."""
+def with_variant(policy: Policy, name: str) -> Policy:
+    """The policy with a named rung's settings, or `key=value[,key=value]` control
+    settings (`demand.window_s=120`, as bench/churn.py takes them)."""
     if name in VARIANTS:
-        return VARIANTS[name]
+        return with_settings(policy, VARIANTS[name])
     if "=" not in name:
         raise SystemExit(f"--variants {name}: not one of {', '.join(VARIANTS)} nor key=value")
-    control: dict[str, Any] = {}
-    for item in name.split(","):
-        key, value = item.split("=", 1)
-        parsed: Any = value
-        with contextlib.suppress(ValueError):
-            parsed = float(value)
-        with contextlib.suppress(ValueError):
-            parsed = int(value)
-        if "." in key:
-            sub, field = key.split(".", 1)
-            control.setdefault(sub, {})[field] = parsed
-        else:
-            control[key] = parsed
-    return {"control": control}
+    return with_control(policy, name)
 
 
 class Moves:
@@ -191,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             continue
         for name in args.variants:
-            policy = with_settings(base, variant(name))
+            policy = with_variant(base, name)
             site = build_site(policy, nodes=n, facility_budget_w=feed).inner_at_nameplate()
             moves = Moves(args.tick_s)
             t0 = time.perf_counter()

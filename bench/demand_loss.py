@@ -47,15 +47,10 @@ from powerd.sim.scenario import load_scenario
 from powerd.sim.site import Mix, build_mix, build_site
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from demand_ladder import variant, with_settings
+from churn import with_control
 
 ROOT = Path(__file__).resolve().parent.parent
 Array = np.ndarray
-
-
-def parse_set(items: list[str]) -> dict[str, dict[str, Any]]:
-    """`demand.window_s=120`, `deadband_w=0` → policy settings under `control`."""
-    return variant(",".join(items)) if items else {}
 
 
 @dataclass
@@ -408,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("console", "warning")
     scenario = load_scenario(args.scenario, {"duration_h": args.duration_h, "tick_s": args.tick_s})
     assert scenario.policy_path is not None
-    policy = with_settings(load_policy(scenario.policy_path), parse_set(args.set))
+    policy = with_control(load_policy(scenario.policy_path), ",".join(args.set))
     site = build_site(policy, nodes=args.nodes).inner_at_nameplate()
     mix = build_mix(scenario, site)
     ref = simulate(scenario, site, mix, "static")
