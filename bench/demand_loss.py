@@ -343,7 +343,7 @@ def view_oracles(
         return f"{pct(a + b, ideal)} ({pct(a, ideal)} after the steer, {pct(b, ideal)} the next)"
 
     floor_w = np.asarray([policy.spec.classes[c].floor_w or 0.0 for c in names])[cls]
-    lo_w = np.maximum(floor_w if floors else 0.0, policy.spec.defaults.gpu.min_cap_w)
+    lo_w = np.maximum(floor_w if floors else np.zeros(cls.size), policy.spec.defaults.gpu.min_cap_w)
     bounds = (lo_w, np.full(cls.size, policy.spec.defaults.gpu.max_cap_w))
     changes = [(nxt - seen, dt_a), (nxt2 - seen, dt_b)]
     by_class = np.broadcast_to(cls, seen.shape)
