@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -241,3 +242,25 @@ def test_a_gain_against_a_baseline_that_delivered_almost_nothing_is_a_multiple()
     assert _gain(90.0, 100.0) == "-10%"
     assert _gain(295.26, 1.0) == "295× the"  # not "+29426%"
     assert _gain(1.0, 0.0) == "-"
+
+
+def test_the_headline_names_a_rating_where_uncapped_never_reached_a_budget() -> None:
+    """Under the strict rule a burst seen a tick late is lost whatever the allocator does
+    (docs/performance.md, "Bursty serving"): where uncapped stayed under every budget and
+    the lead lost work to it, the headline says what lends that room, and only then."""
+    from types import SimpleNamespace
+
+    from powerd.sim.report import _rating_hint
+
+    def report(rated: bool) -> Any:
+        groups = [SimpleNamespace(overload=object() if rated else None)]
+        return SimpleNamespace(site=SimpleNamespace(policy=SimpleNamespace(groups=groups)))
+
+    u = SimpleNamespace(work_gpu_s=1000.0, max_excess_ratio=0.873)
+    lost = SimpleNamespace(work_gpu_s=972.0)
+    (line,) = _rating_hint(report(False), lost, u, same=True)  # type: ignore[arg-type]
+    assert "87.3% of a budget" in line and "--overload PCT:SECONDS" in line
+    assert _rating_hint(report(True), lost, u, same=True) == []  # type: ignore[arg-type]
+    assert _rating_hint(report(False), lost, u, same=False) == []  # type: ignore[arg-type]
+    kept = SimpleNamespace(work_gpu_s=999.5)  # 0.05 % lost: nothing to say
+    assert _rating_hint(report(False), kept, u, same=True) == []  # type: ignore[arg-type]

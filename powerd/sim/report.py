@@ -380,6 +380,7 @@ def headline_block(report: Report) -> list[str]:
             f"{_duration(u.over_budget_s)} over a budget, worst {u.max_excess_ratio:.1%}): "
             f"{_gain(r.work_gpu_s, u.work_gpu_s)} work"
         )
+        lines += _rating_hint(report, r, u, same=same)
     orc = report.baselines.get(ORACLE)
     if orc is not None and orc.work_gpu_s > 0:
         share = r.weighted_work_gpu_s / orc.weighted_work_gpu_s
@@ -402,6 +403,27 @@ def headline_block(report: Report) -> list[str]:
             parts.append(f"oracle {best:,} ({lead} = {(fit or 0) / best:.1%} of it)")
         lines.append(", ".join(parts))
     return lines
+
+
+# Work lost against uncapped never over a budget from which the headline names a rating.
+RATING_HINT_LOSS = 0.001
+
+
+def _rating_hint(report: Report, r: RunResult, u: BaselineResult, *, same: bool) -> list[str]:
+    """Where uncapped was never over a budget and the lead still lost work to it under the
+    strict rule, the one lever left: caps may commit above the budgets while the draw stays
+    below them only with an overload rating (no causal allocator recovers bursts seen a tick
+    late: docs/performance.md, "Bursty serving")."""
+    rated = any(g.overload is not None for g in report.site.policy.groups)
+    if not same or rated or u.work_gpu_s <= 0:
+        return []
+    if 1.0 - r.work_gpu_s / u.work_gpu_s <= RATING_HINT_LOSS:
+        return []
+    return [
+        f"  uncapped never drew over {u.max_excess_ratio:.1%} of a budget: with a rating "
+        "(`overload`, --overload PCT:SECONDS) caps may commit above the budgets while the "
+        "draw stays below them"
+    ]
 
 
 def compare_lines(results: dict[str, RunResult]) -> list[str]:
