@@ -10,6 +10,13 @@ move is a call on the node (NVML, a BMC) and a message on the broker. The deadba
   and the raises together no longer fit a group's limit, the raises under that group are
   funded from the room left, whole raises in turn (GPUs whose draw presses on their cap
   first, then the largest), the one the room runs out on in part: fewer, larger moves;
+- **funds a pressed GPU's raise from held cuts** only where `control.fund_pressed_w` asks
+  (off by default): under such a group, once the raises of GPUs not pressed are trimmed,
+  the held cuts of at least `fund_pressed_w` of GPUs not pressed go, the largest first
+  (the last in part), before a pressed GPU's raise is trimmed (a pressed raise is work
+  waiting, a held cut only churn avoided); measured, each release is a move, and it
+  tripled the moves on the recorded traces and cost synchronous training work
+  (docs/performance.md, "Raises on acks");
 - **never holds back a cut a limit needs**: where the held cuts alone break a group's limit
   (a budget cut, a limit that fell), held cuts under that group go, the largest first,
   until it fits (the last in part): no more than the limit needs, so caps follow a ramping
@@ -17,7 +24,7 @@ move is a call on the node (NVML, a BMC) and a message on the broker. The deadba
 - **never holds a pressed GPU's raise** (but for the opt-in dwell below): a held raise
   would only leave power unused, but measured, holding raises cost the work the headroom
   above an inference GPU's draw is there for (docs/allocator.md, "Deadband"); only raises
-  of at most `raise_band_w` (`control.raise_deadband_w`) of GPUs whose draw does not
+  of at most `Bands.raise_w` (`control.raise_deadband_w`) of GPUs whose draw does not
   press on their cap are held (they follow the demand estimate's recent peak; no work
   waits on them);
 - **holds the moves of a GPU whose cap moved lately** only where `control.dwell_s` asks
@@ -25,9 +32,10 @@ move is a call on the node (NVML, a BMC) and a message on the broker. The deadba
   until its cap has stayed `dwell_s`; its cuts still go where a limit needs them.
 
 So the targets it returns fit every group's limit wherever the allocator's did: each group
-either fits as it is or ends at most at min(target, cap in force) per GPU. Pinned GPUs (an
-operator's cap, a drained node), GPUs the planner holds (NaN targets) and GPUs whose cap in
-force lies outside their bounds are never held.
+either fits as it is or ends at most at min(target, cap in force) per GPU (a released cut
+stops at its target and only lowers every sum it is in). Pinned GPUs (an operator's cap, a
+drained node), GPUs the planner holds (NaN targets) and GPUs whose cap in force lies
+outside their bounds are never held.
 """
 
 from __future__ import annotations
