@@ -25,7 +25,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from powerd.controller.deadband import hold_small_cuts
+from powerd.controller.deadband import Bands, hold_small_cuts
 from powerd.logs import configure_logging
 from powerd.policy import Policy, load_policy
 from powerd.sim.run import simulate
@@ -36,18 +36,19 @@ from powerd.topology import Topology
 
 
 def with_control(policy: Policy, assignments: str) -> Policy:
-    """The policy with `key=value[,key=value]` set in its `control`: a number, or a word
-    for a choice; a dotted key sets a field of a section (`demand.window_s=120`), and
-    `defaults.KEY` one of the policy's defaults (`defaults.headroom_w=30`)."""
+    """The policy with `key=value[,key=value]` set in its `control`: a number, a word for
+    a choice, or `none` for None; a dotted key sets a field of a section
+    (`demand.window_s=120`), and `defaults.KEY` one of the policy's defaults
+    (`defaults.headroom_w=30`)."""
     spec = policy.spec
     fields = spec.control.model_dump()
     for item in filter(None, assignments.split(",")):
         key, _, text = item.partition("=")
-        value: float | str
+        value: float | str | None
         try:
             value = float(text)
         except ValueError:
-            value = text
+            value = None if text == "none" else text
         if key.startswith("defaults."):
             defaults = spec.defaults.model_copy(update={key.removeprefix("defaults."): value})
             spec = spec.model_copy(update={"defaults": defaults})
@@ -81,7 +82,7 @@ def rule_cost(reps: int = 50) -> dict[str, float]:
             hold_small_cuts(
                 targets,
                 prev,
-                deadband_w=40.0,
+                bands=Bands(40.0),
                 topology=topo,
                 capacity_w=capacity,
                 holdable=holdable,

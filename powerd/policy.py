@@ -375,6 +375,12 @@ class Control(_Strict):
     # budget has room (docs/performance.md, "Cap churn").
     dwell_s: float = Field(default=0.0, ge=0, le=3600, allow_inf_nan=False)
     dwell_max_w: NonNegWatts = 80.0
+    # Where held cuts leave a group too little room for the raises of GPUs whose draw
+    # presses on their cap, held cuts of at least this much of GPUs not pressed go first
+    # (the largest first), before those raises are trimmed: a pressed raise is work
+    # waiting, a held cut only churn avoided (docs/allocator.md, "Deadband"). None: the
+    # raises are trimmed first. Each release is a move: it costs churn (docs/performance.md).
+    fund_pressed_w: NonNegWatts | None = None
     # Power no GPU can turn into throughput: "peak" leaves it unallocated (no cap above its
     # profile's peak), "max" hands it out up to each GPU's maximum cap.
     leftover: Literal["peak", "max"] = "peak"

@@ -14,7 +14,7 @@ from support.honest import GPUS, NODES, HonestNode, policy_dict
 from support.sim import scenario_dict, small_policy
 
 from powerd.controller.churn import Churn, cap_moves
-from powerd.controller.deadband import hold_small_cuts
+from powerd.controller.deadband import Bands, hold_small_cuts
 from powerd.controller.overrides import BudgetOverride
 from powerd.controller.tick import TickEngine
 from powerd.policy import parse_policy
@@ -36,6 +36,8 @@ TOL = 1e-6
     cut=st.booleans(),
     raise_band=st.sampled_from([0.0, 20.0, 60.0]),
     dwell_max=st.sampled_from([0.0, 80.0, np.inf]),
+    fund=st.sampled_from([None, 0.0, 20.0]),
+    pressed_share=st.sampled_from([0.3, 0.7]),
 )
 def test_held_caps_never_break_a_limit_and_a_cap_inside_the_band_stays(
     shape: tuple[int, int, int, int],
@@ -45,6 +47,8 @@ def test_held_caps_never_break_a_limit_and_a_cap_inside_the_band_stays(
     cut: bool,
     raise_band: float,
     dwell_max: float,
+    fund: float | None,
+    pressed_share: float,
 ) -> None:
     policy = make_policy(*shape)
     topo = _topology(policy)
@@ -63,20 +67,18 @@ def test_held_caps_never_break_a_limit_and_a_cap_inside_the_band_stays(
     )
     capacity = topo.group_sums(counted) + slack
     holdable = rng.random(n) < 0.9
-    pressed = rng.random(n) < 0.3
+    pressed = rng.random(n) < pressed_share
     # GPUs whose cap moved lately (`control.dwell_s`): their moves up to dwell_max stay.
     dwelling = rng.random(n) < 0.4 if dwell_max > 0 else None
     out, held = hold_small_cuts(
         targets,
         prev,
-        deadband_w=band,
+        bands=Bands(band, raise_band, dwell_max, fund),
         topology=topo,
         capacity_w=capacity,
         holdable=holdable,
         pressed=pressed,
-        raise_band_w=raise_band,
         dwelling=dwelling,
-        dwell_max_w=dwell_max,
     )
     dwell = np.zeros(n, dtype=np.bool_) if dwelling is None else dwelling
     dwell = dwell & holdable & (np.abs(targets - prev) <= dwell_max)  # NaN compares False
@@ -88,6 +90,9 @@ def test_held_caps_never_break_a_limit_and_a_cap_inside_the_band_stays(
     assert np.array_equal(out[held], prev[held])
     finite = np.isfinite(targets)
     assert (after[finite] <= np.maximum(targets, prev)[finite] + TOL).all()
+    # Nobody goes below its target (a released cut stops at it), nor a raise below the cap
+    # in force.
+    assert (after[finite] >= np.minimum(targets, prev)[finite] - TOL).all()
     # A move is held only inside the band, and only where the GPU may be held.
     assert not (held & ~holdable).any()
     held_cut = held & (targets < prev)
@@ -116,12 +121,62 @@ def test_held_caps_never_break_a_limit_and_a_cap_inside_the_band_stays(
         assert np.allclose(out[free], targets[free])
         assert np.array_equal(held_raise, up & (small | dwell))
     # Inside the band (or dwelling) a cut stays unless the held cuts alone (everyone else
-    # at min(target, cap in force)) break a limit.
+    # at min(target, cap in force)) break a limit, or (with `fund`) it is a cut of at least
+    # `fund` of a GPU not pressed under a group with a pressed GPU's raise.
     cut_in = holdable & finite & (targets < prev) & ((targets >= prev - band) | dwell)
     base = np.where(cut_in, prev, np.minimum(counted, prev))
     room = capacity - topo.group_sums(base)
     safe = (room[topo.gpu_groups] > 1e-3).all(axis=1)
-    assert np.array_equal(out[cut_in & safe], prev[cut_in & safe])
+    funds = np.zeros(n, dtype=np.bool_)
+    if fund is not None:
+        funds = cut_in & ~pressed & (prev - targets >= fund)
+        raised = topo.group_sums((up & pressed).astype(np.float64)) > 0
+        funds &= raised[topo.gpu_groups].any(axis=1)
+    stays = cut_in & safe & ~funds
+    assert np.array_equal(out[stays], prev[stays])
+    # With `fund`, a pressed GPU's raise is trimmed only under a group whose held cuts that
+    # may fund it (of GPUs not pressed, at least `fund`) all went, each to its target.
+    if fund is not None:
+        may_go = cut_in & ~pressed & (prev - targets >= fund)
+        spent = ~may_go | np.isclose(after, targets, rtol=0.0, atol=TOL)
+        all_spent = topo.group_sums((~spent).astype(np.float64)) == 0
+        short = up & pressed & ~dwell & (after < targets - 1e-3)
+        assert all_spent[topo.gpu_groups[short]].any(axis=1).all()
+
+
+def test_held_cuts_go_to_fund_a_pressed_raise_before_it_is_trimmed() -> None:
+    # One node of four GPUs at 400 W; the allocator's targets fill the limit exactly: GPU 0
+    # presses on its cap and rises by 60 W, GPUs 1 and 2 fall by 30 and 20 W (inside the
+    # band), GPU 3 stays.
+    topo = _topology(make_policy(1, 1, 1, 4))
+    prev = np.full(4, 400.0)
+    targets = np.array([460.0, 370.0, 380.0, 400.0])
+    capacity = np.full(topo.n_groups, targets.sum())
+    holdable = np.ones(4, dtype=np.bool_)
+
+    def run(fund: float | None, pressed: list[bool]) -> np.ndarray:
+        out, _ = hold_small_cuts(
+            targets,
+            prev,
+            bands=Bands(40.0, 40.0, fund_pressed_w=fund),
+            topology=topo,
+            capacity_w=capacity,
+            holdable=holdable,
+            pressed=np.array(pressed),
+        )
+        assert topo.group_sums(out).max() <= capacity[0] + TOL
+        return out
+
+    # Off: the held cuts keep the room and the pressed raise gets 10 W of its 60.
+    assert np.allclose(run(None, [True, False, False, False]), [410.0, 400.0, 400.0, 400.0])
+    # On: both held cuts go, the largest first, and the raise is made in full.
+    assert np.allclose(run(0.0, [True, False, False, False]), targets)
+    # Only held cuts of at least `fund_pressed_w` go: the 30 W one funds 30 W more.
+    assert np.allclose(run(25.0, [True, False, False, False]), [440.0, 370.0, 400.0, 400.0])
+    # A held cut of a pressed GPU is not spent on another's raise: the 20 W one is ...
+    assert np.allclose(run(0.0, [True, True, False, False]), [430.0, 400.0, 380.0, 400.0])
+    # ... and an unpressed GPU's raise is trimmed, as without `fund_pressed_w`.
+    assert np.allclose(run(0.0, [False, False, False, False]), [410.0, 400.0, 400.0, 400.0])
 
 
 def _topology(policy: Any) -> Topology:
@@ -151,11 +206,14 @@ class SwingingNode(HonestNode):
         return {u: min(self.caps[u], self.demand[u]) for u in self.uuids}
 
 
-def _deadband_policy(band: float, raise_band: float = 0.0, dwell_s: float = 0.0) -> Any:
+def _deadband_policy(
+    band: float, raise_band: float = 0.0, dwell_s: float = 0.0, fund: float | None = None
+) -> Any:
     data = policy_dict()
     data["control"]["deadband_w"] = band
     data["control"]["raise_deadband_w"] = raise_band
     data["control"]["dwell_s"] = dwell_s
+    data["control"]["fund_pressed_w"] = fund
     return parse_policy(data)
 
 
@@ -172,11 +230,18 @@ def _deadband_policy(band: float, raise_band: float = 0.0, dwell_s: float = 0.0)
     band=st.sampled_from([10.0, 40.0, 120.0]),
     raise_band=st.sampled_from([0.0, 40.0, 120.0]),
     dwell_s=st.sampled_from([0.0, 3.0]),
+    fund=st.sampled_from([None, 0.0, 20.0]),
 )
 def test_every_budget_holds_at_every_tick_through_swings_and_cuts(
-    steps: list[tuple[str, int]], band: float, raise_band: float, dwell_s: float
+    steps: list[tuple[str, int]],
+    band: float,
+    raise_band: float,
+    dwell_s: float,
+    fund: float | None,
 ) -> None:
-    policy = _deadband_policy(band, raise_band, dwell_s)
+    # fund: held cuts released to fund pressed GPUs' raises (the swinging nodes' GPUs
+    # draw their demand up to their cap: those whose demand is above it press on it).
+    policy = _deadband_policy(band, raise_band, dwell_s, fund)
     engine = TickEngine(policy)
     nodes = {n: SwingingNode(n) for n in NODES}
     wall0 = 1_700_000_000.0

@@ -10,6 +10,13 @@ move is a call on the node (NVML, a BMC) and a message on the broker. The deadba
   and the raises together no longer fit a group's limit, the raises under that group are
   funded from the room left, whole raises in turn (GPUs whose draw presses on their cap
   first, then the largest), the one the room runs out on in part: fewer, larger moves;
+- **funds a pressed GPU's raise from held cuts** only where `control.fund_pressed_w` asks
+  (off by default): under such a group, once the raises of GPUs not pressed are trimmed,
+  the held cuts of at least `fund_pressed_w` of GPUs not pressed go, the largest first
+  (the last in part), before a pressed GPU's raise is trimmed (a pressed raise is work
+  waiting, a held cut only churn avoided); measured, each release is a move, and it
+  tripled the moves on the recorded traces and cost synchronous training work
+  (docs/performance.md, "Raises on acks");
 - **never holds back a cut a limit needs**: where the held cuts alone break a group's limit
   (a budget cut, a limit that fell), held cuts under that group go, the largest first,
   until it fits (the last in part): no more than the limit needs, so caps follow a ramping
@@ -17,7 +24,7 @@ move is a call on the node (NVML, a BMC) and a message on the broker. The deadba
 - **never holds a pressed GPU's raise** (but for the opt-in dwell below): a held raise
   would only leave power unused, but measured, holding raises cost the work the headroom
   above an inference GPU's draw is there for (docs/allocator.md, "Deadband"); only raises
-  of at most `raise_band_w` (`control.raise_deadband_w`) of GPUs whose draw does not
+  of at most `Bands.raise_w` (`control.raise_deadband_w`) of GPUs whose draw does not
   press on their cap are held (they follow the demand estimate's recent peak; no work
   waits on them);
 - **holds the moves of a GPU whose cap moved lately** only where `control.dwell_s` asks
@@ -25,12 +32,15 @@ move is a call on the node (NVML, a BMC) and a message on the broker. The deadba
   until its cap has stayed `dwell_s`; its cuts still go where a limit needs them.
 
 So the targets it returns fit every group's limit wherever the allocator's did: each group
-either fits as it is or ends at most at min(target, cap in force) per GPU. Pinned GPUs (an
-operator's cap, a drained node), GPUs the planner holds (NaN targets) and GPUs whose cap in
-force lies outside their bounds are never held.
+either fits as it is or ends at most at min(target, cap in force) per GPU (a released cut
+stops at its target and only lowers every sum it is in). Pinned GPUs (an operator's cap, a
+drained node), GPUs the planner holds (NaN targets) and GPUs whose cap in force lies
+outside their bounds are never held.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import NDArray
@@ -44,20 +54,31 @@ BoolArray = NDArray[np.bool_]
 TOL_W = 1e-6
 
 
+@dataclass(frozen=True)
+class Bands:
+    """The deadband's settings (`control`): cuts of at most `cut_w` (`deadband_w`) are held;
+    raises of at most `raise_w` (`raise_deadband_w`) of GPUs not pressed too; a dwelling
+    GPU's moves of at most `dwell_max_w`; held cuts of at least `fund_pressed_w` of GPUs
+    not pressed go to fund pressed GPUs' raises (None: they do not)."""
+
+    cut_w: float
+    raise_w: float = 0.0
+    dwell_max_w: float = np.inf
+    fund_pressed_w: float | None = None
+
+
 def hold_small_cuts(
     targets_w: FloatArray,
     in_force_w: FloatArray,
     *,
-    deadband_w: float,
+    bands: Bands,
     topology: Topology,
     capacity_w: FloatArray,
     holdable: BoolArray,
     pressed: BoolArray | None = None,
-    raise_band_w: float = 0.0,
     dwelling: BoolArray | None = None,
-    dwell_max_w: float = np.inf,
 ) -> tuple[FloatArray, BoolArray]:
-    """(targets, held): the targets with every cut of at most `deadband_w` held at the cap
+    """(targets, held): the targets with every cut of at most `bands.cut_w` held at the cap
     in force, and per GPU whether it was held.
 
     `in_force_w`: per GPU the cap that may be in force (the planner's committed cap);
@@ -65,13 +86,18 @@ def hold_small_cuts(
     `holdable`: per GPU whether the deadband may hold it; `pressed`: per GPU whether its
     draw presses on its cap (its raise is work: funded first where room is short). NaN
     targets (hold the committed cap) pass through and count at the cap in force.
-    `raise_band_w`: raises of at most this much are held too, but only of holdable GPUs
+    `bands.raise_w`: raises of at most this much are held too, but only of holdable GPUs
     not `pressed` (None: no GPU's raise is held): such a raise follows the demand
     estimate's recent peak, no work waits on it, and holding it only leaves power unused.
     `dwelling`: per GPU whether its cap moved lately (`control.dwell_s`; None: none did):
-    a holdable dwelling GPU's moves of at most `dwell_max_w`, up or down, pressed or not,
-    are held too (its cuts released, like any held cut, where a limit needs them).
+    a holdable dwelling GPU's moves of at most `bands.dwell_max_w`, up or down, pressed or
+    not, are held too (its cuts released, like any held cut, where a limit needs them).
+    `bands.fund_pressed_w`: where a group is over, held cuts of at least this much of GPUs
+    not pressed go, the largest first, to fund the pressed GPUs' raises before those are
+    trimmed (None: the raises are trimmed first).
     """
+    deadband_w, raise_band_w = bands.cut_w, bands.raise_w
+    dwell_max_w, fund_pressed_w = bands.dwell_max_w, bands.fund_pressed_w
     targets = np.asarray(targets_w, dtype=np.float64)
     dwell = None if dwelling is None or not dwelling.any() else holdable & dwelling
     if (deadband_w <= 0 and raise_band_w <= 0 and dwell is None) or targets.size == 0:
@@ -96,6 +122,11 @@ def hold_small_cuts(
     capacity = np.asarray(capacity_w, dtype=np.float64)
     n_groups = topology.n_groups
     rank: NDArray[np.int64] | None = None
+    funds = None
+    if fund_pressed_w is not None and pressed is not None:
+        # Held cuts that may fund a pressed GPU's raise: of GPUs not pressed, at least
+        # `fund_pressed_w` (NaN compares False).
+        funds = (pressed, held_at_first & ~pressed & (prev - targets >= fund_pressed_w))
     for level in range(N_LEVELS):
         group = topology.gpu_group_columns[level]
         sums = np.bincount(group, weights=counted, minlength=n_groups)
@@ -106,6 +137,10 @@ def hold_small_cuts(
         rise = np.maximum(counted - prev, 0.0)
         if rank is None:
             rank = _rank(rise, pressed)
+        if funds is not None:
+            counted, excess = _fund_pressed(
+                counted, targets, excess, rise, group, over=over, funds=funds
+            )
         rises = np.bincount(group, weights=rise, minlength=n_groups)
         room = np.maximum(rises - excess, 0.0)  # what the raises under each group may take
         trimmed = np.where(rise > 0, prev + _fill(rise, group, room, over, rank), counted)
@@ -124,6 +159,34 @@ def hold_small_cuts(
         out = np.where(changed, trimmed, out)
         counted = np.where(np.isnan(out), prev, out)
     return out, held_at_first & (counted == prev)
+
+
+def _fund_pressed(
+    counted: FloatArray,
+    targets: FloatArray,
+    excess: FloatArray,
+    rise: FloatArray,
+    group: NDArray[np.int64],
+    *,
+    over: BoolArray,
+    funds: tuple[BoolArray, BoolArray],
+) -> tuple[FloatArray, FloatArray]:
+    """(counted, excess) with held cuts released to fund the raises of pressed GPUs
+    (`funds`: per GPU whether it is pressed, whether its held cut may go). Under each `over`
+    group with a pressed GPU's raise: the other raises are trimmed first (by the caller),
+    then these held cuts go, the largest first (the last in part), until the pressed raises
+    fit or none is left: a pressed raise is work waiting, a held cut only churn avoided."""
+    pressed, releasable = funds
+    n_groups = excess.size
+    ups = np.bincount(group, weights=np.where(pressed, rise, 0.0), minlength=n_groups)
+    others = np.bincount(group, weights=np.where(pressed, 0.0, rise), minlength=n_groups)
+    need = np.where(over & (ups > TOL_W), np.maximum(excess - others, 0.0), 0.0)
+    wanted = need > TOL_W
+    if not wanted.any():
+        return counted, excess
+    cut = np.where(releasable & wanted[group], np.maximum(counted - targets, 0.0), 0.0)
+    made = np.where(cut > 0, _fill(cut, group, need, wanted, _rank(cut, None)), 0.0)
+    return counted - made, excess - np.bincount(group, weights=made, minlength=n_groups)
 
 
 def _rank(rise: FloatArray, pressed: BoolArray | None) -> NDArray[np.int64]:

@@ -40,7 +40,7 @@ from powerd.allocator.problem import held_back, held_share
 from powerd.allocator.scopes import DemandCurve
 from powerd.controller.budgets import Budgets, BudgetsInForce, ScopeRoot
 from powerd.controller.churn import MOVE_TOL_W, cap_moves
-from powerd.controller.deadband import hold_small_cuts
+from powerd.controller.deadband import Bands, hold_small_cuts
 from powerd.controller.fleet import (
     FleetArrays,
     FleetGpu,
@@ -571,19 +571,18 @@ class TickEngine:
         lo = np.maximum(fleet.min_cap_w, classes.floor_w[targets.class_index])
         hi = np.minimum(fleet.max_cap_w, classes.ceiling_w[targets.class_index])
         holdable = np.isnan(fleet.pinned_w) & (prev >= lo) & (prev <= hi)
+        control = self.policy.control
         held_w, held = hold_small_cuts(
             targets.targets_w,
             prev,
-            deadband_w=band,
+            bands=Bands(band, raise_band, control.dwell_max_w, control.fund_pressed_w),
             topology=topo,
             capacity_w=np.asarray(budgets.limit_w, dtype=np.float64)
             - topo.overhead_w
             - seen.shape.reserve_w,
             holdable=holdable,
-            pressed=held_back(fleet, self.policy.control.demand),
-            raise_band_w=raise_band,
+            pressed=held_back(fleet, control.demand),
             dwelling=dwelling,
-            dwell_max_w=self.policy.control.dwell_max_w,
         )
         return replace(targets, targets_w=held_w), int(held.sum())
 
