@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import structlog
@@ -47,6 +47,10 @@ NO_TRIP = "no_trip"
 NEVER_OVER = "never_over"
 
 
+Results = dict[tuple[Any, ...], RunResult]
+T = TypeVar("T")
+
+
 @dataclass(frozen=True)
 class Task:
     key: tuple[Any, ...]
@@ -58,6 +62,9 @@ class Task:
     objective: str = "weighted"  # the oracle's: weighted or total work
     stop: StopRule | None = None  # a steered run: end it once it provably fails
     steered_steps: bool = False  # `static` in a steered run's steps (a `StopRule`'s bound)
+    # Tasks with the same `run_id` are the same run (the same scenario and policy objects,
+    # site and settings): a runner runs it once and gives each the same result.
+    run_id: tuple[Any, ...] | None = None
 
 
 def run_one(task: Task, progress: Progress | None) -> RunResult:
@@ -87,7 +94,7 @@ def run_one(task: Task, progress: Progress | None) -> RunResult:
 
 
 _counter: Any = None
-_stop: Any = None  # set by the parent when it stops early (Ctrl-C): workers leave
+_stop: Any = None  # set by the parent when it stops early (Ctrl-C, a failed run): workers leave
 _parent = 0
 
 
@@ -100,7 +107,8 @@ def _tick(n: int) -> None:
     with _counter.get_lock():
         _counter.value += n
     # A worker outlives its parent (killed: SIGTERM) or finishes a run it was told to drop
-    # (Ctrl-C) only until its next progress step: no stray processes burning CPU.
+    # (Ctrl-C, another run failed) only until its next progress step: no stray processes
+    # burning CPU.
     if _stop.value or os.getppid() != _parent:
         os._exit(1)
 
@@ -109,57 +117,180 @@ def _run_task(task: Task) -> RunResult:
     return run_one(task, _tick if _counter is not None else None)
 
 
+@dataclass(eq=False)
+class _Job:
+    task: Task
+    foreground: bool  # a `Runner.run` waits for it: it goes before any started in the background
+    seq: int  # the order it came in
+    done: bool = False
+    result: RunResult | None = None
+
+    @property
+    def size(self) -> int:
+        return self.task.site.n_gpus * self.task.scenario.ticks
+
+
+class Pending(Generic[T]):
+    """Runs started on a `Runner`, and what their results make once they are all in
+    (`result`, which waits for them)."""
+
+    def __init__(
+        self, runner: Runner, jobs: dict[tuple[Any, ...], _Job], make: Callable[[Results], T]
+    ) -> None:
+        self._runner = runner
+        self._jobs = jobs  # by the key of the task given (a job may be another task's run)
+        self._make = make
+
+    def result(self) -> T:
+        self._runner._finish(list(self._jobs.values()))
+        out: Results = {}
+        for key, job in self._jobs.items():
+            assert job.result is not None
+            out[key] = job.result
+        return self._make(out)
+
+
+def _same(results: Results) -> Results:
+    return results
+
+
 class Runner:
-    """Runs tasks, in parallel when jobs > 1, reporting progress in ticks."""
+    """Runs tasks, in parallel processes when jobs > 1, and keeps one progress count in
+    ticks across all of them.
+
+    `run` runs tasks and waits for them; `start` queues tasks in the background and returns
+    at once (a `Pending`): a worker takes a background task only when no task of a `run`
+    waits, so a chain of `run`s (the oversubscription search's rounds) keeps its pace and
+    the background fills the workers it leaves idle. With jobs = 1 every task runs at once,
+    in this process, in the order given. Used as a context manager, the runner keeps its
+    worker processes from one `run` to the next (closed when the block ends; its background
+    tasks not waited for are dropped); otherwise each `run` starts and closes its own.
+    Results do not depend on the jobs nor the order: every run is a function of its task.
+    """
 
     def __init__(self, jobs: int = 1, progress: ProgressHook | None = None) -> None:
         self.jobs = max(1, jobs)
         self.progress = progress
         self.done_ticks = 0
         self.total_ticks = 0
+        self._keep = False  # keep the pool between runs (inside a `with` block)
+        self._seq = 0
+        self._queue: list[_Job] = []
+        self._running: dict[Future[RunResult], _Job] = {}
+        self._by_id: dict[tuple[Any, ...], _Job] = {}  # `Task.run_id` → its job
+        self._pool: ProcessPoolExecutor | None = None
+        self._stop: Any = None
+        self._counter: Any = None  # ticks done in workers, over the runner's life
+        self._local_ticks = 0  # ticks done in this process
 
-    def run(self, tasks: Sequence[Task]) -> dict[tuple[Any, ...], RunResult]:
-        self.total_ticks += sum(t.scenario.ticks for t in tasks)
-        if self.jobs == 1 or len(tasks) <= 1:
-            out = {}
-            for task in tasks:
-                out[task.key] = run_one(task, self._step)
-            return out
-        return self._parallel(tasks)
+    def __enter__(self) -> Runner:
+        self._keep = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._keep = False
+        self._close(abort=bool(self._queue or self._running))
+
+    def run(self, tasks: Sequence[Task]) -> Results:
+        """Run the tasks and wait for them; before any task started in the background."""
+        return self._submit(tasks, foreground=True, make=_same).result()
+
+    def start(self, tasks: Sequence[Task], make: Callable[[Results], T]) -> Pending[T]:
+        """Queue the tasks in the background (with jobs = 1, run them now); `make` builds
+        what the caller wants from their results (by task key) once `result` is asked."""
+        return self._submit(tasks, foreground=False, make=make)
+
+    def _submit(
+        self, tasks: Sequence[Task], *, foreground: bool, make: Callable[[Results], T]
+    ) -> Pending[T]:
+        jobs: dict[tuple[Any, ...], _Job] = {}
+        for task in tasks:
+            job = self._by_id.get(task.run_id) if task.run_id is not None else None
+            if job is None:
+                job = _Job(task, foreground, self._seq)
+                self._seq += 1
+                self.total_ticks += task.scenario.ticks
+                self._queue.append(job)
+                if task.run_id is not None:
+                    self._by_id[task.run_id] = job
+            job.foreground = job.foreground or foreground
+            jobs[task.key] = job
+        if self.jobs == 1:
+            self._finish(list(jobs.values()))
+        return Pending(self, jobs, make)
+
+    def _finish(self, jobs: Sequence[_Job]) -> None:
+        """Run until every one of `jobs` is done: in this process with jobs = 1, or where
+        one task alone is queued and no worker is busy; else over the pool."""
+        waiting = [j for j in jobs if not j.done]
+        if not waiting:
+            return
+        if self.jobs == 1 or (self._pool is None and len(self._queue) == 1 and not self._running):
+            for job in waiting:
+                self._queue.remove(job)
+                job.result, job.done = run_one(job.task, self._step), True
+            return
+        try:
+            while not all(j.done for j in waiting):
+                self._fill()
+                if not self._running:  # dropped when another run failed
+                    raise RuntimeError("the runner stopped: its runs were dropped")
+                done, _ = wait(self._running, timeout=0.25, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    job = self._running.pop(fut)
+                    job.result, job.done = fut.result(), True  # a failed run raises here
+                self._report()
+        except BaseException:  # Ctrl-C, or a run that failed: the others stop too
+            self._close(abort=True)
+            raise
+        if not self._keep and not self._queue and not self._running:
+            self._close(abort=False)
+
+    def _fill(self) -> None:
+        """Give each idle worker the next task: those a `run` waits for first, the largest
+        (GPUs × ticks) first, so the last worker does not start last."""
+        if self._pool is None:
+            ctx = multiprocessing.get_context()
+            if self._counter is None:
+                self._counter = ctx.Value("q", 0)
+            self._stop = ctx.Value("b", 0, lock=False)  # one byte, written once
+            self._pool = ProcessPoolExecutor(
+                max_workers=self.jobs,
+                mp_context=ctx,
+                initializer=_init_worker,
+                initargs=(self._counter, self._stop),
+            )
+        while self._queue and len(self._running) < self.jobs:
+            job = self._next()
+            self._running[self._pool.submit(_run_task, job.task)] = job
+
+    def _next(self) -> _Job:
+        """The queued task a worker takes next (taken off the queue)."""
+        job = min(self._queue, key=lambda j: (not j.foreground, -j.size, j.seq))
+        self._queue.remove(job)
+        return job
+
+    def _close(self, *, abort: bool) -> None:
+        """Close the pool; with `abort`, its workers leave their runs at their next tick and
+        the queued runs are dropped."""
+        if abort:
+            if self._stop is not None:
+                self._stop.value = 1
+            self._queue.clear()
+            self._running.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
     def _step(self, n: int) -> None:
-        self.done_ticks += n
+        self._local_ticks += n
+        self._report()
+
+    def _report(self) -> None:
+        workers = 0 if self._counter is None else int(self._counter.value)
+        self.done_ticks = self._local_ticks + workers
         if self.progress is not None:
             self.progress(self.done_ticks, self.total_ticks)
-
-    def _parallel(self, tasks: Sequence[Task]) -> dict[tuple[Any, ...], RunResult]:
-        ctx = multiprocessing.get_context()
-        counter = ctx.Value("q", 0)
-        stop = ctx.Value("b", 0, lock=False)  # one byte, written once
-        base = self.done_ticks
-        out: dict[tuple[Any, ...], RunResult] = {}
-        with ProcessPoolExecutor(
-            max_workers=min(self.jobs, len(tasks)),
-            mp_context=ctx,
-            initializer=_init_worker,
-            initargs=(counter, stop),
-        ) as pool:
-            # Longest first (most GPUs × ticks), so the last worker does not start last.
-            order = sorted(tasks, key=lambda t: -t.site.n_gpus * t.scenario.ticks)
-            pending: dict[Future[RunResult], Task] = {pool.submit(_run_task, t): t for t in order}
-            try:
-                while pending:
-                    done, _ = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
-                    for fut in done:
-                        out[pending.pop(fut).key] = fut.result()
-                    self.done_ticks = base + int(counter.value)
-                    if self.progress is not None:
-                        self.progress(self.done_ticks, self.total_ticks)
-            except BaseException:  # Ctrl-C, or a run that failed: the others stop too
-                stop.value = 1
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
-        return out
 
 
 # -- policies side by side -----------------------------------------------------------------
@@ -175,27 +306,59 @@ def compare(
     breaker: Breaker | None = None,
 ) -> dict[str, RunResult]:
     """Each policy, then each baseline (`uncapped`, `oracle`: BaselineResults), on the site."""
+    return start_compare(
+        scenario, site, policies, runner, baselines=baselines, breaker=breaker
+    ).result()
+
+
+def start_compare(
+    scenario: Scenario,
+    site: Site,
+    policies: Sequence[str],
+    runner: Runner,
+    *,
+    baselines: Sequence[str] = (),
+    breaker: Breaker | None = None,
+) -> Pending[dict[str, RunResult]]:
+    """`compare`, started in the runner's background."""
     mix = build_mix(scenario, site)
     names = [*policies, *(b for b in baselines if b not in policies)]
     tasks = [Task((p,), scenario, site, mix, p, breaker=breaker) for p in names]
-    results = runner.run(tasks)
-    return {p: results[(p,)] for p in names}
+    return runner.start(tasks, lambda results: {p: results[(p,)] for p in names})
 
 
 def static_provisioning(scenario: Scenario, site: Site, runner: Runner) -> RunResult | None:
     """`static` on as many nodes as the site's feed holds at nameplate (every GPU at its
     TDP): what the same feed buys provisioned as sites are today, the baseline an operator
     judges steering against. None without a finite feed, or room for one node."""
+    return start_static_provisioning(scenario, site, runner).result()
+
+
+def start_static_provisioning(
+    scenario: Scenario, site: Site, runner: Runner
+) -> Pending[RunResult | None]:
+    """`static_provisioning`, started in the runner's background. Its run is the
+    oversubscription search's unconstrained run at the grid's first size (the same site,
+    `unconstrained_run_id`): a runner runs it once for both."""
     feed = site.feed_w
-    if not math.isfinite(feed):
-        return None
     node = next(g for g in site.policy.groups if g.level == 3)
-    nodes = int(feed // (node.gpus * site.tdp_w + node.overhead_w))
+    nodes = int(feed // (node.gpus * site.tdp_w + node.overhead_w)) if math.isfinite(feed) else 0
     if nodes < 1:
-        return None
+        return runner.start([], lambda _: None)
     s = build_site(site.policy, nodes=nodes, facility_budget_w=feed).inner_at_nameplate()
     key = ("provisioned",)
-    return runner.run([Task(key, scenario, s, build_mix(scenario, s), STATIC)])[key]
+    run_id = unconstrained_run_id(scenario, site.policy, nodes, feed, keep_inner=False)
+    task = Task(key, scenario, s, build_mix(scenario, s), STATIC, run_id=run_id)
+    return runner.start([task], lambda results: results[key])
+
+
+def unconstrained_run_id(
+    scenario: Scenario, policy: Policy, nodes: int, feed_w: float, *, keep_inner: bool
+) -> tuple[Any, ...]:
+    """The `Task.run_id` of `static` on `nodes` of the policy's design under the feed, its
+    rows, racks and nodes budgeted at their nameplate unless `keep_inner`: the search's
+    unconstrained run of a size, and at the grid's first size `static_provisioning`'s."""
+    return (STATIC, id(scenario), id(policy), nodes, feed_w, keep_inner)
 
 
 # -- budget sweep --------------------------------------------------------------------------
@@ -217,13 +380,28 @@ def budget_sweep(
 ) -> list[SweepPoint]:
     """The same site and workloads under feeds of `fraction` × nameplate; every budget in the
     tree is scaled by the same factor (the same design at another feed)."""
+    return start_budget_sweep(scenario, site, fractions, policies, runner).result()
+
+
+def start_budget_sweep(
+    scenario: Scenario,
+    site: Site,
+    fractions: Iterable[float],
+    policies: Sequence[str],
+    runner: Runner,
+) -> Pending[list[SweepPoint]]:
+    """`budget_sweep`, started in the runner's background."""
     mix = build_mix(scenario, site)
     sites = {f: site.scaled(f * site.nameplate_w) for f in fractions}
     tasks = [Task((f, p), scenario, s, mix, p) for f, s in sites.items() for p in policies]
-    results = runner.run(tasks)
-    return [
-        SweepPoint(f, s.feed_w, {p: results[(f, p)] for p in policies}) for f, s in sites.items()
-    ]
+
+    def points(results: Results) -> list[SweepPoint]:
+        return [
+            SweepPoint(f, s.feed_w, {p: results[(f, p)] for p in policies})
+            for f, s in sites.items()
+        ]
+
+    return runner.start(tasks, points)
 
 
 # -- how many GPUs fit a feed --------------------------------------------------------------
@@ -504,7 +682,10 @@ class _Sizes:
         refs = []
         for n, (s, mix) in sites.items():
             if n not in self.evaluated:
-                refs.append(Task((n, STATIC), self.scenario, s, mix, STATIC))
+                run_id = unconstrained_run_id(
+                    self.scenario, self.policy, n, self.feed_w, keep_inner=self.keep_inner
+                )
+                refs.append(Task((n, STATIC), self.scenario, s, mix, STATIC, run_id=run_id))
             if n not in self.bounds and any(m == n for m, _ in stops):
                 refs.append(Task((n, BOUND), self.scenario, s, mix, STATIC, steered_steps=True))
         for (n, key), r in self.runner.run(refs).items():
