@@ -167,9 +167,9 @@ def test_the_searchs_runs_go_first_and_the_background_fills_idle_workers(
     with Runner(jobs=2) as runner:
         day = runner.start([task("day 1"), task("day 2", bigger)], sorted)
         first = runner.run([task("search 1"), task("search 2", bigger)])
-        assert _Done.last.order == [("search 2",), ("search 1",)]  # largest first
+        assert _Done.last.order == [("search 1",), ("search 2",)]  # in the order asked
         second = runner.run([task("search 3")])
-        # One search run, two workers: the largest background run takes the idle one.
+        # One search run, two workers: the background's largest run takes the idle one.
         assert _Done.last.order[2:] == [("search 3",), ("day 2",)]
         assert day.result() == [("day 1",), ("day 2",)]
         assert _Done.last.order[4:] == [("day 1",)]

@@ -49,6 +49,7 @@ NEVER_OVER = "never_over"
 
 Results = dict[tuple[Any, ...], RunResult]
 T = TypeVar("T")
+K = TypeVar("K")
 
 
 @dataclass(frozen=True)
@@ -120,14 +121,16 @@ def _run_task(task: Task) -> RunResult:
 @dataclass(eq=False)
 class _Job:
     task: Task
-    foreground: bool  # a `Runner.run` waits for it: it goes before any started in the background
+    foreground: bool  # asked for first (`Runner.run`, `first=True`): before the background
     seq: int  # the order it came in
     done: bool = False
     result: RunResult | None = None
 
-    @property
-    def size(self) -> int:
-        return self.task.site.n_gpus * self.task.scenario.ticks
+    def order(self) -> tuple[bool, int, int]:
+        """A worker takes the smallest next: tasks asked for first, in the order asked;
+        then the background's, the largest (GPUs × ticks) first."""
+        size = self.task.site.n_gpus * self.task.scenario.ticks
+        return (not self.foreground, 0 if self.foreground else -size, self.seq)
 
 
 class Pending(Generic[T]):
@@ -141,8 +144,12 @@ class Pending(Generic[T]):
         self._jobs = jobs  # by the key of the task given (a job may be another task's run)
         self._make = make
 
+    @property
+    def done(self) -> bool:
+        return all(job.done for job in self._jobs.values())
+
     def result(self) -> T:
-        self._runner._finish(list(self._jobs.values()))
+        self._runner._drive(lambda: self.done)
         out: Results = {}
         for key, job in self._jobs.items():
             assert job.result is not None
@@ -158,14 +165,17 @@ class Runner:
     """Runs tasks, in parallel processes when jobs > 1, and keeps one progress count in
     ticks across all of them.
 
-    `run` runs tasks and waits for them; `start` queues tasks in the background and returns
-    at once (a `Pending`): a worker takes a background task only when no task of a `run`
-    waits, so a chain of `run`s (the oversubscription search's rounds) keeps its pace and
-    the background fills the workers it leaves idle. With jobs = 1 every task runs at once,
-    in this process, in the order given. Used as a context manager, the runner keeps its
-    worker processes from one `run` to the next (closed when the block ends; its background
-    tasks not waited for are dropped); otherwise each `run` starts and closes its own.
-    Results do not depend on the jobs nor the order: every run is a function of its task.
+    `run` runs tasks and waits for them; `start` queues tasks and returns at once (a
+    `Pending`, whose `result` waits for them), in the background, or with `first` as `run`
+    does. A free worker takes the tasks asked for first, in the order asked, and a
+    background task (the largest first: GPUs × ticks, so the last worker does not start
+    last) only when none of those waits: a chain of them (the oversubscription search's
+    rounds) keeps its pace and the background fills the workers it leaves idle. With
+    jobs = 1 every task runs at once, in this process, in the order given. Used as a
+    context manager, the runner keeps its worker processes from one `run` to the next
+    (closed when the block ends; its background tasks not waited for are dropped);
+    otherwise each `run` starts and closes its own. Results do not depend on the jobs nor
+    the order: every run is a function of its task.
     """
 
     def __init__(self, jobs: int = 1, progress: ProgressHook | None = None) -> None:
@@ -195,10 +205,18 @@ class Runner:
         """Run the tasks and wait for them; before any task started in the background."""
         return self._submit(tasks, foreground=True, make=_same).result()
 
-    def start(self, tasks: Sequence[Task], make: Callable[[Results], T]) -> Pending[T]:
-        """Queue the tasks in the background (with jobs = 1, run them now); `make` builds
-        what the caller wants from their results (by task key) once `result` is asked."""
-        return self._submit(tasks, foreground=False, make=make)
+    def start(
+        self, tasks: Sequence[Task], make: Callable[[Results], T], *, first: bool = False
+    ) -> Pending[T]:
+        """Queue the tasks (with jobs = 1, run them now), in the background unless `first`;
+        `make` builds what the caller wants from their results (by task key) once `result`
+        is asked."""
+        return self._submit(tasks, foreground=first, make=make)
+
+    def first_done(self, pending: dict[K, Pending[Any]]) -> K:
+        """Wait until one of them has all its results in: the first such, in their order."""
+        self._drive(lambda: any(p.done for p in pending.values()))
+        return next(k for k, p in pending.items() if p.done)
 
     def _submit(
         self, tasks: Sequence[Task], *, foreground: bool, make: Callable[[Results], T]
@@ -215,23 +233,22 @@ class Runner:
                     self._by_id[task.run_id] = job
             job.foreground = job.foreground or foreground
             jobs[task.key] = job
+        pending = Pending(self, jobs, make)
         if self.jobs == 1:
-            self._finish(list(jobs.values()))
-        return Pending(self, jobs, make)
+            pending.result()
+        return pending
 
-    def _finish(self, jobs: Sequence[_Job]) -> None:
-        """Run until every one of `jobs` is done: in this process with jobs = 1, or where
-        one task alone is queued and no worker is busy; else over the pool."""
-        waiting = [j for j in jobs if not j.done]
-        if not waiting:
-            return
+    def _drive(self, until: Callable[[], bool]) -> None:
+        """Run tasks until `until()`: in this process with jobs = 1 (the queue in its
+        order), or where one task alone is queued and no worker is busy; else over the
+        pool."""
         if self.jobs == 1 or (self._pool is None and len(self._queue) == 1 and not self._running):
-            for job in waiting:
-                self._queue.remove(job)
+            while not until():
+                job = self._queue.pop(0)
                 job.result, job.done = run_one(job.task, self._step), True
             return
         try:
-            while not all(j.done for j in waiting):
+            while not until():
                 self._fill()
                 if not self._running:  # dropped when another run failed
                     raise RuntimeError("the runner stopped: its runs were dropped")
@@ -266,7 +283,7 @@ class Runner:
 
     def _next(self) -> _Job:
         """The queued task a worker takes next (taken off the queue)."""
-        job = min(self._queue, key=lambda j: (not j.foreground, -j.size, j.seq))
+        job = min(self._queue, key=_Job.order)
         self._queue.remove(job)
         return job
 
@@ -669,50 +686,63 @@ class _Sizes:
     def evaluate_each(
         self, want: dict[int, list[str]], doubtful: set[tuple[int, str]] | None = None
     ) -> None:
-        """Simulate each size for its policies (and unconstrained), in two batches: the
-        unconstrained runs, with the bounds of the steered runs that `doubtful` names
-        (size, policy: its search expects it to fail), then the policies, those with a
-        stop rule."""
-        sites = {n: self._site(n) for n in sorted(want)}
+        """Simulate each size for its policies (and unconstrained): first each size's
+        unconstrained run, with the bound of the steered runs that `doubtful` names (size,
+        policy: its search expects it to fail), and as soon as a size has them, its
+        policies' runs, those with a stop rule. All of them before the runner's background,
+        the smallest size first (the one most likely to pass, whose steered runs run to
+        their end)."""
         stops = {
             (n, p)
             for n, p in doubtful or ()
             if self.early_stop and p in STEERED and p not in self._have(n)
         }
-        refs = []
+        refs: dict[int, Pending[Results]] = {}
+        sites = {n: self._site(n) for n in sorted(want)}
         for n, (s, mix) in sites.items():
+            tasks = []
             if n not in self.evaluated:
                 run_id = unconstrained_run_id(
                     self.scenario, self.policy, n, self.feed_w, keep_inner=self.keep_inner
                 )
-                refs.append(Task((n, STATIC), self.scenario, s, mix, STATIC, run_id=run_id))
+                tasks.append(Task((n, STATIC), self.scenario, s, mix, STATIC, run_id=run_id))
             if n not in self.bounds and any(m == n for m, _ in stops):
-                refs.append(Task((n, BOUND), self.scenario, s, mix, STATIC, steered_steps=True))
-        for (n, key), r in self.runner.run(refs).items():
-            if key == STATIC:
-                self._point(n, r)
-            else:
-                self.bounds[n] = r
-        rules = {
-            (n, p): StopRule.of(self.bounds[n], self.evaluated[n], self.threshold, self.metric)
-            for n, p in stops
-        }
-        tasks = [
-            Task(
-                (n, p),
-                self.scenario,
-                s,
-                mix,
-                p,
-                breaker=self.breaker,
-                objective=self.metric,
-                stop=rules.get((n, p)),
-            )
-            for n, (s, mix) in sites.items()
-            for p in want[n]
-            if p != STATIC and p not in self.evaluated[n].loss
-        ]
-        results = self.runner.run(tasks)
+                tasks.append(Task((n, BOUND), self.scenario, s, mix, STATIC, steered_steps=True))
+            refs[n] = self.runner.start(tasks, _same, first=True)
+        runs: list[Pending[Results]] = []
+        rules: dict[tuple[Any, ...], StopRule] = {}
+        while refs:
+            n = self.runner.first_done(refs)
+            for (_, key), r in refs.pop(n).result().items():
+                if key == STATIC:
+                    self._point(n, r)
+                else:
+                    self.bounds[n] = r
+            s, mix = sites[n]
+            tasks = []
+            for p in want[n]:
+                if p == STATIC or p in self.evaluated[n].loss:
+                    continue
+                if (n, p) in stops:
+                    rules[(n, p)] = StopRule.of(
+                        self.bounds[n], self.evaluated[n], self.threshold, self.metric
+                    )
+                tasks.append(
+                    Task(
+                        (n, p),
+                        self.scenario,
+                        s,
+                        mix,
+                        p,
+                        breaker=self.breaker,
+                        objective=self.metric,
+                        stop=rules.get((n, p)),
+                    )
+                )
+            runs.append(self.runner.start(tasks, _same, first=True))
+        results: Results = {}
+        for pending in runs:
+            results.update(pending.result())
         for n, which in want.items():
             self._record(n, which, results, rules)
 
