@@ -3,14 +3,18 @@
     PYTHONPATH=. .venv/bin/python bench/sim_speed.py                  # 24 h, 512 GPUs, 5 s
     PYTHONPATH=. .venv/bin/python bench/sim_speed.py --duration-h 1   # to try it
     PYTHONPATH=. .venv/bin/python bench/sim_speed.py --search --jobs 2
+    PYTHONPATH=. .venv/bin/python bench/sim_speed.py --command --points 6 --jobs 2
 
 Prints, for `powerd sim SCENARIO --policies POLICY --tick-s TICK --duration-h HOURS`:
 the steered run's CPU and wall seconds (and per simulated tick), the unconstrained
 (`static`) run the report compares it with, where the steered run's CPU time goes
 (agents, the engine's stages, the GPU model and accounting), and with `--search` the
 oversubscription search (`powerd sim ... --oversubscribe`): its seconds, its runs and the
-fit sizes. CPU seconds are the process's (and its workers'), so they hold on a shared
-machine where wall seconds do not. Figures: docs/performance.md, "Simulator".
+fit sizes; with `--command`, the whole `powerd sim ... --oversubscribe` command: every
+run's CPU, and the wall it takes on --jobs idle cores, as it runs now (the day beside the
+search) and as it ran before (in turn). CPU seconds are the process's (and its workers'),
+so they hold on a shared machine where wall seconds do not. Figures: docs/performance.md,
+"Simulator" and "The whole command".
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """Studies built from runs: policies side by side, a budget sweep, the oversubscription search.
 
-Runs are independent, so a `Runner` spreads them over processes (`jobs`) and keeps one
-progress count in ticks across all of them. Results do not depend on `jobs`.
+Runs are independent, so a `Runner` spreads them over processes (`jobs`), runs some in the
+background while others go first (`powerd sim`'s day beside its oversubscription search),
+and keeps one progress count in ticks across all of them. Results do not depend on the
+order, nor (the search's fits) on `jobs`.
 """
 
 from __future__ import annotations
@@ -127,8 +129,8 @@ class _Job:
     result: RunResult | None = None
 
     def order(self) -> tuple[bool, int, int]:
-        """A worker takes the smallest next: tasks asked for first, in the order asked;
-        then the background's, the largest (GPUs × ticks) first."""
+        """The queue's order, the least first: the tasks asked for first, in the order
+        asked; then the background's, the largest (GPUs × ticks) first."""
         size = self.task.site.n_gpus * self.task.scenario.ticks
         return (not self.foreground, 0 if self.foreground else -size, self.seq)
 
@@ -264,8 +266,7 @@ class Runner:
             self._close(abort=False)
 
     def _fill(self) -> None:
-        """Give each idle worker the next task: those a `run` waits for first, the largest
-        (GPUs × ticks) first, so the last worker does not start last."""
+        """Give each idle worker the next task (`_Job.order`), starting the pool if none."""
         if self._pool is None:
             ctx = multiprocessing.get_context()
             if self._counter is None:
