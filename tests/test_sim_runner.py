@@ -7,15 +7,17 @@ worker ends the command with its error; one progress count covers every run."""
 from __future__ import annotations
 
 import multiprocessing
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from support.sim import scenario_dict
 
 from powerd.policy import parse_policy
-from powerd.sim import STATIC
+from powerd.sim import STATIC, study
 from powerd.sim.report import Report, to_json
 from powerd.sim.run import RunResult
 from powerd.sim.scenario import Scenario, parse_scenario
@@ -187,3 +189,36 @@ def test_a_run_that_fails_in_a_worker_ends_the_command_with_its_error(
         runner.run([Task(("fast",), scenario, site, mix, "fast")])  # raises here, or:
         bad.result()
     assert not multiprocessing.active_children()  # the pool closed, its workers gone
+
+
+def _stuck(task: Any) -> RunResult:
+    """A worker's run that never ticks (as one compiling or building a large site would),
+    or fails at once: forked workers see it in place of the module's `_run_task`."""
+    if task.key == ("fails",):
+        raise ValueError("this run failed")
+    time.sleep(120)
+    raise AssertionError("not stopped")
+
+
+@pytest.mark.process  # worker processes
+def test_a_stopped_runner_ends_workers_that_do_not_reach_their_next_tick(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A worker leaves at its next tick; before, one that did not tick held the command (and
+    # Ctrl-C) until its run ended.
+    if multiprocessing.get_start_method() != "fork":
+        pytest.skip("the stand-in run reaches the workers through fork")
+    monkeypatch.setattr(study, "_run_task", _stuck)
+    monkeypatch.setattr(study, "ABORT_GRACE_S", 1.0)
+
+    def task(name: str) -> Any:
+        site = SimpleNamespace(n_gpus=1)
+        return SimpleNamespace(
+            key=(name,), site=site, scenario=SimpleNamespace(ticks=1), run_id=None
+        )
+
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="this run failed"), Runner(jobs=2) as runner:
+        runner.run([task("stuck"), task("fails")])
+    assert time.monotonic() - started < 30
+    assert not multiprocessing.active_children()

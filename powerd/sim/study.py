@@ -12,6 +12,7 @@ import math
 import multiprocessing
 import multiprocessing.sharedctypes
 import os
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -99,6 +100,23 @@ def run_one(task: Task, progress: Progress | None) -> RunResult:
 _counter: Any = None
 _stop: Any = None  # set by the parent when it stops early (Ctrl-C, a failed run): workers leave
 _parent = 0
+
+
+# Seconds a stopped runner's workers get to leave at their next tick before they are ended.
+ABORT_GRACE_S = 5.0
+
+
+def _reap_workers(grace_s: float) -> None:
+    """Wait up to `grace_s` for this process's worker processes to end, then terminate the
+    ones left (`multiprocessing.active_children`: the live children multiprocessing started,
+    which in `powerd sim` are the runner's workers)."""
+    deadline = time.monotonic() + grace_s
+    for child in multiprocessing.active_children():
+        child.join(max(0.0, deadline - time.monotonic()))
+    for child in multiprocessing.active_children():
+        log.warning("sim_worker_terminated", pid=child.pid)
+        child.terminate()
+        child.join(1.0)
 
 
 def _init_worker(counter: Any, stop: Any) -> None:
@@ -297,8 +315,15 @@ class Runner:
             self._queue.clear()
             self._running.clear()
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+            pool, self._pool = self._pool, None
+            if not abort:
+                pool.shutdown(wait=True, cancel_futures=True)
+                return
+            # A worker leaves at its next tick; one that ticks no more (compiling, building
+            # its site) must not hold the stop hostage, nor an executor that hangs on a
+            # worker gone mid-task: after a grace period, the workers still alive end.
+            pool.shutdown(wait=False, cancel_futures=True)
+            _reap_workers(ABORT_GRACE_S)
 
     def _step(self, n: int) -> None:
         self._local_ticks += n
