@@ -3,14 +3,18 @@
     PYTHONPATH=. .venv/bin/python bench/sim_speed.py                  # 24 h, 512 GPUs, 5 s
     PYTHONPATH=. .venv/bin/python bench/sim_speed.py --duration-h 1   # to try it
     PYTHONPATH=. .venv/bin/python bench/sim_speed.py --search --jobs 2
+    PYTHONPATH=. .venv/bin/python bench/sim_speed.py --command --points 6 --jobs 2
 
 Prints, for `powerd sim SCENARIO --policies POLICY --tick-s TICK --duration-h HOURS`:
 the steered run's CPU and wall seconds (and per simulated tick), the unconstrained
 (`static`) run the report compares it with, where the steered run's CPU time goes
 (agents, the engine's stages, the GPU model and accounting), and with `--search` the
 oversubscription search (`powerd sim ... --oversubscribe`): its seconds, its runs and the
-fit sizes. CPU seconds are the process's (and its workers'), so they hold on a shared
-machine where wall seconds do not. Figures: docs/performance.md, "Simulator".
+fit sizes; with `--command`, the whole `powerd sim ... --oversubscribe` command: every
+run's CPU, and the wall it takes on --jobs idle cores, as it runs now (the day beside the
+search) and as it ran before (in turn). CPU seconds are the process's (and its workers'),
+so they hold on a shared machine where wall seconds do not. Figures: docs/performance.md,
+"Simulator" and "The whole command".
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -115,8 +120,20 @@ def main() -> None:
         action="store_true",
         help="the steered run without the stage timers and the tick counter (they add ~3 %%)",
     )
+    parser.add_argument(
+        "--command",
+        action="store_true",
+        help="model the whole `powerd sim --oversubscribe` command: every run's CPU, and the "
+        "wall it takes on --jobs idle cores with the day's runs beside the search or in turn",
+    )
+    parser.add_argument(
+        "--baselines", default="none", help="with --command: none, or e.g. uncapped,oracle"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.command:
+        _command(args)
+        return
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
     from powerd.allocator import kernel
@@ -205,6 +222,137 @@ def main() -> None:
             f"{s['fit_gpus']} GPUs (static TDP {s['static_tdp_gpus']})"
         )
     sys.stdout.flush()
+
+
+def _command(args: argparse.Namespace) -> None:
+    """`--command`: `powerd sim SCENARIO --policies POLICY --tick-s TICK --oversubscribe
+    --points N --baselines B --jobs J` as the command runs it, every run in this process one
+    after another (its CPU seconds measured), the workers' clock kept by `_model_runner`: the
+    wall the command takes on J idle cores, as it runs now (the day's runs in the background
+    beside the search) and as it ran before (in turn: the day's runs, static provisioning,
+    then the search). Idle cores, so a figure a shared machine's wall seconds cannot give."""
+    from powerd.allocator import kernel
+    from powerd.cli.sim import _study
+    from powerd.policy import load_policy
+    from powerd.sim.baselines import Breaker
+    from powerd.sim.report import Report
+    from powerd.sim.scenario import load_scenario
+    from powerd.sim.site import site_for
+
+    kernel.warm_up()
+    scenario = load_scenario(args.scenario, {"duration_h": args.duration_h, "tick_s": args.tick_s})
+    assert scenario.policy_path is not None
+    site = site_for(scenario, load_policy(scenario.policy_path))
+    baselines = [] if args.baselines == "none" else args.baselines.split(",")
+    flags = argparse.Namespace(
+        policies=[args.policy],
+        baselines=baselines,
+        budget_sweep=None,
+        oversubscribe=True,
+        feed_w=None,
+        threshold=0.03,
+        points=args.points,
+        metric="total",
+        keep_inner_budgets=False,
+    )
+    model = _model_runner()
+    spent: dict[tuple[Any, ...], tuple[Any, float]] = {}
+    walls = {}
+    orders = {  # the day's runs in turn; the search's rounds in two batches
+        "beside": (False, False),
+        "beside, each round in two batches": (False, True),
+        "in turn": (True, True),
+    }
+    schedule = []
+    for order, (in_turn, batches) in orders.items():
+        runner = model(args.jobs, spent, in_turn=in_turn, batches=batches)
+        _study(Report(scenario=scenario, site=site, breaker=Breaker()), flags, runner)
+        walls[order] = (runner.now, runner.cpu, runner.runs)
+        schedule = schedule or runner.schedule
+    print(
+        f"{scenario.spec.name}: {site.n_gpus} GPUs, {args.duration_h:g} h of {args.tick_s:g} s "
+        f"ticks, {args.policy}, --points {args.points} --baselines {args.baselines} "
+        f"--jobs {args.jobs}: the wall on {args.jobs} idle core(s), modelled from each run's CPU"
+    )
+    for order, (wall, cpu, runs) in walls.items():
+        print(f"  {order:34s} {wall:7.1f} s wall  {cpu:7.1f} s CPU in {runs} runs")
+    print("  beside, run by run (worker: start-end s, the run, its CPU s):")
+    for worker, start, end, key, gpus in sorted(schedule, key=lambda r: (r[1], r[0])):
+        print(f"    {worker}: {start:6.1f}-{end:6.1f}  {key} {gpus} GPUs  {end - start:5.1f}")
+
+
+def _model_runner() -> type:
+    from powerd.sim.study import Runner, _Job, run_one
+
+    class ModelRunner(Runner):
+        """Runs each task here when a modelled worker takes it (its result and CPU seconds
+        kept by task key, `spent`, for the next order), and keeps the clock `jobs` idle
+        workers would keep with the runner's own order. As the command ran before:
+        `in_turn`, every background `start` waits for its runs at once, and no run is
+        shared (static provisioning's run and the search's first size's were two);
+        `batches`, the search's rounds in two batches (every size's unconstrained and bound
+        runs, then every steered run), each the largest first."""
+
+        def __init__(
+            self,
+            jobs: int,
+            spent: dict[tuple[Any, ...], tuple[Any, float]],
+            *,
+            in_turn: bool,
+            batches: bool,
+        ) -> None:
+            super().__init__(jobs)
+            self.spent, self.in_turn, self.batches = spent, in_turn, batches
+            self.now = self.cpu = 0.0
+            self.runs = 0
+            self.ends: dict[_Job, float] = {}
+            self.worker: dict[_Job, int] = {}
+            self.schedule: list[tuple[int, float, float, Any, int]] = []
+
+        def _submit(self, tasks: Any, *, foreground: bool, make: Any) -> Any:
+            if self.in_turn:
+                tasks = [replace(t, run_id=None) for t in tasks]
+            pending = super()._submit(tasks, foreground=foreground, make=make)
+            if self.in_turn and not foreground:
+                pending.result()
+            return pending
+
+        def first_done(self, pending: dict[Any, Any]) -> Any:
+            if self.batches:
+                self._drive(lambda: all(p.done for p in pending.values()))
+            return super().first_done(pending)
+
+        def _next(self) -> _Job:
+            if not self.batches:
+                return super()._next()
+            job = min(self._queue, key=lambda j: (not j.foreground, -j.task.site.n_gpus, j.seq))
+            self._queue.remove(job)
+            return job
+
+        def _drive(self, until: Callable[[], bool]) -> None:
+            while not until():
+                while self._queue and len(self.ends) < self.jobs:
+                    job = self._next()
+                    t = job.task
+                    key = (t.key, t.site.n_gpus, t.policy, t.steered_steps, t.stop is not None)
+                    if key not in self.spent:
+                        t0 = time.process_time()
+                        self.spent[key] = (run_one(t, None), time.process_time() - t0)
+                    job.result, cpu = self.spent[key]
+                    self.ends[job] = self.now + cpu
+                    busy = set(self.worker.values())
+                    self.worker[job] = min(w for w in range(self.jobs) if w not in busy)
+                    self.schedule.append(
+                        (self.worker[job], self.now, self.now + cpu, t.key, t.site.n_gpus)
+                    )
+                    self.cpu += cpu
+                    self.runs += 1
+                first = min(self.ends, key=self.ends.__getitem__)
+                self.now = self.ends.pop(first)
+                del self.worker[first]
+                first.done = True
+
+    return ModelRunner
 
 
 def _print_run(out: dict[str, Any]) -> None:

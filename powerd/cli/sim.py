@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # the simulator itself loads with the command (numpy, the tic
     from powerd.sim.report import Report
     from powerd.sim.scenario import Scenario
     from powerd.sim.site import Site
+    from powerd.sim.study import Runner
 
 log = structlog.get_logger(__name__)
 
@@ -343,17 +344,10 @@ def _scenario_and_policy(args: argparse.Namespace) -> tuple[Scenario, Policy]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from powerd.sim.baselines import BaselineResult
     from powerd.sim.report import Report
     from powerd.sim.scenario import ScenarioError
     from powerd.sim.site import check_minimums_fit, check_mix_fits, site_for
-    from powerd.sim.study import (
-        Runner,
-        budget_sweep,
-        compare,
-        oversubscribe,
-        static_provisioning,
-    )
+    from powerd.sim.study import Runner
 
     scenario, policy = _scenario_and_policy(args)
     if args.out:
@@ -367,33 +361,11 @@ def _run(args: argparse.Namespace) -> int:
         return _learning(scenario, site, args)
     show = args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
     bar = ProgressBar(sys.stderr) if show else None
-    runner = Runner(jobs=args.jobs, progress=bar)
     t0 = time.perf_counter()
-    breaker = _breaker(args)
-    report = Report(scenario=scenario, site=site, breaker=breaker)
-    policies: list[str] = args.policies
-    baselines: list[str] = args.baselines
+    report = Report(scenario=scenario, site=site, breaker=_breaker(args))
     try:
-        runs = compare(scenario, site, policies, runner, baselines=baselines, breaker=breaker)
-        report.compare = {p: runs[p] for p in policies}
-        report.baselines = {b: r for b in baselines if isinstance(r := runs[b], BaselineResult)}
-        report.provisioned = static_provisioning(scenario, site, runner)
-        if args.budget_sweep:
-            report.sweep = budget_sweep(scenario, site, args.budget_sweep, policies, runner)
-        if args.oversubscribe:
-            report.oversub = oversubscribe(
-                scenario,
-                site,
-                policies,
-                runner,
-                feed_w=args.feed_w,
-                threshold=args.threshold,
-                points=args.points,
-                metric=args.metric,
-                keep_inner=args.keep_inner_budgets,
-                baselines=baselines,
-                breaker=breaker,
-            )
+        with Runner(jobs=args.jobs, progress=bar) as runner:
+            _study(report, args, runner)
     except ValueError as exc:
         raise ScenarioError(scenario.source, [("", str(exc))]) from None
     finally:
@@ -411,6 +383,51 @@ def _run(args: argparse.Namespace) -> int:
         log.error("sim_budget_exceeded", policies=steered_over)
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _study(report: Report, args: argparse.Namespace, runner: Runner) -> None:
+    """The report's runs. The policies and baselines on the site, static provisioning and
+    the budget sweep start in the runner's background; the oversubscription search's
+    rounds, one after another, go first on the workers and the background fills the rest
+    (with --jobs 1, everything in this order, one run after another)."""
+    from powerd.sim.baselines import BaselineResult
+    from powerd.sim.study import (
+        oversubscribe,
+        start_budget_sweep,
+        start_compare,
+        start_static_provisioning,
+    )
+
+    scenario, site, breaker = report.scenario, report.site, report.breaker
+    policies: list[str] = args.policies
+    baselines: list[str] = args.baselines
+    runs = start_compare(scenario, site, policies, runner, baselines=baselines, breaker=breaker)
+    provisioned = start_static_provisioning(scenario, site, runner)
+    sweep = (
+        start_budget_sweep(scenario, site, args.budget_sweep, policies, runner)
+        if args.budget_sweep
+        else None
+    )
+    if args.oversubscribe:
+        report.oversub = oversubscribe(
+            scenario,
+            site,
+            policies,
+            runner,
+            feed_w=args.feed_w,
+            threshold=args.threshold,
+            points=args.points,
+            metric=args.metric,
+            keep_inner=args.keep_inner_budgets,
+            baselines=baselines,
+            breaker=breaker,
+        )
+    done = runs.result()
+    report.compare = {p: done[p] for p in policies}
+    report.baselines = {b: r for b in baselines if isinstance(r := done[b], BaselineResult)}
+    report.provisioned = provisioned.result()
+    if sweep is not None:
+        report.sweep = sweep.result()
 
 
 def _check_feed(site: Site, feed_w: float | None) -> None:

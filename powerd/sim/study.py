@@ -1,7 +1,9 @@
 """Studies built from runs: policies side by side, a budget sweep, the oversubscription search.
 
-Runs are independent, so a `Runner` spreads them over processes (`jobs`) and keeps one
-progress count in ticks across all of them. Results do not depend on `jobs`.
+Runs are independent, so a `Runner` spreads them over processes (`jobs`), runs some in the
+background while others go first (`powerd sim`'s day beside its oversubscription search),
+and keeps one progress count in ticks across all of them. Results do not depend on the
+order, nor (the search's fits) on `jobs`.
 """
 
 from __future__ import annotations
@@ -10,10 +12,11 @@ import math
 import multiprocessing
 import multiprocessing.sharedctypes
 import os
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import structlog
@@ -47,6 +50,11 @@ NO_TRIP = "no_trip"
 NEVER_OVER = "never_over"
 
 
+Results = dict[tuple[Any, ...], RunResult]
+T = TypeVar("T")
+K = TypeVar("K")
+
+
 @dataclass(frozen=True)
 class Task:
     key: tuple[Any, ...]
@@ -58,6 +66,9 @@ class Task:
     objective: str = "weighted"  # the oracle's: weighted or total work
     stop: StopRule | None = None  # a steered run: end it once it provably fails
     steered_steps: bool = False  # `static` in a steered run's steps (a `StopRule`'s bound)
+    # Tasks with the same `run_id` are the same run (the same scenario and policy objects,
+    # site and settings): a runner runs it once and gives each the same result.
+    run_id: tuple[Any, ...] | None = None
 
 
 def run_one(task: Task, progress: Progress | None) -> RunResult:
@@ -87,8 +98,25 @@ def run_one(task: Task, progress: Progress | None) -> RunResult:
 
 
 _counter: Any = None
-_stop: Any = None  # set by the parent when it stops early (Ctrl-C): workers leave
+_stop: Any = None  # set by the parent when it stops early (Ctrl-C, a failed run): workers leave
 _parent = 0
+
+
+# Seconds a stopped runner's workers get to leave at their next tick before they are ended.
+ABORT_GRACE_S = 5.0
+
+
+def _reap_workers(grace_s: float) -> None:
+    """Wait up to `grace_s` for this process's worker processes to end, then terminate the
+    ones left (`multiprocessing.active_children`: the live children multiprocessing started,
+    which in `powerd sim` are the runner's workers)."""
+    deadline = time.monotonic() + grace_s
+    for child in multiprocessing.active_children():
+        child.join(max(0.0, deadline - time.monotonic()))
+    for child in multiprocessing.active_children():
+        log.warning("sim_worker_terminated", pid=child.pid)
+        child.terminate()
+        child.join(1.0)
 
 
 def _init_worker(counter: Any, stop: Any) -> None:
@@ -100,7 +128,8 @@ def _tick(n: int) -> None:
     with _counter.get_lock():
         _counter.value += n
     # A worker outlives its parent (killed: SIGTERM) or finishes a run it was told to drop
-    # (Ctrl-C) only until its next progress step: no stray processes burning CPU.
+    # (Ctrl-C, another run failed) only until its next progress step: no stray processes
+    # burning CPU.
     if _stop.value or os.getppid() != _parent:
         os._exit(1)
 
@@ -109,57 +138,202 @@ def _run_task(task: Task) -> RunResult:
     return run_one(task, _tick if _counter is not None else None)
 
 
+@dataclass(eq=False)
+class _Job:
+    task: Task
+    foreground: bool  # asked for first (`Runner.run`, `first=True`): before the background
+    seq: int  # the order it came in
+    done: bool = False
+    result: RunResult | None = None
+
+    def order(self) -> tuple[bool, int, int]:
+        """The queue's order, the least first: the tasks asked for first, in the order
+        asked; then the background's, the largest (GPUs × ticks) first."""
+        size = self.task.site.n_gpus * self.task.scenario.ticks
+        return (not self.foreground, 0 if self.foreground else -size, self.seq)
+
+
+class Pending(Generic[T]):
+    """Runs started on a `Runner`, and what their results make once they are all in
+    (`result`, which waits for them)."""
+
+    def __init__(
+        self, runner: Runner, jobs: dict[tuple[Any, ...], _Job], make: Callable[[Results], T]
+    ) -> None:
+        self._runner = runner
+        self._jobs = jobs  # by the key of the task given (a job may be another task's run)
+        self._make = make
+
+    @property
+    def done(self) -> bool:
+        return all(job.done for job in self._jobs.values())
+
+    def result(self) -> T:
+        self._runner._drive(lambda: self.done)
+        out: Results = {}
+        for key, job in self._jobs.items():
+            assert job.result is not None
+            out[key] = job.result
+        return self._make(out)
+
+
+def _same(results: Results) -> Results:
+    return results
+
+
 class Runner:
-    """Runs tasks, in parallel when jobs > 1, reporting progress in ticks."""
+    """Runs tasks, in parallel processes when jobs > 1, and keeps one progress count in
+    ticks across all of them.
+
+    `run` runs tasks and waits for them; `start` queues tasks and returns at once (a
+    `Pending`, whose `result` waits for them), in the background, or with `first` as `run`
+    does. A free worker takes the tasks asked for first, in the order asked, and a
+    background task (the largest first: GPUs × ticks, so the last worker does not start
+    last) only when none of those waits: a chain of them (the oversubscription search's
+    rounds) keeps its pace and the background fills the workers it leaves idle. With
+    jobs = 1 every task runs at once, in this process, in the order given. Used as a
+    context manager, the runner keeps its worker processes from one `run` to the next
+    (closed when the block ends; its background tasks not waited for are dropped);
+    otherwise each `run` starts and closes its own. Results do not depend on the jobs nor
+    the order: every run is a function of its task.
+    """
 
     def __init__(self, jobs: int = 1, progress: ProgressHook | None = None) -> None:
         self.jobs = max(1, jobs)
         self.progress = progress
         self.done_ticks = 0
         self.total_ticks = 0
+        self._keep = False  # keep the pool between runs (inside a `with` block)
+        self._seq = 0
+        self._queue: list[_Job] = []
+        self._running: dict[Future[RunResult], _Job] = {}
+        self._by_id: dict[tuple[Any, ...], _Job] = {}  # `Task.run_id` → its job
+        self._pool: ProcessPoolExecutor | None = None
+        self._stop: Any = None
+        self._counter: Any = None  # ticks done in workers, over the runner's life
+        self._local_ticks = 0  # ticks done in this process
 
-    def run(self, tasks: Sequence[Task]) -> dict[tuple[Any, ...], RunResult]:
-        self.total_ticks += sum(t.scenario.ticks for t in tasks)
-        if self.jobs == 1 or len(tasks) <= 1:
-            out = {}
-            for task in tasks:
-                out[task.key] = run_one(task, self._step)
-            return out
-        return self._parallel(tasks)
+    def __enter__(self) -> Runner:
+        self._keep = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._keep = False
+        self._close(abort=bool(self._queue or self._running))
+
+    def run(self, tasks: Sequence[Task]) -> Results:
+        """Run the tasks and wait for them; before any task started in the background."""
+        return self._submit(tasks, foreground=True, make=_same).result()
+
+    def start(
+        self, tasks: Sequence[Task], make: Callable[[Results], T], *, first: bool = False
+    ) -> Pending[T]:
+        """Queue the tasks (with jobs = 1, run them now), in the background unless `first`;
+        `make` builds what the caller wants from their results (by task key) once `result`
+        is asked."""
+        return self._submit(tasks, foreground=first, make=make)
+
+    def first_done(self, pending: dict[K, Pending[Any]]) -> K:
+        """Wait until one of them has all its results in: the first such, in their order."""
+        self._drive(lambda: any(p.done for p in pending.values()))
+        return next(k for k, p in pending.items() if p.done)
+
+    def _submit(
+        self, tasks: Sequence[Task], *, foreground: bool, make: Callable[[Results], T]
+    ) -> Pending[T]:
+        jobs: dict[tuple[Any, ...], _Job] = {}
+        for task in tasks:
+            job = self._by_id.get(task.run_id) if task.run_id is not None else None
+            if job is None:
+                job = _Job(task, foreground, self._seq)
+                self._seq += 1
+                self.total_ticks += task.scenario.ticks
+                self._queue.append(job)
+                if task.run_id is not None:
+                    self._by_id[task.run_id] = job
+            job.foreground = job.foreground or foreground
+            jobs[task.key] = job
+        pending = Pending(self, jobs, make)
+        if self.jobs == 1:
+            pending.result()
+        return pending
+
+    def _drive(self, until: Callable[[], bool]) -> None:
+        """Run tasks until `until()`: in this process with jobs = 1 (the queue in its
+        order), or where one task alone is queued and no worker is busy; else over the
+        pool."""
+        if self.jobs == 1 or (self._pool is None and len(self._queue) == 1 and not self._running):
+            while not until():
+                job = self._queue.pop(0)
+                job.result, job.done = run_one(job.task, self._step), True
+            return
+        try:
+            while not until():
+                self._fill()
+                if not self._running:  # dropped when another run failed
+                    raise RuntimeError("the runner stopped: its runs were dropped")
+                done, _ = wait(self._running, timeout=0.25, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    job = self._running.pop(fut)
+                    job.result, job.done = fut.result(), True  # a failed run raises here
+                self._report()
+        except BaseException:  # Ctrl-C, or a run that failed: the others stop too
+            self._close(abort=True)
+            raise
+        if not self._keep and not self._queue and not self._running:
+            self._close(abort=False)
+
+    def _fill(self) -> None:
+        """Give each idle worker the next task (`_Job.order`), starting the pool if none."""
+        if self._pool is None:
+            ctx = multiprocessing.get_context()
+            if self._counter is None:
+                self._counter = ctx.Value("q", 0)
+            self._stop = ctx.Value("b", 0, lock=False)  # one byte, written once
+            self._pool = ProcessPoolExecutor(
+                max_workers=self.jobs,
+                mp_context=ctx,
+                initializer=_init_worker,
+                initargs=(self._counter, self._stop),
+            )
+        while self._queue and len(self._running) < self.jobs:
+            job = self._next()
+            self._running[self._pool.submit(_run_task, job.task)] = job
+
+    def _next(self) -> _Job:
+        """The queued task a worker takes next (taken off the queue)."""
+        job = min(self._queue, key=_Job.order)
+        self._queue.remove(job)
+        return job
+
+    def _close(self, *, abort: bool) -> None:
+        """Close the pool; with `abort`, its workers leave their runs at their next tick and
+        the queued runs are dropped."""
+        if abort:
+            if self._stop is not None:
+                self._stop.value = 1
+            self._queue.clear()
+            self._running.clear()
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            if not abort:
+                pool.shutdown(wait=True, cancel_futures=True)
+                return
+            # A worker leaves at its next tick; one that ticks no more (compiling, building
+            # its site) must not hold the stop hostage, nor an executor that hangs on a
+            # worker gone mid-task: after a grace period, the workers still alive end.
+            pool.shutdown(wait=False, cancel_futures=True)
+            _reap_workers(ABORT_GRACE_S)
 
     def _step(self, n: int) -> None:
-        self.done_ticks += n
+        self._local_ticks += n
+        self._report()
+
+    def _report(self) -> None:
+        workers = 0 if self._counter is None else int(self._counter.value)
+        self.done_ticks = self._local_ticks + workers
         if self.progress is not None:
             self.progress(self.done_ticks, self.total_ticks)
-
-    def _parallel(self, tasks: Sequence[Task]) -> dict[tuple[Any, ...], RunResult]:
-        ctx = multiprocessing.get_context()
-        counter = ctx.Value("q", 0)
-        stop = ctx.Value("b", 0, lock=False)  # one byte, written once
-        base = self.done_ticks
-        out: dict[tuple[Any, ...], RunResult] = {}
-        with ProcessPoolExecutor(
-            max_workers=min(self.jobs, len(tasks)),
-            mp_context=ctx,
-            initializer=_init_worker,
-            initargs=(counter, stop),
-        ) as pool:
-            # Longest first (most GPUs × ticks), so the last worker does not start last.
-            order = sorted(tasks, key=lambda t: -t.site.n_gpus * t.scenario.ticks)
-            pending: dict[Future[RunResult], Task] = {pool.submit(_run_task, t): t for t in order}
-            try:
-                while pending:
-                    done, _ = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
-                    for fut in done:
-                        out[pending.pop(fut).key] = fut.result()
-                    self.done_ticks = base + int(counter.value)
-                    if self.progress is not None:
-                        self.progress(self.done_ticks, self.total_ticks)
-            except BaseException:  # Ctrl-C, or a run that failed: the others stop too
-                stop.value = 1
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
-        return out
 
 
 # -- policies side by side -----------------------------------------------------------------
@@ -175,27 +349,59 @@ def compare(
     breaker: Breaker | None = None,
 ) -> dict[str, RunResult]:
     """Each policy, then each baseline (`uncapped`, `oracle`: BaselineResults), on the site."""
+    return start_compare(
+        scenario, site, policies, runner, baselines=baselines, breaker=breaker
+    ).result()
+
+
+def start_compare(
+    scenario: Scenario,
+    site: Site,
+    policies: Sequence[str],
+    runner: Runner,
+    *,
+    baselines: Sequence[str] = (),
+    breaker: Breaker | None = None,
+) -> Pending[dict[str, RunResult]]:
+    """`compare`, started in the runner's background."""
     mix = build_mix(scenario, site)
     names = [*policies, *(b for b in baselines if b not in policies)]
     tasks = [Task((p,), scenario, site, mix, p, breaker=breaker) for p in names]
-    results = runner.run(tasks)
-    return {p: results[(p,)] for p in names}
+    return runner.start(tasks, lambda results: {p: results[(p,)] for p in names})
 
 
 def static_provisioning(scenario: Scenario, site: Site, runner: Runner) -> RunResult | None:
     """`static` on as many nodes as the site's feed holds at nameplate (every GPU at its
     TDP): what the same feed buys provisioned as sites are today, the baseline an operator
     judges steering against. None without a finite feed, or room for one node."""
+    return start_static_provisioning(scenario, site, runner).result()
+
+
+def start_static_provisioning(
+    scenario: Scenario, site: Site, runner: Runner
+) -> Pending[RunResult | None]:
+    """`static_provisioning`, started in the runner's background. Its run is the
+    oversubscription search's unconstrained run at the grid's first size (the same site,
+    `unconstrained_run_id`): a runner runs it once for both."""
     feed = site.feed_w
-    if not math.isfinite(feed):
-        return None
     node = next(g for g in site.policy.groups if g.level == 3)
-    nodes = int(feed // (node.gpus * site.tdp_w + node.overhead_w))
+    nodes = int(feed // (node.gpus * site.tdp_w + node.overhead_w)) if math.isfinite(feed) else 0
     if nodes < 1:
-        return None
+        return runner.start([], lambda _: None)
     s = build_site(site.policy, nodes=nodes, facility_budget_w=feed).inner_at_nameplate()
     key = ("provisioned",)
-    return runner.run([Task(key, scenario, s, build_mix(scenario, s), STATIC)])[key]
+    run_id = unconstrained_run_id(scenario, site.policy, nodes, feed, keep_inner=False)
+    task = Task(key, scenario, s, build_mix(scenario, s), STATIC, run_id=run_id)
+    return runner.start([task], lambda results: results[key])
+
+
+def unconstrained_run_id(
+    scenario: Scenario, policy: Policy, nodes: int, feed_w: float, *, keep_inner: bool
+) -> tuple[Any, ...]:
+    """The `Task.run_id` of `static` on `nodes` of the policy's design under the feed, its
+    rows, racks and nodes budgeted at their nameplate unless `keep_inner`: the search's
+    unconstrained run of a size, and at the grid's first size `static_provisioning`'s."""
+    return (STATIC, id(scenario), id(policy), nodes, feed_w, keep_inner)
 
 
 # -- budget sweep --------------------------------------------------------------------------
@@ -217,13 +423,28 @@ def budget_sweep(
 ) -> list[SweepPoint]:
     """The same site and workloads under feeds of `fraction` × nameplate; every budget in the
     tree is scaled by the same factor (the same design at another feed)."""
+    return start_budget_sweep(scenario, site, fractions, policies, runner).result()
+
+
+def start_budget_sweep(
+    scenario: Scenario,
+    site: Site,
+    fractions: Iterable[float],
+    policies: Sequence[str],
+    runner: Runner,
+) -> Pending[list[SweepPoint]]:
+    """`budget_sweep`, started in the runner's background."""
     mix = build_mix(scenario, site)
     sites = {f: site.scaled(f * site.nameplate_w) for f in fractions}
     tasks = [Task((f, p), scenario, s, mix, p) for f, s in sites.items() for p in policies]
-    results = runner.run(tasks)
-    return [
-        SweepPoint(f, s.feed_w, {p: results[(f, p)] for p in policies}) for f, s in sites.items()
-    ]
+
+    def points(results: Results) -> list[SweepPoint]:
+        return [
+            SweepPoint(f, s.feed_w, {p: results[(f, p)] for p in policies})
+            for f, s in sites.items()
+        ]
+
+    return runner.start(tasks, points)
 
 
 # -- how many GPUs fit a feed --------------------------------------------------------------
@@ -491,47 +712,63 @@ class _Sizes:
     def evaluate_each(
         self, want: dict[int, list[str]], doubtful: set[tuple[int, str]] | None = None
     ) -> None:
-        """Simulate each size for its policies (and unconstrained), in two batches: the
-        unconstrained runs, with the bounds of the steered runs that `doubtful` names
-        (size, policy: its search expects it to fail), then the policies, those with a
-        stop rule."""
-        sites = {n: self._site(n) for n in sorted(want)}
+        """Simulate each size for its policies (and unconstrained): first each size's
+        unconstrained run, with the bound of the steered runs that `doubtful` names (size,
+        policy: its search expects it to fail), and as soon as a size has them, its
+        policies' runs, those with a stop rule. All of them before the runner's background,
+        the smallest size first (the one most likely to pass, whose steered runs run to
+        their end)."""
         stops = {
             (n, p)
             for n, p in doubtful or ()
             if self.early_stop and p in STEERED and p not in self._have(n)
         }
-        refs = []
+        refs: dict[int, Pending[Results]] = {}
+        sites = {n: self._site(n) for n in sorted(want)}
         for n, (s, mix) in sites.items():
+            tasks = []
             if n not in self.evaluated:
-                refs.append(Task((n, STATIC), self.scenario, s, mix, STATIC))
+                run_id = unconstrained_run_id(
+                    self.scenario, self.policy, n, self.feed_w, keep_inner=self.keep_inner
+                )
+                tasks.append(Task((n, STATIC), self.scenario, s, mix, STATIC, run_id=run_id))
             if n not in self.bounds and any(m == n for m, _ in stops):
-                refs.append(Task((n, BOUND), self.scenario, s, mix, STATIC, steered_steps=True))
-        for (n, key), r in self.runner.run(refs).items():
-            if key == STATIC:
-                self._point(n, r)
-            else:
-                self.bounds[n] = r
-        rules = {
-            (n, p): StopRule.of(self.bounds[n], self.evaluated[n], self.threshold, self.metric)
-            for n, p in stops
-        }
-        tasks = [
-            Task(
-                (n, p),
-                self.scenario,
-                s,
-                mix,
-                p,
-                breaker=self.breaker,
-                objective=self.metric,
-                stop=rules.get((n, p)),
-            )
-            for n, (s, mix) in sites.items()
-            for p in want[n]
-            if p != STATIC and p not in self.evaluated[n].loss
-        ]
-        results = self.runner.run(tasks)
+                tasks.append(Task((n, BOUND), self.scenario, s, mix, STATIC, steered_steps=True))
+            refs[n] = self.runner.start(tasks, _same, first=True)
+        runs: list[Pending[Results]] = []
+        rules: dict[tuple[Any, ...], StopRule] = {}
+        while refs:
+            n = self.runner.first_done(refs)
+            for (_, key), r in refs.pop(n).result().items():
+                if key == STATIC:
+                    self._point(n, r)
+                else:
+                    self.bounds[n] = r
+            s, mix = sites[n]
+            tasks = []
+            for p in want[n]:
+                if p == STATIC or p in self.evaluated[n].loss:
+                    continue
+                if (n, p) in stops:
+                    rules[(n, p)] = StopRule.of(
+                        self.bounds[n], self.evaluated[n], self.threshold, self.metric
+                    )
+                tasks.append(
+                    Task(
+                        (n, p),
+                        self.scenario,
+                        s,
+                        mix,
+                        p,
+                        breaker=self.breaker,
+                        objective=self.metric,
+                        stop=rules.get((n, p)),
+                    )
+                )
+            runs.append(self.runner.start(tasks, _same, first=True))
+        results: Results = {}
+        for pending in runs:
+            results.update(pending.result())
         for n, which in want.items():
             self._record(n, which, results, rules)
 
