@@ -139,7 +139,9 @@ def test_the_shipped_demand_response_scenario_runs_from_the_cli(
     short = tmp_path / "dr.yaml"
     short.write_text(yaml.safe_dump(data))
     assert site_for(load_scenario(short), load_policy(data["policy"])).n_gpus == 512
-    code = powerd_main(["sim", str(short), "--policies", "fast", "--json", "--baselines", "none"])
+    code = powerd_main(
+        ["sim", str(short), "--policies", "fast", "--json", "--baselines", "none", "--jobs", "1"]
+    )
     assert code == 0
     doc = json.loads(capsys.readouterr().out)
     fast = doc["compare"]["fast"]
