@@ -152,8 +152,7 @@ def hold_small_cuts(
         tight = short > TOL_W
         if tight.any():
             # A cut held (in full, or in part at a level above) may still go, to its target.
-            cut = np.where(held_at_first & tight[group], np.maximum(counted - targets, 0.0), 0.0)
-            made = _fill(cut, group, short, tight, _rank(cut, None))
+            made = _release(held_at_first, counted, targets, group, amount=short, where=tight)
             trimmed = np.where(made > 0, counted - made, trimmed)
         changed = np.isfinite(out)
         out = np.where(changed, trimmed, out)
@@ -184,9 +183,24 @@ def _fund_pressed(
     wanted = need > TOL_W
     if not wanted.any():
         return counted, excess
-    cut = np.where(releasable & wanted[group], np.maximum(counted - targets, 0.0), 0.0)
-    made = np.where(cut > 0, _fill(cut, group, need, wanted, _rank(cut, None)), 0.0)
+    made = _release(releasable, counted, targets, group, amount=need, where=wanted)
     return counted - made, excess - np.bincount(group, weights=made, minlength=n_groups)
+
+
+def _release(
+    may_go: BoolArray,
+    counted: FloatArray,
+    targets: FloatArray,
+    group: NDArray[np.int64],
+    *,
+    amount: FloatArray,
+    where: BoolArray,
+) -> FloatArray:
+    """Per GPU the part of its held cut that goes (toward its target): of the GPUs that
+    `may_go` under the groups `where`, the largest cuts first (the last in part), until
+    each group's `amount` (0 elsewhere)."""
+    cut = np.where(may_go & where[group], np.maximum(counted - targets, 0.0), 0.0)
+    return _fill(cut, group, amount, where, _rank(cut, None))
 
 
 def _rank(rise: FloatArray, pressed: BoolArray | None) -> NDArray[np.int64]:

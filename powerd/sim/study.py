@@ -388,19 +388,27 @@ def start_static_provisioning(
     nodes = int(feed // (node.gpus * site.tdp_w + node.overhead_w)) if math.isfinite(feed) else 0
     if nodes < 1:
         return runner.start([], lambda _: None)
-    s = build_site(site.policy, nodes=nodes, facility_budget_w=feed).inner_at_nameplate()
+    s = sized_site(site.policy, nodes, feed, keep_inner=False)
     key = ("provisioned",)
     run_id = unconstrained_run_id(scenario, site.policy, nodes, feed, keep_inner=False)
     task = Task(key, scenario, s, build_mix(scenario, s), STATIC, run_id=run_id)
     return runner.start([task], lambda results: results[key])
 
 
+def sized_site(policy: Policy, nodes: int, feed_w: float, *, keep_inner: bool) -> Site:
+    """`nodes` of the policy's design under the feed, its rows, racks and nodes budgeted at
+    their nameplate unless `keep_inner` (the policy's own inner budgets): the search's site
+    of a size, and static provisioning's."""
+    s = build_site(policy, nodes=nodes, facility_budget_w=feed_w)
+    return s if keep_inner else s.inner_at_nameplate()
+
+
 def unconstrained_run_id(
     scenario: Scenario, policy: Policy, nodes: int, feed_w: float, *, keep_inner: bool
 ) -> tuple[Any, ...]:
-    """The `Task.run_id` of `static` on `nodes` of the policy's design under the feed, its
-    rows, racks and nodes budgeted at their nameplate unless `keep_inner`: the search's
-    unconstrained run of a size, and at the grid's first size `static_provisioning`'s."""
+    """The `Task.run_id` of `static` on `sized_site(policy, nodes, feed_w, keep_inner)`:
+    the search's unconstrained run of a size, and at the grid's first size
+    `static_provisioning`'s."""
     return (STATIC, id(scenario), id(policy), nodes, feed_w, keep_inner)
 
 
@@ -704,9 +712,7 @@ class _Sizes:
                 )
 
     def _site(self, n: int) -> tuple[Site, Mix]:
-        s = build_site(self.policy, nodes=n, facility_budget_w=self.feed_w)
-        if not self.keep_inner:
-            s = s.inner_at_nameplate()
+        s = sized_site(self.policy, n, self.feed_w, keep_inner=self.keep_inner)
         return s, build_mix(self.scenario, s)
 
     def evaluate_each(
