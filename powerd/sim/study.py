@@ -107,16 +107,22 @@ ABORT_GRACE_S = 5.0
 
 
 def _reap_workers(grace_s: float) -> None:
-    """Wait up to `grace_s` for this process's worker processes to end, then terminate the
-    ones left (`multiprocessing.active_children`: the live children multiprocessing started,
-    which in `powerd sim` are the runner's workers)."""
+    """Wait up to `grace_s` for this process's worker processes to end, then end the ones
+    left (`multiprocessing.active_children`: the live children multiprocessing started,
+    which in `powerd sim` are the runner's workers): SIGTERM, and SIGKILL a second later
+    (a forked worker inherits its parent's SIGTERM handler, which may not end it)."""
     deadline = time.monotonic() + grace_s
     for child in multiprocessing.active_children():
         child.join(max(0.0, deadline - time.monotonic()))
-    for child in multiprocessing.active_children():
+    left = multiprocessing.active_children()
+    for child in left:
         log.warning("sim_worker_terminated", pid=child.pid)
         child.terminate()
+    for child in left:
         child.join(1.0)
+        if child.is_alive():
+            child.kill()
+            child.join()
 
 
 def _init_worker(counter: Any, stop: Any) -> None:
