@@ -41,6 +41,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # matplotlib builds its font cache on first use by running `fc-list`: on a fresh machine
+    # that would be the first plotting test's process, a need it does not have. Built here,
+    # before any test runs, it is read from disk after.
+    import matplotlib.font_manager  # noqa: F401
+
     GUARD.install()
     config.stash[UNUSED] = {}
 
