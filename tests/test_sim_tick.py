@@ -100,6 +100,7 @@ def direct(sc: Scenario, site: Site, mix: Mix, solver: str, *, learn: bool = Fal
                     util_pct=float(util[i]),
                     sm_clock_mhz=float(clock[i]),
                     workload=labels[int(mix.class_index[i])],
+                    job=mix.gpu_jobs[i] if mix.gpu_jobs else None,
                     perf=float(tput[i]),
                 )
                 for j, i in enumerate(members[n])

@@ -42,6 +42,7 @@ class SimAgents:
         workloads: Sequence[str],
         *,
         period_s: float,
+        jobs: Sequence[str | None] = (),
     ) -> None:
         names: list[str] = []
         bounds = [0]
@@ -59,6 +60,8 @@ class SimAgents:
         self.position = {u: i for i, u in enumerate(self.uuids)}
         # Per GPU: what it reports it runs (its class).
         self.workloads: list[str | None] = list(workloads)
+        # Per GPU: the job it reports (a synchronous training job's name; None: none).
+        self.jobs: list[str | None] = list(jobs) or [None] * len(gpu_nodes)
         self.period_s = period_s
         self.seq = 0
         # Per node: the tick of the last command applied (None: none yet).
@@ -100,7 +103,7 @@ class SimAgents:
                 perf=[],
                 throttle=[()] * (b - a),
                 workload=self.workloads[a:b],
-                job=[None] * (b - a),
+                job=self.jobs[a:b],
                 error=[None] * (b - a),
                 set_w=[math.nan] * (b - a),
                 restores=[0] * (b - a),
@@ -135,6 +138,7 @@ class SimAgents:
                             "sm_clock_mhz": r.sm_clock_mhz[k],
                             "perf": r.perf[k],
                             "workload": r.workload[k],
+                            "job": r.job[k],
                         }
                         for k in range(len(r.uuid))
                     ],

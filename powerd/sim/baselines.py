@@ -220,14 +220,30 @@ def oracle_step_s(scenario: Scenario, mix: Mix) -> float:
     replays a recorded trace, that trace's sample period instead of 1 s (between samples
     the replay interpolates linearly, so the samples carry all it knows)."""
     tick = scenario.spec.tick_s
+    period = _replayed_period(mix)
+    if period is not None:
+        return min(tick, max(ORACLE_MAX_STEP_S, period))
+    return min(tick, ORACLE_MAX_STEP_S)
+
+
+def _replayed_period(mix: Mix) -> float | None:
+    """The shortest sample period of the recorded traces when every GPU replays one (their
+    samples then carry all the demand knows), else None."""
     periods = [
         float(getattr(w.trace, "interval_s", 0.0))
         for w in mix.workloads
         if w.pattern == Pattern.TRACE and w.trace is not None
     ]
     if periods and len(periods) == len(mix.workloads) and min(periods) > 0:
-        return min(tick, max(ORACLE_MAX_STEP_S, min(periods)))
-    return min(tick, ORACLE_MAX_STEP_S)
+        return min(periods)
+    return None
+
+
+# Where in its sub-step the demand is read (a fraction of it), sub-step after sub-step: the
+# golden ratio's multiples (a Weyl sequence), spread evenly over the sub-step in any run of
+# them. A read at each sub-step's start would alias a swing whose period is a few sub-steps
+# (a job swinging every 3 s read every second sees the same three points of its cycle).
+GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 
 
 @dataclass(frozen=True)
@@ -259,6 +275,9 @@ class _Account:
         self.duration = self.ticks * self.tick_s
         self.steps_per_tick = max(1, round(self.tick_s / self.step_s))
         self.dt = self.tick_s / self.steps_per_tick
+        # Demand read at a point spread over each sub-step (GOLDEN), not at its start, unless
+        # every GPU replays a trace read at its own samples.
+        self.spread = _replayed_period(self.mix) is None
         self.budget = topo.budget_w.copy()
         self.finite = np.isfinite(self.budget)
         self.windows = _windows(sc, self.site)
@@ -329,7 +348,10 @@ class _Account:
                     moved = changed = True
                 ks.append(k)
                 ts.append(t)
-                rows.append(model.demand_at(t))
+                at = t
+                if self.spread:
+                    at += self.dt * math.modf((k * self.steps_per_tick + j) * GOLDEN)[0]
+                rows.append(model.demand_at(at))
                 if len(ks) >= size:
                     yield _Block(np.array(ks), np.array(ts), np.array(rows), changed)
                     ks, ts, rows, changed = [], [], [], False
@@ -352,6 +374,7 @@ class _Account:
         dt). `strict`: the caps are committed against the budgets (the oracle's), so caps +
         overhead above one counts in `committed_over_ticks`."""
         dt = self.dt
+        tput = self.mix.sync_throughput(tput)  # a synchronous job at its slowest GPU's pace
         ovh = self.overhead_share if up is None else np.where(up, self.overhead_share, 0.0)
         groups = self.group_draw(draw, up)
         budget = self.budgets_at(ts + dt)

@@ -232,6 +232,7 @@ class _Run:
                 site.gpu_nodes,
                 [classes.names[c] for c in cls.tolist()],
                 period_s=spec.tick_s,
+                jobs=mix.gpu_jobs,
             )
             self.engine = self._engine(scenario, learn=learn, profiles=profiles or {})
         self.level_masks = [topo.level == lv for lv in range(len(LEVELS))]
@@ -387,7 +388,9 @@ class _Run:
         else:
             for lv, mask in enumerate(self.level_masks):
                 self.step_peak[lv] = max(self.step_peak[lv], float(ratio[mask].max()))
-        tput = model.step_throughput  # the interval's mean (phases within it integrated)
+        # The interval's mean (phases within it integrated), a synchronous job at the pace
+        # of its slowest GPU.
+        tput = self.mix.sync_throughput(model.step_throughput)
         self.work += np.bincount(cls, weights=tput, minlength=self.work.size) * dt
         self.weighted_work += float(np.dot(self.weight, tput)) * dt
         held = (

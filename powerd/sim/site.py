@@ -9,6 +9,7 @@ site under the same feed is the oversubscription question. See docs/simulator.md
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -191,6 +192,22 @@ class Mix:
     workload_index: IntArray  # into the scenario's workloads
     # (time_s, GPUs, workload) in time order: idle windows starting and ending.
     events: tuple[tuple[float, IntArray, Workload], ...]
+    # Synchronous training jobs (`pattern: training`): each job's GPUs, and per GPU the job
+    # its node reports (`<workload>/<job>`, None outside one), as a scheduler would name it.
+    sync_jobs: tuple[IntArray, ...] = ()
+    gpu_jobs: tuple[str | None, ...] = ()
+
+    def sync_throughput(self, tput: FloatArray) -> FloatArray:
+        """Per GPU throughput with every synchronous job at the pace of its slowest GPU: its
+        ranks meet at every step, so a GPU with more power than the slowest waits for it
+        (docs/simulator.md, "Synchronous training"). GPUs on the last axis (a block of
+        sub-steps before it); `tput` itself when there are none."""
+        if not self.sync_jobs:
+            return tput
+        out = tput.copy()
+        for gpus in self.sync_jobs:
+            out[..., gpus] = tput[..., gpus].min(axis=-1, keepdims=True)
+        return out
 
 
 def assign_nodes(shares: list[float], n_nodes: int, placement: str) -> IntArray:
@@ -398,6 +415,13 @@ def _trace_workloads(
     return out
 
 
+def job_name(workload: str, job: int) -> str:
+    """The name a node reports for job `job` (0-based) of a training workload: the wire's
+    job pattern (`powerd.wire.REPORTED_JOB_PATTERN`), `<workload>/<n>`."""
+    base = re.sub(r"[^A-Za-z0-9_.:-]", "-", workload).lstrip("_.:-")[:100] or "job"
+    return f"{base}/{job + 1}"
+
+
 def _gpus_of(nodes: IntArray, starts: IntArray) -> IntArray:
     return np.concatenate(
         [np.arange(starts[k], starts[k + 1]) for k in nodes.tolist()]
@@ -421,6 +445,8 @@ def build_mix(scenario: Scenario, site: Site) -> Mix:
         [class_pos[specs[w].class_] for w in workload_index.tolist()], dtype=np.int64
     )
     events: list[tuple[float, IntArray, Workload]] = []
+    sync_jobs: list[IntArray] = []
+    gpu_jobs: list[str | None] = [None] * site.n_gpus
     for w, spec in enumerate(specs):
         nodes = np.flatnonzero(node_of == w)
         if spec.kind == "trace":
@@ -442,6 +468,11 @@ def build_mix(scenario: Scenario, site: Site) -> Mix:
             gpus = _gpus_of(job_nodes, starts)
             for i in gpus.tolist():
                 per_gpu[i] = jobs[j]
+            if spec.kind == "training" and gpus.size:
+                sync_jobs.append(gpus)
+                name = job_name(spec.name, j)
+                for i in gpus.tolist():
+                    gpu_jobs[i] = name
             idle = Workload.idle(name=spec.class_)
             for window in spec.idle:
                 events.append((window.start_h * HOUR_S, gpus, idle))
@@ -454,4 +485,7 @@ def build_mix(scenario: Scenario, site: Site) -> Mix:
         places = [(g.name, k) for g in node_groups for k in range(g.gpus)]
         workloads = replay(workloads, places, scenario.recording)
         events = []
-    return Mix(workloads, class_index, workload_index, tuple(events))
+        sync_jobs, gpu_jobs = [], [None] * site.n_gpus  # replayed GPUs: each its own
+    return Mix(
+        workloads, class_index, workload_index, tuple(events), tuple(sync_jobs), tuple(gpu_jobs)
+    )
