@@ -332,7 +332,12 @@ class DemandSpec(_Strict):
     holds up to the GPU's recent draw (`follow`) or whole (`fixed`). `held_spare_w`: with
     `spare: recent`, spare power goes around a held-back GPU's demand + this (its probe,
     not claimed: the power is still anyone's demand first), so it reaches the GPUs known
-    to want more than their cap before the margins of those that may rise; 0: off."""
+    to want more than their cap before the margins of those that may rise; 0: off.
+    `swing_keep_w`: a GPU whose draw rose by at least this much between two samples in
+    every time slice of the window but the newest (it swings all window: synchronous
+    training's compute and communication phases) is judged by its recent peak, not its
+    last sample (held back, demand), so its cap does not follow the swing down and back
+    up every period; 0: off."""
 
     window_s: float = Field(default=60.0, ge=0, le=3600, allow_inf_nan=False)
     swing: float = Field(default=0.0, ge=0, le=10, allow_inf_nan=False)
@@ -342,6 +347,7 @@ class DemandSpec(_Strict):
     held_share: float = Field(default=0.98, ge=0.95, le=1.0, allow_inf_nan=False)
     floors: Literal["follow", "fixed"] = "fixed"
     held_spare_w: NonNegWatts = 100.0
+    swing_keep_w: NonNegWatts = 100.0
 
 
 class Control(_Strict):

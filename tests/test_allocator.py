@@ -102,6 +102,26 @@ def test_every_budget_and_bound_holds(case: Case, solver: str) -> None:
 
 
 @EXAMPLES
+@given(cases(), st.integers(0, 2**31), st.sampled_from([0.0, 0.5, 1.0]))
+def test_every_budget_and_bound_holds_with_swinging_gpus(
+    case: Case, seed: int, share: float
+) -> None:
+    """GPUs judged by their recent peak (`control.demand.swing_keep_w`) move demand and
+    anchors only: every budget and bound holds as without them."""
+    rng = np.random.default_rng(seed)
+    fleet = case.fleet
+    recent = np.minimum(fleet.power_w + rng.uniform(0.0, 400.0, fleet.n), fleet.max_cap_w)
+    fleet = replace(fleet, recent_w=recent, swinging=rng.random(fleet.n) < share)
+    alloc = allocate_arrays(fleet, case.policy)
+    problem = build_problem(fleet, case.policy)
+    if alloc.status != "infeasible_min":
+        assert excess_w(fleet, alloc.caps_w) <= TOL_W
+    assert np.all(alloc.caps_w >= problem.lo * 1000 - TOL_W)
+    assert np.all(alloc.caps_w <= problem.hi * 1000 + TOL_W)
+    device_bounds(Case(case.policy, fleet), alloc)
+
+
+@EXAMPLES
 @given(cases(odd_gpus=False, slew=False))
 def test_floors_are_honoured_when_they_fit(case: Case) -> None:
     alloc = allocate_arrays(case.fleet, case.policy)

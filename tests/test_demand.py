@@ -76,6 +76,27 @@ def test_window_zero_is_the_last_sample() -> None:
     assert est.observe(0.0, UUIDS, np.array([1.0, 2.0, 3.0]), MAX, FRESH) is None
 
 
+def test_a_gpu_swinging_all_window_is_told_from_one_that_rose_once() -> None:
+    est = DemandEstimator(DemandSpec(window_s=40.0))
+    assert est.swinging(0.0) is None  # 0: off
+    # 1 s samples for 40 s: a swings 200 ↔ 650 W every 4 s; b rose once (at 20 s); c
+    # swings by 60 W only.
+    for t in range(41):
+        a = 650.0 if t % 4 else 200.0
+        b = 600.0 if t >= 20 else 250.0
+        c = 400.0 if t % 4 else 340.0
+        est.observe(float(t), UUIDS, np.array([a, b, c]), MAX, FRESH)
+    swinging = est.swinging(100.0)
+    assert swinging is not None
+    assert swinging.tolist() == [True, False, False]
+    assert est.swinging(50.0).tolist() == [True, False, True]  # type: ignore[union-attr]
+    # It stops swinging: within two slices of the window it no longer reads as swinging.
+    for t in range(41, 41 + 12):
+        est.observe(float(t), UUIDS, np.array([200.0, 600.0, 400.0]), MAX, FRESH)
+    assert est.swinging(100.0).tolist() == [False, False, False]  # type: ignore[union-attr]
+    assert DemandEstimator(DemandSpec(window_s=0.0)).swinging(100.0) is None
+
+
 def test_state_is_bounded_and_follows_the_gpu_set() -> None:
     est = DemandEstimator(DemandSpec(window_s=60.0, swing=0.0))
     feed(est, [[600.0, 300.0, 500.0], [200.0, 200.0, 200.0]])
@@ -245,6 +266,90 @@ def test_a_gpu_drawing_just_under_held_share_is_not_probed() -> None:
     assert held_share(None) == CAP_LIMITED_SHARE
 
 
+def test_a_swinging_gpu_wants_its_recent_peak_in_its_low_phase() -> None:
+    # Eight GPUs in the low phase of a swing (200 W now, 650 W a second ago, caps 690 W):
+    # the first four swing all window, the others do not. Not held back either way.
+    policy = _policy(swing_keep_w=100.0)
+    spec = policy.control.demand
+    power, cap, recent = np.full(8, 200.0), np.full(8, 690.0), np.full(8, 650.0)
+    swinging = np.array([True] * 4 + [False] * 4)
+    fleet = replace(_fleet(policy, power, cap, recent), swinging=swinging)
+    d = demand_w(fleet, 50.0, spec)
+    np.testing.assert_allclose(d[:4], 650.0 / CAP_LIMITED_SHARE + 1.0)  # its peak's least cap
+    np.testing.assert_allclose(d[4:], 200.0 / CAP_LIMITED_SHARE + 1.0)  # its draw's
+    np.testing.assert_allclose(
+        demand_w(fleet, 50.0, DemandSpec(swing_keep_w=100.0, margin="headroom"))[:4], 700.0
+    )
+    # Held back (pressing its cap), a swinging GPU probes as any other does; pressed in
+    # its high phase (its peak at its cap), it is still held back in its low phase.
+    pressed = replace(fleet, power_w=np.full(8, 690.0), recent_w=np.full(8, 690.0))
+    np.testing.assert_allclose(demand_w(pressed, 50.0, spec), 700.0)
+    low = replace(pressed, power_w=np.full(8, 200.0))
+    assert held_back(low, spec).tolist() == [True] * 4 + [False] * 4
+    np.testing.assert_allclose(demand_w(low, 50.0, spec)[:4], 700.0)
+    # Under a budget that holds every GPU's peak, the swinging ones keep room for it.
+    alloc = allocate_arrays(fleet, policy, budget_w=_site_budget(policy, fleet, 4000.0))
+    assert np.all(alloc.caps_w[:4] >= 650.0 / CAP_LIMITED_SHARE)
+    assert alloc.caps_w.sum() <= 4000.0 + 1e-6
+
+
+def test_with_swing_keep_caps_do_not_follow_a_swing_in_the_tick() -> None:
+    """One node's GPUs swing 200 ↔ 400 W every 4 s (synchronous training), the others
+    draw 450 W steadily, under a site budget that binds. Without `swing_keep_w` the swinging
+    GPUs' caps are cut in every low phase and probed back up in the high one (and their
+    neighbours' caps move the other way); with it, once the window has seen the swing,
+    the caps stay, and every budget holds either way."""
+    from support.honest import NODES, HonestNode
+    from support.honest import policy_dict as honest_policy_dict
+
+    from powerd.controller.tick import TickEngine
+
+    class Node(HonestNode):
+        def __init__(self, name: str) -> None:
+            super().__init__(name)
+            self.t = 0
+            self.swings = name == "r1-n1"
+
+        def draw(self) -> dict[str, float]:
+            want = 450.0
+            if self.swings:
+                want = 200.0 if self.t % 4 == 3 else 400.0
+            return {u: min(cap, want) for u, cap in self.caps.items()}
+
+    moves: dict[float, int] = {}
+    for keep in (0.0, 100.0):
+        d = honest_policy_dict()
+        d["control"] = {**d.get("control", {}), "demand": {"swing_keep_w": keep}}
+        engine = TickEngine(parse(d))
+        nodes = {n: Node(n) for n in NODES}
+        before = None
+        moves[keep] = 0
+        for t in range(100):
+            for node in nodes.values():
+                node.t = t
+                engine.on_telemetry(node.sample(1e9 + t), float(t))
+            _, plan = engine.step(float(t), 1e9 + t)
+            for cmd in plan.commands:
+                ack = nodes[cmd.node].apply_caps(cmd.tick, cmd.caps_w)
+                if ack is not None:
+                    engine.on_ack(cmd.node, ack)
+            caps = np.array([c for n in nodes.values() for c in n.caps.values()])
+            assert caps.sum() <= 7000.0 + 1e-6
+            if t >= 70 and before is not None:
+                moves[keep] += int((np.abs(caps - before) > 1.0).sum())
+            before = caps
+        swinging = engine.targets.demand.swinging(keep)
+        if keep:
+            assert swinging is not None
+            idx = {u: i for i, u in enumerate(engine.targets.demand.uuids)}
+            for node in nodes.values():
+                assert all(bool(swinging[idx[u]]) == node.swings for u in node.uuids)
+        else:
+            assert swinging is None
+    assert moves[0.0] > 0
+    assert moves[100.0] == 0
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     cap=st.floats(200.0, 700.0),
@@ -301,7 +406,8 @@ def test_following_floors_hold_only_up_to_recent_draw() -> None:
     [{"window_s": -1}, {"window_s": 3601}, {"swing": 11}, {"swing": float("nan")},
      {"spare": "all"}, {"held": "guess"}, {"margin": 3}, {"floors": "none"}, {"bogus": 1},
      {"held_share": 0.9}, {"held_share": 1.01}, {"held_share": float("nan")},
-     {"held_spare_w": -1}, {"held_spare_w": float("inf")}],
+     {"held_spare_w": -1}, {"held_spare_w": float("inf")}, {"swing_keep_w": -1},
+     {"swing_keep_w": float("nan")}],
 )  # fmt: skip
 def test_demand_settings_are_validated(demand: dict[str, Any]) -> None:
     with pytest.raises(ValidationError):

@@ -76,6 +76,9 @@ class GpuArrays:
     # reported); None: `cap_w`. A tick that comes before the next sample (on acks,
     # control.ack_ticks) must not read a GPU it has just raised as no longer held back.
     sampled_cap_w: FloatArray | None = None
+    # Per GPU whether its draw swings all window (`control.demand.swing_keep_w`,
+    # controller/demand.py's `swinging`); None: none does.
+    swinging: BoolArray | None = None
 
     @property
     def n(self) -> int:
@@ -555,7 +558,21 @@ def held_back(fleet: GpuArrays, spec: DemandSpec | None) -> BoolArray:
     """Per GPU whether its cap holds it back: it draws at least `held_share(spec)` of it
     (`pressing_cap_w`). The one test the demand estimate, the spare power's anchors and the
     deadband's pressed GPUs share."""
-    return np.asarray(fleet.power_w >= held_share(spec) * pressing_cap_w(fleet))
+    return np.asarray(judged_draw_w(fleet) >= held_share(spec) * pressing_cap_w(fleet))
+
+
+def judged_draw_w(fleet: GpuArrays) -> FloatArray:
+    """Per GPU the draw its demand is judged by: its last sample, or, where its draw swings
+    all window (`swinging`, `control.demand.swing_keep_w`), its recent peak: in the low
+    phase of a swing it wants what its high phase needs, and a GPU pressed in its high
+    phase is still held back in its low one, so its cap does not follow the swing down and
+    back up every period (docs/allocator.md, "Demand")."""
+    if fleet.swinging is None or fleet.recent_w is None:
+        return fleet.power_w
+    return np.asarray(
+        np.where(fleet.swinging, np.maximum(fleet.power_w, fleet.recent_w), fleet.power_w),
+        dtype=np.float64,
+    )
 
 
 def demand_w(fleet: GpuArrays, headroom_w: float, spec: DemandSpec | None = None) -> FloatArray:
@@ -580,9 +597,10 @@ def demand_w(fleet: GpuArrays, headroom_w: float, spec: DemandSpec | None = None
         # One step above the cap it pressed on, per sample: a tick before the next sample
         # (on acks) does not climb again on the same evidence.
         held = np.minimum(fleet.max_cap_w, np.maximum(recent, pressing_cap_w(fleet)) + headroom_w)
-    free = fleet.power_w + headroom_w
+    draw = judged_draw_w(fleet)
+    free = draw + headroom_w
     if spec.margin == "least":
-        free = np.minimum(free, fleet.power_w / CAP_LIMITED_SHARE + LEAST_MARGIN_W)
+        free = np.minimum(free, draw / CAP_LIMITED_SHARE + LEAST_MARGIN_W)
     return np.where(limited, held, free)
 
 

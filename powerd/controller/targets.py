@@ -134,6 +134,7 @@ class TargetStage:
             job_names=job_names,
             recent_w=recent,
             sampled_cap_w=arrays.cap_w,
+            swinging=self.demand.swinging(self.policy.control.demand.swing_keep_w),
         )
         targets, status, objective, solve_ms, unused_w = self.allocate(
             tick, fleet, limit_w, shape, alarm
