@@ -306,7 +306,7 @@ class Tree:
 
     def under(self, groups: BoolArray) -> BoolArray:
         """GPUs below any of the marked groups."""
-        return np.asarray(groups[self.gpu_groups].any(axis=1), dtype=np.bool_)
+        return self.topology.under_any(np.asarray(groups, dtype=np.bool_))
 
 
 class JobMap:
