@@ -606,7 +606,9 @@ class SimulatedGpus:
         # Closed-form integral of target + gap·exp(-t/tau) over [0, dt].
         energy = target * dt_s + gap * self.tau_s * (1.0 - decay)
         lagged = target + gap * decay
-        mean_target = target.copy()  # per GPU, over the step (for the temperature)
+        # Per GPU, over the step (for the temperature): `target`, but where a job's or
+        # service's demand changes within the step (then a copy, written below).
+        mean_target = target
         g = self._group_gpus
         edges = self._edges_within(t0, t1)
         pieces = None
@@ -624,6 +626,7 @@ class SimulatedGpus:
             end = x0[g] * decay + weight @ level
             energy[g] = integral - self.tau_s * (end - x0[g])
             lagged[g] = end
+            mean_target = target.copy()
             mean_target[g] = integral / dt_s
             tput = np.zeros(level.shape)
             for profile, cols in self._group_profiles:
@@ -634,7 +637,8 @@ class SimulatedGpus:
         # Temperature: a slower lag driven by that draw. Its exact solution is the settled
         # value, plus the draw's decaying gap passed through, plus its own decaying start
         # (a job or service whose demand changed within the step: from its mean level).
-        gap = x0 - mean_target
+        if mean_target is not target:
+            gap = x0 - mean_target  # (else the gap above: x0 − target)
         settled = self.ambient_c + self.temp_per_w * mean_target
         passed = self.temp_per_w * gap * self.tau_s / (self.tau_s - self.temp_tau_s)
         own = (self.temp_c - settled - passed) * np.exp(-dt_s / self.temp_tau_s)
@@ -646,9 +650,15 @@ class SimulatedGpus:
         self.t += dt_s
         self._refresh_demand()
         self._update_reported_power()
-        self.step_throughput = self.throughput()
-        if pieces is not None:
-            self.step_throughput[g] = pieces
+        if pieces is not None and g.size == self.n:
+            # Every GPU a job's or a service's (`g` is all of them, in order): the step's
+            # throughput is theirs alone; the fleet's at the step's end (`throughput`, what
+            # the agents report) is computed when read.
+            self.step_throughput = pieces
+        else:
+            self.step_throughput = self.throughput()
+            if pieces is not None:
+                self.step_throughput[g] = pieces
 
     def _group_throughput(self, power_w: FloatArray) -> FloatArray:
         """`_throughput_at(·, ALL)[_group_gpus]` from the jobs' and services' GPUs' draw
@@ -728,7 +738,7 @@ class SimulatedGpus:
         """Busy share: capping slows a busy GPU down but leaves it busy."""
         high = np.atleast_1d(self._high[sel])
         busy = (np.atleast_1d(self.demand_w[sel]) - IDLE_W) / np.maximum(high - IDLE_W, 1.0)
-        return np.asarray(100.0 * np.clip(busy, 0.0, 1.0), dtype=np.float64)
+        return np.asarray(100.0 * busy.clip(0.0, 1.0), dtype=np.float64)
 
     def sm_clock_mhz(
         self, sel: Selector = ALL, *, util_pct: FloatArray | None = None
@@ -736,7 +746,7 @@ class SimulatedGpus:
         """Clocks rise with load and drop roughly with the square root of the power cut
         (`util_pct`: these GPUs' `util_pct`, where the caller has it already)."""
         demand = np.maximum(np.atleast_1d(self.demand_w[sel]), 1.0)
-        share = np.sqrt(np.clip(np.atleast_1d(self._lagged_w[sel]) / demand, 0.0, 1.0))
+        share = np.sqrt((np.atleast_1d(self._lagged_w[sel]) / demand).clip(0.0, 1.0))
         busy = (self.util_pct(sel) if util_pct is None else util_pct) / 100.0
         clock = IDLE_SM_CLOCK_MHZ + (MAX_SM_CLOCK_MHZ - IDLE_SM_CLOCK_MHZ) * busy * share
         return np.asarray(clock, dtype=np.float64)
