@@ -1079,8 +1079,8 @@ class SafetyPlanner:
         send = node_send[self._node_of_gpu]
         stale = (now - self._seen) > control.stale_after_s
 
-        wanted = np.clip(
-            np.where(np.isnan(targets), committed, targets), layout.min_cap_w, layout.max_cap_w
+        wanted = np.where(np.isnan(targets), committed, targets).clip(
+            layout.min_cap_w, layout.max_cap_w
         )
         # A GPU that will not move keeps the cap it may have, and the others make room for it:
         # one that refused its cap (we keep asking), one whose node gets no command (offline,

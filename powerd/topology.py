@@ -49,7 +49,7 @@ class Topology:
 
     def group_sums(self, per_gpu: FloatArray) -> FloatArray:
         """Sum a per-GPU value over every group (each group: all GPUs below it)."""
-        weights = np.repeat(np.asarray(per_gpu, dtype=np.float64), N_LEVELS)
+        weights = np.asarray(per_gpu, dtype=np.float64).repeat(N_LEVELS)
         sums = np.bincount(self.gpu_groups.ravel(), weights=weights, minlength=self.n_groups)
         return sums.astype(np.float64, copy=False)
 

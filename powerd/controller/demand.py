@@ -136,5 +136,5 @@ def _draw(power_w: FloatArray, max_cap_w: FloatArray) -> FloatArray:
     # (NaN to 0 by np.where: nan_to_num's ±inf to ±max float clip to the same bounds, and
     # its Python-level checks cost twice this whole line.)
     return np.asarray(
-        np.clip(np.where(np.isnan(power_w), 0.0, power_w), 0.0, max_cap_w), dtype=np.float64
+        np.where(np.isnan(power_w), 0.0, power_w).clip(0.0, max_cap_w), dtype=np.float64
     )

@@ -167,7 +167,7 @@ class SimAgents:
         whole fleet's columns end to end."""
         m = self.model
         self.seq += 1
-        temp = np.clip(m.temp_c, -50.0, 200.0)
+        temp = m.temp_c.clip(-50.0, 200.0)
         util = m.util_pct()
         clock, perf = m.sm_clock_mhz(util_pct=util), m.throughput()
         check_readings(
@@ -286,7 +286,7 @@ class SimAgents:
         if len(gpu) != plan.sent_gpus or not ((req >= 0.0) & (req <= MAX_SANE_WATTS)).all():
             raise ValueError("simulated agents: a command's cap is out of the wire's bounds")
         idx = self._layout_pos[gpu]
-        target = np.clip(req, m.min_cap_w[idx], m.max_cap_w[idx])
+        target = req.clip(m.min_cap_w[idx], m.max_cap_w[idx])
         # SimulatedGpus.set_cap for many GPUs at once.
         m.requested_cap_w[idx] = target
         enforced = np.minimum(target, m.override_w[idx])
