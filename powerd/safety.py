@@ -1062,7 +1062,6 @@ class SafetyPlanner:
         control = self.policy.control
 
         committed = self.committed_w()  # absorbs the queued messages first
-        low = self._low_w()
 
         node_live = np.ones(len(self._node_names), dtype=bool)
         for name in offline:
@@ -1117,7 +1116,10 @@ class SafetyPlanner:
             )
         # Where a group is over, "≤ committed" proves nothing about the truth: send nothing
         # above the lowest cap that may be in force, so no GPU there rises even briefly.
-        caps = np.where(in_over, np.minimum(caps, low), caps)
+        # (The lowest caps are read only where a group is over: nothing since the messages
+        # were absorbed above has changed the bounds they come from.)
+        if in_over.any():
+            caps = np.where(in_over, np.minimum(caps, self._low_w()), caps)
 
         raise_mask, job = _raisable(send & ~in_over & ~stale, wanted > committed + TOL_W, jobs)
         admitted = self._admit(
