@@ -116,8 +116,9 @@ class DemandEstimator:
         draw = _draw(power_w, max_cap_w)
         take = fresh & np.isfinite(power_w)
         rise = np.where(np.isnan(self.last), 0.0, draw - self.last)
-        self._peak[col] = np.where(take, np.maximum(self._peak[col], draw), self._peak[col])
-        self._rise[col] = np.where(take, np.maximum(self._rise[col], rise), self._rise[col])
+        # (In place where `take`: the row as it was elsewhere.)
+        np.maximum(self._peak[col], draw, out=self._peak[col], where=take)
+        np.maximum(self._rise[col], rise, out=self._rise[col], where=take)
         self.last = np.where(take, draw, self.last)
         return self._recent(draw, max_cap_w)
 
