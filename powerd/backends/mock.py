@@ -355,6 +355,7 @@ class SimulatedGpus:
 
     # `throughput()` of the whole fleet: (draw, working GPUs, the values) it was taken from.
     _throughput_kept: tuple[FloatArray, NDArray[np.bool_], FloatArray] | None = None
+    _group_all = False  # `_group_gpus` is every GPU (`_reindex`)
 
     def __init__(
         self,
@@ -502,6 +503,9 @@ class SimulatedGpus:
             (g, w) for g, w in self._groups if w.surge_prob > 0.0 and w.surge_w != 0.0
         ]
         self._group_gpus = np.sort(np.concatenate([g for g, _ in self._groups] or [self._none]))
+        # Every GPU a job's or a service's: `_group_gpus` is 0..n-1 (each GPU is in one group),
+        # so a per-GPU array in its order is the array itself.
+        self._group_all = self._group_gpus.size == self.n
         # Each profile's columns among the jobs' and services' GPUs.
         group_profile = self._profile_idx[self._group_gpus]
         self._group_profiles = [
@@ -646,11 +650,11 @@ class SimulatedGpus:
         # Jobs and services work at their level all step (lag-free, as over pieces); the
         # others at their draw at the step's end, as they always have.
         if pieces is None and g.size:
-            pieces = self._group_throughput(target[g])
+            pieces = self._group_throughput(target if self._group_all else target[g])
         self.t += dt_s
         self._refresh_demand()
         self._update_reported_power()
-        if pieces is not None and g.size == self.n:
+        if pieces is not None and self._group_all:
             # Every GPU a job's or a service's (`g` is all of them, in order): the step's
             # throughput is theirs alone; the fleet's at the step's end (`throughput`, what
             # the agents report) is computed when read.
@@ -667,7 +671,10 @@ class SimulatedGpus:
         out = np.zeros(g.size)
         for profile, cols in self._group_profiles:
             out[cols] = profile.value(power_w[cols])
-        out[self._idle[g] | ~self._working[g]] = 0.0
+        if self._group_all:
+            out[self._idle | ~self._working] = 0.0
+        else:
+            out[self._idle[g] | ~self._working[g]] = 0.0
         return out
 
     def _edges_within(self, t0: float, t1: float) -> FloatArray:
