@@ -495,7 +495,7 @@ class SafetyPlanner:
         self,
         nodes: Sequence[str],
         uuids: Sequence[Sequence[str]],
-        caps_w: Sequence[float],
+        caps_w: Sequence[float] | FloatArray,
         received_at: float,
         as_of_tick: Sequence[int | None],
     ) -> bool:
@@ -893,8 +893,9 @@ class SafetyPlanner:
             # Every row an ack of one GPU in layout order: the acknowledged GPUs are all.
             whole = isinstance(at_gpus, slice) and len(acks) == len(gpu)
             ag: IntArray | slice = slice(None) if whole else gpu[acks]
-            at = tick[acks]
-            g = guess[acks]
+            every = len(acks) == len(gpu)  # (then `acks` is every row: no copies by index)
+            at = tick if every else tick[acks]
+            g = guess if every else guess[acks]
             if g.any():  # (else no ack's bounds widen: every GPU read back its limit)
                 self._widen(layout, hi, lo, acks=acks, ag=ag, at=at, g=g)
             upto = np.full(len(touched), -1, dtype=np.int64)
@@ -918,10 +919,17 @@ class SafetyPlanner:
         newest = np.where(known, self._key[at_gpus], np.iinfo(np.int64).min)
         _fold(np.maximum, newest, local, key, None, one=one)
         is_newest = key == rows(newest)
-        last_pos = np.full(len(touched), -1, dtype=np.int64)
-        _fold(np.maximum, last_pos, local, pos, is_newest, one=one)
-        kept = pos >= rows(last_pos)
-        keep_state = known & (last_pos < 0)
+        kept: BoolArray | None = None  # None: every row
+        if one:
+            # One row per GPU: the last of its newest tick (`last_pos` its own position)
+            # where it is of that tick, else none (-1). So every row is kept (pos ≥
+            # last_pos), and the GPU's state is kept where its row is older.
+            keep_state = known & ~is_newest
+        else:
+            last_pos = np.full(len(touched), -1, dtype=np.int64)
+            _fold(np.maximum, last_pos, local, pos, is_newest, one=one)
+            kept = pos >= rows(last_pos)
+            keep_state = known & (last_pos < 0)
         new_hi = np.where(keep_state, self._hi[at_gpus], -np.inf)
         new_lo = np.where(keep_state, self._lo[at_gpus], np.inf)
         _fold(np.maximum, new_hi, local, hi, kept, one=one)
@@ -932,7 +940,9 @@ class SafetyPlanner:
 
         # A reading above the committed cap: something outside powerd raised the limit (or the
         # device clamped a request up). The bound follows the reading; the controller alarms.
-        above = kept & rows(known) & (hi > rows(before) + ALARM_TOL_W)
+        above = rows(known) & (hi > rows(before) + ALARM_TOL_W)
+        if kept is not None:
+            above &= kept
         self._alarm_above(
             layout, np.flatnonzero(above), gpu=gpu, hi=hi, src=src, before=rows(before)
         )
@@ -1052,7 +1062,6 @@ class SafetyPlanner:
         control = self.policy.control
 
         committed = self.committed_w()  # absorbs the queued messages first
-        low = self._low_w()
 
         node_live = np.ones(len(self._node_names), dtype=bool)
         for name in offline:
@@ -1069,8 +1078,8 @@ class SafetyPlanner:
         send = node_send[self._node_of_gpu]
         stale = (now - self._seen) > control.stale_after_s
 
-        wanted = np.clip(
-            np.where(np.isnan(targets), committed, targets), layout.min_cap_w, layout.max_cap_w
+        wanted = np.where(np.isnan(targets), committed, targets).clip(
+            layout.min_cap_w, layout.max_cap_w
         )
         # A GPU that will not move keeps the cap it may have, and the others make room for it:
         # one that refused its cap (we keep asking), one whose node gets no command (offline,
@@ -1090,7 +1099,7 @@ class SafetyPlanner:
         capacity = budget - topo.overhead_w - reserve
         group_caps_before = topo.group_sums(committed)  # Σ committed caps, no overhead
         over_g = group_caps_before > capacity + TOL_W
-        in_over = over_g[topo.gpu_groups].any(axis=1)
+        in_over = topo.under_any(over_g)
         caps = np.minimum(wanted, committed)
         shed = self._shed(np.where(fixed, committed, caps), capacity, fixed)
         caps = np.where(fixed, caps, shed)
@@ -1107,7 +1116,10 @@ class SafetyPlanner:
             )
         # Where a group is over, "≤ committed" proves nothing about the truth: send nothing
         # above the lowest cap that may be in force, so no GPU there rises even briefly.
-        caps = np.where(in_over, np.minimum(caps, low), caps)
+        # (The lowest caps are read only where a group is over: nothing since the messages
+        # were absorbed above has changed the bounds they come from.)
+        if in_over.any():
+            caps = np.where(in_over, np.minimum(caps, self._low_w()), caps)
 
         raise_mask, job = _raisable(send & ~in_over & ~stale, wanted > committed + TOL_W, jobs)
         admitted = self._admit(
@@ -1172,8 +1184,13 @@ class SafetyPlanner:
         UNRESPONSIVE_TICKS regular ticks (and half of one, for jitter), told by when the
         oldest one still pending was planned, not by how many ticks came since: ticks on
         acks (`control.ack_ticks`) would call a node silent in a fraction of a second."""
+        pending = self._pend_tick >= 0
+        if not pending.any():
+            # Nothing pending (the common case at a tick: every command acknowledged): no
+            # GPU is silent, as the lines below would find without their searches.
+            return np.zeros(self._pend_tick.shape[1], dtype=np.bool_)
         none = np.iinfo(np.int64).max
-        oldest = np.where(self._pend_tick >= 0, self._pend_tick, none).min(axis=0, initial=none)
+        oldest = np.where(pending, self._pend_tick, none).min(axis=0, initial=none)
         if not self._plan_ticks:
             return np.asarray(oldest != none, dtype=np.bool_)
         ticks = np.fromiter(self._plan_ticks, dtype=np.int64, count=len(self._plan_ticks))
@@ -1481,7 +1498,7 @@ def _fold(
         if where is None:
             op(out, values, out=out)
         else:
-            np.copyto(out, op(out, values), where=where)
+            op(out, values, out=out, where=where)  # (the rows not `where` left as they are)
     elif where is None:
         op.at(out, idx, values)
     else:

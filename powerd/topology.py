@@ -17,6 +17,7 @@ from powerd.policy import LEVELS, Policy
 
 IntArray = NDArray[np.int64]
 FloatArray = NDArray[np.float64]
+BoolArray = NDArray[np.bool_]
 N_LEVELS = len(LEVELS)
 
 
@@ -48,9 +49,18 @@ class Topology:
 
     def group_sums(self, per_gpu: FloatArray) -> FloatArray:
         """Sum a per-GPU value over every group (each group: all GPUs below it)."""
-        weights = np.repeat(np.asarray(per_gpu, dtype=np.float64), N_LEVELS)
+        weights = np.asarray(per_gpu, dtype=np.float64).repeat(N_LEVELS)
         sums = np.bincount(self.gpu_groups.ravel(), weights=weights, minlength=self.n_groups)
         return sums.astype(np.float64, copy=False)
+
+    def under_any(self, marked: BoolArray) -> BoolArray:
+        """Per GPU whether any of its groups is `marked` (per group):
+        `marked[gpu_groups].any(axis=1)`, level by level from the kept columns."""
+        levels = self.gpu_group_columns
+        out: BoolArray = marked[levels[0]]
+        for col in levels[1:]:
+            out = out | marked[col]
+        return out
 
     def group_counts(self) -> IntArray:
         return np.bincount(self.gpu_groups.ravel(), minlength=self.n_groups).astype(np.int64)

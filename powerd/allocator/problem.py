@@ -309,7 +309,7 @@ class Tree:
 
     def under(self, groups: BoolArray) -> BoolArray:
         """GPUs below any of the marked groups."""
-        return np.asarray(groups[self.gpu_groups].any(axis=1), dtype=np.bool_)
+        return self.topology.under_any(np.asarray(groups, dtype=np.bool_))
 
 
 class JobMap:
@@ -639,7 +639,7 @@ def anchor_kw(
     anchor = np.maximum(fleet.recent_w, demand)
     if spec.held_spare_w > 0:
         anchor = np.where(held_back(fleet, spec), demand + spec.held_spare_w, anchor)
-    return np.asarray(np.clip(anchor / 1000.0, lo, hi))
+    return np.asarray((anchor / 1000.0).clip(lo, hi))
 
 
 def capacities_kw(
@@ -842,8 +842,8 @@ def build_problem(
     prev = fleet.cap_w / 1000.0
     if ctl.slew_w is not None:
         slew = ctl.slew_w / 1000.0
-        lo = np.clip(prev - slew, lo_floor, hi_base)
-        hi = np.clip(prev + slew, lo_floor, hi_base)
+        lo = (prev - slew).clip(lo_floor, hi_base)
+        hi = (prev + slew).clip(lo_floor, hi_base)
         if jobs is not None:
             # Members that start apart move together: where their slew windows do not
             # meet, the job moves without slew (as a safety cut does).
@@ -863,7 +863,7 @@ def build_problem(
     demand = demand_w(fleet, policy.defaults.headroom_w, ctl.demand)
     if jobs is not None:
         demand = jobs.max(demand)  # one synchronous job: it wants what its hungriest GPU does
-    flat = np.clip(np.minimum(demand / 1000.0, classes.peak_kw[cls]), lo, hi)
+    flat = np.minimum(demand / 1000.0, classes.peak_kw[cls]).clip(lo, hi)
     prev = anchor_kw(fleet, ctl.demand, demand=demand, prev=prev, lo=lo, hi=hi)
     eps = max(ctl.damping, MIN_DAMPING)
     gap = float(np.max(hi - prev, initial=0.0))
@@ -960,7 +960,7 @@ def repair(problem: Problem, p_kw: FloatArray) -> FloatArray:
     from powerd.allocator import kernel  # numba: loaded by the first solve
 
     lo = problem.lo
-    p = np.clip(p_kw, lo, problem.hi)
+    p = p_kw.clip(lo, problem.hi)
     tree = problem.tree
     cap = problem.capacity
     slack = 2.0 * np.finfo(np.float64).eps * tree.counts * np.where(np.isfinite(cap), cap, 0.0)

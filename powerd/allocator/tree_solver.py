@@ -264,7 +264,7 @@ def _usable_warm(problem: Problem, warm: FloatArray | None) -> FloatArray | None
         problem.weight * first + problem.delta + 2.0 * problem.eps * (problem.prev - problem.lo),
         initial=0.0,
     )
-    return np.clip(warm, 0.0, top)
+    return warm.clip(0.0, top)
 
 
 def solve(problem: Problem, warm: FloatArray | None = None) -> tuple[FloatArray, FloatArray]:

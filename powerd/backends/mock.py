@@ -355,6 +355,7 @@ class SimulatedGpus:
 
     # `throughput()` of the whole fleet: (draw, working GPUs, the values) it was taken from.
     _throughput_kept: tuple[FloatArray, NDArray[np.bool_], FloatArray] | None = None
+    _group_all = False  # `_group_gpus` is every GPU (`_reindex`)
 
     def __init__(
         self,
@@ -502,6 +503,9 @@ class SimulatedGpus:
             (g, w) for g, w in self._groups if w.surge_prob > 0.0 and w.surge_w != 0.0
         ]
         self._group_gpus = np.sort(np.concatenate([g for g, _ in self._groups] or [self._none]))
+        # Every GPU a job's or a service's: `_group_gpus` is 0..n-1 (each GPU is in one group),
+        # so a per-GPU array in its order is the array itself.
+        self._group_all = self._group_gpus.size == self.n
         # Each profile's columns among the jobs' and services' GPUs.
         group_profile = self._profile_idx[self._group_gpus]
         self._group_profiles = [
@@ -606,7 +610,9 @@ class SimulatedGpus:
         # Closed-form integral of target + gap·exp(-t/tau) over [0, dt].
         energy = target * dt_s + gap * self.tau_s * (1.0 - decay)
         lagged = target + gap * decay
-        mean_target = target.copy()  # per GPU, over the step (for the temperature)
+        # Per GPU, over the step (for the temperature): `target`, but where a job's or
+        # service's demand changes within the step (then a copy, written below).
+        mean_target = target
         g = self._group_gpus
         edges = self._edges_within(t0, t1)
         pieces = None
@@ -624,6 +630,7 @@ class SimulatedGpus:
             end = x0[g] * decay + weight @ level
             energy[g] = integral - self.tau_s * (end - x0[g])
             lagged[g] = end
+            mean_target = target.copy()
             mean_target[g] = integral / dt_s
             tput = np.zeros(level.shape)
             for profile, cols in self._group_profiles:
@@ -634,7 +641,8 @@ class SimulatedGpus:
         # Temperature: a slower lag driven by that draw. Its exact solution is the settled
         # value, plus the draw's decaying gap passed through, plus its own decaying start
         # (a job or service whose demand changed within the step: from its mean level).
-        gap = x0 - mean_target
+        if mean_target is not target:
+            gap = x0 - mean_target  # (else the gap above: x0 − target)
         settled = self.ambient_c + self.temp_per_w * mean_target
         passed = self.temp_per_w * gap * self.tau_s / (self.tau_s - self.temp_tau_s)
         own = (self.temp_c - settled - passed) * np.exp(-dt_s / self.temp_tau_s)
@@ -642,13 +650,19 @@ class SimulatedGpus:
         # Jobs and services work at their level all step (lag-free, as over pieces); the
         # others at their draw at the step's end, as they always have.
         if pieces is None and g.size:
-            pieces = self._group_throughput(target[g])
+            pieces = self._group_throughput(target if self._group_all else target[g])
         self.t += dt_s
         self._refresh_demand()
         self._update_reported_power()
-        self.step_throughput = self.throughput()
-        if pieces is not None:
-            self.step_throughput[g] = pieces
+        if pieces is not None and self._group_all:
+            # Every GPU a job's or a service's (`g` is all of them, in order): the step's
+            # throughput is theirs alone; the fleet's at the step's end (`throughput`, what
+            # the agents report) is computed when read.
+            self.step_throughput = pieces
+        else:
+            self.step_throughput = self.throughput()
+            if pieces is not None:
+                self.step_throughput[g] = pieces
 
     def _group_throughput(self, power_w: FloatArray) -> FloatArray:
         """`_throughput_at(·, ALL)[_group_gpus]` from the jobs' and services' GPUs' draw
@@ -657,7 +671,10 @@ class SimulatedGpus:
         out = np.zeros(g.size)
         for profile, cols in self._group_profiles:
             out[cols] = profile.value(power_w[cols])
-        out[self._idle[g] | ~self._working[g]] = 0.0
+        if self._group_all:
+            out[self._idle | ~self._working] = 0.0
+        else:
+            out[self._idle[g] | ~self._working[g]] = 0.0
         return out
 
     def _edges_within(self, t0: float, t1: float) -> FloatArray:
@@ -728,7 +745,7 @@ class SimulatedGpus:
         """Busy share: capping slows a busy GPU down but leaves it busy."""
         high = np.atleast_1d(self._high[sel])
         busy = (np.atleast_1d(self.demand_w[sel]) - IDLE_W) / np.maximum(high - IDLE_W, 1.0)
-        return np.asarray(100.0 * np.clip(busy, 0.0, 1.0), dtype=np.float64)
+        return np.asarray(100.0 * busy.clip(0.0, 1.0), dtype=np.float64)
 
     def sm_clock_mhz(
         self, sel: Selector = ALL, *, util_pct: FloatArray | None = None
@@ -736,7 +753,7 @@ class SimulatedGpus:
         """Clocks rise with load and drop roughly with the square root of the power cut
         (`util_pct`: these GPUs' `util_pct`, where the caller has it already)."""
         demand = np.maximum(np.atleast_1d(self.demand_w[sel]), 1.0)
-        share = np.sqrt(np.clip(np.atleast_1d(self._lagged_w[sel]) / demand, 0.0, 1.0))
+        share = np.sqrt((np.atleast_1d(self._lagged_w[sel]) / demand).clip(0.0, 1.0))
         busy = (self.util_pct(sel) if util_pct is None else util_pct) / 100.0
         clock = IDLE_SM_CLOCK_MHZ + (MAX_SM_CLOCK_MHZ - IDLE_SM_CLOCK_MHZ) * busy * share
         return np.asarray(clock, dtype=np.float64)

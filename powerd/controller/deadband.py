@@ -235,5 +235,5 @@ def _fill(
     # Each GPU's raises before it within its group (segmented cumulative sum).
     base = np.maximum.accumulate(np.where(start, cum - r, 0.0))
     before = cum - r - base
-    kept[order] = np.clip(room[g] - before, 0.0, r)
+    kept[order] = (room[g] - before).clip(0.0, r)
     return kept

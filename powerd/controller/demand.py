@@ -118,8 +118,9 @@ class DemandEstimator:
         draw = _draw(power_w, max_cap_w)
         take = fresh & np.isfinite(power_w)
         rise = np.where(np.isnan(self.last), 0.0, draw - self.last)
-        self._peak[col] = np.where(take, np.maximum(self._peak[col], draw), self._peak[col])
-        self._rise[col] = np.where(take, np.maximum(self._rise[col], rise), self._rise[col])
+        # (In place where `take`: the row as it was elsewhere.)
+        np.maximum(self._peak[col], draw, out=self._peak[col], where=take)
+        np.maximum(self._rise[col], rise, out=self._rise[col], where=take)
         self.last = np.where(take, draw, self.last)
         return self._recent(draw, max_cap_w)
 
@@ -150,5 +151,5 @@ def _draw(power_w: FloatArray, max_cap_w: FloatArray) -> FloatArray:
     # (NaN to 0 by np.where: nan_to_num's ±inf to ±max float clip to the same bounds, and
     # its Python-level checks cost twice this whole line.)
     return np.asarray(
-        np.clip(np.where(np.isnan(power_w), 0.0, power_w), 0.0, max_cap_w), dtype=np.float64
+        np.where(np.isnan(power_w), 0.0, power_w).clip(0.0, max_cap_w), dtype=np.float64
     )

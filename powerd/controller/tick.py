@@ -229,8 +229,10 @@ class TickEngine:
             else:
                 # A tick of an older leader's orders nothing of ours: the reading only widens.
                 ticks.append(None if epoch < ours else r.tick)
+        # The caps as the sender's array where it holds one (the same values as the list).
+        caps = whole.cap_w if whole.arrays is None else whole.arrays["cap_w"]
         if not self.planner.on_fleet_telemetry(
-            [r.node_id for r in samples], [r.uuid for r in samples], whole.cap_w, now, ticks
+            [r.node_id for r in samples], [r.uuid for r in samples], caps, now, ticks
         ):
             return False
         self._heard += len(samples)
