@@ -11,10 +11,12 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 from numpy.typing import NDArray
 
+from powerd.allocator.problem import JobMap
 from powerd.backends.mock import Pattern as MockPattern
 from powerd.backends.mock import Workload
 from powerd.policy import GroupDef, Policy, subtree_totals
@@ -202,12 +204,21 @@ class Mix:
         ranks meet at every step, so a GPU with more power than the slowest waits for it
         (docs/simulator.md, "Synchronous training"). GPUs on the last axis (a block of
         sub-steps before it); `tput` itself when there are none."""
-        if not self.sync_jobs:
+        jobs = self._sync_map
+        if jobs is None:
             return tput
-        out = tput.copy()
-        for gpus in self.sync_jobs:
-            out[..., gpus] = tput[..., gpus].min(axis=-1, keepdims=True)
-        return out
+        # (A block: GPUs on the columns, reduced as rows; back in its own C order.)
+        return jobs.min(tput) if tput.ndim == 1 else np.ascontiguousarray(jobs.min(tput.T).T)
+
+    @cached_property
+    def _sync_map(self) -> JobMap | None:
+        """`sync_jobs` as the allocator's per-job reductions (None: no job)."""
+        if not self.sync_jobs:
+            return None
+        job = np.full(len(self.workloads), -1, dtype=np.int64)
+        for j, gpus in enumerate(self.sync_jobs):
+            job[gpus] = j
+        return JobMap(job, tuple(str(j) for j in range(len(self.sync_jobs))))
 
 
 def assign_nodes(shares: list[float], n_nodes: int, placement: str) -> IntArray:
