@@ -299,7 +299,7 @@ def test_with_swing_keep_caps_do_not_follow_a_swing_in_the_tick() -> None:
     GPUs' caps are cut in every low phase and probed back up in the high one (and their
     neighbours' caps move the other way); with it, once the window has seen the swing,
     the caps stay, and every budget holds either way."""
-    from support.honest import NODES, HonestNode
+    from support.honest import NODES, HonestNode, tick
     from support.honest import policy_dict as honest_policy_dict
 
     from powerd.controller.tick import TickEngine
@@ -327,12 +327,7 @@ def test_with_swing_keep_caps_do_not_follow_a_swing_in_the_tick() -> None:
         for t in range(100):
             for node in nodes.values():
                 node.t = t
-                engine.on_telemetry(node.sample(1e9 + t), float(t))
-            _, plan = engine.step(float(t), 1e9 + t)
-            for cmd in plan.commands:
-                ack = nodes[cmd.node].apply_caps(cmd.tick, cmd.caps_w)
-                if ack is not None:
-                    engine.on_ack(cmd.node, ack)
+            tick(engine, nodes, t)
             caps = np.array([c for n in nodes.values() for c in n.caps.values()])
             assert caps.sum() <= 7000.0 + 1e-6
             if t >= 70 and before is not None:
@@ -424,7 +419,7 @@ def test_the_policy_carries_the_demand_settings() -> None:
 
 
 def test_the_tick_feeds_every_gpus_draw_to_the_estimator() -> None:
-    from support.honest import NODES, HonestNode
+    from support.honest import NODES, HonestNode, tick
     from support.honest import policy_dict as honest_policy_dict
 
     from powerd.controller.tick import TickEngine
@@ -442,13 +437,7 @@ def test_the_tick_feeds_every_gpus_draw_to_the_estimator() -> None:
     for t in range(12):
         if t == 8:
             nodes["r1-n1"].want = 250.0  # its GPUs fall; the others keep drawing
-        for node in nodes.values():
-            engine.on_telemetry(node.sample(1e9 + t), float(t))
-        _, plan = engine.step(float(t), 1e9 + t)
-        for cmd in plan.commands:
-            ack = nodes[cmd.node].apply_caps(cmd.tick, cmd.caps_w)
-            if ack is not None:
-                engine.on_ack(cmd.node, ack)
+        tick(engine, nodes, t)
     est = engine.targets.demand
     assert sorted(est.uuids) == sorted(u for n in nodes.values() for u in n.uuids)
     fell = [i for i, u in enumerate(est.uuids) if u.startswith("GPU-r1-n1-")]

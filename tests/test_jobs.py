@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from support.honest import NODES, HonestNode, policy_dict
+from support.honest import NODES, HonestNode, policy_dict, tick
 
 import powerd.controller.targets as targets_module
 from powerd.allocator import GpuArrays, allocate
@@ -179,13 +179,7 @@ class Spy:
 def run_ticks(engine: TickEngine, nodes: dict[str, HonestNode], ticks: range) -> Any:
     report = None
     for t in ticks:
-        for node in nodes.values():
-            engine.on_telemetry(node.sample(1_700_000_000.0 + t), float(t))
-        report, plan = engine.step(float(t), 1_700_000_000.0 + t)
-        for cmd in plan.commands:
-            ack = nodes[cmd.node].apply_caps(cmd.tick, cmd.caps_w)
-            if ack is not None:
-                engine.on_ack(cmd.node, ack)
+        report, _ = tick(engine, nodes, t, wall0=1_700_000_000.0)
     return report
 
 

@@ -94,3 +94,17 @@ class HonestNode:
     def apply(self, cmd: CapCommand) -> bytes | None:
         ack = self.apply_caps(cmd.tick, cmd.caps)
         return None if ack is None else encode(ack)
+
+
+def tick(engine: Any, nodes: Mapping[str, HonestNode], t: int, wall0: float = 1e9) -> Any:
+    """One synchronous tick at second `t` (wall clock `wall0 + t`): every node's sample
+    in, the engine's step, each command applied by its node and acknowledged. Returns the
+    step's (report, plan)."""
+    for node in nodes.values():
+        engine.on_telemetry(node.sample(wall0 + t), float(t))
+    report, plan = engine.step(float(t), wall0 + t)
+    for cmd in plan.commands:
+        ack = nodes[cmd.node].apply_caps(cmd.tick, cmd.caps_w)
+        if ack is not None:
+            engine.on_ack(cmd.node, ack)
+    return report, plan
