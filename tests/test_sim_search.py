@@ -83,9 +83,14 @@ def test_the_search_finds_the_whole_grids_fit_from_fewer_sizes(share: int) -> No
 
 
 def secant_search(
-    grid: Sequence[int], loss: Callable[[int], float], threshold: float, share: int
+    grid: Sequence[int],
+    loss: Callable[[int], float],
+    threshold: float,
+    share: int,
+    *,
+    first_passes: bool = False,
 ) -> tuple[int | None, list[int]]:
-    s = _Search(grid, secant=True, threshold=threshold)
+    s = _Search(grid, secant=True, threshold=threshold, first_passes=first_passes)
     asked: list[int] = []
     while not s.done:
         sizes = s.next_sizes(share)
@@ -122,6 +127,35 @@ def test_the_secant_finds_the_bisections_fit_on_any_loss_that_rises(
     assert fit == bisected == whole_grid_fit(grid, lambda n: loss(n) > 0.03)
     assert all(1 <= n <= grid[-1] for n in asked)
     assert len(asked) <= 2 * share * len(bisection_asked) + 2
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    lo=st.integers(1, 40),
+    width=st.integers(0, 80),
+    points=st.integers(2, 9),
+    steps=st.lists(st.floats(0.0, 0.02), min_size=130, max_size=130),
+    flat=st.integers(0, 120),
+    share=st.integers(1, 3),
+)
+def test_static_provisionings_size_is_run_only_where_it_is_the_fit(
+    lo: int, width: int, points: int, steps: list[float], flat: int, share: int
+) -> None:
+    """Where the grid's first size passes by construction (`first_passes`: every budget at
+    nameplate), the search takes it as the bracket's lower end and runs it only where it
+    is the fit: the same fit as the bisection that runs it, never more sizes."""
+    hi = lo + width
+    grid = sorted({round(lo + (hi - lo) * k / (points - 1)) for k in range(points)})
+    curve = [0.0] * (flat + 1) + list(itertools.accumulate(steps))
+
+    def loss(n: int) -> float:
+        return 0.0 if n <= grid[0] else curve[min(n, len(curve) - 1)]
+
+    fit, asked = secant_search(grid, loss, 0.03, share, first_passes=True)
+    ran_first, asked_before = secant_search(grid, loss, 0.03, share)
+    assert fit == ran_first == whole_grid_fit(grid, lambda n: loss(n) > 0.03)
+    assert (grid[0] in asked) == (fit == grid[0] or len(grid) == 1)
+    assert len(asked) <= len(asked_before)
 
 
 def test_the_secant_asks_fewer_sizes_than_bisection_on_smooth_losses() -> None:

@@ -690,7 +690,12 @@ class _Sizes:
         passes (`_Search`). Each round simulates every search's next sizes in one batch over
         the runner's jobs."""
         walks = {
-            k: _Search(grid, secant=spec.measure is not None, threshold=self.threshold)
+            k: _Search(
+                grid,
+                secant=spec.measure is not None,
+                threshold=self.threshold,
+                first_passes=not self.keep_inner,
+            )
             for k, spec in searches.items()
         }
         while True:
@@ -818,13 +823,18 @@ class _Search:
     # step was no secant step.
     moved: list[str] | None = None
     secant_step: bool = False  # the sizes asked for last came from the secant
+    # With the secant: the grid's first size is taken to pass (static provisioning's, every
+    # budget but the feed at nameplate: next to no loss), so it is run only where it would
+    # be the fit; should it fail there, the search goes on below it.
+    first_passes: bool = False
     widths: list[int] = field(default_factory=list)  # bad − good after each step, once bad
 
     def _walk(self) -> list[int]:
         """The grid sizes a walk would step to next. With the secant it starts at the
         second: the first, static provisioning's, loses nothing by construction (the
         estimate it starts from), so it is run only where a larger size fails with no
-        passing size below it."""
+        passing size below it, and with `first_passes` only where it would be the fit
+        (the bracket below the first failing size then starts at it)."""
         skip = self.secant and len(self.grid) > 1 and not self.failed
         return [m for m in self.grid[1 if skip else 0 :] if m > self.good and m not in self.failed]
 
@@ -896,8 +906,11 @@ class _Search:
             return pair[: max(1, share)]
         if self.bad is None:
             return self._walk()[:share]
-        if self.good == 0 and self.grid[0] < self.bad and self.grid[0] not in self.failed:
-            return [self.grid[0]]  # as the walk would have been, had it started there
+        first = self.grid[0]
+        if self.good == 0 and first < self.bad and first not in self.failed:
+            if self.secant and self.first_passes and self.bad > first + 1:
+                return [(first + self.bad) // 2]  # from the first size, known to pass
+            return [first]  # as the walk would have been, had it started there
         return [(self.good + self.bad) // 2]
 
     def learn(self, failed: dict[int, bool], value: dict[int, float] | None = None) -> None:
