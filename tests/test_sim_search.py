@@ -278,3 +278,13 @@ def test_the_search_finds_the_fits_it_found_before(
         assert 0 < pt.stopped_h[p] < scenario.duration_s / 3600
     table = "\n".join(oversub_lines(new))
     assert "(stopped at" in table
+    # Each row shows the loss the search judged by: with --metric weighted, the weighted one.
+    by_metric = [(pt, pt.weighted_loss if metric == "weighted" else pt.loss) for pt in new.points]
+    shown = 0
+    for pt, loss in by_metric:
+        row = next(line for line in table.splitlines() if line.startswith(f"{pt.gpus:,} "))
+        for p in ("fast", "uniform"):
+            if p in loss and p not in pt.stopped_h:
+                assert f"{loss[p]:.2%}" in row
+                shown += 1
+    assert shown

@@ -535,13 +535,15 @@ def sweep_lines(points: list[SweepPoint]) -> list[str]:
     return lines
 
 
-def _loss_cell(pt: OversubPoint, p: str) -> str:
-    """A size's loss; for a run stopped once it provably failed, the least it lost."""
-    if p not in pt.loss:
+def _loss_cell(pt: OversubPoint, p: str, metric: str) -> str:
+    """A size's loss by the search's metric; for a run stopped once it provably failed, the
+    least it lost."""
+    loss = pt.weighted_loss if metric == "weighted" else pt.loss
+    if p not in loss:
         return "-"
     if p in pt.stopped_h:
-        return f"≥ {pt.loss[p]:.2%} (stopped at {pt.stopped_h[p]:.1f} h)"
-    return f"{pt.loss[p]:.2%}"
+        return f"≥ {loss[p]:.2%} (stopped at {pt.stopped_h[p]:.1f} h)"
+    return f"{loss[p]:.2%}"
 
 
 def oversub_lines(o: Oversubscription) -> list[str]:
@@ -571,13 +573,13 @@ def oversub_lines(o: Oversubscription) -> list[str]:
     for pt in o.points:
         row = [
             f"{pt.gpus:,}",
-            *(_loss_cell(pt, p) for p in policies),
+            *(_loss_cell(pt, p, o.metric) for p in policies),
             _duration(pt.over_budget_s.get(STATIC, 0.0)),
         ]
         if uncapped:
             row += [
                 str(pt.trips[UNCAPPED]) if UNCAPPED in pt.trips else "-",
-                f"{pt.loss[UNCAPPED]:.2%}" if UNCAPPED in pt.loss else "-",
+                _loss_cell(pt, UNCAPPED, o.metric),
             ]
         rows.append(row)
     return lines + _table(head, rows)
