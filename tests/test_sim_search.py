@@ -100,28 +100,36 @@ def secant_search(
     return s.fit, asked
 
 
-@settings(max_examples=300, deadline=None)
-@given(
-    lo=st.integers(1, 40),
-    width=st.integers(0, 80),
-    points=st.integers(2, 9),
-    steps=st.lists(st.floats(0.0, 0.02), min_size=130, max_size=130),
-    flat=st.integers(0, 120),
-    share=st.integers(1, 3),
-)
-def test_the_secant_finds_the_bisections_fit_on_any_loss_that_rises(
-    lo: int, width: int, points: int, steps: list[float], flat: int, share: int
-) -> None:
-    """Any loss that rises with the size (flat at 0 up to `flat`, then by random steps,
-    some of them 0): the secant's fit is the bisection's, from sizes on 1..the grid's top,
-    in at most about twice the bisection's steps (its guarantee)."""
+# A grid from `lo` to `lo + width` and a loss that rises with the size: flat at 0 up to
+# `flat`, then by random steps, some of them 0.
+RISING = {
+    "lo": st.integers(1, 40),
+    "width": st.integers(0, 80),
+    "points": st.integers(2, 9),
+    "steps": st.lists(st.floats(0.0, 0.02), min_size=130, max_size=130),
+    "flat": st.integers(0, 120),
+    "share": st.integers(1, 3),
+}
+
+
+def rising(
+    lo: int, width: int, points: int, steps: list[float], flat: int
+) -> tuple[list[int], Callable[[int], float]]:
     hi = lo + width
     grid = sorted({round(lo + (hi - lo) * k / (points - 1)) for k in range(points)})
     curve = [0.0] * (flat + 1) + list(itertools.accumulate(steps))
+    return grid, lambda n: curve[min(n, len(curve) - 1)]
 
-    def loss(n: int) -> float:
-        return curve[min(n, len(curve) - 1)]
 
+@settings(max_examples=300, deadline=None)
+@given(**RISING)
+def test_the_secant_finds_the_bisections_fit_on_any_loss_that_rises(
+    lo: int, width: int, points: int, steps: list[float], flat: int, share: int
+) -> None:
+    """Any loss that rises with the size (`rising`): the secant's fit is the bisection's,
+    from sizes on 1..the grid's top, in at most about twice the bisection's steps (its
+    guarantee)."""
+    grid, loss = rising(lo, width, points, steps, flat)
     fit, asked = secant_search(grid, loss, 0.03, share)
     bisected, bisection_asked = search(grid, lambda n: loss(n) > 0.03, share)
     assert fit == bisected == whole_grid_fit(grid, lambda n: loss(n) > 0.03)
@@ -130,26 +138,17 @@ def test_the_secant_finds_the_bisections_fit_on_any_loss_that_rises(
 
 
 @settings(max_examples=300, deadline=None)
-@given(
-    lo=st.integers(1, 40),
-    width=st.integers(0, 80),
-    points=st.integers(2, 9),
-    steps=st.lists(st.floats(0.0, 0.02), min_size=130, max_size=130),
-    flat=st.integers(0, 120),
-    share=st.integers(1, 3),
-)
+@given(**RISING)
 def test_static_provisionings_size_is_run_only_where_it_is_the_fit(
     lo: int, width: int, points: int, steps: list[float], flat: int, share: int
 ) -> None:
     """Where the grid's first size passes by construction (`first_passes`: every budget at
     nameplate), the search takes it as the bracket's lower end and runs it only where it
     is the fit: the same fit as the bisection that runs it, never more sizes."""
-    hi = lo + width
-    grid = sorted({round(lo + (hi - lo) * k / (points - 1)) for k in range(points)})
-    curve = [0.0] * (flat + 1) + list(itertools.accumulate(steps))
+    grid, rises = rising(lo, width, points, steps, flat)
 
     def loss(n: int) -> float:
-        return 0.0 if n <= grid[0] else curve[min(n, len(curve) - 1)]
+        return 0.0 if n <= grid[0] else rises(n)
 
     fit, asked = secant_search(grid, loss, 0.03, share, first_passes=True)
     ran_first, asked_before = secant_search(grid, loss, 0.03, share)
