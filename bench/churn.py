@@ -29,10 +29,21 @@ from powerd.controller.deadband import Bands, hold_small_cuts
 from powerd.logs import configure_logging
 from powerd.policy import Policy, load_policy
 from powerd.sim.run import simulate
-from powerd.sim.scenario import load_scenario
+from powerd.sim.scenario import Scenario, load_scenario
 from powerd.sim.site import build_mix, site_for
 from powerd.testing.synthetic import make_policy
 from powerd.topology import Topology
+
+
+def load_run(
+    path: str, duration_h: float, tick_s: float, seed: int | None = None
+) -> tuple[Scenario, Policy]:
+    """The scenario with a bench's length, tick and seed (None: the scenario's own), and the
+    policy it names."""
+    overrides = {"duration_h": duration_h, "tick_s": tick_s, "seed": seed}
+    scenario = load_scenario(path, overrides)
+    assert scenario.policy_path is not None
+    return scenario, load_policy(scenario.policy_path)
 
 
 def with_control(policy: Policy, assignments: str) -> Policy:
@@ -113,10 +124,7 @@ def main() -> int:
         return 0
     if args.scenario is None:
         ap.error("a scenario file, or --rule-cost")
-    overrides = {"tick_s": args.tick_s, "duration_h": args.duration_h, "seed": args.seed}
-    scenario = load_scenario(args.scenario, overrides)
-    assert scenario.policy_path is not None
-    base_policy = load_policy(scenario.policy_path)
+    scenario, base_policy = load_run(args.scenario, args.duration_h, args.tick_s, args.seed)
     base_work: float | None = None
     if not args.json:
         print(

@@ -33,13 +33,12 @@ import numpy as np
 from powerd.allocator.problem import held_back
 from powerd.controller import tick as tick_mod
 from powerd.logs import configure_logging
-from powerd.policy import load_policy
 from powerd.safety import SafePlan
 from powerd.sim.run import simulate
-from powerd.sim.scenario import load_scenario
 from powerd.sim.site import build_mix, build_site
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from churn import load_run
 from demand_ladder import ROOT, with_variant
 
 MOVE_W = 1.0
@@ -173,12 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", nargs="+", default=["held-probe"])
     args = ap.parse_args(argv)
     configure_logging("console", "warning")
-    overrides: dict[str, Any] = {"duration_h": args.duration_h, "tick_s": args.tick_s}
-    if args.seed is not None:
-        overrides["seed"] = args.seed
-    scenario = load_scenario(args.scenario, overrides)
-    assert scenario.policy_path is not None
-    base = load_policy(scenario.policy_path)
+    scenario, base = load_run(args.scenario, args.duration_h, args.tick_s, args.seed)
     site0 = build_site(base, nodes=args.nodes).inner_at_nameplate()
     mix = build_mix(scenario, site0)
     ref = simulate(scenario, site0, mix, "static")

@@ -26,15 +26,14 @@ from typing import Any
 import numpy as np
 
 from powerd.logs import configure_logging
-from powerd.policy import Policy, load_policy
+from powerd.policy import Policy
 from powerd.safety import SafePlan
 from powerd.sim.baselines import oracle
 from powerd.sim.run import simulate
-from powerd.sim.scenario import load_scenario
 from powerd.sim.site import build_mix, build_site
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from churn import with_control
+from churn import load_run, with_control
 
 ROOT = Path(__file__).resolve().parent.parent
 MOVE_W = 1.0  # a cap counts as moved when it changes by more than this
@@ -145,12 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     configure_logging("console", "warning")
 
-    overrides: dict[str, Any] = {"duration_h": args.duration_h, "tick_s": args.tick_s}
-    if args.seed is not None:
-        overrides["seed"] = args.seed
-    scenario = load_scenario(args.scenario, overrides)
-    assert scenario.policy_path is not None
-    base = load_policy(scenario.policy_path)
+    scenario, base = load_run(args.scenario, args.duration_h, args.tick_s, args.seed)
     feed = args.feed_w
     print(
         f"# {Path(args.scenario).name}: {args.duration_h} h, {args.tick_s:g} s ticks, "

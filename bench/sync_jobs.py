@@ -29,12 +29,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from churn import with_control
+from churn import load_run, with_control
 
 from powerd.logs import configure_logging
-from powerd.policy import load_policy
 from powerd.sim.run import STATIC, simulate
-from powerd.sim.scenario import load_scenario
 from powerd.sim.site import build_mix, site_for
 
 VARIANTS = ("per-gpu", "sync", "node", "site")
@@ -49,12 +47,7 @@ def main() -> int:
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     args = ap.parse_args()
     configure_logging(level="warning")
-    overrides: dict[str, float | int] = {"duration_h": args.duration_h, "tick_s": args.tick_s}
-    if args.seed is not None:
-        overrides["seed"] = args.seed
-    scenario = load_scenario(args.scenario, overrides)
-    assert scenario.policy_path is not None
-    base = load_policy(scenario.policy_path)
+    scenario, base = load_run(args.scenario, args.duration_h, args.tick_s, args.seed)
     print(
         f"{scenario.spec.name}: {args.duration_h:g} h in {args.tick_s:g} s ticks, fast "
         "against static (every GPU at TDP)"
