@@ -24,6 +24,9 @@ active set).
 `unit_dual`, `incidence_hessian` and `ray_minimum` are coupled_newton.py's pass over its units, its
 Newton system and its line search.
 
+`deadband_levels` is the deadband's pass over the levels (controller/deadband.py): its sums
+add in numpy's order (no fast-math), so the held caps come out bit for bit as numpy's did.
+
 numba compiles these functions on first use and caches the machine code next to this file
 (or in the user's cache directory where that is not writable). `warm_up` compiles or loads
 them all before a first solve, says when numba starts compiling and reports what it did.
@@ -1545,6 +1548,196 @@ def tree_sums(
     return s
 
 
+@_inline
+def _at_least_zero(x: float) -> float:
+    """np.maximum(x, 0.0) (NaN stays NaN)."""
+    return 0.0 if x < 0.0 else x
+
+
+@_inline
+def _rank_moves(move: FloatArray, pressed: BoolArray, by_pressed: bool) -> IntArray:
+    """deadband._rank: each GPU's place, pressed GPUs first (`by_pressed`), then the
+    largest `move`; ties in index order (a stable sort, as numpy's)."""
+    key = np.empty(move.size)
+    for i in range(move.size):
+        key[i] = -move[i] - 1e6 if by_pressed and pressed[i] else -move[i]
+    order = np.argsort(key, kind="mergesort")
+    rank = np.empty(move.size, dtype=np.int64)
+    for k in range(order.size):
+        rank[order[k]] = k
+    return rank
+
+
+@_inline
+def _fill_moves(
+    move: FloatArray,
+    gpu_groups: IntArray,
+    level: int,
+    room: FloatArray,
+    over: BoolArray,
+    rank: IntArray,
+) -> FloatArray:
+    """deadband._fill, bit for bit: under each `over` group, whole moves by `rank` while
+    its `room` lasts (the one it runs out on in part); elsewhere every move in full."""
+    n = move.size
+    kept = move.copy()
+    m = 0
+    for i in range(n):
+        if over[gpu_groups[i, level]] and move[i] > 0.0:
+            m += 1
+    if m == 0:
+        return kept
+    idx = np.empty(m, dtype=np.int64)
+    keys = np.empty(m, dtype=np.int64)
+    m = 0
+    for i in range(n):
+        if over[gpu_groups[i, level]] and move[i] > 0.0:
+            idx[m] = i
+            keys[m] = gpu_groups[i, level] * n + rank[i]
+            m += 1
+    order = np.argsort(keys)  # (keys are unique: any sort gives this order)
+    # As numpy's segmented cumulative sum: one running sum over all groups, less its value
+    # where each group's run starts.
+    cum = 0.0
+    base = 0.0
+    last = -1
+    for k in range(m):
+        i = idx[order[k]]
+        g = gpu_groups[i, level]
+        r = move[i]
+        cum = cum + r
+        start_val = cum - r if g != last else 0.0
+        base = start_val if k == 0 else max(base, start_val)
+        last = g
+        before = cum - r - base
+        kept[i] = min(max(room[g] - before, 0.0), r)
+    return kept
+
+
+@_jit_exact
+def deadband_levels(
+    targets: FloatArray,
+    prev: FloatArray,
+    out: FloatArray,
+    held_first: BoolArray,
+    capacity: FloatArray,
+    gpu_groups: IntArray,
+    pressed: BoolArray,
+    by_pressed: bool,
+    releasable: BoolArray,
+    funds: bool,
+    tol: float,
+) -> BoolArray:
+    """deadband.hold_small_cuts' pass over the levels, in place on `out` (the targets with
+    the held moves at the cap in force), bit for bit as its numpy version added; returns
+    per GPU whether it stays held. `pressed` is read where `by_pressed`; `releasable` (the
+    held cuts that may fund a pressed raise) where `funds`."""
+    n = targets.size
+    n_groups = capacity.size
+    counted = np.empty(n)
+    for i in range(n):
+        counted[i] = prev[i] if np.isnan(out[i]) else out[i]
+    sums = np.empty(n_groups)
+    excess = np.empty(n_groups)
+    over = np.zeros(n_groups, dtype=np.bool_)
+    rises = np.empty(n_groups)
+    room = np.empty(n_groups)
+    rise = np.empty(n)
+    trimmed = np.empty(n)
+    rank = np.empty(0, dtype=np.int64)
+    ranked = False
+    for level in range(gpu_groups.shape[1]):
+        sums[:] = 0.0
+        for i in range(n):
+            sums[gpu_groups[i, level]] += counted[i]
+        any_over = False
+        for g in range(n_groups):
+            excess[g] = sums[g] - capacity[g]
+            over[g] = excess[g] > tol
+            any_over = any_over or over[g]
+        if not any_over:
+            continue
+        for i in range(n):
+            rise[i] = _at_least_zero(counted[i] - prev[i])
+        if not ranked:
+            rank = _rank_moves(rise, pressed, by_pressed)
+            ranked = True
+        if funds:
+            # (deadband._fund_pressed)
+            ups = np.zeros(n_groups)
+            others = np.zeros(n_groups)
+            for i in range(n):
+                g = gpu_groups[i, level]
+                ups[g] += rise[i] if pressed[i] else 0.0
+                others[g] += 0.0 if pressed[i] else rise[i]
+            need = np.zeros(n_groups)
+            wanted = np.zeros(n_groups, dtype=np.bool_)
+            any_wanted = False
+            for g in range(n_groups):
+                if over[g] and ups[g] > tol:
+                    need[g] = _at_least_zero(excess[g] - others[g])
+                wanted[g] = need[g] > tol
+                any_wanted = any_wanted or wanted[g]
+            if any_wanted:
+                made = _release_cuts(releasable, counted, targets, gpu_groups, level, need, wanted)
+                freed = np.zeros(n_groups)
+                for i in range(n):
+                    counted[i] = counted[i] - made[i]
+                    freed[gpu_groups[i, level]] += made[i]
+                for g in range(n_groups):
+                    excess[g] = excess[g] - freed[g]
+        rises[:] = 0.0
+        for i in range(n):
+            rises[gpu_groups[i, level]] += rise[i]
+        for g in range(n_groups):
+            room[g] = _at_least_zero(rises[g] - excess[g])
+        fill = _fill_moves(rise, gpu_groups, level, room, over, rank)
+        for i in range(n):
+            trimmed[i] = prev[i] + fill[i] if rise[i] > 0.0 else counted[i]
+        # Where no raise is left and the group still breaks its limit, held cuts go.
+        short = np.empty(n_groups)
+        tight = np.zeros(n_groups, dtype=np.bool_)
+        any_tight = False
+        for g in range(n_groups):
+            short[g] = _at_least_zero(excess[g] - rises[g])
+            tight[g] = short[g] > tol
+            any_tight = any_tight or tight[g]
+        if any_tight:
+            made = _release_cuts(held_first, counted, targets, gpu_groups, level, short, tight)
+            for i in range(n):
+                if made[i] > 0.0:
+                    trimmed[i] = counted[i] - made[i]
+        for i in range(n):
+            if np.isfinite(out[i]):
+                out[i] = trimmed[i]
+            counted[i] = prev[i] if np.isnan(out[i]) else out[i]
+    held = np.empty(n, dtype=np.bool_)
+    for i in range(n):
+        held[i] = held_first[i] and counted[i] == prev[i]
+    return held
+
+
+@_inline
+def _release_cuts(
+    may_go: BoolArray,
+    counted: FloatArray,
+    targets: FloatArray,
+    gpu_groups: IntArray,
+    level: int,
+    amount: FloatArray,
+    where: BoolArray,
+) -> FloatArray:
+    """deadband._release: per GPU the part of its held cut that goes."""
+    n = counted.size
+    cut = np.empty(n)
+    for i in range(n):
+        if may_go[i] and where[gpu_groups[i, level]]:
+            cut[i] = _at_least_zero(counted[i] - targets[i])
+        else:
+            cut[i] = 0.0
+    return _fill_moves(cut, gpu_groups, level, amount, where, _rank_moves(cut, may_go, False))
+
+
 def _kernels() -> list[Any]:
     """The kernels Python calls (the private ones are called only by other kernels: they
     compile with their callers and are never loaded from the cache on their own)."""
@@ -1663,3 +1856,6 @@ def _run_every_kernel() -> None:
     tree_sums(np.array([1, 1], dtype=np.int64), ones, 2, np.array([1], dtype=np.int64),
               np.array([0], dtype=np.int64), np.array([0, 1], dtype=np.int64))  # fmt: skip
     job_units(job, 1)
+    nan_free = np.array([0.1, np.nan])
+    deadband_levels(nan_free, lo, lo.copy(), ones_b, capacity, gg, ones_b, True, ones_b,
+                    True, 1e-6)  # fmt: skip
