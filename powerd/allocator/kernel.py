@@ -26,6 +26,8 @@ Newton system and its line search.
 
 `deadband_levels` is the deadband's pass over the levels (controller/deadband.py): its sums
 add in numpy's order (no fast-math), so the held caps come out bit for bit as numpy's did.
+`absorb_rows` is the safety planner's fold of queued readings and acks into what it knows
+of the caps in force (safety.py, `SafetyPlanner._absorb`).
 
 numba compiles these functions on first use and caches the machine code next to this file
 (or in the user's cache directory where that is not writable). `warm_up` compiles or loads
@@ -1738,6 +1740,145 @@ def _release_cuts(
     return _fill_moves(cut, gpu_groups, level, amount, where, _rank_moves(cut, may_go, False))
 
 
+@_inline
+def _np_max(a: float, b: float) -> float:
+    """np.maximum of two floats (NaN wins)."""
+    return a if a >= b or np.isnan(a) else b
+
+
+@_inline
+def _np_min(a: float, b: float) -> float:
+    """np.minimum of two floats (NaN wins)."""
+    return a if a <= b or np.isnan(a) else b
+
+
+@_jit_exact
+def absorb_rows(
+    gpu: IntArray,
+    hi: FloatArray,
+    lo: FloatArray,
+    key: IntArray,
+    tick: IntArray,
+    guess: BoolArray,
+    defiant: IntArray,
+    state_hi: FloatArray,
+    state_lo: FloatArray,
+    state_key: IntArray,
+    pend_tick: IntArray,
+    pend_hi: FloatArray,
+    pend_lo: FloatArray,
+    prior_hi: FloatArray,
+    prior_tick: IntArray,
+    state_defiant: BoolArray,
+    max_cap_w: FloatArray,
+    min_cap_w: FloatArray,
+    alarm_tol_w: float,
+) -> tuple[BoolArray, FloatArray]:
+    """safety.SafetyPlanner._absorb's fold of queued rows (row r of GPU `gpu[r]`) into the
+    per-GPU state, in place (`hi` and `lo` widened in place where an ack guesses). Returns
+    per row whether its reading lies above what was committed before, and that committed
+    bound (for the alarms)."""
+    n_rows, n_slots = gpu.size, pend_tick.shape[0]
+    # The GPUs named (`touched`, in layout order) and each row's among them (`local`).
+    slot = np.full(state_hi.size, -1, dtype=np.int64)
+    for r in range(n_rows):
+        slot[gpu[r]] = 0
+    n_t = 0
+    for i in range(state_hi.size):
+        if slot[i] == 0:
+            slot[i] = n_t
+            n_t += 1
+    touched = np.empty(n_t, dtype=np.int64)
+    for i in range(state_hi.size):
+        if slot[i] >= 0:
+            touched[slot[i]] = i
+    local = np.empty(n_rows, dtype=np.int64)
+    for r in range(n_rows):
+        local[r] = slot[gpu[r]]
+    int_min = np.iinfo(np.int64).min
+    known = np.empty(n_t, dtype=np.bool_)
+    before = np.empty(n_t)
+    newest = np.empty(n_t, dtype=np.int64)
+    for t in range(n_t):
+        i = touched[t]
+        known[t] = not np.isnan(state_hi[i])
+        b = state_hi[i] if known[t] else max_cap_w[i]
+        m = pend_hi[0, i]
+        for s in range(1, n_slots):
+            m = _np_max(m, pend_hi[s, i])
+        before[t] = _np_max(b, m)
+        newest[t] = state_key[i] if known[t] else int_min
+    any_ack = False
+    for r in range(n_rows):
+        if tick[r] >= 0:
+            any_ack = True
+            break
+    if any_ack:
+        # Acks that guess widen their bounds by the earlier ones and the commands they
+        # resolve, before anything is resolved.
+        for r in range(n_rows):
+            if tick[r] < 0 or not guess[r]:
+                continue
+            i = gpu[r]
+            res_hi, res_lo = 0.0, np.inf
+            for s in range(n_slots):
+                if pend_tick[s, i] >= 0 and pend_tick[s, i] <= tick[r]:
+                    res_hi = _np_max(res_hi, pend_hi[s, i])
+                    res_lo = _np_min(res_lo, pend_lo[s, i])
+            prev_hi = max_cap_w[i] if np.isnan(state_hi[i]) else state_hi[i]
+            prev_lo = min_cap_w[i] if np.isnan(state_lo[i]) else state_lo[i]
+            hi[r] = _np_max(_np_max(hi[r], prev_hi), res_hi)
+            lo[r] = _np_min(_np_min(lo[r], prev_lo), res_lo)
+        upto = np.full(n_t, -1, dtype=np.int64)
+        last_ack = np.full(n_t, -1, dtype=np.int64)
+        for r in range(n_rows):
+            if tick[r] >= 0:
+                t = local[r]
+                upto[t] = max(upto[t], tick[r])
+                last_ack[t] = max(last_ack[t], r)
+        for t in range(n_t):
+            i = touched[t]
+            for s in range(n_slots):  # (_resolve)
+                if pend_tick[s, i] >= 0 and pend_tick[s, i] <= upto[t]:
+                    pend_tick[s, i] = -1
+                    pend_hi[s, i] = 0.0
+                    pend_lo[s, i] = np.inf
+            # Our own command acknowledged: nothing a predecessor sent can land any more.
+            if upto[t] >= prior_tick[i]:
+                prior_hi[i] = 0.0
+            if last_ack[t] >= 0:
+                state_defiant[i] = defiant[last_ack[t]] > 0
+    # The newest tick wins; among readings of that tick the last to arrive, and whatever
+    # arrived after it (older ticks) can only widen the bounds.
+    for r in range(n_rows):
+        newest[local[r]] = max(newest[local[r]], key[r])
+    last_pos = np.full(n_t, -1, dtype=np.int64)
+    for r in range(n_rows):
+        if key[r] == newest[local[r]]:
+            last_pos[local[r]] = max(last_pos[local[r]], r)
+    new_hi = np.empty(n_t)
+    new_lo = np.empty(n_t)
+    for t in range(n_t):
+        keep_state = known[t] and last_pos[t] < 0
+        new_hi[t] = state_hi[touched[t]] if keep_state else -np.inf
+        new_lo[t] = state_lo[touched[t]] if keep_state else np.inf
+    above = np.zeros(n_rows, dtype=np.bool_)
+    before_rows = np.empty(n_rows)
+    for r in range(n_rows):
+        t = local[r]
+        before_rows[r] = before[t]
+        if r >= last_pos[t]:  # kept
+            new_hi[t] = _np_max(new_hi[t], hi[r])
+            new_lo[t] = _np_min(new_lo[t], lo[r])
+            above[r] = known[t] and hi[r] > before[t] + alarm_tol_w
+    for t in range(n_t):
+        i = touched[t]
+        state_hi[i] = new_hi[t]
+        state_lo[i] = new_lo[t]
+        state_key[i] = newest[t]
+    return above, before_rows
+
+
 def _kernels() -> list[Any]:
     """The kernels Python calls (the private ones are called only by other kernels: they
     compile with their callers and are never loaded from the cache on their own)."""
@@ -1859,3 +2000,9 @@ def _run_every_kernel() -> None:
     nan_free = np.array([0.1, np.nan])
     deadband_levels(nan_free, lo, lo.copy(), ones_b, capacity, gg, ones_b, True, ones_b,
                     True, 1e-6)  # fmt: skip
+    named = np.arange(2, dtype=np.int64)
+    ticks = np.array([-1, 1], dtype=np.int64)
+    absorb_rows(named, lo.copy(), lo.copy(), ticks, ticks, ones_b, ticks, lo.copy(), lo.copy(),
+                ticks.copy(), np.full((2, 2), -1, dtype=np.int64), np.zeros((2, 2)),
+                np.ones((2, 2)), lo.copy(), ticks.copy(), ones_b.copy(), ones, zeros,
+                0.5)  # fmt: skip
