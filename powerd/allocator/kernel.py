@@ -1550,6 +1550,49 @@ def tree_sums(
     return s
 
 
+@_jit_exact
+def verify_caps(
+    p: FloatArray,
+    lo: FloatArray,
+    hi: FloatArray,
+    tol: float,
+    job: IntArray,
+    n_jobs: int,
+    node_of_gpu: IntArray,
+    capacity: FloatArray,
+    groups: IntArray,
+    parents: IntArray,
+    starts: IntArray,
+) -> tuple[int, int]:
+    """solve._verify's checks of caps p (kW) in one pass: 0 where all hold, else the first
+    that fails (1: a cap not finite; 2: a cap outside [lo − tol, hi + tol]; 3: a job's GPUs
+    (`job`, -1: none) apart; 4: a group's sum (as Tree.sums adds it) over its capacity
+    by more than tol), with the group most over it (4; else -1)."""
+    n = p.size
+    for i in range(n):
+        if not np.isfinite(p[i]):
+            return 1, -1
+    for i in range(n):
+        if p[i] < lo[i] - tol or p[i] > hi[i] + tol:
+            return 2, -1
+    if n_jobs > 0:
+        top = np.full(n_jobs, -np.inf)
+        for i in range(n):
+            if job[i] >= 0:
+                top[job[i]] = max(top[job[i]], p[i])
+        for i in range(n):
+            if job[i] >= 0 and p[i] != top[job[i]]:
+                return 3, -1
+    sums = tree_sums(node_of_gpu, p, capacity.size, groups, parents, starts)
+    over, worst, most = False, -1, -np.inf
+    for g in range(capacity.size):
+        excess = sums[g] - capacity[g]
+        over = over or excess > tol
+        if worst < 0 or excess > most or (np.isnan(excess) and not np.isnan(most)):
+            worst, most = g, excess  # (np.argmax: the first largest, a NaN first of all)
+    return (4, worst) if over else (0, -1)
+
+
 @_inline
 def _at_least_zero(x: float) -> float:
     """np.maximum(x, 0.0) (NaN stays NaN)."""
@@ -1997,6 +2040,8 @@ def _run_every_kernel() -> None:
     tree_sums(np.array([1, 1], dtype=np.int64), ones, 2, np.array([1], dtype=np.int64),
               np.array([0], dtype=np.int64), np.array([0, 1], dtype=np.int64))  # fmt: skip
     job_units(job, 1)
+    verify_caps(lo, lo, lo, 1e-9, job, 1, attach, capacity, np.array([1], dtype=np.int64),
+                np.array([0], dtype=np.int64), np.array([0, 1], dtype=np.int64))  # fmt: skip
     nan_free = np.array([0.1, np.nan])
     deadband_levels(nan_free, lo, lo.copy(), ones_b, capacity, gg, ones_b, True, ones_b,
                     True, 1e-6)  # fmt: skip

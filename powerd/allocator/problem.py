@@ -218,6 +218,10 @@ def work_arrays(n: int, n_groups: int, n_k: int) -> tuple[IntArray, FloatArray, 
     )
 
 
+# No GPU in a job (Tree.check's typed stand-in for None).
+_NO_JOBS = np.zeros(0, dtype=np.int64)
+
+
 class Tree:
     """The topology's levels prepared for fast bottom-up sums (one bincount per level)."""
 
@@ -308,6 +312,31 @@ class Tree:
         parents = np.concatenate([self.parents[lv] for lv in deep]).astype(np.int64)
         sizes = [0] + [self.levels[lv].size for lv in deep]
         return groups, parents, np.cumsum(sizes).astype(np.int64)
+
+    def check(
+        self,
+        p: FloatArray,
+        lo: FloatArray,
+        hi: FloatArray,
+        capacity: FloatArray,
+        jobs: JobMap | None,
+    ) -> tuple[int, int]:
+        """Whether caps p (kW) are finite, within [lo, hi] and every group's sum within its
+        capacity (to TOL_KW), and a job's GPUs equal: kernel.verify_caps' answer."""
+        from powerd.allocator import kernel  # numba: loaded by the first call
+
+        code, group = kernel.verify_caps(
+            np.ascontiguousarray(p, dtype=np.float64),
+            lo,
+            hi,
+            TOL_KW,
+            _NO_JOBS if jobs is None else jobs.job,
+            0 if jobs is None else jobs.n_jobs,
+            self._node_of_gpu64,
+            capacity,
+            *self._sum_order,
+        )
+        return int(code), int(group)
 
     def under(self, groups: BoolArray) -> BoolArray:
         """GPUs below any of the marked groups."""
