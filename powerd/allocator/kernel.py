@@ -1600,17 +1600,13 @@ def _at_least_zero(x: float) -> float:
 
 
 @_inline
-def _rank_moves(move: FloatArray, pressed: BoolArray, by_pressed: bool) -> IntArray:
-    """deadband._rank: each GPU's place, pressed GPUs first (`by_pressed`), then the
-    largest `move`; ties in index order (a stable sort, as numpy's)."""
+def _move_keys(move: FloatArray, pressed: BoolArray, by_pressed: bool) -> FloatArray:
+    """deadband's order of moves where room is short, as a sort key (ties by index): GPUs
+    pressing on their cap first (`by_pressed`), then the largest `move`."""
     key = np.empty(move.size)
     for i in range(move.size):
         key[i] = -move[i] - 1e6 if by_pressed and pressed[i] else -move[i]
-    order = np.argsort(key, kind="mergesort")
-    rank = np.empty(move.size, dtype=np.int64)
-    for k in range(order.size):
-        rank[order[k]] = k
-    return rank
+    return key
 
 
 @_inline
@@ -1620,10 +1616,11 @@ def _fill_moves(
     level: int,
     room: FloatArray,
     over: BoolArray,
-    rank: IntArray,
+    key: FloatArray,
 ) -> FloatArray:
-    """deadband._fill, bit for bit: under each `over` group, whole moves by `rank` while
-    its `room` lasts (the one it runs out on in part); elsewhere every move in full."""
+    """Per GPU the part of its `move` (≥ 0) that is made: in full where its group is not
+    `over`; under an over group, whole moves in turn (by `key`, then index) while the
+    group's `room` lasts, the one it runs out on in part."""
     n = move.size
     kept = move.copy()
     m = 0
@@ -1633,21 +1630,24 @@ def _fill_moves(
     if m == 0:
         return kept
     idx = np.empty(m, dtype=np.int64)
-    keys = np.empty(m, dtype=np.int64)
     m = 0
     for i in range(n):
         if over[gpu_groups[i, level]] and move[i] > 0.0:
             idx[m] = i
-            keys[m] = gpu_groups[i, level] * n + rank[i]
             m += 1
-    order = np.argsort(keys)  # (keys are unique: any sort gives this order)
+    # By group, then key, then index: two stable sorts, the last by the first criterion.
+    idx = idx[np.argsort(key[idx], kind="mergesort")]
+    groups = np.empty(m, dtype=np.int64)
+    for k in range(m):
+        groups[k] = gpu_groups[idx[k], level]
+    idx = idx[np.argsort(groups, kind="mergesort")]
     # As numpy's segmented cumulative sum: one running sum over all groups, less its value
     # where each group's run starts.
     cum = 0.0
     base = 0.0
     last = -1
     for k in range(m):
-        i = idx[order[k]]
+        i = idx[k]
         g = gpu_groups[i, level]
         r = move[i]
         cum = cum + r
@@ -1689,7 +1689,7 @@ def deadband_levels(
     room = np.empty(n_groups)
     rise = np.empty(n)
     trimmed = np.empty(n)
-    rank = np.empty(0, dtype=np.int64)
+    key = np.empty(0)
     ranked = False
     for level in range(gpu_groups.shape[1]):
         sums[:] = 0.0
@@ -1704,8 +1704,8 @@ def deadband_levels(
             continue
         for i in range(n):
             rise[i] = _at_least_zero(counted[i] - prev[i])
-        if not ranked:
-            rank = _rank_moves(rise, pressed, by_pressed)
+        if not ranked:  # (the order of the first level over its limit holds below it)
+            key = _move_keys(rise, pressed, by_pressed)
             ranked = True
         if funds:
             # (deadband._fund_pressed)
@@ -1736,7 +1736,7 @@ def deadband_levels(
             rises[gpu_groups[i, level]] += rise[i]
         for g in range(n_groups):
             room[g] = _at_least_zero(rises[g] - excess[g])
-        fill = _fill_moves(rise, gpu_groups, level, room, over, rank)
+        fill = _fill_moves(rise, gpu_groups, level, room, over, key)
         for i in range(n):
             trimmed[i] = prev[i] + fill[i] if rise[i] > 0.0 else counted[i]
         # Where no raise is left and the group still breaks its limit, held cuts go.
@@ -1780,7 +1780,7 @@ def _release_cuts(
             cut[i] = _at_least_zero(counted[i] - targets[i])
         else:
             cut[i] = 0.0
-    return _fill_moves(cut, gpu_groups, level, amount, where, _rank_moves(cut, may_go, False))
+    return _fill_moves(cut, gpu_groups, level, amount, where, _move_keys(cut, may_go, False))
 
 
 @_inline
