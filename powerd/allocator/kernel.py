@@ -24,7 +24,7 @@ active set).
 `unit_dual`, `incidence_hessian` and `ray_minimum` are coupled_newton.py's pass over its units, its
 Newton system and its line search.
 
-`deadband_levels` is the deadband's pass over the levels (controller/deadband.py): its sums
+`deadband_hold` is the deadband (controller/deadband.py's hold_small_cuts): its sums
 add in numpy's order (no fast-math), so the held caps come out bit for bit as numpy's did.
 `absorb_rows` is the safety planner's fold of queued readings and acks into what it knows
 of the caps in force (safety.py, `SafetyPlanner._absorb`).
@@ -103,6 +103,14 @@ def _jit_exact(fn: F) -> F:
 def _inline(fn: F) -> F:
     """A helper compiled into its callers (a call per GPU costs more than its work)."""
     return _compile(fn, inline="always")
+
+
+def _inline_exact(fn: F) -> F:
+    """A helper compiled into `_jit_exact` callers, without fast-math like them."""
+    try:
+        return cast(F, numba.njit(cache=True, nogil=True, inline="always")(fn))
+    except RuntimeError:  # (as _compile: no writable cache directory)
+        return cast(F, numba.njit(nogil=True, inline="always")(fn))
 
 
 @_inline
@@ -1593,13 +1601,13 @@ def verify_caps(
     return (4, worst) if over else (0, -1)
 
 
-@_inline
+@_inline_exact
 def _at_least_zero(x: float) -> float:
     """np.maximum(x, 0.0) (NaN stays NaN)."""
     return 0.0 if x < 0.0 else x
 
 
-@_inline
+@_inline_exact
 def _move_keys(move: FloatArray, pressed: BoolArray, by_pressed: bool) -> FloatArray:
     """deadband's order of moves where room is short, as a sort key (ties by index): GPUs
     pressing on their cap first (`by_pressed`), then the largest `move`."""
@@ -1609,7 +1617,7 @@ def _move_keys(move: FloatArray, pressed: BoolArray, by_pressed: bool) -> FloatA
     return key
 
 
-@_inline
+@_inline_exact
 def _fill_moves(
     move: FloatArray,
     gpu_groups: IntArray,
@@ -1660,7 +1668,58 @@ def _fill_moves(
 
 
 @_jit_exact
-def deadband_levels(
+def deadband_hold(
+    targets: FloatArray,
+    prev: FloatArray,
+    holdable: BoolArray,
+    pressed: BoolArray,
+    by_pressed: bool,
+    dwell: BoolArray,
+    by_dwell: bool,
+    cut_w: float,
+    raise_w: float,
+    dwell_max_w: float,
+    fund_w: float,
+    capacity: FloatArray,
+    gpu_groups: IntArray,
+    tol: float,
+) -> tuple[FloatArray, BoolArray]:
+    """deadband.hold_small_cuts after its settings are read, bit for bit as its numpy
+    version did it: (targets, held). Held: a holdable GPU's cut of at most `cut_w`; where
+    `by_dwell`, a `dwell`ing GPU's move of at most `dwell_max_w`; where `raise_w` > 0, a
+    holdable GPU's raise of at most `raise_w` if it is not `pressed` (read where
+    `by_pressed`). Where `fund_w` is not NaN, held cuts of at least `fund_w` of GPUs not
+    pressed may fund the pressed GPUs' raises. Then `_deadband_levels`."""
+    n = targets.size
+    held = np.zeros(n, dtype=np.bool_)
+    out = targets.copy()
+    releasable = np.zeros(n, dtype=np.bool_)
+    funds = by_pressed and not np.isnan(fund_w)
+    any_held = False
+    for i in range(n):
+        d = targets[i] - prev[i]  # (NaN compares False, but != 0)
+        h = holdable[i] and d < 0.0 and d >= -cut_w
+        if by_dwell:
+            h = h or (dwell[i] and d != 0.0 and abs(d) <= dwell_max_w)
+        if raise_w > 0.0 and by_pressed:
+            h = h or (holdable[i] and not pressed[i] and d > 0.0 and d <= raise_w)
+        if h:
+            held[i] = True
+            any_held = True
+            out[i] = prev[i]
+            if funds:
+                releasable[i] = not pressed[i] and prev[i] - targets[i] >= fund_w
+    if not any_held:
+        return out, held
+    still = _deadband_levels(
+        targets, prev, out, held, capacity, gpu_groups, pressed, by_pressed, releasable, funds,
+        tol,
+    )  # fmt: skip
+    return out, still
+
+
+@_inline_exact
+def _deadband_levels(
     targets: FloatArray,
     prev: FloatArray,
     out: FloatArray,
@@ -1673,10 +1732,9 @@ def deadband_levels(
     funds: bool,
     tol: float,
 ) -> BoolArray:
-    """deadband.hold_small_cuts' pass over the levels, in place on `out` (the targets with
-    the held moves at the cap in force), bit for bit as its numpy version added; returns
-    per GPU whether it stays held. `pressed` is read where `by_pressed`; `releasable` (the
-    held cuts that may fund a pressed raise) where `funds`."""
+    """The pass over the levels, in place on `out` (the targets with the held moves at
+    the cap in force); returns per GPU whether it stays held. `pressed` is read where
+    `by_pressed`; `releasable` (the held cuts that may fund a pressed raise) where `funds`."""
     n = targets.size
     n_groups = capacity.size
     counted = np.empty(n)
@@ -1762,7 +1820,7 @@ def deadband_levels(
     return held
 
 
-@_inline
+@_inline_exact
 def _release_cuts(
     may_go: BoolArray,
     counted: FloatArray,
@@ -1783,13 +1841,13 @@ def _release_cuts(
     return _fill_moves(cut, gpu_groups, level, amount, where, _move_keys(cut, may_go, False))
 
 
-@_inline
+@_inline_exact
 def _np_max(a: float, b: float) -> float:
     """np.maximum of two floats (NaN wins)."""
     return a if a >= b or np.isnan(a) else b
 
 
-@_inline
+@_inline_exact
 def _np_min(a: float, b: float) -> float:
     """np.minimum of two floats (NaN wins)."""
     return a if a <= b or np.isnan(a) else b
@@ -2043,8 +2101,8 @@ def _run_every_kernel() -> None:
     verify_caps(lo, lo, lo, 1e-9, job, 1, attach, capacity, np.array([1], dtype=np.int64),
                 np.array([0], dtype=np.int64), np.array([0, 1], dtype=np.int64))  # fmt: skip
     nan_free = np.array([0.1, np.nan])
-    deadband_levels(nan_free, lo, lo.copy(), ones_b, capacity, gg, ones_b, True, ones_b,
-                    True, 1e-6)  # fmt: skip
+    deadband_hold(nan_free, lo, ones_b, ones_b, True, ones_b, True, 40.0, 40.0, 80.0, 0.0,
+                  capacity, gg, 1e-6)  # fmt: skip
     named = np.arange(2, dtype=np.int64)
     ticks = np.array([-1, 1], dtype=np.int64)
     absorb_rows(named, lo.copy(), lo.copy(), ticks, ticks, ones_b, ticks, lo.copy(), lo.copy(),

@@ -104,44 +104,28 @@ def hold_small_cuts(
     dwell = None if dwelling is None or not dwelling.any() else holdable & dwelling
     if (deadband_w <= 0 and raise_band_w <= 0 and dwell is None) or targets.size == 0:
         return targets, np.zeros(targets.shape, dtype=np.bool_)
-    prev = np.asarray(in_force_w, dtype=np.float64)
-    delta = targets - prev
-    held = holdable & (delta < 0) & (delta >= -deadband_w)  # NaN compares False
-    if dwell is not None:
-        # A cap that moved lately stays, up or down, unless the move is larger than
-        # `dwell_max_w`: such a held cut is released below where a limit needs it.
-        held = held | (dwell & (delta != 0) & (np.abs(delta) <= dwell_max_w))
-    if raise_band_w > 0 and pressed is not None:
-        # A held raise only lowers a group's sum: it never breaks a limit, and it is never
-        # released below (its cut is 0), so the cut logic is unchanged.
-        held_up = holdable & ~pressed & (delta > 0) & (delta <= raise_band_w)
-        held = held | held_up
-    if not held.any():
-        return targets, held
-    out = np.where(held, prev, targets)
     from powerd.allocator import kernel  # numba: loaded by the first solve
 
-    # Level by level from the root, where a group breaks its limit: its raises trimmed (the
-    # pressed first, then the largest), held cuts released to fund pressed raises where
-    # `fund_pressed_w` asks, then held cuts released where the limit still needs it (the
-    # module's docstring). Compiled (kernel.deadband_levels): ~50 numpy calls a tick cost
-    # more than the work itself.
-    releasable = _NONE
-    if fund_pressed_w is not None and pressed is not None:
-        # Held cuts that may fund a pressed GPU's raise: of GPUs not pressed, at least
-        # `fund_pressed_w` (NaN compares False).
-        releasable = held & ~pressed & (prev - targets >= fund_pressed_w)
-    still = kernel.deadband_levels(
+    # The moves held, then level by level from the root, where a group breaks its limit:
+    # its raises trimmed (the pressed first, then the largest), held cuts released to fund
+    # pressed raises where `fund_pressed_w` asks, then held cuts released where the limit
+    # still needs it (the module's docstring). Compiled (kernel.deadband_hold): ~60 numpy
+    # calls a tick cost more than the work itself. A held raise only lowers a group's sum:
+    # it never breaks a limit, and it is never released (its cut is 0).
+    out, still = kernel.deadband_hold(
         targets,
-        prev,
-        out,
-        held,
-        np.asarray(capacity_w, dtype=np.float64),
-        topology.gpu_groups,
+        np.asarray(in_force_w, dtype=np.float64),
+        np.asarray(holdable, dtype=np.bool_),
         _NONE if pressed is None else pressed,
         pressed is not None,
-        releasable,
-        releasable is not _NONE,
+        _NONE if dwell is None else dwell,
+        dwell is not None,
+        deadband_w,
+        raise_band_w,
+        dwell_max_w,
+        np.nan if fund_pressed_w is None else fund_pressed_w,
+        np.asarray(capacity_w, dtype=np.float64),
+        topology.gpu_groups,
         TOL_W,
     )
     return out, np.asarray(still, dtype=np.bool_)
