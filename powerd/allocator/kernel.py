@@ -24,6 +24,11 @@ active set).
 `unit_dual`, `incidence_hessian` and `ray_minimum` are coupled_newton.py's pass over its units, its
 Newton system and its line search.
 
+`deadband_hold` is the deadband (controller/deadband.py's hold_small_cuts): its sums
+add in numpy's order (no fast-math), so the held caps come out bit for bit as numpy's did.
+`absorb_rows` is the safety planner's fold of queued readings and acks into what it knows
+of the caps in force (safety.py, `SafetyPlanner._absorb`).
+
 numba compiles these functions on first use and caches the machine code next to this file
 (or in the user's cache directory where that is not writable). `warm_up` compiles or loads
 them all before a first solve, says when numba starts compiling and reports what it did.
@@ -98,6 +103,14 @@ def _jit_exact(fn: F) -> F:
 def _inline(fn: F) -> F:
     """A helper compiled into its callers (a call per GPU costs more than its work)."""
     return _compile(fn, inline="always")
+
+
+def _inline_exact(fn: F) -> F:
+    """A helper compiled into `_jit_exact` callers, without fast-math like them."""
+    try:
+        return cast(F, numba.njit(cache=True, nogil=True, inline="always")(fn))
+    except RuntimeError:  # (as _compile: no writable cache directory)
+        return cast(F, numba.njit(nogil=True, inline="always")(fn))
 
 
 @_inline
@@ -1545,6 +1558,428 @@ def tree_sums(
     return s
 
 
+@_jit_exact
+def verify_caps(
+    p: FloatArray,
+    lo: FloatArray,
+    hi: FloatArray,
+    tol: float,
+    job: IntArray,
+    n_jobs: int,
+    node_of_gpu: IntArray,
+    capacity: FloatArray,
+    groups: IntArray,
+    parents: IntArray,
+    starts: IntArray,
+) -> tuple[int, int]:
+    """solve._verify's checks of caps p (kW) in one pass: 0 where all hold, else the first
+    that fails (1: a cap not finite; 2: a cap outside [lo − tol, hi + tol]; 3: a job's GPUs
+    (`job`, -1: none) apart; 4: a group's sum (as Tree.sums adds it) over its capacity
+    by more than tol), with the group most over it (4; else -1)."""
+    n = p.size
+    for i in range(n):
+        if not np.isfinite(p[i]):
+            return 1, -1
+    for i in range(n):
+        if p[i] < lo[i] - tol or p[i] > hi[i] + tol:
+            return 2, -1
+    if n_jobs > 0:
+        top = np.full(n_jobs, -np.inf)
+        for i in range(n):
+            if job[i] >= 0:
+                top[job[i]] = max(top[job[i]], p[i])
+        for i in range(n):
+            if job[i] >= 0 and p[i] != top[job[i]]:
+                return 3, -1
+    sums = tree_sums(node_of_gpu, p, capacity.size, groups, parents, starts)
+    over, worst, most = False, -1, -np.inf
+    for g in range(capacity.size):
+        excess = sums[g] - capacity[g]
+        over = over or excess > tol
+        if worst < 0 or excess > most or (np.isnan(excess) and not np.isnan(most)):
+            worst, most = g, excess  # (np.argmax: the first largest, a NaN first of all)
+    return (4, worst) if over else (0, -1)
+
+
+@_inline_exact
+def _at_least_zero(x: float) -> float:
+    """np.maximum(x, 0.0) (NaN stays NaN)."""
+    return 0.0 if x < 0.0 else x
+
+
+@_inline_exact
+def _move_keys(move: FloatArray, pressed: BoolArray, by_pressed: bool) -> FloatArray:
+    """deadband's order of moves where room is short, as a sort key (ties by index): GPUs
+    pressing on their cap first (`by_pressed`), then the largest `move`."""
+    key = np.empty(move.size)
+    for i in range(move.size):
+        key[i] = -move[i] - 1e6 if by_pressed and pressed[i] else -move[i]
+    return key
+
+
+@_inline_exact
+def _fill_moves(
+    move: FloatArray,
+    gpu_groups: IntArray,
+    level: int,
+    room: FloatArray,
+    over: BoolArray,
+    key: FloatArray,
+) -> FloatArray:
+    """Per GPU the part of its `move` (≥ 0) that is made: in full where its group is not
+    `over`; under an over group, whole moves in turn (by `key`, then index) while the
+    group's `room` lasts, the one it runs out on in part."""
+    n = move.size
+    kept = move.copy()
+    m = 0
+    for i in range(n):
+        if over[gpu_groups[i, level]] and move[i] > 0.0:
+            m += 1
+    if m == 0:
+        return kept
+    idx = np.empty(m, dtype=np.int64)
+    m = 0
+    for i in range(n):
+        if over[gpu_groups[i, level]] and move[i] > 0.0:
+            idx[m] = i
+            m += 1
+    # By group, then key, then index: two stable sorts, the last by the first criterion.
+    idx = idx[np.argsort(key[idx], kind="mergesort")]
+    groups = np.empty(m, dtype=np.int64)
+    for k in range(m):
+        groups[k] = gpu_groups[idx[k], level]
+    idx = idx[np.argsort(groups, kind="mergesort")]
+    # As numpy's segmented cumulative sum: one running sum over all groups, less its value
+    # where each group's run starts.
+    cum = 0.0
+    base = 0.0
+    last = -1
+    for k in range(m):
+        i = idx[k]
+        g = gpu_groups[i, level]
+        r = move[i]
+        cum = cum + r
+        start_val = cum - r if g != last else 0.0
+        base = start_val if k == 0 else max(base, start_val)
+        last = g
+        before = cum - r - base
+        kept[i] = min(max(room[g] - before, 0.0), r)
+    return kept
+
+
+@_jit_exact
+def deadband_hold(
+    targets: FloatArray,
+    prev: FloatArray,
+    holdable: BoolArray,
+    pressed: BoolArray,
+    by_pressed: bool,
+    dwell: BoolArray,
+    by_dwell: bool,
+    cut_w: float,
+    raise_w: float,
+    dwell_max_w: float,
+    fund_w: float,
+    capacity: FloatArray,
+    gpu_groups: IntArray,
+    tol: float,
+) -> tuple[FloatArray, BoolArray]:
+    """deadband.hold_small_cuts after its settings are read, bit for bit as its numpy
+    version did it: (targets, held). Held: a holdable GPU's cut of at most `cut_w`; where
+    `by_dwell`, a `dwell`ing GPU's move of at most `dwell_max_w`; where `raise_w` > 0, a
+    holdable GPU's raise of at most `raise_w` if it is not `pressed` (read where
+    `by_pressed`). Where `fund_w` is not NaN, held cuts of at least `fund_w` of GPUs not
+    pressed may fund the pressed GPUs' raises. Then `_deadband_levels`."""
+    n = targets.size
+    held = np.zeros(n, dtype=np.bool_)
+    out = targets.copy()
+    releasable = np.zeros(n, dtype=np.bool_)
+    funds = by_pressed and not np.isnan(fund_w)
+    any_held = False
+    for i in range(n):
+        d = targets[i] - prev[i]  # (NaN compares False, but != 0)
+        h = holdable[i] and d < 0.0 and d >= -cut_w
+        if by_dwell:
+            h = h or (dwell[i] and d != 0.0 and abs(d) <= dwell_max_w)
+        if raise_w > 0.0 and by_pressed:
+            h = h or (holdable[i] and not pressed[i] and d > 0.0 and d <= raise_w)
+        if h:
+            held[i] = True
+            any_held = True
+            out[i] = prev[i]
+            if funds:
+                releasable[i] = not pressed[i] and prev[i] - targets[i] >= fund_w
+    if not any_held:
+        return out, held
+    still = _deadband_levels(
+        targets, prev, out, held, capacity, gpu_groups, pressed, by_pressed, releasable, funds,
+        tol,
+    )  # fmt: skip
+    return out, still
+
+
+@_inline_exact
+def _deadband_levels(
+    targets: FloatArray,
+    prev: FloatArray,
+    out: FloatArray,
+    held_first: BoolArray,
+    capacity: FloatArray,
+    gpu_groups: IntArray,
+    pressed: BoolArray,
+    by_pressed: bool,
+    releasable: BoolArray,
+    funds: bool,
+    tol: float,
+) -> BoolArray:
+    """The pass over the levels, in place on `out` (the targets with the held moves at
+    the cap in force); returns per GPU whether it stays held. `pressed` is read where
+    `by_pressed`; `releasable` (the held cuts that may fund a pressed raise) where `funds`."""
+    n = targets.size
+    n_groups = capacity.size
+    counted = np.empty(n)
+    for i in range(n):
+        counted[i] = prev[i] if np.isnan(out[i]) else out[i]
+    sums = np.empty(n_groups)
+    excess = np.empty(n_groups)
+    over = np.zeros(n_groups, dtype=np.bool_)
+    rises = np.empty(n_groups)
+    room = np.empty(n_groups)
+    rise = np.empty(n)
+    trimmed = np.empty(n)
+    key = np.empty(0)
+    ranked = False
+    for level in range(gpu_groups.shape[1]):
+        sums[:] = 0.0
+        for i in range(n):
+            sums[gpu_groups[i, level]] += counted[i]
+        any_over = False
+        for g in range(n_groups):
+            excess[g] = sums[g] - capacity[g]
+            over[g] = excess[g] > tol
+            any_over = any_over or over[g]
+        if not any_over:
+            continue
+        for i in range(n):
+            rise[i] = _at_least_zero(counted[i] - prev[i])
+        if not ranked:  # (the order of the first level over its limit holds below it)
+            key = _move_keys(rise, pressed, by_pressed)
+            ranked = True
+        if funds:
+            # (deadband._fund_pressed)
+            ups = np.zeros(n_groups)
+            others = np.zeros(n_groups)
+            for i in range(n):
+                g = gpu_groups[i, level]
+                ups[g] += rise[i] if pressed[i] else 0.0
+                others[g] += 0.0 if pressed[i] else rise[i]
+            need = np.zeros(n_groups)
+            wanted = np.zeros(n_groups, dtype=np.bool_)
+            any_wanted = False
+            for g in range(n_groups):
+                if over[g] and ups[g] > tol:
+                    need[g] = _at_least_zero(excess[g] - others[g])
+                wanted[g] = need[g] > tol
+                any_wanted = any_wanted or wanted[g]
+            if any_wanted:
+                made = _release_cuts(releasable, counted, targets, gpu_groups, level, need, wanted)
+                freed = np.zeros(n_groups)
+                for i in range(n):
+                    counted[i] = counted[i] - made[i]
+                    freed[gpu_groups[i, level]] += made[i]
+                for g in range(n_groups):
+                    excess[g] = excess[g] - freed[g]
+        rises[:] = 0.0
+        for i in range(n):
+            rises[gpu_groups[i, level]] += rise[i]
+        for g in range(n_groups):
+            room[g] = _at_least_zero(rises[g] - excess[g])
+        fill = _fill_moves(rise, gpu_groups, level, room, over, key)
+        for i in range(n):
+            trimmed[i] = prev[i] + fill[i] if rise[i] > 0.0 else counted[i]
+        # Where no raise is left and the group still breaks its limit, held cuts go.
+        short = np.empty(n_groups)
+        tight = np.zeros(n_groups, dtype=np.bool_)
+        any_tight = False
+        for g in range(n_groups):
+            short[g] = _at_least_zero(excess[g] - rises[g])
+            tight[g] = short[g] > tol
+            any_tight = any_tight or tight[g]
+        if any_tight:
+            made = _release_cuts(held_first, counted, targets, gpu_groups, level, short, tight)
+            for i in range(n):
+                if made[i] > 0.0:
+                    trimmed[i] = counted[i] - made[i]
+        for i in range(n):
+            if np.isfinite(out[i]):
+                out[i] = trimmed[i]
+            counted[i] = prev[i] if np.isnan(out[i]) else out[i]
+    held = np.empty(n, dtype=np.bool_)
+    for i in range(n):
+        held[i] = held_first[i] and counted[i] == prev[i]
+    return held
+
+
+@_inline_exact
+def _release_cuts(
+    may_go: BoolArray,
+    counted: FloatArray,
+    targets: FloatArray,
+    gpu_groups: IntArray,
+    level: int,
+    amount: FloatArray,
+    where: BoolArray,
+) -> FloatArray:
+    """deadband._release: per GPU the part of its held cut that goes."""
+    n = counted.size
+    cut = np.empty(n)
+    for i in range(n):
+        if may_go[i] and where[gpu_groups[i, level]]:
+            cut[i] = _at_least_zero(counted[i] - targets[i])
+        else:
+            cut[i] = 0.0
+    return _fill_moves(cut, gpu_groups, level, amount, where, _move_keys(cut, may_go, False))
+
+
+@_inline_exact
+def _np_max(a: float, b: float) -> float:
+    """np.maximum of two floats (NaN wins)."""
+    return a if a >= b or np.isnan(a) else b
+
+
+@_inline_exact
+def _np_min(a: float, b: float) -> float:
+    """np.minimum of two floats (NaN wins)."""
+    return a if a <= b or np.isnan(a) else b
+
+
+@_jit_exact
+def absorb_rows(
+    gpu: IntArray,
+    hi: FloatArray,
+    lo: FloatArray,
+    key: IntArray,
+    tick: IntArray,
+    guess: BoolArray,
+    defiant: IntArray,
+    state_hi: FloatArray,
+    state_lo: FloatArray,
+    state_key: IntArray,
+    pend_tick: IntArray,
+    pend_hi: FloatArray,
+    pend_lo: FloatArray,
+    prior_hi: FloatArray,
+    prior_tick: IntArray,
+    state_defiant: BoolArray,
+    max_cap_w: FloatArray,
+    min_cap_w: FloatArray,
+    alarm_tol_w: float,
+) -> tuple[BoolArray, FloatArray]:
+    """safety.SafetyPlanner._absorb's fold of queued rows (row r of GPU `gpu[r]`) into the
+    per-GPU state, in place (`hi` and `lo` widened in place where an ack guesses). Returns
+    per row whether its reading lies above what was committed before, and that committed
+    bound (for the alarms)."""
+    n_rows, n_slots = gpu.size, pend_tick.shape[0]
+    # The GPUs named (`touched`, in layout order) and each row's among them (`local`).
+    slot = np.full(state_hi.size, -1, dtype=np.int64)
+    for r in range(n_rows):
+        slot[gpu[r]] = 0
+    n_t = 0
+    for i in range(state_hi.size):
+        if slot[i] == 0:
+            slot[i] = n_t
+            n_t += 1
+    touched = np.empty(n_t, dtype=np.int64)
+    for i in range(state_hi.size):
+        if slot[i] >= 0:
+            touched[slot[i]] = i
+    local = np.empty(n_rows, dtype=np.int64)
+    for r in range(n_rows):
+        local[r] = slot[gpu[r]]
+    int_min = np.iinfo(np.int64).min
+    known = np.empty(n_t, dtype=np.bool_)
+    before = np.empty(n_t)
+    newest = np.empty(n_t, dtype=np.int64)
+    for t in range(n_t):
+        i = touched[t]
+        known[t] = not np.isnan(state_hi[i])
+        b = state_hi[i] if known[t] else max_cap_w[i]
+        m = pend_hi[0, i]
+        for s in range(1, n_slots):
+            m = _np_max(m, pend_hi[s, i])
+        before[t] = _np_max(b, m)
+        newest[t] = state_key[i] if known[t] else int_min
+    any_ack = False
+    for r in range(n_rows):
+        if tick[r] >= 0:
+            any_ack = True
+            break
+    if any_ack:
+        # Acks that guess widen their bounds by the earlier ones and the commands they
+        # resolve, before anything is resolved.
+        for r in range(n_rows):
+            if tick[r] < 0 or not guess[r]:
+                continue
+            i = gpu[r]
+            res_hi, res_lo = 0.0, np.inf
+            for s in range(n_slots):
+                if pend_tick[s, i] >= 0 and pend_tick[s, i] <= tick[r]:
+                    res_hi = _np_max(res_hi, pend_hi[s, i])
+                    res_lo = _np_min(res_lo, pend_lo[s, i])
+            prev_hi = max_cap_w[i] if np.isnan(state_hi[i]) else state_hi[i]
+            prev_lo = min_cap_w[i] if np.isnan(state_lo[i]) else state_lo[i]
+            hi[r] = _np_max(_np_max(hi[r], prev_hi), res_hi)
+            lo[r] = _np_min(_np_min(lo[r], prev_lo), res_lo)
+        upto = np.full(n_t, -1, dtype=np.int64)
+        last_ack = np.full(n_t, -1, dtype=np.int64)
+        for r in range(n_rows):
+            if tick[r] >= 0:
+                t = local[r]
+                upto[t] = max(upto[t], tick[r])
+                last_ack[t] = max(last_ack[t], r)
+        for t in range(n_t):
+            i = touched[t]
+            for s in range(n_slots):  # (_resolve)
+                if pend_tick[s, i] >= 0 and pend_tick[s, i] <= upto[t]:
+                    pend_tick[s, i] = -1
+                    pend_hi[s, i] = 0.0
+                    pend_lo[s, i] = np.inf
+            # Our own command acknowledged: nothing a predecessor sent can land any more.
+            if upto[t] >= prior_tick[i]:
+                prior_hi[i] = 0.0
+            if last_ack[t] >= 0:
+                state_defiant[i] = defiant[last_ack[t]] > 0
+    # The newest tick wins; among readings of that tick the last to arrive, and whatever
+    # arrived after it (older ticks) can only widen the bounds.
+    for r in range(n_rows):
+        newest[local[r]] = max(newest[local[r]], key[r])
+    last_pos = np.full(n_t, -1, dtype=np.int64)
+    for r in range(n_rows):
+        if key[r] == newest[local[r]]:
+            last_pos[local[r]] = max(last_pos[local[r]], r)
+    new_hi = np.empty(n_t)
+    new_lo = np.empty(n_t)
+    for t in range(n_t):
+        keep_state = known[t] and last_pos[t] < 0
+        new_hi[t] = state_hi[touched[t]] if keep_state else -np.inf
+        new_lo[t] = state_lo[touched[t]] if keep_state else np.inf
+    above = np.zeros(n_rows, dtype=np.bool_)
+    before_rows = np.empty(n_rows)
+    for r in range(n_rows):
+        t = local[r]
+        before_rows[r] = before[t]
+        if r >= last_pos[t]:  # kept
+            new_hi[t] = _np_max(new_hi[t], hi[r])
+            new_lo[t] = _np_min(new_lo[t], lo[r])
+            above[r] = known[t] and hi[r] > before[t] + alarm_tol_w
+    for t in range(n_t):
+        i = touched[t]
+        state_hi[i] = new_hi[t]
+        state_lo[i] = new_lo[t]
+        state_key[i] = newest[t]
+    return above, before_rows
+
+
 def _kernels() -> list[Any]:
     """The kernels Python calls (the private ones are called only by other kernels: they
     compile with their callers and are never loaded from the cache on their own)."""
@@ -1663,3 +2098,14 @@ def _run_every_kernel() -> None:
     tree_sums(np.array([1, 1], dtype=np.int64), ones, 2, np.array([1], dtype=np.int64),
               np.array([0], dtype=np.int64), np.array([0, 1], dtype=np.int64))  # fmt: skip
     job_units(job, 1)
+    verify_caps(lo, lo, lo, 1e-9, job, 1, attach, capacity, np.array([1], dtype=np.int64),
+                np.array([0], dtype=np.int64), np.array([0, 1], dtype=np.int64))  # fmt: skip
+    nan_free = np.array([0.1, np.nan])
+    deadband_hold(nan_free, lo, ones_b, ones_b, True, ones_b, True, 40.0, 40.0, 80.0, 0.0,
+                  capacity, gg, 1e-6)  # fmt: skip
+    named = np.arange(2, dtype=np.int64)
+    ticks = np.array([-1, 1], dtype=np.int64)
+    absorb_rows(named, lo.copy(), lo.copy(), ticks, ticks, ones_b, ticks, lo.copy(), lo.copy(),
+                ticks.copy(), np.full((2, 2), -1, dtype=np.int64), np.zeros((2, 2)),
+                np.ones((2, 2)), lo.copy(), ticks.copy(), ones_b.copy(), ones, zeros,
+                0.5)  # fmt: skip

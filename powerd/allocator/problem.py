@@ -218,6 +218,10 @@ def work_arrays(n: int, n_groups: int, n_k: int) -> tuple[IntArray, FloatArray, 
     )
 
 
+# No GPU in a job (Tree.check's typed stand-in for None).
+_NO_JOBS = np.zeros(0, dtype=np.int64)
+
+
 class Tree:
     """The topology's levels prepared for fast bottom-up sums (one bincount per level)."""
 
@@ -253,6 +257,8 @@ class Tree:
         # The last capacities and upper bounds `implied_by_children` answered, with its
         # answer: the same from tick to tick while budgets and bounds hold still.
         self.implied_memo: tuple[FloatArray, FloatArray, BoolArray] | None = None
+        # The last device bounds `_bounds_kept` answered, with what they were built from.
+        self.bounds_memo: tuple[tuple[object, ...], _Bounds] | None = None
 
     @cached_property
     def first_gpu(self) -> IntArray:
@@ -306,6 +312,31 @@ class Tree:
         parents = np.concatenate([self.parents[lv] for lv in deep]).astype(np.int64)
         sizes = [0] + [self.levels[lv].size for lv in deep]
         return groups, parents, np.cumsum(sizes).astype(np.int64)
+
+    def check(
+        self,
+        p: FloatArray,
+        lo: FloatArray,
+        hi: FloatArray,
+        capacity: FloatArray,
+        jobs: JobMap | None,
+    ) -> tuple[int, int]:
+        """Whether caps p (kW) are finite, within [lo, hi] and every group's sum within its
+        capacity (to TOL_KW), and a job's GPUs equal: kernel.verify_caps' answer."""
+        from powerd.allocator import kernel  # numba: loaded by the first call
+
+        code, group = kernel.verify_caps(
+            np.ascontiguousarray(p, dtype=np.float64),
+            lo,
+            hi,
+            TOL_KW,
+            _NO_JOBS if jobs is None else jobs.job,
+            0 if jobs is None else jobs.n_jobs,
+            self._node_of_gpu64,
+            capacity,
+            *self._sum_order,
+        )
+        return int(code), int(group)
 
     def under(self, groups: BoolArray) -> BoolArray:
         """GPUs below any of the marked groups."""
@@ -738,7 +769,14 @@ def _fleet_jobs(tree: Tree, fleet: GpuArrays) -> tuple[JobMap | None, BoolArray 
 
 
 def _job_bounds(
-    fleet: GpuArrays, tree: Tree, capacity: FloatArray, lo: FloatArray, hi: FloatArray
+    fleet: GpuArrays,
+    tree: Tree,
+    capacity: FloatArray,
+    lo: FloatArray,
+    hi: FloatArray,
+    *,
+    jobs: JobMap | None,
+    single: BoolArray | None,
 ) -> tuple[JobMap | None, list[str], FloatArray, FloatArray, BoolArray | None]:
     """Jobs and each GPU's device bounds with its job's applied.
 
@@ -749,8 +787,7 @@ def _job_bounds(
     (room / count): the same feasible set, and the solver no longer has to price a group
     that only one job answers to (coupled_newton.py). Those groups are returned too.
     """
-    jobs, single = _fleet_jobs(tree, fleet)
-    if jobs is None or single is None:
+    if jobs is None or single is None:  # (the fleet's jobs: _fleet_jobs)
         return None, [], lo, hi, None
     cls = fleet.class_index.astype(np.float64)
     job_lo, job_hi = jobs.max(lo), jobs.min(hi)
@@ -767,6 +804,75 @@ def _job_bounds(
     room = _single_job_room(tree, jobs, single, capacity)
     hi = np.where(jobs.member, np.maximum(np.minimum(hi, room), lo), hi)
     return jobs, split, lo, hi, single
+
+
+_Bounds = tuple[
+    JobMap | None, list[str], FloatArray, FloatArray, BoolArray | None, BoolArray, FloatArray
+]
+
+
+def _bounds_kept(
+    fleet: GpuArrays, classes: ClassTable, tree: Tree, capacity: FloatArray, leftover: str
+) -> _Bounds:
+    """`_bounds`, kept on the tree while its inputs are the same, bit for bit, as the last
+    call's (most ticks: device limits, pins, classes, jobs and budgets hold still; a stale
+    GPU's cap counts only where one is stale). Its arrays are shared: not to be written."""
+    jobs, single = _fleet_jobs(tree, fleet)
+    stale = fleet.stale
+    inputs = (
+        capacity,
+        fleet.pinned_w,
+        fleet.min_cap_w,
+        fleet.max_cap_w,
+        fleet.class_index,
+        stale,
+        fleet.cap_w[stale],
+    )
+    key = (classes, leftover, jobs, *[(a.dtype.str, a.tobytes()) for a in inputs])
+    memo = tree.bounds_memo
+    if memo is not None and memo[0] == key:
+        return memo[1]
+    out = _bounds(fleet, classes, tree, capacity, leftover, jobs=jobs, single=single)
+    tree.bounds_memo = (key, out)
+    return out
+
+
+def _bounds(
+    fleet: GpuArrays,
+    classes: ClassTable,
+    tree: Tree,
+    capacity: FloatArray,
+    leftover: str,
+    *,
+    jobs: JobMap | None,
+    single: BoolArray | None,
+) -> _Bounds:
+    """(jobs, split jobs, lo, hi, single-job groups, groups whose device minimums exceed
+    their budget, capacities with those left out): each GPU's device bounds (kW) with its
+    job's applied, and where even the minimums do not fit a group its GPUs fixed there."""
+    cls = fleet.class_index
+    pinned = ~np.isnan(fleet.pinned_w)
+    lo_dev = np.where(pinned, fleet.pinned_w, fleet.min_cap_w) / 1000.0
+    hi_w = np.minimum(fleet.max_cap_w, classes.ceiling_w[cls])
+    if leftover == "peak":
+        # Power past the profile's peak buys nothing: leave it unallocated. A class floor
+        # above the peak still holds (as do device minimums and pins, below).
+        hi_w = np.minimum(hi_w, np.maximum(classes.peak_kw[cls] * 1000.0, classes.floor_w[cls]))
+    hi_w = np.where(fleet.stale, np.minimum(hi_w, fleet.cap_w), hi_w)  # stale: never raised
+    hi_base = np.where(pinned, lo_dev, np.maximum(hi_w / 1000.0, lo_dev))
+
+    jobs, split, lo_dev, hi_base, single = _job_bounds(
+        fleet, tree, capacity, lo_dev, hi_base, jobs=jobs, single=single
+    )
+
+    bad = _over(tree, lo_dev, capacity)
+    if bad.any():
+        fixed = tree.under(bad)
+        if jobs is not None:
+            fixed = jobs.any(fixed)
+        hi_base = np.where(fixed, lo_dev, hi_base)
+        capacity = np.where(bad, np.inf, capacity)
+    return jobs, split, lo_dev, hi_base, single, bad, capacity
 
 
 def _tree_for(fleet: GpuArrays, tree: Tree | None) -> Tree:
@@ -804,26 +910,9 @@ def build_problem(
     cls = fleet.class_index
     weight = classes.weight[cls]
     capacity = capacities_kw(fleet.topology, budget_w, reserved_w)
-
-    pinned = ~np.isnan(fleet.pinned_w)
-    lo_dev = np.where(pinned, fleet.pinned_w, fleet.min_cap_w) / 1000.0
-    hi_w = np.minimum(fleet.max_cap_w, classes.ceiling_w[cls])
-    if ctl.leftover == "peak":
-        # Power past the profile's peak buys nothing: leave it unallocated. A class floor
-        # above the peak still holds (as do device minimums and pins, below).
-        hi_w = np.minimum(hi_w, np.maximum(classes.peak_kw[cls] * 1000.0, classes.floor_w[cls]))
-    hi_w = np.where(fleet.stale, np.minimum(hi_w, fleet.cap_w), hi_w)  # stale: never raised
-    hi_base = np.where(pinned, lo_dev, np.maximum(hi_w / 1000.0, lo_dev))
-
-    jobs, split, lo_dev, hi_base, single = _job_bounds(fleet, tree, capacity, lo_dev, hi_base)
-
-    bad = _over(tree, lo_dev, capacity)
-    if bad.any():
-        fixed = tree.under(bad)
-        if jobs is not None:
-            fixed = jobs.any(fixed)
-        hi_base = np.where(fixed, lo_dev, hi_base)
-        capacity = np.where(bad, np.inf, capacity)
+    jobs, split, lo_dev, hi_base, single, bad, capacity = _bounds_kept(
+        fleet, classes, tree, capacity, ctl.leftover
+    )
 
     lo_floor = np.minimum(
         np.maximum(lo_dev, floors_w(fleet, classes, ctl.demand) / 1000.0), hi_base

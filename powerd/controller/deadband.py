@@ -45,13 +45,15 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from powerd.topology import N_LEVELS, Topology
+from powerd.topology import Topology
 
 FloatArray = NDArray[np.float64]
 BoolArray = NDArray[np.bool_]
 
 # Watts of float noise tolerated when testing a group against its limit.
 TOL_W = 1e-6
+# No per-GPU flags (the kernel's typed stand-in for None).
+_NONE = np.zeros(0, dtype=np.bool_)
 
 
 @dataclass(frozen=True)
@@ -102,138 +104,28 @@ def hold_small_cuts(
     dwell = None if dwelling is None or not dwelling.any() else holdable & dwelling
     if (deadband_w <= 0 and raise_band_w <= 0 and dwell is None) or targets.size == 0:
         return targets, np.zeros(targets.shape, dtype=np.bool_)
-    prev = np.asarray(in_force_w, dtype=np.float64)
-    delta = targets - prev
-    held = holdable & (delta < 0) & (delta >= -deadband_w)  # NaN compares False
-    if dwell is not None:
-        # A cap that moved lately stays, up or down, unless the move is larger than
-        # `dwell_max_w`: such a held cut is released below where a limit needs it.
-        held = held | (dwell & (delta != 0) & (np.abs(delta) <= dwell_max_w))
-    if raise_band_w > 0 and pressed is not None:
-        # A held raise only lowers a group's sum: it never breaks a limit, and it is never
-        # released below (its cut is 0), so the cut logic is unchanged.
-        held_up = holdable & ~pressed & (delta > 0) & (delta <= raise_band_w)
-        held = held | held_up
-    if not held.any():
-        return targets, held
-    held_at_first = held
-    out = np.where(held, prev, targets)
-    counted = np.where(np.isnan(out), prev, out)
-    capacity = np.asarray(capacity_w, dtype=np.float64)
-    n_groups = topology.n_groups
-    rank: NDArray[np.int64] | None = None
-    funds = None
-    if fund_pressed_w is not None and pressed is not None:
-        # Held cuts that may fund a pressed GPU's raise: of GPUs not pressed, at least
-        # `fund_pressed_w` (NaN compares False).
-        funds = (pressed, held_at_first & ~pressed & (prev - targets >= fund_pressed_w))
-    for level in range(N_LEVELS):
-        group = topology.gpu_group_columns[level]
-        sums = np.bincount(group, weights=counted, minlength=n_groups)
-        excess = sums - capacity
-        over = excess > TOL_W
-        if not over.any():
-            continue
-        rise = np.maximum(counted - prev, 0.0)
-        if rank is None:
-            rank = _rank(rise, pressed)
-        if funds is not None:
-            counted, excess = _fund_pressed(
-                counted, targets, excess, rise, group, over=over, funds=funds
-            )
-        rises = np.bincount(group, weights=rise, minlength=n_groups)
-        room = np.maximum(rises - excess, 0.0)  # what the raises under each group may take
-        trimmed = np.where(rise > 0, prev + _fill(rise, group, room, over, rank), counted)
-        # Where no raise is left and the group still breaks its limit, held cuts go, the
-        # largest first, until it fits (all of them: every GPU there at min(target, cap in
-        # force), which fits): no more than the limit needs, so caps follow a ramping
-        # budget down as smoothly as without the deadband.
-        short = np.maximum(excess - rises, 0.0)
-        tight = short > TOL_W
-        if tight.any():
-            # A cut held (in full, or in part at a level above) may still go, to its target.
-            made = _release(held_at_first, counted, targets, group, amount=short, where=tight)
-            trimmed = np.where(made > 0, counted - made, trimmed)
-        changed = np.isfinite(out)
-        out = np.where(changed, trimmed, out)
-        counted = np.where(np.isnan(out), prev, out)
-    return out, held_at_first & (counted == prev)
+    from powerd.allocator import kernel  # numba: loaded by the first solve
 
-
-def _fund_pressed(
-    counted: FloatArray,
-    targets: FloatArray,
-    excess: FloatArray,
-    rise: FloatArray,
-    group: NDArray[np.int64],
-    *,
-    over: BoolArray,
-    funds: tuple[BoolArray, BoolArray],
-) -> tuple[FloatArray, FloatArray]:
-    """(counted, excess) with held cuts released to fund the raises of pressed GPUs
-    (`funds`: per GPU whether it is pressed, whether its held cut may go). Under each `over`
-    group with a pressed GPU's raise: the other raises are trimmed first (by the caller),
-    then these held cuts go, the largest first (the last in part), until the pressed raises
-    fit or none is left: a pressed raise is work waiting, a held cut only churn avoided."""
-    pressed, releasable = funds
-    n_groups = excess.size
-    ups = np.bincount(group, weights=np.where(pressed, rise, 0.0), minlength=n_groups)
-    others = np.bincount(group, weights=np.where(pressed, 0.0, rise), minlength=n_groups)
-    need = np.where(over & (ups > TOL_W), np.maximum(excess - others, 0.0), 0.0)
-    wanted = need > TOL_W
-    if not wanted.any():
-        return counted, excess
-    made = _release(releasable, counted, targets, group, amount=need, where=wanted)
-    return counted - made, excess - np.bincount(group, weights=made, minlength=n_groups)
-
-
-def _release(
-    may_go: BoolArray,
-    counted: FloatArray,
-    targets: FloatArray,
-    group: NDArray[np.int64],
-    *,
-    amount: FloatArray,
-    where: BoolArray,
-) -> FloatArray:
-    """Per GPU the part of its held cut that goes (toward its target): of the GPUs that
-    `may_go` under the groups `where`, the largest cuts first (the last in part), until
-    each group's `amount` (0 elsewhere)."""
-    cut = np.where(may_go & where[group], np.maximum(counted - targets, 0.0), 0.0)
-    return _fill(cut, group, amount, where, _rank(cut, None))
-
-
-def _rank(rise: FloatArray, pressed: BoolArray | None) -> NDArray[np.int64]:
-    """The order moves are made in where room is short: GPUs pressing on their cap first,
-    then the largest (a move trimmed at a level above keeps its place)."""
-    key = -rise if pressed is None else np.where(pressed, -rise - 1e6, -rise)
-    rank = np.empty(rise.size, dtype=np.int64)
-    rank[np.argsort(key, kind="stable")] = np.arange(rise.size)
-    return rank
-
-
-def _fill(
-    rise: FloatArray,
-    group: NDArray[np.int64],
-    room: FloatArray,
-    over: BoolArray,
-    rank: NDArray[np.int64],
-) -> FloatArray:
-    """Per GPU the part of its move (`rise`, ≥ 0) that is made: in full where its group is
-    not `over`; under an over group, whole moves in turn (by `rank`) while the group's
-    `room` lasts, the one it runs out on in part: fewer, larger moves than a little of
-    every one."""
-    kept = rise.copy()
-    idx = np.flatnonzero(over[group] & (rise > 0))
-    if not idx.size:
-        return kept
-    order = idx[np.argsort(group[idx] * rank.size + rank[idx])]
-    g = group[order]
-    r = rise[order]
-    cum = np.cumsum(r)
-    start = np.r_[True, g[1:] != g[:-1]]
-    # Each GPU's raises before it within its group (segmented cumulative sum).
-    base = np.maximum.accumulate(np.where(start, cum - r, 0.0))
-    before = cum - r - base
-    kept[order] = (room[g] - before).clip(0.0, r)
-    return kept
+    # The moves held, then level by level from the root, where a group breaks its limit:
+    # its raises trimmed (the pressed first, then the largest), held cuts released to fund
+    # pressed raises where `fund_pressed_w` asks, then held cuts released where the limit
+    # still needs it (the module's docstring). Compiled (kernel.deadband_hold): ~60 numpy
+    # calls a tick cost more than the work itself. A held raise only lowers a group's sum:
+    # it never breaks a limit, and it is never released (its cut is 0).
+    out, still = kernel.deadband_hold(
+        targets,
+        np.asarray(in_force_w, dtype=np.float64),
+        np.asarray(holdable, dtype=np.bool_),
+        _NONE if pressed is None else pressed,
+        pressed is not None,
+        _NONE if dwell is None else dwell,
+        dwell is not None,
+        deadband_w,
+        raise_band_w,
+        dwell_max_w,
+        np.nan if fund_pressed_w is None else fund_pressed_w,
+        np.asarray(capacity_w, dtype=np.float64),
+        topology.gpu_groups,
+        TOL_W,
+    )
+    return out, np.asarray(still, dtype=np.bool_)

@@ -356,6 +356,8 @@ class Overrides:
         Expired overrides (on both clocks, where anchored) are dropped (and logged) here, so
         they end on the next tick.
         """
+        if not self.budgets:
+            return {}  # (most ticks: no group's table of budgets to build)
         for name in [n for n, o in self.budgets.items() if o.expired(now_wall, now_mono)]:
             expired = self.budgets.pop(name)
             log.info("budget_override_expired", group=name, budget_w=expired.budget_w)
@@ -408,6 +410,8 @@ class Overrides:
     ) -> dict[str, float]:
         """Per group, the most its scheduled windows let its budget be now (ramped at the
         policy's rates); windows that are over and ramped out are dropped (and logged)."""
+        if not self.schedules:
+            return {}  # (most ticks: no group's table of budgets to build)
         rates = policy.control.ramp_w_per_s
         policy_budgets = {g.name: g.budget_w for g in policy.groups}
         out: dict[str, float] = {}
