@@ -902,6 +902,7 @@ class SafetyPlanner:
             layout.max_cap_w,
             layout.min_cap_w,
             ALARM_TOL_W,
+            kernel.sparse_rows(gpu.size, layout.n_gpus),
         )
         # A reading above the committed cap: something outside powerd raised the limit (or the
         # device clamped a request up). The bound follows the reading; the controller alarms.

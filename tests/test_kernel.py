@@ -290,3 +290,51 @@ def test_objective_passes_nan_on() -> None:
     problem.demand_w[1] = 100.0
     caps[2] = np.nan
     assert np.isnan(objective(problem, caps))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(1, 300),
+    rows=st.integers(1, 40),
+    slots=st.integers(1, 3),
+)
+def test_absorb_rows_finds_a_few_rows_gpus_as_a_pass_over_the_fleet_does(
+    seed: int, n: int, rows: int, slots: int
+) -> None:
+    """The planner's fold of queued readings and acks (`kernel.absorb_rows`) names the rows'
+    GPUs by sorting the rows where they are few (`sparse_rows`), else by a pass over the
+    fleet: the same results and state either way, on rows with repeats, acks that guess,
+    and readings of older and newer ticks."""
+    rng = np.random.default_rng(seed)
+    gpu = rng.integers(0, n, rows).astype(np.int64)
+    hi = rng.uniform(200.0, 700.0, rows)
+    lo = hi - rng.uniform(0.0, 100.0, rows)
+    key = rng.integers(0, 5, rows).astype(np.int64)
+    tick = np.where(rng.random(rows) < 0.5, rng.integers(0, 5, rows), -1).astype(np.int64)
+    guess = rng.random(rows) < 0.3
+    defiant = np.where(tick >= 0, rng.integers(0, 2, rows), -1).astype(np.int64)
+    state_hi = np.where(rng.random(n) < 0.2, np.nan, rng.uniform(200.0, 700.0, n))
+    state = (
+        state_hi,
+        state_hi - 50.0,
+        rng.integers(0, 5, n).astype(np.int64),
+        np.where(rng.random((slots, n)) < 0.5, rng.integers(0, 5, (slots, n)), -1),
+        rng.uniform(0.0, 700.0, (slots, n)),
+        rng.uniform(100.0, 700.0, (slots, n)),
+        np.where(rng.random(n) < 0.2, 700.0, 0.0),
+        rng.integers(0, 5, n).astype(np.int64),
+        rng.random(n) < 0.1,
+    )
+    limits = (np.full(n, 700.0), np.full(n, 200.0), 1.0)
+    out = []
+    for sparse in (True, False):
+        rows_in = tuple(a.copy() for a in (gpu, hi, lo, key, tick, guess, defiant))
+        kept = tuple(np.asarray(a).copy() for a in state)
+        above, before = kernel.absorb_rows(*rows_in, *kept, *limits, sparse)
+        out.append((above, before, rows_in, kept))
+    (a1, b1, r1, s1), (a2, b2, r2, s2) = out
+    np.testing.assert_array_equal(a1, a2)
+    np.testing.assert_array_equal(b1, b2)
+    for x, y in zip((*r1, *s1), (*r2, *s2), strict=True):
+        np.testing.assert_array_equal(x, y)
