@@ -23,6 +23,7 @@ from powerd.backends.mock import (
     _all_edges,
     _edge_series,
     _edges,
+    _uniform,
 )
 from powerd.clock import ManualClock
 
@@ -378,3 +379,60 @@ def test_a_step_without_edges_counts_the_jobs_work_as_the_whole_fleets() -> None
         whole = gpus._throughput_at(target, slice(None))[g]
         assert gpus._group_throughput(target[g]).tobytes() == whole.tobytes()
         gpus.advance(5.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(_workload(), min_size=1, max_size=5),
+    st.floats(-20_000.0, 20_000.0, allow_nan=False),
+    st.floats(-20_000.0, 0.0),
+)
+def test_demand_at_one_time_is_numpys_to_the_bit(
+    workloads: list[Workload], t: float, phase: float
+) -> None:
+    """Demand at one time (every step's, compiled: mock_kernel.demand_now) is what numpy's
+    formulas give at that time, the same grid's row at many times, bit for bit: before
+    the origin too (burst slots below 0, as a day's phase puts them)."""
+    fleet = [replace(w, phase_s=w.phase_s + phase) for w in workloads]
+    fleet += [Workload.steady(500.0), Workload.idle()]
+    model = SimulatedGpus(len(fleet), fleet, seed=3)
+    one, works = model._grid(np.array([t]))
+    many, works_many = model._grid(np.array([t, t + 1.0]))
+    assert one[0].tobytes() == many[0].tobytes()
+    assert works[0].tolist() == works_many[0].tolist()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.floats(200.0, 700.0), min_size=4, max_size=4),
+    st.floats(0.001, 30.0),
+    st.floats(0.0, 0.05),
+)
+def test_a_held_step_is_numpys_formulas_to_the_bit(
+    caps: list[float], dt: float, noise: float
+) -> None:
+    """A step no edge cuts (compiled: mock_kernel.step_held and reported_power) moves the
+    draw, energy, temperature and reported draw as numpy's closed forms do, bit for bit."""
+    spec = MockGpuSpec(noise_frac=noise)
+    model = SimulatedGpus(4, [Workload.steady(650.0), Workload.steady(300.0)] * 2, spec=spec)
+    model.advance(3.0)
+    for i, w in enumerate(caps):
+        model.set_cap(i, w)
+    x0, temp0, energy0 = model._lagged_w.copy(), model.temp_c.copy(), model.energy_j.copy()
+    target = np.minimum(model.cap_w, model.demand_w)
+    decay = np.exp(-dt / spec.tau_s)
+    gap = x0 - target
+    energy = energy0 + (target * dt + gap * spec.tau_s * (1.0 - decay))
+    lagged = target + gap * decay
+    settled = spec.ambient_c + spec.temp_per_w * target
+    passed = spec.temp_per_w * gap * spec.tau_s / (spec.tau_s - spec.temp_tau_s)
+    own = (temp0 - settled - passed) * np.exp(-dt / spec.temp_tau_s)
+    temp = settled + passed * decay + own
+    t_bits = np.float64(model.t + dt).view(np.uint64)
+    spread = noise * np.sqrt(12.0) * (_uniform(model._seeds ^ t_bits) - 0.5)
+    reported = np.maximum(np.minimum(lagged * (1.0 + spread), np.maximum(model.cap_w, lagged)), 0)
+    model.advance(dt)
+    assert model._lagged_w.tobytes() == lagged.tobytes()
+    assert model.energy_j.tobytes() == energy.tobytes()
+    assert model.temp_c.tobytes() == temp.tobytes()
+    assert model.power_w.tobytes() == reported.tobytes()

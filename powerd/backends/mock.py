@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
+from types import ModuleType
 from typing import Protocol, TypeVar
 
 import numpy as np
@@ -308,6 +309,13 @@ def _next_edge(periods: FloatArray, origins: FloatArray, fixed: FloatArray, t: f
     return best
 
 
+def _kernel() -> ModuleType:
+    """mock_kernel, imported on the first step that needs it (numba takes ~0.5 s to load)."""
+    from powerd.backends import mock_kernel
+
+    return mock_kernel
+
+
 def _intern(items: list[T], item: T) -> int:
     """Index of `item` in `items` by identity, appending it if new (profiles hold arrays)."""
     for k, existing in enumerate(items):
@@ -551,8 +559,11 @@ class SimulatedGpus:
         at = times[:, None]
         demand = np.repeat(self._high[None, :], k, axis=0)  # steady, idle: one level
         working = np.ones((k, self.n), dtype=bool)
+        # At one time (every step's demand), the training and inference GPUs' formulas in
+        # one compiled pass (the same values); numpy's below where it declines.
+        compiled = k == 1 and self._patterns_at(float(times[0]), demand[0])
         tr = self._training_idx
-        if tr.size:
+        if tr.size and not compiled:
             phase, period, duty = self._tr_cols
             cycle = (at + phase) / period
             on = cycle - np.floor(cycle) < duty
@@ -571,7 +582,7 @@ class SimulatedGpus:
             demand[stopped] = IDLE_W
             working[stopped] = False
         inf = self._inference_idx
-        if inf.size:
+        if inf.size and not compiled:
             high, low, inf_phase, inf_period, burst_slot = self._inf_cols
             seeds, burst_prob, burst_w = self._inf_burst
             shifted = at + inf_phase
@@ -582,6 +593,24 @@ class SimulatedGpus:
         for gpus, w in self._surge_groups:
             demand[np.ix_(_surging(w, times), gpus)] += w.surge_w
         return demand, working
+
+    def _patterns_at(self, t: float, demand: FloatArray) -> bool:
+        """`_grid`'s training and inference GPUs' demand at `t`, written into `demand`
+        (mock_kernel.demand_now, the same values); False where it declines (then numpy's)."""
+        kernel = _kernel()
+        inf = self._inference_idx
+        high, low, inf_phase, inf_period, burst_slot = self._inf_cols
+        # numpy's cos, as `_grid` takes it: of 2π · (t + phase) / period.
+        cos = np.add(t, inf_phase)
+        np.multiply(2 * np.pi, cos, out=cos)
+        np.divide(cos, inf_period, out=cos)
+        np.cos(cos, out=cos)
+        return bool(
+            kernel.demand_now(
+                t, demand, self._training_idx, *self._tr_cols, *self._tr_levels,
+                inf, cos, high, low, inf_phase, burst_slot, *self._inf_burst,
+            )
+        )  # fmt: skip
 
     def _refresh_demand(self) -> None:
         self.demand_w, self._working = self.demand_and_working_at(self.t)
@@ -604,53 +633,70 @@ class SimulatedGpus:
             return
         t0, t1 = self.t, self.t + dt_s
         x0 = self._lagged_w
-        target = np.minimum(self.cap_w, self.demand_w)
         decay = np.exp(-dt_s / self.tau_s)
+        g = self._group_gpus
+        edges = self._edges_within(t0, t1)
+        if not edges.size:
+            # Every GPU holds its target over the step: the formulas below, compiled
+            # (mock_kernel.step_held, the same values).
+            target = np.empty(self.n)
+            lagged = np.empty(self.n)
+            temp = np.empty(self.n)
+            _kernel().step_held(
+                self.cap_w, self.demand_w, x0, self.energy_j, self.temp_c, dt_s, self.tau_s,
+                decay, self.ambient_c, self.temp_per_w, self.temp_tau_s,
+                np.exp(-dt_s / self.temp_tau_s), target, lagged, temp,
+            )  # fmt: skip
+            self._lagged_w, self.temp_c = lagged, temp
+            pieces = None
+            if g.size:
+                pieces = self._group_throughput(target if self._group_all else target[g])
+            self._end_step(dt_s, pieces)
+            return
+        target = np.minimum(self.cap_w, self.demand_w)
         gap = x0 - target
         # Closed-form integral of target + gap·exp(-t/tau) over [0, dt].
         energy = target * dt_s + gap * self.tau_s * (1.0 - decay)
         lagged = target + gap * decay
+        # Every job and service at once, cut at every edge of any of them.
+        bounds = np.concatenate(([t0], edges, [t1]))
+        lo, hi = bounds[:-1], bounds[1:]
+        length = hi - lo
+        grid, works = self._grid(0.5 * (lo + hi))
+        level = np.minimum(self.cap_w[g][None, :], grid[:, g])
+        integral = length @ level
+        # The lag's state at the end: its start decayed, plus each piece's level
+        # weighted by how much of it the lag still holds at the end.
+        weight = np.exp(-(t1 - hi) / self.tau_s) - np.exp(-(t1 - lo) / self.tau_s)
+        end = x0[g] * decay + weight @ level
+        energy[g] = integral - self.tau_s * (end - x0[g])
+        lagged[g] = end
         # Per GPU, over the step (for the temperature): `target`, but where a job's or
-        # service's demand changes within the step (then a copy, written below).
-        mean_target = target
-        g = self._group_gpus
-        edges = self._edges_within(t0, t1)
-        pieces = None
-        if edges.size:
-            # Every job and service at once, cut at every edge of any of them.
-            bounds = np.concatenate(([t0], edges, [t1]))
-            lo, hi = bounds[:-1], bounds[1:]
-            length = hi - lo
-            grid, works = self._grid(0.5 * (lo + hi))
-            level = np.minimum(self.cap_w[g][None, :], grid[:, g])
-            integral = length @ level
-            # The lag's state at the end: its start decayed, plus each piece's level
-            # weighted by how much of it the lag still holds at the end.
-            weight = np.exp(-(t1 - hi) / self.tau_s) - np.exp(-(t1 - lo) / self.tau_s)
-            end = x0[g] * decay + weight @ level
-            energy[g] = integral - self.tau_s * (end - x0[g])
-            lagged[g] = end
-            mean_target = target.copy()
-            mean_target[g] = integral / dt_s
-            tput = np.zeros(level.shape)
-            for profile, cols in self._group_profiles:
-                tput[:, cols] = profile.value(level[:, cols])
-            pieces = length @ np.where(works[:, g], tput, 0.0) / dt_s
+        # service's demand changes within the step.
+        mean_target = target.copy()
+        mean_target[g] = integral / dt_s
+        tput = np.zeros(level.shape)
+        for profile, cols in self._group_profiles:
+            tput[:, cols] = profile.value(level[:, cols])
+        pieces = length @ np.where(works[:, g], tput, 0.0) / dt_s
         self.energy_j += energy
         self._lagged_w = lagged
         # Temperature: a slower lag driven by that draw. Its exact solution is the settled
         # value, plus the draw's decaying gap passed through, plus its own decaying start
         # (a job or service whose demand changed within the step: from its mean level).
-        if mean_target is not target:
-            gap = x0 - mean_target  # (else the gap above: x0 − target)
+        gap = x0 - mean_target
         settled = self.ambient_c + self.temp_per_w * mean_target
         passed = self.temp_per_w * gap * self.tau_s / (self.tau_s - self.temp_tau_s)
         own = (self.temp_c - settled - passed) * np.exp(-dt_s / self.temp_tau_s)
         self.temp_c = settled + passed * decay + own
-        # Jobs and services work at their level all step (lag-free, as over pieces); the
-        # others at their draw at the step's end, as they always have.
-        if pieces is None and g.size:
-            pieces = self._group_throughput(target if self._group_all else target[g])
+        self._end_step(dt_s, pieces)
+
+    def _end_step(self, dt_s: float, pieces: FloatArray | None) -> None:
+        """The step's end: the clock, the demand and reported draw now, and the step's
+        throughput: the jobs' and services' `pieces` (each at its level all step, lag-free,
+        as over pieces; None: no such GPU), the others at their draw at the step's end, as
+        they always have."""
+        g = self._group_gpus
         self.t += dt_s
         self._refresh_demand()
         self._update_reported_power()
@@ -692,6 +738,14 @@ class SimulatedGpus:
 
     def _update_reported_power(self) -> None:
         p = self._lagged_w
+        if self.noise_frac > 0 and p.flags.c_contiguous:
+            # The lines below, compiled (mock_kernel.reported_power, the same values).
+            out = np.empty(p.size)
+            t_bits = np.float64(self.t).view(np.uint64)
+            spread_w = self.noise_frac * np.sqrt(12.0)
+            _kernel().reported_power(p, self.cap_w, self._seeds, t_bits, spread_w, out)
+            self.power_w = out
+            return
         if self.noise_frac > 0:
             # Uniform noise with standard deviation noise_frac, hashed from (GPU, time) so it
             # is the same for the same seed whatever the step sizes; cheaper than an RNG draw.

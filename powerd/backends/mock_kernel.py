@@ -1,0 +1,142 @@
+"""The mock GPU model's per-step arithmetic, compiled (powerd/backends/mock.py).
+
+A simulated step is a few dozen numpy calls on a few hundred GPUs, each costing more in its
+call than in its work; here each loop does them all in one pass. Every value comes out bit
+for bit as the numpy expressions it replaces: the same operations in the same order, on
+IEEE doubles (no fast-math), and no function whose result may differ by a last bit from
+numpy's (`cos` stays numpy's: its callers pass it in). Imported on the model's first step
+(numba loads in about half a second; a backend that never steps does not pay it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import numba
+import numpy as np
+from numpy.typing import NDArray
+
+FloatArray = NDArray[np.float64]
+IntArray = NDArray[np.int64]
+UintArray = NDArray[np.uint64]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _jit_exact(fn: F) -> F:
+    """No fast-math (its reassociation would change sums), cached next to this file (or in
+    memory where no cache directory is writable, as powerd/allocator/kernel.py)."""
+    try:
+        return cast(F, numba.njit(cache=True, nogil=True)(fn))
+    except RuntimeError:
+        return cast(F, numba.njit(nogil=True)(fn))
+
+
+@_jit_exact
+def _uniform_one(key: np.uint64) -> float:
+    """mock._uniform of one key: splitmix64's finaliser, its top 53 bits in [0, 1)."""
+    x = (key ^ (key >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x = x ^ (x >> np.uint64(31))
+    return float(x >> np.uint64(11)) * (1.0 / 2**53)
+
+
+@_jit_exact
+def demand_now(
+    t: float,
+    demand: FloatArray,
+    tr: IntArray,
+    tr_phase: FloatArray,
+    tr_period: FloatArray,
+    tr_duty: FloatArray,
+    tr_high: FloatArray,
+    tr_low: FloatArray,
+    inf: IntArray,
+    inf_cos: FloatArray,
+    inf_high: FloatArray,
+    inf_low: FloatArray,
+    inf_phase: FloatArray,
+    inf_slot_s: FloatArray,
+    inf_seeds: UintArray,
+    inf_prob: FloatArray,
+    inf_burst_w: FloatArray,
+) -> bool:
+    """`SimulatedGpus._grid` at one time `t` for the training and inference GPUs (`tr`,
+    `inf` and their columns), written into `demand` (every GPU's high level already);
+    `inf_cos`: each inference GPU's `cos(2π (t + phase) / period)`, numpy's. False, with
+    `demand` part written, where a burst slot is beyond ±9e18 (numpy's conversion to uint64
+    not checked there): the caller then takes numpy's way."""
+    for j in range(tr.size):
+        cycle = (t + tr_phase[j]) / tr_period[j]
+        demand[tr[j]] = tr_high[j] if cycle - np.floor(cycle) < tr_duty[j] else tr_low[j]
+    golden = np.uint64(0x9E3779B97F4A7C15)
+    for j in range(inf.size):
+        shifted = t + inf_phase[j]
+        daily = inf_low[j] + (inf_high[j] - inf_low[j]) * (0.5 - 0.5 * inf_cos[j])
+        slot_f = np.floor(shifted / inf_slot_s[j])
+        if not (-9.0e18 < slot_f < 9.0e18):
+            return False
+        # numpy's conversion of a slot before the origin: its int64, wrapped (2**64 - k).
+        slot = np.uint64(slot_f) if slot_f >= 0.0 else np.uint64(np.int64(slot_f))
+        burst = _uniform_one(inf_seeds[j] + slot * golden) < inf_prob[j]
+        demand[inf[j]] = daily + (inf_burst_w[j] if burst else 0.0)
+    return True
+
+
+@_jit_exact
+def step_held(
+    cap: FloatArray,
+    demand: FloatArray,
+    x0: FloatArray,
+    energy_j: FloatArray,
+    temp_c: FloatArray,
+    dt: float,
+    tau: float,
+    decay: float,
+    ambient: float,
+    temp_per_w: float,
+    temp_tau: float,
+    temp_decay: float,
+    target: FloatArray,
+    lagged: FloatArray,
+    temp_out: FloatArray,
+) -> None:
+    """`SimulatedGpus.advance` where every GPU holds its target over the step: its draw's
+    lag integrated (into `energy_j`, in place), its draw at the end (`lagged`), its
+    temperature (`temp_out`), its target `min(cap, demand)` (`target`)."""
+    lag_share = 1.0 - decay
+    gap_share = tau - temp_tau
+    for i in range(cap.size):
+        c, d = cap[i], demand[i]
+        tgt = c if c <= d else d
+        gap = x0[i] - tgt
+        energy_j[i] += tgt * dt + gap * tau * lag_share
+        lagged[i] = tgt + gap * decay
+        settled = ambient + temp_per_w * tgt
+        passed = temp_per_w * gap * tau / gap_share
+        own = (temp_c[i] - settled - passed) * temp_decay
+        temp_out[i] = settled + passed * decay + own
+        target[i] = tgt
+
+
+@_jit_exact
+def reported_power(
+    lagged: FloatArray,
+    cap: FloatArray,
+    seeds: UintArray,
+    t_bits: np.uint64,
+    spread_w: float,
+    out: FloatArray,
+) -> None:
+    """`SimulatedGpus._update_reported_power` with noise: each draw times (1 + its noise
+    hashed from (GPU, time), `spread_w` its scale), never above the higher of its cap and
+    its lagged draw, never below 0."""
+    for i in range(lagged.size):
+        x = lagged[i]
+        spread = spread_w * (_uniform_one(seeds[i] ^ t_bits) - 0.5)
+        p = x * (1.0 + spread)
+        c = cap[i]
+        ceiling = c if c >= x else x
+        p = p if p <= ceiling else ceiling
+        out[i] = p if p >= 0.0 else 0.0
