@@ -1,0 +1,115 @@
+"""A simulated run's accounting of each step, compiled (powerd/sim/run.py, `_Run.advance`).
+
+Each step checks every group's measured draw against its budgets and adds up the GPUs' work:
+a few dozen numpy calls on arrays of a few hundred, each costing more in its call than in
+its work; here one pass each. Every value comes out bit for bit as the numpy expressions it
+replaces: the same operations in the same order on IEEE doubles (no fast-math), sums in
+the order numpy's `bincount` adds them, maxima (which no order changes) in any.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import numba
+import numpy as np
+from numpy.typing import NDArray
+
+FloatArray = NDArray[np.float64]
+IntArray = NDArray[np.int64]
+BoolArray = NDArray[np.bool_]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _jit_exact(fn: F) -> F:
+    """No fast-math (its reassociation would change sums), cached next to this file (or in
+    memory where no cache directory is writable, as powerd/allocator/kernel.py)."""
+    try:
+        return cast(F, numba.njit(cache=True, nogil=True)(fn))
+    except RuntimeError:
+        return cast(F, numba.njit(nogil=True)(fn))
+
+
+@_jit_exact
+def check_groups(
+    mean_draw: FloatArray,
+    closing: FloatArray,
+    mean_budget: FloatArray,
+    budget: FloatArray,
+    finite: BoolArray,
+    ratio_budget: FloatArray,
+    level: IntArray,
+    tol_w: float,
+    dt: float,
+    over_run_s: FloatArray,
+    over_levels: BoolArray,
+    step_peak: FloatArray,
+) -> tuple[float, float, float]:
+    """Each group's measured draw against its budgets over a step of `dt`: its mean draw
+    against their mean, its closing sample against them at the end. Per group, how long it
+    has been over (`over_run_s`, 0 where it is not); per level, whether any group of it is
+    over (`over_levels`) and its highest draw / `ratio_budget` (into `step_peak`, a max).
+    Returns the longest run over (-inf: no group over), the highest excess (-inf: none)
+    and the highest ratio."""
+    longest = -np.inf
+    excess_max = -np.inf
+    ratio_max = -np.inf
+    for g in range(mean_draw.size):
+        m, c = mean_draw[g], closing[g]
+        draw = m if m >= c else c
+        if finite[g]:
+            a, b = m - mean_budget[g], c - budget[g]
+            excess = a if a >= b else b
+        else:
+            excess = -np.inf
+        if excess > tol_w:
+            run = over_run_s[g] + dt
+            over_run_s[g] = run
+            longest = max(longest, run)
+            excess_max = max(excess_max, excess)
+            over_levels[level[g]] = True
+        else:
+            over_run_s[g] = 0.0
+        ratio = draw / ratio_budget[g]
+        ratio_max = max(ratio_max, ratio)
+        lv = level[g]
+        step_peak[lv] = max(step_peak[lv], ratio)
+    return longest, excess_max, ratio_max
+
+
+@_jit_exact
+def add_work(cls: IntArray, tput: FloatArray, dt: float, work: FloatArray) -> None:
+    """`work += np.bincount(cls, weights=tput, minlength=work.size) * dt`: each class's
+    throughput summed in GPU order, times dt, added to its work."""
+    total = np.zeros(work.size)
+    for i in range(cls.size):
+        total[cls[i]] += tput[i]
+    for c in range(work.size):
+        work[c] += total[c] * dt
+
+
+@_jit_exact
+def add_below_floor(
+    floored: BoolArray,
+    caps: FloatArray,
+    floor_w: FloatArray,
+    demand: FloatArray,
+    tol_w: float,
+    cls: IntArray,
+    dt: float,
+    below_floor_s: FloatArray,
+) -> None:
+    """Each class's GPUs held below their floor over a step of `dt` (capped more than
+    `tol_w` under it, and wanting more than `tol_w` over the cap), times dt, added to its
+    `below_floor_s` (untouched where none is)."""
+    held = np.zeros(below_floor_s.size, dtype=np.int64)
+    any_held = False
+    for i in range(cls.size):
+        if floored[i] and caps[i] < floor_w[i] - tol_w and demand[i] > caps[i] + tol_w:
+            held[cls[i]] += 1
+            any_held = True
+    if any_held:
+        for c in range(below_floor_s.size):
+            below_floor_s[c] += held[c] * dt

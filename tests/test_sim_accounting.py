@@ -1,0 +1,85 @@
+"""A simulated run's accounting, compiled (powerd/sim/account_kernel.py): the same numbers,
+bit for bit, as the numpy expressions `_Run.advance` took them from."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from powerd.sim import account_kernel
+
+_watts = st.floats(0.0, 5000.0)
+_budgets = st.floats(1.0, 5000.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(_watts, _watts, _budgets, _budgets, st.booleans(), st.floats(0.0, 3.0)),
+             min_size=1, max_size=12),
+    st.floats(0.01, 10.0),
+)  # fmt: skip
+def test_groups_over_their_budgets_as_numpy_finds_them(
+    groups: list[tuple[float, float, float, float, bool, float]], dt: float
+) -> None:
+    mean_draw, closing, mean_budget, budget, finite, run0 = (
+        np.array(c) for c in zip(*groups, strict=True)
+    )
+    budget = np.where(finite, budget, np.inf)
+    mean_budget = np.where(finite, mean_budget, np.inf)
+    ratio_budget = np.where(finite & (budget > 0), budget, np.inf)
+    level = np.arange(len(groups), dtype=np.int64) % 4
+    # numpy's
+    draw = np.maximum(mean_draw, closing)
+    excess = np.where(finite, np.maximum(mean_draw - mean_budget, closing - budget), -np.inf)
+    over = excess > 1e-3
+    run = np.where(over, run0 + dt, 0.0)
+    ratio = draw / ratio_budget
+    peaks = np.full(4, -np.inf)
+    for lv in range(4):
+        if (level == lv).any():
+            peaks[lv] = ratio[level == lv].max()
+    # compiled
+    run_s, over_levels, step_peak = run0.copy(), np.zeros(4, dtype=np.bool_), np.full(4, -np.inf)
+    longest, excess_max, ratio_max = account_kernel.check_groups(
+        mean_draw, closing, mean_budget, budget, finite, ratio_budget, level, 1e-3, dt,
+        run_s, over_levels, step_peak,
+    )  # fmt: skip
+    assert run_s.tobytes() == run.tobytes()
+    assert ratio_max == ratio.max()
+    assert step_peak.tobytes() == peaks.tobytes()
+    assert over_levels.tolist() == [bool(over[level == lv].any()) for lv in range(4)]
+    if over.any():
+        assert longest == run.max()
+        assert excess_max == excess[over].max()
+    else:
+        assert longest == excess_max == -np.inf
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 2), st.floats(0.0, 1.0), st.booleans(), _watts, _watts,
+                       _watts), min_size=1, max_size=40),
+    st.floats(0.01, 10.0),
+)  # fmt: skip
+def test_work_and_time_below_floors_add_up_as_numpys_bincounts(
+    gpus: list[tuple[int, float, bool, float, float, float]], dt: float
+) -> None:
+    cls_l, tput_l, floored_l, caps_l, floor_l, demand_l = zip(*gpus, strict=True)
+    cls = np.array(cls_l, dtype=np.int64)
+    tput, floored = np.array(tput_l), np.array(floored_l)
+    caps, floor_w, demand = np.array(caps_l), np.array(floor_l), np.array(demand_l)
+    work0 = np.array([0.1, 2.5, 1e4])
+    below0 = np.array([3.0, 0.0, 7.5])
+    # numpy's
+    work = work0 + np.bincount(cls, weights=tput, minlength=3) * dt
+    held = floored & (caps < floor_w - 0.5) & (demand > caps + 0.5)
+    below = below0.copy()
+    if held.any():
+        below += np.bincount(cls[held], minlength=3) * dt
+    # compiled
+    work_k, below_k = work0.copy(), below0.copy()
+    account_kernel.add_work(cls, tput, dt, work_k)
+    account_kernel.add_below_floor(floored, caps, floor_w, demand, 0.5, cls, dt, below_k)
+    assert work_k.tobytes() == work.tobytes()
+    assert below_k.tobytes() == below.tobytes()
