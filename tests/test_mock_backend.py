@@ -436,3 +436,17 @@ def test_a_held_step_is_numpys_formulas_to_the_bit(
     assert model.energy_j.tobytes() == energy.tobytes()
     assert model.temp_c.tobytes() == temp.tobytes()
     assert model.power_w.tobytes() == reported.tobytes()
+
+
+def test_the_fleets_util_and_clock_at_once_are_each_methods_to_the_bit() -> None:
+    """`util_and_clock` (compiled: mock_kernel.gauges) gives what `util_pct` and
+    `sm_clock_mhz` give, bit for bit: capped, idle, busy and checkpointing GPUs."""
+    workloads = [_sync_job(), Workload.inference(), Workload.idle(), Workload.training()]
+    gpus = SimulatedGpus(8, workloads * 2)
+    for i, w in enumerate([220.0, 700.0, 350.0, 480.0, 200.0, 600.0, 300.0, 650.0]):
+        gpus.set_cap(i, w)
+    for _ in range(30):
+        util, clock = gpus.util_and_clock()
+        assert util.tobytes() == gpus.util_pct().tobytes()
+        assert clock.tobytes() == gpus.sm_clock_mhz(util_pct=gpus.util_pct()).tobytes()
+        gpus.advance(7.3)

@@ -812,6 +812,16 @@ class SimulatedGpus:
         clock = IDLE_SM_CLOCK_MHZ + (MAX_SM_CLOCK_MHZ - IDLE_SM_CLOCK_MHZ) * busy * share
         return np.asarray(clock, dtype=np.float64)
 
+    def util_and_clock(self) -> tuple[FloatArray, FloatArray]:
+        """`util_pct()` and `sm_clock_mhz(util_pct=...)` of every GPU, in one compiled pass
+        (mock_kernel.gauges, the same values)."""
+        util, clock = np.empty(self.n), np.empty(self.n)
+        _kernel().gauges(
+            self.demand_w, self._high, self._lagged_w, IDLE_W, IDLE_SM_CLOCK_MHZ,
+            MAX_SM_CLOCK_MHZ, util, clock,
+        )  # fmt: skip
+        return util, clock
+
     def power_capped(self, sel: Selector = ALL) -> NDArray[np.bool_]:
         """Demand above the enforced cap: the GPU is held back (NVML's sw_power_cap)."""
         return np.atleast_1d(self.demand_w[sel] > self.cap_w[sel])

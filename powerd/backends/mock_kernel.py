@@ -140,3 +140,30 @@ def reported_power(
         ceiling = c if c >= x else x
         p = p if p <= ceiling else ceiling
         out[i] = p if p >= 0.0 else 0.0
+
+
+@_jit_exact
+def gauges(
+    demand: FloatArray,
+    high: FloatArray,
+    lagged: FloatArray,
+    idle_w: float,
+    idle_mhz: float,
+    max_mhz: float,
+    util_pct: FloatArray,
+    sm_clock_mhz: FloatArray,
+) -> None:
+    """`SimulatedGpus.util_pct` and `sm_clock_mhz` of every GPU: busy share from demand,
+    clocks from it and the square root of the power cut."""
+    span_mhz = max_mhz - idle_mhz
+    for i in range(demand.size):
+        d = demand[i]
+        room = high[i] - idle_w
+        busy = (d - idle_w) / (room if room >= 1.0 else 1.0)
+        busy = busy if busy >= 0.0 else 0.0
+        util = 100.0 * (busy if busy <= 1.0 else 1.0)
+        util_pct[i] = util
+        share = lagged[i] / (d if d >= 1.0 else 1.0)
+        share = share if share >= 0.0 else 0.0
+        share = np.sqrt(share if share <= 1.0 else 1.0)
+        sm_clock_mhz[i] = idle_mhz + span_mhz * (util / 100.0) * share

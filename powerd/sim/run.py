@@ -237,9 +237,9 @@ class _Run:
             self.engine = self._engine(scenario, learn=learn, profiles=profiles or {})
         self.level_masks = [topo.level == lv for lv in range(len(LEVELS))]
         # The accounting's compiled loops (numba loads on a run's start, not on an import).
-        from powerd.sim import account_kernel
+        from powerd.sim import kernel
 
-        self.kernel = account_kernel
+        self.kernel = kernel
         self.group_level = np.ascontiguousarray(topo.level, dtype=np.int64)
         self.class_index = np.ascontiguousarray(cls, dtype=np.int64)
         # The groups level by level, and where each level starts: every level's highest ratio

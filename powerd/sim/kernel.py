@@ -1,10 +1,12 @@
-"""A simulated run's accounting of each step, compiled (powerd/sim/run.py, `_Run.advance`).
+"""A simulated run's loops, compiled: each step's accounting (powerd/sim/run.py,
+`_Run.advance`) and the agents' telemetry check (powerd/sim/agents.py, `check_readings`).
 
-Each step checks every group's measured draw against its budgets and adds up the GPUs' work:
-a few dozen numpy calls on arrays of a few hundred, each costing more in its call than in
-its work; here one pass each. Every value comes out bit for bit as the numpy expressions it
-replaces: the same operations in the same order on IEEE doubles (no fast-math), sums in
-the order numpy's `bincount` adds them, maxima (which no order changes) in any.
+Each step checks every group's measured draw against its budgets and adds up the GPUs' work,
+and each steer checks the fleet's sample against the wire's bounds: a few dozen numpy calls
+on arrays of a few hundred, each costing more in its call than in its work; here one pass
+each. Every value comes out bit for bit as the numpy expressions it replaces: the same
+operations in the same order on IEEE doubles (no fast-math), sums in the order numpy's
+`bincount` adds them, maxima (which no order changes) in any.
 """
 
 from __future__ import annotations
@@ -113,3 +115,35 @@ def add_below_floor(
     if any_held:
         for c in range(below_floor_s.size):
             below_floor_s[c] += held[c] * dt
+
+
+@_jit_exact
+def within(
+    columns: tuple[FloatArray, ...],
+    lo: FloatArray,
+    hi: FloatArray,
+    positive: BoolArray,
+    lower: int,
+    upper: int,
+) -> bool:
+    """Whether every value of every column is finite and within its bounds (`lo[k]`,
+    `hi[k]`; above 0 too where `positive[k]`), and column `lower` nowhere above column
+    `upper` (-1: no such pair). False at the first value that fails (NaN fails)."""
+    for k in range(len(columns)):
+        col = columns[k]
+        a, b = lo[k], hi[k]
+        if positive[k] and not a > 0.0:
+            a = np.nextafter(0.0, 1.0)  # above 0: at least the least double above it
+        ok = True
+        for i in range(col.size):
+            v = col[i]
+            # Within the bounds and finite (inf - inf is NaN), without a branch per value.
+            ok &= (a <= v) & (v <= b) & (v - v == 0.0)
+        if not ok:
+            return False
+    if lower >= 0:
+        mins, maxes = columns[lower], columns[upper]
+        for i in range(mins.size):
+            if mins[i] > maxes[i]:
+                return False
+    return True

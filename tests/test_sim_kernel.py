@@ -1,13 +1,16 @@
-"""A simulated run's accounting, compiled (powerd/sim/account_kernel.py): the same numbers,
-bit for bit, as the numpy expressions `_Run.advance` took them from."""
+"""A simulated run's loops, compiled (powerd/sim/kernel.py): the accounting's numbers bit
+for bit as the numpy expressions `_Run.advance` took them from; the telemetry check's
+verdict as numpy's tests give it."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from powerd.sim import account_kernel
+from powerd.sim import kernel
 
 _watts = st.floats(0.0, 5000.0)
 _budgets = st.floats(1.0, 5000.0)
@@ -41,7 +44,7 @@ def test_groups_over_their_budgets_as_numpy_finds_them(
             peaks[lv] = ratio[level == lv].max()
     # compiled
     run_s, over_levels, step_peak = run0.copy(), np.zeros(4, dtype=np.bool_), np.full(4, -np.inf)
-    longest, excess_max, ratio_max = account_kernel.check_groups(
+    longest, excess_max, ratio_max = kernel.check_groups(
         mean_draw, closing, mean_budget, budget, finite, ratio_budget, level, 1e-3, dt,
         run_s, over_levels, step_peak,
     )  # fmt: skip
@@ -79,7 +82,29 @@ def test_work_and_time_below_floors_add_up_as_numpys_bincounts(
         below += np.bincount(cls[held], minlength=3) * dt
     # compiled
     work_k, below_k = work0.copy(), below0.copy()
-    account_kernel.add_work(cls, tput, dt, work_k)
-    account_kernel.add_below_floor(floored, caps, floor_w, demand, 0.5, cls, dt, below_k)
+    kernel.add_work(cls, tput, dt, work_k)
+    kernel.add_below_floor(floored, caps, floor_w, demand, 0.5, cls, dt, below_k)
     assert work_k.tobytes() == work.tobytes()
     assert below_k.tobytes() == below.tobytes()
+
+
+_reading = st.one_of(
+    st.floats(-100.0, 12_000.0), st.sampled_from([math.nan, math.inf, -math.inf, 0.0])
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(_reading, _reading, _reading), min_size=1, max_size=6))
+def test_the_telemetry_check_passes_what_numpys_tests_pass(
+    gpus: list[tuple[float, float, float]],
+) -> None:
+    lo = np.array([0.0, 0.0, -50.0])
+    hi = np.array([10_000.0, 10_000.0, 200.0])
+    positive = np.array([False, True, False])
+    cols = tuple(np.array(c) for c in zip(*gpus, strict=True))
+    ok = all(
+        (np.isfinite(c) & (c >= lo[k]) & (c <= hi[k]) & ((c > 0) | ~positive[k])).all()
+        for k, c in enumerate(cols)
+    )
+    assert kernel.within(cols, lo, hi, positive, -1, -1) == ok
+    assert kernel.within(cols, lo, hi, positive, 0, 1) == (ok and bool((cols[0] <= cols[1]).all()))
