@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from powerd.backends import mock_kernel
 from powerd.backends.base import GpuLost, InvalidArgument, NoPermission, UnknownGpu
 from powerd.backends.mock import (
     IDLE_W,
@@ -21,11 +22,13 @@ from powerd.backends.mock import (
     SimulatedGpus,
     Workload,
     _all_edges,
+    _curves_of,
     _edge_series,
     _edges,
     _uniform,
 )
 from powerd.clock import ManualClock
+from powerd.profile import Profile
 
 
 def quiet(n: int, workload: Workload, **kw: float) -> SimulatedGpus:
@@ -450,3 +453,38 @@ def test_the_fleets_util_and_clock_at_once_are_each_methods_to_the_bit() -> None
         assert util.tobytes() == gpus.util_pct().tobytes()
         assert clock.tobytes() == gpus.sm_clock_mhz(util_pct=gpus.util_pct()).tobytes()
         gpus.advance(7.3)
+
+
+@st.composite
+def _curve_and_draws(draw: st.DrawFn) -> tuple[Profile, list[float]]:
+    points = draw(
+        st.lists(st.tuples(st.floats(10.0, 1000.0), st.floats(0.0, 2.0)), min_size=1, max_size=8)
+    )
+    profile = Profile.from_points("p", points)
+    knots = profile.power_w.tolist()
+    near = [x + d for x in knots for d in (-1e-9, 0.0, 1e-9)]
+    draws = draw(st.lists(st.floats(-100.0, 1200.0) | st.sampled_from(near), max_size=20))
+    return profile, draws
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_curve_and_draws(), min_size=1, max_size=3))
+def test_compiled_throughput_is_each_profiles_value_to_the_bit(
+    curves: list[tuple[Profile, list[float]]],
+) -> None:
+    """mock_kernel.throughput (every step's throughput) gives what `Profile.value` (numpy's
+    interp, the first slope continued below the curve) gives, bit for bit: on the knots, a
+    hair off them, below the first and past the last, NaN."""
+    profiles = [p for p, _ in curves]
+    rows = _curves_of(profiles)
+    assert rows is not None
+    power = np.array([x for _, xs in curves for x in [*xs, math.nan]])
+    which = np.array([k for k, (_, xs) in enumerate(curves) for _ in range(len(xs) + 1)])
+    out = np.empty(power.size)
+    gpus = np.arange(power.size, dtype=np.int64)
+    idle, working = np.zeros(power.size, dtype=bool), np.ones(power.size, dtype=bool)
+    mock_kernel.throughput(power, gpus, which.astype(np.int64), idle, working, *rows, out)
+    expected = np.empty(power.size)
+    for k, p in enumerate(profiles):
+        expected[which == k] = p.value(power[which == k])
+    assert out.tobytes() == expected.tobytes()

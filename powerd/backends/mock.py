@@ -316,6 +316,31 @@ def _kernel() -> ModuleType:
     return mock_kernel
 
 
+def _curves_of(
+    profiles: Sequence[Profile],
+) -> tuple[FloatArray, FloatArray, NDArray[np.int64], FloatArray] | None:
+    """The profiles' points as rows for mock_kernel.throughput: powers, throughputs (each
+    row padded with its last point), their counts, the first slopes. None where a profile's
+    powers are not finite and strictly increasing (as `concave_envelope` makes them) or there
+    is none: then `Profile.value` evaluates each."""
+    if not profiles or not all(
+        p.power_w.ndim == 1
+        and p.power_w.size == p.throughput.size >= 1
+        and np.isfinite(p.power_w).all()
+        and (np.diff(p.power_w) > 0).all()
+        for p in profiles
+    ):
+        return None
+    width = max(p.power_w.size for p in profiles)
+    xs = np.array([np.pad(p.power_w, (0, width - p.power_w.size), mode="edge") for p in profiles])
+    ys = np.array(
+        [np.pad(p.throughput, (0, width - p.throughput.size), mode="edge") for p in profiles]
+    )
+    counts = np.array([p.power_w.size for p in profiles], dtype=np.int64)
+    slopes = np.array([p.first_slope_per_w for p in profiles], dtype=np.float64)
+    return xs.astype(np.float64), ys.astype(np.float64), counts, slopes
+
+
 def _intern(items: list[T], item: T) -> int:
     """Index of `item` in `items` by identity, appending it if new (profiles hold arrays)."""
     for k, existing in enumerate(items):
@@ -521,6 +546,12 @@ class SimulatedGpus:
             for k, p in enumerate(self._profiles)
             if (group_profile == k).any()
         ]
+        # The profiles' points as rows, for the compiled throughput (`_curves_of`); per GPU
+        # and per job's or service's GPU, its row.
+        self._curves = _curves_of(self._profiles)
+        self._profile_of = self._profile_idx.astype(np.int64)
+        self._group_profile_of = group_profile.astype(np.int64)
+        self._all_gpus = np.arange(self.n, dtype=np.int64)
         # Traces: the GPUs that replay each recorded one, each at its own phase (GPUs whose
         # workloads differ only by phase replay one trace in one call).
         traced = np.flatnonzero(self._pattern == _PATTERN_CODES[Pattern.TRACE])
@@ -714,6 +745,12 @@ class SimulatedGpus:
         """`_throughput_at(·, ALL)[_group_gpus]` from the jobs' and services' GPUs' draw
         alone (`power_w`, in `_group_gpus` order): the other GPUs' profiles not evaluated."""
         g = self._group_gpus
+        if self._curves is not None:
+            out = np.empty(g.size)
+            _kernel().throughput(
+                power_w, g, self._group_profile_of, self._idle, self._working, *self._curves, out
+            )
+            return out
         out = np.zeros(g.size)
         for profile, cols in self._group_profiles:
             out[cols] = profile.value(power_w[cols])
@@ -781,8 +818,16 @@ class SimulatedGpus:
 
     def _throughput_at(self, power_w: FloatArray, sel: Selector) -> FloatArray:
         power = np.atleast_1d(power_w[sel])
+        whole = isinstance(sel, slice) and sel == ALL
+        if whole and self._curves is not None and power.ndim == 1:
+            out = np.empty(self.n)
+            _kernel().throughput(
+                power, self._all_gpus, self._profile_of, self._idle, self._working,
+                *self._curves, out,
+            )  # fmt: skip
+            return out
         out = np.zeros(power.shape)
-        if isinstance(sel, slice) and sel == ALL:
+        if whole:
             for profile, gpus in self._by_profile:
                 out[gpus] = profile.value(power[gpus])
             out[self._idle] = 0.0

@@ -10,6 +10,7 @@ numpy's (`cos` stays numpy's: its callers pass it in). Imported on the model's f
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -20,6 +21,7 @@ from numpy.typing import NDArray
 FloatArray = NDArray[np.float64]
 IntArray = NDArray[np.int64]
 UintArray = NDArray[np.uint64]
+BoolArray = NDArray[np.bool_]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -167,3 +169,71 @@ def gauges(
         share = share if share >= 0.0 else 0.0
         share = np.sqrt(share if share <= 1.0 else 1.0)
         sm_clock_mhz[i] = idle_mhz + span_mhz * (util / 100.0) * share
+
+
+@_jit_exact
+def _interp(x: float, xs: FloatArray, ys: FloatArray, c: int, n: int) -> float:
+    """numpy's `interp(x, xs[c, :n], ys[c, :n])` of one value (xs strictly increasing):
+    its branches and its formula, slope · (x − xs[j]) + ys[j], as numpy computes them."""
+    first: float = ys[c, 0]
+    last: float = ys[c, n - 1]
+    if n == 1:
+        return first  # (numpy's one-point case: NaN too)
+    if math.isnan(x):
+        return x
+    if x < xs[c, 0]:
+        return first
+    if x >= xs[c, n - 1]:
+        return last
+    lo, hi = 0, n - 1  # xs[c, lo] <= x < xs[c, hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if xs[c, mid] <= x:
+            lo = mid
+        else:
+            hi = mid
+    x0: float = xs[c, lo]
+    y0: float = ys[c, lo]
+    if x0 == x:
+        return y0
+    x1: float = xs[c, lo + 1]
+    y1: float = ys[c, lo + 1]
+    slope = (y1 - y0) / (x1 - x0)
+    out: float = slope * (x - x0) + y0
+    if math.isnan(out):  # (numpy's retry from the other end)
+        out = slope * (x - x1) + y1
+        if math.isnan(out) and y0 == y1:
+            out = y0
+    return out
+
+
+@_jit_exact
+def throughput(
+    power_w: FloatArray,
+    gpus: IntArray,
+    profile: IntArray,
+    idle: BoolArray,
+    working: BoolArray,
+    xs: FloatArray,
+    ys: FloatArray,
+    n_points: IntArray,
+    first_slope: FloatArray,
+    out: FloatArray,
+) -> None:
+    """Each GPU's throughput at its draw `power_w[k]` (GPU `gpus[k]`, curve `profile[k]`:
+    row of the curves' points `xs`, `ys`, their count and first slope), as `Profile.value`
+    computes it (below the first point, the first slope continued, never below 0); 0 where
+    the GPU is idle or does no work."""
+    for k in range(power_w.size):
+        i = gpus[k]
+        if idle[i] or not working[i]:
+            out[k] = 0.0
+            continue
+        c = profile[k]
+        x = power_w[k]
+        x0, y0 = xs[c, 0], ys[c, 0]
+        if x < x0:
+            below = y0 - first_slope[c] * (x0 - x)
+            out[k] = below if below >= 0.0 else 0.0
+        else:
+            out[k] = _interp(x, xs, ys, c, n_points[c])
