@@ -10,7 +10,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from powerd.policy import parse_policy
 from powerd.sim import kernel
+from powerd.testing.synthetic import policy_dict
+from powerd.topology import Topology
 
 _watts = st.floats(0.0, 5000.0)
 _budgets = st.floats(1.0, 5000.0)
@@ -108,3 +111,58 @@ def test_the_telemetry_check_passes_what_numpys_tests_pass(
     )
     assert kernel.within(cols, lo, hi, positive, -1, -1) == ok
     assert kernel.within(cols, lo, hi, positive, 0, 1) == (ok and bool((cols[0] <= cols[1]).all()))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(0.0, 800.0), min_size=8, max_size=8),
+    st.lists(st.floats(0.0, 5000.0), min_size=7, max_size=7),
+    st.sampled_from([0.0, 1e-6]),
+)
+def test_committed_caps_over_a_limit_as_the_topologys_sums_find_them(
+    caps: list[float], limits: list[float], tol_w: float
+) -> None:
+    """`any_over` adds each group's caps as `Topology.group_sums` (a bincount) does."""
+    policy = parse_policy(policy_dict(1, 2, 2, 2, overhead_w=150.0))
+    nodes = [g.name for g in policy.groups if g.level == 3 for _ in range(g.gpus)]
+    topo = Topology.build(policy, nodes)
+    per_gpu = np.array(caps[: topo.n_gpus])
+    limit = np.array(limits + [9e9] * (topo.n_groups - len(limits)))[: topo.n_groups]
+    expected = bool(((topo.group_sums(per_gpu) + topo.overhead_w) > limit + tol_w).any())
+    assert kernel.any_over(topo.gpu_groups, per_gpu, topo.overhead_w, limit, tol_w) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.one_of(st.just(math.nan), st.floats(-10.0, 11_000.0)), min_size=1, max_size=10),
+    st.booleans(),
+)
+def test_a_plans_caps_set_as_numpys_clip_and_minimum_set_them(
+    sent: list[float], miscount: bool
+) -> None:
+    sent_w = np.array(sent)
+    n = sent_w.size
+    position = np.arange(n, dtype=np.int64)[::-1].copy()
+    lo, hi = np.full(n, 200.0), np.linspace(300.0, 700.0, n)
+    override = np.where(np.arange(n) % 3 == 0, 450.0, np.inf)
+    requested, cap, out = np.full(n, 1.0), np.full(n, 2.0), np.full(n, np.nan)
+    gpu = np.flatnonzero(~np.isnan(sent_w))
+    req = sent_w[gpu]
+    expected_count = gpu.size + (1 if miscount else 0)
+    ok = gpu.size == expected_count and bool(((req >= 0.0) & (req <= 10_000.0)).all())
+    done = kernel.apply_caps(
+        sent_w, expected_count, position, 10_000.0, lo, hi, override, requested, cap, out
+    )
+    assert done == ok
+    if not ok:
+        assert (requested == 1.0).all() and (cap == 2.0).all() and np.isnan(out).all()
+        return
+    idx = position[gpu]
+    target = req.clip(lo[idx], hi[idx])
+    want_req, want_cap, want_out = np.full(n, 1.0), np.full(n, 2.0), np.full(n, np.nan)
+    want_req[idx] = target
+    want_cap[idx] = np.minimum(target, override[idx])
+    want_out[gpu] = want_cap[idx]
+    assert requested.tobytes() == want_req.tobytes()
+    assert cap.tobytes() == want_cap.tobytes()
+    assert out.tobytes() == want_out.tobytes()

@@ -281,24 +281,18 @@ class SimAgents:
             self._layout_pos = np.fromiter(
                 (pos[u] for u in layout.uuids), dtype=np.int64, count=layout.n_gpus
             )
-        sent = plan.sent_w
-        gpu = np.flatnonzero(~np.isnan(sent))
-        req = sent[gpu]
-        # The wire's bounds on a requested cap (GpuAck.requested_w): a command out of them
-        # would be refused by an agent's transport (a NaN cap, too: then the commands name
-        # more GPUs than `sent_w` holds).
-        if len(gpu) != plan.sent_gpus or not ((req >= 0.0) & (req <= MAX_SANE_WATTS)).all():
+        from powerd.sim import kernel  # numba: loaded by the first plan
+
+        # SimulatedGpus.set_cap for many GPUs at once, each cap clamped to the device. The
+        # wire's bounds on a requested cap (GpuAck.requested_w): a command out of them would
+        # be refused by an agent's transport (a NaN cap, too: then the commands name more
+        # GPUs than `sent_w` holds, `sent_gpus`).
+        if not kernel.apply_caps(
+            plan.sent_w, plan.sent_gpus, self._layout_pos, MAX_SANE_WATTS, m.min_cap_w,
+            m.max_cap_w, m.override_w, m.requested_cap_w, m.cap_w, out,
+        ):  # fmt: skip
             raise ValueError("simulated agents: a command's cap is out of the wire's bounds")
-        idx = self._layout_pos[gpu]
-        target = req.clip(m.min_cap_w[idx], m.max_cap_w[idx])
-        # SimulatedGpus.set_cap for many GPUs at once.
-        m.requested_cap_w[idx] = target
-        enforced = np.minimum(target, m.override_w[idx])
-        m.cap_w[idx] = enforced
-        out[gpu] = enforced
-        applied, tick = self.applied, plan.tick
-        for node in plan.sent_nodes:
-            applied[node] = tick
+        self.applied.update(dict.fromkeys(plan.sent_nodes, plan.tick))
         return out
 
 

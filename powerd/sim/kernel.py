@@ -1,5 +1,6 @@
-"""A simulated run's loops, compiled: each step's accounting (powerd/sim/run.py,
-`_Run.advance`) and the agents' telemetry check (powerd/sim/agents.py, `check_readings`).
+"""A simulated run's loops, compiled: each step's accounting and each steer's check of the
+committed caps (powerd/sim/run.py), the agents' telemetry check and their setting of a plan's
+caps (powerd/sim/agents.py).
 
 Each step checks every group's measured draw against its budgets and adds up the GPUs' work,
 and each steer checks the fleet's sample against the wire's bounds: a few dozen numpy calls
@@ -11,6 +12,7 @@ operations in the same order on IEEE doubles (no fast-math), sums in the order n
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -147,3 +149,67 @@ def within(
             if mins[i] > maxes[i]:
                 return False
     return True
+
+
+@_jit_exact
+def apply_caps(
+    sent_w: FloatArray,
+    expected: int,
+    position: IntArray,
+    max_w: float,
+    min_cap_w: FloatArray,
+    max_cap_w: FloatArray,
+    override_w: FloatArray,
+    requested_cap_w: FloatArray,
+    cap_w: FloatArray,
+    out: FloatArray,
+) -> bool:
+    """Every cap a plan sends (`sent_w[k]`, NaN: none, for the model's GPU `position[k]`)
+    clamped to the device's limits (as numpy's clip) and set (`requested_cap_w`), the limit
+    it enforces (the lower of that and an out-of-band one) into `cap_w` and `out[k]`. False,
+    with nothing set, where a cap is out of [0, max_w] or they are not `expected` many."""
+    sent = 0
+    for k in range(sent_w.size):
+        w = sent_w[k]
+        if not math.isnan(w):
+            if not (w >= 0.0 and w <= max_w):
+                return False
+            sent += 1
+    if sent != expected:
+        return False
+    for k in range(sent_w.size):
+        w = sent_w[k]
+        if math.isnan(w):
+            continue
+        i = position[k]
+        lo, hi = min_cap_w[i], max_cap_w[i]
+        target = w if w > lo else lo
+        target = target if target < hi else hi
+        requested_cap_w[i] = target
+        limit = override_w[i]
+        enforced = target if target <= limit else limit
+        cap_w[i] = enforced
+        out[k] = enforced
+    return True
+
+
+@_jit_exact
+def any_over(
+    gpu_groups: IntArray,
+    per_gpu: FloatArray,
+    overhead_w: FloatArray,
+    limit_w: FloatArray,
+    tol_w: float,
+) -> bool:
+    """Whether any group's sum of `per_gpu` over its GPUs (each GPU's groups in
+    `gpu_groups`, added in the order numpy's bincount of them adds) plus its overhead
+    exceeds its limit by more than `tol_w`."""
+    sums = np.zeros(overhead_w.size)
+    for i in range(gpu_groups.shape[0]):
+        w = per_gpu[i]
+        for lv in range(gpu_groups.shape[1]):
+            sums[gpu_groups[i, lv]] += w
+    over = False
+    for g in range(sums.size):
+        over |= sums[g] + overhead_w[g] > limit_w[g] + tol_w
+    return over

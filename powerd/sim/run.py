@@ -320,8 +320,11 @@ class _Run:
             layout = engine.planner.layout
             topo = layout.topology if layout is not None else self.site.topology
             limit = report.group_budget_w if report.group_limit_w is None else report.group_limit_w
-            after = topo.group_sums(engine.planner.committed_w()) + topo.overhead_w
-            self.committed_over += int((after > limit + 1e-6).any())
+            self.committed_over += int(
+                self.kernel.any_over(
+                    topo.gpu_groups, engine.planner.committed_w(), topo.overhead_w, limit, 1e-6
+                )
+            )
             if not again:
                 break
         if now >= CHURN_AFTER_S:
