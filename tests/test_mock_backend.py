@@ -395,14 +395,21 @@ def test_demand_at_one_time_is_numpys_to_the_bit(
 ) -> None:
     """Demand at one time (every step's, compiled: mock_kernel.demand_now) is what numpy's
     formulas give at that time, the same grid's row at many times, bit for bit: before
-    the origin too (burst slots below 0, as a day's phase puts them)."""
+    the origin too (burst slots below 0, as a day's phase puts them), with checkpoints,
+    runs and surges or without."""
     fleet = [replace(w, phase_s=w.phase_s + phase) for w in workloads]
     fleet += [Workload.steady(500.0), Workload.idle()]
-    model = SimulatedGpus(len(fleet), fleet, seed=3)
-    one, works = model._grid(np.array([t]))
-    many, works_many = model._grid(np.array([t, t + 1.0]))
-    assert one[0].tobytes() == many[0].tobytes()
-    assert works[0].tolist() == works_many[0].tolist()
+    # As drawn, and without checkpoints, runs and surges (`demand_and_working_at`'s own
+    # pass at one time).
+    plain = [replace(w, ckpt_every_s=0.0, runs=(), surge_prob=0.0) for w in fleet]
+    for gpus in (fleet, plain):
+        model = SimulatedGpus(len(gpus), gpus, seed=3)
+        one, works = model._grid(np.array([t]))
+        many, works_many = model._grid(np.array([t, t + 1.0]))
+        now, works_now = model.demand_and_working_at(t)
+        assert one[0].tobytes() == many[0].tobytes() == now.tobytes()
+        assert works[0].tolist() == works_many[0].tolist() == works_now.tolist()
+    assert model._patterned_only
 
 
 @settings(max_examples=100, deadline=None)

@@ -515,6 +515,11 @@ class SimulatedGpus:
             a[inf] for a in (self._high, self._low, self._phase, self._period, self._burst_slot)
         )
         self._inf_burst = (self._seeds[inf], self._burst_prob[inf], self._burst_w[inf])
+        # The same as rows, for the compiled demand at one time (`_patterns_at`).
+        self._tr_rows = np.array([*self._tr_cols, *self._tr_levels]).reshape(5, tr.size)
+        self._inf_rows = np.array(
+            [*self._inf_cols, self._burst_prob[inf], self._burst_w[inf]]
+        ).reshape(7, inf.size)
         self._by_profile = [
             (p, np.flatnonzero(self._profile_idx == k)) for k, p in enumerate(self._profiles)
         ]
@@ -535,6 +540,9 @@ class SimulatedGpus:
         self._surge_groups = [
             (g, w) for g, w in self._groups if w.surge_prob > 0.0 and w.surge_w != 0.0
         ]
+        # Steady, idle, training and inference GPUs alone, no checkpoint, run or surge:
+        # demand at one time is `_patterns_at` (`demand_and_working_at`).
+        self._patterned_only = not (self._ckpt_idx.size or self._run_groups or self._surge_groups)
         self._group_gpus = np.sort(np.concatenate([g for g, _ in self._groups] or [self._none]))
         # Every GPU a job's or a service's: `_group_gpus` is 0..n-1 (each GPU is in one group),
         # so a per-GPU array in its order is the array itself.
@@ -576,8 +584,13 @@ class SimulatedGpus:
         """Demand at t, and whether each GPU does work at t: not while its job checkpoints
         or is outside its runs (idle-pattern GPUs are told apart by their pattern). What
         samples demand to account work (a baseline) counts none where this is False."""
-        grid, works = self._grid(np.array([t], dtype=np.float64))
-        demand, working = grid[0], works[0]
+        demand = self._high.copy()
+        if self._patterned_only and self._patterns_at(float(t), demand):
+            # `_grid` at one time without checkpoints, runs or surges, in one pass.
+            working = np.ones(self.n, dtype=bool)
+        else:
+            grid, works = self._grid(np.array([t], dtype=np.float64))
+            demand, working = grid[0], works[0]
         for gpus, trace in self._traced:
             if trace is not None:
                 demand[gpus] = trace.draw_at(t + self._phase[gpus])
@@ -628,18 +641,16 @@ class SimulatedGpus:
     def _patterns_at(self, t: float, demand: FloatArray) -> bool:
         """`_grid`'s training and inference GPUs' demand at `t`, written into `demand`
         (mock_kernel.demand_now, the same values); False where it declines (then numpy's)."""
-        kernel = _kernel()
-        inf = self._inference_idx
-        high, low, inf_phase, inf_period, burst_slot = self._inf_cols
+        inf_phase, inf_period = self._inf_cols[2:4]
         # numpy's cos, as `_grid` takes it: of 2π · (t + phase) / period.
         cos = np.add(t, inf_phase)
         np.multiply(2 * np.pi, cos, out=cos)
         np.divide(cos, inf_period, out=cos)
         np.cos(cos, out=cos)
         return bool(
-            kernel.demand_now(
-                t, demand, self._training_idx, *self._tr_cols, *self._tr_levels,
-                inf, cos, high, low, inf_phase, burst_slot, *self._inf_burst,
+            _kernel().demand_now(
+                t, demand, self._training_idx, self._tr_rows, self._inference_idx,
+                self._inf_rows, self._inf_burst[0], cos,
             )
         )  # fmt: skip
 

@@ -49,40 +49,35 @@ def demand_now(
     t: float,
     demand: FloatArray,
     tr: IntArray,
-    tr_phase: FloatArray,
-    tr_period: FloatArray,
-    tr_duty: FloatArray,
-    tr_high: FloatArray,
-    tr_low: FloatArray,
+    tr_cols: FloatArray,
     inf: IntArray,
-    inf_cos: FloatArray,
-    inf_high: FloatArray,
-    inf_low: FloatArray,
-    inf_phase: FloatArray,
-    inf_slot_s: FloatArray,
+    inf_cols: FloatArray,
     inf_seeds: UintArray,
-    inf_prob: FloatArray,
-    inf_burst_w: FloatArray,
+    inf_cos: FloatArray,
 ) -> bool:
     """`SimulatedGpus._grid` at one time `t` for the training and inference GPUs (`tr`,
-    `inf` and their columns), written into `demand` (every GPU's high level already);
-    `inf_cos`: each inference GPU's `cos(2π (t + phase) / period)`, numpy's. False, with
-    `demand` part written, where a burst slot is beyond ±9e18 (numpy's conversion to uint64
-    not checked there): the caller then takes numpy's way."""
+    `inf`), written into `demand` (every GPU's high level already). Their columns as rows:
+    `tr_cols` phase, period, duty, high and low level; `inf_cols` high, low, phase, period
+    (unused: `inf_cos` is each one's `cos(2π (t + phase) / period)`, numpy's), burst slot,
+    burst probability and burst watts. False, with `demand` part written, where a burst
+    slot is beyond ±9e18 (numpy's conversion to uint64 not checked there): the caller then
+    takes numpy's way."""
     for j in range(tr.size):
-        cycle = (t + tr_phase[j]) / tr_period[j]
-        demand[tr[j]] = tr_high[j] if cycle - np.floor(cycle) < tr_duty[j] else tr_low[j]
+        cycle = (t + tr_cols[0, j]) / tr_cols[1, j]
+        on = cycle - np.floor(cycle) < tr_cols[2, j]
+        demand[tr[j]] = tr_cols[3, j] if on else tr_cols[4, j]
     golden = np.uint64(0x9E3779B97F4A7C15)
     for j in range(inf.size):
-        shifted = t + inf_phase[j]
-        daily = inf_low[j] + (inf_high[j] - inf_low[j]) * (0.5 - 0.5 * inf_cos[j])
-        slot_f = np.floor(shifted / inf_slot_s[j])
+        high, low = inf_cols[0, j], inf_cols[1, j]
+        shifted = t + inf_cols[2, j]
+        daily = low + (high - low) * (0.5 - 0.5 * inf_cos[j])
+        slot_f = np.floor(shifted / inf_cols[4, j])
         if not (-9.0e18 < slot_f < 9.0e18):
             return False
         # numpy's conversion of a slot before the origin: its int64, wrapped (2**64 - k).
         slot = np.uint64(slot_f) if slot_f >= 0.0 else np.uint64(np.int64(slot_f))
-        burst = _uniform_one(inf_seeds[j] + slot * golden) < inf_prob[j]
-        demand[inf[j]] = daily + (inf_burst_w[j] if burst else 0.0)
+        burst = _uniform_one(inf_seeds[j] + slot * golden) < inf_cols[5, j]
+        demand[inf[j]] = daily + (inf_cols[6, j] if burst else 0.0)
     return True
 
 
