@@ -15,6 +15,7 @@ seed gives the same demand whatever the step sizes.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections import deque
@@ -309,6 +310,7 @@ def _next_edge(periods: FloatArray, origins: FloatArray, fixed: FloatArray, t: f
     return best
 
 
+@functools.cache
 def _kernel() -> ModuleType:
     """mock_kernel, imported on the first step that needs it (numba takes ~0.5 s to load)."""
     from powerd.backends import mock_kernel
