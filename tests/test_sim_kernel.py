@@ -28,9 +28,11 @@ _budgets = st.floats(1.0, 5000.0)
 def test_groups_over_their_budgets_as_numpy_finds_them(
     groups: list[tuple[float, float, float, float, bool, float]], dt: float
 ) -> None:
-    mean_draw, closing, mean_budget, budget, finite, run0 = (
+    mean_sum, closing_sum, mean_budget, budget, finite, run0 = (
         np.array(c) for c in zip(*groups, strict=True)
     )
+    overhead = np.linspace(0.0, 333.3, len(groups))
+    mean_draw, closing = mean_sum + overhead, closing_sum + overhead
     budget = np.where(finite, budget, np.inf)
     mean_budget = np.where(finite, mean_budget, np.inf)
     ratio_budget = np.where(finite & (budget > 0), budget, np.inf)
@@ -46,10 +48,10 @@ def test_groups_over_their_budgets_as_numpy_finds_them(
         if (level == lv).any():
             peaks[lv] = ratio[level == lv].max()
     # compiled
-    run_s, over_levels, step_peak = run0.copy(), np.zeros(4, dtype=np.bool_), np.full(4, -np.inf)
+    run_s, over_levels, step_peak = run0.copy(), np.ones(4, dtype=np.bool_), np.full(4, -np.inf)
     longest, excess_max, ratio_max = kernel.check_groups(
-        mean_draw, closing, mean_budget, budget, finite, ratio_budget, level, 1e-3, dt,
-        run_s, over_levels, step_peak,
+        mean_sum, closing_sum, overhead, mean_budget, budget, finite, ratio_budget, level, 1e-3,
+        dt, run_s, over_levels, step_peak,
     )  # fmt: skip
     assert run_s.tobytes() == run.tobytes()
     assert ratio_max == ratio.max()

@@ -38,8 +38,9 @@ def _jit_exact(fn: F) -> F:
 
 @_jit_exact
 def check_groups(
-    mean_draw: FloatArray,
-    closing: FloatArray,
+    mean_sum: FloatArray,
+    closing_sum: FloatArray,
+    overhead_w: FloatArray,
     mean_budget: FloatArray,
     budget: FloatArray,
     finite: BoolArray,
@@ -51,17 +52,18 @@ def check_groups(
     over_levels: BoolArray,
     step_peak: FloatArray,
 ) -> tuple[float, float, float]:
-    """Each group's measured draw against its budgets over a step of `dt`: its mean draw
-    against their mean, its closing sample against them at the end. Per group, how long it
-    has been over (`over_run_s`, 0 where it is not); per level, whether any group of it is
-    over (`over_levels`) and its highest draw / `ratio_budget` (into `step_peak`, a max).
-    Returns the longest run over (-inf: no group over), the highest excess (-inf: none)
-    and the highest ratio."""
+    """Each group's measured draw (its GPUs' sum plus its overhead) against its budgets
+    over a step of `dt`: its mean draw against their mean, its closing sample against them
+    at the end. Per group, how long it has been over (`over_run_s`, 0 where it is not); per
+    level, whether any group of it is over (`over_levels`, written whole) and its highest
+    draw / `ratio_budget` (into `step_peak`, a max). Returns the longest run over (-inf: no
+    group over), the highest excess (-inf: none) and the highest ratio."""
+    over_levels[:] = False
     longest = -np.inf
     excess_max = -np.inf
     ratio_max = -np.inf
-    for g in range(mean_draw.size):
-        m, c = mean_draw[g], closing[g]
+    for g in range(mean_sum.size):
+        m, c = mean_sum[g] + overhead_w[g], closing_sum[g] + overhead_w[g]
         draw = m if m >= c else c
         if finite[g]:
             a, b = m - mean_budget[g], c - budget[g]

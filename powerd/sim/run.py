@@ -253,6 +253,7 @@ class _Run:
         # Accounting.
         self.over_s = 0.0
         self.over_by_level = np.zeros(n_levels)
+        self.over_levels = np.zeros(n_levels, dtype=np.bool_)  # in the last step (scratch)
         self.over_run_s = np.zeros(topo.n_groups)  # per group: how long it has been over
         self.longest_over_s = 0.0
         self.max_excess = 0.0
@@ -368,12 +369,14 @@ class _Run:
             self.floored_gpu, model.cap_w, self.floor_w, model.demand_w, FLOOR_TOL_W, cls, dt,
             self.below_floor_s,
         )  # fmt: skip
-        energy_before = model.energy_j.copy()
+        mean_w = model.energy_j.copy()
         model.advance(dt)
-        # Measured draw: the interval's mean (what a meter integrates) and the closing sample.
-        mean_w = (model.energy_j - energy_before) / dt
-        mean_draw = self.tree.sums(mean_w) + topo.overhead_w
-        closing = self.tree.sums(model.power_w) + topo.overhead_w
+        # Measured draw: the interval's mean (what a meter integrates) and the closing sample,
+        # each group's GPUs' (its overhead added by check_groups).
+        np.subtract(model.energy_j, mean_w, out=mean_w)
+        mean_w /= dt
+        mean_sum = self.tree.sums(mean_w)
+        closing_sum = self.tree.sums(model.power_w)
         # (The policy's budgets themselves where no window moves them: none below them.)
         below = budget is not self.budget
         ratio_budget = (
@@ -381,11 +384,12 @@ class _Run:
             if below
             else self.ratio_budget
         )
-        over_levels = np.zeros(len(LEVELS), dtype=np.bool_)
+        over_levels = self.over_levels
         peak = self.step_peak if self.levels_full else np.full(len(LEVELS), -np.inf)
         longest, excess, ratio = self.kernel.check_groups(
-            mean_draw, closing, mean_budget, budget, self.finite, ratio_budget, self.group_level,
-            EXCESS_TOL_W, dt, self.over_run_s, over_levels, peak,
+            mean_sum, closing_sum, topo.overhead_w, mean_budget, budget, self.finite,
+            ratio_budget, self.group_level, EXCESS_TOL_W, dt, self.over_run_s, over_levels,
+            peak,
         )  # fmt: skip
         if longest > -math.inf:  # a group over a budget
             self.longest_over_s = max(self.longest_over_s, longest)
@@ -394,7 +398,8 @@ class _Run:
             self.max_excess = max(self.max_excess, excess)
         self.max_ratio = max(self.max_ratio, ratio)
         if not self.levels_full:
-            level_ratio = np.maximum(mean_draw, closing) / ratio_budget
+            overhead = topo.overhead_w
+            level_ratio = np.maximum(mean_sum + overhead, closing_sum + overhead) / ratio_budget
             for lv, mask in enumerate(self.level_masks):
                 self.step_peak[lv] = max(self.step_peak[lv], float(level_ratio[mask].max()))
         # The interval's mean (phases within it integrated), a synchronous job at the pace
