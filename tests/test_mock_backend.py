@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from powerd.backends import mock_kernel
 from powerd.backends.base import GpuLost, InvalidArgument, NoPermission, UnknownGpu
 from powerd.backends.mock import (
     IDLE_W,
@@ -21,10 +22,13 @@ from powerd.backends.mock import (
     SimulatedGpus,
     Workload,
     _all_edges,
+    _curves_of,
     _edge_series,
     _edges,
+    _uniform,
 )
 from powerd.clock import ManualClock
+from powerd.profile import Profile
 
 
 def quiet(n: int, workload: Workload, **kw: float) -> SimulatedGpus:
@@ -378,3 +382,116 @@ def test_a_step_without_edges_counts_the_jobs_work_as_the_whole_fleets() -> None
         whole = gpus._throughput_at(target, slice(None))[g]
         assert gpus._group_throughput(target[g]).tobytes() == whole.tobytes()
         gpus.advance(5.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(_workload(), min_size=1, max_size=5),
+    st.floats(-20_000.0, 20_000.0, allow_nan=False),
+    st.floats(-20_000.0, 0.0),
+)
+def test_demand_at_one_time_is_numpys_to_the_bit(
+    workloads: list[Workload], t: float, phase: float
+) -> None:
+    """Demand at one time (every step's, compiled: mock_kernel.demand_now) is what numpy's
+    formulas give at that time, the same grid's row at many times, bit for bit: before
+    the origin too (burst slots below 0, as a day's phase puts them), with checkpoints,
+    runs and surges or without."""
+    fleet = [replace(w, phase_s=w.phase_s + phase) for w in workloads]
+    fleet += [Workload.steady(500.0), Workload.idle()]
+    # As drawn, and without checkpoints, runs and surges (`demand_and_working_at`'s own
+    # pass at one time).
+    plain = [replace(w, ckpt_every_s=0.0, runs=(), surge_prob=0.0) for w in fleet]
+    for gpus in (fleet, plain):
+        model = SimulatedGpus(len(gpus), gpus, seed=3)
+        one, works = model._grid(np.array([t]))
+        many, works_many = model._grid(np.array([t, t + 1.0]))
+        now, works_now = model.demand_and_working_at(t)
+        assert one[0].tobytes() == many[0].tobytes() == now.tobytes()
+        assert works[0].tolist() == works_many[0].tolist() == works_now.tolist()
+    assert model._patterned_only
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.floats(200.0, 700.0), min_size=4, max_size=4),
+    st.floats(0.001, 30.0),
+    st.floats(0.0, 0.05),
+)
+def test_a_held_step_is_numpys_formulas_to_the_bit(
+    caps: list[float], dt: float, noise: float
+) -> None:
+    """A step no edge cuts (compiled: mock_kernel.step_held and reported_power) moves the
+    draw, energy, temperature and reported draw as numpy's closed forms do, bit for bit."""
+    spec = MockGpuSpec(noise_frac=noise)
+    model = SimulatedGpus(4, [Workload.steady(650.0), Workload.steady(300.0)] * 2, spec=spec)
+    model.advance(3.0)
+    for i, w in enumerate(caps):
+        model.set_cap(i, w)
+    x0, temp0, energy0 = model._lagged_w.copy(), model.temp_c.copy(), model.energy_j.copy()
+    target = np.minimum(model.cap_w, model.demand_w)
+    decay = np.exp(-dt / spec.tau_s)
+    gap = x0 - target
+    energy = energy0 + (target * dt + gap * spec.tau_s * (1.0 - decay))
+    lagged = target + gap * decay
+    settled = spec.ambient_c + spec.temp_per_w * target
+    passed = spec.temp_per_w * gap * spec.tau_s / (spec.tau_s - spec.temp_tau_s)
+    own = (temp0 - settled - passed) * np.exp(-dt / spec.temp_tau_s)
+    temp = settled + passed * decay + own
+    t_bits = np.float64(model.t + dt).view(np.uint64)
+    spread = noise * np.sqrt(12.0) * (_uniform(model._seeds ^ t_bits) - 0.5)
+    reported = np.maximum(np.minimum(lagged * (1.0 + spread), np.maximum(model.cap_w, lagged)), 0)
+    model.advance(dt)
+    assert model._lagged_w.tobytes() == lagged.tobytes()
+    assert model.energy_j.tobytes() == energy.tobytes()
+    assert model.temp_c.tobytes() == temp.tobytes()
+    assert model.power_w.tobytes() == reported.tobytes()
+
+
+def test_the_fleets_util_and_clock_at_once_are_each_methods_to_the_bit() -> None:
+    """`util_and_clock` (compiled: mock_kernel.gauges) gives what `util_pct` and
+    `sm_clock_mhz` give, bit for bit: capped, idle, busy and checkpointing GPUs."""
+    workloads = [_sync_job(), Workload.inference(), Workload.idle(), Workload.training()]
+    gpus = SimulatedGpus(8, workloads * 2)
+    for i, w in enumerate([220.0, 700.0, 350.0, 480.0, 200.0, 600.0, 300.0, 650.0]):
+        gpus.set_cap(i, w)
+    for _ in range(30):
+        util, clock = gpus.util_and_clock()
+        assert util.tobytes() == gpus.util_pct().tobytes()
+        assert clock.tobytes() == gpus.sm_clock_mhz(util_pct=gpus.util_pct()).tobytes()
+        gpus.advance(7.3)
+
+
+@st.composite
+def _curve_and_draws(draw: st.DrawFn) -> tuple[Profile, list[float]]:
+    points = draw(
+        st.lists(st.tuples(st.floats(10.0, 1000.0), st.floats(0.0, 2.0)), min_size=1, max_size=8)
+    )
+    profile = Profile.from_points("p", points)
+    knots = profile.power_w.tolist()
+    near = [x + d for x in knots for d in (-1e-9, 0.0, 1e-9)]
+    draws = draw(st.lists(st.floats(-100.0, 1200.0) | st.sampled_from(near), max_size=20))
+    return profile, draws
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_curve_and_draws(), min_size=1, max_size=3))
+def test_compiled_throughput_is_each_profiles_value_to_the_bit(
+    curves: list[tuple[Profile, list[float]]],
+) -> None:
+    """mock_kernel.throughput (every step's throughput) gives what `Profile.value` (numpy's
+    interp, the first slope continued below the curve) gives, bit for bit: on the knots, a
+    hair off them, below the first and past the last, NaN."""
+    profiles = [p for p, _ in curves]
+    rows = _curves_of(profiles)
+    assert rows is not None
+    power = np.array([x for _, xs in curves for x in [*xs, math.nan]])
+    which = np.array([k for k, (_, xs) in enumerate(curves) for _ in range(len(xs) + 1)])
+    out = np.empty(power.size)
+    gpus = np.arange(power.size, dtype=np.int64)
+    idle, working = np.zeros(power.size, dtype=bool), np.ones(power.size, dtype=bool)
+    mock_kernel.throughput(power, gpus, which.astype(np.int64), idle, working, *rows, out)
+    expected = np.empty(power.size)
+    for k, p in enumerate(profiles):
+        expected[which == k] = p.value(power[which == k])
+    assert out.tobytes() == expected.tobytes()

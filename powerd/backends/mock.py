@@ -15,6 +15,7 @@ seed gives the same demand whatever the step sizes.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections import deque
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
+from types import ModuleType
 from typing import Protocol, TypeVar
 
 import numpy as np
@@ -308,6 +310,39 @@ def _next_edge(periods: FloatArray, origins: FloatArray, fixed: FloatArray, t: f
     return best
 
 
+@functools.cache
+def _kernel() -> ModuleType:
+    """mock_kernel, imported on the first step that needs it (numba takes ~0.5 s to load)."""
+    from powerd.backends import mock_kernel
+
+    return mock_kernel
+
+
+def _curves_of(
+    profiles: Sequence[Profile],
+) -> tuple[FloatArray, FloatArray, NDArray[np.int64], FloatArray] | None:
+    """The profiles' points as rows for mock_kernel.throughput: powers, throughputs (each
+    row padded with its last point), their counts, the first slopes. None where a profile's
+    powers are not finite and strictly increasing (as `concave_envelope` makes them) or there
+    is none: then `Profile.value` evaluates each."""
+    if not profiles or not all(
+        p.power_w.ndim == 1
+        and p.power_w.size == p.throughput.size >= 1
+        and np.isfinite(p.power_w).all()
+        and (np.diff(p.power_w) > 0).all()
+        for p in profiles
+    ):
+        return None
+    width = max(p.power_w.size for p in profiles)
+    xs = np.array([np.pad(p.power_w, (0, width - p.power_w.size), mode="edge") for p in profiles])
+    ys = np.array(
+        [np.pad(p.throughput, (0, width - p.throughput.size), mode="edge") for p in profiles]
+    )
+    counts = np.array([p.power_w.size for p in profiles], dtype=np.int64)
+    slopes = np.array([p.first_slope_per_w for p in profiles], dtype=np.float64)
+    return xs.astype(np.float64), ys.astype(np.float64), counts, slopes
+
+
 def _intern(items: list[T], item: T) -> int:
     """Index of `item` in `items` by identity, appending it if new (profiles hold arrays)."""
     for k, existing in enumerate(items):
@@ -482,6 +517,11 @@ class SimulatedGpus:
             a[inf] for a in (self._high, self._low, self._phase, self._period, self._burst_slot)
         )
         self._inf_burst = (self._seeds[inf], self._burst_prob[inf], self._burst_w[inf])
+        # The same as rows, for the compiled demand at one time (`_patterns_at`).
+        self._tr_rows = np.array([*self._tr_cols, *self._tr_levels]).reshape(5, tr.size)
+        self._inf_rows = np.array(
+            [*self._inf_cols, self._burst_prob[inf], self._burst_w[inf]]
+        ).reshape(7, inf.size)
         self._by_profile = [
             (p, np.flatnonzero(self._profile_idx == k)) for k, p in enumerate(self._profiles)
         ]
@@ -502,6 +542,9 @@ class SimulatedGpus:
         self._surge_groups = [
             (g, w) for g, w in self._groups if w.surge_prob > 0.0 and w.surge_w != 0.0
         ]
+        # Steady, idle, training and inference GPUs alone, no checkpoint, run or surge:
+        # demand at one time is `_patterns_at` (`demand_and_working_at`).
+        self._patterned_only = not (self._ckpt_idx.size or self._run_groups or self._surge_groups)
         self._group_gpus = np.sort(np.concatenate([g for g, _ in self._groups] or [self._none]))
         # Every GPU a job's or a service's: `_group_gpus` is 0..n-1 (each GPU is in one group),
         # so a per-GPU array in its order is the array itself.
@@ -513,6 +556,12 @@ class SimulatedGpus:
             for k, p in enumerate(self._profiles)
             if (group_profile == k).any()
         ]
+        # The profiles' points as rows, for the compiled throughput (`_curves_of`); per GPU
+        # and per job's or service's GPU, its row.
+        self._curves = _curves_of(self._profiles)
+        self._profile_of = self._profile_idx.astype(np.int64)
+        self._group_profile_of = group_profile.astype(np.int64)
+        self._all_gpus = np.arange(self.n, dtype=np.int64)
         # Traces: the GPUs that replay each recorded one, each at its own phase (GPUs whose
         # workloads differ only by phase replay one trace in one call).
         traced = np.flatnonzero(self._pattern == _PATTERN_CODES[Pattern.TRACE])
@@ -537,8 +586,13 @@ class SimulatedGpus:
         """Demand at t, and whether each GPU does work at t: not while its job checkpoints
         or is outside its runs (idle-pattern GPUs are told apart by their pattern). What
         samples demand to account work (a baseline) counts none where this is False."""
-        grid, works = self._grid(np.array([t], dtype=np.float64))
-        demand, working = grid[0], works[0]
+        demand = self._high.copy()
+        if self._patterned_only and self._patterns_at(float(t), demand):
+            # `_grid` at one time without checkpoints, runs or surges, in one pass.
+            working = np.ones(self.n, dtype=bool)
+        else:
+            grid, works = self._grid(np.array([t], dtype=np.float64))
+            demand, working = grid[0], works[0]
         for gpus, trace in self._traced:
             if trace is not None:
                 demand[gpus] = trace.draw_at(t + self._phase[gpus])
@@ -551,8 +605,11 @@ class SimulatedGpus:
         at = times[:, None]
         demand = np.repeat(self._high[None, :], k, axis=0)  # steady, idle: one level
         working = np.ones((k, self.n), dtype=bool)
+        # At one time (every step's demand), the training and inference GPUs' formulas in
+        # one compiled pass (the same values); numpy's below where it declines.
+        compiled = k == 1 and self._patterns_at(float(times[0]), demand[0])
         tr = self._training_idx
-        if tr.size:
+        if tr.size and not compiled:
             phase, period, duty = self._tr_cols
             cycle = (at + phase) / period
             on = cycle - np.floor(cycle) < duty
@@ -571,7 +628,7 @@ class SimulatedGpus:
             demand[stopped] = IDLE_W
             working[stopped] = False
         inf = self._inference_idx
-        if inf.size:
+        if inf.size and not compiled:
             high, low, inf_phase, inf_period, burst_slot = self._inf_cols
             seeds, burst_prob, burst_w = self._inf_burst
             shifted = at + inf_phase
@@ -582,6 +639,22 @@ class SimulatedGpus:
         for gpus, w in self._surge_groups:
             demand[np.ix_(_surging(w, times), gpus)] += w.surge_w
         return demand, working
+
+    def _patterns_at(self, t: float, demand: FloatArray) -> bool:
+        """`_grid`'s training and inference GPUs' demand at `t`, written into `demand`
+        (mock_kernel.demand_now, the same values); False where it declines (then numpy's)."""
+        inf_phase, inf_period = self._inf_cols[2:4]
+        # numpy's cos, as `_grid` takes it: of 2π · (t + phase) / period.
+        cos = np.add(t, inf_phase)
+        np.multiply(2 * np.pi, cos, out=cos)
+        np.divide(cos, inf_period, out=cos)
+        np.cos(cos, out=cos)
+        return bool(
+            _kernel().demand_now(
+                t, demand, self._training_idx, self._tr_rows, self._inference_idx,
+                self._inf_rows, self._inf_burst[0], cos,
+            )
+        )  # fmt: skip
 
     def _refresh_demand(self) -> None:
         self.demand_w, self._working = self.demand_and_working_at(self.t)
@@ -604,53 +677,70 @@ class SimulatedGpus:
             return
         t0, t1 = self.t, self.t + dt_s
         x0 = self._lagged_w
-        target = np.minimum(self.cap_w, self.demand_w)
         decay = np.exp(-dt_s / self.tau_s)
+        g = self._group_gpus
+        edges = self._edges_within(t0, t1)
+        if not edges.size:
+            # Every GPU holds its target over the step: the formulas below, compiled
+            # (mock_kernel.step_held, the same values).
+            target = np.empty(self.n)
+            lagged = np.empty(self.n)
+            temp = np.empty(self.n)
+            _kernel().step_held(
+                self.cap_w, self.demand_w, x0, self.energy_j, self.temp_c, dt_s, self.tau_s,
+                decay, self.ambient_c, self.temp_per_w, self.temp_tau_s,
+                np.exp(-dt_s / self.temp_tau_s), target, lagged, temp,
+            )  # fmt: skip
+            self._lagged_w, self.temp_c = lagged, temp
+            pieces = None
+            if g.size:
+                pieces = self._group_throughput(target if self._group_all else target[g])
+            self._end_step(dt_s, pieces)
+            return
+        target = np.minimum(self.cap_w, self.demand_w)
         gap = x0 - target
         # Closed-form integral of target + gap·exp(-t/tau) over [0, dt].
         energy = target * dt_s + gap * self.tau_s * (1.0 - decay)
         lagged = target + gap * decay
+        # Every job and service at once, cut at every edge of any of them.
+        bounds = np.concatenate(([t0], edges, [t1]))
+        lo, hi = bounds[:-1], bounds[1:]
+        length = hi - lo
+        grid, works = self._grid(0.5 * (lo + hi))
+        level = np.minimum(self.cap_w[g][None, :], grid[:, g])
+        integral = length @ level
+        # The lag's state at the end: its start decayed, plus each piece's level
+        # weighted by how much of it the lag still holds at the end.
+        weight = np.exp(-(t1 - hi) / self.tau_s) - np.exp(-(t1 - lo) / self.tau_s)
+        end = x0[g] * decay + weight @ level
+        energy[g] = integral - self.tau_s * (end - x0[g])
+        lagged[g] = end
         # Per GPU, over the step (for the temperature): `target`, but where a job's or
-        # service's demand changes within the step (then a copy, written below).
-        mean_target = target
-        g = self._group_gpus
-        edges = self._edges_within(t0, t1)
-        pieces = None
-        if edges.size:
-            # Every job and service at once, cut at every edge of any of them.
-            bounds = np.concatenate(([t0], edges, [t1]))
-            lo, hi = bounds[:-1], bounds[1:]
-            length = hi - lo
-            grid, works = self._grid(0.5 * (lo + hi))
-            level = np.minimum(self.cap_w[g][None, :], grid[:, g])
-            integral = length @ level
-            # The lag's state at the end: its start decayed, plus each piece's level
-            # weighted by how much of it the lag still holds at the end.
-            weight = np.exp(-(t1 - hi) / self.tau_s) - np.exp(-(t1 - lo) / self.tau_s)
-            end = x0[g] * decay + weight @ level
-            energy[g] = integral - self.tau_s * (end - x0[g])
-            lagged[g] = end
-            mean_target = target.copy()
-            mean_target[g] = integral / dt_s
-            tput = np.zeros(level.shape)
-            for profile, cols in self._group_profiles:
-                tput[:, cols] = profile.value(level[:, cols])
-            pieces = length @ np.where(works[:, g], tput, 0.0) / dt_s
+        # service's demand changes within the step.
+        mean_target = target.copy()
+        mean_target[g] = integral / dt_s
+        tput = np.zeros(level.shape)
+        for profile, cols in self._group_profiles:
+            tput[:, cols] = profile.value(level[:, cols])
+        pieces = length @ np.where(works[:, g], tput, 0.0) / dt_s
         self.energy_j += energy
         self._lagged_w = lagged
         # Temperature: a slower lag driven by that draw. Its exact solution is the settled
         # value, plus the draw's decaying gap passed through, plus its own decaying start
         # (a job or service whose demand changed within the step: from its mean level).
-        if mean_target is not target:
-            gap = x0 - mean_target  # (else the gap above: x0 − target)
+        gap = x0 - mean_target
         settled = self.ambient_c + self.temp_per_w * mean_target
         passed = self.temp_per_w * gap * self.tau_s / (self.tau_s - self.temp_tau_s)
         own = (self.temp_c - settled - passed) * np.exp(-dt_s / self.temp_tau_s)
         self.temp_c = settled + passed * decay + own
-        # Jobs and services work at their level all step (lag-free, as over pieces); the
-        # others at their draw at the step's end, as they always have.
-        if pieces is None and g.size:
-            pieces = self._group_throughput(target if self._group_all else target[g])
+        self._end_step(dt_s, pieces)
+
+    def _end_step(self, dt_s: float, pieces: FloatArray | None) -> None:
+        """The step's end: the clock, the demand and reported draw now, and the step's
+        throughput: the jobs' and services' `pieces` (each at its level all step, lag-free,
+        as over pieces; None: no such GPU), the others at their draw at the step's end, as
+        they always have."""
+        g = self._group_gpus
         self.t += dt_s
         self._refresh_demand()
         self._update_reported_power()
@@ -668,6 +758,12 @@ class SimulatedGpus:
         """`_throughput_at(·, ALL)[_group_gpus]` from the jobs' and services' GPUs' draw
         alone (`power_w`, in `_group_gpus` order): the other GPUs' profiles not evaluated."""
         g = self._group_gpus
+        if self._curves is not None:
+            out = np.empty(g.size)
+            _kernel().throughput(
+                power_w, g, self._group_profile_of, self._idle, self._working, *self._curves, out
+            )
+            return out
         out = np.zeros(g.size)
         for profile, cols in self._group_profiles:
             out[cols] = profile.value(power_w[cols])
@@ -692,6 +788,14 @@ class SimulatedGpus:
 
     def _update_reported_power(self) -> None:
         p = self._lagged_w
+        if self.noise_frac > 0 and p.flags.c_contiguous:
+            # The lines below, compiled (mock_kernel.reported_power, the same values).
+            out = np.empty(p.size)
+            t_bits = np.float64(self.t).view(np.uint64)
+            spread_w = self.noise_frac * np.sqrt(12.0)
+            _kernel().reported_power(p, self.cap_w, self._seeds, t_bits, spread_w, out)
+            self.power_w = out
+            return
         if self.noise_frac > 0:
             # Uniform noise with standard deviation noise_frac, hashed from (GPU, time) so it
             # is the same for the same seed whatever the step sizes; cheaper than an RNG draw.
@@ -727,8 +831,16 @@ class SimulatedGpus:
 
     def _throughput_at(self, power_w: FloatArray, sel: Selector) -> FloatArray:
         power = np.atleast_1d(power_w[sel])
+        whole = isinstance(sel, slice) and sel == ALL
+        if whole and self._curves is not None and power.ndim == 1:
+            out = np.empty(self.n)
+            _kernel().throughput(
+                power, self._all_gpus, self._profile_of, self._idle, self._working,
+                *self._curves, out,
+            )  # fmt: skip
+            return out
         out = np.zeros(power.shape)
-        if isinstance(sel, slice) and sel == ALL:
+        if whole:
             for profile, gpus in self._by_profile:
                 out[gpus] = profile.value(power[gpus])
             out[self._idle] = 0.0
@@ -757,6 +869,16 @@ class SimulatedGpus:
         busy = (self.util_pct(sel) if util_pct is None else util_pct) / 100.0
         clock = IDLE_SM_CLOCK_MHZ + (MAX_SM_CLOCK_MHZ - IDLE_SM_CLOCK_MHZ) * busy * share
         return np.asarray(clock, dtype=np.float64)
+
+    def util_and_clock(self) -> tuple[FloatArray, FloatArray]:
+        """`util_pct()` and `sm_clock_mhz(util_pct=...)` of every GPU, in one compiled pass
+        (mock_kernel.gauges, the same values)."""
+        util, clock = np.empty(self.n), np.empty(self.n)
+        _kernel().gauges(
+            self.demand_w, self._high, self._lagged_w, IDLE_W, IDLE_SM_CLOCK_MHZ,
+            MAX_SM_CLOCK_MHZ, util, clock,
+        )  # fmt: skip
+        return util, clock
 
     def power_capped(self, sel: Selector = ALL) -> NDArray[np.bool_]:
         """Demand above the enforced cap: the GPU is held back (NVML's sw_power_cap)."""

@@ -172,8 +172,8 @@ class SimAgents:
         m = self.model
         self.seq += 1
         temp = m.temp_c.clip(-50.0, 200.0)
-        util = m.util_pct()
-        clock, perf = m.sm_clock_mhz(util_pct=util), m.throughput()
+        util, clock = m.util_and_clock()
+        perf = m.throughput()
         check_readings(
             power_w=m.power_w, energy_j=m.energy_j, cap_w=m.cap_w, min_cap_w=m.min_cap_w,
             max_cap_w=m.max_cap_w, default_cap_w=m.default_cap_w, temp_c=temp,
@@ -281,60 +281,43 @@ class SimAgents:
             self._layout_pos = np.fromiter(
                 (pos[u] for u in layout.uuids), dtype=np.int64, count=layout.n_gpus
             )
-        sent = plan.sent_w
-        gpu = np.flatnonzero(~np.isnan(sent))
-        req = sent[gpu]
-        # The wire's bounds on a requested cap (GpuAck.requested_w): a command out of them
-        # would be refused by an agent's transport (a NaN cap, too: then the commands name
-        # more GPUs than `sent_w` holds).
-        if len(gpu) != plan.sent_gpus or not ((req >= 0.0) & (req <= MAX_SANE_WATTS)).all():
+        from powerd.sim import kernel  # numba: loaded by the first plan
+
+        # SimulatedGpus.set_cap for many GPUs at once, each cap clamped to the device. The
+        # wire's bounds on a requested cap (GpuAck.requested_w): a command out of them would
+        # be refused by an agent's transport (a NaN cap, too: then the commands name more
+        # GPUs than `sent_w` holds, `sent_gpus`).
+        if not kernel.apply_caps(
+            plan.sent_w, plan.sent_gpus, self._layout_pos, MAX_SANE_WATTS, m.min_cap_w,
+            m.max_cap_w, m.override_w, m.requested_cap_w, m.cap_w, out,
+        ):  # fmt: skip
             raise ValueError("simulated agents: a command's cap is out of the wire's bounds")
-        idx = self._layout_pos[gpu]
-        target = req.clip(m.min_cap_w[idx], m.max_cap_w[idx])
-        # SimulatedGpus.set_cap for many GPUs at once.
-        m.requested_cap_w[idx] = target
-        enforced = np.minimum(target, m.override_w[idx])
-        m.cap_w[idx] = enforced
-        out[gpu] = enforced
-        applied, tick = self.applied, plan.tick
-        for node in plan.sent_nodes:
-            applied[node] = tick
+        self.applied.update(dict.fromkeys(plan.sent_nodes, plan.tick))
         return out
+
+
+# The wire's bounds on a telemetry message's numbers (powerd.wire.GpuTelemetry).
+_BOUNDS = {
+    "power_w": (0.0, MAX_SANE_WATTS),
+    "energy_j": (0.0, math.inf),
+    "cap_w": (0.0, MAX_SANE_WATTS),
+    "min_cap_w": (0.0, MAX_SANE_WATTS),
+    "max_cap_w": (0.0, MAX_SANE_WATTS),
+    "default_cap_w": (0.0, MAX_SANE_WATTS),
+    "temp_c": (-50.0, 200.0),
+    "util_pct": (0.0, 100.0),
+    "sm_clock_mhz": (0.0, 10_000.0),
+    "perf": (0.0, 1e12),
+}
 
 
 def check_readings(**columns: FloatArray) -> None:
     """The wire's bounds on a telemetry message's numbers (powerd.wire.GpuTelemetry),
     checked for every GPU at once; ValueError naming the first column out of them."""
-    bounds = {
-        "power_w": (0.0, MAX_SANE_WATTS),
-        "energy_j": (0.0, math.inf),
-        "cap_w": (0.0, MAX_SANE_WATTS),
-        "min_cap_w": (0.0, MAX_SANE_WATTS),
-        "max_cap_w": (0.0, MAX_SANE_WATTS),
-        "default_cap_w": (0.0, MAX_SANE_WATTS),
-        "temp_c": (-50.0, 200.0),
-        "util_pct": (0.0, 100.0),
-        "sm_clock_mhz": (0.0, 10_000.0),
-        "perf": (0.0, 1e12),
-    }
-    # The watts' columns share their bounds: tested together (where they pass, as they do
-    # but for a bug), four reductions instead of ten.
-    watts_within = _watts_within(columns)
+    if _within(columns):
+        return
     for name, values in columns.items():
-        if watts_within and name in _WATTS:
-            continue
-        lo, hi = bounds[name]
-        if values.size:
-            # Within the bounds, every value finite (NaN fails both tests, an infinity one):
-            # two reductions; the values one by one only to name the first out of them.
-            least, most = float(values.min()), float(values.max())
-            if (
-                lo <= least
-                and most <= hi
-                and math.isfinite(most)
-                and (name != "max_cap_w" or least > 0.0)
-            ):
-                continue
+        lo, hi = _BOUNDS[name]
         ok = np.isfinite(values) & (values >= lo) & (values <= hi)
         if name == "max_cap_w":
             ok &= values > 0.0
@@ -345,21 +328,32 @@ def check_readings(**columns: FloatArray) -> None:
         raise ValueError("simulated telemetry: a GPU's min_cap_w exceeds its max_cap_w")
 
 
-# The columns bounded by (0, MAX_SANE_WATTS): tested together, one min and one max.
-_WATTS = ("power_w", "cap_w", "min_cap_w", "max_cap_w", "default_cap_w")
+# Per set of columns (their names in order): `kernel.within`'s bounds for them.
+_WITHIN: dict[tuple[str, ...], tuple[FloatArray, FloatArray, NDArray[np.bool_], int, int]] = {}
 
 
-def _watts_within(columns: dict[str, FloatArray]) -> bool:
-    """Whether every column of `_WATTS` passes `check_readings`' test, told by one min and
-    one max over them all (and max_cap_w's least above 0). False where any value may fail
-    (a NaN, too), or a column is missing or empty: then each is tested on its own."""
-    if any(name not in columns or not columns[name].size for name in _WATTS):
+def _within(columns: dict[str, FloatArray]) -> bool:
+    """Whether every column passes `check_readings`, told in one compiled pass
+    (kernel.within) where they are float64 vectors as a sample's are; False where any
+    value may fail, or the columns are of another kind: then each is tested."""
+    values = tuple(columns.values())
+    if not all(
+        type(v) is np.ndarray and v.dtype == np.float64 and v.ndim == 1 and v.flags.c_contiguous
+        for v in values
+    ):
         return False
-    watts = np.concatenate([columns[name] for name in _WATTS])
-    least, most = float(watts.min()), float(watts.max())
-    return (
-        least >= 0.0
-        and most <= MAX_SANE_WATTS
-        and math.isfinite(most)
-        and float(columns["max_cap_w"].min()) > 0.0
-    )
+    names = tuple(columns)
+    spec = _WITHIN.get(names)
+    if spec is None:
+        bounds = [_BOUNDS[name] for name in names]
+        pair = "min_cap_w" in names and "max_cap_w" in names
+        spec = _WITHIN[names] = (
+            np.array([lo for lo, _ in bounds]),
+            np.array([hi for _, hi in bounds]),
+            np.array([name == "max_cap_w" for name in names]),
+            names.index("min_cap_w") if pair else -1,
+            names.index("max_cap_w") if pair else -1,
+        )
+    from powerd.sim import kernel  # numba: loaded by the first check
+
+    return bool(kernel.within(values, *spec))

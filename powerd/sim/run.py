@@ -236,6 +236,12 @@ class _Run:
             )
             self.engine = self._engine(scenario, learn=learn, profiles=profiles or {})
         self.level_masks = [topo.level == lv for lv in range(len(LEVELS))]
+        # The accounting's compiled loops (numba loads on a run's start, not on an import).
+        from powerd.sim import kernel
+
+        self.kernel = kernel
+        self.group_level = np.ascontiguousarray(topo.level, dtype=np.int64)
+        self.class_index = np.ascontiguousarray(cls, dtype=np.int64)
         # The groups level by level, and where each level starts: every level's highest ratio
         # in one reduction (where every level has groups, as a site's tree does).
         self.by_level = np.argsort(topo.level, kind="stable")
@@ -247,6 +253,7 @@ class _Run:
         # Accounting.
         self.over_s = 0.0
         self.over_by_level = np.zeros(n_levels)
+        self.over_levels = np.zeros(n_levels, dtype=np.bool_)  # in the last step (scratch)
         self.over_run_s = np.zeros(topo.n_groups)  # per group: how long it has been over
         self.longest_over_s = 0.0
         self.max_excess = 0.0
@@ -314,8 +321,11 @@ class _Run:
             layout = engine.planner.layout
             topo = layout.topology if layout is not None else self.site.topology
             limit = report.group_budget_w if report.group_limit_w is None else report.group_limit_w
-            after = topo.group_sums(engine.planner.committed_w()) + topo.overhead_w
-            self.committed_over += int((after > limit + 1e-6).any())
+            self.committed_over += int(
+                self.kernel.any_over(
+                    topo.gpu_groups, engine.planner.committed_w(), topo.overhead_w, limit, 1e-6
+                )
+            )
             if not again:
                 break
         if now >= CHURN_AFTER_S:
@@ -353,51 +363,50 @@ class _Run:
             mean_budget = np.mean([self.grid_budget(float(t)) for t in points], axis=0)
         model = self.model
         topo = self.site.topology
-        cls = self.mix.class_index
-        caps = model.cap_w.copy()
-        demand = model.demand_w.copy()
-        energy_before = model.energy_j.copy()
+        cls = self.class_index
+        # GPUs held below their floor: by the caps and demand in force over the interval.
+        self.kernel.add_below_floor(
+            self.floored_gpu, model.cap_w, self.floor_w, model.demand_w, FLOOR_TOL_W, cls, dt,
+            self.below_floor_s,
+        )  # fmt: skip
+        mean_w = model.energy_j.copy()
         model.advance(dt)
-        # Measured draw: the interval's mean (what a meter integrates) and the closing sample.
-        mean_w = (model.energy_j - energy_before) / dt
-        mean_draw = self.tree.sums(mean_w) + topo.overhead_w
-        closing = self.tree.sums(model.power_w) + topo.overhead_w
-        draw = np.maximum(mean_draw, closing)
-        excess = np.where(
-            self.finite, np.maximum(mean_draw - mean_budget, closing - budget), -np.inf
-        )
-        over = excess > EXCESS_TOL_W
-        self.over_run_s = np.where(over, self.over_run_s + dt, 0.0)
-        if over.any():
-            self.longest_over_s = max(self.longest_over_s, float(self.over_run_s.max()))
-            self.over_s += dt
-            self.over_by_level[np.unique(topo.level[over])] += dt
-            self.max_excess = max(self.max_excess, float(excess[over].max()))
+        # Measured draw: the interval's mean (what a meter integrates) and the closing sample,
+        # each group's GPUs' (its overhead added by check_groups).
+        np.subtract(model.energy_j, mean_w, out=mean_w)
+        mean_w /= dt
+        mean_sum = self.tree.sums(mean_w)
+        closing_sum = self.tree.sums(model.power_w)
         # (The policy's budgets themselves where no window moves them: none below them.)
         below = budget is not self.budget
-        ratio = draw / (
+        ratio_budget = (
             np.where(budget < self.budget, budget, self.ratio_budget)
             if below
             else self.ratio_budget
         )
-        self.max_ratio = max(self.max_ratio, float(ratio.max()))
-        if self.levels_full:
-            peaks = np.maximum.reduceat(ratio[self.by_level], self.level_starts).tolist()
-            for lv, peak in enumerate(peaks):
-                self.step_peak[lv] = max(self.step_peak[lv], peak)
-        else:
+        over_levels = self.over_levels
+        peak = self.step_peak if self.levels_full else np.full(len(LEVELS), -np.inf)
+        longest, excess, ratio = self.kernel.check_groups(
+            mean_sum, closing_sum, topo.overhead_w, mean_budget, budget, self.finite,
+            ratio_budget, self.group_level, EXCESS_TOL_W, dt, self.over_run_s, over_levels,
+            peak,
+        )  # fmt: skip
+        if longest > -math.inf:  # a group over a budget
+            self.longest_over_s = max(self.longest_over_s, longest)
+            self.over_s += dt
+            self.over_by_level[over_levels] += dt
+            self.max_excess = max(self.max_excess, excess)
+        self.max_ratio = max(self.max_ratio, ratio)
+        if not self.levels_full:
+            overhead = topo.overhead_w
+            level_ratio = np.maximum(mean_sum + overhead, closing_sum + overhead) / ratio_budget
             for lv, mask in enumerate(self.level_masks):
-                self.step_peak[lv] = max(self.step_peak[lv], float(ratio[mask].max()))
+                self.step_peak[lv] = max(self.step_peak[lv], float(level_ratio[mask].max()))
         # The interval's mean (phases within it integrated), a synchronous job at the pace
         # of its slowest GPU.
         tput = self.mix.sync_throughput(model.step_throughput)
-        self.work += np.bincount(cls, weights=tput, minlength=self.work.size) * dt
+        self.kernel.add_work(cls, tput, dt, self.work)
         self.weighted_work += float(np.dot(self.weight, tput)) * dt
-        held = (
-            self.floored_gpu & (caps < self.floor_w - FLOOR_TOL_W) & (demand > caps + FLOOR_TOL_W)
-        )
-        if held.any():
-            self.below_floor_s += np.bincount(cls[held], minlength=self.below_floor_s.size) * dt
 
 
 def grid_budget_at(
