@@ -403,7 +403,7 @@ def test_demand_at_one_time_is_numpys_to_the_bit(
     # pass at one time).
     plain = [replace(w, ckpt_every_s=0.0, runs=(), surge_prob=0.0) for w in fleet]
     for gpus in (fleet, plain):
-        model = SimulatedGpus(len(gpus), gpus, seed=3)
+        model = SimulatedGpus(len(gpus), gpus, seed=3, compiled=True)
         one, works = model._grid(np.array([t]))
         many, works_many = model._grid(np.array([t, t + 1.0]))
         now, works_now = model.demand_and_working_at(t)
@@ -424,7 +424,9 @@ def test_a_held_step_is_numpys_formulas_to_the_bit(
     """A step no edge cuts (compiled: mock_kernel.step_held and reported_power) moves the
     draw, energy, temperature and reported draw as numpy's closed forms do, bit for bit."""
     spec = MockGpuSpec(noise_frac=noise)
-    model = SimulatedGpus(4, [Workload.steady(650.0), Workload.steady(300.0)] * 2, spec=spec)
+    model = SimulatedGpus(
+        4, [Workload.steady(650.0), Workload.steady(300.0)] * 2, spec=spec, compiled=True
+    )
     model.advance(3.0)
     for i, w in enumerate(caps):
         model.set_cap(i, w)
@@ -452,7 +454,7 @@ def test_the_fleets_util_and_clock_at_once_are_each_methods_to_the_bit() -> None
     """`util_and_clock` (compiled: mock_kernel.gauges) gives what `util_pct` and
     `sm_clock_mhz` give, bit for bit: capped, idle, busy and checkpointing GPUs."""
     workloads = [_sync_job(), Workload.inference(), Workload.idle(), Workload.training()]
-    gpus = SimulatedGpus(8, workloads * 2)
+    gpus = SimulatedGpus(8, workloads * 2, compiled=True)
     for i, w in enumerate([220.0, 700.0, 350.0, 480.0, 200.0, 600.0, 300.0, 650.0]):
         gpus.set_cap(i, w)
     for _ in range(30):
@@ -495,3 +497,35 @@ def test_compiled_throughput_is_each_profiles_value_to_the_bit(
     for k, p in enumerate(profiles):
         expected[which == k] = p.value(power[which == k])
     assert out.tobytes() == expected.tobytes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(_workload(), min_size=1, max_size=4),
+    st.lists(st.tuples(st.floats(0.05, 12.0), st.floats(150.0, 750.0)), min_size=1, max_size=12),
+    st.floats(0.0, 0.05),
+)
+def test_the_compiled_model_steps_as_numpys_to_the_bit(
+    workloads: list[Workload], steps: list[tuple[float, float]], noise: float
+) -> None:
+    """The simulator's model (`compiled=True`: mock_kernel's loops) and the agents' and the
+    demo's (numpy alone, no numba on an event loop) move every GPU alike, bit for bit: draw,
+    reported draw, energy, temperature, demand, throughput and the gauges, step by step,
+    with caps moving between steps and steps cut by edges or not."""
+    fleet = [*workloads, Workload.steady(500.0), Workload.idle(), Workload.training()]
+    spec = MockGpuSpec(noise_frac=noise)
+    models = [
+        SimulatedGpus(len(fleet), fleet, spec=spec, seed=5, compiled=compiled)
+        for compiled in (True, False)
+    ]
+    for dt, cap in steps:
+        for m in models:
+            m.set_cap(0, cap)
+            m.set_cap(len(fleet) - 1, 900.0 - cap)
+            m.advance(dt)
+        a, b = models
+        for name in ("_lagged_w", "power_w", "energy_j", "temp_c", "demand_w", "step_throughput"):
+            assert getattr(a, name).tobytes() == getattr(b, name).tobytes(), name
+        assert a.throughput().tobytes() == b.throughput().tobytes()
+        for x, y in zip(a.util_and_clock(), b.util_and_clock(), strict=True):
+            assert x.tobytes() == y.tobytes()

@@ -401,10 +401,14 @@ class SimulatedGpus:
         seed: int = 0,
         start_s: float = 0.0,
         uuid_prefix: str = "GPU-mock",
+        compiled: bool = False,
     ) -> None:
         if n < 0:
             raise ValueError("n must not be negative")
-        self.n = n
+        # `compiled`: steps in mock_kernel's loops (the same values as numpy's), for the
+        # simulator's model. Agents and the demo step a model in real time on their event
+        # loop, where numba's first compile (seconds) would stall it; an agent needs no numba.
+        self.n, self._compiled = n, compiled
         self.t = start_s
         self.spec = spec
         self.tau_s = spec.tau_s
@@ -587,7 +591,7 @@ class SimulatedGpus:
         or is outside its runs (idle-pattern GPUs are told apart by their pattern). What
         samples demand to account work (a baseline) counts none where this is False."""
         demand = self._high.copy()
-        if self._patterned_only and self._patterns_at(float(t), demand):
+        if self._patterned_only and self._compiled and self._patterns_at(float(t), demand):
             # `_grid` at one time without checkpoints, runs or surges, in one pass.
             working = np.ones(self.n, dtype=bool)
         else:
@@ -607,7 +611,7 @@ class SimulatedGpus:
         working = np.ones((k, self.n), dtype=bool)
         # At one time (every step's demand), the training and inference GPUs' formulas in
         # one compiled pass (the same values); numpy's below where it declines.
-        compiled = k == 1 and self._patterns_at(float(times[0]), demand[0])
+        compiled = k == 1 and self._compiled and self._patterns_at(float(times[0]), demand[0])
         tr = self._training_idx
         if tr.size and not compiled:
             phase, period, duty = self._tr_cols
@@ -680,7 +684,7 @@ class SimulatedGpus:
         decay = np.exp(-dt_s / self.tau_s)
         g = self._group_gpus
         edges = self._edges_within(t0, t1)
-        if not edges.size:
+        if not edges.size and self._compiled:
             # Every GPU holds its target over the step: the formulas below, compiled
             # (mock_kernel.step_held, the same values).
             target = np.empty(self.n)
@@ -702,27 +706,33 @@ class SimulatedGpus:
         # Closed-form integral of target + gap·exp(-t/tau) over [0, dt].
         energy = target * dt_s + gap * self.tau_s * (1.0 - decay)
         lagged = target + gap * decay
-        # Every job and service at once, cut at every edge of any of them.
-        bounds = np.concatenate(([t0], edges, [t1]))
-        lo, hi = bounds[:-1], bounds[1:]
-        length = hi - lo
-        grid, works = self._grid(0.5 * (lo + hi))
-        level = np.minimum(self.cap_w[g][None, :], grid[:, g])
-        integral = length @ level
-        # The lag's state at the end: its start decayed, plus each piece's level
-        # weighted by how much of it the lag still holds at the end.
-        weight = np.exp(-(t1 - hi) / self.tau_s) - np.exp(-(t1 - lo) / self.tau_s)
-        end = x0[g] * decay + weight @ level
-        energy[g] = integral - self.tau_s * (end - x0[g])
-        lagged[g] = end
         # Per GPU, over the step (for the temperature): `target`, but where a job's or
-        # service's demand changes within the step.
-        mean_target = target.copy()
-        mean_target[g] = integral / dt_s
-        tput = np.zeros(level.shape)
-        for profile, cols in self._group_profiles:
-            tput[:, cols] = profile.value(level[:, cols])
-        pieces = length @ np.where(works[:, g], tput, 0.0) / dt_s
+        # service's demand changes within the step (then a copy, written below).
+        mean_target = target
+        pieces = None
+        if edges.size:
+            # Every job and service at once, cut at every edge of any of them.
+            bounds = np.concatenate(([t0], edges, [t1]))
+            lo, hi = bounds[:-1], bounds[1:]
+            length = hi - lo
+            grid, works = self._grid(0.5 * (lo + hi))
+            level = np.minimum(self.cap_w[g][None, :], grid[:, g])
+            integral = length @ level
+            # The lag's state at the end: its start decayed, plus each piece's level
+            # weighted by how much of it the lag still holds at the end.
+            weight = np.exp(-(t1 - hi) / self.tau_s) - np.exp(-(t1 - lo) / self.tau_s)
+            end = x0[g] * decay + weight @ level
+            energy[g] = integral - self.tau_s * (end - x0[g])
+            lagged[g] = end
+            mean_target = target.copy()
+            mean_target[g] = integral / dt_s
+            tput = np.zeros(level.shape)
+            for profile, cols in self._group_profiles:
+                tput[:, cols] = profile.value(level[:, cols])
+            pieces = length @ np.where(works[:, g], tput, 0.0) / dt_s
+        elif g.size:
+            # Jobs and services work at their level all step (lag-free, as over pieces).
+            pieces = self._group_throughput(target if self._group_all else target[g])
         self.energy_j += energy
         self._lagged_w = lagged
         # Temperature: a slower lag driven by that draw. Its exact solution is the settled
@@ -758,7 +768,7 @@ class SimulatedGpus:
         """`_throughput_at(·, ALL)[_group_gpus]` from the jobs' and services' GPUs' draw
         alone (`power_w`, in `_group_gpus` order): the other GPUs' profiles not evaluated."""
         g = self._group_gpus
-        if self._curves is not None:
+        if self._curves is not None and self._compiled:
             out = np.empty(g.size)
             _kernel().throughput(
                 power_w, g, self._group_profile_of, self._idle, self._working, *self._curves, out
@@ -788,7 +798,7 @@ class SimulatedGpus:
 
     def _update_reported_power(self) -> None:
         p = self._lagged_w
-        if self.noise_frac > 0 and p.flags.c_contiguous:
+        if self.noise_frac > 0 and p.flags.c_contiguous and self._compiled:
             # The lines below, compiled (mock_kernel.reported_power, the same values).
             out = np.empty(p.size)
             t_bits = np.float64(self.t).view(np.uint64)
@@ -832,7 +842,7 @@ class SimulatedGpus:
     def _throughput_at(self, power_w: FloatArray, sel: Selector) -> FloatArray:
         power = np.atleast_1d(power_w[sel])
         whole = isinstance(sel, slice) and sel == ALL
-        if whole and self._curves is not None and power.ndim == 1:
+        if whole and self._curves is not None and power.ndim == 1 and self._compiled:
             out = np.empty(self.n)
             _kernel().throughput(
                 power, self._all_gpus, self._profile_of, self._idle, self._working,
@@ -873,6 +883,9 @@ class SimulatedGpus:
     def util_and_clock(self) -> tuple[FloatArray, FloatArray]:
         """`util_pct()` and `sm_clock_mhz(util_pct=...)` of every GPU, in one compiled pass
         (mock_kernel.gauges, the same values)."""
+        if not self._compiled:
+            util = self.util_pct()
+            return util, self.sm_clock_mhz(util_pct=util)
         util, clock = np.empty(self.n), np.empty(self.n)
         _kernel().gauges(
             self.demand_w, self._high, self._lagged_w, IDLE_W, IDLE_SM_CLOCK_MHZ,

@@ -472,6 +472,7 @@ def _model(scenario: Scenario, site: Site, mix: Mix) -> SimulatedGpus:
     return SimulatedGpus(
         site.n_gpus,
         list(mix.workloads),
+        compiled=True,
         spec=MockGpuSpec(min_cap_w=site.min_cap_w, max_cap_w=site.tdp_w, default_cap_w=site.tdp_w),
         seed=scenario.spec.seed,
         uuid_prefix="GPU-sim",

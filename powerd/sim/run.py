@@ -194,6 +194,7 @@ class _Run:
         self.model = SimulatedGpus(
             n,
             list(mix.workloads),
+            compiled=True,
             spec=MockGpuSpec(
                 min_cap_w=site.min_cap_w,
                 max_cap_w=site.tdp_w,
