@@ -833,9 +833,6 @@ def _bounds_kept(
     if memo is not None and memo[0] == key:
         return memo[1]
     out = _bounds(fleet, classes, tree, capacity, leftover, jobs=jobs, single=single)
-    for a in out:
-        if isinstance(a, np.ndarray):
-            a.flags.writeable = False  # shared by the ticks that keep it: a write would raise
     tree.bounds_memo = (key, out)
     return out
 
