@@ -91,9 +91,11 @@ def _jit(fn: F) -> F:
     return _compile(fn)
 
 
-def _jit_exact(fn: F) -> F:
+def jit_exact(fn: F) -> F:
     """A kernel whose floating-point sums must come out bit for bit as numpy's (no
-    fast-math: its `reassoc` would let the compiler add in another order)."""
+    fast-math: its `reassoc` would let the compiler add in another order), cached where a
+    cache directory is writable, else compiled in memory. The simulator's kernels
+    (powerd/sim/kernel.py, powerd/backends/mock_kernel.py) are compiled by it too."""
     try:
         return cast(F, numba.njit(cache=True, nogil=True)(fn))
     except RuntimeError:  # (as _compile: no writable cache directory)
@@ -106,7 +108,7 @@ def _inline(fn: F) -> F:
 
 
 def _inline_exact(fn: F) -> F:
-    """A helper compiled into `_jit_exact` callers, without fast-math like them."""
+    """A helper compiled into `jit_exact` callers, without fast-math like them."""
     try:
         return cast(F, numba.njit(cache=True, nogil=True, inline="always")(fn))
     except RuntimeError:  # (as _compile: no writable cache directory)
@@ -1532,7 +1534,7 @@ class _CompileWatch(numba.core.event.Listener):
         pass
 
 
-@_jit_exact
+@jit_exact
 def tree_sums(
     node_of_gpu: IntArray,
     per_gpu: FloatArray,
@@ -1558,7 +1560,7 @@ def tree_sums(
     return s
 
 
-@_jit_exact
+@jit_exact
 def verify_caps(
     p: FloatArray,
     lo: FloatArray,
@@ -1667,7 +1669,7 @@ def _fill_moves(
     return kept
 
 
-@_jit_exact
+@jit_exact
 def deadband_hold(
     targets: FloatArray,
     prev: FloatArray,
@@ -1859,7 +1861,7 @@ def sparse_rows(n_rows: int, n_gpus: int) -> bool:
     return n_rows * 16 < n_gpus
 
 
-@_jit_exact
+@jit_exact
 def absorb_rows(
     gpu: IntArray,
     hi: FloatArray,

@@ -11,31 +11,19 @@ numpy's (`cos` stays numpy's: its callers pass it in). Imported on the model's f
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any, TypeVar, cast
 
-import numba
 import numpy as np
 from numpy.typing import NDArray
+
+from powerd.allocator.kernel import jit_exact
 
 FloatArray = NDArray[np.float64]
 IntArray = NDArray[np.int64]
 UintArray = NDArray[np.uint64]
 BoolArray = NDArray[np.bool_]
 
-F = TypeVar("F", bound=Callable[..., Any])
 
-
-def _jit_exact(fn: F) -> F:
-    """No fast-math (its reassociation would change sums), cached next to this file (or in
-    memory where no cache directory is writable, as powerd/allocator/kernel.py)."""
-    try:
-        return cast(F, numba.njit(cache=True, nogil=True)(fn))
-    except RuntimeError:
-        return cast(F, numba.njit(nogil=True)(fn))
-
-
-@_jit_exact
+@jit_exact
 def _uniform_one(key: np.uint64) -> float:
     """mock._uniform of one key: splitmix64's finaliser, its top 53 bits in [0, 1)."""
     x = (key ^ (key >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -44,7 +32,7 @@ def _uniform_one(key: np.uint64) -> float:
     return float(x >> np.uint64(11)) * (1.0 / 2**53)
 
 
-@_jit_exact
+@jit_exact
 def demand_now(
     t: float,
     demand: FloatArray,
@@ -81,7 +69,7 @@ def demand_now(
     return True
 
 
-@_jit_exact
+@jit_exact
 def step_held(
     cap: FloatArray,
     demand: FloatArray,
@@ -117,7 +105,7 @@ def step_held(
         target[i] = tgt
 
 
-@_jit_exact
+@jit_exact
 def reported_power(
     lagged: FloatArray,
     cap: FloatArray,
@@ -139,7 +127,7 @@ def reported_power(
         out[i] = p if p >= 0.0 else 0.0
 
 
-@_jit_exact
+@jit_exact
 def gauges(
     demand: FloatArray,
     high: FloatArray,
@@ -166,7 +154,7 @@ def gauges(
         sm_clock_mhz[i] = idle_mhz + span_mhz * (util / 100.0) * share
 
 
-@_jit_exact
+@jit_exact
 def _interp(x: float, xs: FloatArray, ys: FloatArray, c: int, n: int) -> float:
     """numpy's `interp(x, xs[c, :n], ys[c, :n])` of one value (xs strictly increasing):
     its branches and its formula, slope · (x − xs[j]) + ys[j], as numpy computes them."""
@@ -202,7 +190,7 @@ def _interp(x: float, xs: FloatArray, ys: FloatArray, c: int, n: int) -> float:
     return out
 
 
-@_jit_exact
+@jit_exact
 def throughput(
     power_w: FloatArray,
     gpus: IntArray,

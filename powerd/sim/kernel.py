@@ -13,30 +13,18 @@ operations in the same order on IEEE doubles (no fast-math), sums in the order n
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any, TypeVar, cast
 
-import numba
 import numpy as np
 from numpy.typing import NDArray
+
+from powerd.allocator.kernel import jit_exact
 
 FloatArray = NDArray[np.float64]
 IntArray = NDArray[np.int64]
 BoolArray = NDArray[np.bool_]
 
-F = TypeVar("F", bound=Callable[..., Any])
 
-
-def _jit_exact(fn: F) -> F:
-    """No fast-math (its reassociation would change sums), cached next to this file (or in
-    memory where no cache directory is writable, as powerd/allocator/kernel.py)."""
-    try:
-        return cast(F, numba.njit(cache=True, nogil=True)(fn))
-    except RuntimeError:
-        return cast(F, numba.njit(nogil=True)(fn))
-
-
-@_jit_exact
+@jit_exact
 def check_groups(
     mean_sum: FloatArray,
     closing_sum: FloatArray,
@@ -85,7 +73,7 @@ def check_groups(
     return longest, excess_max, ratio_max
 
 
-@_jit_exact
+@jit_exact
 def add_work(cls: IntArray, tput: FloatArray, dt: float, work: FloatArray) -> None:
     """`work += np.bincount(cls, weights=tput, minlength=work.size) * dt`: each class's
     throughput summed in GPU order, times dt, added to its work."""
@@ -96,7 +84,7 @@ def add_work(cls: IntArray, tput: FloatArray, dt: float, work: FloatArray) -> No
         work[c] += total[c] * dt
 
 
-@_jit_exact
+@jit_exact
 def add_below_floor(
     floored: BoolArray,
     caps: FloatArray,
@@ -121,7 +109,7 @@ def add_below_floor(
             below_floor_s[c] += held[c] * dt
 
 
-@_jit_exact
+@jit_exact
 def within(
     columns: tuple[FloatArray, ...],
     lo: FloatArray,
@@ -153,7 +141,7 @@ def within(
     return True
 
 
-@_jit_exact
+@jit_exact
 def apply_caps(
     sent_w: FloatArray,
     expected: int,
@@ -195,7 +183,7 @@ def apply_caps(
     return True
 
 
-@_jit_exact
+@jit_exact
 def any_over(
     gpu_groups: IntArray,
     per_gpu: FloatArray,
