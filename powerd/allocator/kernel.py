@@ -2018,7 +2018,7 @@ def _cache_counts(kernels: list[Any]) -> tuple[int, int]:
 
 def warm_up(on_compiling: Callable[[str | None], None] | None = None) -> WarmUp:
     """Compile (or load from numba's cache) every kernel on a two-GPU tree, so the first
-    tick does not wait for the compiler: ~10 s on two cores, ~0.3 s from the cache. Daemons
+    tick does not wait for the compiler: ~20 s on two cores, ~0.3 s from the cache. Daemons
     call it in a thread at start; `powerd warm` runs it ahead (systemd's ExecStartPre, an
     image's build). Logs `solver_compiling` when numba starts compiling (and calls
     `on_compiling` with the cache directory) and `solver_ready` at the end."""

@@ -278,7 +278,7 @@ def add_parser(sub: Any) -> None:
         description="Compile (or load) every kernel of the allocator on a tiny problem and "
         "report the time. numba keeps the machine code in $NUMBA_CACHE_DIR (else next to "
         "the package, else the user's cache directory); a controller started later loads it "
-        "in ~0.3 s instead of compiling it (~10 s on two cores). Exit 1 if no cache "
+        "in ~0.3 s instead of compiling it (~20 s on two cores). Exit 1 if no cache "
         "directory was writable.",
     )
     warm.add_argument("--json", action="store_true", help="print the result as JSON")
