@@ -12,6 +12,10 @@ before it, and its caps meet the demand of the next 4 s and of the next tick's f
 Per piece and GPU the loss is the piece's length × (profile(demand) − the throughput it
 delivered); the reference is the same GPUs at their demand on the same pieces (`grid ref`:
 the bench's `static` run holds demand over whole ticks, so its total differs by ~0.01 %).
+A synchronous training job's GPUs work at its slowest GPU's pace, in the reference, the
+delivered work and the view oracles alike, as the simulator counts them (docs/simulator.md,
+"Synchronous training: the slowest GPU sets the pace"); a job's loss is charged to each of
+its GPUs by that GPU's own cause, though a rank that waits loses by another's.
 
 Causes, from the steer whose caps were in force:
 - `pressed`: at that steer the GPU drew ≥ `held_share` of its cap (held back, demand
@@ -95,7 +99,8 @@ class Recorder:
         def advance(run: _Run, dt: float, t_end: float) -> None:
             cap, demand = run.model.cap_w.copy(), run.model.demand_w.copy()
             orig_advance(run, dt, t_end)
-            tput = run.model.step_throughput.copy()
+            # What the run credits: a synchronous job's GPUs at its slowest GPU's pace.
+            tput = run.mix.sync_throughput(run.model.step_throughput).copy()
             rec.pieces.append(Piece(t_end - dt, dt, cap, demand, tput, len(rec.steers) - 1))
 
         def steer(run: _Run, now: float) -> None:
@@ -129,7 +134,8 @@ class Recorder:
 
 
 def profile_values(mix: Mix) -> Any:
-    """profile(draw) per GPU for arrays whose last axis is the fleet."""
+    """profile(draw) per GPU for arrays whose last axis is the fleet, a synchronous job's
+    GPUs at its slowest GPU's pace (as the simulator credits them: `Mix.sync_throughput`)."""
     groups: dict[int, tuple[Any, list[int]]] = {}
     for i, w in enumerate(mix.workloads):
         groups.setdefault(id(w.profile), (w.profile, []))[1].append(i)
@@ -139,7 +145,7 @@ def profile_values(mix: Mix) -> Any:
         out = np.zeros(power.shape)
         for p, ix in cols:
             out[..., ix] = p.value(power[..., ix])
-        return out
+        return mix.sync_throughput(out)
 
     return value
 
