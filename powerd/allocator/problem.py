@@ -867,12 +867,16 @@ def _bounds(
 
     bad = _over(tree, lo_dev, capacity)
     if bad.any():
-        fixed = tree.under(bad)
-        if jobs is not None:
-            fixed = jobs.any(fixed)
-        hi_base = np.where(fixed, lo_dev, hi_base)
+        hi_base = np.where(_under(tree, jobs, bad), lo_dev, hi_base)
         capacity = np.where(bad, np.inf, capacity)
     return jobs, split, lo_dev, hi_base, single, bad, capacity
+
+
+def _under(tree: Tree, jobs: JobMap | None, groups: BoolArray) -> BoolArray:
+    """Per GPU whether it sits below any of the marked groups, or a GPU of its job does
+    (a job's GPUs share one cap, so they move together)."""
+    under = tree.under(groups)
+    return under if jobs is None else jobs.any(under)
 
 
 def _tree_for(fleet: GpuArrays, tree: Tree | None) -> Tree:
@@ -942,10 +946,7 @@ def build_problem(
             hi = np.where(apart, hi_base, hi)
         over = _over(tree, lo, capacity)
         if over.any():
-            under = tree.under(over)
-            if jobs is not None:
-                under = jobs.any(under)
-            lo = np.where(under, lo_floor, lo)
+            lo = np.where(_under(tree, jobs, over), lo_floor, lo)
     else:
         lo, hi = lo_floor, hi_base
 
