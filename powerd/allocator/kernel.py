@@ -78,13 +78,13 @@ SAMPLE_UNITS = 256
 _FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
 
 
-def _compile(fn: F, **options: Any) -> F:
+def _compile(fn: F, fastmath: set[str] | bool = _FASTMATH, **options: Any) -> F:
     try:
-        return cast(F, numba.njit(cache=True, nogil=True, fastmath=_FASTMATH, **options)(fn))
+        return cast(F, numba.njit(cache=True, nogil=True, fastmath=fastmath, **options)(fn))
     except RuntimeError:
         # No writable cache directory (a read-only install, no home; NUMBA_CACHE_DIR names
         # one): compile in memory at every start instead.
-        return cast(F, numba.njit(nogil=True, fastmath=_FASTMATH, **options)(fn))
+        return cast(F, numba.njit(nogil=True, fastmath=fastmath, **options)(fn))
 
 
 def _jit(fn: F) -> F:
@@ -96,10 +96,7 @@ def jit_exact(fn: F) -> F:
     fast-math: its `reassoc` would let the compiler add in another order), cached where a
     cache directory is writable, else compiled in memory. The simulator's kernels
     (powerd/sim/kernel.py, powerd/backends/mock_kernel.py) are compiled by it too."""
-    try:
-        return cast(F, numba.njit(cache=True, nogil=True)(fn))
-    except RuntimeError:  # (as _compile: no writable cache directory)
-        return cast(F, numba.njit(nogil=True)(fn))
+    return _compile(fn, fastmath=False)
 
 
 def _inline(fn: F) -> F:
@@ -109,10 +106,7 @@ def _inline(fn: F) -> F:
 
 def _inline_exact(fn: F) -> F:
     """A helper compiled into `jit_exact` callers, without fast-math like them."""
-    try:
-        return cast(F, numba.njit(cache=True, nogil=True, inline="always")(fn))
-    except RuntimeError:  # (as _compile: no writable cache directory)
-        return cast(F, numba.njit(nogil=True, inline="always")(fn))
+    return _compile(fn, fastmath=False, inline="always")
 
 
 @_inline
