@@ -451,25 +451,43 @@ class SafetyPlanner:
         caps_w: Mapping[str, float] | tuple[Sequence[str], Sequence[float]],
         as_of_tick: int | None,
         source: int,
+        lifts_to_w: Mapping[str, float] | Sequence[float] | None = None,
     ) -> list[int]:
         k = self._node_index.get(node)
         if k is None:
             return []
         key = NO_TICK if as_of_tick is None else int(as_of_tick)
         uuids, gpus = self._node_uuids[k], self._node_gpu_list[k]
+        lifts: list[float | None] | None = None
         if isinstance(caps_w, tuple):
             # Columns: in the planner's order they are its values as they are.
             if caps_w[0] == uuids:
                 values: list[float | None] = list(caps_w[1])
+                if lifts_to_w is not None and not isinstance(lifts_to_w, Mapping):
+                    lifts = list(lifts_to_w)
             else:
+                if lifts_to_w is not None and not isinstance(lifts_to_w, Mapping):
+                    lifts_to_w = dict(zip(caps_w[0], lifts_to_w, strict=True))
                 caps_w = dict(zip(*caps_w, strict=True))
         if not isinstance(caps_w, tuple):
             values = [caps_w.get(u) for u in uuids]
+        if lifts is None and isinstance(lifts_to_w, Mapping):
+            lifts = [lifts_to_w.get(u) for u in uuids]
+        # The bound from above: the limit read, or the one it goes back to when a lower
+        # limit another set lifts, where that is higher (`on_telemetry`).
+        highs = values
+        if lifts is not None and any(
+            h is not None and v is not None and h > v for v, h in zip(values, lifts, strict=True)
+        ):
+            highs = [
+                h if h is not None and v is not None and h > v else v
+                for v, h in zip(values, lifts, strict=True)
+            ]
         if None not in values and all(map(math.isfinite, values)):  # type: ignore[arg-type]
             # Every GPU read (the common case): whole rows at once.
             n = len(gpus)
             self._q_gpu += gpus
-            self._q_hi += values  # type: ignore[arg-type]
+            self._q_hi += highs  # type: ignore[arg-type]
             self._q_lo += values  # type: ignore[arg-type]
             self._q_key += [key] * n
             self._q_tick += [-1] * n
@@ -478,10 +496,10 @@ class SafetyPlanner:
             self._q_src += [source] * n
             return list(gpus)
         queued = []
-        for i, v in zip(gpus, values, strict=True):
+        for i, v, h in zip(gpus, values, highs, strict=True):
             if v is not None and math.isfinite(v):
                 self._q_gpu.append(i)
-                self._q_hi.append(v)
+                self._q_hi.append(v if h is None else h)
                 self._q_lo.append(v)
                 self._q_key.append(key)
                 self._q_tick.append(-1)
@@ -498,18 +516,28 @@ class SafetyPlanner:
         caps_w: Sequence[float] | FloatArray,
         received_at: float,
         as_of_tick: Sequence[int | None],
+        *,
+        lifts_to_w: Sequence[float] | FloatArray | None = None,
     ) -> bool:
         """Many nodes' telemetry at once: the same as `on_telemetry(nodes[j], (uuids[j],
-        caps_j), received_at, as_of_tick[j])` for each in turn, `caps_w` holding their caps
-        end to end. Queued as one block where every node is known, names its GPUs in the
-        planner's order and reads every cap (a whole fleet's sample, the common case);
-        False, with nothing queued, where not: then call `on_telemetry` for each."""
+        caps_j), received_at, as_of_tick[j], lifts_j)` for each in turn, `caps_w` (and
+        `lifts_to_w`) holding theirs end to end. Queued as one block where every node is
+        known, names its GPUs in the planner's order and reads every cap (a whole fleet's
+        sample, the common case); False, with nothing queued, where not: then call
+        `on_telemetry` for each."""
         gpus = self._fleet_rows(nodes, uuids)
         if gpus is None:
             return False
         caps = np.asarray(caps_w, dtype=np.float64)
         if caps.shape != gpus[0].shape or not np.isfinite(caps).all():
             return False
+        highs = caps
+        if lifts_to_w is not None:
+            lifts = np.asarray(lifts_to_w, dtype=np.float64)
+            if lifts.shape != caps.shape:
+                return False
+            if (lifts > caps).any():  # (NaN: nothing set, never above)
+                highs = np.fmax(caps, lifts)
         idx, counts = gpus
         key = np.repeat(
             np.array([NO_TICK if t is None else int(t) for t in as_of_tick], dtype=np.int64),
@@ -519,7 +547,7 @@ class SafetyPlanner:
         self._queue_block(
             _Rows(
                 idx,
-                caps,
+                highs,
                 caps,
                 key,
                 np.full(n, -1, dtype=np.int64),
@@ -687,11 +715,20 @@ class SafetyPlanner:
         caps_w: Mapping[str, float] | tuple[Sequence[str], Sequence[float]],
         received_at: float,
         as_of_tick: int | None = None,
+        lifts_to_w: Mapping[str, float] | Sequence[float] | None = None,
     ) -> None:
         """Enforced caps read back by the agent (by uuid, or as columns: uuids, caps);
         `received_at` (controller time) dates freshness, `as_of_tick` (the last command the
-        agent had applied when it sampled) orders it."""
-        queued = self._queue_readings(node, caps_w, as_of_tick, _TELEMETRY)
+        agent had applied when it sampled) orders it.
+
+        `lifts_to_w` (by uuid, or a column beside the caps; NaN or missing: none): per GPU
+        the limit its agent set, to which it goes back should a lower limit that another
+        holds lift (a BMC's out-of-band cap, `nvidia-smi` lowering it): with no command and
+        no reading in between, so a reading below it bounds the cap in force from below
+        only, and from above by that limit. (Read as the bound, the lower limit would let
+        the difference go to other GPUs, and its lifting break their budget until the next
+        sample.)"""
+        queued = self._queue_readings(node, caps_w, as_of_tick, _TELEMETRY, lifts_to_w)
         self._q_seen_gpu += queued
         self._q_seen_at += [received_at] * len(queued)
 

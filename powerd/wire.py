@@ -209,7 +209,9 @@ class NodeStatus(_Msg):
     fenced: int = Field(default=0, ge=0, le=MAX_TICK)  # commands refused for a lower epoch
     gpus: int = Field(default=0, ge=0, le=MAX_GPUS_PER_NODE)
     agent_version: str = Field(default="", max_length=64)
-    # Caps in force, so a restarted controller learns them from the retained status.
+    # Caps that may be in force, so a restarted controller learns them from the retained
+    # status: per GPU the limit read back, or the one the agent set where another's lower
+    # limit (an out-of-band cap) holds it under that and may lift.
     caps_w: dict[GpuUuid, Watts] = Field(default_factory=dict, max_length=MAX_GPUS_PER_NODE)
     # The authority the agent obeys (None: none yet, or an older agent), the commands it
     # refused from any other, and the last of those (which controller, which authority).

@@ -418,6 +418,31 @@ async def test_an_out_of_band_limit_shows_in_every_sample_until_it_goes(
     assert (g.cap_w, g.set_w) == (400.0, 400.0)
 
 
+async def test_the_failsafe_lowers_the_limit_under_an_out_of_band_one_that_may_lift(
+    start_agent: StartAgent, eventually: Any
+) -> None:
+    # A BMC holds GPU 2 at 350 W under powerd's 600 W when the controller goes: judged by
+    # the limit in force (350 W, under the 500 W failsafe) it was left at 600 W, to which
+    # it went back, uncounted, the moment the BMC let go.
+    h = await start_agent(failsafe_w=None)
+    h.fleet.override(2, 350.0)
+    await h.apply(1, [250.0, 600.0, 600.0, 600.0], failsafe=500.0)
+    await h.step(LEASE_S)
+    await eventually(lambda: h.agent.state is NodeState.FAILSAFE, what="failsafe")
+    assert h.caps() == [250.0, 500.0, 350.0, 500.0]
+    await h.step(PERIOD_S)
+    g = (await h.latest_telemetry()).gpus[2]
+    assert (g.cap_w, g.set_w) == (350.0, 500.0)  # the failsafe set under the BMC's limit
+    # The retained status (what a restarted controller counts) names the limit it may
+    # lift to, not the one read.
+    await eventually(lambda: h.statuses[-1].state is NodeState.FAILSAFE)
+    assert h.statuses[-1].caps_w[h.uuids[2]] == 500.0
+    h.fleet.override(2, None)  # the BMC lets go: back to the failsafe cap, not above it
+    assert h.caps() == [250.0, 500.0, 500.0, 500.0]
+    await h.step(PERIOD_S)
+    assert (await h.latest_telemetry()).gpus[2].restores == 0  # nothing to set back
+
+
 async def test_a_gpu_back_from_a_reset_gets_its_cap_again_at_once(
     start_agent: StartAgent,
 ) -> None:

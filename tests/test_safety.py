@@ -120,6 +120,49 @@ def test_readings_as_columns_count_as_the_same_readings_by_uuid() -> None:
     assert by_cols.committed_w().tolist()[:3] == [140.0, 170.0, 130.0]
 
 
+def test_a_reading_under_the_limit_set_counts_the_set_in_every_form() -> None:
+    # g0-1 reads 150 W under the 300 W its agent set (a BMC holds it): it may go back to
+    # 300 W at any moment, so that bounds it from above, and 150 W only from below. The
+    # same by uuid, as columns in the planner's order and in another, and as a fleet block.
+    policy, layout = simple_fleet([3, 1])
+    forms = [SafetyPlanner(policy, layout) for _ in range(4)]
+    for p in forms:
+        p.assume_settled()
+    uuids, caps, sets = ["g0-0", "g0-1", "g0-2"], [300.0, 150.0, 250.0], [300.0, 300.0, math.nan]
+    forms[0].on_telemetry(
+        "n0",
+        dict(zip(uuids, caps, strict=True)),
+        received_at=1.0,
+        as_of_tick=1,
+        lifts_to_w=dict(zip(uuids, sets, strict=True)),
+    )
+    forms[1].on_telemetry("n0", (uuids, caps), received_at=1.0, as_of_tick=1, lifts_to_w=sets)
+    order = [2, 0, 1]
+    forms[2].on_telemetry(
+        "n0",
+        ([uuids[i] for i in order], [caps[i] for i in order]),
+        received_at=1.0,
+        as_of_tick=1,
+        lifts_to_w=[sets[i] for i in order],
+    )
+    assert forms[3].on_fleet_telemetry(
+        ["n0", "n1"], [uuids, ["g1-0"]], [*caps, 200.0], 1.0, [1, 1],
+        lifts_to_w=[*sets, math.nan],
+    )  # fmt: skip
+    forms[0].on_telemetry("n1", {"g1-0": 200.0}, received_at=1.0, as_of_tick=1)
+    for p in forms[1:3]:
+        p.on_telemetry("n1", (["g1-0"], [200.0]), received_at=1.0, as_of_tick=1)
+    topo = layout.topology
+    over = np.full(topo.n_groups, 10_000.0)
+    over[topo.names.index("n0")] = 700.0  # n0 over its budget: its caps shed to ~ 230 W
+    for p in forms:
+        assert p.committed_w().tolist() == [300.0, 300.0, 250.0, 200.0]
+        # Where a group is over, nothing is sent above the lowest cap that may be in force:
+        # for g0-1 the 150 W read, not the 300 W it may go back to.
+        plan = p.plan(2, 1.0, np.array([300.0, 300.0, 250.0, 200.0]), budget_w=over)
+        assert plan.sent_w[1] <= 150.0 + TOL < plan.sent_w[0]
+
+
 def test_a_node_gone_offline_counts_at_its_maximum_until_it_reports_again() -> None:
     policy, layout = simple_fleet([1, 1], facility=700.0)
     planner = SafetyPlanner(policy, layout)
@@ -410,6 +453,9 @@ class Faults:
     status_lost_p: float = 0.0  # a retained status missing when a controller starts
     stuck_p: float = 0.0  # per GPU per tick: it starts refusing every set for a few ticks
     will_p: float = 0.0  # a killed agent's last will (offline, no caps) reaches the controller
+    # Per GPU per tick: a limit another holds (a BMC's out-of-band cap) comes, at or under
+    # the one its agent set, or goes: the GPU then returns to that one at once.
+    oob_p: float = 0.0
     fitting_targets: bool = False
     # Check that nothing sent into a group over its budget raises a cap even briefly. Only
     # meaningful where no lease runs out unseen (agents fall to failsafe without telling).
@@ -491,6 +537,9 @@ class World:
         self.topo = self.layout.topology
         self.budget = self.topo.budget_w.copy()
         self.true = self.layout.failsafe_w.copy()  # the caps in force on the devices
+        self.requested = self.true.copy()  # the limits the agents set (NaN: none known)
+        self.oob = np.full(len(nodes), np.inf)  # out-of-band limits held under them
+        self.lifts = 0  # out-of-band limits that went
         self.agents = {
             name: Agent(name, [i for i, n in enumerate(nodes) if n == name])
             for name in dict.fromkeys(nodes)
@@ -577,8 +626,14 @@ class World:
                 )
                 continue
             limit = min(max(cmd.caps_w[uuid], self.layout.min_cap_w[i]), self.layout.max_cap_w[i])
-            self.true[i] = limit
-            acks[uuid] = GpuAck(requested_w=cmd.caps_w[uuid], enforced_w=limit)
+            self.requested[i] = limit
+            self.true[i] = min(limit, self.oob[i])
+            held = self.true[i] < limit - TOL
+            acks[uuid] = GpuAck(
+                requested_w=cmd.caps_w[uuid],
+                enforced_w=float(self.true[i]),
+                error=AckError.OVERRIDDEN if held else None,
+            )
         agent.last_tick = cmd.tick
         self.applied += 1
         agent.lease_until = self.now + cmd.lease_s
@@ -592,14 +647,32 @@ class World:
             self.fall_to_failsafe(agent)
 
     def fall_to_failsafe(self, agent: Agent) -> None:
+        # The agent lowers what it set, not only what is enforced (an out-of-band limit
+        # may hold the GPU lower for now).
         idx = np.array(agent.gpus)
-        self.true[idx] = np.minimum(self.true[idx], self.layout.failsafe_w[idx])
+        self.requested[idx] = np.minimum(self.requested[idx], self.layout.failsafe_w[idx])
+        self.true[idx] = np.minimum(self.requested[idx], self.oob[idx])
+
+    def out_of_band(self) -> None:
+        """Out-of-band limits come (at most the limit set) and go (back to it at once)."""
+        for i in range(self.layout.n_gpus):
+            if self.rng.random() >= self.faults.oob_p:
+                continue
+            if np.isfinite(self.oob[i]):
+                self.oob[i] = np.inf
+                self.lifts += 1
+            else:
+                self.oob[i] = self.rng.uniform(self.layout.min_cap_w[i], self.requested[i])
+            self.true[i] = min(self.requested[i], self.oob[i])
+            self.check_budgets()
+            self.check_committed()
 
     def telemetry(self, agent: Agent) -> None:
         if agent.alive:
             caps = {self.layout.uuids[i]: float(self.true[i]) for i in agent.gpus}
+            sets = {self.layout.uuids[i]: float(self.requested[i]) for i in agent.gpus}
             as_of = agent.last_tick if agent.last_tick >= 0 else None
-            self.send(lambda: self.deliver_telemetry(agent.node, caps, as_of))
+            self.send(lambda: self.deliver_telemetry(agent.node, caps, as_of, sets))
         if self.now < self.ticks:
             self.at(self.now + 1.0, lambda: self.telemetry(agent))
 
@@ -635,10 +708,14 @@ class World:
             self.planner.on_ack(node, tick, acks)
             self.check_committed()
 
-    def deliver_telemetry(self, node: str, caps: dict[str, float], as_of: int | None) -> None:
+    def deliver_telemetry(
+        self, node: str, caps: dict[str, float], as_of: int | None, sets: dict[str, float]
+    ) -> None:
         if self.planner is not None:
             self.offline.discard(node)
-            self.planner.on_telemetry(node, caps, received_at=self.now, as_of_tick=as_of)
+            self.planner.on_telemetry(
+                node, caps, received_at=self.now, as_of_tick=as_of, lifts_to_w=sets
+            )
             self.check_committed()
 
     def deliver_will(self, node: str) -> None:
@@ -683,6 +760,8 @@ class World:
         for i in range(self.layout.n_gpus):
             if self.rng.random() < self.faults.stuck_p:
                 self.stuck_until[i] = self.now + self.rng.uniform(1.0, 5.0)
+        if self.faults.oob_p:
+            self.out_of_band()
         self.targets = self.new_targets()
         self.plan_and_send()
 
@@ -766,6 +845,31 @@ def test_budgets_hold_at_every_moment_under_faults(seed: int, fitting_targets: b
     world = simulate(seed, faults, ticks=40)
     # The invariants are asserted inside the world at every change; make sure there were some.
     assert world.applied > 0
+
+
+@SIM
+@given(seed=st.integers(0, 2**32 - 1), fitting_targets=st.booleans())
+def test_budgets_hold_at_every_moment_while_out_of_band_limits_come_and_go(
+    seed: int, fitting_targets: bool
+) -> None:
+    # A limit another holds under the one its agent set reads as the cap in force, but it
+    # lifts without a command or a reading in between: the planner must count what it
+    # lifts to (the set, which telemetry carries). Agents are not killed here: a new agent
+    # process knows no set of its predecessor's (docs/safety.md, "Limits powerd did not
+    # set").
+    faults = Faults(
+        drop_p=0.1,
+        max_delay=1.5,
+        set_error_p=0.05,
+        controller_restart_p=0.04,
+        status_lost_p=0.2,
+        cut_p=0.05,
+        stuck_p=0.01,
+        oob_p=0.08,
+        fitting_targets=fitting_targets,
+    )
+    world = simulate(seed, faults, ticks=40)
+    assert world.applied > 0 and world.checks > 0
 
 
 @SIM

@@ -476,12 +476,18 @@ class Agent:
         return min(max(watts, info.min_cap_w), info.max_cap_w)
 
     def _enforce_failsafe(self) -> bool:
-        """Lower every GPU above its failsafe cap to it (never raise one); True if any moved."""
+        """Lower every GPU above its failsafe cap to it (never raise one); True if any moved.
+        A GPU held lower by a limit another sets (an out-of-band cap) is judged by the limit
+        this agent set, which it goes back to when the other lifts: left there, it would
+        return above its failsafe cap with no controller counting it."""
         moves: list[tuple[str, float, float]] = []  # (uuid, target, current): decreases only
         for uuid, info in self.gpus.items():
             current = self.caps_w.get(uuid)
             if current is None:  # never read (lost GPU): nothing known to lower from
                 continue
+            mine = self.set_w.get(uuid)
+            if mine is not None:
+                current = max(current, mine)
             target = self.failsafe_cap_w(info)
             if current > target + CAP_TOLERANCE_W:
                 moves.append((uuid, target, current))
@@ -649,6 +655,12 @@ class Agent:
                 self.log.exception("telemetry_hook_failed")
         await self._send("telemetry", self.topics.telemetry(self.node_id), msg, qos=0)
 
+    def caps_may_be_w(self) -> dict[str, float]:
+        """Per GPU the highest limit that may be in force: the one read back, or the one
+        this agent set where another's lower limit holds it under that (it may lift)."""
+        sets = self.set_w
+        return {u: max(c, sets.get(u, c)) for u, c in self.caps_w.items()}
+
     def status_message(self) -> NodeStatus:
         """What the retained status says now."""
         return NodeStatus(
@@ -660,7 +672,7 @@ class Agent:
             fenced=self.fenced,
             gpus=len(self.gpus),
             agent_version=__version__,
-            caps_w=self.caps_w,
+            caps_w=self.caps_may_be_w(),
             authority=self.authority,
             refused=self.refused,
             refused_authority=self.refused_authority,

@@ -73,15 +73,24 @@ def _teach(fleet: FleetState, planner: SafetyPlanner, now: float) -> None:
     """What was heard before the planner knew these GPUs (retained statuses arrive first
     after a start, telemetry of new GPUs) teaches it their caps now, in arrival order."""
     by_node: dict[str, dict[str, float]] = {}
+    lifts: dict[str, dict[str, float]] = {}
     for g in fleet.gpus.values():
         if g.error is None:
             by_node.setdefault(g.node, {})[g.uuid] = g.cap_w
+            if g.set_w is not None:
+                lifts.setdefault(g.node, {})[g.uuid] = g.set_w
     for node, caps in by_node.items():
         rec = fleet.nodes[node]
         status = rec.status_caps_w
         if status and not rec.status_newer:
             planner.learn_status(node, status, as_of_tick=rec.status_tick)
-        planner.on_telemetry(node, caps, received_at=rec.seen_at or now, as_of_tick=rec.tick)
+        planner.on_telemetry(
+            node,
+            caps,
+            received_at=rec.seen_at or now,
+            as_of_tick=rec.tick,
+            lifts_to_w=lifts.get(node),
+        )
         if status and rec.status_newer:
             planner.learn_status(node, status, as_of_tick=rec.status_tick)
         if rec.state is NodeState.OFFLINE and not rec.stopped:

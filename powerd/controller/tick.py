@@ -229,11 +229,15 @@ class TickEngine:
             else:
                 # A tick of an older leader's orders nothing of ours: the reading only widens.
                 ticks.append(None if epoch < ours else r.tick)
-        # The caps as the sender's array where it holds one (the same values as the list).
-        caps = whole.cap_w if whole.arrays is None else whole.arrays["cap_w"]
+        # The caps as the sender's array where it holds one (the same values as the list),
+        # and the limits their agents set (a lower one another holds may lift to them).
+        arrays = whole.arrays
+        caps = whole.cap_w if arrays is None else arrays["cap_w"]
+        lifts = whole.set_w if arrays is None else arrays.get("set_w", whole.set_w)
         if not self.planner.on_fleet_telemetry(
-            [r.node_id for r in samples], [r.uuid for r in samples], caps, now, ticks
-        ):
+            [r.node_id for r in samples], [r.uuid for r in samples], caps, now, ticks,
+            lifts_to_w=lifts,
+        ):  # fmt: skip
             return False
         self._heard += len(samples)
         return True
@@ -247,14 +251,19 @@ class TickEngine:
         self._heard += 1
         # A GPU reported with an error carries its last known cap, not a reading.
         caps: Mapping[str, float] | tuple[Sequence[str], Sequence[float]]
+        lifts: Mapping[str, float] | Sequence[float] = r.set_w
         if r.no_errors:
             caps = (r.uuid, r.cap_w)
         else:
             caps = {u: w for u, w, e in zip(r.uuid, r.cap_w, r.error, strict=True) if e is None}
+            lifts = dict(zip(r.uuid, r.set_w, strict=True))
         # A tick of an older leader's orders nothing of ours: the reading only widens.
         older = r.epoch is not None and r.epoch < self.obedience.epoch
         tick = None if older else r.tick
-        self.planner.on_telemetry(r.node_id, caps, received_at=now, as_of_tick=tick)
+        # The limits the agent set: a lower one another holds may lift to them.
+        self.planner.on_telemetry(
+            r.node_id, caps, received_at=now, as_of_tick=tick, lifts_to_w=lifts
+        )
 
     def on_ack(self, node: str, ack: CapAck) -> AckHeard:
         return self.on_acked(
