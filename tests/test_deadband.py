@@ -4,13 +4,14 @@ churn less where neighbours swing under shared budgets."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from itertools import pairwise
 from typing import Any
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.honest import GPUS, NODES, HonestNode, policy_dict
+from support.honest import GPUS, NODES, HonestNode, policy_dict, tick
 from support.sim import scenario_dict, small_policy
 
 from powerd.controller.churn import Churn, cap_moves
@@ -23,6 +24,7 @@ from powerd.sim.scenario import parse_scenario
 from powerd.sim.site import build_mix, build_site
 from powerd.testing.synthetic import make_policy
 from powerd.topology import Topology
+from powerd.wire import CAP_TOLERANCE_W, CapAck, NodeTelemetry
 
 TOL = 1e-6
 
@@ -285,6 +287,79 @@ def test_every_budget_holds_at_every_tick_through_swings_and_cuts(
         # Held moves are counted, and no cap moves by less than the band unless its
         # group's limit or a larger move elsewhere in it called for it.
         assert report.caps_held >= 0 and report.caps_moved <= len(report.uuids)
+
+
+class AgentNode(SwingingNode):
+    """Reports, as an agent does, the limit it set (`set_w`) beside the one in force, so
+    that another tool's limit (`foreign`) shows as a limit powerd did not set."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.set_w = dict(self.caps)
+
+    def foreign(self, uuid: str, watts: float) -> None:
+        """`nvidia-smi -pl`, an out-of-band cap: the limit moves, the agent's set does not."""
+        self.caps[uuid] = watts
+
+    def sample(self, wall: float) -> NodeTelemetry:
+        t = super().sample(wall)
+        gpus = [g.model_copy(update={"set_w": self.set_w[g.uuid]}) for g in t.gpus]
+        return t.model_copy(update={"gpus": gpus})
+
+    def apply_caps(self, tick: int, caps_w: Mapping[str, float]) -> CapAck | None:
+        ack = super().apply_caps(tick, caps_w)
+        if ack is not None:
+            self.set_w.update({u: self.caps[u] for u in ack.gpus})
+        return ack
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    moves=st.lists(
+        st.tuples(st.integers(0, 2**31), st.floats(-1.0, 1.0).filter(lambda f: abs(f) > 0.05)),
+        min_size=3,
+        max_size=10,
+    ),
+    band=st.sampled_from([20.0, 40.0, 120.0]),
+    raise_band=st.sampled_from([0.0, 40.0]),
+)
+def test_no_gpu_is_held_at_a_limit_powerd_did_not_set(
+    moves: list[tuple[int, float]], band: float, raise_band: float
+) -> None:
+    # Someone moves one GPU's limit each tick by up to the band, up or down, behind
+    # powerd's back. Holding that GPU "at the cap in force" (a small cut held, a raise
+    # trimmed back, a raise waiting for room) would command the other tool's limit as
+    # powerd's own: an agent's restore undone by the next tick, an out-of-band limit made
+    # to look like powerd's (its `cap_overridden` alarm cleared while it holds).
+    engine = TickEngine(_deadband_policy(band, raise_band))
+    nodes = {n: AgentNode(n) for n in NODES}
+    wall0 = 1_700_000_000.0
+    for t in range(4):  # steered, every GPU's set reported
+        tick(engine, nodes, t, wall0)
+    held_before = 0
+    for t, (seed, shift) in enumerate(moves, start=4):
+        rng = np.random.default_rng(seed)
+        node = nodes[NODES[int(rng.integers(len(NODES)))]]
+        uuid = node.uuids[int(rng.integers(GPUS))]
+        for n in nodes.values():
+            for u in n.uuids:
+                n.demand[u] = float(np.clip(n.demand[u] + rng.normal(0, 15), 150, 650))
+        # Inside the device's bounds, off them by a watt: a target there is the bound's.
+        foreign = float(np.clip(node.set_w[uuid] + shift * band, 201.0, 699.0))
+        if abs(foreign - node.set_w[uuid]) <= CAP_TOLERANCE_W:
+            continue
+        set_w = node.set_w[uuid]
+        node.foreign(uuid, foreign)
+        report, plan = tick(engine, nodes, t, wall0)
+        held_before += report.caps_held
+        target = float(report.targets_w[report.uuids.index(uuid)])
+        sent = [cmd.caps_w[uuid] for cmd in plan.commands if uuid in cmd.caps_w]
+        if sent and abs(sent[0] - foreign) <= 1e-3:
+            # Only a raise of powerd's own past a higher limit, waiting for its room, keeps
+            # the limit in force for a tick; a lower limit is never taken as powerd's.
+            assert foreign > set_w and target > foreign + 1e-3, (foreign, set_w, target)
+    # The rule is not vacuous: the deadband held the other GPUs' small moves meanwhile.
+    assert held_before > 0 or band == 20.0
 
 
 def test_a_steady_fleet_under_a_deadband_stops_moving_and_a_small_wobble_moves_nothing() -> None:

@@ -21,7 +21,7 @@ import structlog
 from numpy.typing import NDArray
 
 from powerd.policy import Policy
-from powerd.wire import NodeState, NodeStatus, NodeTelemetry
+from powerd.wire import CAP_TOLERANCE_W, NodeState, NodeStatus, NodeTelemetry
 
 log = structlog.get_logger(__name__)
 
@@ -101,6 +101,15 @@ class FleetArrays:
     # The limit the GPU's agent last set (NaN: none reported, or the GPU reported an error):
     # `cap_w` differing from it is a limit powerd did not set.
     set_w: FloatArray | None = None
+
+    def not_set_here(self) -> BoolArray:
+        """Per GPU whether the limit in force at its latest reading (`cap_w`) is not the one
+        its agent set (`set_w`): another tool's, an out-of-band limit, a reset's default.
+        False where no set is reported (the simulator's agents, an error)."""
+        if self.set_w is None:
+            return np.zeros(len(self.uuids), dtype=np.bool_)
+        with np.errstate(invalid="ignore"):
+            return np.asarray(np.abs(self.cap_w - self.set_w) > CAP_TOLERANCE_W)
 
 
 @dataclass(slots=True)

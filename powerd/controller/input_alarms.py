@@ -166,8 +166,7 @@ class InputAlarms:
         set_w = arrays.set_w
         if set_w is None:
             return
-        with np.errstate(invalid="ignore"):
-            differ = np.flatnonzero(np.abs(arrays.cap_w - set_w) > CAP_TOLERANCE_W)
+        differ = np.flatnonzero(arrays.not_set_here())
         wanted = tuple(arrays.uuids[i] for i in differ.tolist())
         if self.alarms.subjects("cap_overridden") != (
             wanted or None

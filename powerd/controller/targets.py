@@ -43,6 +43,26 @@ INEXACT_GAP = 1e-4
 CURVE_POINTS = 256
 
 
+def steer_from_w(arrays: FleetArrays, committed_w: FloatArray) -> FloatArray:
+    """Per GPU the cap its next target moves from: where the damping term and the spare
+    power's `caps` anchor centre it, the slew window around it, the deadband's cap in
+    force. The planner's committed cap (what may be in force), but for a GPU reporting a
+    limit its agent did not set (another tool's `nvidia-smi -pl`, an out-of-band cap, a
+    reset's default: `FleetArrays.not_set_here`): from that limit, powerd would command
+    another's choice as its own (the deadband holding a small cut at it, a raise trimmed
+    back to it, a tie broken toward it), undo its agent's restore and clear the
+    `cap_overridden` alarm while the other limit holds. Such a GPU moves from the cap
+    powerd set. Only where the targets start: the planner counts every GPU at its
+    committed cap, whatever this says (powerd/safety.py)."""
+    in_force = np.minimum(committed_w, arrays.max_cap_w)
+    foreign = arrays.not_set_here() & ~arrays.stale
+    if arrays.set_w is None or not foreign.any():
+        return in_force
+    return np.asarray(
+        np.where(foreign, np.minimum(arrays.set_w, arrays.max_cap_w), in_force), dtype=np.float64
+    )
+
+
 @dataclass(frozen=True)
 class Targets:
     """The allocation stage's output: the allocator's input and what it decided."""
@@ -125,8 +145,7 @@ class TargetStage:
             min_cap_w=arrays.min_cap_w,
             max_cap_w=arrays.max_cap_w,
             power_w=arrays.power_w,
-            # The damping term steers toward the caps that may be in force.
-            cap_w=np.minimum(committed_w, arrays.max_cap_w),
+            cap_w=steer_from_w(arrays, committed_w),
             class_index=cls_idx,
             stale=arrays.stale,
             pinned_w=pinned,
