@@ -184,6 +184,20 @@ async def test_start_lowers_to_failsafe_and_never_raises(start_agent: StartAgent
     assert status.caps_w == dict(zip(h.uuids, [300.0, 400.0, 400.0, 400.0], strict=True))
 
 
+async def test_start_lowers_a_limit_held_under_the_failsafe_by_another(
+    start_agent: StartAgent,
+) -> None:
+    # A BMC holds GPU 2 at 300 W under the 700 W a predecessor left requested: the new
+    # agent, knowing no set of its own, reads the requested limit from the driver and sets
+    # its 400 W failsafe under the BMC's limit. Judged by the 300 W enforced alone it left
+    # 700 W requested, where the GPU went the moment the BMC let go.
+    h = await start_agent(prepare=lambda fleet: fleet.override(2, 300.0))
+    assert h.caps() == [400.0, 400.0, 300.0, 400.0]
+    assert h.statuses[-1].caps_w[h.uuids[2]] == 400.0  # what it may lift to
+    h.fleet.override(2, None)
+    assert h.caps() == [400.0] * 4
+
+
 async def test_cap_applied_and_acknowledged_end_to_end(start_agent: StartAgent, eventually: Any):
     h = await start_agent()
     # Out-of-range requests are clamped to the device's limits [200, 700] W.

@@ -76,6 +76,7 @@ def nvml(monkeypatch: pytest.MonkeyPatch) -> Iterator[mock.MagicMock]:
     )
     per_gpu(fake.nvmlDeviceGetPowerManagementDefaultLimit, 700_000, 400_000)
     per_gpu(fake.nvmlDeviceGetEnforcedPowerLimit, 650_000, 350_000)
+    per_gpu(fake.nvmlDeviceGetPowerManagementLimit, 650_000, 350_000)
     per_gpu(fake.nvmlDeviceGetPowerUsage, 350_123, 120_000)
     per_gpu(fake.nvmlDeviceGetTotalEnergyConsumption, 123_456_789, 5_000)
     per_gpu(fake.nvmlDeviceGetTemperatureV, 65, 40)
@@ -234,12 +235,13 @@ def test_read_converts_units_and_calls_nvml_as_documented(
     assert r.power_w == pytest.approx(350.123)  # mW -> W
     assert r.energy_j == pytest.approx(123_456.789)  # mJ -> J
     assert r.cap_w == 650.0  # the enforced limit, not the default or management one
+    assert r.requested_w == 650.0  # the management limit: what a lower limit lifts to
     assert r.temp_c == 65.0
     assert r.util_pct == 87.0
     assert r.sm_clock_mhz == 1755.0
     assert r.throttle == ["sw_power_cap", "hw_thermal"]
     nvml.nvmlDeviceGetEnforcedPowerLimit.assert_called_with(H0)
-    nvml.nvmlDeviceGetPowerManagementLimit.assert_not_called()
+    nvml.nvmlDeviceGetPowerManagementLimit.assert_called_with(H0)
     nvml.nvmlDeviceGetTemperatureV.assert_called_once_with(H0, pynvml.NVML_TEMPERATURE_GPU)
     nvml.nvmlDeviceGetTemperature.assert_not_called()
     nvml.nvmlDeviceGetClockInfo.assert_called_once_with(H0, pynvml.NVML_CLOCK_SM)
@@ -396,6 +398,7 @@ def test_a_gpu_back_under_a_new_handle_is_found_by_its_uuid(
         ("nvmlDeviceGetEnforcedPowerLimit", lost, 400_000),
         ("nvmlDeviceGetPowerUsage", lost, 90_000),
         ("nvmlDeviceSetPowerManagementLimit", lost, None),
+        ("nvmlDeviceGetPowerManagementLimit", lost, 400_000),
     ]:
         getattr(nvml, name).side_effect = answers({H0: 650_000, H1: old, h2: new})
     for name in ("nvmlDeviceGetTotalEnergyConsumption", "nvmlDeviceGetTemperatureV"):
@@ -407,7 +410,7 @@ def test_a_gpu_back_under_a_new_handle_is_found_by_its_uuid(
     nvml.nvmlDeviceGetCurrentClocksEventReasons.side_effect = answers({H1: lost, h2: 0})
     nvml.nvmlDeviceGetHandleByUUID.side_effect = {UUID1: h2}.__getitem__
     reading = backend.read(UUID1)
-    assert (reading.cap_w, reading.power_w) == (400.0, 90.0)
+    assert (reading.cap_w, reading.power_w, reading.requested_w) == (400.0, 90.0, 400.0)
     nvml.nvmlDeviceGetHandleByUUID.assert_called_once_with(UUID1)
     assert backend.set_power_limit_w(UUID1, 300.0) == 400.0  # the mock's enforced limit
     nvml.nvmlDeviceSetPowerManagementLimit.assert_called_with(h2, 300_000)

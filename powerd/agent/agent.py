@@ -121,6 +121,9 @@ class Agent:
         # The limit this agent last set per GPU (a command's cap, or its failsafe cap): what
         # every sample's read-back is checked against.
         self.set_w: dict[str, float] = {}
+        # The limit requested through the driver per GPU, as last read (NVML's management
+        # limit: a predecessor's set, the default after a reset); unknown for a BMC's GPUs.
+        self.requested_w: dict[str, float] = {}
         self.restores: Counter[str] = Counter()  # limits found above set_w and set back
         self.found_w: dict[str, float] = {}  # the limit found, the latest time
         self._differs: set[str] = set()  # GPUs whose read-back differed at the last sample
@@ -463,6 +466,7 @@ class Agent:
         enforced = result
         self.caps_w[uuid] = enforced
         self.set_w[uuid] = target
+        self.requested_w[uuid] = target  # the driver's requested limit is this set now
         self.caps_applied += 1
         if abs(enforced - target) > CAP_TOLERANCE_W:
             self.log.warning("cap_overridden", gpu=uuid, watts=target, enforced_w=enforced)
@@ -478,16 +482,14 @@ class Agent:
     def _enforce_failsafe(self) -> bool:
         """Lower every GPU above its failsafe cap to it (never raise one); True if any moved.
         A GPU held lower by a limit another sets (an out-of-band cap) is judged by the limit
-        this agent set, which it goes back to when the other lifts: left there, it would
-        return above its failsafe cap with no controller counting it."""
+        it goes back to when the other lifts (`lifts_to_w`): left there, it would return
+        above its failsafe cap with no controller counting it."""
         moves: list[tuple[str, float, float]] = []  # (uuid, target, current): decreases only
         for uuid, info in self.gpus.items():
             current = self.caps_w.get(uuid)
             if current is None:  # never read (lost GPU): nothing known to lower from
                 continue
-            mine = self.set_w.get(uuid)
-            if mine is not None:
-                current = max(current, mine)
+            current = max(current, self.lifts_to_w(uuid) or current)
             target = self.failsafe_cap_w(info)
             if current > target + CAP_TOLERANCE_W:
                 moves.append((uuid, target, current))
@@ -614,6 +616,11 @@ class Agent:
         # Kept only once the reading passed the wire's bounds: a limit read back as NaN or
         # beyond them must not become the cap a later failed sample reports.
         self.caps_w[info.uuid] = r.cap_w
+        requested = r.requested_w
+        if requested is not None and 0 <= requested <= MAX_SANE_WATTS:  # (NaN: neither)
+            self.requested_w[info.uuid] = requested
+        else:
+            self.requested_w.pop(info.uuid, None)
         return sample
 
     def _failed_telemetry(self, info: GpuInfo, error: str) -> GpuTelemetry:
@@ -655,11 +662,18 @@ class Agent:
                 self.log.exception("telemetry_hook_failed")
         await self._send("telemetry", self.topics.telemetry(self.node_id), msg, qos=0)
 
+    def lifts_to_w(self, uuid: str) -> float | None:
+        """The limit GPU `uuid` goes back to should a lower one another holds lift: the
+        larger of the one this agent set and the one the driver reads as requested (a
+        predecessor's set, which a new agent process knows only from there). None: neither
+        known."""
+        known = [w for w in (self.set_w.get(uuid), self.requested_w.get(uuid)) if w is not None]
+        return max(known) if known else None
+
     def caps_may_be_w(self) -> dict[str, float]:
-        """Per GPU the highest limit that may be in force: the one read back, or the one
-        this agent set where another's lower limit holds it under that (it may lift)."""
-        sets = self.set_w
-        return {u: max(c, sets.get(u, c)) for u, c in self.caps_w.items()}
+        """Per GPU the highest limit that may be in force: the one read back, or the one it
+        goes back to where another's lower limit holds it under that (it may lift)."""
+        return {u: max(c, self.lifts_to_w(u) or c) for u, c in self.caps_w.items()}
 
     def status_message(self) -> NodeStatus:
         """What the retained status says now."""

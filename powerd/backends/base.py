@@ -117,6 +117,10 @@ class GpuReading:
     throttle: list[str] = field(default_factory=list)
     perf: float | None = None  # application throughput, when the workload reports one
     workload: str | None = None
+    # The limit requested through the driver (nvmlDeviceGetPowerManagementLimit): where a
+    # lower one another holds (a BMC's out-of-band cap) keeps `cap_w` under it, the limit the
+    # GPU goes back to when that one lifts. None: not known (a BMC's reading).
+    requested_w: float | None = None
 
 
 class GpuBackend(ABC):

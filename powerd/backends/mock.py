@@ -1053,6 +1053,7 @@ class MockBackend(GpuBackend):
             throttle=[SW_POWER_CAP] if f.power_capped(i)[0] else [],
             perf=float(f.throughput(i)[0]),
             workload=workload.name,
+            requested_w=float(f.requested_cap_w[i]),
         )
 
     def enforced_limit_w(self, uuid: str) -> float:

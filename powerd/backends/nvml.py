@@ -131,6 +131,7 @@ class NvmlBackend(GpuBackend):
         enforced_mw = self._optional(gpu, "nvmlDeviceGetEnforcedPowerLimit")
         # Unknown values err high: the cap could be the maximum, the GPU could draw its cap.
         cap_w = _watts(enforced_mw) if enforced_mw is not None else gpu.info.max_cap_w
+        requested_mw = self._optional(gpu, "nvmlDeviceGetPowerManagementLimit")
         power_mw = self._optional(gpu, "nvmlDeviceGetPowerUsage")
         power_w = _watts(power_mw) if power_mw is not None else cap_w
         temp_c = self._first_supported(gpu, _TEMPERATURE_CALLS, pynvml.NVML_TEMPERATURE_GPU)
@@ -147,6 +148,7 @@ class NvmlBackend(GpuBackend):
             util_pct=float(util.gpu) if util is not None else 0.0,
             sm_clock_mhz=float(sm_clock) if sm_clock is not None else 0.0,
             throttle=throttle_reasons(int(reason_bits)) if reason_bits is not None else [],
+            requested_w=_watts(requested_mw) if requested_mw is not None else None,
         )
 
     def set_power_limit_w(self, uuid: str, watts: float) -> float:
