@@ -185,6 +185,34 @@ def test_journal_records_every_change_and_outlives_the_process(tmp_path: Path) -
     again.close()
 
 
+def test_an_out_of_band_limit_is_journalled_and_not_kept_as_the_set(tmp_path: Path) -> None:
+    # A BMC holds GPU a at 250 W under the 400 W set, then lets go: both changes of the cap
+    # in force are journalled (the watcher's ground truth), reads show the limit enforced
+    # and the one requested, and a new process starts at the 400 W set, not the BMC's.
+    journal = tmp_path / "caps.journal"
+    clock = ManualClock(start=10.0)
+    node = MockBackend(SimulatedGpus(2, Workload.steady(600.0)), clock, journal=journal)
+    a, _ = (g.uuid for g in node.gpus())
+    node.set_power_limit_w(a, 400.0)
+    clock.advance(1.0)
+    node.hold_out_of_band(a, 250.0)
+    assert (node.read(a).cap_w, node.read(a).requested_w) == (250.0, 400.0)
+    node.hold_out_of_band(a, 260.0)  # moved: journalled
+    node.hold_out_of_band(a, 500.0)  # above the set: the set is enforced
+    clock.advance(1.0)
+    node.hold_out_of_band(a, None)  # gone: no change in force, nothing journalled
+    node.close()
+    assert CapJournal.read(journal)[2:] == [
+        (10.0, "set", a, 400.0),
+        (11.0, "out_of_band", a, 250.0),
+        (11.0, "out_of_band", a, 260.0),
+        (11.0, "out_of_band", a, 400.0),
+    ]
+    again = MockBackend(SimulatedGpus(2, Workload.steady(600.0)), clock, journal=journal)
+    assert again.read(a).cap_w == 400.0
+    again.close()
+
+
 def test_agent_settings_name_the_journal(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from powerd.agent.agent import build_backend
     from powerd.agent.settings import AgentSettings

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
@@ -13,6 +14,7 @@ from powerd.agent.perf import PerfSource
 from powerd.agent.record import TraceRecorder
 from powerd.agent.restore import hold_agent_lock
 from powerd.agent.settings import AgentSettings
+from powerd.backends.base import GpuBackend
 from powerd.clock import Clock, SystemClock
 from powerd.node_metrics import AgentMetrics, MetricsServer, start_metrics_server
 from powerd.sdnotify import Notifier
@@ -21,20 +23,30 @@ from powerd.transport.base import cancel_and_wait
 from powerd.wire import NodeState, NodeTelemetry
 
 
-async def run_agent_process(settings: AgentSettings, clock: Clock | None = None) -> None:
+async def run_agent_process(
+    settings: AgentSettings,
+    clock: Clock | None = None,
+    with_backend: Callable[[GpuBackend], None] | None = None,
+) -> None:
     """Run until SIGTERM/SIGINT. `clock`: the system's unless given (the chaos harness
-    steps the wall clock of an agent; powerd/chaos/agent.py). AgentRunning if another agent
-    holds this state directory's lock (it is held for the whole run: powerd/agent/restore.py)."""
+    steps the wall clock of an agent; powerd/chaos/agent.py). `with_backend`: called with
+    the backend once built, on the event loop (the chaos harness holds out-of-band limits
+    on a mock's GPUs). AgentRunning if another agent holds this state directory's lock (it
+    is held for the whole run: powerd/agent/restore.py)."""
     lock = hold_agent_lock(settings)
     try:
-        await _run(settings, clock or SystemClock())
+        await _run(settings, clock or SystemClock(), with_backend)
     finally:
         if lock is not None:
             lock.release()
 
 
-async def _run(settings: AgentSettings, clock: Clock) -> None:
+async def _run(
+    settings: AgentSettings, clock: Clock, with_backend: Callable[[GpuBackend], None] | None
+) -> None:
     backend = build_backend(settings, clock)  # BackendError (no driver, ...) propagates
+    if with_backend is not None:
+        with_backend(backend)
     try:
         transport = build_transport(settings)
         agent = Agent(settings, backend, transport, clock)

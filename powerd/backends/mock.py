@@ -943,13 +943,15 @@ class CapJournal:
     """An append-only file of every change of a cap in force, for an outside watcher.
 
     One line per change: `<monotonic s> <event> <uuid> <enforced W>`, where the event is
-    `start` (the cap in force when the backend opens) or `set`. Each line is one `write` to
+    `start` (the cap in force when the backend opens), `set`, or `out_of_band` (a limit
+    another holds came or went: `MockBackend.hold_out_of_band`). Each line is one `write` to
     a file opened with O_APPEND, so lines from a process killed at any moment are whole, and
     several processes may share a file. `time.monotonic()` is system-wide on Linux, so a
     watcher in another process can merge journals on one time line.
 
     The file is also the device's memory: a backend opened on a journal starts each GPU at
-    its last journalled cap, as a real GPU keeps its limit when the agent process restarts.
+    its last journalled cap set (not one another held: that is the other's to hold again),
+    as a real GPU keeps its limit when the agent process restarts.
     """
 
     def __init__(self, path: Path) -> None:
@@ -1002,7 +1004,8 @@ class MockBackend(GpuBackend):
             self._open_journal(journal)
 
     def _open_journal(self, path: Path) -> None:
-        last = {u: w for _, _, u, w in CapJournal.read(path)} if path.exists() else {}
+        lines = CapJournal.read(path) if path.exists() else []
+        last = {u: w for _, event, u, w in lines if event != "out_of_band"}
         self.journal = CapJournal(path)
         now = self.clock.monotonic()
         for uuid, i in self._index.items():
@@ -1075,6 +1078,20 @@ class MockBackend(GpuBackend):
         if self.journal is not None and enforced != before:
             self.journal.record(self.clock.monotonic(), "set", uuid, enforced)
         return enforced
+
+    def hold_out_of_band(self, uuid: str, watts: float | None) -> None:
+        """A limit another holds on GPU `uuid` (a BMC's out-of-band cap: the lower of it and
+        the one set is enforced), or none (None: back at the one set at once, with no set
+        and no sample in between). Journalled where the cap in force changes."""
+        i = self._index.get(uuid)
+        if i is None:
+            raise UnknownGpu(f"no GPU {uuid} on this node", uuid)
+        f = self.fleet
+        before = float(f.cap_w[i])
+        f.override(i, watts)
+        after = float(f.cap_w[i])
+        if self.journal is not None and after != before:
+            self.journal.record(self.clock.monotonic(), "out_of_band", uuid, after)
 
     def close(self) -> None:
         if self.journal is not None:

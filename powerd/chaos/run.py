@@ -21,7 +21,14 @@ from typing import Any
 import httpx
 import yaml
 
-from powerd.chaos.schedule import CLOCK_STEP_S, CUT_SHARE, SKEW_S, Fault, FaultKind
+from powerd.chaos.schedule import (
+    CLOCK_STEP_S,
+    CUT_SHARE,
+    OUT_OF_BAND_W,
+    SKEW_S,
+    Fault,
+    FaultKind,
+)
 from powerd.chaos.site import HUGE_TICK, NODE_OVERHEAD_W, Site, gpu_uuids
 from powerd.chaos.watcher import HORIZON_S, Breach, BudgetCheck
 from powerd.testing.mosquitto import free_port
@@ -286,6 +293,16 @@ async def _db_down(site: Site, _target: str) -> Undo:
     return site.db_up
 
 
+async def _out_of_band(site: Site, node: str) -> Undo:
+    # Every GPU of the node held at the mock GPUs' 200 W minimum under powerd's caps.
+    site.hold_out_of_band(node, dict.fromkeys(range(site.config.gpus), OUT_OF_BAND_W))
+
+    async def let_go() -> None:
+        site.hold_out_of_band(node, {})
+
+    return let_go
+
+
 async def _cut_budget(site: Site, group_name: str) -> Undo:
     group = next(g for g in site.policy.groups if g.name == group_name)
     await site.cut_budget(group.name, round(CUT_SHARE * group.budget_w))
@@ -521,6 +538,7 @@ _INJECT: dict[FaultKind, Callable[[Site, str], Awaitable[Undo]]] = {
     FaultKind.PARTITION: _partition,
     FaultKind.CLOCK_FORWARD: _clock_step(CLOCK_STEP_S),
     FaultKind.CLOCK_BACK: _clock_step(-CLOCK_STEP_S),
+    FaultKind.OUT_OF_BAND: _out_of_band,
     FaultKind.DB_LOCK: _lock_db,
     FaultKind.DB_OUTAGE: _db_down,
     FaultKind.DB_SWITCHOVER: _db_down,  # longer: what a PostgreSQL switchover costs

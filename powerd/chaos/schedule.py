@@ -29,6 +29,9 @@ class FaultKind(StrEnum):
     EVIL_FOREIGN_UUID = "evil_foreign_uuid"  # telemetry with another node's GPUs at 200 W
     EVIL_TS_AHEAD = "evil_ts_ahead"  # telemetry an hour ahead claiming 200 W caps
     EVIL_OFFLINE_WILL = "evil_offline_will"  # the node's offline last will, node alive
+    # A BMC holds the target node's GPUs at their minimum under powerd's caps for hold_s,
+    # then lets go: they go back to powerd's caps at once, with no command in between.
+    OUT_OF_BAND = "out_of_band"
     # Hosts that disagree (issue 27): real controllers where none should be, or a pair whose
     # members disagree with each other. Hold times count from the intruder being up.
     SECOND_STORE = "second_store"  # a 2nd controller, same policy, a SQLite store of its own
@@ -54,6 +57,7 @@ NODE_FAULTS = frozenset(FaultKind) - {
 PAIR_FAULTS = frozenset({FaultKind.STALE_STANDBY, FaultKind.SKEWED_STANDBY_CLOCK})
 
 CLOCK_STEP_S = 600.0
+OUT_OF_BAND_W = 200.0  # the mock GPUs' minimum: as far under powerd's caps as a BMC can hold
 CUT_SHARE = 0.7  # a demand-response event takes this share of the group's budget
 SKEW_S = 3600.0  # a standby's wall clock an hour ahead
 
@@ -90,6 +94,7 @@ def short_schedule(
         FaultKind.CLOCK_BACK: 3.0,
         FaultKind.DB_LOCK: 3.0,
         FaultKind.DB_OUTAGE: 7.0,  # past SQLite's 5 s busy_timeout: writes fail
+        FaultKind.OUT_OF_BAND: 3.0,  # ticks enough for the room to go elsewhere
         FaultKind.BUDGET_CUT: 3.0,
         FaultKind.SECOND_STORE: 4.0,
         FaultKind.OVERLAPPING_SCOPE: 4.0,
@@ -122,6 +127,9 @@ _HOLD_RANGE_S = {
     FaultKind.CLOCK_BACK: (2.0, 8.0),
     FaultKind.DB_LOCK: (1.0, 4.0),
     FaultKind.DB_OUTAGE: (6.0, 12.0),
+    # Up to past the 60 s demand window: the held GPUs' recent peaks fall to the BMC's
+    # limit, and the room under it may go to other GPUs.
+    FaultKind.OUT_OF_BAND: (10.0, 70.0),
     FaultKind.BUDGET_CUT: (3.0, 10.0),
     FaultKind.SECOND_STORE: (4.0, 10.0),
     FaultKind.OVERLAPPING_SCOPE: (4.0, 10.0),

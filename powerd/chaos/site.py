@@ -25,7 +25,7 @@ from sqlalchemy.engine import make_url
 
 import powerd
 from powerd.auth import Role, new_token_entry
-from powerd.chaos.agent import write_offset
+from powerd.chaos.agent import write_limits, write_offset
 from powerd.chaos.proxy import LOOPBACK, TcpProxy
 from powerd.chaos.watcher import Watcher
 from powerd.policy import Policy, load_policy
@@ -199,6 +199,7 @@ class Site:
         self.member_port = {m.name: free_port() for m in self.members}
         self.journals = {n: workdir / f"{n}.journal" for n in self.nodes}
         self.clock_files = {n: workdir / f"{n}.wall-offset" for n in self.nodes}
+        self.limits_files = {n: workdir / f"{n}.out-of-band.json" for n in self.nodes}
         self.token, entry = new_token_entry("chaos", Role.OPERATOR)
         self.tokens_file = workdir / "tokens.toml"
         self.tokens_file.write_text(entry)
@@ -291,7 +292,13 @@ class Site:
             "POWERD_FAILSAFE_W": str(c.failsafe_w),
             "POWERD_RECONNECT_MAX_S": str(c.reconnect_max_s),
         }
-        argv = [sys.executable, "-m", "powerd.chaos.agent", str(self.clock_files[node])]
+        argv = [
+            sys.executable,
+            "-m",
+            "powerd.chaos.agent",
+            str(self.clock_files[node]),
+            str(self.limits_files[node]),
+        ]
         self.agents[node].start(argv, env)
 
     def start_controller(self, member: Proc | None = None) -> None:
@@ -419,6 +426,10 @@ class Site:
 
     def step_clock(self, node: str, offset_s: float) -> None:
         write_offset(self.clock_files[node], offset_s)
+
+    def hold_out_of_band(self, node: str, limits_w: dict[int, float]) -> None:
+        """Limits another holds on the node's GPUs, by index ({}: none: back at once)."""
+        write_limits(self.limits_files[node], limits_w)
 
     def step_member_clock(self, member: Proc, offset_s: float) -> None:
         write_offset(self.member_clock[member.name], offset_s)
