@@ -36,8 +36,9 @@ them all before a first solve, says when numba starts compiling and reports what
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -1511,21 +1512,33 @@ class WarmUp:
 
 
 class _CompileWatch(numba.core.event.Listener):
-    """Calls `on_first` when numba starts compiling one of this module's kernels: numba
-    sends "numba:compile" only after its cache missed, so a load from the cache is silent."""
+    """Calls `on_first` when numba starts compiling a kernel of a module named `prefix` or
+    below it: numba sends "numba:compile" only after its cache missed, so a load from the
+    cache is silent."""
 
-    def __init__(self, on_first: Callable[[], None]) -> None:
+    def __init__(self, on_first: Callable[[], None], prefix: str) -> None:
         self.on_first = on_first
+        self.prefix = prefix
         self.started = False
 
     def on_start(self, event: Any) -> None:
         fn = getattr(event.data.get("dispatcher"), "py_func", None)
-        if not self.started and getattr(fn, "__module__", None) == __name__:
+        module = getattr(fn, "__module__", None) or ""
+        if not self.started and (module == self.prefix or module.startswith(self.prefix + ".")):
             self.started = True
             self.on_first()
 
     def on_end(self, event: Any) -> None:
         pass
+
+
+@contextlib.contextmanager
+def watch_compiles(on_first: Callable[[], None], prefix: str = __name__) -> Iterator[None]:
+    """Within the block, call `on_first` once, when numba starts compiling a kernel of the
+    module `prefix` or a module below it (`powerd`: every kernel of powerd's), not when it
+    loads one from its cache."""
+    with numba.core.event.install_listener("numba:compile", _CompileWatch(on_first, prefix)):
+        yield
 
 
 @jit_exact
@@ -2027,7 +2040,7 @@ def warm_up(on_compiling: Callable[[str | None], None] | None = None) -> WarmUp:
 
     hits0, misses0 = _cache_counts(kernels)
     start = time.perf_counter()
-    with numba.core.event.install_listener("numba:compile", _CompileWatch(compiling)):
+    with watch_compiles(compiling):
         _run_every_kernel()
     seconds = time.perf_counter() - start
     hits, misses = _cache_counts(kernels)

@@ -359,9 +359,10 @@ def _run(args: argparse.Namespace) -> int:
         _check_feed(site, args.feed_w)
     if args.learning:
         return _learning(scenario, site, args)
+    t0 = time.perf_counter()
+    _warm_up(scenario, site)
     show = args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
     bar = ProgressBar(sys.stderr) if show else None
-    t0 = time.perf_counter()
     report = Report(scenario=scenario, site=site, breaker=_breaker(args))
     try:
         with Runner(jobs=args.jobs, progress=bar) as runner:
@@ -383,6 +384,25 @@ def _run(args: argparse.Namespace) -> int:
         log.error("sim_budget_exceeded", policies=steered_over)
         return EXIT_FAILED
     return EXIT_OK
+
+
+COMPILING = (
+    "powerd sim: compiling the allocator's and the simulator's kernels (once per install: "
+    "numba caches them; `powerd warm` does the allocator's ahead) ..."
+)
+
+
+def _warm_up(scenario: Scenario, site: Site) -> None:
+    """The kernels compiled (or loaded) here, before any worker starts: each worker would
+    otherwise compile them at once on a fresh install, and say nothing of why its first
+    run is slow. Says so on stderr when it compiles."""
+    from powerd.sim.run import warm_up
+
+    def compiling() -> None:
+        print(COMPILING, file=sys.stderr, flush=True)
+
+    seconds = warm_up(scenario, site, compiling)
+    log.info("sim_kernels_ready", seconds=round(seconds, 2))
 
 
 def _study(report: Report, args: argparse.Namespace, runner: Runner) -> None:

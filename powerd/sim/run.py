@@ -509,6 +509,23 @@ def start_cap_w(site: Site) -> float:
     return failsafe if bool(np.all(committed[finite] <= topo.budget_w[finite])) else site.min_cap_w
 
 
+def warm_up(scenario: Scenario, site: Site, on_compiling: Callable[[], None]) -> float:
+    """Compile (or load from numba's cache) the kernels a run of `scenario` on `site` uses:
+    every allocator kernel, then the first two ticks of the run under `fast` (the GPU
+    model's loops and the run's accounting, on arrays of the run's own types). Before a
+    command's workers start, so that they find them compiled (a forked worker) or in the
+    cache instead of each compiling them at once. `on_compiling` is called once if numba
+    compiles anything (not when it only loads). Returns the seconds it took."""
+    from powerd.allocator import kernel
+    from powerd.sim.site import build_mix
+
+    start = time.perf_counter()
+    with kernel.watch_compiles(on_compiling, prefix="powerd"):
+        kernel.warm_up()
+        simulate(scenario, site, build_mix(scenario, site), "fast", stop=lambda k, _w, _x: k >= 1)
+    return time.perf_counter() - start
+
+
 def simulate(
     scenario: Scenario,
     site: Site,
