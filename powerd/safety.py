@@ -704,10 +704,16 @@ class SafetyPlanner:
         )
 
     def learn_status(
-        self, node: str, caps_w: Mapping[str, float], as_of_tick: int | None = None
+        self,
+        node: str,
+        caps_w: Mapping[str, float],
+        as_of_tick: int | None = None,
+        lifts_to_w: Mapping[str, float] | None = None,
     ) -> None:
-        """Caps in force from a node's status; `as_of_tick`: its `last_tick`."""
-        self._queue_readings(node, caps_w, as_of_tick, _STATUS)
+        """Caps in force from a node's status; `as_of_tick`: its `last_tick`; `lifts_to_w`:
+        its `set_w`, the limits the GPUs go back to should lower ones lift (as for
+        `on_telemetry`: they bound a GPU from above, its cap in force from below)."""
+        self._queue_readings(node, caps_w, as_of_tick, _STATUS, lifts_to_w)
 
     def on_telemetry(
         self,

@@ -91,9 +91,13 @@ class GpuTelemetry(BaseModel):
     job: str | None = Field(default=None, pattern=REPORTED_JOB_PATTERN)
     perf: float | None = Field(default=None, ge=0, le=1e12, allow_inf_nan=False)
     error: str | None = Field(default=None, max_length=256)  # e.g. "gpu_lost"
-    # The limit this agent last set on the GPU (a command's cap or its own failsafe cap);
-    # None: none since it started (or an agent older than these fields). `cap_w` differing
-    # from it is a limit powerd did not set: the controller alarms (`cap_overridden`).
+    # The limit this agent last set on the GPU (a command's cap or its own failsafe cap), or
+    # the driver's requested limit where a lower limit another holds keeps the GPU under it
+    # and it is higher than the set (raised behind the agent's back, not set back yet);
+    # None: none set since it started
+    # (or an agent older than these fields). `cap_w` differing from it is a limit powerd did
+    # not set: the controller alarms (`cap_overridden`); the controller counts the GPU at no
+    # less than it (a lower limit another holds may lift).
     set_w: Watts | None = None
     # Times since the agent started that it found the limit above `set_w` (another tool, a
     # GPU reset, a driver reload) and set it back at once; `found_w`: the limit found the
@@ -209,10 +213,12 @@ class NodeStatus(_Msg):
     fenced: int = Field(default=0, ge=0, le=MAX_TICK)  # commands refused for a lower epoch
     gpus: int = Field(default=0, ge=0, le=MAX_GPUS_PER_NODE)
     agent_version: str = Field(default="", max_length=64)
-    # Caps that may be in force, so a restarted controller learns them from the retained
-    # status: per GPU the limit read back, or the one the agent set where another's lower
-    # limit (an out-of-band cap) holds it under that and may lift.
+    # Caps in force, so a restarted controller learns them from the retained status.
     caps_w: dict[GpuUuid, Watts] = Field(default_factory=dict, max_length=MAX_GPUS_PER_NODE)
+    # Per GPU the limit it goes back to should a lower one another holds (an out-of-band
+    # cap) lift: the one the agent set, or the driver's requested one where higher. Empty:
+    # none known (or an older agent). Bounds the GPU from above where it exceeds `caps_w`.
+    set_w: dict[GpuUuid, Watts] = Field(default_factory=dict, max_length=MAX_GPUS_PER_NODE)
     # The authority the agent obeys (None: none yet, or an older agent), the commands it
     # refused from any other, and the last of those (which controller, which authority).
     authority: Authority | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from powerd.agent import Agent, AgentSettings, SettingsError, build_backend
-from powerd.backends.base import NoPermission
+from powerd.backends.base import BackendError, GpuReading, NoPermission
 from powerd.backends.mock import MockBackend, Pattern, SimulatedGpus, Workload
 from powerd.testing.mosquitto import LocalMosquitto
 from powerd.transport import ConnectionState, MqttConfig, MqttTransport
@@ -193,7 +194,8 @@ async def test_start_lowers_a_limit_held_under_the_failsafe_by_another(
     # 700 W requested, where the GPU went the moment the BMC let go.
     h = await start_agent(prepare=lambda fleet: fleet.override(2, 300.0))
     assert h.caps() == [400.0, 400.0, 300.0, 400.0]
-    assert h.statuses[-1].caps_w[h.uuids[2]] == 400.0  # what it may lift to
+    status = h.statuses[-1]
+    assert (status.caps_w[h.uuids[2]], status.set_w[h.uuids[2]]) == (300.0, 400.0)
     h.fleet.override(2, None)
     assert h.caps() == [400.0] * 4
 
@@ -447,14 +449,104 @@ async def test_the_failsafe_lowers_the_limit_under_an_out_of_band_one_that_may_l
     await h.step(PERIOD_S)
     g = (await h.latest_telemetry()).gpus[2]
     assert (g.cap_w, g.set_w) == (350.0, 500.0)  # the failsafe set under the BMC's limit
-    # The retained status (what a restarted controller counts) names the limit it may
-    # lift to, not the one read.
+    # The retained status (what a restarted controller counts) names the limit in force
+    # and the one it may lift to.
     await eventually(lambda: h.statuses[-1].state is NodeState.FAILSAFE)
-    assert h.statuses[-1].caps_w[h.uuids[2]] == 500.0
+    status = h.statuses[-1]
+    assert (status.caps_w[h.uuids[2]], status.set_w[h.uuids[2]]) == (350.0, 500.0)
     h.fleet.override(2, None)  # the BMC lets go: back to the failsafe cap, not above it
     assert h.caps() == [250.0, 500.0, 500.0, 500.0]
     await h.step(PERIOD_S)
     assert (await h.latest_telemetry()).gpus[2].restores == 0  # nothing to set back
+
+
+@pytest.mark.parametrize("how", ["reset", "tamper"])
+async def test_a_limit_raised_under_an_out_of_band_one_is_set_back(
+    start_agent: StartAgent, how: str
+) -> None:
+    # Steered at 400 W; a BMC holds GPU 0 at 300 W. Under it the driver's requested limit
+    # goes up (a reset's 700 W default, `nvidia-smi -pl 700`): the enforced limit still
+    # reads 300 W, and the GPU would go to 700 W, uncounted, the moment the BMC let go.
+    # The agent reads the requested limit and sets its own back at the next sample.
+    h = await start_agent()
+    await h.apply(1, [400.0] * 4, lease_s=60.0)
+    h.fleet.override(0, 300.0)
+    if how == "reset":
+        h.fleet.reset(0)
+    else:
+        h.fleet.tamper(0, 700.0)
+    await h.step(PERIOD_S)
+    assert float(h.fleet.requested_cap_w[0]) == 400.0
+    g = (await h.latest_telemetry()).gpus[0]
+    assert (g.cap_w, g.set_w, g.restores, g.found_w) == (300.0, 400.0, 1, 700.0)
+    h.fleet.override(0, None)
+    assert h.caps()[0] == 400.0
+
+
+async def test_a_limit_raised_under_an_out_of_band_one_and_stuck_is_reported(
+    start_agent: StartAgent,
+) -> None:
+    # The same, but the agent cannot set it back (a permission lost): its telemetry's
+    # `set_w` names the 700 W requested, so that the controller counts the GPU there
+    # (docs/protocol.md), not at the 400 W it last set.
+    h = await start_agent()
+    await h.apply(1, [400.0] * 4, lease_s=60.0)
+    h.fleet.override(0, 300.0)
+    h.fleet.fail_set(0, NoPermission)
+    h.fleet.tamper(0, 700.0)
+    await h.step(PERIOD_S)
+    g = (await h.latest_telemetry()).gpus[0]
+    assert (g.cap_w, g.set_w) == (300.0, 700.0)
+    assert h.agent.set_w[h.uuids[0]] == 400.0  # what it set is unchanged
+
+
+async def test_a_set_whose_read_back_failed_under_an_out_of_band_limit_is_not_lost(
+    start_agent: StartAgent,
+) -> None:
+    # NVML took the 650 W set, then the read-back of the enforced limit failed: the agent
+    # keeps 400 W as its set (the ack says the set failed), while the driver requests
+    # 650 W under the BMC's 300 W. At its next sample the agent finds it and sets its own
+    # back, so what the GPU goes to when the BMC lets go is what the telemetry names.
+    h = await start_agent()
+    await h.apply(1, [400.0] * 4, lease_s=60.0)
+    h.fleet.override(0, 300.0)
+    u0 = h.uuids[0]
+    original = h.backend.set_power_limit_w
+
+    def read_back_fails(uuid: str, watts: float) -> float:
+        enforced = original(uuid, watts)
+        if uuid == u0:
+            raise BackendError("read back failed (injected)", uuid)
+        return enforced
+
+    h.backend.set_power_limit_w = read_back_fails  # type: ignore[method-assign]
+    ack = await h.apply(2, [650.0, 400.0, 400.0, 400.0], lease_s=60.0)
+    h.backend.set_power_limit_w = original  # type: ignore[method-assign]
+    assert ack.gpus[u0].error is not None
+    await h.step(PERIOD_S)
+    g = (await h.latest_telemetry()).gpus[0]
+    h.fleet.override(0, None)
+    assert g.set_w is not None and h.caps()[0] <= max(g.cap_w, g.set_w)
+
+
+async def test_a_requested_limit_read_beyond_the_gpus_maximum_is_no_reading(
+    start_agent: StartAgent,
+) -> None:
+    # A driver answering 5 kW for a 700 W GPU's requested limit: ignored (the GPU cannot go
+    # there), so the agent neither sets its limit again every period nor reports it.
+    h = await start_agent()
+    u0 = h.uuids[0]
+    read = h.backend.read
+
+    def garbage(uuid: str) -> GpuReading:
+        r = read(uuid)
+        return replace(r, requested_w=5000.0) if uuid == u0 else r
+
+    h.backend.read = garbage  # type: ignore[method-assign]
+    sets, statuses = len(h.backend.set_log), len(h.statuses)
+    await h.step(3 * PERIOD_S)
+    assert (len(h.backend.set_log), len(h.statuses)) == (sets, statuses)
+    assert u0 not in h.agent.requested_w
 
 
 async def test_a_gpu_back_from_a_reset_gets_its_cap_again_at_once(

@@ -60,9 +60,15 @@ def hostile_message(draw: st.DrawFn) -> tuple[str, bytes]:
         elif attack == 2:  # inverted or odd limits
             gpus = [gpu_dict(own[0], 0, min_cap_w=draw(watts), max_cap_w=draw(watts))]
         else:
+            # `set_w` too: the controller counts a GPU at no less than it (a lower limit
+            # another holds may lift to it), so a huge one may cost only the sender's room.
             gpus = [
-                gpu_dict(u, i, cap_w=draw(watts), power_w=draw(watts)) for i, u in enumerate(own)
-            ]
+                gpu_dict(
+                    u, i, cap_w=draw(watts), power_w=draw(watts),
+                    set_w=draw(st.one_of(st.none(), watts)),
+                )
+                for i, u in enumerate(own)
+            ]  # fmt: skip
         payload: Any = {
             "v": 1,
             "node_id": HOSTILE,
@@ -94,6 +100,7 @@ def hostile_message(draw: st.DrawFn) -> tuple[str, bytes]:
             "state": draw(st.sampled_from(["starting", "steered", "failsafe", "offline"])),
             "last_tick": draw(st.one_of(st.none(), st.integers(0, 5000), huge)),
             "caps_w": {draw(others): draw(watts), f"GPU-{HOSTILE}-1": draw(watts)},
+            "set_w": {draw(others): draw(watts), f"GPU-{HOSTILE}-0": draw(watts)},
         }
     else:
         payload = draw(

@@ -163,6 +163,30 @@ def test_a_reading_under_the_limit_set_counts_the_set_in_every_form() -> None:
         assert plan.sent_w[1] <= 150.0 + TOL < plan.sent_w[0]
 
 
+def test_a_status_bounds_a_gpu_from_above_by_its_set_and_from_below_by_its_cap() -> None:
+    # GPU g0-0: powerd set 600 W, then `nvidia-smi -pl 400` (enforced 400 W); g0-1 at 500 W.
+    # A retained status (a reconnect, a refusal, an authority change) says so: caps_w the
+    # enforced limits, set_w what they may go back to. Then the node is over its budget:
+    # nothing may be sent above the 400 W in force, while 600 W is counted.
+    policy, layout = simple_fleet([2], node_budget=1200.0)
+    planner = SafetyPlanner(policy, layout)
+    teach(planner, layout, np.array([400.0, 400.0]), at=0.0)
+    plan = planner.plan(1, 0.0, np.array([600.0, 500.0]))
+    ack_all(planner, plan, at=0.0)
+    planner.on_telemetry(
+        "n0", (["g0-0", "g0-1"], [400.0, 500.0]), received_at=0.5, as_of_tick=1,
+        lifts_to_w=[600.0, 500.0],
+    )  # fmt: skip
+    planner.learn_status(
+        "n0", {"g0-0": 400.0, "g0-1": 500.0}, as_of_tick=1, lifts_to_w={"g0-0": 600.0}
+    )
+    assert planner.committed_w().tolist() == [600.0, 500.0]
+    budget = np.full(layout.topology.n_groups, 10_000.0)
+    budget[layout.topology.names.index("n0")] = 900.0
+    plan = planner.plan(2, 1.0, np.array([500.0, 400.0]), budget_w=budget)
+    assert plan.sent_w[0] <= 400.0 + TOL
+
+
 def test_a_node_gone_offline_counts_at_its_maximum_until_it_reports_again() -> None:
     policy, layout = simple_fleet([1, 1], facility=700.0)
     planner = SafetyPlanner(policy, layout)
@@ -699,8 +723,9 @@ class World:
         for agent in self.agents.values():  # retained statuses: the caps in force now
             if agent.alive and self.rng.random() >= self.faults.status_lost_p:
                 caps = {self.layout.uuids[i]: float(self.true[i]) for i in agent.gpus}
+                sets = {self.layout.uuids[i]: float(self.requested[i]) for i in agent.gpus}
                 as_of = agent.last_tick if agent.last_tick >= 0 else None
-                self.planner.learn_status(agent.node, caps, as_of_tick=as_of)
+                self.planner.learn_status(agent.node, caps, as_of_tick=as_of, lifts_to_w=sets)
 
     def deliver_ack(self, node: str, tick: int, acks: dict[str, GpuAck]) -> None:
         if self.planner is not None:

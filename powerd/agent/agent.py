@@ -534,12 +534,17 @@ class Agent:
             limit = failsafe if limit is None else min(limit, failsafe)
         if limit is None:  # nothing set yet (steered, before a command names the GPU)
             return r
-        found = r.cap_w
+        # Under a lower limit another holds (a BMC's), the enforced one cannot show a limit
+        # raised behind the agent's back (a reset's default, `nvidia-smi -pl`, a set whose
+        # read-back failed): the driver's requested limit does, and the GPU goes there when
+        # the other lets go.
+        requested = self._requested(info, r)
+        found = r.cap_w if requested is None else max(r.cap_w, requested)
         if found > limit + CAP_TOLERANCE_W:
             ack = self._set_cap(uuid, limit, limit)
             if ack.enforced_w is None:  # logged (cap_set_failed); the next sample tries again
                 return r
-            r = replace(r, cap_w=ack.enforced_w)
+            r = replace(r, cap_w=ack.enforced_w, requested_w=limit)
             if mine is None or found <= mine + CAP_TOLERANCE_W:
                 # Not a limit of ours replaced: the failsafe cap enforced (at start, or one
                 # never lowered to it).
@@ -556,6 +561,28 @@ class Agent:
             self._differs.discard(uuid)
             self.log.info("cap_matches", gpu=uuid, enforced_w=r.cap_w)
         return r
+
+    def _reported_set_w(self, uuid: str, enforced: float) -> float | None:
+        """Telemetry's `set_w`: the limit this agent set, or, where another's lower limit
+        holds the GPU under the driver's requested one and that is higher than the set (a
+        limit raised behind the agent's back that it could not set back: a permission
+        lost), the requested one: what the GPU goes back to when the lower limit lifts.
+        (Without a lower limit in the way, such a raise shows in the enforced limit itself,
+        and the set stays what it is, for `cap_overridden`.)"""
+        mine = self.set_w.get(uuid)
+        requested = self.requested_w.get(uuid)
+        if mine is None or requested is None or requested <= enforced + CAP_TOLERANCE_W:
+            return mine
+        return max(mine, requested)
+
+    @staticmethod
+    def _requested(info: GpuInfo, r: GpuReading) -> float | None:
+        """The driver's requested limit of a reading, where known and possible (a value
+        beyond the GPU's maximum is no reading: the GPU cannot go there)."""
+        w = r.requested_w
+        if w is None or not 0 <= w <= info.max_cap_w + CAP_TOLERANCE_W:  # (NaN: neither)
+            return None
+        return w
 
     def _found_above(self, uuid: str) -> float | None:
         """Before a command sets a GPU's limit: the limit in force if it is above the one
@@ -592,6 +619,11 @@ class Agent:
 
     def _telemetry(self, info: GpuInfo, r: GpuReading) -> GpuTelemetry:
         pod = None if self.pod_source is None else self.pod_source.of(info.uuid)
+        requested = self._requested(info, r)
+        if requested is not None:
+            self.requested_w[info.uuid] = requested
+        else:
+            self.requested_w.pop(info.uuid, None)
         sample = GpuTelemetry(
             uuid=info.uuid,
             index=info.index,
@@ -609,18 +641,13 @@ class Agent:
             workload=r.workload if pod is None or pod.cls is None else pod.cls,
             job=None if pod is None else pod.job,
             perf=r.perf if self.perf_source is None else self.perf_source.value(info.uuid),
-            set_w=self.set_w.get(info.uuid),
+            set_w=self._reported_set_w(info.uuid, r.cap_w),
             restores=self.restores[info.uuid],
             found_w=self.found_w.get(info.uuid),
         )
         # Kept only once the reading passed the wire's bounds: a limit read back as NaN or
         # beyond them must not become the cap a later failed sample reports.
         self.caps_w[info.uuid] = r.cap_w
-        requested = r.requested_w
-        if requested is not None and 0 <= requested <= MAX_SANE_WATTS:  # (NaN: neither)
-            self.requested_w[info.uuid] = requested
-        else:
-            self.requested_w.pop(info.uuid, None)
         return sample
 
     def _failed_telemetry(self, info: GpuInfo, error: str) -> GpuTelemetry:
@@ -670,10 +697,10 @@ class Agent:
         known = [w for w in (self.set_w.get(uuid), self.requested_w.get(uuid)) if w is not None]
         return max(known) if known else None
 
-    def caps_may_be_w(self) -> dict[str, float]:
-        """Per GPU the highest limit that may be in force: the one read back, or the one it
-        goes back to where another's lower limit holds it under that (it may lift)."""
-        return {u: max(c, self.lifts_to_w(u) or c) for u, c in self.caps_w.items()}
+    def lifts_to_all_w(self) -> dict[str, float]:
+        """`lifts_to_w` of every GPU that has one (the retained status's `set_w`)."""
+        out = {u: self.lifts_to_w(u) for u in self.gpus}
+        return {u: w for u, w in out.items() if w is not None}
 
     def status_message(self) -> NodeStatus:
         """What the retained status says now."""
@@ -686,7 +713,8 @@ class Agent:
             fenced=self.fenced,
             gpus=len(self.gpus),
             agent_version=__version__,
-            caps_w=self.caps_may_be_w(),
+            caps_w=self.caps_w,
+            set_w=self.lifts_to_all_w(),
             authority=self.authority,
             refused=self.refused,
             refused_authority=self.refused_authority,

@@ -53,6 +53,8 @@ class FleetNode:
     agent_ts: float = 0.0  # the agent's wall clock in its last telemetry (informational)
     tick: int | None = None  # the last command applied, as of its last telemetry
     status_caps_w: dict[str, float] = field(default_factory=dict)
+    # The status's `set_w`: per GPU the limit it goes back to should a lower one lift.
+    status_set_w: dict[str, float] = field(default_factory=dict)
     status_tick: int | None = None  # `last_tick` of the status that gave status_caps_w
     status_newer: bool = False  # the status arrived after the last telemetry
     gone_max_cap_w: float = 0.0  # the highest device maximum of GPUs it no longer has
@@ -694,12 +696,14 @@ class FleetState:
         self._status_version += 1
         if msg.caps_w:
             node.status_caps_w = dict(msg.caps_w)
+            node.status_set_w = dict(msg.set_w)
             node.status_tick = msg.last_tick
             node.status_newer = True
         elif msg.state is NodeState.OFFLINE:
             # A last will: the caps the node had may not survive it (a rebooted GPU comes
             # back at its default limit), so what it said before no longer counts.
             node.status_caps_w = {}
+            node.status_set_w = {}
             node.status_tick = None
         if (node.stopped or was[0]) and (node.stopped, node.status_caps_w) != was:
             self.stops += 1
@@ -710,6 +714,7 @@ class FleetState:
         node = self.nodes.get(node_id)
         if node is not None and node.stopped:
             node.status_caps_w = {}
+            node.status_set_w = {}
             node.status_tick = None
             self.stops += 1
 

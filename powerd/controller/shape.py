@@ -83,7 +83,9 @@ def _teach(fleet: FleetState, planner: SafetyPlanner, now: float) -> None:
         rec = fleet.nodes[node]
         status = rec.status_caps_w
         if status and not rec.status_newer:
-            planner.learn_status(node, status, as_of_tick=rec.status_tick)
+            planner.learn_status(
+                node, status, as_of_tick=rec.status_tick, lifts_to_w=rec.status_set_w
+            )
         planner.on_telemetry(
             node,
             caps,
@@ -92,7 +94,9 @@ def _teach(fleet: FleetState, planner: SafetyPlanner, now: float) -> None:
             lifts_to_w=lifts.get(node),
         )
         if status and rec.status_newer:
-            planner.learn_status(node, status, as_of_tick=rec.status_tick)
+            planner.learn_status(
+                node, status, as_of_tick=rec.status_tick, lifts_to_w=rec.status_set_w
+            )
         if rec.state is NodeState.OFFLINE and not rec.stopped:
             planner.node_offline(node)
 
@@ -130,7 +134,10 @@ def _stopped_unseen(
         k = index.get(name)
         if not rec.stopped or k is None or missing[k] <= 0:
             continue
-        unseen = [w for u, w in rec.status_caps_w.items() if u not in fleet.gpus]
+        lifts = rec.status_set_w
+        unseen = [
+            max(w, lifts.get(u, w)) for u, w in rec.status_caps_w.items() if u not in fleet.gpus
+        ]
         out[k] = sorted(unseen, reverse=True)[: int(missing[k])]
     return out
 

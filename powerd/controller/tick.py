@@ -358,7 +358,7 @@ class TickEngine:
         elif status.caps_w:  # a clean stop's `offline` too: the caps it left in force
             # The ticks of an older leader's order nothing of ours: as readings, they widen.
             tick = None if status.epoch < self.obedience.epoch else status.last_tick
-            self.planner.learn_status(node, status.caps_w, as_of_tick=tick)
+            self.planner.learn_status(node, status.caps_w, as_of_tick=tick, lifts_to_w=status.set_w)
         return True
 
     def on_controller_status(self, controller_id: str, status: ControllerStatus) -> None:
