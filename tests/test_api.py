@@ -10,6 +10,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from support.live_api import POLICY, LiveApi, wait_until
 
+from powerd.safety import TOL_W  # the planner's tolerance for float sums of caps
+
 
 def gpu(c: httpx.Client, uuid: str) -> dict[str, Any]:
     items = c.get("/api/v1/allocation").json()["caps"]["items"]
@@ -54,7 +56,10 @@ def test_fleet_nodes_gpus_groups(live: LiveApi) -> None:
         # Right after the start every GPU counts at its maximum until it acknowledges a
         # command of this controller (its predecessor's may still land); then the caps.
         fleet = wait_until(
-            lambda: (f := c.get("/api/v1/fleet").json())["facility"]["committed_w"] <= 4000 and f,
+            lambda: (
+                (f := c.get("/api/v1/fleet").json())["facility"]["committed_w"] <= 4000 + TOL_W
+                and f
+            ),
             "committed caps within the facility budget",
         )
         assert fleet["policy_version"] == 1
@@ -72,7 +77,7 @@ def test_fleet_nodes_gpus_groups(live: LiveApi) -> None:
 
         racks = c.get("/api/v1/groups", params={"level": "rack"}).json()
         assert [g["name"] for g in racks["items"]] == ["rack-1", "rack-2"]
-        assert all(g["committed_w"] <= g["budget_w"] for g in racks["items"])
+        assert all(g["committed_w"] <= g["budget_w"] + TOL_W for g in racks["items"])
 
         bad = c.get("/api/v1/gpus", params={"state": "sleepy"})
         assert bad.status_code == 422 and bad.json()["problems"][0]["path"] == "query.state"
@@ -121,7 +126,7 @@ def test_temporary_budget_cut_is_obeyed_then_cleared(live: LiveApi) -> None:
         fleet = wait_until(
             lambda: (
                 (f := c.get("/api/v1/fleet").json())["tick"] > after + 2
-                and f["facility"]["committed_w"] <= 2500
+                and f["facility"]["committed_w"] <= 2500 + TOL_W
                 and f
             ),
             "the facility to fit the cut",
