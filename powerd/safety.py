@@ -458,13 +458,13 @@ class SafetyPlanner:
             return []
         key = NO_TICK if as_of_tick is None else int(as_of_tick)
         uuids, gpus = self._node_uuids[k], self._node_gpu_list[k]
-        lifts: list[float | None] | None = None
+        lifts: Sequence[float | None] | None = None
         if isinstance(caps_w, tuple):
             # Columns: in the planner's order they are its values as they are.
             if caps_w[0] == uuids:
                 values: list[float | None] = list(caps_w[1])
                 if lifts_to_w is not None and not isinstance(lifts_to_w, Mapping):
-                    lifts = list(lifts_to_w)
+                    lifts = lifts_to_w
             else:
                 if lifts_to_w is not None and not isinstance(lifts_to_w, Mapping):
                     lifts_to_w = dict(zip(caps_w[0], lifts_to_w, strict=True))

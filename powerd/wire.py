@@ -94,10 +94,9 @@ class GpuTelemetry(BaseModel):
     # The limit this agent last set on the GPU (a command's cap or its own failsafe cap), or
     # the driver's requested limit where a lower limit another holds keeps the GPU under it
     # and it is higher than the set (raised behind the agent's back, not set back yet);
-    # None: none set since it started
-    # (or an agent older than these fields). `cap_w` differing from it is a limit powerd did
-    # not set: the controller alarms (`cap_overridden`); the controller counts the GPU at no
-    # less than it (a lower limit another holds may lift).
+    # None: none set since it started (or an agent older than these fields). `cap_w`
+    # differing from it is a limit powerd did not set: the controller alarms
+    # (`cap_overridden`), and counts the GPU at no less than it (the lower limit may lift).
     set_w: Watts | None = None
     # Times since the agent started that it found the limit above `set_w` (another tool, a
     # GPU reset, a driver reload) and set it back at once; `found_w`: the limit found the

@@ -573,7 +573,7 @@ class Agent:
         requested = self.requested_w.get(uuid)
         if mine is None or requested is None or requested <= enforced + CAP_TOLERANCE_W:
             return mine
-        return max(mine, requested)
+        return self.lifts_to_w(uuid)
 
     @staticmethod
     def _requested(info: GpuInfo, r: GpuReading) -> float | None:
@@ -699,8 +699,7 @@ class Agent:
 
     def lifts_to_all_w(self) -> dict[str, float]:
         """`lifts_to_w` of every GPU that has one (the retained status's `set_w`)."""
-        out = {u: self.lifts_to_w(u) for u in self.gpus}
-        return {u: w for u, w in out.items() if w is not None}
+        return {u: w for u in self.gpus if (w := self.lifts_to_w(u)) is not None}
 
     def status_message(self) -> NodeStatus:
         """What the retained status says now."""

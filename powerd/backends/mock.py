@@ -1083,9 +1083,7 @@ class MockBackend(GpuBackend):
         """A limit another holds on GPU `uuid` (a BMC's out-of-band cap: the lower of it and
         the one set is enforced), or none (None: back at the one set at once, with no set
         and no sample in between). Journalled where the cap in force changes."""
-        i = self._index.get(uuid)
-        if i is None:
-            raise UnknownGpu(f"no GPU {uuid} on this node", uuid)
+        i = self._locate(uuid)
         f = self.fleet
         before = float(f.cap_w[i])
         f.override(i, watts)

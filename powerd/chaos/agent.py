@@ -81,14 +81,21 @@ async def follow_limits(backend: MockBackend, limits_file: Path) -> None:
     """Hold on the backend's GPUs the limits the file names, as it changes."""
     uuids = {g.index: g.uuid for g in backend.gpus()}
     held: dict[int, float] = {}
+    seen: float | None = -1.0  # the file's mtime when last read (None: no file)
     while True:
-        wanted = {i: w for i, w in read_limits(limits_file).items() if i in uuids}
-        for i in held.keys() - wanted.keys():
-            backend.hold_out_of_band(uuids[i], None)
-        for i, w in wanted.items():
-            if held.get(i) != w:
-                backend.hold_out_of_band(uuids[i], w)
-        held = wanted
+        try:
+            mtime: float | None = os.stat(limits_file).st_mtime
+        except FileNotFoundError:
+            mtime = None
+        if mtime != seen:  # read only when it changed (as the clock's offset file)
+            seen = mtime
+            wanted = {i: w for i, w in read_limits(limits_file).items() if i in uuids}
+            for i in held.keys() - wanted.keys():
+                backend.hold_out_of_band(uuids[i], None)
+            for i, w in wanted.items():
+                if held.get(i) != w:
+                    backend.hold_out_of_band(uuids[i], w)
+            held = wanted
         await asyncio.sleep(LIMITS_POLL_S)
 
 
