@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from powerd.cli.sim import overload_arg
 from powerd.logs import configure_logging
-from powerd.policy import Policy
+from powerd.policy import Policy, with_overload
 from powerd.safety import SafePlan
 from powerd.sim.baselines import oracle
 from powerd.sim.run import simulate
@@ -139,16 +140,23 @@ def main(argv: list[str] | None = None) -> int:
         help=f"names ({', '.join(VARIANTS)}) or control settings, e.g. deadband_w=0,dwell_s=30",
     )
     ap.add_argument("--solver", default="fast")
+    ap.add_argument(
+        "--overload",
+        metavar="PCT:SECONDS[:TARGET]",
+        help="rate every budgeted group, as `powerd sim --overload` does",
+    )
     ap.add_argument("--uncapped-only", action="store_true", help="only the reference runs")
     ap.add_argument("--oracle", action="store_true", help="also perfect foresight per size")
     args = ap.parse_args(argv)
     configure_logging("console", "warning")
 
     scenario, base = load_run(args.scenario, args.duration_h, args.tick_s, args.seed)
+    if args.overload:
+        base = with_overload(base, overload_arg(args.overload))
     feed = args.feed_w
     print(
         f"# {Path(args.scenario).name}: {args.duration_h} h, {args.tick_s:g} s ticks, "
-        f"solver {args.solver}"
+        f"solver {args.solver}" + (f", overload {args.overload}" if args.overload else "")
     )
     print(
         f"{'nodes':>5} {'gpus':>5} {'variant':<14} {'loss %':>7} {'over s':>7} "

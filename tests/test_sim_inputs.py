@@ -360,6 +360,8 @@ def test_a_schedule_window_after_the_end_is_said(
         ("5:0", "SECONDS input should be greater than 0"),
         ("1e9:30", "PCT input should be less than or equal to 100"),
         ("nan:30", "PCT input should be a finite number"),
+        ("5:30:80", "TARGET input should be less than or equal to 50"),
+        ("5:30:1:2", "more than two ':'"),
     ],
 )
 def test_an_overload_out_of_range_says_which_and_the_range(
@@ -367,7 +369,14 @@ def test_an_overload_out_of_range_says_which_and_the_range(
 ) -> None:
     # Before: "... 1 validation error for Overload", naming neither the part nor its range.
     err = parse_error(["sim", "s.yaml", "--overload", value], capsys)
-    assert err.endswith(f"(5 % above the budget for 30 s): {said}")
+    assert err.endswith(f"below it): {said}")
+
+
+@pytest.mark.parametrize(("value", "target"), [("5:30", 3.0), ("5:30:1", 1.0), ("5:30:0", 0.0)])
+def test_an_overload_takes_the_draw_target_as_the_policy_does(value: str, target: float) -> None:
+    args = build_parser().parse_args(["sim", "s.yaml", "--overload", value])
+    assert (args.overload.pct, args.overload.for_s) == (5.0, 30.0)
+    assert args.overload.target_pct == target
 
 
 @pytest.mark.parametrize(

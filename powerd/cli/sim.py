@@ -207,10 +207,11 @@ def _add_recording_arguments(sim: argparse.ArgumentParser) -> None:
     sim.add_argument("--until", type=parse_time, help="end of the recording")
     sim.add_argument(
         "--overload",
-        type=_overload,
-        metavar="PCT:SECONDS",
+        type=overload_arg,
+        metavar="PCT:SECONDS[:TARGET]",
         help="rate every budgeted group for PCT %% above its budget for SECONDS (policy key "
-        "`overload`): caps commit above the budgets, draw is steered below them",
+        "`overload`): caps commit above the budgets, draw is steered TARGET %% (default 3) "
+        "below them",
     )
 
 
@@ -274,28 +275,32 @@ class ProgressBar:
         self.out.flush()
 
 
-def _overload(text: str) -> Overload:
-    """PCT:SECONDS, as `overload: {pct, for_s}` in a policy."""
+def overload_arg(text: str) -> Overload:
+    """PCT:SECONDS[:TARGET], as `overload: {pct, for_s, target_pct}` in a policy (TARGET:
+    the share below the budget the measured draw is steered to, default 3)."""
     require("powerd sim", "sim")  # Overload is the policy's model (numpy): refuse as `sim` does
     from pydantic import ValidationError
 
     from powerd.input_errors import validation_problems
     from powerd.policy import Overload
 
-    pct, sep, secs = text.partition(":")
+    parts = text.split(":")
+    names = {"pct": "PCT", "for_s": "SECONDS", "target_pct": "TARGET"}
     try:
-        if not sep:
-            raise ValueError("no ':'")
-        return Overload(pct=float(pct), for_s=float(secs))
-    except ValidationError as exc:  # which of the two, and its range
+        if len(parts) not in (2, 3):
+            raise ValueError("no ':'" if len(parts) == 1 else "more than two ':'")
+        fields = dict(zip(names, (float(p) for p in parts), strict=False))
+        return Overload.model_validate(fields)
+    except ValidationError as exc:  # which part, and its range
         why = "; ".join(
-            f"{'PCT' if path == 'pct' else 'SECONDS'} {msg[0].lower()}{msg[1:]}"
+            f"{names.get(path, path)} {msg[0].lower()}{msg[1:]}"
             for path, msg in validation_problems(exc)
         )
     except ValueError as exc:
         why = str(exc)
     raise argparse.ArgumentTypeError(
-        f"{text!r}: want PCT:SECONDS, e.g. 5:30 (5 % above the budget for 30 s): {why}"
+        f"{text!r}: want PCT:SECONDS[:TARGET], e.g. 5:30 (5 % above the budget for 30 s; "
+        f"draw steered TARGET %, default 3, below it): {why}"
     )
 
 

@@ -421,7 +421,7 @@ def _rating_hint(report: Report, r: RunResult, u: BaselineResult, *, same: bool)
         return []
     return [
         f"  uncapped never drew over {u.max_excess_ratio:.1%} of a budget: with a rating "
-        "(`overload`, --overload PCT:SECONDS) caps may commit above the budgets while the "
+        "(`overload`, --overload PCT:SECONDS[:TARGET]) caps may commit above the budgets while the "
         "draw stays below them"
     ]
 
