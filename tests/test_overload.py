@@ -8,19 +8,22 @@ whose GPUs draw what their work wants (any jump, all at once), and the simulator
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from numpy.typing import NDArray
 from support.honest import GPUS, NODES, HonestNode, policy_dict
 
+from powerd.cli import main as powerd_main
 from powerd.controller.tick import TickEngine
 from powerd.policy import Overload, PolicyError, overload_reaction_s, parse_policy, with_overload
 from powerd.safety import OverloadRule
-from powerd.sim.run import simulate
+from powerd.sim.run import beyond_rating, simulate
 from powerd.sim.scenario import parse_scenario
 from powerd.sim.site import build_mix, build_site
 from powerd.testing.synthetic import policy_dict as synthetic_policy
@@ -237,33 +240,8 @@ def test_without_a_rating_committed_caps_never_pass_the_budget() -> None:
 
 
 def test_the_simulator_measures_overshoot_and_time_over_and_the_rating_buys_work() -> None:
-    # A feed that binds (the facility leaves 80 % of its rows' room): at 92 % the rating
-    # bought 0.1-0.4 % of work with seeds 1-5 and lost 0.03 % with seed 11 (float noise
-    # decides); at 80 % it buys 0.4-1.0 % with every seed 1-5 and 11.
-    data = synthetic_policy(2, 2, 2, 4, overhead_w=400.0, fractions=(0.80, 0.92, 0.92, 0.85))
-    scenario = parse_scenario(
-        {
-            "name": "jumpy",
-            "duration_h": 0.5,
-            "tick_s": 5,
-            "seed": 11,
-            "workloads": [
-                {
-                    "name": "serving",
-                    "class": "inference",
-                    "share": 0.75,
-                    "pattern": "inference",
-                    "low_w": 250,
-                    "high_w": 600,
-                    "day_h": 0.5,
-                    "peak_hour": 0.25,
-                    "bursts": {"extra_w": 150, "probability": 0.3, "slot_s": 10},
-                },
-                {"name": "batch", "class": "batch", "share": 0.25, "pattern": "steady"},
-            ],
-        },
-        "<jumpy>",
-    )
+    spec, data = jumpy()
+    scenario = parse_scenario(spec, "<jumpy>")
     results = {}
     for pct in (0.0, 10.0):
         d = copy.deepcopy(data)
@@ -278,8 +256,80 @@ def test_the_simulator_measures_overshoot_and_time_over_and_the_rating_buys_work
     # Never above the rating; above the budget only until the next control tick.
     assert rated.max_excess_ratio <= 1.10 + 1e-9
     assert rated.longest_over_s <= scenario.spec.tick_s + 1e-9
+    # What the rating allows is not held against it; the same draw unrated would be.
+    assert rated.over_budget_s > 0 and rated.beyond_rating_s == 0
+    assert plain.beyond_rating_s == 0
     # What GPUs did not draw went to those that could: more work under the same feed.
     assert rated.work_gpu_s > plain.work_gpu_s
+
+
+def jumpy() -> tuple[dict[str, Any], dict[str, Any]]:
+    """A scenario of serving with bursts on a site whose feed binds, and its policy
+    (unrated)."""
+    # A feed that binds (the facility leaves 80 % of its rows' room): at 92 % the rating
+    # bought 0.1-0.4 % of work with seeds 1-5 and lost 0.03 % with seed 11 (float noise
+    # decides); at 80 % it buys 0.4-1.0 % with every seed 1-5 and 11.
+    data = synthetic_policy(2, 2, 2, 4, overhead_w=400.0, fractions=(0.80, 0.92, 0.92, 0.85))
+    spec = {
+        "name": "jumpy",
+        "duration_h": 0.5,
+        "tick_s": 5,
+        "seed": 11,
+        "workloads": [
+            {
+                "name": "serving",
+                "class": "inference",
+                "share": 0.75,
+                "pattern": "inference",
+                "low_w": 250,
+                "high_w": 600,
+                "day_h": 0.5,
+                "peak_hour": 0.25,
+                "bursts": {"extra_w": 150, "probability": 0.3, "slot_s": 10},
+            },
+            {"name": "batch", "class": "batch", "share": 0.25, "pattern": "steady"},
+        ],
+    }
+    return spec, data
+
+
+def test_beyond_a_rating_is_over_too_much_or_too_long_and_unrated_is_over_at_all() -> None:
+    budget = np.array([1000.0, 1000.0, 1000.0, np.inf])
+    pct = np.array([10.0, 10.0, 0.0, 0.0])
+    for_s = np.array([60.0, 60.0, 0.0, 0.0])
+    none_over = np.zeros(4)
+
+    def beyond(run_s: list[float], excess_w: list[float]) -> bool:
+        return beyond_rating(np.array(run_s), np.array(excess_w), budget, pct, for_s)
+
+    assert not beyond([0, 0, 0, 0], [-5, -5, -5, -np.inf])
+    assert not beyond([59, 0, 0, 0], [100, -5, -5, -np.inf])  # within 10 % for < 60 s
+    assert beyond([60, 0, 0, 0], [100, -5, -5, -np.inf])  # for 60 s: past the rating
+    assert beyond([1, 0, 0, 0], [101, -5, -5, -np.inf])  # past 10 %
+    assert beyond([0, 0, 1, 0], [-5, -5, 1, -np.inf])  # unrated: over at all
+    assert not beyond(none_over.tolist(), [-5, -5, -5, -np.inf])
+
+
+def test_powerd_sim_says_time_over_within_a_rating_and_does_not_fail_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec, data = jumpy()
+    (tmp_path / "policy.yaml").write_text(yaml.safe_dump(data))
+    spec["policy"] = "policy.yaml"
+    scenario = tmp_path / "jumpy.yaml"
+    scenario.write_text(yaml.safe_dump(spec))
+    argv = ["sim", str(scenario), "--policies", "fast", "--baselines", "none", "--jobs", "1"]
+    # Over the budget within the rating: what the rating is for, said as such; exit 0
+    # (past it, or over an unrated budget at all, it exits 1: `beyond_rating`, above).
+    assert powerd_main([*argv, "--overload", "10:60"]) == 0
+    out, err = capsys.readouterr()
+    headline = next(line for line in out.splitlines() if line.startswith("headline:"))
+    assert "over a budget within its rating (longest " in headline, headline
+    assert "sim_budget_exceeded" not in err
+    # Unrated, the same GPUs stay under every budget (the strict rule).
+    assert powerd_main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "headline: fast on 32 GPUs, 0 over a budget, no trip" in out
 
 
 def test_a_scope_root_keeps_the_strict_rule_under_its_coordinator() -> None:

@@ -432,6 +432,7 @@ class _Account:
             gpu_energy_j=self.gpu_energy,
             facility_energy_j=self.fac_energy,
             over_budget_s=self.over_s,
+            beyond_rating_s=self.over_s,  # not steered: its ratings are not checked
             longest_over_s=self.longest_over,
             over_budget_s_by_level={
                 LEVELS[lv]: float(self.over_by_level[lv]) for lv in range(self.n_levels)

@@ -134,6 +134,7 @@ def to_json(report: Report) -> dict[str, Any]:
                         "mean_weighted_throughput": r.weighted_work_gpu_s / r.duration_s,
                         "mean_facility_draw_w": r.facility_energy_j / r.duration_s,
                         "over_budget_s": r.over_budget_s,
+                        "beyond_rating_s": r.beyond_rating_s,
                         "below_floor_share": r.below_floor_share,
                     }
                     for p, r in pt.results.items()
@@ -164,6 +165,7 @@ def to_json(report: Report) -> dict[str, Any]:
                     "loss": pt.loss,
                     "weighted_loss": pt.weighted_loss,
                     "over_budget_s": pt.over_budget_s,
+                    "beyond_rating_s": pt.beyond_rating_s,
                     "trips": pt.trips,
                     # Runs the search ended once they provably failed: their losses are the
                     # least they can have lost, their time over budget up to that hour.
@@ -361,8 +363,13 @@ def headline_block(report: Report) -> list[str]:
     r = report.compare[lead]
     t = report.trips(lead)
     trips = "trips not ruled out" if t is None else trips_text(t)
-    over = _duration(r.over_budget_s)
-    lines = [f"headline: {lead} on {r.n_gpus:,} GPUs, {over} over a budget, {trips}"]
+    over = _duration(r.over_budget_s) + " over a budget"
+    if r.over_budget_s > 0 and r.beyond_rating_s == 0:
+        over += (
+            f" within its rating (longest {_duration(r.longest_over_s)}, worst "
+            f"{r.max_excess_ratio:.1%} of a budget)"
+        )
+    lines = [f"headline: {lead} on {r.n_gpus:,} GPUs, {over}, {trips}"]
     base = report.provisioned
     if base is not None:
         lines.append(
@@ -440,6 +447,8 @@ def compare_lines(results: dict[str, RunResult]) -> list[str]:
         if r.over_budget_s:
             levels = [lv for lv, s in r.over_budget_s_by_level.items() if s > 0]
             over += f" ({', '.join(levels)})"
+            if isinstance(r, RunResult) and r.beyond_rating_s == 0:
+                over += " within rating"
         row = [
             p,
             f"{r.mean_throughput:,.1f}",

@@ -111,6 +111,9 @@ class RunResult:
     floors_fit: bool  # class floors fit every budget (so the floor was owed)
     below_floor_share: dict[str, float]  # per floored class: GPU-time share held below it
     committed_over_ticks: int  # planner: committed caps above a budget (must stay 0)
+    # Time a group's draw was past what its overload rating allows (`beyond_rating`); with
+    # no rating, every second over a budget. Must stay 0.
+    beyond_rating_s: float
     statuses: dict[str, int]
     # The facility's fastest moves from one tick to the next, W/s: of its committed caps
     # (what powerd allows) and of its measured draw (what the feed sees), up and down.
@@ -163,6 +166,7 @@ class RunResult:
             "floors_fit": self.floors_fit,
             "below_floor_share": self.below_floor_share,
             "committed_over_ticks": self.committed_over_ticks,
+            "beyond_rating_s": self.beyond_rating_s,
             "statuses": self.statuses,
             "ramp_w_per_s": self.ramp_w_per_s,
             "churn": self.churn,
@@ -214,6 +218,8 @@ class _Run:
         self.rounds = rounds_per_steer(policy, spec.tick_s)
         self.finite = np.isfinite(self.budget)
         self.ratio_budget = np.where(self.finite & (self.budget > 0), self.budget, np.inf)
+        # Each group's overload rating (docs/policy.md, "overload"), in topology order.
+        self.rated, self.rating_pct, self.rating_for_s = _ratings(policy)
         cls = mix.class_index
         self.weight = classes.weight[cls]
         self.floor_w = classes.floor_w[cls]
@@ -259,7 +265,7 @@ class _Run:
         self.longest_over_s = 0.0
         self.max_excess = 0.0
         self.max_ratio = 0.0
-        self.committed_over = 0
+        self.committed_over, self.beyond_s = 0, 0.0  # ticks, seconds (beyond_rating)
         self.statuses: dict[str, int] = {}
         self.solve_ms: list[float] = []
         self.work = np.zeros(n_classes)
@@ -397,6 +403,14 @@ class _Run:
             self.over_s += dt
             self.over_by_level[over_levels] += dt
             self.max_excess = max(self.max_excess, excess)
+            if not self.rated or beyond_rating(
+                self.over_run_s,
+                np.maximum(mean_sum - mean_budget, closing_sum - budget) + topo.overhead_w,
+                np.minimum(mean_budget, budget),
+                self.rating_pct,
+                self.rating_for_s,
+            ):
+                self.beyond_s += dt
         self.max_ratio = max(self.max_ratio, ratio)
         if not self.levels_full:
             overhead = topo.overhead_w
@@ -526,6 +540,35 @@ def warm_up(scenario: Scenario, site: Site, on_compiling: Callable[[], None]) ->
     return time.perf_counter() - start
 
 
+def _ratings(policy: Policy) -> tuple[bool, NDArray[np.float64], NDArray[np.float64]]:
+    """Whether any group is rated, and per group its rating's `pct` and `for_s` (0, 0 where
+    it is not)."""
+    ratings = [g.overload for g in policy.groups]
+    return (
+        any(o is not None for o in ratings),
+        np.array([0.0 if o is None else o.pct for o in ratings]),
+        np.array([0.0 if o is None else o.for_s for o in ratings]),
+    )
+
+
+def beyond_rating(
+    over_run_s: NDArray[np.float64],
+    excess_w: NDArray[np.float64],
+    budget_w: NDArray[np.float64],
+    pct: NDArray[np.float64],
+    for_s: NDArray[np.float64],
+) -> bool:
+    """Whether a group over its budget is past what its overload rating allows (draw above
+    the budget by `pct` % for less than `for_s` s at a time, docs/policy.md, "overload"):
+    over by more than `pct` % of its budget (`excess_w`: its draw less its budget), or over
+    for `for_s` or longer. An unrated group (`for_s` 0) is past it whenever it is over.
+    `over_run_s`: per group, how long it has been over (0 where it is not)."""
+    over = over_run_s > 0
+    with np.errstate(invalid="ignore"):  # an unbudgeted group: inf × 0, never over
+        past = (over_run_s >= for_s) | (excess_w > budget_w * (pct / 100.0) + EXCESS_TOL_W)
+    return bool(np.any(over & past))
+
+
 def simulate(
     scenario: Scenario,
     site: Site,
@@ -641,6 +684,7 @@ def simulate(
             if classes.floor_w[c] > 0 and gpus_per_class[c] > 0
         },
         committed_over_ticks=run.committed_over,
+        beyond_rating_s=run.beyond_s,
         statuses=run.statuses,
         ramp_w_per_s=dict(
             zip(

@@ -473,6 +473,9 @@ class OversubPoint:
     loss: dict[str, float]  # per steered policy: 1 − its work / unconstrained work
     weighted_loss: dict[str, float]  # the same, weighted by class weight
     over_budget_s: dict[str, float]  # per policy, static included
+    # Per steered run: time past what an overload rating allows (RunResult.beyond_rating_s);
+    # a size where it is not 0 does not fit, whatever its loss.
+    beyond_rating_s: dict[str, float] = field(default_factory=dict)
     trips: dict[str, int] = field(default_factory=dict)  # per run a breaker model watched
     # Per steered run a `StopRule` ended: the hour it stopped at. Its loss and weighted loss
     # are then the least it can have lost (the metric's already over the threshold), its
@@ -660,6 +663,7 @@ class _Sizes:
                 pt.loss[p], pt.weighted_loss[p] = rule.least_loss(r)
                 pt.projected_loss[p] = max(rule.projected_loss(r), self.loss(n, p))
                 pt.over_budget_s[p] = r.over_budget_s
+                pt.beyond_rating_s[p] = r.beyond_rating_s
                 pt.stopped_h[p] = r.stopped_s / 3600.0
             elif r is not None:
                 pt.loss[p] = 1.0 - r.work_gpu_s / (pt.work_unconstrained_gpu_h * 3600.0)
@@ -667,6 +671,7 @@ class _Sizes:
                     pt.weighted_unconstrained_gpu_h * 3600.0
                 )
                 pt.over_budget_s[p] = r.over_budget_s
+                pt.beyond_rating_s[p] = r.beyond_rating_s
 
     def _point(self, n: int, ref: RunResult) -> OversubPoint:
         """Size `n`'s point, made from its unconstrained run `ref`."""
@@ -1010,7 +1015,7 @@ def oversubscribe(  # noqa: PLR0913 (the search's knobs, keyword-only, each a CL
 
         return _SearchSpec(
             p,
-            lambda pt: loss(pt) > threshold,
+            lambda pt: loss(pt) > threshold or pt.beyond_rating_s.get(p, 0.0) > 0,
             (lambda pt: pt.projected_loss.get(p, loss(pt)) - threshold) if secant else None,
         )
 
