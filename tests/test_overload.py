@@ -321,10 +321,12 @@ def test_powerd_sim_says_time_over_within_a_rating_and_does_not_fail_it(
     argv = ["sim", str(scenario), "--policies", "fast", "--baselines", "none", "--jobs", "1"]
     # Over the budget within the rating: what the rating is for, said as such; exit 0
     # (past it, or over an unrated budget at all, it exits 1: `beyond_rating`, above).
-    assert powerd_main([*argv, "--overload", "10:60"]) == 0
+    assert powerd_main([*argv, "--overload", "10:60", "--budget-sweep", "0.6"]) == 0
     out, err = capsys.readouterr()
     headline = next(line for line in out.splitlines() if line.startswith("headline:"))
     assert "over a budget within its rating (longest " in headline, headline
+    sweep = next(line for line in out.splitlines() if line.startswith("60%"))
+    assert " OVER " in sweep and sweep.endswith(" within rating"), sweep
     assert "sim_budget_exceeded" not in err
     # Unrated, the same GPUs stay under every budget (the strict rule).
     assert powerd_main(argv) == 0

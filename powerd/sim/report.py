@@ -536,6 +536,8 @@ def sweep_lines(points: list[SweepPoint]) -> list[str]:
             cell = f"{r.mean_throughput:,.1f} / {r.weighted_work_gpu_s / r.duration_s:,.1f}"
             if r.over_budget_s:
                 cell += f" OVER {_duration(r.over_budget_s)}"
+                if r.beyond_rating_s == 0:
+                    cell += " within rating"
             row.append(cell)
         rows.append(row)
     lines = ["budget sweep (feed as a share of nameplate; every budget scaled alike):"]
