@@ -1483,6 +1483,9 @@ class OverloadRule:
 
     pct: FloatArray  # committed caps may reach budget × (1 + pct/100)
     target_pct: FloatArray  # measured draw is steered to budget × (1 − target_pct/100)
+    # Per group, the window of the draw's rises kept in reserve (`Overload.rise_s`; 0 where
+    # none, None where no group keeps any).
+    rise_s: FloatArray | None = None
 
     @classmethod
     def from_policy(cls, policy: Policy) -> OverloadRule | None:
@@ -1494,6 +1497,9 @@ class OverloadRule:
         return cls(
             pct=np.array([0.0 if o is None else o.pct for o in rated]),
             target_pct=np.array([0.0 if o is None else o.target_pct for o in rated]),
+            rise_s=np.array([0.0 if o is None else o.rise_s for o in rated])
+            if any(o is not None and o.rise_s > 0 for o in rated)
+            else None,
         )
 
     def ratings_w(self, budget_w: FloatArray) -> FloatArray:

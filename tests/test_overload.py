@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -20,6 +20,8 @@ from numpy.typing import NDArray
 from support.honest import GPUS, NODES, HonestNode, policy_dict
 
 from powerd.cli import main as powerd_main
+from powerd.controller.budgets import RiseReserve
+from powerd.controller.shape import Shape
 from powerd.controller.tick import TickEngine
 from powerd.policy import Overload, PolicyError, overload_reaction_s, parse_policy, with_overload
 from powerd.safety import OverloadRule
@@ -63,6 +65,17 @@ def test_a_rating_is_read_and_checked_against_powerds_reaction() -> None:
     bad["facility"]["overload"]["pct"] = 0
     with pytest.raises(PolicyError, match="pct"):
         parse_policy(bad)
+    # The rises kept in reserve: none unless asked, a window of seconds when asked.
+    assert dc.overload.rise_s == 0
+    assert (plain_rule := OverloadRule.from_policy(policy)) is not None
+    assert plain_rule.rise_s is None
+    swinging = rated_policy()
+    swinging["facility"]["overload"]["rise_s"] = 10
+    rule = OverloadRule.from_policy(parse_policy(swinging))
+    assert rule is not None and rule.rise_s is not None and rule.rise_s.tolist()[0] == 10
+    swinging["facility"]["overload"]["rise_s"] = -1
+    with pytest.raises(PolicyError, match="rise_s"):
+        parse_policy(swinging)
     # `powerd sim --overload` rates every budgeted group, and checks the time the same way.
     every = with_overload(parse_policy(policy_dict()), Overload(pct=5, for_s=60))
     assert all((g.overload is not None) == (g.budget_w < float("inf")) for g in every.groups)
@@ -370,3 +383,85 @@ def test_the_room_below_the_target_is_lent_once_per_reading() -> None:
     # again (7,190 → 7,480 → 7,770 → 7,890 W on this site).
     lent = [step(4 + k, hear=False) for k in range(3)]
     assert max(lent) <= heard + TOL
+
+
+def test_the_rises_kept_in_reserve_are_the_draws_own_not_the_steerings() -> None:
+    reserve = RiseReserve()
+    shape = cast(Shape, object())  # only its identity matters
+    windows = np.array([10.0, 10.0, 0.0])  # the third group keeps none
+
+    def reading(t: float, heard: int, draw: list[float], committed: list[float]) -> list[float]:
+        out = reserve.reserve_w(
+            t,
+            shape,
+            heard,
+            draw_w=np.array(draw),
+            committed_w=np.array(committed),
+            window_s=windows,
+        )
+        return [float(x) for x in out]
+
+    assert reading(0.0, 1, [500, 500, 500], [900, 900, 900]) == [0, 0, 0]
+    # Group 0 swings up by 300 W under the same caps; group 1 rises 300 W because its caps
+    # were raised by 300 W (the steering's own raise); group 2 swings but keeps no reserve.
+    assert reading(1.0, 2, [800, 800, 800], [900, 1200, 900]) == [300, 0, 0]
+    # A call with no new telemetry is not a reading.
+    assert reading(1.5, 2, [100, 100, 100], [900, 1200, 900]) == [300, 0, 0]
+    # Falls are no rises; the swing stays in reserve for its window...
+    assert reading(2.0, 3, [500, 600, 500], [900, 1200, 900]) == [300, 0, 0]
+    assert reading(9.5, 4, [500, 600, 500], [900, 1200, 900]) == [300, 0, 0]
+    # ... and goes once the reading before it is older than the window.
+    assert reading(10.5, 5, [500, 600, 500], [900, 1200, 900]) == [0, 0, 0]
+    # A draw not known (no telemetry, the meter stale) makes no rise.
+    assert reading(12.5, 6, [np.nan, 600, 500], [900, 1200, 900]) == [0, 0, 0]
+    # A new shape (the GPU set or the policy changed) starts the memory over.
+    other = cast(Shape, object())
+    out = reserve.reserve_w(
+        13.5,
+        other,
+        7,
+        draw_w=np.array([900.0, 600, 500]),
+        committed_w=np.array([900.0, 1200, 900]),
+        window_s=windows,
+    )
+    assert out.tolist() == [0, 0, 0]
+
+
+def test_swings_kept_in_reserve_stay_off_the_rating() -> None:
+    # A synchronous training job swings every 4 s (compute at 690 W, communication at
+    # 170 W) beside steady batch work, on a rated site whose feed binds. Lending the room
+    # its low phase leaves puts its next high phase over the budget (within the rating);
+    # with the last 10 s of rises in reserve, the swing is not lent out.
+    data = synthetic_policy(2, 2, 2, 4, overhead_w=400.0, fractions=(0.9, 0.92, 0.92, 0.85))
+    spec = {
+        "name": "swinging",
+        "duration_h": 0.1,
+        "tick_s": 1,
+        "seed": 3,
+        "workloads": [
+            {
+                "name": "pretrain",
+                "class": "training",
+                "share": 0.5,
+                "pattern": "training",
+                "jobs": 1,
+                "high_w": 690,
+                "low_w": 170,
+                "period_s": 4,
+                "duty": 0.7,
+            },
+            {"name": "batch", "class": "batch", "share": 0.5, "pattern": "steady"},
+        ],
+    }
+    scenario = parse_scenario(spec, "<swinging>")
+    results = {}
+    for rise_s in (0.0, 10.0):
+        rating = Overload(pct=10, for_s=60, rise_s=rise_s)
+        site = build_site(with_overload(parse_policy(copy.deepcopy(data)), rating))
+        results[rise_s] = simulate(scenario, site, build_mix(scenario, site), "fast")
+    lent, kept = results[0.0], results[10.0]
+    for r in (lent, kept):
+        assert r.committed_over_ticks == 0 and r.beyond_rating_s == 0
+    assert lent.over_budget_s > 100  # 223 s of the 360 when measured
+    # What is left is the first seconds, before a swing was seen (3 s when measured).
+    assert kept.over_budget_s <= 10

@@ -259,7 +259,7 @@ def test_the_headline_names_a_rating_where_uncapped_never_reached_a_budget() -> 
     u = SimpleNamespace(work_gpu_s=1000.0, max_excess_ratio=0.873)
     lost = SimpleNamespace(work_gpu_s=972.0)
     (line,) = _rating_hint(report(False), lost, u, same=True)  # type: ignore[arg-type]
-    assert "87.3% of a budget" in line and "--overload PCT:SECONDS[:TARGET]" in line
+    assert "87.3% of a budget" in line and "--overload PCT:SECONDS[:TARGET[:RISE]]" in line
     assert _rating_hint(report(True), lost, u, same=True) == []  # type: ignore[arg-type]
     assert _rating_hint(report(False), lost, u, same=False) == []  # type: ignore[arg-type]
     kept = SimpleNamespace(work_gpu_s=999.5)  # 0.05 % lost: nothing to say

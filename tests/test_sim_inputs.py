@@ -361,7 +361,8 @@ def test_a_schedule_window_after_the_end_is_said(
         ("1e9:30", "PCT input should be less than or equal to 100"),
         ("nan:30", "PCT input should be a finite number"),
         ("5:30:80", "TARGET input should be less than or equal to 50"),
-        ("5:30:1:2", "more than two ':'"),
+        ("5:30:1:2:3", "more than three ':'"),
+        ("5:30:1:-1", "RISE input should be greater than or equal to 0"),
     ],
 )
 def test_an_overload_out_of_range_says_which_and_the_range(
@@ -369,7 +370,7 @@ def test_an_overload_out_of_range_says_which_and_the_range(
 ) -> None:
     # Before: "... 1 validation error for Overload", naming neither the part nor its range.
     err = parse_error(["sim", "s.yaml", "--overload", value], capsys)
-    assert err.endswith(f"below it): {said}")
+    assert err.endswith(f"in reserve, default 0): {said}")
 
 
 @pytest.mark.parametrize(("value", "target"), [("5:30", 3.0), ("5:30:1", 1.0), ("5:30:0", 0.0)])

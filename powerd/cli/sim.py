@@ -208,10 +208,10 @@ def _add_recording_arguments(sim: argparse.ArgumentParser) -> None:
     sim.add_argument(
         "--overload",
         type=overload_arg,
-        metavar="PCT:SECONDS[:TARGET]",
+        metavar="PCT:SECONDS[:TARGET[:RISE]]",
         help="rate every budgeted group for PCT %% above its budget for SECONDS (policy key "
         "`overload`): caps commit above the budgets, draw is steered TARGET %% (default 3) "
-        "below them",
+        "below them, RISE s (default 0) of its rises kept in reserve",
     )
 
 
@@ -276,8 +276,9 @@ class ProgressBar:
 
 
 def overload_arg(text: str) -> Overload:
-    """PCT:SECONDS[:TARGET], as `overload: {pct, for_s, target_pct}` in a policy (TARGET:
-    the share below the budget the measured draw is steered to, default 3)."""
+    """PCT:SECONDS[:TARGET[:RISE]], as `overload: {pct, for_s, target_pct, rise_s}` in a
+    policy (TARGET: the share below the budget the measured draw is steered to, default 3;
+    RISE: the seconds of the draw's rises kept in reserve, default 0)."""
     require("powerd sim", "sim")  # Overload is the policy's model (numpy): refuse as `sim` does
     from pydantic import ValidationError
 
@@ -285,10 +286,10 @@ def overload_arg(text: str) -> Overload:
     from powerd.policy import Overload
 
     parts = text.split(":")
-    names = {"pct": "PCT", "for_s": "SECONDS", "target_pct": "TARGET"}
+    names = {"pct": "PCT", "for_s": "SECONDS", "target_pct": "TARGET", "rise_s": "RISE"}
     try:
-        if len(parts) not in (2, 3):
-            raise ValueError("no ':'" if len(parts) == 1 else "more than two ':'")
+        if len(parts) not in (2, 3, 4):
+            raise ValueError("no ':'" if len(parts) == 1 else "more than three ':'")
         fields = dict(zip(names, (float(p) for p in parts), strict=False))
         return Overload.model_validate(fields)
     except ValidationError as exc:  # which part, and its range
@@ -299,8 +300,9 @@ def overload_arg(text: str) -> Overload:
     except ValueError as exc:
         why = str(exc)
     raise argparse.ArgumentTypeError(
-        f"{text!r}: want PCT:SECONDS[:TARGET], e.g. 5:30 (5 % above the budget for 30 s; "
-        f"draw steered TARGET %, default 3, below it): {why}"
+        f"{text!r}: want PCT:SECONDS[:TARGET[:RISE]], e.g. 5:30 (5 % above the budget for "
+        f"30 s; draw steered TARGET %, default 3, below it; the last RISE s of its rises in "
+        f"reserve, default 0): {why}"
     )
 
 

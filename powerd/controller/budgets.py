@@ -64,6 +64,7 @@ class BudgetsInForce:
         self._last_limit: tuple[int, Shape, FloatArray] | None = None
         # Per group, the meter reading the last limits were lent on (0: none).
         self._last_meter_seq: tuple[Shape, NDArray[np.int64]] | None = None
+        self._rises = RiseReserve()
 
     def in_force(
         self,
@@ -110,6 +111,7 @@ class BudgetsInForce:
         *,
         heard: int,
         meter: MeteredDraw | None = None,
+        now: float = 0.0,
     ) -> FloatArray:
         """Per group, what committed caps may reach (OverloadRule): the budget, unless the
         group is rated. Draw and committed count alike: overhead, the reserve for GPUs not
@@ -118,7 +120,9 @@ class BudgetsInForce:
         its fresh reading is its draw if higher (`MeteredDraw.draw_w`), and a group whose
         reading is not fresh gets its budget. Either way a metered group's limit is lowered by
         the overhead its meter has learned beyond the policy's (`MeteredDraw.unseen_w`): the
-        budget assumed less, and the meter is what the breaker sees."""
+        budget assumed less, and the meter is what the breaker sees. Where a group keeps its
+        draw's rises in reserve (`Overload.rise_s`), its draw counts with them (RiseReserve;
+        `now`: the controller's monotonic clock)."""
         if rule is None:
             return budget_w if meter is None else self._less_unseen(budget_w, meter)
         topo = shape.topology
@@ -127,7 +131,12 @@ class BudgetsInForce:
             draw = self.nodes_draw_w(committed, arrays, shape)
         else:  # the nodes' figure the tick already summed for the meters
             draw = meter.draw_w(meter.nodes_w)
-        limit = rule.limits_w(budget_w, topo.group_sums(committed) + base, draw)
+        committed_w = topo.group_sums(committed) + base
+        if rule.rise_s is not None:
+            draw = draw + self._rises.reserve_w(
+                now, shape, heard, draw_w=draw, committed_w=committed_w, window_s=rule.rise_s
+            )
+        limit = rule.limits_w(budget_w, committed_w, draw)
         if meter is not None:
             limit = np.where(meter.metered & ~meter.fresh, budget_w, limit)
         # The room between draw and target is lent once per reading: a tick that heard no
@@ -182,3 +191,55 @@ class BudgetsInForce:
         self._last_budget_w = np.array(budget_w, dtype=np.float64)
         immediate = budget_w if self._immediate_w is None else self._immediate_w
         return np.maximum(budget_w, np.minimum(last, immediate))
+
+
+class RiseReserve:
+    """Per group, the largest rise of its draw from one reading to the next that its
+    committed caps did not make, over a window (`Overload.rise_s`). An overload rating lends
+    the room between draw and target; work whose GPUs swing together (synchronous
+    training's compute and communication phases, every few seconds) would draw it in its
+    next high phase, over the budget until the cut lands. Counting that rise with the draw
+    keeps such swings off the rating; the steering's own raises (draw following the caps it
+    raised) are not counted. It only lowers what is lent, never below the budget."""
+
+    def __init__(self) -> None:
+        self._shape: Shape | None = None
+        self._heard = -1
+        self._last: tuple[FloatArray, FloatArray] | None = None  # draw, committed
+        self._t_last = 0.0  # when that reading was
+        # Per reading after the first: when the reading before it was, and the rise since.
+        self._since: list[float] = []
+        self._rise: list[FloatArray] = []
+
+    def reserve_w(
+        self,
+        now: float,
+        shape: Shape,
+        heard: int,
+        *,
+        draw_w: FloatArray,
+        committed_w: FloatArray,
+        window_s: FloatArray,
+    ) -> FloatArray:
+        """Per group, the rise to keep in reserve now (0 where its window is 0). A reading
+        is the first call after new telemetry (`heard`: messages heard, ever); a new shape
+        starts the memory over."""
+        if shape is not self._shape:
+            self._shape, self._heard, self._last = shape, -1, None
+            self._since, self._rise = [], []
+        if heard != self._heard:
+            self._heard = heard
+            draw = np.array(draw_w, dtype=np.float64)
+            committed = np.array(committed_w, dtype=np.float64)
+            if self._last is not None:
+                rise = (draw - self._last[0]) - np.maximum(0.0, committed - self._last[1])
+                self._since.append(self._t_last)
+                self._rise.append(np.where(np.isfinite(rise), rise, 0.0))  # unknown: none
+            self._last, self._t_last = (draw, committed), now
+        oldest = now - float(window_s.max())
+        while self._since and self._since[0] < oldest:
+            del self._since[0], self._rise[0]
+        reserve = np.zeros(len(window_s))
+        for since, rise in zip(self._since, self._rise, strict=True):
+            reserve = np.maximum(reserve, np.where(since >= now - window_s, rise, 0.0))
+        return reserve

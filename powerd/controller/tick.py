@@ -524,6 +524,7 @@ class TickEngine:
             seen.shape,
             heard=self._heard,
             meter=meter,
+            now=now,
         )
         return Budgets(budget_w, limit_w, meter)
 

@@ -232,6 +232,8 @@ def headline_json(report: Report) -> dict[str, Any]:
 def _duration(s: float) -> str:
     if s == 0:
         return "0"
+    if s < 1:
+        return f"{s:.1f} s"
     if s < 3600:
         return f"{s / 60:.0f} min" if s >= 60 else f"{s:.0f} s"
     return f"{s / 3600:.1f} h"
@@ -428,8 +430,8 @@ def _rating_hint(report: Report, r: RunResult, u: BaselineResult, *, same: bool)
         return []
     return [
         f"  uncapped never drew over {u.max_excess_ratio:.1%} of a budget: with a rating "
-        "(`overload`, --overload PCT:SECONDS[:TARGET]) caps may commit above the budgets while the "
-        "draw stays below them"
+        "(`overload`, --overload PCT:SECONDS[:TARGET[:RISE]]) caps may commit above the "
+        "budgets while the draw stays below them"
     ]
 
 
