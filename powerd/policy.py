@@ -59,7 +59,7 @@ class Overload(_Strict):
     # Keep in reserve the largest rise of the measured draw from one reading to the next
     # that the committed caps did not make, over the last `rise_s` seconds (0: none): work
     # that swings together (synchronous training) then does not draw on the rating.
-    rise_s: float = Field(default=0.0, ge=0, le=3600, allow_inf_nan=False)
+    rise_s: float = Field(default=0.0, ge=0, le=120, allow_inf_nan=False)
 
 
 MAX_METER_W = 1e9  # a reading above a gigawatt is no reading of any group powerd steers

@@ -426,6 +426,19 @@ def test_the_rises_kept_in_reserve_are_the_draws_own_not_the_steerings() -> None
     )
     assert out.tolist() == [0, 0, 0]
 
+    # Readings less than a second apart (ticks on acks) split no swing: a rise of 200 W in
+    # a second, read halfway too, is 200 W.
+    for t, heard, draw in ((14.0, 8, 1000.0), (14.5, 9, 1100.0), (15.5, 10, 1100.0)):
+        out = reserve.reserve_w(
+            t,
+            other,
+            heard,
+            draw_w=np.array([draw, 600, 500]),
+            committed_w=np.array([900.0, 1200, 900]),
+            window_s=windows,
+        )
+    assert out.tolist() == [200, 0, 0]
+
 
 def test_swings_kept_in_reserve_stay_off_the_rating() -> None:
     # A synchronous training job swings every 4 s (compute at 690 W, communication at

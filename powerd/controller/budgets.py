@@ -194,20 +194,20 @@ class BudgetsInForce:
 
 
 class RiseReserve:
-    """Per group, the largest rise of its draw from one reading to the next that its
-    committed caps did not make, over a window (`Overload.rise_s`). An overload rating lends
-    the room between draw and target; work whose GPUs swing together (synchronous
-    training's compute and communication phases, every few seconds) would draw it in its
-    next high phase, over the budget until the cut lands. Counting that rise with the draw
-    keeps such swings off the rating; the steering's own raises (draw following the caps it
-    raised) are not counted. It only lowers what is lent, never below the budget."""
+    """Per group, the largest rise of its draw within a second that its committed caps did
+    not make, over a window (`Overload.rise_s`). An overload rating lends the room between
+    draw and target; work whose GPUs swing together (synchronous training's compute and
+    communication phases, every few seconds) would draw it in its next high phase, over the
+    budget until the cut lands. Counting that rise with the draw keeps such swings off the
+    rating; the steering's own raises (draw following the caps it raised) are not counted.
+    It only lowers what is lent, never below the budget."""
 
     def __init__(self) -> None:
         self._shape: Shape | None = None
         self._heard = -1
-        self._last: tuple[FloatArray, FloatArray] | None = None  # draw, committed
-        self._t_last = 0.0  # when that reading was
-        # Per reading after the first: when the reading before it was, and the rise since.
+        # The reading the newest rise is measured from: when, and per group draw, committed.
+        self._base: tuple[float, FloatArray, FloatArray] | None = None
+        # Per second of the window: when its base reading was, and the largest rise since.
         self._since: list[float] = []
         self._rise: list[FloatArray] = []
 
@@ -222,20 +222,15 @@ class RiseReserve:
         window_s: FloatArray,
     ) -> FloatArray:
         """Per group, the rise to keep in reserve now (0 where its window is 0). A reading
-        is the first call after new telemetry (`heard`: messages heard, ever); a new shape
-        starts the memory over."""
+        is the first call after new telemetry (`heard`: messages heard, ever); a rise is
+        measured from a reading to each later one up to a second after it (readings closer
+        than that, ticks on acks, split no swing); a new shape starts the memory over."""
         if shape is not self._shape:
-            self._shape, self._heard, self._last = shape, -1, None
+            self._shape, self._heard, self._base = shape, -1, None
             self._since, self._rise = [], []
         if heard != self._heard:
             self._heard = heard
-            draw = np.array(draw_w, dtype=np.float64)
-            committed = np.array(committed_w, dtype=np.float64)
-            if self._last is not None:
-                rise = (draw - self._last[0]) - np.maximum(0.0, committed - self._last[1])
-                self._since.append(self._t_last)
-                self._rise.append(np.where(np.isfinite(rise), rise, 0.0))  # unknown: none
-            self._last, self._t_last = (draw, committed), now
+            self._read(now, np.array(draw_w, dtype=np.float64), np.array(committed_w))
         oldest = now - float(window_s.max())
         while self._since and self._since[0] < oldest:
             del self._since[0], self._rise[0]
@@ -243,3 +238,19 @@ class RiseReserve:
         for since, rise in zip(self._since, self._rise, strict=True):
             reserve = np.maximum(reserve, np.where(since >= now - window_s, rise, 0.0))
         return reserve
+
+    def _read(self, now: float, draw: FloatArray, committed: FloatArray) -> None:
+        base = self._base
+        if base is None:
+            self._base = (now, draw, committed)
+            return
+        t0, draw0, committed0 = base
+        rise = (draw - draw0) - np.maximum(0.0, committed - committed0)
+        rise = np.where(np.isfinite(rise), rise, 0.0)  # a draw not known: no rise
+        if self._since and self._since[-1] == t0:
+            self._rise[-1] = np.maximum(self._rise[-1], rise)
+        else:
+            self._since.append(t0)
+            self._rise.append(rise)
+        if now - t0 >= 1.0:
+            self._base = (now, draw, committed)
