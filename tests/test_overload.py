@@ -282,28 +282,28 @@ def jumpy() -> tuple[dict[str, Any], dict[str, Any]]:
     # A feed that binds (the facility leaves 80 % of its rows' room): at 92 % the rating
     # bought 0.1-0.4 % of work with seeds 1-5 and lost 0.03 % with seed 11 (float noise
     # decides); at 80 % it buys 0.4-1.0 % with every seed 1-5 and 11.
-    data = synthetic_policy(2, 2, 2, 4, overhead_w=400.0, fractions=(0.80, 0.92, 0.92, 0.85))
-    spec = {
-        "name": "jumpy",
-        "duration_h": 0.5,
-        "tick_s": 5,
-        "seed": 11,
-        "workloads": [
-            {
-                "name": "serving",
-                "class": "inference",
-                "share": 0.75,
-                "pattern": "inference",
-                "low_w": 250,
-                "high_w": 600,
-                "day_h": 0.5,
-                "peak_hour": 0.25,
-                "bursts": {"extra_w": 150, "probability": 0.3, "slot_s": 10},
-            },
-            {"name": "batch", "class": "batch", "share": 0.25, "pattern": "steady"},
-        ],
+    serving = {
+        "name": "serving",
+        "class": "inference",
+        "share": 0.75,
+        "pattern": "inference",
+        "low_w": 250,
+        "high_w": 600,
+        "day_h": 0.5,
+        "peak_hour": 0.25,
+        "bursts": {"extra_w": 150, "probability": 0.3, "slot_s": 10},
     }
-    return spec, data
+    batch = {"name": "batch", "class": "batch", "share": 0.25, "pattern": "steady"}
+    return bound_site("jumpy", 0.80, [serving, batch], duration_h=0.5, tick_s=5, seed=11)
+
+
+def bound_site(
+    name: str, fraction: float, workloads: list[dict[str, Any]], **spec: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A scenario of these workloads on 32 GPUs whose facility leaves `fraction` of its
+    rows' room, and its policy (unrated)."""
+    data = synthetic_policy(2, 2, 2, 4, overhead_w=400.0, fractions=(fraction, 0.92, 0.92, 0.85))
+    return {"name": name, "workloads": workloads, **spec}, data
 
 
 def test_beyond_a_rating_is_over_too_much_or_too_long_and_unrated_is_over_at_all() -> None:
@@ -445,27 +445,19 @@ def test_swings_kept_in_reserve_stay_off_the_rating() -> None:
     # 170 W) beside steady batch work, on a rated site whose feed binds. Lending the room
     # its low phase leaves puts its next high phase over the budget (within the rating);
     # with the last 10 s of rises in reserve, the swing is not lent out.
-    data = synthetic_policy(2, 2, 2, 4, overhead_w=400.0, fractions=(0.9, 0.92, 0.92, 0.85))
-    spec = {
-        "name": "swinging",
-        "duration_h": 0.1,
-        "tick_s": 1,
-        "seed": 3,
-        "workloads": [
-            {
-                "name": "pretrain",
-                "class": "training",
-                "share": 0.5,
-                "pattern": "training",
-                "jobs": 1,
-                "high_w": 690,
-                "low_w": 170,
-                "period_s": 4,
-                "duty": 0.7,
-            },
-            {"name": "batch", "class": "batch", "share": 0.5, "pattern": "steady"},
-        ],
+    training = {
+        "name": "pretrain",
+        "class": "training",
+        "share": 0.5,
+        "pattern": "training",
+        "jobs": 1,
+        "high_w": 690,
+        "low_w": 170,
+        "period_s": 4,
+        "duty": 0.7,
     }
+    batch = {"name": "batch", "class": "batch", "share": 0.5, "pattern": "steady"}
+    spec, data = bound_site("swinging", 0.9, [training, batch], duration_h=0.1, tick_s=1, seed=3)
     scenario = parse_scenario(spec, "<swinging>")
     results = {}
     for rise_s in (0.0, 10.0):
