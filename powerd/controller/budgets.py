@@ -111,7 +111,7 @@ class BudgetsInForce:
         *,
         heard: int,
         meter: MeteredDraw | None = None,
-        now: float = 0.0,
+        now: float,
     ) -> FloatArray:
         """Per group, what committed caps may reach (OverloadRule): the budget, unless the
         group is rated. Draw and committed count alike: overhead, the reserve for GPUs not

@@ -366,7 +366,7 @@ def headline_block(report: Report) -> list[str]:
     t = report.trips(lead)
     trips = "trips not ruled out" if t is None else trips_text(t)
     over = _duration(r.over_budget_s) + " over a budget"
-    if r.over_budget_s > 0 and r.beyond_rating_s == 0:
+    if r.within_rating:
         over += (
             f" within its rating (longest {_duration(r.longest_over_s)}, worst "
             f"{r.max_excess_ratio:.1%} of a budget)"
@@ -449,7 +449,7 @@ def compare_lines(results: dict[str, RunResult]) -> list[str]:
         if r.over_budget_s:
             levels = [lv for lv, s in r.over_budget_s_by_level.items() if s > 0]
             over += f" ({', '.join(levels)})"
-            if isinstance(r, RunResult) and r.beyond_rating_s == 0:
+            if r.within_rating:
                 over += " within rating"
         row = [
             p,
@@ -538,7 +538,7 @@ def sweep_lines(points: list[SweepPoint]) -> list[str]:
             cell = f"{r.mean_throughput:,.1f} / {r.weighted_work_gpu_s / r.duration_s:,.1f}"
             if r.over_budget_s:
                 cell += f" OVER {_duration(r.over_budget_s)}"
-                if r.beyond_rating_s == 0:
+                if r.within_rating:
                     cell += " within rating"
             row.append(cell)
         rows.append(row)

@@ -127,6 +127,11 @@ class RunResult:
     stopped_s: float | None = None
 
     @property
+    def within_rating(self) -> bool:
+        """Over a budget at some moment, never past what its overload rating allows."""
+        return self.over_budget_s > 0 and self.beyond_rating_s == 0
+
+    @property
     def mean_throughput(self) -> float:
         return self.work_gpu_s / self.duration_s
 
