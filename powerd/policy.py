@@ -56,10 +56,10 @@ class Overload(_Strict):
     pct: float = Field(gt=0, le=100, allow_inf_nan=False)
     for_s: float = Field(gt=0, le=86400, allow_inf_nan=False)
     target_pct: float = Field(default=3.0, ge=0, le=50, allow_inf_nan=False)
-    # Keep in reserve the largest rise of the measured draw from one reading to the next
-    # that the committed caps did not make, over the last `rise_s` seconds (0: none): work
-    # that swings together (synchronous training) then does not draw on the rating.
-    rise_s: float = Field(default=0.0, ge=0, le=120, allow_inf_nan=False)
+    # Lend only the reservation the GPUs left unused all the last `rise_s` seconds (0: the
+    # reservation unused now): work that swings together (synchronous training) then does
+    # not draw on the rating in its next high phase, nor move caps with every swing.
+    rise_s: float = Field(default=30.0, ge=0, le=120, allow_inf_nan=False)
 
 
 MAX_METER_W = 1e9  # a reading above a gigawatt is no reading of any group powerd steers

@@ -54,7 +54,7 @@ def metered_policy(meter: dict[str, Any] | None = None, **extra: Any) -> dict[st
     """The honest site (16 GPUs, 7 kW facility) with the facility rated for 10 % and
     metered (a meter the tests feed by hand unless they poll it)."""
     data = policy_dict()
-    data["facility"]["overload"] = {"pct": PCT, "for_s": 30}
+    data["facility"]["overload"] = {"pct": PCT, "for_s": 30, "rise_s": 0}  # lent at once
     data["facility"]["meter"] = {
         **(meter or PROM),
         "fresh_s": 3.0,

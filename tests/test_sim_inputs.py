@@ -370,14 +370,20 @@ def test_an_overload_out_of_range_says_which_and_the_range(
 ) -> None:
     # Before: "... 1 validation error for Overload", naming neither the part nor its range.
     err = parse_error(["sim", "s.yaml", "--overload", value], capsys)
-    assert err.endswith(f"in reserve, default 0): {said}")
+    assert err.endswith(f"RISE s lent, default 30): {said}")
 
 
-@pytest.mark.parametrize(("value", "target"), [("5:30", 3.0), ("5:30:1", 1.0), ("5:30:0", 0.0)])
-def test_an_overload_takes_the_draw_target_as_the_policy_does(value: str, target: float) -> None:
+@pytest.mark.parametrize(
+    ("value", "target", "rise"),
+    [("5:30", 3.0, 30.0), ("5:30:1", 1.0, 30.0), ("5:30:0", 0.0, 30.0), ("5:30:1:0", 1.0, 0.0)],
+)
+def test_an_overload_takes_the_draw_target_as_the_policy_does(
+    value: str, target: float, rise: float
+) -> None:
     args = build_parser().parse_args(["sim", "s.yaml", "--overload", value])
     assert (args.overload.pct, args.overload.for_s) == (5.0, 30.0)
     assert args.overload.target_pct == target
+    assert args.overload.rise_s == rise  # the policy's default unless given
 
 
 @pytest.mark.parametrize(

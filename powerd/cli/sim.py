@@ -211,7 +211,7 @@ def _add_recording_arguments(sim: argparse.ArgumentParser) -> None:
         metavar="PCT:SECONDS[:TARGET[:RISE]]",
         help="rate every budgeted group for PCT %% above its budget for SECONDS (policy key "
         "`overload`): caps commit above the budgets, draw is steered TARGET %% (default 3) "
-        "below them, RISE s (default 0) of its rises kept in reserve",
+        "below them, only the reservation unused all the last RISE s (default 30) lent",
     )
 
 
@@ -278,7 +278,7 @@ class ProgressBar:
 def overload_arg(text: str) -> Overload:
     """PCT:SECONDS[:TARGET[:RISE]], as `overload: {pct, for_s, target_pct, rise_s}` in a
     policy (TARGET: the share below the budget the measured draw is steered to, default 3;
-    RISE: the seconds of the draw's rises kept in reserve, default 0)."""
+    RISE: lend only the reservation unused all that many seconds, default 30)."""
     require("powerd sim", "sim")  # Overload is the policy's model (numpy): refuse as `sim` does
     from pydantic import ValidationError
 
@@ -301,8 +301,8 @@ def overload_arg(text: str) -> Overload:
         why = str(exc)
     raise argparse.ArgumentTypeError(
         f"{text!r}: want PCT:SECONDS[:TARGET[:RISE]], e.g. 5:30 (5 % above the budget for "
-        f"30 s; draw steered TARGET %, default 3, below it; the last RISE s of its rises in "
-        f"reserve, default 0): {why}"
+        f"30 s; draw steered TARGET %, default 3, below it; only what stayed unused the last "
+        f"RISE s lent, default 30): {why}"
     )
 
 

@@ -194,22 +194,23 @@ class BudgetsInForce:
 
 
 class RiseReserve:
-    """Per group, the largest rise of its draw within a second that its committed caps did
-    not make, over a window (`Overload.rise_s`). An overload rating lends the room between
-    draw and target; work whose GPUs swing together (synchronous training's compute and
-    communication phases, every few seconds) would draw it in its next high phase, over the
-    budget until the cut lands. Counting that rise with the draw keeps such swings off the
-    rating; the steering's own raises (draw following the caps it raised) are not counted.
-    It only lowers what is lent, never below the budget."""
+    """Per group, how far its draw, net of its committed caps, stands below the highest it
+    reached over a window (`Overload.rise_s`): the rise it has shown it may make again. An
+    overload rating lends the room between draw and target; work whose GPUs swing together
+    (synchronous training's compute and communication phases, every few seconds) would
+    draw it in its next high phase, over the budget until the cut lands, and every lend
+    and withdrawal moves caps. Counting that rise with the draw lends only the reservation
+    the GPUs left unused all window (the rule's limit becomes target + the least unused
+    reservation of the window); the steering's own raises move the caps and the draw
+    alike and are not counted. It only lowers what is lent, never below the budget."""
 
     def __init__(self) -> None:
         self._shape: Shape | None = None
         self._heard = -1
-        # The reading the newest rise is measured from: when, and per group draw, committed.
-        self._base: tuple[float, FloatArray, FloatArray] | None = None
-        # Per second of the window: when its base reading was, and the largest rise since.
+        # Per second of the window: when its first reading was, and per group the least
+        # reservation left unused (committed − draw) at a reading within it.
         self._since: list[float] = []
-        self._rise: list[FloatArray] = []
+        self._least: list[FloatArray] = []
 
     def reserve_w(
         self,
@@ -221,36 +222,33 @@ class RiseReserve:
         committed_w: FloatArray,
         window_s: FloatArray,
     ) -> FloatArray:
-        """Per group, the rise to keep in reserve now (0 where its window is 0). A reading
-        is the first call after new telemetry (`heard`: messages heard, ever); a rise is
-        measured from a reading to each later one up to a second after it (readings closer
-        than that, ticks on acks, split no swing); a new shape starts the memory over."""
+        """Per group, the rise to keep in reserve now (0 where its window is 0 or its draw
+        is not known): the reservation unused now less the least unused at a reading in
+        the window. A reading is the first call after new telemetry (`heard`: messages
+        heard, ever); readings less than a second apart share a slot (at most `rise_s` + 1
+        are kept); a new shape starts the memory over."""
         if shape is not self._shape:
-            self._shape, self._heard, self._base = shape, -1, None
-            self._since, self._rise = [], []
+            self._shape, self._heard = shape, -1
+            self._since, self._least = [], []
+        unused = np.asarray(committed_w, dtype=np.float64) - np.asarray(draw_w, dtype=np.float64)
+        known = np.isfinite(unused)
         if heard != self._heard:
             self._heard = heard
-            self._read(now, np.array(draw_w, dtype=np.float64), np.array(committed_w))
+            seen = np.where(known, unused, np.inf)  # a draw not known bounds nothing
+            if self._since and now - self._since[-1] < 1.0:
+                self._least[-1] = np.minimum(self._least[-1], seen)
+            else:
+                self._since.append(now)
+                self._least.append(seen)
         oldest = now - float(window_s.max())
         while self._since and self._since[0] < oldest:
-            del self._since[0], self._rise[0]
-        reserve = np.zeros(len(window_s))
-        for since, rise in zip(self._since, self._rise, strict=True):
-            reserve = np.maximum(reserve, np.where(since >= now - window_s, rise, 0.0))
-        return reserve
-
-    def _read(self, now: float, draw: FloatArray, committed: FloatArray) -> None:
-        base = self._base
-        if base is None:
-            self._base = (now, draw, committed)
-            return
-        t0, draw0, committed0 = base
-        rise = (draw - draw0) - np.maximum(0.0, committed - committed0)
-        rise = np.where(np.isfinite(rise), rise, 0.0)  # a draw not known: no rise
-        if self._since and self._since[-1] == t0:
-            self._rise[-1] = np.maximum(self._rise[-1], rise)
-        else:
-            self._since.append(t0)
-            self._rise.append(rise)
-        if now - t0 >= 1.0:
-            self._base = (now, draw, committed)
+            del self._since[0], self._least[0]
+        least = np.where(known, unused, np.inf)
+        for window in np.unique(window_s[window_s > 0]).tolist():  # (one or two, mostly)
+            within = least.copy()
+            for since, slot in zip(self._since, self._least, strict=True):
+                if since >= now - window:
+                    np.minimum(within, slot, out=within)
+            least = np.where(window_s == window, within, least)
+        reserve = np.where(known & (window_s > 0), unused - least, 0.0)
+        return np.asarray(np.maximum(reserve, 0.0), dtype=np.float64)
