@@ -308,6 +308,7 @@ class _Families(Collector):
         self.caps_moved = 0.0
         self.moved_w = 0.0
         self.caps_held = 0.0
+        self.raises_starved = 0.0  # the last tick's (a gauge)
         self.throughput: Mapping[str, float] = {}
         self.gpus: Mapping[str, float] = {}
         self.nodes: Mapping[str, float] = {}
@@ -402,6 +403,14 @@ class _Families(Collector):
             " raise_deadband_w), summed over ticks.",
             "counter",
             self.caps_held,
+        )
+        yield scalar(
+            "powerd_raises_starved",
+            "GPUs pressing on their cap whose raise the deadband's held cuts have trimmed at"
+            " every tick for at least 60 s, as of the last tick (control.fund_pressed_w"
+            " funds them).",
+            "gauge",
+            self.raises_starved,
         )
         yield counter("powerd_ticks", "Controller ticks, by solver status.", "status", self.ticks)
         yield scalar(
@@ -597,6 +606,7 @@ class ControllerMetrics:
         throughput: Mapping[str, float] | None = None,
         unused_w: float | None = None,
         churn: tuple[int, float, int] = (0, 0.0, 0),
+        starved: int = 0,
     ) -> None:
         """`churn`: the tick's (caps moved, W moved, cuts held)."""
         self.tick_seconds.observe(duration_s)
@@ -613,6 +623,7 @@ class ControllerMetrics:
             self._f.caps_moved += churn[0]
             self._f.moved_w += churn[1]
             self._f.caps_held += churn[2]
+            self._f.raises_starved = float(starved)
 
     def update_counters(
         self,

@@ -17,7 +17,7 @@ from support.sim import scenario_dict, small_policy
 from powerd.controller.churn import Churn, cap_moves
 from powerd.controller.deadband import Bands, hold_small_cuts
 from powerd.controller.overrides import BudgetOverride
-from powerd.controller.tick import TickEngine
+from powerd.controller.tick import STARVED_S, TickEngine
 from powerd.policy import parse_policy
 from powerd.sim.run import simulate
 from powerd.sim.scenario import parse_scenario
@@ -287,6 +287,40 @@ def test_every_budget_holds_at_every_tick_through_swings_and_cuts(
         # Held moves are counted, and no cap moves by less than the band unless its
         # group's limit or a larger move elsewhere in it called for it.
         assert report.caps_held >= 0 and report.caps_moved <= len(report.uuids)
+
+
+def test_a_raise_the_held_cuts_starve_is_reported_after_a_minute() -> None:
+    # Every GPU of the small site draws 400 W and the caps share the whole 7 kW (437.5 W
+    # each); at tick 20 one GPU's demand goes to 700 W. Its probe (+50 W) would cut each of
+    # the 15 others by ~3 W, inside the band: held, so its raise is trimmed at every tick.
+    def starved(fund: float | None) -> tuple[list[int], float]:
+        engine = TickEngine(_deadband_policy(40.0, 40.0, fund=fund))
+        nodes = {n: SwingingNode(n) for n in NODES}
+        hot = nodes[NODES[0]].uuids[0]
+        counts = []
+        for t in range(90):
+            if t == 20:
+                nodes[NODES[0]].demand[hot] = 700.0
+            for node in nodes.values():
+                assert engine.on_telemetry(node.sample(1_700_000_000.0 + t), float(t))
+            report, plan = engine.step(float(t), 1_700_000_000.0 + t)
+            for cmd in plan.commands:
+                ack = nodes[cmd.node].apply_caps(cmd.tick, cmd.caps_w)
+                if ack is not None:
+                    engine.on_ack(cmd.node, ack)
+            counts.append(report.raises_starved)
+        return counts, nodes[NODES[0]].caps[hot]
+
+    counts, cap = starved(None)
+    assert cap < 450.0  # it never got its raise
+    first = counts.index(1)
+    # Trimmed from its first pressed tick (20: it draws its 437 W cap at once), reported once
+    # that has lasted STARVED_S.
+    assert first == 20 + STARVED_S
+    assert set(counts[:first]) == {0} and set(counts[first:]) == {1}
+    # Funded from held cuts (`control.fund_pressed_w`), it rises and nothing is starved.
+    counts, cap = starved(0.0)
+    assert cap > 690.0 and set(counts) == {0}
 
 
 class AgentNode(SwingingNode):

@@ -134,7 +134,9 @@ def test_groups_tick_counters_alarms() -> None:
         throughput={"a": 2},
         churn=(3, 45.0, 2),
     )
-    m.observe_tick(duration_s=0.3, solve_s=0.2, status="fallback", ts=1.7e9 + 1, unused_w=1234.5)
+    m.observe_tick(
+        duration_s=0.3, solve_s=0.2, status="fallback", ts=1.7e9 + 1, unused_w=1234.5, starved=5
+    )
     m.update_counters(
         received={"telemetry": 10, "ack": 4},
         dropped={"malformed": 2},
@@ -170,6 +172,7 @@ def test_groups_tick_counters_alarms() -> None:
     assert got["powerd_caps_moved_total"][()] == 3
     assert got["powerd_cap_moved_watts_total"][()] == 45.0
     assert got["powerd_caps_held_total"][()] == 2
+    assert got["powerd_raises_starved"][()] == 5  # the last tick's, a gauge
     assert got["powerd_acks_received_total"][()] == 4
     assert got["powerd_gpus"][(("state", "stale"),)] == 1
     assert got["powerd_alarms_total"][(("kind", "solver_failed"),)] == 2

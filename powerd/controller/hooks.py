@@ -115,6 +115,7 @@ def metrics_hook(controller: Controller, metrics: ControllerMetrics) -> TickHook
             throughput=r.throughput_by_class(),
             unused_w=r.unused_w,
             churn=(r.caps_moved, r.moved_w, r.caps_held),
+            starved=r.raises_starved,
         )
         c = controller.counters
         metrics.update_counters(

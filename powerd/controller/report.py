@@ -75,6 +75,9 @@ class TickReport:
     caps_moved: int = 0
     moved_w: float = 0.0
     caps_held: int = 0
+    # GPUs pressing on their cap whose raise the deadband has trimmed at every pass for at
+    # least a minute (held cuts kept the room: controller/tick.py, STARVED_S).
+    raises_starved: int = 0
     # Metered groups (controller/meters.py): each one's reading, gap and learned overhead,
     # and the meters' answers rejected, by (group, reason).
     meters: tuple[MeterView, ...] = ()

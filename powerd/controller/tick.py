@@ -97,6 +97,11 @@ class Seen:
     offline: list[str]
 
 
+# A raise the deadband has trimmed at every pass for this long is reported as starved
+# (`TickReport.raises_starved`, `powerd_raises_starved`).
+STARVED_S = 60.0
+
+
 class TickEngine:
     """The tick's state and decisions: the fleet as heard, the operators' overrides, the
     safety planner's knowledge, alarms, and one `step` per tick."""
@@ -140,6 +145,8 @@ class TickEngine:
         # The dwell (`control.dwell_s`): the shape's version, the caps in force last tick
         # and when each last moved.
         self._dwell_last: tuple[object, FloatArray, FloatArray] | None = None
+        # (fleet shape, per GPU since when the deadband has trimmed its raise; inf: not).
+        self._trimmed_since: tuple[object, FloatArray] | None = None
         # The report's class labels per GPU, kept while the labels and classes are the same.
         self._class_labels: tuple[Sequence[str], list[int], tuple[str, ...]] | None = None
         # Metered groups (controller/meters.py): the reader writes the book, off the tick.
@@ -456,7 +463,7 @@ class TickEngine:
             self._curve(targets, budgets, seen.shape)
         self._alarm_targets(targets)
         t_plan = time.perf_counter()
-        targets, held = self._deadband(seen, budgets, targets)
+        targets, held, starved = self._deadband(seen, budgets, targets)
         plan = self._plan(tick, now, seen, budgets, targets, changes_only=early)
         planned.append(plan)
         plan_ms = (time.perf_counter() - t_plan) * 1000.0
@@ -471,7 +478,7 @@ class TickEngine:
             over=over,
             t0=t0,
             plan_ms=plan_ms,
-            held=held,
+            held=(held, starved),
         )
         return report, plan
 
@@ -567,15 +574,18 @@ class TickEngine:
 
     # 4. the safe plan
 
-    def _deadband(self, seen: Seen, budgets: Budgets, targets: Targets) -> tuple[Targets, int]:
-        """Small cuts held at the cap in force (controller/deadband.py), and how many.
-        Operators' pins and GPUs whose cap in force lies outside their class's bounds move.
-        With `control.dwell_s`, moves of GPUs whose cap moved lately are held too."""
+    def _deadband(self, seen: Seen, budgets: Budgets, targets: Targets) -> tuple[Targets, int, int]:
+        """Small cuts held at the cap in force (controller/deadband.py), how many, and how
+        many GPUs pressing on their cap have had their raise trimmed at every pass for
+        STARVED_S (`_starved`). Operators' pins and GPUs whose cap in force lies outside
+        their class's bounds move. With `control.dwell_s`, moves of GPUs whose cap moved
+        lately are held too."""
         band = self.policy.control.deadband_w
         raise_band = self.policy.control.raise_deadband_w
         dwell_s = self.policy.control.dwell_s
         if band <= 0 and raise_band <= 0 and dwell_s <= 0:
-            return targets, 0
+            self._trimmed_since = None
+            return targets, 0, 0
         fleet, topo = targets.fleet, seen.shape.topology
         classes = self.targets.classes
         prev = fleet.cap_w
@@ -584,6 +594,7 @@ class TickEngine:
         hi = np.minimum(fleet.max_cap_w, classes.ceiling_w[targets.class_index])
         holdable = np.isnan(fleet.pinned_w) & (prev >= lo) & (prev <= hi)
         control = self.policy.control
+        pressed = held_back(fleet, control.demand)
         held_w, held = hold_small_cuts(
             targets.targets_w,
             prev,
@@ -593,10 +604,36 @@ class TickEngine:
             - topo.overhead_w
             - seen.shape.reserve_w,
             holdable=holdable,
-            pressed=held_back(fleet, control.demand),
+            pressed=pressed,
             dwelling=dwelling,
         )
-        return replace(targets, targets_w=held_w), int(held.sum())
+        starved = self._starved(seen, targets.targets_w, held_w, prev, pressed)
+        return replace(targets, targets_w=held_w), int(held.sum()), starved
+
+    def _starved(
+        self,
+        seen: Seen,
+        targets_w: FloatArray,
+        held_w: FloatArray,
+        in_force_w: FloatArray,
+        pressed: BoolArray,
+    ) -> int:
+        """How many GPUs pressing on their cap have had their raise trimmed by the deadband
+        (its targets above the cap in force, the deadband's below the target: held cuts
+        kept the room) at every pass for at least STARVED_S: work waiting on churn avoided
+        (docs/allocator.md, "Deadband"). A new fleet shape starts every GPU afresh."""
+        now = self.inputs.now
+        key = seen.shape.version
+        last = self._trimmed_since
+        since = (
+            last[1]
+            if last is not None and last[0] == key and last[1].shape == in_force_w.shape
+            else np.full(in_force_w.shape, np.inf)
+        )
+        trimmed = (targets_w > in_force_w + MOVE_TOL_W) & (held_w < targets_w - MOVE_TOL_W)
+        since = np.where(trimmed, np.minimum(since, now), np.inf)
+        self._trimmed_since = (key, since)
+        return int(np.count_nonzero(trimmed & pressed & (now - since >= STARVED_S)))
 
     def _dwelling(self, seen: Seen, in_force_w: FloatArray, dwell_s: float) -> BoolArray | None:
         """Per GPU whether its cap in force moved less than `dwell_s` ago (None: off); a new
@@ -754,9 +791,10 @@ class TickEngine:
         over: BoolArray,
         t0: float,
         plan_ms: float,
-        held: int,
+        held: tuple[int, int],
     ) -> TickReport:
-        """What the tick saw and did (`held`: the cuts the deadband held), and why each cap."""
+        """What the tick saw and did (`held`: the moves the deadband held, and the GPUs whose
+        raise it has starved: `_starved`), and why each cap."""
         arrays, topo = seen.arrays, seen.shape.topology
         moves = cap_moves(seen.committed_w, plan.sent_w)
         labels = targets.jobs.labels
@@ -810,7 +848,8 @@ class TickEngine:
             ),
             caps_moved=moves.size,
             moved_w=float(moves.sum()),
-            caps_held=held,
+            caps_held=held[0],
+            raises_starved=held[1],
         )
 
     def _explain(
