@@ -301,13 +301,7 @@ def test_a_raise_the_held_cuts_starve_is_reported_after_a_minute() -> None:
         for t in range(90):
             if t == 20:
                 nodes[NODES[0]].demand[hot] = 700.0
-            for node in nodes.values():
-                assert engine.on_telemetry(node.sample(1_700_000_000.0 + t), float(t))
-            report, plan = engine.step(float(t), 1_700_000_000.0 + t)
-            for cmd in plan.commands:
-                ack = nodes[cmd.node].apply_caps(cmd.tick, cmd.caps_w)
-                if ack is not None:
-                    engine.on_ack(cmd.node, ack)
+            report, _ = tick(engine, nodes, t)
             counts.append(report.raises_starved)
         return counts, nodes[NODES[0]].caps[hot]
 
