@@ -166,8 +166,8 @@ def test_a_huge_body_without_a_valid_token_is_refused_before_it_is_read(
         a = exchange(live.url, head("PUT", "/api/v1/jobs/x", token, HUGE), zeros(HUGE))
     assert a.status == 401 and a.body == {"detail": detail, "problems": []}
     assert a.headers["www-authenticate"] == "Bearer"
-    # Answered while the upload had hardly begun (the client's socket buffers hold a few
-    # MB), and the connection dropped: the server does not read the rest to keep it open.
+    # Answered before more went out than the socket buffers hold (UNREAD), and the
+    # connection dropped: the server does not read the rest to keep it open.
     assert a.sent < UNREAD, a.sent
     assert a.headers["connection"] == "close" and a.closed
     assert any(e["event"] == "api_unauthorized" and e["body_bytes"] == HUGE for e in logs)
