@@ -30,6 +30,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 import structlog
@@ -100,6 +101,14 @@ class Seen:
 # A raise the deadband has trimmed at every pass for this long is reported as starved
 # (`TickReport.raises_starved`, `powerd_raises_starved`).
 STARVED_S = 60.0
+
+
+class Held(NamedTuple):
+    """What the deadband held this tick: moves held at the cap in force, and GPUs whose
+    raise it has trimmed at every pass for STARVED_S (`TickEngine._starved`)."""
+
+    moves: int = 0
+    starved: int = 0
 
 
 class TickEngine:
@@ -463,7 +472,7 @@ class TickEngine:
             self._curve(targets, budgets, seen.shape)
         self._alarm_targets(targets)
         t_plan = time.perf_counter()
-        targets, held, starved = self._deadband(seen, budgets, targets)
+        targets, held = self._deadband(seen, budgets, targets)
         plan = self._plan(tick, now, seen, budgets, targets, changes_only=early)
         planned.append(plan)
         plan_ms = (time.perf_counter() - t_plan) * 1000.0
@@ -478,7 +487,7 @@ class TickEngine:
             over=over,
             t0=t0,
             plan_ms=plan_ms,
-            held=(held, starved),
+            held=held,
         )
         return report, plan
 
@@ -574,7 +583,7 @@ class TickEngine:
 
     # 4. the safe plan
 
-    def _deadband(self, seen: Seen, budgets: Budgets, targets: Targets) -> tuple[Targets, int, int]:
+    def _deadband(self, seen: Seen, budgets: Budgets, targets: Targets) -> tuple[Targets, Held]:
         """Small cuts held at the cap in force (controller/deadband.py), how many, and how
         many GPUs pressing on their cap have had their raise trimmed at every pass for
         STARVED_S (`_starved`). Operators' pins and GPUs whose cap in force lies outside
@@ -585,7 +594,7 @@ class TickEngine:
         dwell_s = self.policy.control.dwell_s
         if band <= 0 and raise_band <= 0 and dwell_s <= 0:
             self._trimmed_since = None
-            return targets, 0, 0
+            return targets, Held()
         fleet, topo = targets.fleet, seen.shape.topology
         classes = self.targets.classes
         prev = fleet.cap_w
@@ -608,7 +617,7 @@ class TickEngine:
             dwelling=dwelling,
         )
         starved = self._starved(seen, targets.targets_w, held_w, prev, pressed)
-        return replace(targets, targets_w=held_w), int(held.sum()), starved
+        return replace(targets, targets_w=held_w), Held(int(held.sum()), starved)
 
     def _starved(
         self,
@@ -791,7 +800,7 @@ class TickEngine:
         over: BoolArray,
         t0: float,
         plan_ms: float,
-        held: tuple[int, int],
+        held: Held,
     ) -> TickReport:
         """What the tick saw and did (`held`: the moves the deadband held, and the GPUs whose
         raise it has starved: `_starved`), and why each cap."""
@@ -848,8 +857,8 @@ class TickEngine:
             ),
             caps_moved=moves.size,
             moved_w=float(moves.sum()),
-            caps_held=held[0],
-            raises_starved=held[1],
+            caps_held=held.moves,
+            raises_starved=held.starved,
         )
 
     def _explain(
