@@ -48,8 +48,9 @@ import numpy as np
 
 import powerd.allocator.problem as problem_mod
 import powerd.controller.tick as tick_mod
+from powerd.cli.sim import overload_arg
 from powerd.logs import configure_logging
-from powerd.policy import Policy, load_policy
+from powerd.policy import Policy, load_policy, with_overload
 from powerd.sim.run import _Run, simulate
 from powerd.sim.scenario import load_scenario
 from powerd.sim.site import Mix, build_mix, build_site
@@ -430,6 +431,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration-h", type=float, default=0.5)
     ap.add_argument("--tick-s", type=float, default=5.0)
     ap.add_argument("--set", nargs="*", default=[], help="control settings, e.g. deadband_w=0")
+    ap.add_argument(
+        "--overload",
+        metavar="PCT:SECONDS[:TARGET[:RISE]]",
+        help="rate every budgeted group, as `powerd sim --overload` does",
+    )
     ap.add_argument("--no-oracles", action="store_true")
     ap.add_argument("--oracles-without-floors", action="store_true", help="a lower bound")
     ap.add_argument(
@@ -447,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     scenario = load_scenario(args.scenario, {"duration_h": args.duration_h, "tick_s": args.tick_s})
     assert scenario.policy_path is not None
     policy = with_control(load_policy(scenario.policy_path), ",".join(args.set))
+    if args.overload:
+        policy = with_overload(policy, overload_arg(args.overload))
     site = build_site(policy, nodes=args.nodes).inner_at_nameplate()
     mix = build_mix(scenario, site)
     rec = Recorder()
@@ -456,7 +464,10 @@ def main(argv: list[str] | None = None) -> int:
     rec.pieces, rec.steers = [], []
     run = simulate(scenario, site, mix, "fast", trace=rec.trace)
     room_w = site.feed_w - float(site.topology.overhead_w[0])
-    print(f"# {site.n_gpus} GPUs, {args.duration_h} h, {args.tick_s:g} s ticks, {args.set}")
+    print(
+        f"# {site.n_gpus} GPUs, {args.duration_h} h, {args.tick_s:g} s ticks, {args.set}"
+        + (f", overload {args.overload}" if args.overload else "")
+    )
     total = decompose(rec, policy, mix, site.feed_w, room_w)
     print(
         f"loss {100 * (1 - run.work_gpu_s / ref.work_gpu_s):.3f} % against static, "
