@@ -408,7 +408,7 @@ class _Families(Collector):
             "powerd_raises_starved",
             "GPUs pressing on their cap whose raise the deadband's held cuts have trimmed at"
             " every tick for at least 60 s, as of the last tick (control.fund_pressed_w"
-            " funds them).",
+            " funds them where the draw leaves control.fund_room_pct of the budget).",
             "gauge",
             self.raises_starved,
         )

@@ -391,6 +391,11 @@ class Control(_Strict):
     # waiting, a held cut only churn avoided (docs/allocator.md, "Deadband"). None: the
     # raises are trimmed first. Each release is a move: it costs churn (docs/performance.md).
     fund_pressed_w: NonNegWatts | None = None
+    # ... but only under groups whose measured draw (their GPUs' telemetry + overhead) is at
+    # least this share (%) below their budget: where the draw is near it (a feed that binds,
+    # a rating steering the draw to its target), a released cut is soon wanted back and
+    # only churns (docs/allocator.md, "Deadband"). 0: under every group.
+    fund_room_pct: float = Field(default=4.0, ge=0, le=50, allow_inf_nan=False)
     # Power no GPU can turn into throughput: "peak" leaves it unallocated (no cap above its
     # profile's peak), "max" hands it out up to each GPU's maximum cap.
     leftover: Literal["peak", "max"] = "peak"

@@ -40,6 +40,7 @@ TOL = 1e-6
     dwell_max=st.sampled_from([0.0, 80.0, np.inf]),
     fund=st.sampled_from([None, 0.0, 20.0]),
     pressed_share=st.sampled_from([0.3, 0.7]),
+    gated=st.booleans(),
 )
 def test_held_caps_never_break_a_limit_and_a_cap_inside_the_band_stays(
     shape: tuple[int, int, int, int],
@@ -51,6 +52,7 @@ def test_held_caps_never_break_a_limit_and_a_cap_inside_the_band_stays(
     dwell_max: float,
     fund: float | None,
     pressed_share: float,
+    gated: bool,
 ) -> None:
     policy = make_policy(*shape)
     topo = _topology(policy)
@@ -72,6 +74,10 @@ def test_held_caps_never_break_a_limit_and_a_cap_inside_the_band_stays(
     pressed = rng.random(n) < pressed_share
     # GPUs whose cap moved lately (`control.dwell_s`): their moves up to dwell_max stay.
     dwelling = rng.random(n) < 0.4 if dwell_max > 0 else None
+    # Groups whose held cuts may fund pressed raises (`control.fund_room_pct`: their draw
+    # leaves room); ungated, every group's may.
+    fund_under = rng.random(topo.n_groups) < 0.6 if gated else None
+    may_fund = np.ones(topo.n_groups, dtype=np.bool_) if fund_under is None else fund_under
     out, held = hold_small_cuts(
         targets,
         prev,
@@ -81,6 +87,7 @@ def test_held_caps_never_break_a_limit_and_a_cap_inside_the_band_stays(
         holdable=holdable,
         pressed=pressed,
         dwelling=dwelling,
+        fund_under=fund_under,
     )
     dwell = np.zeros(n, dtype=np.bool_) if dwelling is None else dwelling
     dwell = dwell & holdable & (np.abs(targets - prev) <= dwell_max)  # NaN compares False
@@ -124,7 +131,7 @@ def test_held_caps_never_break_a_limit_and_a_cap_inside_the_band_stays(
         assert np.array_equal(held_raise, up & (small | dwell))
     # Inside the band (or dwelling) a cut stays unless the held cuts alone (everyone else
     # at min(target, cap in force)) break a limit, or (with `fund`) it is a cut of at least
-    # `fund` of a GPU not pressed under a group with a pressed GPU's raise.
+    # `fund` of a GPU not pressed under a group with a pressed GPU's raise that may fund it.
     cut_in = holdable & finite & (targets < prev) & ((targets >= prev - band) | dwell)
     base = np.where(cut_in, prev, np.minimum(counted, prev))
     room = capacity - topo.group_sums(base)
@@ -132,18 +139,19 @@ def test_held_caps_never_break_a_limit_and_a_cap_inside_the_band_stays(
     funds = np.zeros(n, dtype=np.bool_)
     if fund is not None:
         funds = cut_in & ~pressed & (prev - targets >= fund)
-        raised = topo.group_sums((up & pressed).astype(np.float64)) > 0
+        raised = (topo.group_sums((up & pressed).astype(np.float64)) > 0) & may_fund
         funds &= raised[topo.gpu_groups].any(axis=1)
     stays = cut_in & safe & ~funds
     assert np.array_equal(out[stays], prev[stays])
     # With `fund`, a pressed GPU's raise is trimmed only under a group whose held cuts that
-    # may fund it (of GPUs not pressed, at least `fund`) all went, each to its target.
+    # may fund it (of GPUs not pressed, at least `fund`) all went, each to its target, or
+    # that may not fund it.
     if fund is not None:
         may_go = cut_in & ~pressed & (prev - targets >= fund)
         spent = ~may_go | np.isclose(after, targets, rtol=0.0, atol=TOL)
         all_spent = topo.group_sums((~spent).astype(np.float64)) == 0
         short = up & pressed & ~dwell & (after < targets - 1e-3)
-        assert all_spent[topo.gpu_groups[short]].any(axis=1).all()
+        assert (all_spent | ~may_fund)[topo.gpu_groups[short]].any(axis=1).all()
 
 
 def test_held_cuts_go_to_fund_a_pressed_raise_before_it_is_trimmed() -> None:
@@ -156,7 +164,7 @@ def test_held_cuts_go_to_fund_a_pressed_raise_before_it_is_trimmed() -> None:
     capacity = np.full(topo.n_groups, targets.sum())
     holdable = np.ones(4, dtype=np.bool_)
 
-    def run(fund: float | None, pressed: list[bool]) -> np.ndarray:
+    def run(fund: float | None, pressed: list[bool], under: bool = True) -> np.ndarray:
         out, _ = hold_small_cuts(
             targets,
             prev,
@@ -165,6 +173,7 @@ def test_held_cuts_go_to_fund_a_pressed_raise_before_it_is_trimmed() -> None:
             capacity_w=capacity,
             holdable=holdable,
             pressed=np.array(pressed),
+            fund_under=np.full(topo.n_groups, under),
         )
         assert topo.group_sums(out).max() <= capacity[0] + TOL
         return out
@@ -179,6 +188,9 @@ def test_held_cuts_go_to_fund_a_pressed_raise_before_it_is_trimmed() -> None:
     assert np.allclose(run(0.0, [True, True, False, False]), [430.0, 400.0, 380.0, 400.0])
     # ... and an unpressed GPU's raise is trimmed, as without `fund_pressed_w`.
     assert np.allclose(run(0.0, [False, False, False, False]), [410.0, 400.0, 400.0, 400.0])
+    # Under groups whose draw is near their budget (`fund_room_pct`), none go: as off.
+    off = [410.0, 400.0, 400.0, 400.0]
+    assert np.allclose(run(0.0, [True, False, False, False], under=False), off)
 
 
 def _topology(policy: Any) -> Topology:
@@ -209,13 +221,18 @@ class SwingingNode(HonestNode):
 
 
 def _deadband_policy(
-    band: float, raise_band: float = 0.0, dwell_s: float = 0.0, fund: float | None = None
+    band: float,
+    raise_band: float = 0.0,
+    dwell_s: float = 0.0,
+    fund: float | None = None,
+    room_pct: float = 4.0,
 ) -> Any:
     data = policy_dict()
     data["control"]["deadband_w"] = band
     data["control"]["raise_deadband_w"] = raise_band
     data["control"]["dwell_s"] = dwell_s
     data["control"]["fund_pressed_w"] = fund
+    data["control"]["fund_room_pct"] = room_pct
     return parse_policy(data)
 
 
@@ -293,8 +310,8 @@ def test_a_raise_the_held_cuts_starve_is_reported_after_a_minute() -> None:
     # Every GPU of the small site draws 400 W and the caps share the whole 7 kW (437.5 W
     # each); at tick 20 one GPU's demand goes to 700 W. Its probe (+50 W) would cut each of
     # the 15 others by ~3 W, inside the band: held, so its raise is trimmed at every tick.
-    def starved(fund: float | None) -> tuple[list[int], float]:
-        engine = TickEngine(_deadband_policy(40.0, 40.0, fund=fund))
+    def starved(fund: float | None, room_pct: float = 4.0) -> tuple[list[int], float]:
+        engine = TickEngine(_deadband_policy(40.0, 40.0, fund=fund, room_pct=room_pct))
         nodes = {n: SwingingNode(n) for n in NODES}
         hot = nodes[NODES[0]].uuids[0]
         counts = []
@@ -312,9 +329,16 @@ def test_a_raise_the_held_cuts_starve_is_reported_after_a_minute() -> None:
     # that has lasted STARVED_S.
     assert first == 20 + STARVED_S
     assert set(counts[:first]) == {0} and set(counts[first:]) == {1}
-    # Funded from held cuts (`control.fund_pressed_w`), it rises and nothing is starved.
-    counts, cap = starved(0.0)
-    assert cap > 690.0 and set(counts) == {0}
+    # Funded from held cuts (`control.fund_pressed_w`), it rises and nothing is starved:
+    # the site draws 6.44 kW of its 7 kW, 8 % below the budget, and 6.7 kW once the GPU
+    # draws its 700 W, still 4.3 % below it.
+    for room_pct in (0.0, 4.0):
+        counts, cap = starved(0.0, room_pct)
+        assert cap > 690.0 and set(counts) == {0}
+    # Where the draw must leave more room than that (`control.fund_room_pct`), the held
+    # cuts keep it, as without funding.
+    counts, cap = starved(0.0, 10.0)
+    assert cap < 450.0 and counts.index(1) == 20 + STARVED_S
 
 
 class AgentNode(SwingingNode):

@@ -1689,6 +1689,7 @@ def deadband_hold(
     raise_w: float,
     dwell_max_w: float,
     fund_w: float,
+    fund_ok: BoolArray,
     capacity: FloatArray,
     gpu_groups: IntArray,
     tol: float,
@@ -1698,7 +1699,8 @@ def deadband_hold(
     `by_dwell`, a `dwell`ing GPU's move of at most `dwell_max_w`; where `raise_w` > 0, a
     holdable GPU's raise of at most `raise_w` if it is not `pressed` (read where
     `by_pressed`). Where `fund_w` is not NaN, held cuts of at least `fund_w` of GPUs not
-    pressed may fund the pressed GPUs' raises. Then `_deadband_levels`."""
+    pressed may fund the pressed GPUs' raises, under the groups `fund_ok` (per group) lets.
+    Then `_deadband_levels`."""
     n = targets.size
     held = np.zeros(n, dtype=np.bool_)
     out = targets.copy()
@@ -1722,7 +1724,7 @@ def deadband_hold(
         return out, held
     still = _deadband_levels(
         targets, prev, out, held, capacity, gpu_groups, pressed, by_pressed, releasable, funds,
-        tol,
+        fund_ok, tol,
     )  # fmt: skip
     return out, still
 
@@ -1739,11 +1741,13 @@ def _deadband_levels(
     by_pressed: bool,
     releasable: BoolArray,
     funds: bool,
+    fund_ok: BoolArray,
     tol: float,
 ) -> BoolArray:
     """The pass over the levels, in place on `out` (the targets with the held moves at
     the cap in force); returns per GPU whether it stays held. `pressed` is read where
-    `by_pressed`; `releasable` (the held cuts that may fund a pressed raise) where `funds`."""
+    `by_pressed`; `releasable` (the held cuts that may fund a pressed raise) and `fund_ok`
+    (per group, whether they may under it) where `funds`."""
     n = targets.size
     n_groups = capacity.size
     counted = np.empty(n)
@@ -1786,7 +1790,7 @@ def _deadband_levels(
             wanted = np.zeros(n_groups, dtype=np.bool_)
             any_wanted = False
             for g in range(n_groups):
-                if over[g] and ups[g] > tol:
+                if over[g] and ups[g] > tol and fund_ok[g]:
                     need[g] = _at_least_zero(excess[g] - others[g])
                 wanted[g] = need[g] > tol
                 any_wanted = any_wanted or wanted[g]
@@ -2126,7 +2130,7 @@ def _run_every_kernel() -> None:
                 np.array([0], dtype=np.int64), np.array([0, 1], dtype=np.int64))  # fmt: skip
     nan_free = np.array([0.1, np.nan])
     deadband_hold(nan_free, lo, ones_b, ones_b, True, ones_b, True, 40.0, 40.0, 80.0, 0.0,
-                  capacity, gg, 1e-6)  # fmt: skip
+                  np.ones(capacity.size, dtype=np.bool_), capacity, gg, 1e-6)  # fmt: skip
     named = np.arange(2, dtype=np.int64)
     ticks = np.array([-1, 1], dtype=np.int64)
     absorb_rows(named, lo.copy(), lo.copy(), ticks, ticks, ones_b, ticks, lo.copy(), lo.copy(),

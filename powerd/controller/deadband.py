@@ -11,12 +11,14 @@ move is a call on the node (NVML, a BMC) and a message on the broker. The deadba
   funded from the room left, whole raises in turn (GPUs whose draw presses on their cap
   first, then the largest), the one the room runs out on in part: fewer, larger moves;
 - **funds a pressed GPU's raise from held cuts** only where `control.fund_pressed_w` asks
-  (off by default): under such a group, once the raises of GPUs not pressed are trimmed,
-  the held cuts of at least `fund_pressed_w` of GPUs not pressed go, the largest first
-  (the last in part), before a pressed GPU's raise is trimmed (a pressed raise is work
-  waiting, a held cut only churn avoided); measured, each release is a move, and it
-  tripled the moves on the recorded traces and cost synchronous training work
-  (docs/performance.md, "Raises on acks");
+  (off by default), and only under groups whose measured draw is at least
+  `control.fund_room_pct` below their budget (`fund_under`): under such a group, once the
+  raises of GPUs not pressed are trimmed, the held cuts of at least `fund_pressed_w` of
+  GPUs not pressed go, the largest first (the last in part), before a pressed GPU's raise
+  is trimmed (a pressed raise is work waiting, a held cut only churn avoided); measured,
+  each release is a move: under the strict rule it tripled the moves on the recorded
+  traces and cost synchronous training work (docs/performance.md, "Raises on acks"), and
+  where the draw is near a budget a released cut is soon wanted back;
 - **never holds back a cut a limit needs**: where the held cuts alone break a group's limit
   (a budget cut, a limit that fell), held cuts under that group go, the largest first,
   until it fits (the last in part): no more than the limit needs, so caps follow a ramping
@@ -79,6 +81,7 @@ def hold_small_cuts(
     holdable: BoolArray,
     pressed: BoolArray | None = None,
     dwelling: BoolArray | None = None,
+    fund_under: BoolArray | None = None,
 ) -> tuple[FloatArray, BoolArray]:
     """(targets, held): the targets with every cut of at most `bands.cut_w` held at the cap
     in force, and per GPU whether it was held.
@@ -96,7 +99,8 @@ def hold_small_cuts(
     not, are held too (its cuts released, like any held cut, where a limit needs them).
     `bands.fund_pressed_w`: where a group is over, held cuts of at least this much of GPUs
     not pressed go, the largest first, to fund the pressed GPUs' raises before those are
-    trimmed (None: the raises are trimmed first).
+    trimmed (None: the raises are trimmed first); `fund_under`: per group whether its held
+    cuts may (None: every group's may).
     """
     deadband_w, raise_band_w = bands.cut_w, bands.raise_w
     dwell_max_w, fund_pressed_w = bands.dwell_max_w, bands.fund_pressed_w
@@ -124,6 +128,7 @@ def hold_small_cuts(
         raise_band_w,
         dwell_max_w,
         np.nan if fund_pressed_w is None else fund_pressed_w,
+        np.ones(topology.n_groups, dtype=np.bool_) if fund_under is None else fund_under,
         np.asarray(capacity_w, dtype=np.float64),
         topology.gpu_groups,
         TOL_W,

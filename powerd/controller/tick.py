@@ -615,9 +615,29 @@ class TickEngine:
             holdable=holdable,
             pressed=pressed,
             dwelling=dwelling,
+            fund_under=self._fund_under(seen, budgets),
         )
         starved = self._starved(seen, targets.targets_w, held_w, prev, pressed)
         return replace(targets, targets_w=held_w), Held(int(held.sum()), starved)
+
+    def _fund_under(self, seen: Seen, budgets: Budgets) -> BoolArray | None:
+        """Per group whether held cuts may fund pressed raises under it
+        (`control.fund_pressed_w`): where its measured draw, as the overload rule reads it
+        (the nodes' figure, or a fresh meter's if higher), is at least
+        `control.fund_room_pct` below its budget. Near the budget (a feed that binds, a
+        rating steering the draw to its target) a released cut is soon wanted back, and
+        each release is a move (docs/allocator.md, "Deadband"). None: every group."""
+        control = self.policy.control
+        if control.fund_pressed_w is None or control.fund_room_pct <= 0:
+            return None
+        meter = budgets.meter
+        draw_w = (
+            self.budgets.nodes_draw_w(seen.committed_w, seen.arrays, seen.shape)
+            if meter is None
+            else meter.draw_w(meter.nodes_w)
+        )
+        room = np.asarray(budgets.budget_w, dtype=np.float64) * (1.0 - control.fund_room_pct / 100)
+        return np.asarray(draw_w <= room, dtype=np.bool_)
 
     def _starved(
         self,
