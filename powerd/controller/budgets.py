@@ -37,6 +37,9 @@ class Budgets:
     budget_w: FloatArray
     limit_w: FloatArray
     meter: MeteredDraw | None = None  # this tick's meter readings, where groups have one
+    # Per group the measured draw (`BudgetsInForce.measured_draw_w`), where the tick reads
+    # it: a rating's limits, the deadband's funding (None: neither asks).
+    draw_w: FloatArray | None = None
 
 
 @dataclass(frozen=True)
@@ -106,31 +109,29 @@ class BudgetsInForce:
         rule: OverloadRule | None,
         budget_w: FloatArray,
         committed: FloatArray,
-        arrays: FleetArrays,
         shape: Shape,
         *,
+        draw_w: FloatArray | None,
         heard: int,
         meter: MeteredDraw | None = None,
         now: float,
     ) -> FloatArray:
         """Per group, what committed caps may reach (OverloadRule): the budget, unless the
-        group is rated. Draw and committed count alike: overhead, the reserve for GPUs not
+        group is rated. `draw_w`: the measured draw (`measured_draw_w`; read where `rule`
+        is given). Draw and committed count alike: overhead, the reserve for GPUs not
         heard, and GPUs without fresh telemetry at their committed caps. `heard`: how many
-        telemetry messages the tick has heard, ever. `meter`: where a group has a meter,
-        its fresh reading is its draw if higher (`MeteredDraw.draw_w`), and a group whose
-        reading is not fresh gets its budget. Either way a metered group's limit is lowered by
+        telemetry messages the tick has heard, ever. `meter`: a group whose reading is not
+        fresh gets its budget. Either way a metered group's limit is lowered by
         the overhead its meter has learned beyond the policy's (`MeteredDraw.unseen_w`): the
         budget assumed less, and the meter is what the breaker sees. Where a group keeps its
         draw's rises in reserve (`Overload.rise_s`), its draw counts with them (RiseReserve;
         `now`: the controller's monotonic clock)."""
         if rule is None:
             return budget_w if meter is None else self._less_unseen(budget_w, meter)
+        assert draw_w is not None, "a rating's limits read the measured draw"
         topo = shape.topology
         base = topo.overhead_w + shape.reserve_w
-        if meter is None:
-            draw = self.nodes_draw_w(committed, arrays, shape)
-        else:  # the nodes' figure the tick already summed for the meters
-            draw = meter.draw_w(meter.nodes_w)
+        draw = draw_w
         committed_w = topo.group_sums(committed) + base
         if rule.rise_s is not None:
             draw = draw + self._rises.reserve_w(
@@ -164,6 +165,21 @@ class BudgetsInForce:
         if meter.unseen_w is None or not meter.unseen_w.any():
             return limit_w
         return np.asarray(limit_w, dtype=np.float64) - meter.unseen_w
+
+    @classmethod
+    def measured_draw_w(
+        cls,
+        committed: FloatArray,
+        arrays: FleetArrays,
+        shape: Shape,
+        meter: MeteredDraw | None,
+    ) -> FloatArray:
+        """Per group, the measured draw: the nodes' figure (`nodes_draw_w`), or where a
+        group has a fresh meter reading, that reading if higher (`MeteredDraw.draw_w`: a
+        meter that reads low lends no more than the nodes' figures would)."""
+        if meter is None:
+            return cls.nodes_draw_w(committed, arrays, shape)
+        return meter.draw_w(meter.nodes_w)  # the nodes' figure the tick summed for the meters
 
     @staticmethod
     def nodes_draw_w(committed: FloatArray, arrays: FleetArrays, shape: Shape) -> FloatArray:

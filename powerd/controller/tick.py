@@ -532,17 +532,22 @@ class TickEngine:
             self.policy, self.overrides, topo, now, wall, most_w=most_w, scope=self._scope()
         )
         meter = self._metered(seen, now)
+        draw_w = None
+        if self.overload is not None or self.policy.control.fund_pressed_w is not None:
+            draw_w = BudgetsInForce.measured_draw_w(
+                seen.committed_w, seen.arrays, seen.shape, meter
+            )
         limit_w = self.budgets.limits(
             self.overload,
             budget_w,
             seen.committed_w,
-            seen.arrays,
             seen.shape,
+            draw_w=draw_w,
             heard=self._heard,
             meter=meter,
             now=now,
         )
-        return Budgets(budget_w, limit_w, meter)
+        return Budgets(budget_w, limit_w, meter, draw_w)
 
     def _metered(self, seen: Seen, now: float) -> MeteredDraw | None:
         """The meters' latest readings against the nodes' figures, and their alarms."""
@@ -615,29 +620,24 @@ class TickEngine:
             holdable=holdable,
             pressed=pressed,
             dwelling=dwelling,
-            fund_under=self._fund_under(seen, budgets),
+            fund_under=self._fund_under(budgets),
         )
         starved = self._starved(seen, targets.targets_w, held_w, prev, pressed)
         return replace(targets, targets_w=held_w), Held(int(held.sum()), starved)
 
-    def _fund_under(self, seen: Seen, budgets: Budgets) -> BoolArray | None:
+    def _fund_under(self, budgets: Budgets) -> BoolArray | None:
         """Per group whether held cuts may fund pressed raises under it
-        (`control.fund_pressed_w`): where its measured draw, as the overload rule reads it
-        (the nodes' figure, or a fresh meter's if higher), is at least
-        `control.fund_room_pct` below its budget. Near the budget (a feed that binds, a
-        rating steering the draw to its target) a released cut is soon wanted back, and
-        each release is a move (docs/allocator.md, "Deadband"). None: every group."""
+        (`control.fund_pressed_w`): where its measured draw (`Budgets.draw_w`, as the
+        overload rule reads it) is at least `control.fund_room_pct` below its budget. Near
+        the budget (a feed that binds, a rating steering the draw to its target) a released
+        cut is soon wanted back, and each release is a move (docs/allocator.md,
+        "Deadband"). None: every group."""
         control = self.policy.control
         if control.fund_pressed_w is None or control.fund_room_pct <= 0:
             return None
-        meter = budgets.meter
-        draw_w = (
-            self.budgets.nodes_draw_w(seen.committed_w, seen.arrays, seen.shape)
-            if meter is None
-            else meter.draw_w(meter.nodes_w)
-        )
+        assert budgets.draw_w is not None  # read by `_budgets` wherever funding is on
         room = np.asarray(budgets.budget_w, dtype=np.float64) * (1.0 - control.fund_room_pct / 100)
-        return np.asarray(draw_w <= room, dtype=np.bool_)
+        return np.asarray(budgets.draw_w <= room, dtype=np.bool_)
 
     def _starved(
         self,
