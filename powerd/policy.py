@@ -337,8 +337,8 @@ class DemandSpec(_Strict):
     `spare: recent`, spare power goes around a held-back GPU's demand + this (its probe,
     not claimed: the power is still anyone's demand first), so it reaches the GPUs known
     to want more than their cap before the margins of those that may rise; 0: off.
-    `swing_keep_w`: a GPU whose draw rose by at least this much between two samples in
-    every time slice of the window but the newest (it swings all window: synchronous
+    `swing_keep_w`: a GPU whose draw climbed by at least this much above its lowest sample
+    in every time slice of the window but the newest (it swings all window: synchronous
     training's compute and communication phases) is judged by its recent peak, not its
     last sample (held back, demand), so its cap does not follow the swing down and back
     up every period; 0: off."""

@@ -97,6 +97,24 @@ def test_a_gpu_swinging_all_window_is_told_from_one_that_rose_once() -> None:
     assert DemandEstimator(DemandSpec(window_s=0.0)).swinging(100.0) is None
 
 
+def test_a_swing_that_comes_up_in_steps_is_still_a_swing() -> None:
+    # A synchronous job's GPU under a feed that binds: its cap is cut in the low phase and
+    # raised again by the next ticks, so its draw climbs back in steps under 100 W each
+    # (250 → 330 → 380 W every 4 s). b rises in steps too, but only for the first half of
+    # the window; c is a bursty serving GPU: 200 W, a 2 s burst to 480 W every 12 s.
+    est = DemandEstimator(DemandSpec(window_s=40.0))
+    for t in range(41):
+        a = (250.0, 330.0, 380.0, 380.0)[t % 4]
+        b = (250.0, 330.0, 380.0, 380.0)[t % 4] if t < 20 else 380.0
+        c = 480.0 if t % 12 in (0, 1) else 200.0
+        est.observe(float(t), UUIDS, np.array([a, b, c]), MAX, FRESH)
+    assert float(est.rise[0].max()) < 100.0  # no rise between two samples reaches 100 W
+    assert est.swinging(100.0).tolist() == [True, False, False]  # type: ignore[union-attr]
+    # A stale sample is not taken: the climb starts again from the samples taken.
+    est.observe(41.0, UUIDS, np.array([0.0, 380.0, 200.0]), MAX, np.array([False, True, True]))
+    assert est.low[0] == pytest.approx(250.0)  # the slice began at 40 s, after 380 W at 39 s
+
+
 def test_state_is_bounded_and_follows_the_gpu_set() -> None:
     est = DemandEstimator(DemandSpec(window_s=60.0, swing=0.0))
     feed(est, [[600.0, 300.0, 500.0], [200.0, 200.0, 200.0]])

@@ -13,9 +13,12 @@ time slices of the window (each slice's largest draw and largest rise) and its l
 sample; a GPU that leaves the fleet leaves the estimator with it. Node input is untrusted:
 a sample counts only for its own GPU, clipped to [0, the GPU's max cap] (a wild or lying
 draw moves that GPU's demand, which `power_w` moved already, and nobody else's); a NaN or a
-stale GPU's sample is not taken. `swinging` reads from the same ring which GPUs rose by at
-least `control.demand.swing_keep_w` in every slice of the window but the newest (their
-draw swings all window: the allocator judges them by their recent peak).
+stale GPU's sample is not taken. `swinging` reads from a third ring which GPUs climbed by
+at least `control.demand.swing_keep_w` in every slice of the window but the newest (their
+draw swings all window: the allocator judges them by their recent peak). A slice's climb
+is its largest rise above the lowest sample since the slice began (the one before it
+included), so a swing that comes up in steps (a cap cut in the low phase, then raised) is
+still one.
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ class DemandEstimator:
         self._rise = np.zeros((BUCKETS, 0))
         self.last = np.zeros(0)  # the last sample taken (NaN: none yet)
         self.slot = -1  # the time slice (global count) the ring's newest column holds
+        # Per slice the largest climb above its lowest sample (`swinging`), and per GPU the
+        # lowest sample since the newest slice began (the one before it included).
+        self._climb = np.zeros((BUCKETS, 0))
+        self.low = np.zeros(0)
 
     @property
     def peak(self) -> FloatArray:
@@ -71,7 +78,9 @@ class DemandEstimator:
         self.uuids = uuids
         self._peak = np.zeros((BUCKETS, n))
         self._rise = np.zeros((BUCKETS, n))
+        self._climb = np.zeros((BUCKETS, n))
         self.last = np.full(n, np.nan)
+        self.low = np.full(n, np.nan)
         self.slot = -1
 
     def _follow(self, uuids: Sequence[str]) -> None:
@@ -82,15 +91,19 @@ class DemandEstimator:
             return
         old = {u: i for i, u in enumerate(self.uuids)}
         n = len(uuids)
-        peak, rise, last = np.zeros((BUCKETS, n)), np.zeros((BUCKETS, n)), np.full(n, np.nan)
+        peak, rise, climb = (np.zeros((BUCKETS, n)) for _ in range(3))
+        last, low = np.full(n, np.nan), np.full(n, np.nan)
         src = np.fromiter((old.get(u, -1) for u in uuids), dtype=np.int64, count=n)
         keep = src >= 0
-        peak[:, keep], rise[:, keep], last[keep] = (
-            self._peak[:, src[keep]],
-            self._rise[:, src[keep]],
-            self.last[src[keep]],
+        k = src[keep]
+        peak[:, keep], rise[:, keep], climb[:, keep] = (
+            self._peak[:, k],
+            self._rise[:, k],
+            self._climb[:, k],
         )
-        self.uuids, self._peak, self._rise, self.last = uuids, peak, rise, last
+        last[keep], low[keep] = self.last[k], self.low[k]
+        self.uuids, self._peak, self._rise, self._climb = uuids, peak, rise, climb
+        self.last, self.low = last, low
 
     def observe(
         self,
@@ -113,7 +126,9 @@ class DemandEstimator:
             for s in range(max(self.slot + 1, slot - BUCKETS + 1), slot + 1):
                 self._peak[s % BUCKETS] = 0.0
                 self._rise[s % BUCKETS] = 0.0
+                self._climb[s % BUCKETS] = 0.0
             self.slot = max(slot, self.slot)
+            self.low = self.last.copy()  # a slice's climb starts from the sample before it
         col = self.slot % BUCKETS
         draw = _draw(power_w, max_cap_w)
         take = fresh & np.isfinite(power_w)
@@ -121,18 +136,23 @@ class DemandEstimator:
         # (In place where `take`: the row as it was elsewhere.)
         np.maximum(self._peak[col], draw, out=self._peak[col], where=take)
         np.maximum(self._rise[col], rise, out=self._rise[col], where=take)
+        climb = np.where(np.isnan(self.low), 0.0, draw - self.low)
+        np.maximum(self._climb[col], climb, out=self._climb[col], where=take)
+        self.low = np.where(take, np.fmin(self.low, draw), self.low)
         self.last = np.where(take, draw, self.last)
         return self._recent(draw, max_cap_w)
 
     def swinging(self, rise_w: float) -> BoolArray | None:
-        """Per GPU whether its draw swings all window: it rose by at least `rise_w` between
-        two samples in every time slice of the window but the newest (which may have just
-        begun). None where `rise_w` is 0 or the window is (off). Measured, allowing one
+        """Per GPU whether its draw swings all window: it climbed by at least `rise_w` above
+        its lowest sample in every time slice of the window but the newest (which may have
+        just begun). None where `rise_w` is 0 or the window is (off). Measured, allowing one
         slice anywhere without a rise read 8 % of bursty serving GPUs as swinging (a burst
-        in 7 of 8 slices) and cost them work (docs/performance.md, "Cap churn")."""
+        in 7 of 8 slices) and cost them work; a rise between two samples alone missed a
+        synchronous job's GPUs whose cap was cut in the low phase and raised in steps
+        (docs/performance.md, "Cap churn")."""
         if rise_w <= 0 or self.spec.window_s <= 0:
             return None
-        rose = self._rise >= rise_w
+        rose = self._climb >= rise_w
         rose[self.slot % BUCKETS] = True
         return np.asarray(rose.all(axis=0))
 
