@@ -9,16 +9,16 @@ next, over the last `control.demand.window_s`, and the allocator sees
     recent_w = min(max_cap, recent peak + swing × largest rise between samples)
 
 (docs/policy.md, `control.demand`). State is bounded: per GPU a fixed ring of `BUCKETS`
-time slices of the window (each slice's largest draw and largest rise) and its last
-sample; a GPU that leaves the fleet leaves the estimator with it. Node input is untrusted:
-a sample counts only for its own GPU, clipped to [0, the GPU's max cap] (a wild or lying
-draw moves that GPU's demand, which `power_w` moved already, and nobody else's); a NaN or a
-stale GPU's sample is not taken. `swinging` reads from a third ring which GPUs climbed by
-at least `control.demand.swing_keep_w` in every slice of the window but the newest (their
-draw swings all window: the allocator judges them by their recent peak). A slice's climb
-is its largest rise above the lowest sample since the slice began (the one before it
-included), so a swing that comes up in steps (a cap cut in the low phase, then raised) is
-still one.
+time slices of the window (each slice's largest draw, largest rise and largest climb) and
+its last and lowest samples; a GPU that leaves the fleet leaves the estimator with it.
+Node input is untrusted: a sample counts only for its own GPU, clipped to [0, the GPU's
+max cap] (a wild or lying draw moves that GPU's demand, which `power_w` moved already, and
+nobody else's); a NaN or a stale GPU's sample is not taken. `swinging` reads from the
+climbs which GPUs climbed by at least `control.demand.swing_keep_w` in every slice of the
+window but the newest (their draw swings all window: the allocator judges them by their
+recent peak). A slice's climb is its largest rise above the lowest sample since the slice
+began (the one before it included), so a swing that comes up in steps (a cap cut in the
+low phase, then raised) is still one.
 """
 
 from __future__ import annotations
