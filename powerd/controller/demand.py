@@ -37,6 +37,9 @@ BoolArray = NDArray[np.bool_]
 # Time slices of the window: the peak covers between (BUCKETS − 1)/BUCKETS of the window and
 # all of it, at BUCKETS floats per GPU and per kind.
 BUCKETS = 8
+# The kinds the ring keeps per slice (the first axis of `DemandEstimator._ring`).
+PEAK, RISE, CLIMB = range(3)
+RINGS = 3
 
 
 class DemandEstimator:
@@ -45,26 +48,26 @@ class DemandEstimator:
     def __init__(self, spec: DemandSpec) -> None:
         self.spec = spec
         self.uuids: Sequence[str] = ()
-        # Slice by GPU (a GPU's ring is a column): the max over a GPU's slices then runs along
-        # the long axis, ~15x faster than over 8 values per row. `peak`/`rise`: GPU by slice.
-        self._peak = np.zeros((BUCKETS, 0))
-        self._rise = np.zeros((BUCKETS, 0))
+        # The ring, per time slice: the largest draw taken (PEAK), the largest rise from one
+        # sample to the next (RISE) and the largest climb above the slice's lowest sample
+        # (CLIMB, for `swinging`). Slice by GPU (a GPU's ring is a column): the max over a
+        # GPU's slices then runs along the long axis, ~15x faster than over 8 values per
+        # row. `peak`/`rise`: GPU by slice.
+        self._ring = np.zeros((RINGS, BUCKETS, 0))
         self.last = np.zeros(0)  # the last sample taken (NaN: none yet)
-        self.slot = -1  # the time slice (global count) the ring's newest column holds
-        # Per slice the largest climb above its lowest sample (`swinging`), and per GPU the
-        # lowest sample since the newest slice began (the one before it included).
-        self._climb = np.zeros((BUCKETS, 0))
+        # The lowest sample since the newest slice began (the one before it included).
         self.low = np.zeros(0)
+        self.slot = -1  # the time slice (global count) the ring's newest column holds
 
     @property
     def peak(self) -> FloatArray:
         """Per GPU (rows) and time slice: the highest draw taken."""
-        return self._peak.T
+        return np.asarray(self._ring[PEAK].T)
 
     @property
     def rise(self) -> FloatArray:
         """Per GPU (rows) and time slice: the largest rise from one sample to the next."""
-        return self._rise.T
+        return np.asarray(self._ring[RISE].T)
 
     def adopt(self, spec: DemandSpec) -> None:
         """New settings: a new window length restarts the history (its slices mean
@@ -76,9 +79,7 @@ class DemandEstimator:
     def _reset(self, uuids: Sequence[str]) -> None:
         n = len(uuids)
         self.uuids = uuids
-        self._peak = np.zeros((BUCKETS, n))
-        self._rise = np.zeros((BUCKETS, n))
-        self._climb = np.zeros((BUCKETS, n))
+        self._ring = np.zeros((RINGS, BUCKETS, n))
         self.last = np.full(n, np.nan)
         self.low = np.full(n, np.nan)
         self.slot = -1
@@ -91,19 +92,12 @@ class DemandEstimator:
             return
         old = {u: i for i, u in enumerate(self.uuids)}
         n = len(uuids)
-        peak, rise, climb = (np.zeros((BUCKETS, n)) for _ in range(3))
-        last, low = np.full(n, np.nan), np.full(n, np.nan)
+        ring, last, low = np.zeros((RINGS, BUCKETS, n)), np.full(n, np.nan), np.full(n, np.nan)
         src = np.fromiter((old.get(u, -1) for u in uuids), dtype=np.int64, count=n)
         keep = src >= 0
         k = src[keep]
-        peak[:, keep], rise[:, keep], climb[:, keep] = (
-            self._peak[:, k],
-            self._rise[:, k],
-            self._climb[:, k],
-        )
-        last[keep], low[keep] = self.last[k], self.low[k]
-        self.uuids, self._peak, self._rise, self._climb = uuids, peak, rise, climb
-        self.last, self.low = last, low
+        ring[:, :, keep], last[keep], low[keep] = self._ring[:, :, k], self.last[k], self.low[k]
+        self.uuids, self._ring, self.last, self.low = uuids, ring, last, low
 
     def observe(
         self,
@@ -124,21 +118,18 @@ class DemandEstimator:
         if slot != self.slot:
             # Clear the slices the clock has moved past (all of them after a long gap).
             for s in range(max(self.slot + 1, slot - BUCKETS + 1), slot + 1):
-                self._peak[s % BUCKETS] = 0.0
-                self._rise[s % BUCKETS] = 0.0
-                self._climb[s % BUCKETS] = 0.0
+                self._ring[:, s % BUCKETS] = 0.0
             self.slot = max(slot, self.slot)
             self.low = self.last.copy()  # a slice's climb starts from the sample before it
-        col = self.slot % BUCKETS
+        peak, rise, climb = self._ring[:, self.slot % BUCKETS]  # this slice's rows (views)
         draw = _draw(power_w, max_cap_w)
         take = fresh & np.isfinite(power_w)
-        rise = np.where(np.isnan(self.last), 0.0, draw - self.last)
-        # (In place where `take`: the row as it was elsewhere.)
-        np.maximum(self._peak[col], draw, out=self._peak[col], where=take)
-        np.maximum(self._rise[col], rise, out=self._rise[col], where=take)
-        climb = np.where(np.isnan(self.low), 0.0, draw - self.low)
-        np.maximum(self._climb[col], climb, out=self._climb[col], where=take)
-        self.low = np.where(take, np.fmin(self.low, draw), self.low)
+        # In place where `take`: the row as it was elsewhere. fmax skips a NaN (no last or
+        # lowest sample yet: no rise, no climb).
+        np.maximum(peak, draw, out=peak, where=take)
+        np.fmax(rise, draw - self.last, out=rise, where=take)
+        np.fmax(climb, draw - self.low, out=climb, where=take)
+        np.fmin(self.low, draw, out=self.low, where=take)
         self.last = np.where(take, draw, self.last)
         return self._recent(draw, max_cap_w)
 
@@ -152,7 +143,7 @@ class DemandEstimator:
         (docs/performance.md, "Cap churn")."""
         if rise_w <= 0 or self.spec.window_s <= 0:
             return None
-        rose = self._climb >= rise_w
+        rose = self._ring[CLIMB] >= rise_w
         rose[self.slot % BUCKETS] = True
         return np.asarray(rose.all(axis=0))
 
@@ -161,8 +152,8 @@ class DemandEstimator:
         return self._recent(_draw(power_w, max_cap_w), max_cap_w)
 
     def _recent(self, draw: FloatArray, max_cap_w: FloatArray) -> FloatArray:
-        peak = np.maximum(self._peak.max(axis=0), draw)
-        swing = self.spec.swing * self._rise.max(axis=0)
+        peak = np.maximum(self._ring[PEAK].max(axis=0), draw)
+        swing = self.spec.swing * self._ring[RISE].max(axis=0)
         return np.asarray(np.minimum(peak + swing, max_cap_w), dtype=np.float64)
 
 
